@@ -1,0 +1,261 @@
+"""The whole configuration schema: one frozen dataclass per section, TOML loading and CLI overrides.
+
+Precedence, lowest first: field defaults < `model.preset` < the TOML file < `--section.key=value`.
+`load_config()` parses and reports unknown keys and unparsable values; `validate()` (in
+`fivefold.validate`) checks types, ranges and the arithmetic between sections. Both collect
+every problem before anything starts, so a user fixes a config in one round.
+
+Every parallel degree of every later feature is already in the schema; a degree whose feature is
+not built yet is rejected by `validate()` with "not available yet", never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = ""  # name from fivefold.presets; its shape is the base that other model keys override
+    dim: int = 64  # hidden size d_model
+    n_layers: int = 8  # transformer blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention when < n_heads)
+    head_dim: int = 0  # per-head width; 0 = dim // n_heads
+    ffn_dim: int = 128  # SwiGLU hidden width of dense blocks
+    vocab_size: int = 0  # 0 = the tokenizer's vocabulary padded to data.vocab_multiple
+    tie_embeddings: bool = False  # output head shares the token embedding matrix
+    qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    init_std: float = 0.02  # std of the normal init; residual output projections get std/sqrt(2 n_layers)
+    # Mixture of experts (n_experts = 0 means a dense model).
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 2  # experts each token is routed to
+    moe_ffn_dim: int = 0  # hidden width of one expert; 0 = ffn_dim
+    n_shared_experts: int = 0  # always-on experts of width moe_ffn_dim each (DeepSeek, Qwen2-MoE)
+    first_dense_layers: int = 0  # leading blocks that keep a dense FFN (DeepSeek-V3: 3)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # routing probabilities
+    norm_topk: bool = True  # renormalise the top-k scores to sum to 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 0  # data-parallel degree; 0 = every process not used by pp x cp x tp
+    dp_replicate: int = 1  # HSDP replica groups; dp_shard = dp / dp_replicate
+    zero: int = 0  # 0 = DDP, 1/2 = ZeRO-1/2 optimizer/gradient sharding, 3 = FSDP
+    bucket_mb: float = 25.0  # gradient bucket cap in MB (10^6 bytes) for DDP/ZeRO
+    dp_collective: Literal["builtin", "ring"] = "builtin"  # gradient all-reduce: backend's or ours from send/recv
+    tp: int = 1  # tensor-parallel degree
+    sp: bool = False  # sequence parallel inside tp regions
+    pp: int = 1  # pipeline stages
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipe_v"] = "1f1b"
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
+    cp: int = 1  # context-parallel degree (sequence of one sample split over cp ranks)
+    cp_method: Literal["ring", "ulysses"] = "ring"
+    ep: int = 1  # expert-parallel degree; divides dp x cp
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    global_batch: int = 8  # sequences per optimizer step, over all ranks
+    micro_batch: int = 2  # sequences per forward/backward on one rank
+    seq_len: int = 64  # tokens per sequence
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after warmup
+    warmup_steps: int = 10  # linear warmup from 0 to lr
+    decay_fraction: float = 0.2  # wsd: share of steps spent in the final linear decay
+    weight_decay: float = 0.1  # AdamW decoupled decay; never applied to norms and biases
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm cap; 0 disables clipping
+    seed: int = 0  # model init and data order
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: fp32 on CPU, bf16 autocast on GPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compile: bool = False  # torch.compile each transformer block
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    eval_every: int = 0  # steps between validation passes; 0 = only at the end
+    eval_batches: int = 4  # global batches per validation pass
+    log_every: int = 10  # steps between printed lines (the metrics file gets every step)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    paths: tuple[str, ...] = ()  # text files or folders; empty = this Python's standard library sources
+    tokenizer: Literal["byte", "bpe"] = "byte"  # bytes 0..255 + end-of-document, or a BPE trained here
+    bpe_vocab: int = 4096  # BPE vocabulary size (special tokens included)
+    vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (tp degrees divide it)
+    max_bytes: int = 8_000_000  # read at most this much text (files in sorted order); 0 = no cap
+    val_fraction: float = 0.05  # share of documents held out for validation
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2  # complete checkpoints kept; older ones are deleted
+    resume: bool = False  # continue from the latest complete checkpoint in the run directory
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = ""  # run directory name; "" = the config file's stem
+    out_dir: str = "runs"  # parent of run directories
+    metrics_file: str = "metrics.jsonl"  # one JSON object per step, inside the run directory
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+class ConfigError(ValueError):
+    """All problems found in a configuration, one per line."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(options)}"
+
+
+def parse_value(text: str) -> Any:
+    """A CLI value read as TOML (42, 1e-3, true, ["a", "b"]); anything else is a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """`--section.key=value` or `--section.key value` pairs -> nested dict, plus errors."""
+    out: dict[str, dict[str, Any]] = {}
+    errors: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            errors.append(f"override '{arg}': expected --section.key=value (e.g. --train.steps=200)")
+            continue
+        key, sep, value = arg[2:].partition("=")
+        if not sep:
+            if i >= len(args):
+                errors.append(f"override '{arg}' has no value: write --{key}=VALUE")
+                continue
+            value = args[i]
+            i += 1
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = parse_value(value)
+    return out, errors
+
+
+def _merge_section(section: str, base: dict[str, Any], raw: Any, errors: list[str]) -> None:
+    cls = SECTIONS[section]
+    names = [f.name for f in fields(cls)]
+    if not isinstance(raw, dict):
+        errors.append(f"[{section}] must be a table of keys, got {raw!r}")
+        return
+    for key, value in raw.items():
+        if key not in names:
+            errors.append(f"unknown key '{section}.{key}': {_suggest(key, names)}")
+        elif isinstance(value, list):
+            base[key] = tuple(value)
+        else:
+            base[key] = value
+
+
+def build_config(layers: list[dict[str, Any]]) -> tuple[Config, list[str]]:
+    """Merge layers of {section: {key: value}} over the defaults (and a model preset)."""
+    from fivefold.presets import PRESETS
+
+    errors: list[str] = []
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for layer in layers:
+        for section, raw in layer.items():
+            if section not in SECTIONS:
+                errors.append(f"unknown section '[{section}]': {_suggest(section, list(SECTIONS))}")
+                continue
+            _merge_section(section, values[section], raw, errors)
+    preset = values["model"].get("preset", "")
+    model_values = dict(values["model"])
+    if preset:
+        if preset not in PRESETS:
+            errors.append(f"model.preset = '{preset}' is unknown: {_suggest(preset, sorted(PRESETS))}")
+        else:
+            model_values = {**dataclasses.asdict(PRESETS[preset]), **model_values}
+    values["model"] = model_values
+    sections = {name: SECTIONS[name](**vals) for name, vals in values.items()}
+    return Config(**sections), errors
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults < preset < TOML file < CLI overrides. Raises ConfigError listing every parse problem."""
+    layers: list[dict[str, Any]] = []
+    errors: list[str] = []
+    name = ""
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"config file '{path}' does not exist (see configs/ for examples)"])
+        try:
+            layers.append(tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
+        name = path.stem
+    cli, cli_errors = parse_overrides(overrides or [])
+    errors += cli_errors
+    layers.append(cli)
+    cfg, merge_errors = build_config(layers)
+    errors += merge_errors
+    if errors:
+        raise ConfigError(errors)
+    if not cfg.run.name and name:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
+    return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that load_config() reads back unchanged."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (tuple, list)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    lines: list[str] = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section)).items():
+            lines.append(f"{key} = {fmt(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of cfg with some keys changed: replace(cfg, train={"steps": 5})."""
+    return dataclasses.replace(
+        cfg, **{name: dataclasses.replace(getattr(cfg, name), **vals) for name, vals in sections.items()}
+    )

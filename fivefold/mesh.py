@@ -1,0 +1,104 @@
+"""The device mesh: parallel degrees -> one named torch DeviceMesh, plus named views by purpose.
+
+Axis order, outermost first: ("pp", "dp_replicate", "dp_shard", "cp", "tp"). Consecutive ranks
+differ in tp first, so tensor parallel (the most traffic, every layer) stays inside a node, and
+pipeline parallel (the least, one activation per micro-batch) crosses nodes. With 8 ranks,
+dp_shard=2, tp=4: ranks {0,1,2,3} form one tp group and {0,4} one dp group.
+
+Every axis exists even at size 1, so code never asks "is TP on?": a collective on a size-1 group
+returns at once. Views by purpose:
+- each axis by its name, and "dp" = dp_replicate x dp_shard;
+- "batch": the ranks that see different samples (= dp);
+- "grad": the ranks whose gradients are summed (dp x cp: context-parallel ranks hold different
+  tokens of the same samples, so their gradients add up too).
+Sub-groups that are not mesh views (expert groups) come from `subgroups()`, built on new_group
+because split_group fails on gloo. Nothing here is global: the Mesh is passed to whoever needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fivefold.config import Config
+from fivefold.parallel.comms import AxisGroup, CommStats
+from fivefold.validate import derive
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# View name -> the mesh axes it spans (consecutive, so DeviceMesh can flatten them).
+VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "batch": ("dp_replicate", "dp_shard"),
+    "grad": ("dp_replicate", "dp_shard", "cp"),
+}
+# Which axis a view's traffic is charged to in the communication counters.
+LABELS = {"dp_replicate": "dp", "dp_shard": "dp", "batch": "dp", "grad": "dp"}
+
+
+class Mesh:
+    """Named process groups for one layout; `group(name)` gives an AxisGroup for comms.py."""
+
+    def __init__(self, degrees: dict[str, int], device_type: str = "cpu"):
+        missing = [a for a in AXES if a not in degrees]
+        if missing:
+            raise ValueError(f"Mesh needs a degree for every axis {AXES}; missing {missing}")
+        self.degrees = {a: degrees[a] for a in AXES}
+        self.device_type = device_type
+        self.stats = CommStats()
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+        self._groups: dict[str, AxisGroup] = {}
+        for axis in AXES:
+            self._add(axis, self.device_mesh[axis])
+        for view, axes in VIEWS.items():
+            # DeviceMesh caches a flattened mesh under its name; "batch" reuses the "dp" one.
+            flat_name = "dp" if view == "batch" else view
+            self._add(view, self.device_mesh[axes]._flatten(flat_name))
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu") -> "Mesh":
+        d = derive(cfg, world_size)
+        p = cfg.parallel
+        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": d.dp_shard, "cp": p.cp, "tp": p.tp}, device_type)
+
+    def _add(self, name: str, sub: DeviceMesh) -> None:
+        self._groups[name] = AxisGroup(
+            name=name, label=LABELS.get(name, name), pg=sub.get_group(), size=sub.size(),
+            rank=sub.get_local_rank(), stats=self.stats,
+        )
+
+    def group(self, name: str) -> AxisGroup:
+        if name not in self._groups:
+            raise KeyError(f"no mesh view '{name}'; views: {', '.join(self._groups)}")
+        return self._groups[name]
+
+    def size(self, name: str) -> int:
+        return self._groups[name].size
+
+    def rank(self, name: str) -> int:
+        return self._groups[name].rank
+
+    def subgroups(self, partition: list[list[int]], label: str) -> AxisGroup:
+        """This rank's group among `partition` (global ranks, every rank in exactly one part).
+
+        Every rank must call this with the same partition: new_group is collective over the world.
+        """
+        me = dist.get_rank()
+        mine = None
+        for ranks in partition:
+            pg = dist.new_group(ranks)
+            if me in ranks:
+                mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me), stats=self.stats)
+        if mine is None:
+            raise ValueError(f"rank {me} is in no part of {partition}")
+        return mine
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{a}={n}" for a, n in self.degrees.items()) + ")"
+
+
+def device_for(device_type: str) -> torch.device:
+    """This process's device: the CUDA device of its local rank, or the CPU."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

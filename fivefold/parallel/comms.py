@@ -1,0 +1,100 @@
+"""Every collective the parallel code calls, each on an explicit group, each counted per axis.
+
+A collective takes an `AxisGroup` (a process group plus the axis its traffic is charged to), so a
+run can report how many calls and bytes each parallel dimension cost, and the planner predicts the
+same numbers with the same `wire_bytes()` formula. A group of size 1 returns at once and counts
+nothing: code never branches on "is this dimension on".
+
+Bytes are counted two ways, per rank:
+- `bytes`: the payload (the tensor handed to the collective);
+- `wire_bytes`: what one rank sends under the bandwidth-optimal ring algorithm, the accounting used
+  by the course texts and by NCCL's bus bandwidth: all-reduce 2(N-1)/N x S (a reduce-scatter then
+  an all-gather, Patarasuk & Yuan 2009), all-gather and reduce-scatter (N-1)/N x S of the full
+  tensor, all-to-all (N-1)/N x S, broadcast and point-to-point S.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def wire_bytes(op: str, nbytes: int, n: int) -> float:
+    """Bytes one rank sends for collective `op` over n ranks on a tensor of nbytes (the full size)."""
+    if n <= 1:
+        return 0.0
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": 1.0,
+        "send": 1.0,
+    }[op]
+    return factor * nbytes
+
+
+@dataclass
+class AxisCounter:
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per axis label ("dp", "tp", "pp", "cp", "ep"; "log" for metrics)."""
+
+    axes: dict[str, AxisCounter] = field(default_factory=lambda: defaultdict(AxisCounter))
+
+    def record(self, label: str, op: str, nbytes: int, n: int) -> None:
+        c = self.axes[label]
+        c.calls += 1
+        c.bytes += nbytes
+        c.wire_bytes += wire_bytes(op, nbytes, n)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: {"calls": v.calls, "bytes": v.bytes, "wire_bytes": v.wire_bytes} for k, v in sorted(self.axes.items())}
+
+    def reset(self) -> None:
+        self.axes.clear()
+
+
+@dataclass
+class AxisGroup:
+    """A process group, this rank's place in it, and the axis label its traffic is charged to."""
+
+    name: str  # the view's name: "tp", "dp", "grad", ...
+    label: str  # the axis charged: gradient reduction over dp x cp counts as "dp"
+    pg: dist.ProcessGroup | None
+    size: int
+    rank: int
+    stats: CommStats
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               async_op: bool = False, label: str | None = None) -> dist.Work | None:
+    """In-place all-reduce over `group`; returns the work handle when async_op.
+
+    `label` charges the traffic elsewhere than the group's axis (metrics use "log", so the
+    per-axis counts stay those of training itself).
+    """
+    if group.size == 1:
+        return None
+    group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
+    return dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: AxisGroup) -> None:
+    """In-place broadcast from the rank at position `src_group_rank` of `group`."""
+    if group.size == 1:
+        return
+    group.stats.record(group.label, "broadcast", _nbytes(tensor), group.size)
+    dist.broadcast(tensor, group_src=src_group_rank, group=group.pg)

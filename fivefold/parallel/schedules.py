@@ -1,0 +1,463 @@
+"""Pipeline-parallel schedules as plain data, plus a simulator that times them.
+
+What a schedule is
+------------------
+Pipeline parallelism cuts the model's layers into *stages* and gives each rank
+(GPU) one or more of them. A batch is split into ``m`` micro-batches; every
+micro-batch must go forward through stage 0, 1, ..., S-1 and then backward
+through S-1, ..., 0. A *schedule* is nothing more than, for every rank, the
+ordered list of what it computes: "forward of micro-batch 3 on stage 1", then
+"backward of micro-batch 0 on stage 1", and so on. The schedules differ only
+in that order (and in how layers are placed on ranks), yet that order decides
+both how long the step takes and how many activations each rank must keep.
+
+The two bubble figures
+----------------------
+While a rank waits for its neighbour it sits idle: the pipeline *bubble*.
+The literature quotes it two ways, and we always report both:
+
+* ``bubble_ratio = idle / compute`` -- idle time relative to the useful work.
+  GPipe and 1F1B give ``(p-1)/m`` (Narayanan et al. 2021 write it this way);
+  interleaving with ``v`` chunks per rank divides it by ``v``.
+* ``bubble_fraction = idle / (p * makespan)`` -- the share of wall-clock time
+  the GPUs are idle: ``(p-1)/(m+p-1)`` for GPipe and 1F1B.
+
+For p = 8, m = 32 that is 21.9 % and 17.9 %: the same bubble, two denominators.
+
+Why schedules are data
+----------------------
+The generators below return lists of :class:`Action`; they never touch a GPU or
+``torch.distributed``. The same lists are consumed by the runtime executor
+(which turns each action into compute + send/recv), by the planner (which
+calls :func:`simulate` to compare schedules under measured costs) and by the
+pictures in ``fivefold.viz.schedule``. One source of truth means the picture
+you look at is exactly what the executor will run, and a schedule can be tested
+for deadlocks and memory without a cluster.
+
+Backward kinds: "B" is a full backward. Zero-bubble schedules (Qi et al. 2023)
+split it into "I" (gradient w.r.t. the stage input, which the upstream rank is
+waiting for) and "W" (gradient w.r.t. the weights, which nobody waits for, so
+it can be moved into otherwise idle slots).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+__all__ = [
+    "Action", "Schedule", "Costs", "SimResult", "DeadlockError", "SCHEDULES",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "dualpipe_v",
+    "build_schedule", "simulate",
+]
+
+Kind = Literal["F", "B", "I", "W"]
+_KINDS = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work: ``kind`` of ``microbatch`` on global (virtual) ``stage``."""
+
+    kind: Kind
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}s{self.stage}"
+
+
+@dataclass
+class Schedule:
+    """Per-rank ordered action lists plus the stage -> rank placement.
+
+    ``layout`` is "loop" (stage s on rank s % p; with v > 1 rank r holds
+    r, r+p, r+2p, ... as in interleaved 1F1B) or "v" (v = 2; rank r holds
+    stage r and stage 2p-1-r, so the first and last stage share rank 0 and the
+    model's data path goes down the ranks and back up, a "V").
+    """
+
+    name: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+    actions: list[list[Action]]
+    layout: Literal["loop", "v"] = "loop"
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def stage_to_rank(self, stage: int) -> int:
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} outside 0..{self.num_stages - 1}")
+        if self.layout == "v":
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+
+# ---------------------------------------------------------------- generators
+
+def _check_pm(p: int, m: int) -> None:
+    if p < 1 or m < 1:
+        raise ValueError(f"need pp >= 1 and microbatches >= 1, got pp={p}, m={m}")
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe (Huang et al. 2019): all forwards, then all backwards.
+
+    Simple, but every rank holds all m micro-batches' activations at once.
+    """
+    _check_pm(p, m)
+    acts = [[Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
+            for r in range(p)]
+    return Schedule("gpipe", p, m, 1, acts)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021, "Memory-efficient
+    pipeline-parallel DNN training").
+
+    Rank r runs p-1-r warm-up forwards, then alternates one forward with one
+    backward, then drains the remaining backwards. Same bubble as GPipe, but a
+    micro-batch's activations are freed as soon as possible, so rank r never
+    holds more than p-r micro-batches (GPipe: m).
+    """
+    _check_pm(p, m)
+    acts = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        seq = [Action("F", i, r) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [Action("F", warm + i, r), Action("B", i, r)]
+        seq += [Action("B", i, r) for i in range(m - warm, m)]
+        acts.append(seq)
+    return Schedule("1f1b", p, m, 1, acts)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, "Efficient large-scale language
+    model training on GPU clusters using Megatron-LM").
+
+    Each rank holds v model chunks (stages r, r+p, ...). Micro-batches are
+    processed in groups of p: forward group g through chunk 0, then chunk 1,
+    ... (depth first). Each chunk is 1/v of a rank's layers, so the fill/drain
+    time shrinks by v and the bubble ratio becomes (p-1)/(v*m). Like Megatron we
+    require m % p == 0 so every group is full.
+    """
+    _check_pm(p, m)
+    if v < 2:
+        raise ValueError("interleaved_1f1b needs virtual_stages >= 2 (v=1 is plain '1f1b')")
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved_1f1b needs microbatches to be a multiple of pp (m % p == 0, "
+            f"m >= p); got m={m}, p={p}. Use m={max(p, (m + p - 1) // p * p)} or '1f1b'.")
+    total = m * v  # (micro-batch, chunk) pairs each rank computes
+
+    def unit(k: int, r: int, backward: bool) -> Action:
+        # k-th forward (or backward) on this rank -> which micro-batch and chunk.
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk  # backwards walk the chunks in reverse
+        mb = (k // (p * v)) * p + k % p
+        return Action("B" if backward else "F", mb, chunk * p + r)
+
+    acts = []
+    for r in range(p):
+        # Megatron's warm-up: one extra round of chunks, plus 2 per hop from the
+        # last rank so that steady state lines up; capped by the work available.
+        warm = min((v - 1) * p + 2 * (p - 1 - r), total)
+        seq = [unit(k, r, False) for k in range(warm)]
+        for k in range(total - warm):
+            seq += [unit(warm + k, r, False), unit(k, r, True)]
+        seq += [unit(k, r, True) for k in range(total - warm, total)]
+        acts.append(seq)
+    return Schedule("interleaved_1f1b", p, m, v, acts)
+
+
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3).
+
+    1F1B order, but each backward is split into I (input grad, on the critical
+    path) and W (weight grad, off it). Rank r keeps up to r W's pending and
+    runs them later: the last rank, which would otherwise idle at the end while
+    the input gradients travel up, spends that time on its deferred W's. With
+    F = I = W the bubble is (p-1)(F+I-W) = (p-1) per rank, a third of 1F1B's
+    (p-1)(F+I+W). Activations of a micro-batch live until its W, so every
+    rank peaks at p micro-batches: the same maximum as 1F1B (rank 0's p).
+    """
+    _check_pm(p, m)
+    acts = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        seq = [Action("F", i, r) for i in range(warm)]
+        pending: deque[int] = deque()
+
+        def backward(i: int) -> None:
+            seq.append(Action("I", i, r))
+            pending.append(i)
+            if len(pending) > r:  # keep r weight-grads in hand to fill the tail
+                seq.append(Action("W", pending.popleft(), r))
+
+        for i in range(m - warm):
+            seq.append(Action("F", warm + i, r))
+            backward(i)
+        for i in range(m - warm, m):
+            backward(i)
+        seq += [Action("W", i, r) for i in pending]
+        acts.append(seq)
+    return Schedule("zb_h1", p, m, 1, acts)
+
+
+def dualpipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV: the "V" schedule of DeepSeek's DualPipe (DeepSeek-V3
+    technical report, 2024) folded onto p ranks, in the spirit of ZB-V
+    (Qi et al. 2024, "Pipeline parallelism with controllable memory").
+
+    Rank r holds stage r (chunk 0, on the way down) and stage 2p-1-r (chunk 1,
+    on the way up). The phases below follow DeepSeek's published DualPipeV
+    algorithm. In the steady phase each rank pairs a forward of one chunk with
+    a full backward of the other; DualPipe runs such a pair concurrently to
+    hide MoE all-to-all, which this simulator does not model, so the pair is
+    listed as F then B. Warm-up and cool-down split backwards into I + W and
+    defer the W's into the gaps. Needs m >= 2p (as PyTorch's DualPipeV).
+    """
+    _check_pm(p, m)
+    if m < 2 * p:
+        raise ValueError(f"dualpipe_v needs microbatches >= 2*pp (one per stage); "
+                         f"got m={m}, p={p}. Use m >= {2 * p}.")
+    acts = []
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        seq: list[Action] = []
+        nxt = dict.fromkeys([("F", c0), ("F", c1), ("B", c0), ("B", c1)], 0)  # next mb
+        w_queue: deque[Action] = deque()
+
+        def fwd(s: int) -> None:
+            seq.append(Action("F", nxt["F", s], s))
+            nxt["F", s] += 1
+
+        def bwd(s: int, split: bool) -> None:
+            mb = nxt["B", s]
+            nxt["B", s] += 1
+            if split:  # input grad now, weight grad queued for a gap later
+                seq.append(Action("I", mb, s))
+                w_queue.append(Action("W", mb, s))
+            else:
+                seq.append(Action("B", mb, s))
+
+        def weight() -> None:
+            if w_queue:
+                seq.append(w_queue.popleft())
+
+        for _ in range(2 * (p - r - 1)):        # 1: fill the way down
+            fwd(c0)
+        for _ in range(r + 1):                  # 2: reach the bottom of the V
+            fwd(c0); fwd(c1)
+        for _ in range(p - r - 1):              # 3: first backwards, split
+            bwd(c1, True); weight(); fwd(c1)
+        for _ in range(m - 2 * p + r + 1):      # 4: steady, F of one chunk + B of the other
+            fwd(c0); bwd(c1, False)
+            fwd(c1); bwd(c0, False)
+        for _ in range(p - r - 1):              # 5: chunk 0 forwards are done
+            bwd(c1, False)
+            fwd(c1); bwd(c0, False)
+        split = False
+        for i in range(r + 1):                  # 6: drain; 2nd half switches to I+W
+            half = i == (r + 1) // 2            # (odd ranks switch one chunk earlier)
+            split = split or (half and r % 2 == 1)
+            bwd(c1, split)
+            split = split or half
+            bwd(c0, split)
+        for _ in range(p - r - 1):              # 7: fill gaps with deferred W's
+            weight(); bwd(c0, split)
+        while w_queue:                          # 8: the rest of the W's
+            weight()
+        acts.append(seq)
+    return Schedule("dualpipe_v", p, m, 2, acts, layout="v")
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": zero_bubble_h1,
+    "dualpipe_v": dualpipe_v,
+}
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Build a registered schedule; ``v`` is only meaningful for interleaved
+    (>= 2) and dualpipe_v (always 2, so 1 or 2 is accepted)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(p, m, v)
+    if name == "dualpipe_v":
+        if v not in (1, 2):
+            raise ValueError(f"dualpipe_v always uses 2 stages per rank; got virtual_stages={v}")
+        return dualpipe_v(p, m)
+    if v != 1:
+        raise ValueError(f"{name} has one stage per rank; got virtual_stages={v} "
+                         "(use 'interleaved_1f1b' for v > 1)")
+    return SCHEDULES[name](p, m)
+
+
+# ---------------------------------------------------------------- simulation
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations of one action (one micro-batch through one stage).
+
+    ``b`` is a full backward. If the split parts are not given, I = W = b/2;
+    if only one is given the other is b minus it, so I + W == b either way.
+    ``comm`` is added to every dependency that crosses ranks.
+    """
+
+    f: float = 1.0
+    b: float = 2.0
+    i: float | None = None
+    w: float | None = None
+    comm: float = 0.0
+
+    def duration(self, kind: str) -> float:
+        if kind in ("F", "B"):
+            return self.f if kind == "F" else self.b
+        i, w = self.i, self.w
+        if i is None:
+            i = self.b / 2 if w is None else self.b - w
+        if w is None:
+            w = self.b - i
+        return i if kind == "I" else w
+
+
+class DeadlockError(RuntimeError):
+    """No rank can start its next action, yet actions remain."""
+
+    def __init__(self, message: str, blocked: dict[int, Action]):
+        super().__init__(message)
+        self.blocked = blocked
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]
+    idle: list[float]
+    bubble_ratio: float       # total idle / total compute
+    bubble_fraction: float    # total idle / (p * makespan)
+    peak_inflight: list[int]  # per rank, in units of (micro-batch, stage) activations
+    timeline: list[list[tuple[float, float, Action]]] = field(repr=False)
+
+
+def _validate(s: Schedule) -> None:
+    """Every (micro-batch, stage) needs one F and one backward (B, or I + W),
+    on the rank that owns the stage; anything else is a broken schedule."""
+    seen: dict[tuple[str, int, int], int] = {}
+    for r, seq in enumerate(s.actions):
+        for a in seq:
+            if a.kind not in _KINDS or not (0 <= a.microbatch < s.microbatches
+                                            and 0 <= a.stage < s.num_stages):
+                raise ValueError(f"rank {r}: bad action {a} (kinds {_KINDS}, "
+                                 f"m={s.microbatches}, stages={s.num_stages})")
+            if s.stage_to_rank(a.stage) != r:
+                raise ValueError(f"{a} is listed on rank {r} but stage {a.stage} "
+                                 f"lives on rank {s.stage_to_rank(a.stage)}")
+            seen[a.kind, a.microbatch, a.stage] = seen.get((a.kind, a.microbatch, a.stage), 0) + 1
+    problems = []
+    for mb in range(s.microbatches):
+        for st in range(s.num_stages):
+            n = tuple(seen.get((k, mb, st), 0) for k in _KINDS)  # counts of F, B, I, W
+            if n not in ((1, 1, 0, 0), (1, 0, 1, 1)):
+                problems.append(f"mb {mb} stage {st}: F/B/I/W x {n}")
+    if problems:
+        raise ValueError("each (microbatch, stage) needs exactly one F and one B (or one I "
+                         f"and one W): {'; '.join(problems[:8])}{' ...' * (len(problems) > 8)}")
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
+    """Time ``schedule`` with ``costs``: every rank runs its list strictly in
+    order, starting each action as soon as the rank is free and the action's
+    inputs exist (F after the previous stage's F; B/I after the same stage's F
+    and the next stage's B/I; W after the same stage's I; ``comm`` added when
+    the input comes from another rank). Raises :class:`DeadlockError` if the
+    orders can never complete, ValueError if the schedule is malformed."""
+    costs = costs or Costs()
+    _validate(schedule)
+    p, last, to_rank = schedule.pp, schedule.num_stages - 1, schedule.stage_to_rank
+    # Finish times keyed by (what, mb, stage); "G" = the input gradient sent
+    # upstream, produced by either B or I, so waiters need not know which.
+    done: dict[tuple[str, int, int], float] = {}
+
+    def needs(a: Action) -> list[tuple[str, int, int]]:
+        mb, s = a.microbatch, a.stage
+        if a.kind == "F":
+            return [("F", mb, s - 1)] if s > 0 else []
+        if a.kind == "W":
+            return [("I", mb, s)]
+        return [("F", mb, s)] + ([("G", mb, s + 1)] if s < last else [])
+
+    ptr, free = [0] * p, [0.0] * p
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
+    remaining = sum(len(seq) for seq in schedule.actions)
+    while remaining:
+        progressed = False
+        # The start time of an action depends only on its rank's previous action
+        # and its inputs' finish times, so any visiting order gives the same answer.
+        for r, seq in enumerate(schedule.actions):
+            while ptr[r] < len(seq):
+                a = seq[ptr[r]]
+                deps = needs(a)
+                if any(d not in done for d in deps):
+                    break  # this rank waits; try the others
+                ready = max((done[d] + (costs.comm if to_rank(d[2]) != r else 0.0)
+                             for d in deps), default=0.0)
+                start = max(free[r], ready)
+                free[r] = end = start + costs.duration(a.kind)
+                timeline[r].append((start, end, a))
+                done[a.kind, a.microbatch, a.stage] = end
+                if a.kind in ("B", "I"):
+                    done["G", a.microbatch, a.stage] = end
+                ptr[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            blocked = {r: seq[ptr[r]] for r, seq in enumerate(schedule.actions) if ptr[r] < len(seq)}
+            desc = "; ".join(
+                f"rank {r} stuck at {a} (step {ptr[r]}), waiting for "
+                + ", ".join(f"{'B/I' if d[0] == 'G' else d[0]}{d[1]}s{d[2]}"
+                            for d in needs(a) if d not in done)
+                for r, a in blocked.items())
+            raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {desc}", blocked)
+
+    makespan = max(free, default=0.0)
+    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
+    idle = [makespan - b for b in busy]
+    return SimResult(
+        makespan=makespan, busy=busy, idle=idle,
+        bubble_ratio=sum(idle) / sum(busy) if sum(busy) else 0.0,
+        bubble_fraction=sum(idle) / (p * makespan) if makespan else 0.0,
+        peak_inflight=[_peak_inflight(seq) for seq in schedule.actions],
+        timeline=timeline,
+    )
+
+
+def _peak_inflight(seq: list[Action]) -> int:
+    """Most (micro-batch, stage) activations a rank holds at once.
+
+    A rank runs its list one action at a time, so this depends only on the
+    order, not on timing. Our choice: a unit is held from its F until its
+    backward *completes*, i.e. after B, or after W for a split backward. (I
+    frees part of it in practice, but W still needs the layer inputs, so we
+    count the whole unit; with this count ZB-H1's worst rank holds p, the same
+    as 1F1B's rank 0.) For v > 1 one unit is one chunk = 1/v of a rank's layers.
+    """
+    live = peak = 0
+    for a in seq:
+        if a.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif a.kind in ("B", "W"):
+            live -= 1
+    return peak

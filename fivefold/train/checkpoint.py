@@ -1,0 +1,83 @@
+"""Run-state checkpoints through torch.distributed.checkpoint (DCP), complete or absent.
+
+A checkpoint is a folder `checkpoints/step_XXXXXXXX/` in the run directory holding
+- the model and optimizer state, written by DCP (each rank writes what it owns; replicated
+  tensors once), keyed by parameter name so that a later layout can reshard them;
+- `state.json`: step, data-loader position, tokens seen, world size (plain JSON, no pickle);
+- `rng/rank<R>.pt`: each rank's torch RNG state (a uint8 tensor, read with weights_only=True).
+
+It is written into `.tmp_step_XXXXXXXX/` and renamed when every rank has finished, so a crash
+mid-write leaves a temporary folder that is never picked up, and the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+PREFIX = "step_"
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Finished checkpoints, oldest first (temporary folders of interrupted writes are ignored)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], keep: int) -> Path:
+    """Collective over the world: every rank calls it with the same step."""
+    rank = dist.get_rank()
+    root = checkpoint_dir(run_dir)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp_{PREFIX}{step:08d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    dist.barrier()  # every rank's files are on disk before the folder becomes visible as complete
+    if rank == 0:
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
+    state = json.loads((path / "state.json").read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    rng = path / "rng" / f"rank{dist.get_rank()}.pt"
+    if rng.is_file():  # absent when resuming with more ranks than wrote the checkpoint
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+    return state

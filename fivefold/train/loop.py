@@ -1,0 +1,231 @@
+"""The training loop, the same code for 1 and N ranks.
+
+Loss weighting (the pitfall the data-parallel course page describes): averaging each rank's mean
+loss gives a rank with padding or fewer tokens the same weight as a full one. Here every rank
+divides its *sum* of token losses by the step's *global* token count (all micro-batches, all
+ranks; known locally because batches are a pure function of the loader position), and gradients
+are *summed* over the grad view. The result is the gradient of the mean over every token of the
+global batch, identical to one process running the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivefold.config import Config, ConfigError, to_toml
+from fivefold.mesh import Mesh, device_for
+from fivefold.model import Transformer, cross_entropy_sum
+from fivefold.parallel import comms
+from fivefold.parallel.parallelize import full_state_dict, parallelize
+from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
+from fivefold.train.metrics import MetricsLog, ProgressDisplay
+from fivefold.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from fivefold.validate import derive, validate
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int  # 0, or the step of the checkpoint resumed from
+    losses: list[float] = field(default_factory=list)  # one per step run here
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
+    tokens_per_s: list[float] = field(default_factory=list)
+    samples: list[list[int]] = field(default_factory=list)  # this rank's sample indices per step
+    state: dict[str, torch.Tensor] | None = None  # full_state_dict() at the end, when asked for
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.run.out_dir) / (cfg.run.name or "run")
+
+
+def check_run_dir(cfg: Config) -> list[str]:
+    """A fresh run must not overwrite the checkpoints of an earlier one."""
+    run_dir = run_dir_of(cfg)
+    if not cfg.checkpoint.resume and latest_checkpoint(run_dir) is not None:
+        return [f"run directory '{run_dir}' already holds checkpoints; pass --resume to continue it, "
+                f"or choose another --run.name"]
+    return []
+
+
+def resolve_device_type(cfg: Config) -> str:
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.train.device
+
+
+def init_distributed(device_type: str) -> bool:
+    """Join the job's process group (torchrun's environment), or make a group of one. True if new."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def build_model(cfg: Config, vocab_size: int) -> Transformer:
+    """The full model with its initial weights, identical on every rank (seeded generator on CPU)."""
+    model = Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    model.init_weights(torch.Generator().manual_seed(cfg.train.seed))
+    return model
+
+
+def build_datasets(cfg: Config, run_dir: Path) -> tuple[PackedDataset, PackedDataset | None]:
+    """Tokenized train and validation sets; a BPE tokenizer is trained once by rank 0 and shared."""
+    docs = read_documents(cfg.data)
+    train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
+    if cfg.data.tokenizer == "byte":
+        tokenizer = ByteTokenizer()
+    else:
+        path = run_dir / "tokenizer.json"
+        if dist.get_rank() == 0 and not path.is_file():
+            BPETokenizer.train(train_docs, cfg.data.bpe_vocab).save(path)
+        dist.barrier()
+        tokenizer = BPETokenizer.load(path)
+    train_set = PackedDataset(train_docs, tokenizer, cfg.train.seq_len)
+    val_set = PackedDataset(val_docs, tokenizer, cfg.train.seq_len) if val_docs else None
+    return train_set, val_set
+
+
+def _autocast(cfg: Config, device_type: str):
+    dtype = cfg.train.dtype
+    if dtype == "bf16" or (dtype == "auto" and device_type == "cuda"):
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: PackedDataset, cfg: Config, mesh: Mesh, device: torch.device,
+             dp: int) -> float:
+    """Mean token loss over the first eval_batches global batches of the validation set."""
+    batches = GlobalBatches(dataset, cfg.train.global_batch, cfg.train.seed, shuffle=False)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
+    for _ in range(cfg.train.eval_batches):
+        indices = batches.next_indices()
+        batch = rank_slice(dataset, indices, cfg.train.global_batch, dp, mesh.rank("batch"), cfg.train.micro_batch)
+        for x, y in batch.micro_batches:
+            with _autocast(cfg, mesh.device_type):
+                total[0] += cross_entropy_sum(model(x.to(device)), y.to(device)).double()
+            total[1] += (y != IGNORE).sum()  # this rank's tokens; the sum over ranks is the global count
+        if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches
+            break
+    comms.all_reduce(total, mesh.group("grad"), label="log")
+    return float(total[0] / total[1])
+
+
+def train(cfg: Config, *, progress: bool = True, return_state: bool = False) -> TrainResult:
+    """Train on this rank as part of the job (joins or creates the process group).
+
+    return_state: put the final unsharded model state in the result (tests compare layouts with it).
+    """
+    device_type = resolve_device_type(cfg)
+    owns_group = init_distributed(device_type)
+    try:
+        return _train(cfg, device_type, progress, return_state)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) -> TrainResult:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    errors = validate(cfg, world) + check_run_dir(cfg)
+    if errors:
+        raise ConfigError(errors)
+    d, t = derive(cfg, world), cfg.train
+    run_dir = run_dir_of(cfg)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    dist.barrier()
+
+    mesh = Mesh.from_config(cfg, world, device_type)
+    device = device_for(device_type)
+    model = build_model(cfg, d.vocab_size).to(device)
+    grad_sync = parallelize(model, mesh, cfg)
+    optimizer = build_optimizer(model, t)
+    params = [p for p in model.parameters() if p.requires_grad]
+    train_set, val_set = build_datasets(cfg, run_dir)
+    loader = GlobalBatches(train_set, t.global_batch, t.seed)
+
+    start = 0
+    latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
+    if latest is not None:
+        state = load_checkpoint(latest, model, optimizer)
+        loader.load_state_dict(state["loader"])
+        start = state["step"]
+    result = TrainResult(run_dir=run_dir, start_step=start)
+    log = MetricsLog(run_dir / cfg.run.metrics_file, start if latest else None) if rank == 0 else None
+    display = ProgressDisplay(t.steps, start, enabled=rank == 0, bar=progress)
+    if latest is not None:
+        display.print(f"resumed from {latest} at step {start}")
+
+    for step in range(start, t.steps):
+        began = time.perf_counter()
+        mesh.stats.reset()
+        lr = lr_at(step, t)
+        set_lr(optimizer, lr)
+        epoch = loader.state.epoch
+        batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for x, y in batch.micro_batches:
+            with _autocast(cfg, device_type):
+                logits = model(x.to(device))  # (micro_batch, T, V)
+            loss = cross_entropy_sum(logits, y.to(device)) / batch.global_tokens
+            loss.backward()
+            loss_sum += loss.detach().double()
+        grad_sync.reduce_gradients()
+        grad_norm = clip_grad_norm(params, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
+        comms.all_reduce(loss_sum, mesh.group("grad"), label="log")
+        elapsed = time.perf_counter() - began
+        loss_value = float(loss_sum)
+        result.losses.append(loss_value)
+        result.grad_norms.append(grad_norm)
+        result.tokens_per_s.append(batch.global_tokens / elapsed)
+        result.samples.append([int(i) for i in batch.indices])
+        record = {"step": step + 1, "epoch": epoch, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": batch.global_tokens, "step_time_s": elapsed,
+                  "tokens_per_s": batch.global_tokens / elapsed, "comm": comm}
+
+        done = step + 1
+        if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):
+            record["val_loss"] = result.val_losses[done] = evaluate(model, val_set, cfg, mesh, device, d.dp)
+        if log is not None:
+            log.write(record)
+        display.update(done, loss_value, record["tokens_per_s"])
+        if done % t.log_every == 0 or done == t.steps:
+            val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            display.print(f"step {done:>6}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
+                          f"grad_norm {grad_norm:.3f}  {record['tokens_per_s']:,.0f} tok/s")
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.steps:
+            state = {"loader": loader.state_dict(), "world_size": world}
+            save_checkpoint(run_dir, done, model, optimizer, state, cfg.checkpoint.keep)
+
+    display.close()
+    if return_state:
+        result.state = full_state_dict(model, mesh)
+    if log is not None:
+        log.close()
+        summary = {"run_dir": str(run_dir), "metrics": str(log.path), "config": str(run_dir / "config.toml"),
+                   "checkpoint": str(latest_checkpoint(run_dir))}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        display.print("\n".join([f"outputs in {run_dir}/:", *(f"  {k:10s} {v}" for k, v in summary.items())]))
+    return result

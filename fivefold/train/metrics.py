@@ -1,0 +1,80 @@
+"""The metrics log (one JSON object per step) and the progress display, both on rank 0 only.
+
+Keys of a step's object in `metrics.jsonl` (later features add keys; none is ever renamed):
+
+| key | meaning |
+| --- | --- |
+| step | optimizer steps done, 1-based |
+| epoch | training epochs completed before this step's batch was taken |
+| loss | mean token loss of the step's global batch (every token of every rank weighs the same) |
+| lr | learning rate used for the step |
+| grad_norm | global L2 norm of the summed gradient, before clipping |
+| tokens | target tokens in the global batch (padding excluded) |
+| step_time_s | wall-clock seconds of the step on rank 0, data to optimizer |
+| tokens_per_s | tokens / step_time_s, for the whole job |
+| comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comms.py during the step |
+| val_loss | mean validation token loss (only on steps that evaluate) |
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class MetricsLog:
+    """Appends one JSON line per step; on resume, drops lines past the checkpoint's step first."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.is_file():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in keep))
+        elif resume_step is None:
+            path.write_text("")
+        self._file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a crash must not lose the steps already done
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+class ProgressDisplay:
+    """A rich progress bar with step, loss, tokens/s and ETA, plus a printed line every few steps."""
+
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True):
+        self.enabled = enabled
+        self.bar = enabled and bar
+        self.console = Console(stderr=True)
+        if not self.bar:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeRemainingColumn(), console=self.console,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, loss="-", tps="-")
+        self.progress.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar:
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if self.bar:
+            self.progress.stop()

@@ -1,0 +1,68 @@
+"""AdamW with the usual exclusions, the learning-rate schedules, and global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fivefold.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; norms and biases (1-D parameters) get no weight decay, as in GPT-3 and Llama."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach=False keeps the per-parameter arithmetic identical for 1 and N ranks.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then the chosen decay.
+
+    cosine: from lr down to min_lr_ratio x lr over the steps after warmup.
+    wsd (warmup-stable-decay, Hu et al. 2024 "MiniCPM"): hold lr, then decay linearly to the
+    minimum over the last decay_fraction of the steps.
+    """
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return peak
+    if cfg.lr_schedule == "cosine":
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
+    decay_start = cfg.steps - decay_steps
+    if step < decay_start:
+        return peak
+    return peak + (floor - peak) * min(1.0, (step - decay_start + 1) / decay_steps)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
+
+    Under plain data parallel every rank holds the full, already summed gradient, so the local
+    norm is the global one. Sharded layouts add their partial sums of squares across the shard
+    groups before the square root.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return float(norm)

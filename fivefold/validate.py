@@ -1,0 +1,266 @@
+"""Config checks and dependent numbers, computed once, before any process group starts.
+
+`validate(cfg, world_size)` is a pure function returning every problem as one line that names the
+field, the values and a fix; the planner uses it as its filter. `derive(cfg, world_size)` computes
+what follows from a valid config (degrees, micro-batches per step, tokens per step, ...), so no
+module recomputes these numbers its own way.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from fivefold.config import SECTIONS, Config
+
+# Features whose config keys exist but whose code has not landed. Each issue that builds one
+# removes its line here; until then a non-default value is an error, never a silent no-op.
+NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
+    "parallel.tp": (1, "tensor parallel"),
+    "parallel.sp": (False, "sequence parallel"),
+    "parallel.pp": (1, "pipeline parallel"),
+    "parallel.virtual_stages": (1, "interleaved pipeline stages"),
+    "parallel.cp": (1, "context parallel"),
+    "parallel.ep": (1, "expert parallel"),
+    "parallel.zero": (0, "ZeRO / FSDP sharding"),
+    "parallel.dp_replicate": (1, "HSDP replication"),
+    "parallel.dp_collective": ("builtin", "ring collectives from send/recv"),
+    "train.recompute": ("none", "activation recomputation"),
+}
+
+
+@dataclass(frozen=True)
+class Derived:
+    world_size: int
+    dp: int  # data-parallel degree (dp_replicate x dp_shard)
+    dp_shard: int
+    grad_accum: int  # micro-batches per optimizer step on each rank
+    tokens_per_step: int  # global_batch x seq_len
+    local_seq_len: int  # tokens of one sequence held by one rank (seq_len / cp)
+    vocab_size: int  # model vocabulary after padding
+    head_dim: int
+
+
+def tokenizer_vocab(cfg: Config) -> int:
+    """Vocabulary of the configured tokenizer before padding: 256 bytes + end-of-document, or BPE's."""
+    return 257 if cfg.data.tokenizer == "byte" else cfg.data.bpe_vocab
+
+
+def padded_vocab(cfg: Config) -> int:
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    m = max(cfg.data.vocab_multiple, 1)
+    return math.ceil(tokenizer_vocab(cfg) / m) * m
+
+
+def _dp(cfg: Config, world_size: int) -> int:
+    p = cfg.parallel
+    if p.dp:
+        return p.dp
+    rest = p.pp * p.cp * p.tp
+    return world_size // rest if rest > 0 and world_size % rest == 0 else 0
+
+
+def derive(cfg: Config, world_size: int) -> Derived:
+    """Dependent numbers of a config that validate() accepted."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    dp = _dp(cfg, world_size)
+    return Derived(
+        world_size=world_size,
+        dp=dp,
+        dp_shard=dp // p.dp_replicate,
+        grad_accum=t.global_batch // (dp * t.micro_batch),
+        tokens_per_step=t.global_batch * t.seq_len,
+        local_seq_len=t.seq_len // p.cp,
+        vocab_size=padded_vocab(cfg),
+        head_dim=m.head_dim or m.dim // m.n_heads,
+    )
+
+
+def _type_errors(cfg: Config) -> list[str]:
+    errors = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        hints = typing.get_type_hints(type(obj))
+        for f in fields(obj):
+            value, hint = getattr(obj, f.name), hints[f.name]
+            name = f"{section}.{f.name}"
+            if typing.get_origin(hint) is Literal:
+                choices = typing.get_args(hint)
+                if value not in choices:
+                    errors.append(f"{name} = {value!r}: must be one of {', '.join(map(repr, choices))}")
+            elif hint is bool and not isinstance(value, bool):
+                errors.append(f"{name} = {value!r}: must be true or false")
+            elif hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+                errors.append(f"{name} = {value!r}: must be an integer")
+            elif hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                errors.append(f"{name} = {value!r}: must be a number")
+            elif hint is str and not isinstance(value, str):
+                errors.append(f"{name} = {value!r}: must be a string")
+            elif typing.get_origin(hint) is tuple and not all(isinstance(v, str) for v in value):
+                errors.append(f"{name} = {value!r}: must be a list of strings")
+    return errors
+
+
+def _divisors_near(n: int, limit: int) -> str:
+    return ", ".join(str(d) for d in range(1, limit + 1) if n % d == 0)
+
+
+def _multiples_near(value: int, k: int) -> str:
+    lo = max(k, value // k * k)
+    return f"{lo} or {lo + k}" if lo != value else str(lo)
+
+
+def validate(cfg: Config, world_size: int) -> list[str]:
+    """Every problem of `cfg` for `world_size` processes, one message each (empty = valid)."""
+    errors = _type_errors(cfg)
+    if errors:  # arithmetic on wrongly typed values would only add noise
+        return errors
+    m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
+    unavailable = []
+    for key, (default, what) in NOT_AVAILABLE.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != default:
+            unavailable.append(f"{key} = {value!r}: {what} is not available yet in fivefold; set {key} = {default!r}")
+    return unavailable + _check_values(cfg, world_size)
+
+
+def _check_values(cfg: Config, world_size: int) -> list[str]:
+    m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
+    errors: list[str] = []
+    err = errors.append
+
+    positive = {
+        "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads, "model.ffn_dim": m.ffn_dim, "parallel.tp": p.tp,
+        "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
+        "parallel.dp_replicate": p.dp_replicate, "parallel.virtual_stages": p.virtual_stages,
+        "train.steps": t.steps, "train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
+        "train.seq_len": t.seq_len, "train.eval_batches": t.eval_batches, "train.log_every": t.log_every,
+        "data.vocab_multiple": d.vocab_multiple, "checkpoint.keep": c.keep,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            err(f"{key} = {value}: must be at least 1")
+    non_negative = {
+        "parallel.dp": p.dp, "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
+        "model.n_experts": m.n_experts, "model.moe_ffn_dim": m.moe_ffn_dim,
+        "model.n_shared_experts": m.n_shared_experts, "model.first_dense_layers": m.first_dense_layers,
+        "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every,
+        "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
+        "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            err(f"{key} = {value}: must be 0 or more")
+    bad_sizes = bool(errors)
+
+    # Optimisation.
+    if t.lr <= 0:
+        err(f"train.lr = {t.lr}: must be > 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        err(f"train.min_lr_ratio = {t.min_lr_ratio}: must be within [0, 1]")
+    if t.warmup_steps > t.steps:
+        err(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}; lower warmup_steps")
+    if not 0 < t.decay_fraction <= 1:
+        err(f"train.decay_fraction = {t.decay_fraction}: must be within (0, 1]")
+    for key, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= value < 1:
+            err(f"{key} = {value}: must be within [0, 1)")
+    if t.eps <= 0:
+        err(f"train.eps = {t.eps}: must be > 0")
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            err("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+
+    # Data.
+    if not 0 <= d.val_fraction < 1:
+        err(f"data.val_fraction = {d.val_fraction}: must be within [0, 1)")
+    if d.tokenizer == "bpe" and d.bpe_vocab < 260:
+        err(f"data.bpe_vocab = {d.bpe_vocab}: a byte-level BPE needs at least 260 tokens (256 bytes + specials)")
+    for path in d.paths:
+        if not Path(path).exists():
+            err(f"data.paths: '{path}' does not exist; give existing text files or folders, or [] for the standard library")
+    if bad_sizes:  # the arithmetic below assumes positive sizes
+        return errors
+
+    # Mesh: the degrees must multiply to the number of processes.
+    rest = p.pp * p.cp * p.tp
+    dp = _dp(cfg, world_size)
+    if p.dp == 0 and dp == 0:
+        err(f"parallel.pp x cp x tp = {rest} does not divide the {world_size} processes; "
+            f"launch a multiple of {rest} processes or lower those degrees")
+    elif dp * rest != world_size:
+        err(f"parallel.dp x pp x cp x tp = {dp} x {p.pp} x {p.cp} x {p.tp} = {dp * rest} but {world_size} "
+            f"processes were launched; set parallel.dp = 0 (fill the rest) or launch {dp * rest} processes")
+    if dp and dp % p.dp_replicate:
+        err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {_divisors_near(dp, dp)}")
+    if p.zero not in (0, 1, 2, 3):
+        err(f"parallel.zero = {p.zero}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
+    if p.bucket_mb <= 0:
+        err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
+
+    # Model shape.
+    if m.head_dim == 0 and m.dim % m.n_heads:
+        err(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
+            f"use n_heads in {{{_divisors_near(m.dim, 128)}}} or set model.head_dim")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    if head_dim % 2:
+        err(f"head dimension {head_dim} is odd; RoPE rotates pairs, so choose an even model.head_dim")
+    if m.n_heads % m.n_kv_heads:
+        err(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
+            f"use n_kv_heads in {{{_divisors_near(m.n_heads, m.n_heads)}}}")
+    for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim)):
+        if value % p.tp:
+            err(f"{key} = {value} is not divisible by parallel.tp = {p.tp}; use tp in "
+                f"{{{_divisors_near(value, 64)}}} or {key} = {_multiples_near(value, p.tp)}")
+    stages = p.pp * p.virtual_stages
+    if m.n_layers % stages:
+        err(f"model.n_layers = {m.n_layers} is not divisible by parallel.pp x virtual_stages = {stages}; "
+            f"use n_layers = {_multiples_near(m.n_layers, stages)} or pp x virtual_stages in "
+            f"{{{_divisors_near(m.n_layers, m.n_layers)}}}")
+    vocab = padded_vocab(cfg)
+    if m.vocab_size and m.vocab_size < tokenizer_vocab(cfg):
+        err(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer} tokenizer's "
+            f"{tokenizer_vocab(cfg)} tokens; set model.vocab_size = 0 to take the tokenizer's (padded)")
+    if vocab % p.tp:
+        err(f"vocabulary {vocab} is not divisible by parallel.tp = {p.tp}; set data.vocab_multiple to a multiple of {p.tp}")
+    if m.n_experts:
+        if not 1 <= m.top_k <= m.n_experts:
+            err(f"model.top_k = {m.top_k}: must be between 1 and model.n_experts = {m.n_experts}")
+        if m.n_experts % p.ep:
+            err(f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; "
+                f"use ep in {{{_divisors_near(m.n_experts, 64)}}}")
+        if m.first_dense_layers >= m.n_layers:
+            err(f"model.first_dense_layers = {m.first_dense_layers} leaves no MoE block of {m.n_layers}; lower it")
+    elif p.ep > 1:
+        err(f"parallel.ep = {p.ep} needs an MoE model; set model.n_experts > 0 or parallel.ep = 1")
+    if dp and (dp * p.cp) % p.ep:
+        err(f"parallel.ep = {p.ep} does not divide dp x cp = {dp * p.cp}; experts are sharded inside the data-parallel ranks")
+
+    # Batch and sequence arithmetic.
+    if dp and t.global_batch % (dp * t.micro_batch):
+        k = dp * t.micro_batch
+        err(f"train.global_batch = {t.global_batch} is not divisible by dp x train.micro_batch = {dp} x "
+            f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or a micro_batch "
+            f"in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp) if t.global_batch % dp == 0 else 1}}}")
+    seq_multiple = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
+    if t.seq_len % seq_multiple:
+        err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} (2 x cp for zig-zag halves, "
+            f"x tp with sp); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
+    if p.pp > 1 and dp and t.global_batch % (dp * t.micro_batch) == 0:
+        micro = t.global_batch // (dp * t.micro_batch)
+        if micro < p.pp:
+            err(f"{micro} micro-batches per step is fewer than parallel.pp = {p.pp} stages; the "
+                f"{p.pp_schedule} schedule needs at least pp: raise train.global_batch or lower train.micro_batch")
+    if p.pp_schedule == "dualpipe_v" and p.virtual_stages != 2:
+        err(f"parallel.pp_schedule = 'dualpipe_v' runs 2 stages per rank; set parallel.virtual_stages = 2")
+
+    return errors
+

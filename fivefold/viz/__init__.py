@@ -1,0 +1,1 @@
+"""Pictures of what fivefold plans and runs (pipeline schedules, ...)."""

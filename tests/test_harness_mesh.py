@@ -1,0 +1,88 @@
+"""The multi-process test harness, the mesh's groups, and the communication counters."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fivefold.mesh import AXES, Mesh
+from fivefold.parallel import comms
+from fivefold.testing import WorkerError, run_workers
+
+
+def _sum_of_ranks(rank, world):
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    return float(x)
+
+
+def test_workers_run_a_real_collective():
+    assert run_workers(_sum_of_ranks, 4) == [6.0] * 4
+
+
+def _fails_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("broken on purpose")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_child_traceback_is_reraised_quickly():
+    began = time.monotonic()
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 raised:.*ValueError: broken on purpose"):
+        run_workers(_fails_on_rank_1, 2)
+    assert time.monotonic() - began < 20  # the other rank is killed, not awaited for the gloo timeout
+
+
+def _hangs(rank, world):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+def test_a_hung_worker_fails_the_test():
+    with pytest.raises(WorkerError, match="no result within 3 s"):
+        run_workers(_hangs, 2, timeout=3)
+
+
+def _mesh_groups(rank, world):
+    mesh = Mesh({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})
+    out = {name: (mesh.size(name), dist.get_process_group_ranks(mesh.group(name).pg))
+           for name in [*AXES, "dp", "batch", "grad"]}
+    # Traffic is charged to the view's axis; size-1 groups count nothing.
+    x = torch.ones(1000)
+    comms.all_reduce(x, mesh.group("grad"))
+    comms.all_reduce(x, mesh.group("tp"))
+    comms.all_reduce(x, mesh.group("cp"))
+    out["stats"] = mesh.stats.snapshot()
+    part = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    sub = mesh.subgroups(part, "ep")
+    y = torch.tensor([1.0])
+    comms.all_reduce(y, sub)
+    out["sub"] = (float(y), sub.size, sub.rank)
+    return out
+
+
+def test_mesh_axes_views_and_counters_on_8_ranks():
+    results = run_workers(_mesh_groups, 8)
+    r0, r5 = results[0], results[5]
+    # tp innermost: consecutive ranks; pp outermost: ranks 4 apart.
+    assert r0["tp"] == (2, [0, 1]) and r5["tp"] == (2, [4, 5])
+    assert r0["dp_shard"] == (2, [0, 2]) and r0["pp"] == (2, [0, 4])
+    assert r0["cp"] == (1, [0]) and r0["dp_replicate"] == (1, [0])
+    assert r0["dp"] == r0["batch"] == r0["grad"] == (2, [0, 2])
+    assert r5["grad"] == (2, [5, 7])
+    stats = r0["stats"]
+    assert set(stats) == {"dp", "tp"}  # the size-1 cp group counted nothing
+    assert stats["dp"] == {"calls": 1, "bytes": 4000, "wire_bytes": 4000.0}  # ring: 2 (N-1)/N x S at N = 2
+    assert r0["sub"] == (4.0, 4, 0) and results[6]["sub"] == (4.0, 4, 2)
+
+
+def test_wire_bytes_ring_accounting():
+    assert comms.wire_bytes("all_reduce", 800, 8) == 1400
+    assert comms.wire_bytes("all_gather", 800, 8) == comms.wire_bytes("reduce_scatter", 800, 8) == 700
+    assert comms.wire_bytes("all_reduce", 800, 1) == 0
+
+
+def test_mesh_needs_every_axis():
+    with pytest.raises(ValueError, match="missing"):
+        Mesh({"dp_shard": 2})
