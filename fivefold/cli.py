@@ -15,7 +15,7 @@ import os
 import sys
 import uuid
 
-from fivefold.config import Config, ConfigError, load_config
+from fivefold.config import ConfigError, load_config, read_config
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,10 +31,8 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _load(args: argparse.Namespace, overrides: list[str]) -> Config:
-    if args.resume:
-        overrides = [*overrides, "--checkpoint.resume=true"]
-    return load_config(args.config, overrides)
+def _overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    return [*overrides, "--checkpoint.resume=true"] if args.resume else overrides
 
 
 def _worker(config: str | None, overrides: list[str], resume: bool, progress: bool) -> None:
@@ -43,8 +41,8 @@ def _worker(config: str | None, overrides: list[str], resume: bool, progress: bo
 
     # After a failure the launcher restarts every worker: continue from the last checkpoint.
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    args = argparse.Namespace(config=config, resume=resume)
-    train(_load(args, overrides), progress=progress)
+    args = argparse.Namespace(resume=resume)
+    train(load_config(config, _overrides(args, overrides)), progress=progress)
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -56,8 +54,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(["--nproc starts local processes; under torchrun use torchrun's --nproc-per-node instead"])
     if nproc < 1:
         raise ConfigError([f"--nproc = {nproc}: must be at least 1"])
-    cfg = _load(args, overrides)
-    errors = validate(cfg, nproc) + check_run_dir(cfg)
+    cfg, errors = read_config(args.config, _overrides(args, overrides))
+    errors += validate(cfg, nproc) + check_run_dir(cfg)
     if errors:
         raise ConfigError(errors)
     progress = not args.no_progress

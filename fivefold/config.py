@@ -207,10 +207,10 @@ def build_config(layers: list[dict[str, Any]]) -> tuple[Config, list[str]]:
     return Config(**sections), errors
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults < preset < TOML file < CLI overrides. Raises ConfigError listing every parse problem."""
+def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, list[str]]:
+    """Defaults < preset < TOML file < CLI overrides, plus every parse problem (unknown keys are
+    skipped, so validate() can still report the rest of the mistakes in the same round)."""
     layers: list[dict[str, Any]] = []
-    errors: list[str] = []
     name = ""
     if path is not None:
         path = Path(path)
@@ -221,15 +221,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
         name = path.stem
-    cli, cli_errors = parse_overrides(overrides or [])
-    errors += cli_errors
+    cli, errors = parse_overrides(overrides or [])
     layers.append(cli)
     cfg, merge_errors = build_config(layers)
-    errors += merge_errors
-    if errors:
-        raise ConfigError(errors)
     if not cfg.run.name and name:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
+    return cfg, errors + merge_errors
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """read_config() that raises ConfigError listing every parse problem."""
+    cfg, errors = read_config(path, overrides)
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 

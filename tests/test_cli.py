@@ -1,0 +1,50 @@
+"""The command line end to end: real launcher processes, real files."""
+
+import os
+import subprocess
+import sys
+import time
+
+from fivefold.train.metrics import read_metrics
+from helpers import ROOT
+
+FAST = ["--data.max_bytes=20000", "--train.steps=3", "--no-progress"]
+
+
+def fivefold(*args: str, launcher: tuple[str, ...] = ("-m", "fivefold")) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_train_with_local_launcher(tmp_path):
+    out = fivefold("train", "configs/tiny.toml", "--nproc", "2", f"--run.out_dir={tmp_path}", *FAST)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "tiny"
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["comm"]["dp"]["calls"] == 1  # one gradient all-reduce per step over 2 ranks
+    assert (run / "config.toml").is_file() and (run / "checkpoints" / "step_00000003" / "state.json").is_file()
+    assert f"outputs in {run}" in out.stderr
+
+
+def test_train_under_torchrun(tmp_path):
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fivefold")
+    out = fivefold("train", "configs/tiny.toml", f"--run.out_dir={tmp_path}", *FAST, launcher=torchrun)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "tiny" / "metrics.jsonl")) == 3
+
+
+def test_bad_config_fails_before_any_process_starts(tmp_path):
+    began = time.monotonic()
+    out = fivefold("train", "configs/tiny.toml", "--nproc", "3", "--parallel.dp=2", "--train.stpes=1",
+                   f"--run.out_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "unknown key 'train.stpes': did you mean 'steps'?" in out.stderr
+    out = fivefold("train", "configs/tiny.toml", "--nproc", "3", "--parallel.dp=2", "--train.lr=-1",
+                   f"--run.out_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "parallel.dp x pp x cp x tp = 2 x 1 x 1 x 1 = 2 but 3 processes" in out.stderr
+    assert "train.lr = -1: must be > 0" in out.stderr
+    assert not (tmp_path / "tiny").exists()  # nothing started, nothing written
+    assert time.monotonic() - began < 30
