@@ -91,10 +91,3 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
     group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
     return dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
 
-
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: AxisGroup) -> None:
-    """In-place broadcast from the rank at position `src_group_rank` of `group`."""
-    if group.size == 1:
-        return
-    group.stats.record(group.label, "broadcast", _nbytes(tensor), group.size)
-    dist.broadcast(tensor, group_src=src_group_rank, group=group.pg)
