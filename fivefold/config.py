@@ -50,6 +50,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = dp / dp_replicate
     zero: int = 0  # 0 = DDP, 1/2 = ZeRO-1/2 optimizer/gradient sharding, 3 = FSDP
     bucket_mb: float = 25.0  # gradient bucket cap in MB (10^6 bytes) for DDP/ZeRO
+    overlap_comm: bool = True  # start a bucket's collective during backward, as soon as it is complete
     dp_collective: Literal["builtin", "ring"] = "builtin"  # gradient all-reduce: backend's or ours from send/recv
     tp: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallel inside tp regions

@@ -25,8 +25,6 @@ NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
     "parallel.virtual_stages": (1, "interleaved pipeline stages"),
     "parallel.cp": (1, "context parallel"),
     "parallel.ep": (1, "expert parallel"),
-    "parallel.zero": (0, "ZeRO / FSDP sharding"),
-    "parallel.dp_replicate": (1, "HSDP replication"),
     "parallel.dp_collective": ("builtin", "ring collectives from send/recv"),
     "train.recompute": ("none", "activation recomputation"),
 }
@@ -203,6 +201,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {_divisors_near(dp, dp)}")
     if p.zero not in (0, 1, 2, 3):
         err(f"parallel.zero = {p.zero}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
+    elif p.zero == 3:
+        err("parallel.zero = 3: ZeRO-3 / FSDP is not available yet in fivefold; use zero = 1 or 2")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
 

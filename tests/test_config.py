@@ -130,3 +130,12 @@ def test_derive():
     bpe = replace(cfg, data={"tokenizer": "bpe", "bpe_vocab": 1000})
     assert derive(bpe, 1).vocab_size == 1024
     assert dataclasses.replace(cfg.model, vocab_size=300) and validate(replace(cfg, model={"vocab_size": 200}), 1)
+
+
+def test_data_parallel_options():
+    one_error(errors_of(2, "--parallel.zero=3"), "ZeRO-3 / FSDP is not available yet", "zero = 1 or 2")
+    one_error(errors_of(2, "--parallel.zero=4"), "parallel.zero = 4")
+    one_error(errors_of(2, "--parallel.bucket_mb=0"), "parallel.bucket_mb = 0", "25")
+    msg = one_error(errors_of(6, "--parallel.dp_replicate=4"), "parallel.dp_replicate = 4 does not divide dp = 6")
+    assert "1, 2, 3, 6" in msg
+    assert errors_of(4, "--parallel.dp_replicate=2", "--parallel.zero=2") == []

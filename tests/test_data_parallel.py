@@ -30,10 +30,25 @@ def reference(tmp_path_factory):
     return losses, norms, state
 
 
-@pytest.mark.parametrize("dp,micro", [(2, 4), (2, 1), (4, 1)], ids=["dp2", "dp2-accum4", "dp4-accum2"])
-def test_dp_reproduces_single_process(tmp_path, reference, dp, micro):
+LAYOUTS = {  # name: (ranks, micro_batch, extra overrides)
+    "ddp-dp2": (2, 4, ()),
+    "ddp-dp2-accum4": (2, 1, ()),
+    "ddp-dp4-accum2": (4, 1, ()),
+    "ddp-dp2-buckets": (2, 2, ("--parallel.bucket_mb=0.05",)),  # ~10 buckets in flight during backward
+    "zero1-dp2-accum2": (2, 2, ("--parallel.zero=1", "--parallel.bucket_mb=0.1")),
+    "zero1-dp4": (4, 2, ("--parallel.zero=1",)),
+    "zero2-dp2-accum2": (2, 2, ("--parallel.zero=2", "--parallel.bucket_mb=0.1")),
+    "zero2-dp4-accum2": (4, 1, ("--parallel.zero=2",)),
+    "hsdp-zero1-2x2": (4, 1, ("--parallel.zero=1", "--parallel.dp_replicate=2")),
+    "hsdp-zero2-2x2-accum2": (4, 1, ("--parallel.zero=2", "--parallel.dp_replicate=2", "--parallel.bucket_mb=0.1")),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dp_reproduces_single_process(tmp_path, reference, layout):
     ref_losses, ref_norms, ref_state = reference
-    cfg = tiny_config(tmp_path, *DATA, f"--train.micro_batch={micro}")
+    dp, micro, extra = LAYOUTS[layout]
+    cfg = tiny_config(tmp_path, *DATA, f"--train.micro_batch={micro}", *extra)
     results = run_workers(_run, dp, cfg)
     losses, norms, state, _ = results[0]
     # Tolerances, each ~10x (params ~2x) above what these cases measured (torch 2.13, CPU). The

@@ -91,3 +91,27 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
     group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
     return dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
 
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+                   async_op: bool = False) -> dist.Work | None:
+    """Sum `input` (N x output.numel(), rank-major) over the group; rank r keeps chunk r in `output`.
+
+    Counted by the full input size, as the ring moves (N-1)/N of it. On gloo the async form
+    blocks for most of its time (TORCH-CPU-NOTES.md): expect no overlap there.
+    """
+    if group.size == 1:
+        output.copy_(input)
+        return None
+    group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
+    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+               async_op: bool = False) -> dist.Work | None:
+    """Concatenate every rank's `input` into the flat `output` (N x input.numel()), in rank order."""
+    if group.size == 1:
+        output.copy_(input)
+        return None
+    group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
+    return dist.all_gather_into_tensor(output, input, group=group.pg, async_op=async_op)

@@ -1,49 +1,279 @@
-"""Data parallel: every rank holds the whole model and sees different samples; gradients are summed.
+"""Data parallel (DDP) with gradient buckets overlapped with backward, and ZeRO-1 / ZeRO-2.
 
-What is sharded: the batch, over the `batch` view (dp). Collectives: none in forward; in backward
-one all-reduce (SUM) of the gradients over the `grad` view (dp x cp), once per optimizer step,
-after the last micro-batch, so gradient accumulation costs no communication on the others.
+What is sharded: the batch over the `batch` view (dp). With `zero = 1` also the optimizer state
+(fp32 master weights and both AdamW moments), with `zero = 2` also the gradients, each over
+`dp_shard`; with dp_replicate > 1 the shards are replicated across dp_replicate (HSDP).
+
+Collectives, per optimizer step, with N ranks, G gradient bytes, P parameter bytes, M micro-batches:
+- DDP: one all-reduce (SUM) per bucket, on the last micro-batch only: 2(N-1)/N x G per rank.
+- ZeRO-1: one reduce-scatter per bucket on the last micro-batch, AdamW on this rank's shard, one
+  all-gather of the updated parameters: (N-1)/N x G + (N-1)/N x P.
+- ZeRO-2: a reduce-scatter per bucket on *every* micro-batch (the full gradient is freed as soon
+  as its bucket is reduced, never kept across micro-batches), then as ZeRO-1: (M+1)(N-1)/N x G.
+(Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".)
+
+Buckets: parameters are grouped in reverse registration order (roughly the order backward
+produces their gradients) into buckets of at most `parallel.bucket_mb`. A post-accumulate-grad
+hook counts the gradients each bucket still waits for; when a bucket is complete its collective
+starts asynchronously and backward goes on computing (Li et al. 2020, "PyTorch Distributed").
+Buckets start strictly in order, so every rank issues the same collectives in the same order even
+when a parameter gets no gradient on one rank (an MoE expert without tokens): its bucket then
+waits for the end of backward, where missing gradients are zeros.
 
 Gradients are summed, not averaged: each rank's loss is already divided by the global token count
-of the step (train/loop.py), so the sum over ranks is exactly the gradient of the mean loss over
-every token of the global batch, however the tokens are spread over ranks, micro-batches and
-padding.
+of the step (train/loop.py), so the sum is the gradient of the mean over every token.
 
-This first version reduces all gradients in one coalesced all-reduce after backward. The bucketed
-version that overlaps the all-reduce with backward, and ZeRO-1/2, build on this class.
+Shards (ZeRO): each parameter is split along dim 0 like torch.chunk: rank r owns rows
+[r c, (r+1) c) with c = ceil(rows / N), so every shard is a DTensor Shard(0) on the dp_shard mesh
+and checkpoints can reshard it (`optim_state_dict`). For the collectives a bucket lays its
+parameters out rank-major (rank 0's rows of every parameter, then rank 1's, ...) with each
+parameter padded to N c rows, so one reduce-scatter hands each rank exactly its rows.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fivefold.config import ParallelConfig, TrainConfig
+from fivefold.mesh import Mesh
 from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
+from fivefold.train.optim import build_optimizer, clip_grad_norm
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    waiting: int = 0  # gradients of this backward not yet accumulated
+    work: object | None = None  # the in-flight collective
+    flat: torch.Tensor | None = None  # its send buffer (DDP: also the result)
+    out: torch.Tensor | None = None  # ZeRO: this rank's reduced rows
+    launched: bool = False
+    shard_numel: list[int] = field(default_factory=list)  # ZeRO: numel of one rank's rows per parameter
+
+
+def make_buckets(params: list[nn.Parameter], cap_bytes: float) -> list[Bucket]:
+    """Consecutive groups of `params` whose bytes stay under cap_bytes (a larger tensor stands alone)."""
+    buckets: list[Bucket] = []
+    size = math.inf
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > cap_bytes:
+            buckets.append(Bucket([]))
+            size = 0
+        buckets[-1].params.append(p)
+        size += nbytes
+    return buckets
 
 
 class DataParallel:
-    """Sums the gradients of `model` over `group` when `reduce_gradients()` is called."""
+    """DDP: the whole model on every rank; gradients all-reduced bucket by bucket during backward."""
 
-    def __init__(self, model: nn.Module, group: AxisGroup):
-        self.model = model
-        self.group = group
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
+        self.model, self.mesh = model, mesh
+        self.group = mesh.group("grad")
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = make_buckets(self.params[::-1], parallel.bucket_mb * 1e6)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.overlap = parallel.overlap_comm
+        self._reducing = False
+        self._next = 0  # index of the next bucket to launch
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.optimizer = self._build_optimizer(train)
+
+    def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
+        return build_optimizer(self.model, train)
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _reduces_on(self, last_micro_batch: bool) -> bool:
+        return last_micro_batch  # DDP and ZeRO-1 talk once per step
+
+    def _needs_reduction(self) -> bool:
+        return self.group.size > 1
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """loss.backward(), reducing gradients as their buckets complete when this step talks."""
+        self._reducing = self._reduces_on(last_micro_batch) and self._needs_reduction()
+        if self._reducing:
+            self._next = 0
+            for b in self.buckets:
+                b.waiting, b.launched = len(b.params), False
+        loss.backward()
+        if self._reducing:
+            self._launch_ready(force=True)  # buckets with a parameter that got no gradient here
+            for b in self.buckets:
+                self._finish(b)
+            self._reducing = False
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not (self._reducing and self.overlap):  # without overlap every bucket starts after backward
+            return
+        self.bucket_of[id(p)].waiting -= 1
+        self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        while self._next < len(self.buckets) and (force or self.buckets[self._next].waiting == 0):
+            b = self.buckets[self._next]
+            for p in b.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._launch(b)
+            b.launched = True
+            self._next += 1
 
     @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """All-reduce every gradient (SUM) over the group in one flat buffer.
+    def _launch(self, b: Bucket) -> None:
+        b.flat = torch.cat([p.grad.reshape(-1) for p in b.params])  # (bucket numel,)
+        b.work = comms.all_reduce(b.flat, self.group, async_op=True)
 
-        A parameter without a gradient on this rank (an MoE expert that got no tokens here) takes
-        part with zeros: every rank must contribute the same buffer layout, or the collective hangs.
-        """
-        if self.group.size == 1:
-            return
+    @torch.no_grad()
+    def _finish(self, b: Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+        for p, chunk in zip(b.params, b.flat.split([p.numel() for p in b.params])):
+            p.grad.copy_(chunk.view_as(p))
+        b.work = b.flat = None
+
+    # ---- optimizer ---------------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the summed gradients to a global L2 norm of max_norm (0: only measure)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return clip_grad_norm(grads, max_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optim_state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_optim_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class ZeroDataParallel(DataParallel):
+    """ZeRO stage 1 or 2 over dp_shard (replicated over dp_replicate): sharded optimizer state."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
+        self.stage = parallel.zero
+        self.shard_group, self.replicate_group = mesh.group("dp_shard"), mesh.group("dp_replicate")
+        super().__init__(model, mesh, parallel, train)
+
+    def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
+        n, r = self.shard_group.size, self.shard_group.rank
+        self.names = {id(p): name for name, p in self.model.named_parameters()}
+        self.rows = {}  # id(param) -> rows each rank owns (c)
+        self.shards: dict[int, nn.Parameter] = {}  # id(param) -> fp32 master rows, padded to c
+        for b in self.buckets:
+            for p in b.params:
+                c = -(-p.shape[0] // n)
+                master = torch.zeros((c, *p.shape[1:]), dtype=torch.float32, device=p.device)
+                valid = max(0, min(c, p.shape[0] - r * c))
+                master[:valid] = p.detach()[r * c : r * c + valid]
+                self.rows[id(p)] = c
+                self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
+                b.shard_numel.append(master.numel())
+        decay = [self.shards[id(p)] for p in self.params if p.ndim >= 2]
+        no_decay = [self.shards[id(p)] for p in self.params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=False)
+        for s in self.shards.values():  # the state AdamW would create at its first step, made now for checkpoints
+            opt.state[s] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(s), "exp_avg_sq": torch.zeros_like(s)}
+        return opt
+
+    def _reduces_on(self, last_micro_batch: bool) -> bool:
+        return self.stage == 2 or last_micro_batch
+
+    def _needs_reduction(self) -> bool:
+        return True  # even alone, gradients must move into the fp32 shards the optimizer steps
+
+    def _padded_rows(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        """t (rows, ...) -> (N c, ...) with zero rows appended."""
+        pad = self.shard_group.size * c - t.shape[0]
+        return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+
+    @torch.no_grad()
+    def _launch(self, b: Bucket) -> None:
+        n = self.shard_group.size
+        chunks = [self._padded_rows(p.grad, self.rows[id(p)]).reshape(n, -1) for p in b.params]  # (N, c row numel)
+        b.flat = torch.cat(chunks, dim=1).reshape(-1)  # rank-major: (N sum(shard numel),)
+        b.out = b.flat.new_empty(sum(b.shard_numel))
+        b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
+        if self.stage == 2:
+            for p in b.params:
+                p.grad = None  # the full gradient is not kept: its rows live on in b.flat until reduced
+
+    @torch.no_grad()
+    def _finish(self, b: Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+        comms.all_reduce(b.out, self.replicate_group)  # HSDP: replicas of a shard agree
+        for p, rows in zip(b.params, b.out.split(b.shard_numel)):
+            shard = self.shards[id(p)]
+            rows = rows.view_as(shard).float()
+            shard.grad = rows if shard.grad is None else shard.grad.add_(rows)
+            p.grad = None
+        b.work = b.flat = b.out = None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        grads = [s.grad for s in self.shards.values() if s.grad is not None]
+        return clip_grad_norm(grads, max_norm, self.shard_group)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's rows, then all-gather every parameter's rows from all ranks."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        n = self.shard_group.size
+        for b in self.buckets:
+            local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
+            full = local.new_empty(n * local.numel())  # (N sum(shard numel),) rank-major
+            comms.all_gather(full, local, self.shard_group)
+            per_rank = full.view(n, -1)
+            for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1)):
+                c = self.rows[id(p)]
+                p.copy_(chunk.reshape(n * c, *p.shape[1:])[: p.shape[0]])
+
+    # ---- checkpoints: every shard as a DTensor, so a later layout can reshard it ------------------
+    def _dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
+        r, c = self.shard_group.rank, self.rows[id(p)]
+        valid = max(0, min(c, p.shape[0] - r * c))
+        mesh = self.mesh.device_mesh["dp_replicate", "dp_shard"]
+        return DTensor.from_local(local[:valid], mesh, [Replicate(), Shard(0)], run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
+    def optim_state_dict(self) -> dict:
+        out = {}
         for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # (total numel,)
-        comms.all_reduce(flat, self.group)
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+            s = self.shards[id(p)]
+            state = self.optimizer.state[s]
+            out[self.names[id(p)]] = {
+                "master": self._dtensor(p, s.detach()),
+                "exp_avg": self._dtensor(p, state["exp_avg"]),
+                "exp_avg_sq": self._dtensor(p, state["exp_avg_sq"]),
+                "step": state["step"],
+            }
+        return out
+
+    @torch.no_grad()
+    def load_optim_state_dict(self, state: dict) -> None:
+        for p in self.params:
+            s, saved = self.shards[id(p)], state[self.names[id(p)]]
+            valid = saved["master"].to_local().shape[0]
+            s[:valid] = saved["master"].to_local()
+            mine = self.optimizer.state[s]
+            mine["exp_avg"][:valid] = saved["exp_avg"].to_local()
+            mine["exp_avg_sq"][:valid] = saved["exp_avg_sq"].to_local()
+            mine["step"].copy_(saved["step"])
+
+
+def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig) -> DataParallel:
+    """DDP for zero = 0, ZeRO-1/2 otherwise; a no-op reducer when the grad view has one rank."""
+    cls = ZeroDataParallel if parallel.zero in (1, 2) else DataParallel
+    return cls(model, mesh, parallel, train)

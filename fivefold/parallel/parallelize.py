@@ -17,17 +17,18 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.mesh import Mesh
-from fivefold.parallel.data import DataParallel
+from fivefold.parallel.data import DataParallel, apply_data_parallel
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
-    """Apply every dimension of cfg.parallel to `model` in place; return its gradient reducer."""
+    """Apply every dimension of cfg.parallel to `model` in place; return the data-parallel wrapper,
+    which owns the optimizer (ZeRO steps on shards) and the gradient reduction."""
     if cfg.train.compile:
         # Per block, so each compiled graph is small and pipeline stages compile only their own.
         # Module.compile() keeps parameter names, so checkpoints do not depend on this switch.
         for block in model.layers.values():
             block.compile()
-    return DataParallel(model, mesh.group("grad"))
+    return apply_data_parallel(model, mesh, cfg.parallel, cfg.train)
 
 
 @torch.no_grad()

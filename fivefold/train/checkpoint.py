@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from fivefold.parallel.data import DataParallel
 
 PREFIX = "step_"
 
@@ -44,7 +46,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, dp: DataParallel,
                     state: dict[str, Any], keep: int) -> Path:
     """Collective over the world: every rank calls it with the same step."""
     rank = dist.get_rank()
@@ -55,8 +57,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({"model": get_model_state_dict(model), "optim": dp.optim_state_dict()}, checkpoint_id=str(tmp))
     torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     dist.barrier()  # every rank's files are on disk before the folder becomes visible as complete
     if rank == 0:
@@ -70,13 +71,13 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: nn.Module, dp: DataParallel) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    target = {"model": model_sd, "optim": optim_sd}
-    dcp.load(target, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    target = {"model": get_model_state_dict(model), "optim": dp.optim_state_dict()}
+    dcp.load(target, checkpoint_id=str(path))  # in place, each rank reading the pieces it owns
+    set_model_state_dict(model, target["model"])
+    dp.load_optim_state_dict(target["optim"])
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():  # absent when resuming with more ranks than wrote the checkpoint
         torch.set_rng_state(torch.load(rng, weights_only=True))

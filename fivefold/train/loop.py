@@ -29,7 +29,7 @@ from fivefold.parallel.parallelize import full_state_dict, parallelize
 from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
 from fivefold.train.metrics import MetricsLog, ProgressDisplay
-from fivefold.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from fivefold.train.optim import lr_at, set_lr
 from fivefold.validate import derive, validate
 
 
@@ -157,16 +157,14 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
     mesh = Mesh.from_config(cfg, world, device_type)
     device = device_for(device_type)
     model = build_model(cfg, d.vocab_size).to(device)
-    grad_sync = parallelize(model, mesh, cfg)
-    optimizer = build_optimizer(model, t)
-    params = [p for p in model.parameters() if p.requires_grad]
+    dp = parallelize(model, mesh, cfg)
     train_set, val_set = build_datasets(cfg, run_dir)
     loader = GlobalBatches(train_set, t.global_batch, t.seed)
 
     start = 0
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:
-        state = load_checkpoint(latest, model, optimizer)
+        state = load_checkpoint(latest, model, dp)
         loader.load_state_dict(state["loader"])
         start = state["step"]
     result = TrainResult(run_dir=run_dir, start_step=start)
@@ -179,20 +177,18 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         began = time.perf_counter()
         mesh.stats.reset()
         lr = lr_at(step, t)
-        set_lr(optimizer, lr)
+        set_lr(dp.optimizer, lr)
         epoch = loader.state.epoch
         batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for x, y in batch.micro_batches:
+        for i, (x, y) in enumerate(batch.micro_batches):
             with _autocast(cfg, device_type):
                 logits = model(x.to(device))  # (micro_batch, T, V)
             loss = cross_entropy_sum(logits, y.to(device)) / batch.global_tokens
-            loss.backward()
+            dp.backward(loss, last_micro_batch=i == len(batch.micro_batches) - 1)
             loss_sum += loss.detach().double()
-        grad_sync.reduce_gradients()
-        grad_norm = clip_grad_norm(params, t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = dp.clip_grad_norm(t.grad_clip)
+        dp.step()
         comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
         comms.all_reduce(loss_sum, mesh.group("grad"), label="log")
         elapsed = time.perf_counter() - began
@@ -217,7 +213,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
                           f"grad_norm {grad_norm:.3f}  {record['tokens_per_s']:,.0f} tok/s")
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.steps:
             state = {"loader": loader.state_dict(), "world_size": world}
-            save_checkpoint(run_dir, done, model, optimizer, state, cfg.checkpoint.keep)
+            save_checkpoint(run_dir, done, model, dp, state, cfg.checkpoint.keep)
 
     display.close()
     if return_state:

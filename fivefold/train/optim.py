@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from fivefold.config import TrainConfig
+from fivefold.parallel import comms
+from fivefold.parallel.comms import AxisGroup
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -50,19 +52,21 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, shard_group: AxisGroup | None = None) -> float:
     """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
 
-    Under plain data parallel every rank holds the full, already summed gradient, so the local
-    norm is the global one. Sharded layouts add their partial sums of squares across the shard
-    groups before the square root.
+    With plain data parallel every rank holds the whole summed gradient, so the local norm is the
+    global one. Sharded gradients (ZeRO) pass their shard group: the partial sums of squares are
+    added over it before the square root, so each element counts exactly once.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    if shard_group is not None:
+        comms.all_reduce(sq, shard_group)
+    norm = float(sq.sqrt())
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        scale = min(1.0, max_norm / (norm + 1e-6))
         for g in grads:
-            g.mul_(scale.to(g.dtype))
-    return float(norm)
+            g.mul_(scale)
+    return norm

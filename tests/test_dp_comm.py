@@ -1,0 +1,172 @@
+"""Data parallel's traffic, overlap and checkpoints, and PyTorch's DDP as an oracle."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fivefold.model import count_parameters
+from fivefold.parallel import comms
+from fivefold.testing import run_workers
+from fivefold.train.checkpoint import complete_checkpoints
+from fivefold.train.loop import build_model, train
+from fivefold.train.metrics import read_metrics
+from helpers import tiny_config
+
+STEPS = ("--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0")
+
+
+def _train(rank, world, cfg):
+    r = train(cfg, progress=False)
+    return r.losses, r.samples
+
+
+@pytest.mark.parametrize("zero,n,micro", [(0, 2, 4), (0, 4, 1), (1, 2, 2), (1, 4, 2), (2, 2, 4), (2, 2, 2), (2, 4, 1)])
+def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro):
+    cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", f"--train.micro_batch={micro}",
+                      "--parallel.bucket_mb=0.2")
+    run_workers(_train, n, cfg)
+    m = 8 // n // micro  # micro-batches per step
+    G = P = count_parameters(build_model(cfg, 320)) * 4  # fp32 gradients and parameters, bytes
+    # The tiny model's rows divide by 2 and 4, so shards carry no padding and counts are exact.
+    expected = {
+        0: 2 * (n - 1) / n * G,  # all-reduce
+        1: (n - 1) / n * G + (n - 1) / n * P,  # reduce-scatter + all-gather
+        2: m * (n - 1) / n * G + (n - 1) / n * P,  # a reduce-scatter per micro-batch + all-gather
+    }[zero]
+    if zero:
+        expected += comms.wire_bytes("all_reduce", 8, n)  # the fp64 sum of squares for the norm
+    for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):
+        assert record["comm"]["dp"]["wire_bytes"] == expected
+        assert set(record["comm"]) == {"dp"}  # the loss reduction is charged to "log", not here
+    if zero == 2 and m == 2:  # ZeRO-2 with M = 2 moves 1.5x DDP's bytes
+        assert expected - comms.wire_bytes("all_reduce", 8, n) == 1.5 * 2 * (n - 1) / n * G
+
+
+class _Link:
+    """A slow network link: collectives run one after another, in the order issued, on a
+    background thread, each after `delay` seconds, while the calling thread goes on computing.
+    (Order matters: every rank must run the same collectives in the same sequence.)"""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.pool = ThreadPoolExecutor(max_workers=1)
+
+    def submit(self, fn, *args, **kwargs):
+        def run():
+            time.sleep(self.delay)
+            fn(*args, **kwargs)
+
+        future = self.pool.submit(run)
+        future.wait = future.result  # the Work interface the caller uses
+        return future
+
+
+def _step_times(rank, world, cfg, delay):
+    """Median seconds of forward + backward (with its gradient reduction), three ways."""
+    from fivefold.mesh import Mesh
+    from fivefold.model import cross_entropy_sum
+    from fivefold.parallel.data import apply_data_parallel
+
+    mesh = Mesh.from_config(cfg, world)
+    x = torch.randint(0, 320, (8, 128), generator=torch.Generator().manual_seed(rank))
+    real = dist.all_reduce
+    link = _Link(delay)
+
+    def delayed(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        work = link.submit(real, tensor, op=op, group=group)
+        return work if async_op else work.wait()
+
+    def median_step(overlap: bool) -> float:
+        model = build_model(cfg, 320)
+        dp = apply_data_parallel(model, mesh, cfg.parallel, cfg.train)
+        dp.overlap = overlap
+        times = []
+        for _ in range(4):
+            began = time.perf_counter()
+            dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=True)
+            times.append(time.perf_counter() - began)
+            model.zero_grad(set_to_none=True)
+        return sorted(times[1:])[1], len(dp.buckets)
+
+    compute, n_buckets = median_step(True)  # the real, fast all-reduce: compute alone, nearly
+    dist.all_reduce = delayed
+    try:
+        overlapped, _ = median_step(True)
+        serial, _ = median_step(False)
+    finally:
+        dist.all_reduce = real
+    return compute, overlapped, serial, n_buckets
+
+
+def test_buckets_overlap_communication_with_backward(tmp_path):
+    cfg = tiny_config(tmp_path, "--model.dim=128", "--model.ffn_dim=512", "--model.n_layers=4",
+                      "--parallel.bucket_mb=0.4")
+    delay = 0.02
+    compute, overlapped, serial, n_buckets = run_workers(_step_times, 2, cfg, delay)[0]
+    comm = n_buckets * delay
+    assert n_buckets >= 4
+    # Without overlap the step is compute + every delay; with it, the delays of all buckets but
+    # the last run while backward still computes, so at least a third of the shorter one is hidden.
+    assert serial > compute + 0.8 * comm, (compute, serial, comm)
+    assert overlapped < serial - min(compute, comm) / 3, (compute, overlapped, serial, comm)
+
+
+def _ddp_oracle(rank, world, cfg):
+    """The same training with torch's DistributedDataParallel around the same model and batches."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fivefold.model import cross_entropy_sum
+    from fivefold.train.data import GlobalBatches, rank_slice
+    from fivefold.train.loop import build_datasets
+    from fivefold.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+    t = cfg.train
+    model = build_model(cfg, 320)
+    ddp = DDP(model)
+    opt = build_optimizer(model, t)
+    train_set, _ = build_datasets(cfg, tmp_dir := __import__("pathlib").Path(cfg.run.out_dir))
+    loader = GlobalBatches(train_set, t.global_batch, t.seed)
+    losses = []
+    for step in range(t.steps):
+        set_lr(opt, lr_at(step, t))
+        batch = rank_slice(train_set, loader.next_indices(), t.global_batch, world, rank, t.micro_batch)
+        total = torch.zeros((), dtype=torch.float64)
+        for i, (x, y) in enumerate(batch.micro_batches):
+            last = i == len(batch.micro_batches) - 1
+            ctx = ddp.no_sync() if not last else __import__("contextlib").nullcontext()
+            with ctx:
+                loss = cross_entropy_sum(ddp(x), y) / batch.global_tokens
+                loss.backward()
+            total += loss.detach().double()
+        for p in model.parameters():  # DDP averages; our loss is already divided by the global count
+            p.grad.mul_(world)
+        clip_grad_norm([p.grad for p in model.parameters()], t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append(float(total))
+    del tmp_dir
+    return losses
+
+
+def test_torch_ddp_as_oracle(tmp_path):
+    args = (*STEPS, "--train.steps=4", "--train.micro_batch=2")
+    ours, _ = run_workers(_train, 2, tiny_config(tmp_path / "ours", *args))[0]
+    theirs = run_workers(_ddp_oracle, 2, tiny_config(tmp_path / "torch", *args))[0]
+    # The same sums in a different order (DDP averages then we rescale by 2): 1e-6 relative.
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_resume_is_exact(tmp_path, zero):
+    args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=4", "--checkpoint.every=2",
+            f"--parallel.zero={zero}", "--train.micro_batch=2")
+    losses, _ = run_workers(_train, 2, tiny_config(tmp_path, *args))[0]
+    import shutil
+
+    shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
+    resumed, _ = run_workers(_train, 2, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0]
+    assert resumed == losses[2:]  # master weights and moments came back bit for bit
