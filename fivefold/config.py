@@ -51,6 +51,8 @@ class ParallelConfig:
     zero: int = 0  # 0 = DDP, 1/2 = ZeRO-1/2 optimizer/gradient sharding, 3 = FSDP
     bucket_mb: float = 25.0  # gradient bucket cap in MB (10^6 bytes) for DDP/ZeRO
     overlap_comm: bool = True  # start a bucket's collective during backward, as soon as it is complete
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients travel in (bf16 halves the bytes)
+    reshard_after_forward: bool = True  # zero=3: free gathered parameters after forward, gather again for backward
     dp_collective: Literal["builtin", "ring"] = "builtin"  # gradient all-reduce: backend's or ours from send/recv
     tp: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallel inside tp regions
@@ -79,7 +81,11 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm cap; 0 disables clipping
     seed: int = 0  # model init and data order
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: fp32 on CPU, bf16 autocast on GPU
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # compute dtype (autocast); auto: fp32 on CPU, bf16 on GPU
+    loss_scale: float = 0.0  # fp16 only: fixed loss scale, or 0 for dynamic scaling
+    initial_scale_power: int = 16  # fp16 dynamic scaling starts at 2**this
+    loss_scale_window: int = 1000  # fp16: clean steps before the scale doubles
+    min_loss_scale: float = 1.0  # fp16: the scale never drops below this
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False  # torch.compile each transformer block
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation

@@ -28,6 +28,12 @@ NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
     "parallel.dp_collective": ("builtin", "ring collectives from send/recv"),
     "train.recompute": ("none", "activation recomputation"),
 }
+# Values (not whole keys) of features still to come.
+NOT_AVAILABLE_VALUES: dict[tuple[str, Any], str] = {
+    ("parallel.zero", 3): "ZeRO-3 / FSDP; use zero = 1 or 2",
+    ("train.dtype", "fp16"): "fp16 with loss scaling; use bf16",
+    ("parallel.reduce_dtype", "bf16"): "bf16 gradient reduction; use fp32",
+}
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,10 @@ def validate(cfg: Config, world_size: int) -> list[str]:
         value = getattr(getattr(cfg, section), name)
         if value != default:
             unavailable.append(f"{key} = {value!r}: {what} is not available yet in fivefold; set {key} = {default!r}")
+    for (key, value), what in NOT_AVAILABLE_VALUES.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == value:
+            unavailable.append(f"{key} = {value!r}: {what} is not available yet in fivefold")
     return unavailable + _check_values(cfg, world_size)
 
 
@@ -171,6 +181,10 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             err(f"{key} = {value}: must be within [0, 1)")
     if t.eps <= 0:
         err(f"train.eps = {t.eps}: must be > 0")
+    if t.loss_scale < 0 or t.min_loss_scale <= 0 or t.loss_scale_window < 1 or not 0 <= t.initial_scale_power <= 64:
+        err(f"fp16 loss scaling: train.loss_scale = {t.loss_scale} (>= 0, 0 = dynamic), min_loss_scale = "
+            f"{t.min_loss_scale} (> 0), loss_scale_window = {t.loss_scale_window} (>= 1), initial_scale_power = "
+            f"{t.initial_scale_power} (0..64)")
     if t.device == "cuda":
         import torch
 
@@ -201,8 +215,6 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {_divisors_near(dp, dp)}")
     if p.zero not in (0, 1, 2, 3):
         err(f"parallel.zero = {p.zero}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
-    elif p.zero == 3:
-        err("parallel.zero = 3: ZeRO-3 / FSDP is not available yet in fivefold; use zero = 1 or 2")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
 
