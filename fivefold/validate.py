@@ -30,7 +30,6 @@ NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
 }
 # Values (not whole keys) of features still to come.
 NOT_AVAILABLE_VALUES: dict[tuple[str, Any], str] = {
-    ("parallel.zero", 3): "ZeRO-3 / FSDP; use zero = 1 or 2",
     ("train.dtype", "fp16"): "fp16 with loss scaling; use bf16",
     ("parallel.reduce_dtype", "bf16"): "bf16 gradient reduction; use fp32",
 }
@@ -215,6 +214,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {_divisors_near(dp, dp)}")
     if p.zero not in (0, 1, 2, 3):
         err(f"parallel.zero = {p.zero}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
+    if p.zero == 3 and m.tie_embeddings:
+        err("parallel.zero = 3 with model.tie_embeddings = true: the shared matrix would belong to two FSDP "
+            "units; untie the embeddings or use zero = 1 or 2")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
 

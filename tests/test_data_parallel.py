@@ -41,6 +41,10 @@ LAYOUTS = {  # name: (ranks, micro_batch, extra overrides)
     "zero2-dp4-accum2": (4, 1, ("--parallel.zero=2",)),
     "hsdp-zero1-2x2": (4, 1, ("--parallel.zero=1", "--parallel.dp_replicate=2")),
     "hsdp-zero2-2x2-accum2": (4, 1, ("--parallel.zero=2", "--parallel.dp_replicate=2", "--parallel.bucket_mb=0.1")),
+    "zero3-dp2-accum2": (2, 2, ("--parallel.zero=3",)),
+    "zero3-dp4-accum2": (4, 1, ("--parallel.zero=3",)),
+    "zero3-keep-gathered-dp2": (2, 4, ("--parallel.zero=3", "--parallel.reshard_after_forward=false")),
+    "hsdp-zero3-2x2": (4, 2, ("--parallel.zero=3", "--parallel.dp_replicate=2")),
 }
 
 

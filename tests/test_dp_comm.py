@@ -23,10 +23,12 @@ def _train(rank, world, cfg):
     return r.losses, r.samples
 
 
-@pytest.mark.parametrize("zero,n,micro", [(0, 2, 4), (0, 4, 1), (1, 2, 2), (1, 4, 2), (2, 2, 4), (2, 2, 2), (2, 4, 1)])
-def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro):
+@pytest.mark.parametrize("zero,n,micro,keep", [
+    (0, 2, 4, False), (0, 4, 1, False), (1, 2, 2, False), (1, 4, 2, False), (2, 2, 4, False), (2, 2, 2, False),
+    (2, 4, 1, False), (3, 2, 4, False), (3, 2, 2, False), (3, 4, 1, False), (3, 2, 2, True)])
+def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro, keep):
     cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", f"--train.micro_batch={micro}",
-                      "--parallel.bucket_mb=0.2")
+                      "--parallel.bucket_mb=0.2", f"--parallel.reshard_after_forward={str(not keep).lower()}")
     run_workers(_train, n, cfg)
     m = 8 // n // micro  # micro-batches per step
     G = P = count_parameters(build_model(cfg, 320)) * 4  # fp32 gradients and parameters, bytes
@@ -35,13 +37,14 @@ def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro):
         0: 2 * (n - 1) / n * G,  # all-reduce
         1: (n - 1) / n * G + (n - 1) / n * P,  # reduce-scatter + all-gather
         2: m * (n - 1) / n * G + (n - 1) / n * P,  # a reduce-scatter per micro-batch + all-gather
+        3: (2 if keep else 3) * m * (n - 1) / n * P,  # per micro-batch: gather, gather again, reduce-scatter
     }[zero]
     if zero:
         expected += comms.wire_bytes("all_reduce", 8, n)  # the fp64 sum of squares for the norm
     for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):
         assert record["comm"]["dp"]["wire_bytes"] == expected
         assert set(record["comm"]) == {"dp"}  # the loss reduction is charged to "log", not here
-    if zero == 2 and m == 2:  # ZeRO-2 with M = 2 moves 1.5x DDP's bytes
+    if (zero == 2 and m == 2) or (zero == 3 and m == 1 and not keep):  # 1.5x DDP's bytes
         assert expected - comms.wire_bytes("all_reduce", 8, n) == 1.5 * 2 * (n - 1) / n * G
 
 
@@ -160,7 +163,7 @@ def test_torch_ddp_as_oracle(tmp_path):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_resume_is_exact(tmp_path, zero):
     args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=4", "--checkpoint.every=2",
             f"--parallel.zero={zero}", "--train.micro_batch=2")

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fivefold.config import ParallelConfig, TrainConfig
@@ -78,7 +79,7 @@ class DataParallel:
         self.model, self.mesh = model, mesh
         self.group = mesh.group("grad")
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = make_buckets(self.params[::-1], parallel.bucket_mb * 1e6)
+        self.buckets = self._make_buckets(parallel)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.overlap = parallel.overlap_comm
         self._reducing = False
@@ -86,6 +87,9 @@ class DataParallel:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.optimizer = self._build_optimizer(train)
+
+    def _make_buckets(self, parallel: ParallelConfig) -> list[Bucket]:
+        return make_buckets(self.params[::-1], parallel.bucket_mb * 1e6)
 
     def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
         return build_optimizer(self.model, train)
@@ -150,6 +154,18 @@ class DataParallel:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    # ---- state: what checkpoints save and tests compare ----------------------------------------
+    def model_state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_model_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Plain, unsharded copies of every parameter and buffer, keyed as in the model."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
     def optim_state_dict(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
@@ -205,7 +221,7 @@ class ZeroDataParallel(DataParallel):
         b.flat = torch.cat(chunks, dim=1).reshape(-1)  # rank-major: (N sum(shard numel),)
         b.out = b.flat.new_empty(sum(b.shard_numel))
         b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
-        if self.stage == 2:
+        if self.stage >= 2:
             for p in b.params:
                 p.grad = None  # the full gradient is not kept: its rows live on in b.flat until reduced
 
@@ -274,6 +290,10 @@ class ZeroDataParallel(DataParallel):
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig) -> DataParallel:
-    """DDP for zero = 0, ZeRO-1/2 otherwise; a no-op reducer when the grad view has one rank."""
+    """DDP for zero = 0, ZeRO-1/2, or FSDP for zero = 3; DDP over one rank reduces nothing."""
+    if parallel.zero == 3:
+        from fivefold.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, mesh, parallel, train)
     cls = ZeroDataParallel if parallel.zero in (1, 2) else DataParallel
     return cls(model, mesh, parallel, train)

@@ -31,11 +31,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
     return apply_data_parallel(model, mesh, cfg.parallel, cfg.train)
 
 
-@torch.no_grad()
-def full_state_dict(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
+def full_state_dict(dp: DataParallel) -> dict[str, torch.Tensor]:
     """A plain, unsharded copy of the model's state on every rank, keyed as the single-process model.
 
-    Undoes every sharding of the layout; with data parallel alone each rank already holds all of it.
+    Undoes every sharding of the layout: data parallel's (ZeRO-3 gathers its shards) for now.
     """
-    del mesh  # used once sharded layouts exist: gathers go over their groups
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dp.full_state_dict()

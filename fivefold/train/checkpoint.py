@@ -20,8 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from fivefold.parallel.data import DataParallel
 
@@ -46,7 +44,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, dp: DataParallel,
+def save_checkpoint(run_dir: Path, step: int, dp: DataParallel,
                     state: dict[str, Any], keep: int) -> Path:
     """Collective over the world: every rank calls it with the same step."""
     rank = dist.get_rank()
@@ -57,7 +55,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, dp: DataParallel
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    dcp.save({"model": get_model_state_dict(model), "optim": dp.optim_state_dict()}, checkpoint_id=str(tmp))
+    dcp.save({"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}, checkpoint_id=str(tmp))
     torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     dist.barrier()  # every rank's files are on disk before the folder becomes visible as complete
     if rank == 0:
@@ -71,12 +69,12 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, dp: DataParallel
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, dp: DataParallel) -> dict[str, Any]:
+def load_checkpoint(path: Path, dp: DataParallel) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
-    target = {"model": get_model_state_dict(model), "optim": dp.optim_state_dict()}
+    target = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
     dcp.load(target, checkpoint_id=str(path))  # in place, each rank reading the pieces it owns
-    set_model_state_dict(model, target["model"])
+    dp.load_model_state_dict(target["model"])
     dp.load_optim_state_dict(target["optim"])
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():  # absent when resuming with more ranks than wrote the checkpoint

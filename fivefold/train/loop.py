@@ -164,7 +164,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
     start = 0
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:
-        state = load_checkpoint(latest, model, dp)
+        state = load_checkpoint(latest, dp)
         loader.load_state_dict(state["loader"])
         start = state["step"]
     result = TrainResult(run_dir=run_dir, start_step=start)
@@ -213,11 +213,11 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
                           f"grad_norm {grad_norm:.3f}  {record['tokens_per_s']:,.0f} tok/s")
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.steps:
             state = {"loader": loader.state_dict(), "world_size": world}
-            save_checkpoint(run_dir, done, model, dp, state, cfg.checkpoint.keep)
+            save_checkpoint(run_dir, done, dp, state, cfg.checkpoint.keep)
 
     display.close()
     if return_state:
-        result.state = full_state_dict(model, mesh)
+        result.state = full_state_dict(dp)
     if log is not None:
         log.close()
         summary = {"run_dir": str(run_dir), "metrics": str(log.path), "config": str(run_dir / "config.toml"),
