@@ -4,8 +4,9 @@ Forked workers start in milliseconds where spawned ones cost seconds each (TORCH
 which is what lets the suite run dozens of multi-process cases. Three details make fork safe:
 - each child calls torch.set_num_threads(1) before touching torch, or it can hang on the thread
   pool inherited from the parent;
-- the parent opens the TCPStore on port 0 and hands the chosen port to the children, so there is
-  no race for a "free" port;
+- the parent forks every worker first and only then opens the TCPStore on port 0 (a store's
+  server thread alive during fork can leave a child holding a copy of a lock that is never
+  released), and hands the chosen port to the children: no race for a "free" port either;
 - a child's exception travels back as text and is re-raised in the parent with the rank named,
   and a child that dies or hangs fails the test instead of hanging it.
 """
@@ -29,10 +30,11 @@ class WorkerError(RuntimeError):
     pass
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, conn: Any, args: tuple) -> None:
+def _child(fn: Callable[..., Any], rank: int, world_size: int, conn: Any, args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
+        port = conn.recv()  # the store exists only after every worker was forked
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=120))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(rank, world_size, *args)
@@ -52,16 +54,20 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     Fork copies the parent, so fn may be a closure; its results must be picklable. The first
     failure fails the call within seconds: the other ranks are killed rather than awaited.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("fork")
     procs, conns = [], []
     for rank in range(world_size):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(fn, rank, world_size, store.port, child_conn, args), daemon=True)
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        p = ctx.Process(target=_child, args=(fn, rank, world_size, child_conn, args), daemon=True)
         p.start()
         child_conn.close()
         procs.append(p)
         conns.append(parent_conn)
+    # Open the store only now: its server thread (which takes locks, e.g. in name resolution) must
+    # not exist while we fork, or a child can inherit a lock held forever.
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    for conn in conns:
+        conn.send(store.port)
     results: list[Any] = [None] * world_size
     errors: list[str] = []
     pending = dict(zip(conns, range(world_size)))
@@ -91,6 +97,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # stops its server thread before the next call forks again
     if errors:
         raise WorkerError("\n".join(errors))
     return results

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.mesh import Mesh
-from fivefold.parallel import comms
+from fivefold.parallel import comms, ring
 from fivefold.parallel.comms import AxisGroup, CommStats
 from fivefold.parallel.ring import (
     RingStep,
@@ -102,8 +102,13 @@ def _ring_vs_torch(rank, world):
     numel = 6 * world
     out = {}
 
+    # Record every exchange this rank makes, to compare with the pure schedule afterwards.
+    exchange, log = ring._exchange, []
+    ring._exchange = lambda send, recv, step, g: (log.append(step), exchange(send, recv, step, g))
     x = _rank_input(rank, numel).view(world * 3, 2)  # (S/2, 2) any shape works
     ring_all_reduce(x, group)
+    ring._exchange = exchange
+    out["steps"] = log
     out["all_reduce"] = x.clone()
     out["all_reduce_stats"] = mesh.stats.snapshot()
     # A non-contiguous tensor is still reduced in place, through a contiguous copy.
@@ -147,7 +152,9 @@ def test_ring_matches_torch_bit_for_bit_and_counts_ring_bytes(world):
     numel = 6 * world
     direct = sum(_rank_input(r, numel) for r in range(world))  # (S,)
     nbytes = numel * 4
+    schedule = ring_all_reduce_schedule(world)
     for rank, out in enumerate(results):
+        assert out["steps"] == [row[rank] for row in schedule]  # the executor follows the schedule
         assert torch.equal(out["all_reduce"], direct.view(world * 3, 2))
         assert torch.equal(out["all_reduce_t"], direct.view(2, world * 3).t())
         mine, ref, untouched = out["reduce_scatter"]

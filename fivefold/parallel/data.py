@@ -54,7 +54,6 @@ class Bucket:
     work: object | None = None  # the in-flight collective
     flat: torch.Tensor | None = None  # its send buffer (DDP: also the result)
     out: torch.Tensor | None = None  # ZeRO: this rank's reduced rows
-    launched: bool = False
     shard_numel: list[int] = field(default_factory=list)  # ZeRO: numel of one rank's rows per parameter
 
 
@@ -82,6 +81,7 @@ class DataParallel:
         self.buckets = self._make_buckets(parallel)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.overlap = parallel.overlap_comm
+        self._peak: dict[str, int] = {}  # largest model_state_bytes() seen between micro-batches
         self._reducing = False
         self._next = 0  # index of the next bucket to launch
         for p in self.params:
@@ -107,13 +107,16 @@ class DataParallel:
         if self._reducing:
             self._next = 0
             for b in self.buckets:
-                b.waiting, b.launched = len(b.params), False
+                b.waiting = len(b.params)
         loss.backward()
         if self._reducing:
             self._launch_ready(force=True)  # buckets with a parameter that got no gradient here
             for b in self.buckets:
                 self._finish(b)
             self._reducing = False
+        sample = self.model_state_bytes()
+        if sample["total"] > self._peak.get("total", -1):
+            self._peak = sample
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not (self._reducing and self.overlap):  # without overlap every bucket starts after backward
@@ -128,7 +131,6 @@ class DataParallel:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self._launch(b)
-            b.launched = True
             self._next += 1
 
     @torch.no_grad()
@@ -153,6 +155,37 @@ class DataParallel:
     def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+
+    def _extra_grads(self) -> list[torch.Tensor]:
+        return []
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now for parameters, gradients and optimizer state (fp32 master
+        copies included), each storage counted once; freed (resized-to-zero) storages count 0."""
+        seen: set[int] = set()
+
+        def size(tensors: list[torch.Tensor | None]) -> int:
+            total = 0
+            for t in tensors:
+                if t is None or t.untyped_storage().nbytes() == 0 or t.untyped_storage().data_ptr() in seen:
+                    continue
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+            return total
+
+        out = {"params": size(list(self.params)),
+               "grads": size([p.grad for p in self.params] + self._extra_grads()),
+               "optimizer": size(self._optimizer_tensors())}
+        return {**out, "total": sum(out.values())}
+
+    def pop_peak_state_bytes(self) -> dict[str, int]:
+        """The largest model_state_bytes() sampled after each micro-batch since the last call."""
+        peak, self._peak = self._peak, {}
+        return peak
 
     # ---- state: what checkpoints save and tests compare ----------------------------------------
     def model_state_dict(self) -> dict:
@@ -236,6 +269,12 @@ class ZeroDataParallel(DataParallel):
             shard.grad = rows if shard.grad is None else shard.grad.add_(rows)
             p.grad = None
         b.work = b.flat = b.out = None
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return super()._optimizer_tensors() + list(self.shards.values())  # the fp32 masters
+
+    def _extra_grads(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.shards.values()]
 
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = [s.grad for s in self.shards.values() if s.grad is not None]

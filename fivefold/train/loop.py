@@ -199,7 +199,8 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         result.samples.append([int(i) for i in batch.indices])
         record = {"step": step + 1, "epoch": epoch, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens": batch.global_tokens, "step_time_s": elapsed,
-                  "tokens_per_s": batch.global_tokens / elapsed, "comm": comm}
+                  "tokens_per_s": batch.global_tokens / elapsed, "comm": comm,
+                  "model_state_bytes": dp.pop_peak_state_bytes()}
 
         done = step + 1
         if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):

@@ -13,6 +13,7 @@ Keys of a step's object in `metrics.jsonl` (later features add keys; none is eve
 | step_time_s | wall-clock seconds of the step on rank 0, data to optimizer |
 | tokens_per_s | tokens / step_time_s, for the whole job |
 | comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comms.py during the step |
+| model_state_bytes | {params, grads, optimizer, total}: bytes rank 0 held, largest sample after each micro-batch's backward (storages counted once) |
 | val_loss | mean validation token loss (only on steps that evaluate) |
 """
 

@@ -1,0 +1,297 @@
+"""Data-parallel step time and peak memory: fivefold against torch, and bucket overlap on/off.
+
+Run: `.venv/bin/python benchmarks/data_parallel.py [--steps N] [--rounds R] [--quick]`
+(extra `--section.key=value` arguments override the config, e.g. `--model.n_layers=8`).
+
+What is compared, each on the same number of ranks (2 by default, gloo, CPU, fp32):
+1. `ddp`:   torch `DistributedDataParallel`          vs fivefold DDP (`parallel.zero = 0`);
+2. `zero3`: torch FSDP2 `fully_shard` (every block,   vs fivefold ZeRO-3 (`parallel.zero = 3`);
+            then the root; reshard_after_forward=True)
+3. `overlap`: fivefold DDP with `wrapper.overlap = True` vs `False` (bucket collectives started
+   during backward, or all of them after it).
+Every run builds the same model with the same initial weights (`build_model`, seeded) and trains
+it on the same batches (random token ids from a generator seeded per step; rank r takes rows
+[r B, (r+1) B) of each global batch), with AdamW from `build_optimizer` on both sides and
+gradient clipping at `train.grad_clip`. Bucket caps are matched: fivefold `parallel.bucket_mb`
+(10^6 bytes) and torch DDP `bucket_cap_mb` (MiB) are set to the same number of bytes.
+
+Loss scaling: fivefold sums gradients over ranks and divides each rank's summed token loss by the
+global token count; torch DDP and FSDP2 average gradients over ranks, so their loss is divided by
+the rank's own token count. Both then follow the gradient of the mean over every token, and the
+first-step losses must agree (checked and printed: `loss_check`, tolerance 1e-5 absolute; they
+are the same forward on the same weights and data, so only summation order can differ).
+
+How time is measured: a step is forward + backward (with the gradient reduction) + clip +
+optimizer step, timed with perf_counter on every rank; a step's time is the slowest rank's. Each
+configuration runs in its own pair of freshly forked worker processes (`fivefold.testing.run_workers`:
+fork, so the imports done once here are not paid again; each worker has 1 thread and
+OMP_NUM_THREADS=1). The first `--warmup` steps of every run are skipped (FSDP2's lazy init, DDP's
+bucket rebuild, allocator warm-up). The two sides of a comparison alternate, A B, B A, A B, ...
+over `--rounds` rounds, and the reported step time is the median over all kept steps of all
+rounds (each side's per-round medians are listed too, to judge the spread).
+
+How memory is measured: process peak RSS. Each run is its own process, so nothing of another
+configuration is in its peak. Right before the model is built (after the process groups exist)
+the worker resets its peak to its current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0)
+and reads that RSS as its baseline; at the end it reads the peak (VmHWM, what getrusage's
+ru_maxrss reports). `*_peak_mb` is peak minus baseline (model, gradients, optimizer state,
+activations, communication buffers, allocator slack), the maximum over ranks, median over rounds;
+`*_peak_rss_mb` is the absolute peak, which is mostly the ~150-250 MB of Python and torch that
+every configuration shares.
+
+Reading the numbers: absolute times on a shared 2-core machine are noise (another process's test
+run moves them by tens of percent); the ratios between alternated runs are what to read, and even
+they move by a few percent from one invocation to the next. Output: human-readable progress and
+checks on stderr; on stdout one JSON object per comparison, then the overlap line, and last a
+summary object whose measured ratios have "ratio" in their keys (targets from the issue are
+printed beside them, not asserted).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
+from fivefold.config import Config, load_config, replace  # noqa: E402
+from fivefold.mesh import Mesh  # noqa: E402
+from fivefold.model import cross_entropy_sum  # noqa: E402
+from fivefold.parallel.data import apply_data_parallel  # noqa: E402
+from fivefold.testing import run_workers  # noqa: E402
+from fivefold.train.loop import build_model  # noqa: E402
+from fivefold.train.optim import build_optimizer  # noqa: E402
+from fivefold.validate import derive  # noqa: E402
+
+torch.set_num_threads(1)
+
+# name -> (fivefold side, torch side); "overlap" compares two fivefold runs.
+COMPARISONS = {
+    "ddp": ("fivefold_ddp", "torch_ddp"),
+    "zero3": ("fivefold_zero3", "torch_fsdp2"),
+    "overlap": ("fivefold_ddp_overlap", "fivefold_ddp_no_overlap"),
+}
+TARGETS = {"ddp_ratio_step_time": 1.10, "zero3_ratio_step_time": 1.15}  # fivefold / torch, from the issue
+LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order differs
+
+
+# ---- memory ------------------------------------------------------------------------------------
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # kB -> MiB
+    return float("nan")
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's peak RSS to its current RSS (Linux >= 4.0); return that RSS in MiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # without it the peak includes what the process held before (a fresh fork: little)
+        pass
+    return _status_mb("VmRSS")
+
+
+# ---- one configuration on one rank ---------------------------------------------------------------
+def _batches(cfg: Config, world: int, rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n (inputs, targets) pairs of this rank's rows of the global batch; the same in every run."""
+    t = cfg.train
+    out = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(t.seed * 100_003 + step)
+        tokens = torch.randint(0, 256, (t.micro_batch * world, t.seq_len + 1), generator=g)  # (B_global, T+1)
+        mine = tokens[rank * t.micro_batch : (rank + 1) * t.micro_batch]  # (B, T+1)
+        out.append((mine[:, :-1].contiguous(), mine[:, 1:].contiguous()))
+    return out
+
+
+def _worker(rank: int, world: int, kind: str, cfg: Config, warmup: int, steps: int) -> dict:
+    torch.set_num_threads(1)
+    t = cfg.train
+    vocab = derive(cfg, world).vocab_size
+    batches = _batches(cfg, world, rank, warmup + steps)
+    local_tokens = t.micro_batch * t.seq_len
+    global_tokens = local_tokens * world
+
+    fivefold = kind.startswith("fivefold")
+    if fivefold:
+        zero = 3 if kind == "fivefold_zero3" else 0
+        cfg = replace(cfg, parallel={"zero": zero})
+        mesh = Mesh.from_config(cfg, world)  # process groups before the memory baseline
+    else:
+        device_mesh = init_device_mesh("cpu", (world,))
+    dist.barrier()
+    rss0 = reset_peak_rss()
+
+    model = build_model(cfg, vocab)
+    if fivefold:
+        dp = apply_data_parallel(model, mesh, cfg.parallel, cfg.train)
+        dp.overlap = kind != "fivefold_ddp_no_overlap"
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = cross_entropy_sum(model(x), y) / global_tokens  # summed over ranks by the wrapper
+            dp.backward(loss, last_micro_batch=True)
+            dp.clip_grad_norm(t.grad_clip)
+            dp.step()
+            return loss
+
+        loss_weight = 1.0  # the global loss is the sum of the ranks' losses
+    else:
+        if kind == "torch_ddp":
+            cap_mib = cfg.parallel.bucket_mb * 1e6 / 2**20  # the same bytes as fivefold's bucket_mb
+            net = DistributedDataParallel(model, bucket_cap_mb=cap_mib)
+        elif kind == "torch_fsdp2":
+            for block in model.layers.values():
+                fully_shard(block, mesh=device_mesh, reshard_after_forward=True)
+            fully_shard(model, mesh=device_mesh, reshard_after_forward=True)
+            net = model
+        else:
+            raise ValueError(kind)
+        opt = build_optimizer(model, cfg.train)  # after fully_shard: it steps the DTensor shards
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = cross_entropy_sum(net(x), y) / local_tokens  # torch averages gradients over ranks
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
+
+    times, losses = [], []
+    for x, y in batches:
+        began = time.perf_counter()
+        loss = step(x, y)
+        times.append(time.perf_counter() - began)
+        total = loss.detach().double() * loss_weight  # outside the timed region
+        dist.all_reduce(total)
+        losses.append(float(total))
+    return {"times": times[warmup:], "losses": losses, "peak_mb": _status_mb("VmHWM") - rss0,
+            "peak_rss_mb": _status_mb("VmHWM")}
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+def run_config(kind: str, cfg: Config, world: int, warmup: int, steps: int) -> dict:
+    results = run_workers(_worker, world, kind, cfg, warmup, steps, timeout=300.0)
+    return {
+        "times": [max(ts) for ts in zip(*(r["times"] for r in results))],  # a step takes its slowest rank's time
+        "losses": results[0]["losses"],
+        "peak_mb": max(r["peak_mb"] for r in results),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+    }
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 4) if b else float("nan")
+
+
+def summarize(name: str, runs: dict[str, list[dict]], kinds: tuple[str, str], steps: int, rounds: int) -> dict:
+    a, b = (runs[k] for k in kinds)
+    t_a = _median([x for r in a for x in r["times"]])
+    t_b = _median([x for r in b for x in r["times"]])
+    m_a, m_b = _median([r["peak_mb"] for r in a]), _median([r["peak_mb"] for r in b])
+    first_diff = abs(a[0]["losses"][0] - b[0]["losses"][0])
+    last_diff = abs(a[0]["losses"][-1] - b[0]["losses"][-1])
+    common = {
+        "steps": steps, "rounds": rounds,
+        "loss_first_step": [a[0]["losses"][0], b[0]["losses"][0]],
+        "loss_first_step_abs_diff": first_diff,
+        "loss_check": "ok" if first_diff <= LOSS_TOL else f"MISMATCH (> {LOSS_TOL})",
+        "loss_last_step_abs_diff": last_diff,  # after several AdamW steps: ~1e-5 is normal (TORCH-CPU-NOTES.md)
+    }
+    r = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
+    if name == "overlap":
+        return {"name": name, "overlap_on_step_s": round(t_a, 4), "overlap_off_step_s": round(t_b, 4),
+                "ratio_overlap_on_off": _ratio(t_a, t_b), "overlap_on_peak_mb": round(m_a, 1),
+                "overlap_off_peak_mb": round(m_b, 1), "overlap_on_round_medians_s": r(a),
+                "overlap_off_round_medians_s": r(b), **common}
+    return {"name": name, "fivefold": kinds[0], "torch": kinds[1],
+            "fivefold_step_s": round(t_a, 4), "torch_step_s": round(t_b, 4), "ratio_step_time": _ratio(t_a, t_b),
+            "fivefold_peak_mb": round(m_a, 1), "torch_peak_mb": round(m_b, 1), "ratio_peak_memory": _ratio(m_a, m_b),
+            "fivefold_peak_rss_mb": round(_median([x["peak_rss_mb"] for x in a]), 1),
+            "torch_peak_rss_mb": round(_median([x["peak_rss_mb"] for x in b]), 1),
+            "fivefold_round_medians_s": r(a), "torch_round_medians_s": r(b), **common}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="Extra --section.key=value arguments override the config.")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of each comparison's two sides")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (forked worker processes)")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket cap, both frameworks (10^6 bytes)")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "debug.toml"))
+    parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps after 1 warm-up step: a smoke test")
+    args, overrides = parser.parse_known_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.rounds = 2, 1, 1
+    world = args.nproc
+    cfg = load_config(args.config, [
+        "--train.micro_batch=8", "--train.seq_len=128", "--train.dtype=fp32",
+        f"--train.global_batch={8 * world}", f"--parallel.bucket_mb={args.bucket_mb}", *overrides])
+    cfg = replace(cfg, train={"global_batch": cfg.train.micro_batch * world})  # one micro-batch per rank
+    m, t = cfg.model, cfg.train
+    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"model dim {m.dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; {world} ranks x micro-batch "
+        f"{t.micro_batch} x seq {t.seq_len}, fp32; bucket {cfg.parallel.bucket_mb} MB; "
+        f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run")
+
+    began = time.perf_counter()
+    runs: dict[str, list[dict]] = {}
+    for rnd in range(args.rounds):
+        for name in args.only:
+            kinds = COMPARISONS[name]
+            for kind in kinds if rnd % 2 == 0 else kinds[::-1]:  # A B, then B A, ...
+                res = run_config(kind, cfg, world, args.warmup, args.steps)
+                runs.setdefault(kind, []).append(res)
+                log(f"round {rnd + 1}/{args.rounds} {kind:24s} median {_median(res['times']):.4f} s/step  "
+                    f"peak +{res['peak_mb']:.1f} MB  first loss {res['losses'][0]:.7f}  "
+                    f"[{time.perf_counter() - began:.0f} s]")
+
+    summary: dict = {"summary": True}
+    for name in args.only:
+        out = summarize(name, runs, COMPARISONS[name], args.steps, args.rounds)
+        log(f"loss check {name}: first-step losses {out['loss_first_step'][0]:.8f} vs "
+            f"{out['loss_first_step'][1]:.8f}, |diff| {out['loss_first_step_abs_diff']:.2e} -> {out['loss_check']}")
+        print(json.dumps(out), flush=True)
+        if name == "overlap":
+            summary["overlap_ratio"] = out["ratio_overlap_on_off"]
+        else:
+            summary[f"{name}_ratio_step_time"] = out["ratio_step_time"]
+            summary[f"{name}_ratio_peak_memory"] = out["ratio_peak_memory"]
+        summary[f"{name}_loss_check"] = out["loss_check"]
+    summary["targets"] = {k.replace("_ratio", ""): f"<= {v}" for k, v in TARGETS.items() if k in summary}
+    summary["within_target"] = {k.replace("_ratio", ""): summary[k] <= v for k, v in TARGETS.items() if k in summary}
+    summary["wall_s"] = round(time.perf_counter() - began, 1)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
