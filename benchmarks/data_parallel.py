@@ -30,14 +30,18 @@ bucket rebuild, allocator warm-up). The two sides of a comparison alternate, A B
 over `--rounds` rounds, and the reported step time is the median over all kept steps of all
 rounds (each side's per-round medians are listed too, to judge the spread).
 
-How memory is measured: process peak RSS. Each run is its own process, so nothing of another
-configuration is in its peak. Right before the model is built (after the process groups exist)
-the worker resets its peak to its current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0)
-and reads that RSS as its baseline; at the end it reads the peak (VmHWM, what getrusage's
-ru_maxrss reports). `*_peak_mb` is peak minus baseline (model, gradients, optimizer state,
-activations, communication buffers, allocator slack), the maximum over ranks, median over rounds;
-`*_peak_rss_mb` is the absolute peak, which is mostly the ~150-250 MB of Python and torch that
-every configuration shares.
+How memory is measured: peak RSS of each worker process, which only ever runs one configuration
+(so no other configuration's memory is in it), turned into the memory the configuration itself
+holds. Right before the model is built (after the process groups exist) the worker reads its
+anonymous RSS (RssAnon: heap and tensors); after the warm-up it resets its peak RSS to the current
+RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0), and after the timed steps it reads the peak
+(VmHWM, what getrusage's ru_maxrss reports) and subtracts the file-backed and shared RSS
+(RssFile + RssShmem: library code a forked worker maps in as it first runs it, ~150 MB that would
+otherwise swamp the difference) and the anonymous baseline. So `*_peak_mb` is the peak, during
+steady-state steps, of what the run added: parameters, gradients, optimizer state, activations,
+communication buffers and allocator slack; one-off transients of setup (the full model built before
+ZeRO-3/FSDP2 shard it) are not in it. Maximum over ranks, median over rounds. `*_peak_rss_mb` is
+the absolute steady-state peak RSS, mostly the Python and torch that every configuration shares.
 
 Reading the numbers: absolute times on a shared 2-core machine are noise (another process's test
 run moves them by tens of percent); the ratios between alternated runs are what to read, and even
@@ -58,6 +62,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,14 +105,13 @@ def _status_mb(key: str) -> float:
     return float("nan")
 
 
-def reset_peak_rss() -> float:
-    """Reset this process's peak RSS to its current RSS (Linux >= 4.0); return that RSS in MiB."""
+def reset_peak_rss() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:  # without it the peak includes what the process held before (a fresh fork: little)
+    except OSError:  # without it the peak also covers setup (model built, then sharded): a little higher
         pass
-    return _status_mb("VmRSS")
 
 
 # ---- one configuration on one rank ---------------------------------------------------------------
@@ -125,6 +129,8 @@ def _batches(cfg: Config, world: int, rank: int, n: int) -> list[tuple[torch.Ten
 
 def _worker(rank: int, world: int, kind: str, cfg: Config, warmup: int, steps: int) -> dict:
     torch.set_num_threads(1)
+    # FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, deprecated in favour of *_single.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     t = cfg.train
     vocab = derive(cfg, world).vocab_size
     batches = _batches(cfg, world, rank, warmup + steps)
@@ -139,7 +145,7 @@ def _worker(rank: int, world: int, kind: str, cfg: Config, warmup: int, steps: i
     else:
         device_mesh = init_device_mesh("cpu", (world,))
     dist.barrier()
-    rss0 = reset_peak_rss()
+    anon0 = _status_mb("RssAnon")
 
     model = build_model(cfg, vocab)
     if fivefold:
@@ -179,15 +185,18 @@ def _worker(rank: int, world: int, kind: str, cfg: Config, warmup: int, steps: i
         loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
 
     times, losses = [], []
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            reset_peak_rss()  # the peak of the steady-state steps only
         began = time.perf_counter()
         loss = step(x, y)
         times.append(time.perf_counter() - began)
         total = loss.detach().double() * loss_weight  # outside the timed region
         dist.all_reduce(total)
         losses.append(float(total))
-    return {"times": times[warmup:], "losses": losses, "peak_mb": _status_mb("VmHWM") - rss0,
-            "peak_rss_mb": _status_mb("VmHWM")}
+    hwm = _status_mb("VmHWM")
+    file_backed = _status_mb("RssFile") + _status_mb("RssShmem")
+    return {"times": times[warmup:], "losses": losses, "peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm}
 
 
 # ---- driver ----------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, help="start this many local processes (default: 1, or torchrun's)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times if one fails")
+    p.add_argument("--deepspeed", metavar="JSON", default=None,
+                   help="a DeepSpeed config: its keys with a fivefold meaning apply between the TOML and the overrides")
     p.add_argument("--no-progress", action="store_true", help="print lines only, no progress bar")
 
 
@@ -33,6 +35,15 @@ def _under_torchrun() -> bool:
 
 def _overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return [*overrides, "--checkpoint.resume=true"] if args.resume else overrides
+
+
+def _deepspeed_layer(path: str, nproc: int) -> tuple[list[str], list[str]]:
+    """The DeepSpeed config as overrides (printed for the user), and its refusals."""
+    from fivefold.deepspeed import format_mapping, load_deepspeed
+
+    mapping = load_deepspeed(path, nproc)
+    print(format_mapping(mapping), file=sys.stderr)
+    return mapping.overrides, mapping.errors
 
 
 def _worker(config: str | None, overrides: list[str], resume: bool, progress: bool) -> None:
@@ -54,8 +65,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(["--nproc starts local processes; under torchrun use torchrun's --nproc-per-node instead"])
     if nproc < 1:
         raise ConfigError([f"--nproc = {nproc}: must be at least 1"])
-    cfg, errors = read_config(args.config, _overrides(args, overrides))
-    errors += validate(cfg, nproc) + check_run_dir(cfg)
+    errors: list[str] = []
+    if args.deepspeed:
+        ds_overrides, errors = _deepspeed_layer(args.deepspeed, nproc)
+        overrides = [*ds_overrides, *overrides]  # later wins: the command line over the JSON
+    cfg, parse_errors = read_config(args.config, _overrides(args, overrides))
+    errors += parse_errors + validate(cfg, nproc) + check_run_dir(cfg)
     if errors:
         raise ConfigError(errors)
     progress = not args.no_progress

@@ -25,13 +25,7 @@ NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
     "parallel.virtual_stages": (1, "interleaved pipeline stages"),
     "parallel.cp": (1, "context parallel"),
     "parallel.ep": (1, "expert parallel"),
-    "parallel.dp_collective": ("builtin", "ring collectives from send/recv"),
     "train.recompute": ("none", "activation recomputation"),
-}
-# Values (not whole keys) of features still to come.
-NOT_AVAILABLE_VALUES: dict[tuple[str, Any], str] = {
-    ("train.dtype", "fp16"): "fp16 with loss scaling; use bf16",
-    ("parallel.reduce_dtype", "bf16"): "bf16 gradient reduction; use fp32",
 }
 
 
@@ -129,10 +123,6 @@ def validate(cfg: Config, world_size: int) -> list[str]:
         value = getattr(getattr(cfg, section), name)
         if value != default:
             unavailable.append(f"{key} = {value!r}: {what} is not available yet in fivefold; set {key} = {default!r}")
-    for (key, value), what in NOT_AVAILABLE_VALUES.items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) == value:
-            unavailable.append(f"{key} = {value!r}: {what} is not available yet in fivefold")
     return unavailable + _check_values(cfg, world_size)
 
 
@@ -217,6 +207,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if p.zero == 3 and m.tie_embeddings:
         err("parallel.zero = 3 with model.tie_embeddings = true: the shared matrix would belong to two FSDP "
             "units; untie the embeddings or use zero = 1 or 2")
+    if p.dp_collective == "ring" and p.zero:
+        err(f"parallel.dp_collective = 'ring' is DDP's all-reduce; with parallel.zero = {p.zero} set dp_collective = 'builtin'")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
 

@@ -46,5 +46,10 @@ def test_bad_config_fails_before_any_process_starts(tmp_path):
     assert out.returncode == 2
     assert "parallel.dp x pp x cp x tp = 2 x 1 x 1 x 1 = 2 but 3 processes" in out.stderr
     assert "train.lr = -1: must be > 0" in out.stderr
+    out = fivefold("train", "configs/tiny.toml", "--nproc", "64", "--deepspeed", "tests/data/ds_seed_004.json",
+                   f"--run.out_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "zero_optimization.stage   -> parallel.zero = 2" in out.stderr  # the mapping is printed
+    assert "train_batch_size = 1024 but" in out.stderr and "= 4 x 8 x 8 = 256" in out.stderr
     assert not (tmp_path / "tiny").exists()  # nothing started, nothing written
     assert time.monotonic() - began < 30

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fivefold.config import Config, ConfigError, load_config, parse_overrides, replace, to_toml
-from fivefold.validate import NOT_AVAILABLE, NOT_AVAILABLE_VALUES, derive, validate
+from fivefold.validate import NOT_AVAILABLE, derive, validate
 from helpers import ROOT, tiny_config
 
 
@@ -90,9 +90,6 @@ def test_not_yet_built_dimensions_are_refused_not_ignored():
             value = "full"
         errors = errors_of(8, f"--{key}={value!r}".replace("'", '"') if isinstance(value, str) else f"--{key}={str(value).lower()}")
         one_error(errors, key, "not available yet")
-    for (key, value), _ in NOT_AVAILABLE_VALUES.items():
-        text = f'"{value}"' if isinstance(value, str) else str(value)
-        one_error(errors_of(2, f"--{key}={text}"), f"{key} = {value!r}", "not available yet")
 
 
 def test_shape_divisibility_messages_name_field_and_fix():

@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (ranks, micro_batch, extra overrides)
     "ddp-dp2-accum4": (2, 1, ()),
     "ddp-dp4-accum2": (4, 1, ()),
     "ddp-dp2-buckets": (2, 2, ("--parallel.bucket_mb=0.05",)),  # ~10 buckets in flight during backward
+    "ddp-ring-dp4": (4, 1, ("--parallel.dp_collective=ring", "--parallel.bucket_mb=0.1")),
     "zero1-dp2-accum2": (2, 2, ("--parallel.zero=1", "--parallel.bucket_mb=0.1")),
     "zero1-dp4": (4, 2, ("--parallel.zero=1",)),
     "zero2-dp2-accum2": (2, 2, ("--parallel.zero=2", "--parallel.bucket_mb=0.1")),

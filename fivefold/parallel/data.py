@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
+from fivefold.parallel.ring import ring_all_reduce
 from fivefold.train.optim import build_optimizer, clip_grad_norm
 
 
@@ -81,6 +82,8 @@ class DataParallel:
         self.buckets = self._make_buckets(parallel)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.overlap = parallel.overlap_comm
+        self.ring = parallel.dp_collective == "ring"  # our send/recv ring instead of the backend's all-reduce
+        self.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
         self._peak: dict[str, int] = {}  # largest model_state_bytes() seen between micro-batches
         self._reducing = False
         self._next = 0  # index of the next bucket to launch
@@ -135,8 +138,14 @@ class DataParallel:
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
-        b.flat = torch.cat([p.grad.reshape(-1) for p in b.params])  # (bucket numel,)
-        b.work = comms.all_reduce(b.flat, self.group, async_op=True)
+        b.flat = torch.cat([p.grad.reshape(-1) for p in b.params]).to(self.reduce_dtype)  # (bucket numel,)
+        if not self.ring:
+            b.work = comms.all_reduce(b.flat, self.group, async_op=True)
+            return
+        numel, n = b.flat.numel(), self.group.size
+        padded = torch.cat([b.flat, b.flat.new_zeros(-numel % n)])  # the ring moves N equal chunks
+        ring_all_reduce(padded, self.group)  # synchronous: each of its 2(N-1) steps waits for the last
+        b.flat = padded[:numel]
 
     @torch.no_grad()
     def _finish(self, b: Bucket) -> None:
@@ -147,10 +156,22 @@ class DataParallel:
         b.work = b.flat = None
 
     # ---- optimizer ---------------------------------------------------------------------------
+    def gradients(self) -> list[torch.Tensor]:
+        """The reduced gradients the optimizer will apply (ZeRO: this rank's shards of them)."""
+        return [p.grad for p in self.params if p.grad is not None]
+
+    @property
+    def norm_group(self) -> comms.AxisGroup | None:
+        """Over which group the gradients are split (None: every rank holds all of them)."""
+        return None
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the summed gradients to a global L2 norm of max_norm (0: only measure)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        return clip_grad_norm(grads, max_norm)
+        return clip_grad_norm(self.gradients(), max_norm, self.norm_group)
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients (fp16 overflow): nothing is applied."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -251,7 +272,7 @@ class ZeroDataParallel(DataParallel):
     def _launch(self, b: Bucket) -> None:
         n = self.shard_group.size
         chunks = [self._padded_rows(p.grad, self.rows[id(p)]).reshape(n, -1) for p in b.params]  # (N, c row numel)
-        b.flat = torch.cat(chunks, dim=1).reshape(-1)  # rank-major: (N sum(shard numel),)
+        b.flat = torch.cat(chunks, dim=1).reshape(-1).to(self.reduce_dtype)  # rank-major: (N sum(shard numel),)
         b.out = b.flat.new_empty(sum(b.shard_numel))
         b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
         if self.stage >= 2:
@@ -276,9 +297,12 @@ class ZeroDataParallel(DataParallel):
     def _extra_grads(self) -> list[torch.Tensor]:
         return [s.grad for s in self.shards.values()]
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        grads = [s.grad for s in self.shards.values() if s.grad is not None]
-        return clip_grad_norm(grads, max_norm, self.shard_group)
+    def gradients(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.shards.values() if s.grad is not None]
+
+    @property
+    def norm_group(self) -> comms.AxisGroup | None:
+        return self.shard_group
 
     @torch.no_grad()
     def step(self) -> None:

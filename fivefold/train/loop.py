@@ -10,7 +10,6 @@ global batch, identical to one process running the whole batch at once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +29,7 @@ from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
 from fivefold.train.metrics import MetricsLog, ProgressDisplay
 from fivefold.train.optim import lr_at, set_lr
+from fivefold.train.precision import LossScaler, autocast
 from fivefold.validate import derive, validate
 
 
@@ -102,13 +102,6 @@ def build_datasets(cfg: Config, run_dir: Path) -> tuple[PackedDataset, PackedDat
     return train_set, val_set
 
 
-def _autocast(cfg: Config, device_type: str):
-    dtype = cfg.train.dtype
-    if dtype == "bf16" or (dtype == "auto" and device_type == "cuda"):
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: PackedDataset, cfg: Config, mesh: Mesh, device: torch.device,
              dp: int) -> float:
@@ -119,7 +112,7 @@ def evaluate(model: torch.nn.Module, dataset: PackedDataset, cfg: Config, mesh: 
         indices = batches.next_indices()
         batch = rank_slice(dataset, indices, cfg.train.global_batch, dp, mesh.rank("batch"), cfg.train.micro_batch)
         for x, y in batch.micro_batches:
-            with _autocast(cfg, mesh.device_type):
+            with autocast(cfg.train, mesh.device_type):
                 total[0] += cross_entropy_sum(model(x.to(device)), y.to(device)).double()
             total[1] += (y != IGNORE).sum()  # this rank's tokens; the sum over ranks is the global count
         if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches
@@ -161,11 +154,13 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
     train_set, val_set = build_datasets(cfg, run_dir)
     loader = GlobalBatches(train_set, t.global_batch, t.seed)
 
+    scaler = LossScaler(t)
     start = 0
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:
         state = load_checkpoint(latest, dp)
         loader.load_state_dict(state["loader"])
+        scaler.load_state_dict(state["loss_scaler"])
         start = state["step"]
     result = TrainResult(run_dir=run_dir, start_step=start)
     log = MetricsLog(run_dir / cfg.run.metrics_file, start if latest else None) if rank == 0 else None
@@ -182,13 +177,19 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, (x, y) in enumerate(batch.micro_batches):
-            with _autocast(cfg, device_type):
+            with autocast(t, device_type):
                 logits = model(x.to(device))  # (micro_batch, T, V)
             loss = cross_entropy_sum(logits, y.to(device)) / batch.global_tokens
-            dp.backward(loss, last_micro_batch=i == len(batch.micro_batches) - 1)
+            dp.backward(loss * scaler.scale, last_micro_batch=i == len(batch.micro_batches) - 1)
             loss_sum += loss.detach().double()
-        grad_norm = dp.clip_grad_norm(t.grad_clip)
-        dp.step()
+        finite = scaler.unscale(dp.gradients(), dp.norm_group)
+        if finite:
+            grad_norm = dp.clip_grad_norm(t.grad_clip)
+            dp.step()
+        else:  # fp16 overflow: nothing is applied, the scale halves
+            grad_norm = float("inf")
+            dp.skip_step()
+        scaler.update(finite)
         comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
         comms.all_reduce(loss_sum, mesh.group("grad"), label="log")
         elapsed = time.perf_counter() - began
@@ -201,6 +202,8 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
                   "tokens": batch.global_tokens, "step_time_s": elapsed,
                   "tokens_per_s": batch.global_tokens / elapsed, "comm": comm,
                   "model_state_bytes": dp.pop_peak_state_bytes()}
+        if scaler.enabled:
+            record.update(loss_scale=scaler.scale, skipped=not finite)
 
         done = step + 1
         if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):
@@ -213,7 +216,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
             display.print(f"step {done:>6}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
                           f"grad_norm {grad_norm:.3f}  {record['tokens_per_s']:,.0f} tok/s")
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.steps:
-            state = {"loader": loader.state_dict(), "world_size": world}
+            state = {"loader": loader.state_dict(), "loss_scaler": scaler.state_dict(), "world_size": world}
             save_checkpoint(run_dir, done, dp, state, cfg.checkpoint.keep)
 
     display.close()

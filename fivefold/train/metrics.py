@@ -15,6 +15,7 @@ Keys of a step's object in `metrics.jsonl` (later features add keys; none is eve
 | comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comms.py during the step |
 | model_state_bytes | {params, grads, optimizer, total}: bytes rank 0 held, largest sample after each micro-batch's backward (storages counted once) |
 | val_loss | mean validation token loss (only on steps that evaluate) |
+| loss_scale, skipped | fp16 only: the loss scale after the step, and whether an overflow skipped it |
 """
 
 from __future__ import annotations
