@@ -207,6 +207,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if p.zero == 3 and m.tie_embeddings:
         err("parallel.zero = 3 with model.tie_embeddings = true: the shared matrix would belong to two FSDP "
             "units; untie the embeddings or use zero = 1 or 2")
+    if p.zero == 3 and t.compile:
+        err("parallel.zero = 3 with train.compile = true: FSDP's gather/free hooks run around each block, "
+            "which compiled blocks do not support yet; set train.compile = false or use zero = 1 or 2")
     if p.dp_collective == "ring" and p.zero:
         err(f"parallel.dp_collective = 'ring' is DDP's all-reduce; with parallel.zero = {p.zero} set dp_collective = 'builtin'")
     if p.bucket_mb <= 0:

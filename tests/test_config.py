@@ -134,6 +134,9 @@ def test_derive():
 
 def test_data_parallel_options():
     one_error(errors_of(2, "--parallel.zero=4"), "parallel.zero = 4")
+    one_error(errors_of(2, "--parallel.zero=3", "--model.tie_embeddings=true"), "tie_embeddings", "untie")
+    one_error(errors_of(2, "--parallel.zero=3", "--train.compile=true"), "train.compile = true")
+    one_error(errors_of(2, "--parallel.zero=1", "--parallel.dp_collective=ring"), "dp_collective = 'ring'")
     one_error(errors_of(2, "--parallel.bucket_mb=0"), "parallel.bucket_mb = 0", "25")
     msg = one_error(errors_of(6, "--parallel.dp_replicate=4"), "parallel.dp_replicate = 4 does not divide dp = 6")
     assert "1, 2, 3, 6" in msg

@@ -225,3 +225,27 @@ def test_model_state_memory_per_rank(tmp_path, zero):
     measured = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[1]["model_state_bytes"]  # step 2: Adam state exists
     for key, value in expected.items():
         assert measured[key] == pytest.approx(value, rel=0.05, abs=1024), (key, measured)
+
+
+def _gathered_units(rank, world, cfg, keep):
+    from fivefold.mesh import Mesh
+    from fivefold.model import cross_entropy_sum
+    from fivefold.parallel.data import apply_data_parallel
+
+    model = build_model(cfg, 320)
+    dp = apply_data_parallel(model, Mesh.from_config(cfg, world), cfg.parallel, cfg.train)
+    x = torch.randint(0, 320, (2, 32))
+    assert dp.model_state_bytes()["params"] == 0  # nothing gathered between steps
+    for _ in range(2):
+        dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=True)
+        dp.step()
+    return dp.max_gathered, len(dp.units)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_zero3_holds_at_most_two_gathered_units(tmp_path, keep):
+    cfg = tiny_config(tmp_path, "--parallel.zero=3", f"--parallel.reshard_after_forward={str(keep is False).lower()}")
+    most, units = run_workers(_gathered_units, 2, cfg, keep)[0]
+    assert units == 10  # embedding, 8 blocks, head
+    # Resharding after forward: the running unit plus one prefetched. Keeping them: all of forward's.
+    assert most == (units if keep else 2)

@@ -56,6 +56,7 @@ class FullyShardedDataParallel(ZeroDataParallel):
                       for mods in sharding_units(model)]
         for a, b in zip(self.units, self.units[1:]):
             a.next, b.prev = b, a
+        self.max_gathered = 0  # most units holding full parameters at once, prefetches included
         super().__init__(model, mesh, parallel, train)  # makes the fp32 shards from the full weights
         for unit in self.units:
             self._free(unit)
@@ -80,6 +81,8 @@ class FullyShardedDataParallel(ZeroDataParallel):
         full = local.new_empty(self.shard_group.size * local.numel())  # (N sum(shard numel),) rank-major
         work = comms.all_gather(full, local, self.shard_group, async_op=True)
         unit.pending = (work, full)
+        in_use = sum(u.gathered or u.pending is not None for u in self.units)
+        self.max_gathered = max(self.max_gathered, in_use)
 
     @torch.no_grad()
     def _gather(self, unit: Unit) -> None:
