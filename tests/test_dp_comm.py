@@ -249,3 +249,40 @@ def test_zero3_holds_at_most_two_gathered_units(tmp_path, keep):
     assert units == 10  # embedding, 8 blocks, head
     # Resharding after forward: the running unit plus one prefetched. Keeping them: all of forward's.
     assert most == (units if keep else 2)
+
+
+def _unused_on_one_rank(rank, world, cfg):
+    from fivefold.mesh import Mesh
+    from fivefold.parallel.data import apply_data_parallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    dp = apply_data_parallel(model, Mesh.from_config(cfg, world), cfg.parallel, cfg.train)
+    x = torch.full((2, 4), float(rank + 1))
+    # Rank 1 skips the last layer, whose parameters form the first bucket in backward order: rank 0
+    # starts that bucket during backward, rank 1 only at its end, with zeros. Same order, no hang.
+    out = model(x) if rank == 0 else model[1](model[0](x))
+    dp.backward(out.sum(), last_micro_batch=True)
+    return [g.clone() for g in dp.gradients()]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_a_parameter_without_gradient_on_one_rank(tmp_path, zero):
+    cfg = tiny_config(tmp_path, f"--parallel.zero={zero}", "--parallel.bucket_mb=0.00001")  # a bucket per tensor
+    grads = run_workers(_unused_on_one_rank, 2, cfg)
+
+    def local(rank):  # what each rank's own backward gives, summed by hand
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        x = torch.full((2, 4), float(rank + 1))
+        (model(x) if rank == 0 else model[1](model[0](x))).sum().backward()
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+    expected = [a + b for a, b in zip(local(0), local(1))]
+    assert expected[-1].abs().sum() > 0  # the last layer did get gradient on rank 0
+    for rank, rank_grads in enumerate(grads):
+        # ZeRO: rank r holds rows [2r, 2r + 2) of each parameter, in bucket (reverse) order.
+        want = [e.chunk(2)[rank] for e in reversed(expected)] if zero else expected
+        assert len(rank_grads) == len(want)
+        for g, e in zip(rank_grads, want):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
