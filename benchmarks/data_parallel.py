@@ -22,26 +22,34 @@ first-step losses must agree (checked and printed: `loss_check`, tolerance 1e-5 
 are the same forward on the same weights and data, so only summation order can differ).
 
 How time is measured: a step is forward + backward (with the gradient reduction) + clip +
-optimizer step, timed with perf_counter on every rank; a step's time is the slowest rank's. Each
-configuration runs in its own pair of freshly forked worker processes (`fivefold.testing.run_workers`:
-fork, so the imports done once here are not paid again; each worker has 1 thread and
-OMP_NUM_THREADS=1). The first `--warmup` steps of every run are skipped (FSDP2's lazy init, DDP's
-bucket rebuild, allocator warm-up). The two sides of a comparison alternate, A B, B A, A B, ...
-over `--rounds` rounds, and the reported step time is the median over all kept steps of all
-rounds (each side's per-round medians are listed too, to judge the spread).
+optimizer step, timed with perf_counter on every rank; a step's time is the slowest rank's. The
+launcher is `fivefold.testing.run_workers`: every run of a configuration gets its own pair of
+freshly forked gloo workers (fork, so the imports done once here are not paid again; 1 thread and
+OMP_NUM_THREADS=1 in each). The first `--warmup` steps of every run are skipped (FSDP2's lazy init,
+torch DDP's bucket rebuild at its second step, allocator warm-up). The two sides of a comparison
+alternate, A B, B A, A B, ... over `--rounds` rounds, and the reported step time is the median over
+all kept steps of all rounds (each side's per-round medians are listed too, to judge the spread).
 
-How memory is measured: peak RSS of each worker process, which only ever runs one configuration
-(so no other configuration's memory is in it), turned into the memory the configuration itself
-holds. Right before the model is built (after the process groups exist) the worker reads its
-anonymous RSS (RssAnon: heap and tensors); after the warm-up it resets its peak RSS to the current
-RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0), and after the timed steps it reads the peak
-(VmHWM, what getrusage's ru_maxrss reports) and subtracts the file-backed and shared RSS
-(RssFile + RssShmem: library code a forked worker maps in as it first runs it, ~150 MB that would
-otherwise swamp the difference) and the anonymous baseline. So `*_peak_mb` is the peak, during
-steady-state steps, of what the run added: parameters, gradients, optimizer state, activations,
-communication buffers and allocator slack; one-off transients of setup (the full model built before
-ZeRO-3/FSDP2 shard it) are not in it. Maximum over ranks, median over rounds. `*_peak_rss_mb` is
-the absolute steady-state peak RSS, mostly the Python and torch that every configuration shares.
+How memory is measured: peak RSS, each configuration in its own processes, in one extra untimed
+"memory run" per configuration (1 warm-up + 2 steps) after the timed rounds. In it:
+- glibc is told (mallopt) to give freed memory back at once: a fixed 64 KiB mmap threshold, so
+  each tensor above it is its own mapping, unmapped when freed, and heap trimming above 128 KiB.
+  By default glibc raises its threshold after the first large free and then serves activations
+  from a heap it keeps, so RSS would show "the most the heap ever held, plus fragmentation", not
+  what the configuration holds. It costs page faults, hence not in the timed runs;
+- after the process groups exist and right before the model is built, the worker resets its peak
+  RSS to its current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0) and reads its
+  anonymous RSS (RssAnon) as the baseline;
+- after the last step it reads the peak (VmHWM, which is what getrusage's ru_maxrss reports) and
+  subtracts the file-backed and shared RSS (RssFile + RssShmem: library code a forked worker maps
+  in as it first runs it, ~30-50 MB and the same for every configuration) and the baseline.
+So `*_peak_mb` is the peak, from building the model to the last step, of the memory the run added:
+parameters (the full model too, before ZeRO-3 / FSDP2 shard it), gradients, optimizer state,
+activations, communication buffers; the maximum over ranks. One-off Python allocations that
+torch makes on first use (~26 MB of RSS when the first optimizer is built) are paid in this parent
+before forking (`_prewarm`), so they count for no configuration. `*_peak_mb_glibc_default` is the
+same measure taken in the timed runs with glibc's default behaviour (median over rounds): what a
+training process's RSS shows, allocator slack included, so noisier as a comparison.
 
 Reading the numbers: absolute times on a shared 2-core machine are noise (another process's test
 run moves them by tens of percent); the ratios between alternated runs are what to read, and even
@@ -58,6 +66,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -81,7 +90,7 @@ from fivefold.model import cross_entropy_sum  # noqa: E402
 from fivefold.parallel.data import apply_data_parallel  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer  # noqa: E402
+from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from fivefold.validate import derive  # noqa: E402
 
 torch.set_num_threads(1)
@@ -98,6 +107,7 @@ LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only su
 
 # ---- memory ------------------------------------------------------------------------------------
 def _status_mb(key: str) -> float:
+    """A size line of /proc/self/status (VmHWM, RssAnon, ...) in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -110,8 +120,42 @@ def reset_peak_rss() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:  # without it the peak also covers setup (model built, then sharded): a little higher
+    except OSError:  # then the peak also covers what the fork inherited: the same for every configuration
         pass
+
+
+def malloc_returns_memory() -> bool:
+    """Make glibc give freed tensors back to the OS at once, so that RSS follows live memory.
+
+    By default glibc raises its mmap threshold after the first large free (up to 32 MB) and then
+    serves activations from the heap, which it keeps: RSS becomes "the most the heap ever held, plus
+    fragmentation". With a fixed 64 KiB threshold every tensor above it is its own mapping, unmapped
+    when freed, and the heap top is trimmed above 128 KiB. This costs page faults, so it is only set
+    in the memory runs, never in the timed ones.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
+    except OSError:
+        return False
+
+
+def _prewarm() -> None:
+    """Pay once, here, for what torch allocates on first use (an optimizer's first construction
+    adds ~26 MB of RSS), so that no forked worker counts it in its peak."""
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(lin.parameters(), foreach=False)
+    lin(torch.ones(2, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(list(lin.parameters()), 1.0)
+    opt.step()
+
+
+def clip_fivefold(dp, max_norm: float) -> float:
+    """The wrapper's global-norm clipping, as train/loop.py does it."""
+    if hasattr(dp, "clip_grad_norm"):
+        return dp.clip_grad_norm(max_norm)
+    return clip_grad_norm(dp.gradients(), max_norm, dp.norm_groups)  # groups the gradients are split over
 
 
 # ---- one configuration on one rank ---------------------------------------------------------------
@@ -127,87 +171,106 @@ def _batches(cfg: Config, world: int, rank: int, n: int) -> list[tuple[torch.Ten
     return out
 
 
-def _worker(rank: int, world: int, kind: str, cfg: Config, warmup: int, steps: int) -> dict:
+class Side:
+    """One configuration on this rank: its own model (the same initial weights), wrapper, optimizer."""
+
+    def __init__(self, kind: str, cfg: Config, world: int, meshes: dict):
+        self.kind, self.times, self.losses = kind, [], []
+        t = self.train = cfg.train
+        self.local_tokens = t.micro_batch * t.seq_len
+        self.global_tokens = self.local_tokens * world
+        self.model = build_model(cfg, derive(cfg, world).vocab_size)
+        if kind.startswith("fivefold"):
+            cfg = replace(cfg, parallel={"zero": 3 if kind == "fivefold_zero3" else 0})
+            self.dp = apply_data_parallel(self.model, meshes["fivefold"], cfg.parallel, cfg.train)
+            self.dp.overlap = kind != "fivefold_ddp_no_overlap"
+            self.loss_weight = 1.0  # the global loss is the sum of the ranks' losses
+            return
+        if kind == "torch_ddp":
+            cap_mib = cfg.parallel.bucket_mb * 1e6 / 2**20  # the same bytes as fivefold's bucket_mb
+            self.net = DistributedDataParallel(self.model, bucket_cap_mb=cap_mib)
+        elif kind == "torch_fsdp2":
+            for block in self.model.layers.values():
+                fully_shard(block, mesh=meshes["torch"], reshard_after_forward=True)
+            self.net = fully_shard(self.model, mesh=meshes["torch"], reshard_after_forward=True)
+        else:
+            raise ValueError(kind)
+        self.opt = build_optimizer(self.model, t)  # after fully_shard: it steps the DTensor shards
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t = self.train
+        if self.kind.startswith("fivefold"):
+            loss = cross_entropy_sum(self.model(x), y) / self.global_tokens  # the wrapper sums over ranks
+            self.dp.backward(loss, last_micro_batch=True)
+            clip_fivefold(self.dp, t.grad_clip)
+            self.dp.step()
+        else:
+            loss = cross_entropy_sum(self.net(x), y) / self.local_tokens  # torch averages over ranks
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def timed_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        began = time.perf_counter()
+        loss = self.step(x, y)
+        self.times.append(time.perf_counter() - began)
+        total = loss.detach().double() * self.loss_weight  # outside the timed region
+        dist.all_reduce(total)
+        self.losses.append(float(total))
+
+
+def _setup(rank: int, world: int, cfg: Config) -> dict:
     torch.set_num_threads(1)
     # FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, deprecated in favour of *_single.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    t = cfg.train
-    vocab = derive(cfg, world).vocab_size
+    return {"fivefold": Mesh.from_config(cfg, world), "torch": init_device_mesh("cpu", (world,))}
+
+
+def _timed_worker(rank: int, world: int, kinds: tuple[str, str], cfg: Config, warmup: int, steps: int) -> list[dict]:
+    """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
+    meshes = _setup(rank, world, cfg)
+    sides = [Side(kind, cfg, world, meshes) for kind in kinds]
     batches = _batches(cfg, world, rank, warmup + steps)
-    local_tokens = t.micro_batch * t.seq_len
-    global_tokens = local_tokens * world
+    for side in sides:
+        for x, y in batches[:warmup]:
+            side.timed_step(x, y)
+    for i, (x, y) in enumerate(batches[warmup:]):
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            side.timed_step(x, y)
+    return [{"times": s.times[warmup:], "losses": s.losses} for s in sides]
 
-    fivefold = kind.startswith("fivefold")
-    if fivefold:
-        zero = 3 if kind == "fivefold_zero3" else 0
-        cfg = replace(cfg, parallel={"zero": zero})
-        mesh = Mesh.from_config(cfg, world)  # process groups before the memory baseline
-    else:
-        device_mesh = init_device_mesh("cpu", (world,))
+
+def _memory_worker(rank: int, world: int, kind: str, cfg: Config, steps: int) -> dict:
+    """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
+    meshes = _setup(rank, world, cfg)  # process groups exist before the baseline
+    malloc_set = malloc_returns_memory()
     dist.barrier()
+    reset_peak_rss()
     anon0 = _status_mb("RssAnon")
-
-    model = build_model(cfg, vocab)
-    if fivefold:
-        dp = apply_data_parallel(model, mesh, cfg.parallel, cfg.train)
-        dp.overlap = kind != "fivefold_ddp_no_overlap"
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = cross_entropy_sum(model(x), y) / global_tokens  # summed over ranks by the wrapper
-            dp.backward(loss, last_micro_batch=True)
-            dp.clip_grad_norm(t.grad_clip)
-            dp.step()
-            return loss
-
-        loss_weight = 1.0  # the global loss is the sum of the ranks' losses
-    else:
-        if kind == "torch_ddp":
-            cap_mib = cfg.parallel.bucket_mb * 1e6 / 2**20  # the same bytes as fivefold's bucket_mb
-            net = DistributedDataParallel(model, bucket_cap_mb=cap_mib)
-        elif kind == "torch_fsdp2":
-            for block in model.layers.values():
-                fully_shard(block, mesh=device_mesh, reshard_after_forward=True)
-            fully_shard(model, mesh=device_mesh, reshard_after_forward=True)
-            net = model
-        else:
-            raise ValueError(kind)
-        opt = build_optimizer(model, cfg.train)  # after fully_shard: it steps the DTensor shards
-        params = [p for p in model.parameters() if p.requires_grad]
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = cross_entropy_sum(net(x), y) / local_tokens  # torch averages gradients over ranks
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
-
-    times, losses = [], []
-    for i, (x, y) in enumerate(batches):
-        if i == warmup:
-            reset_peak_rss()  # the peak of the steady-state steps only
-        began = time.perf_counter()
-        loss = step(x, y)
-        times.append(time.perf_counter() - began)
-        total = loss.detach().double() * loss_weight  # outside the timed region
-        dist.all_reduce(total)
-        losses.append(float(total))
+    side = Side(kind, cfg, world, meshes)
+    for x, y in _batches(cfg, world, rank, steps):
+        side.timed_step(x, y)
     hwm = _status_mb("VmHWM")
     file_backed = _status_mb("RssFile") + _status_mb("RssShmem")
-    return {"times": times[warmup:], "losses": losses, "peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm}
+    return {"peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm, "malloc_set": malloc_set, "losses": side.losses}
 
 
 # ---- driver ----------------------------------------------------------------------------------------
-def run_config(kind: str, cfg: Config, world: int, warmup: int, steps: int) -> dict:
-    results = run_workers(_worker, world, kind, cfg, warmup, steps, timeout=300.0)
-    return {
-        "times": [max(ts) for ts in zip(*(r["times"] for r in results))],  # a step takes its slowest rank's time
-        "losses": results[0]["losses"],
-        "peak_mb": max(r["peak_mb"] for r in results),
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
-    }
+def run_timed(kinds: tuple[str, str], cfg: Config, world: int, warmup: int, steps: int) -> dict[str, dict]:
+    results = run_workers(_timed_worker, world, kinds, cfg, warmup, steps, timeout=300.0)  # [rank][side]
+    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results))],  # the slowest rank's
+                   "losses": results[0][i]["losses"]}
+            for i, kind in enumerate(kinds)}
+
+
+def run_memory(kind: str, cfg: Config, world: int, steps: int) -> dict:
+    results = run_workers(_memory_worker, world, kind, cfg, steps, timeout=300.0)
+    return {"peak_mb": max(r["peak_mb"] for r in results), "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+            "malloc_set": all(r["malloc_set"] for r in results)}
 
 
 def _median(xs: list[float]) -> float:
@@ -218,42 +281,47 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b else float("nan")
 
 
-def summarize(name: str, runs: dict[str, list[dict]], kinds: tuple[str, str], steps: int, rounds: int) -> dict:
+def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], kinds: tuple[str, str],
+              steps: int, rounds: int) -> dict:
     a, b = (runs[k] for k in kinds)
     t_a = _median([x for r in a for x in r["times"]])
     t_b = _median([x for r in b for x in r["times"]])
-    m_a, m_b = _median([r["peak_mb"] for r in a]), _median([r["peak_mb"] for r in b])
+    m_a, m_b = (mem[k]["peak_mb"] for k in kinds)
     first_diff = abs(a[0]["losses"][0] - b[0]["losses"][0])
-    last_diff = abs(a[0]["losses"][-1] - b[0]["losses"][-1])
     common = {
         "steps": steps, "rounds": rounds,
         "loss_first_step": [a[0]["losses"][0], b[0]["losses"][0]],
         "loss_first_step_abs_diff": first_diff,
         "loss_check": "ok" if first_diff <= LOSS_TOL else f"MISMATCH (> {LOSS_TOL})",
-        "loss_last_step_abs_diff": last_diff,  # after several AdamW steps: ~1e-5 is normal (TORCH-CPU-NOTES.md)
+        # Informative only: after several AdamW steps ~1e-5 would be normal (Adam amplifies last-bit
+        # gradient differences); at 2 ranks both sums are exact, so it is usually 0.
+        "loss_last_step_abs_diff": abs(a[0]["losses"][-1] - b[0]["losses"][-1]),
+        "losses_repeat_every_round": all(r["losses"] == a[0]["losses"] for r in a)
+                                     and all(r["losses"] == b[0]["losses"] for r in b),
     }
-    r = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
+    rounds_of = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
     if name == "overlap":
         return {"name": name, "overlap_on_step_s": round(t_a, 4), "overlap_off_step_s": round(t_b, 4),
-                "ratio_overlap_on_off": _ratio(t_a, t_b), "overlap_on_peak_mb": round(m_a, 1),
-                "overlap_off_peak_mb": round(m_b, 1), "overlap_on_round_medians_s": r(a),
-                "overlap_off_round_medians_s": r(b), **common}
+                "ratio_overlap_on_off": _ratio(t_a, t_b),
+                "overlap_on_peak_mb": round(m_a, 1), "overlap_off_peak_mb": round(m_b, 1),
+                "overlap_on_round_medians_s": rounds_of(a), "overlap_off_round_medians_s": rounds_of(b), **common}
     return {"name": name, "fivefold": kinds[0], "torch": kinds[1],
             "fivefold_step_s": round(t_a, 4), "torch_step_s": round(t_b, 4), "ratio_step_time": _ratio(t_a, t_b),
             "fivefold_peak_mb": round(m_a, 1), "torch_peak_mb": round(m_b, 1), "ratio_peak_memory": _ratio(m_a, m_b),
-            "fivefold_peak_rss_mb": round(_median([x["peak_rss_mb"] for x in a]), 1),
-            "torch_peak_rss_mb": round(_median([x["peak_rss_mb"] for x in b]), 1),
-            "fivefold_round_medians_s": r(a), "torch_round_medians_s": r(b), **common}
+            "fivefold_peak_rss_mb": round(mem[kinds[0]]["peak_rss_mb"], 1),
+            "torch_peak_rss_mb": round(mem[kinds[1]]["peak_rss_mb"], 1),
+            "fivefold_round_medians_s": rounds_of(a), "torch_round_medians_s": rounds_of(b), **common}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      epilog="Extra --section.key=value arguments override the config.")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
     parser.add_argument("--rounds", type=int, default=4, help="alternations of each comparison's two sides")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (forked worker processes)")
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket cap, both frameworks (10^6 bytes)")
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="gradient bucket cap of both frameworks' DDP, in 10^6 bytes")
     parser.add_argument("--config", default=str(ROOT / "configs" / "debug.toml"))
     parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps after 1 warm-up step: a smoke test")
@@ -267,26 +335,32 @@ def main(argv: list[str] | None = None) -> None:
     cfg = replace(cfg, train={"global_batch": cfg.train.micro_batch * world})  # one micro-batch per rank
     m, t = cfg.model, cfg.train
     n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    _prewarm()
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     log(f"model dim {m.dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; {world} ranks x micro-batch "
         f"{t.micro_batch} x seq {t.seq_len}, fp32; bucket {cfg.parallel.bucket_mb} MB; "
-        f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run")
+        f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run, then a memory run each")
 
     began = time.perf_counter()
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.rounds):
         for name in args.only:
-            kinds = COMPARISONS[name]
-            for kind in kinds if rnd % 2 == 0 else kinds[::-1]:  # A B, then B A, ...
-                res = run_config(kind, cfg, world, args.warmup, args.steps)
+            kinds = COMPARISONS[name] if rnd % 2 == 0 else COMPARISONS[name][::-1]  # who is built and stepped first
+            for kind, res in run_timed(kinds, cfg, world, args.warmup, args.steps).items():
                 runs.setdefault(kind, []).append(res)
                 log(f"round {rnd + 1}/{args.rounds} {kind:24s} median {_median(res['times']):.4f} s/step  "
-                    f"peak +{res['peak_mb']:.1f} MB  first loss {res['losses'][0]:.7f}  "
-                    f"[{time.perf_counter() - began:.0f} s]")
+                    f"first loss {res['losses'][0]:.7f}  [{time.perf_counter() - began:.0f} s]")
+    mem: dict[str, dict] = {}
+    for name in args.only:
+        for kind in COMPARISONS[name]:
+            if kind not in mem:  # 3 steps: the optimizer state exists from the first step on
+                mem[kind] = run_memory(kind, cfg, world, 3)
+                log(f"memory {kind:24s} peak +{mem[kind]['peak_mb']:.1f} MB (glibc returning freed memory: "
+                    f"{mem[kind]['malloc_set']})  [{time.perf_counter() - began:.0f} s]")
 
     summary: dict = {"summary": True}
     for name in args.only:
-        out = summarize(name, runs, COMPARISONS[name], args.steps, args.rounds)
+        out = summarize(name, runs, mem, COMPARISONS[name], args.steps, args.rounds)
         log(f"loss check {name}: first-step losses {out['loss_first_step'][0]:.8f} vs "
             f"{out['loss_first_step'][1]:.8f}, |diff| {out['loss_first_step_abs_diff']:.2e} -> {out['loss_check']}")
         print(json.dumps(out), flush=True)

@@ -17,6 +17,8 @@ because split_group fails on gloo. Nothing here is global: the Mesh is passed to
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -44,6 +46,7 @@ class Mesh:
         if missing:
             raise ValueError(f"Mesh needs a degree for every axis {AXES}; missing {missing}")
         self.degrees = {a: degrees[a] for a in AXES}
+        self.world_size = math.prod(self.degrees.values())
         self.device_type = device_type
         self.stats = CommStats()
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)

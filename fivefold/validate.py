@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fivefold.config import SECTIONS, Config
+from fivefold.parallel.schedules import build_schedule
 
 # Features whose config keys exist but whose code has not landed. Each issue that builds one
 # removes its line here; until then a non-default value is an error, never a silent no-op.
 NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
     "parallel.tp": (1, "tensor parallel"),
     "parallel.sp": (False, "sequence parallel"),
-    "parallel.pp": (1, "pipeline parallel"),
-    "parallel.virtual_stages": (1, "interleaved pipeline stages"),
     "parallel.cp": (1, "context parallel"),
     "parallel.ep": (1, "expert parallel"),
     "train.recompute": ("none", "activation recomputation"),
@@ -263,13 +262,23 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if t.seq_len % seq_multiple:
         err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} (2 x cp for zig-zag halves, "
             f"x tp with sp); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
-    if p.pp > 1 and dp and t.global_batch % (dp * t.micro_batch) == 0:
+    if dp and t.global_batch % (dp * t.micro_batch) == 0:
         micro = t.global_batch // (dp * t.micro_batch)
-        if micro < p.pp:
+        if p.pp > 1 and micro < p.pp:
             err(f"{micro} micro-batches per step is fewer than parallel.pp = {p.pp} stages; the "
                 f"{p.pp_schedule} schedule needs at least pp: raise train.global_batch or lower train.micro_batch")
-    if p.pp_schedule == "dualpipe_v" and p.virtual_stages != 2:
-        err(f"parallel.pp_schedule = 'dualpipe_v' runs 2 stages per rank; set parallel.virtual_stages = 2")
+        else:
+            try:
+                build_schedule(p.pp_schedule, p.pp, micro, p.virtual_stages)
+            except ValueError as e:
+                err(f"parallel.pp_schedule = '{p.pp_schedule}' with pp = {p.pp}, virtual_stages = "
+                    f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
+    if p.pp > 1 and p.zero >= 2:
+        err(f"parallel.pp = {p.pp} with parallel.zero = {p.zero}: reducing gradients on every micro-batch "
+            f"across interleaved stage backwards is not available yet; use zero = 0 or 1 with pipelines")
+    if p.pp > 1 and m.tie_embeddings:
+        err("parallel.pp > 1 with model.tie_embeddings = true: keeping the first and last stage's copies in "
+            "sync is not available yet; untie the embeddings")
 
     return errors
 

@@ -89,8 +89,8 @@ def test_dynamic_loss_scaling_skips_overflows_and_grows_back():
     scaler = LossScaler(TrainConfig(dtype="fp16", initial_scale_power=4, loss_scale_window=2, min_loss_scale=2.0))
     assert scaler.scale == 16.0
     grads = [torch.tensor([32.0, 16.0])]
-    assert scaler.unscale(grads, None) and torch.equal(grads[0], torch.tensor([2.0, 1.0]))
-    assert not scaler.unscale([torch.tensor([float("inf")])], None)
+    assert scaler.unscale(grads, []) and torch.equal(grads[0], torch.tensor([2.0, 1.0]))
+    assert not scaler.unscale([torch.tensor([float("inf")])], [])
     scaler.update(False)
     assert scaler.scale == 8.0  # halved on overflow
     for _ in range(3):

@@ -45,7 +45,7 @@ from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.ring import ring_all_reduce
-from fivefold.train.optim import build_optimizer, clip_grad_norm
+from fivefold.train.optim import build_optimizer
 
 
 @dataclass
@@ -104,14 +104,16 @@ class DataParallel:
     def _needs_reduction(self) -> bool:
         return self.group.size > 1
 
-    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
-        """loss.backward(), reducing gradients as their buckets complete when this step talks."""
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last_micro_batch: bool,
+                 inputs: list[torch.Tensor] | None = None) -> None:
+        """Backward from `out` (a loss, or a pipeline stage's output with its gradient), reducing
+        gradients as their buckets complete when this micro-batch talks."""
         self._reducing = self._reduces_on(last_micro_batch) and self._needs_reduction()
         if self._reducing:
             self._next = 0
             for b in self.buckets:
                 b.waiting = len(b.params)
-        loss.backward()
+        torch.autograd.backward(out, grad, inputs=inputs)
         if self._reducing:
             self._launch_ready(force=True)  # buckets with a parameter that got no gradient here
             for b in self.buckets:
@@ -161,13 +163,9 @@ class DataParallel:
         return [p.grad for p in self.params if p.grad is not None]
 
     @property
-    def norm_group(self) -> comms.AxisGroup | None:
-        """Over which group the gradients are split (None: every rank holds all of them)."""
-        return None
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the summed gradients to a global L2 norm of max_norm (0: only measure)."""
-        return clip_grad_norm(self.gradients(), max_norm, self.norm_group)
+    def norm_groups(self) -> list[comms.AxisGroup]:
+        """The groups this rank's gradients are split over (none: every rank holds all of them)."""
+        return []
 
     def skip_step(self) -> None:
         """Drop this step's gradients (fp16 overflow): nothing is applied."""
@@ -301,8 +299,8 @@ class ZeroDataParallel(DataParallel):
         return [s.grad for s in self.shards.values() if s.grad is not None]
 
     @property
-    def norm_group(self) -> comms.AxisGroup | None:
-        return self.shard_group
+    def norm_groups(self) -> list[comms.AxisGroup]:
+        return [self.shard_group]
 
     @torch.no_grad()
     def step(self) -> None:

@@ -130,8 +130,9 @@ class FullyShardedDataParallel(ZeroDataParallel):
         unit = next(u for u in self.units if u.bucket is b)
         self._free(unit)
 
-    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
-        super().backward(loss, last_micro_batch)
+    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last_micro_batch: bool,
+                 inputs: list[torch.Tensor] | None = None) -> None:
+        super().backward(out, grad, last_micro_batch=last_micro_batch, inputs=inputs)
         for unit in self.units:  # a unit whose output needed no gradient is still gathered
             if unit.gathered:
                 self._free(unit)

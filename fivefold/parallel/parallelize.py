@@ -12,28 +12,52 @@ rank's weights are slices, after PP only its stage's layers remain.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.mesh import Mesh
+from fivefold.model import Transformer
 from fivefold.parallel.data import DataParallel, apply_data_parallel
+from fivefold.parallel.pipeline import PipelineExecutor, split_stages
+from fivefold.parallel.schedules import build_schedule
+from fivefold.validate import derive
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> DataParallel:
-    """Apply every dimension of cfg.parallel to `model` in place; return the data-parallel wrapper,
-    which owns the optimizer (ZeRO steps on shards) and the gradient reduction."""
+@dataclass
+class Parallelized:
+    model: Transformer  # this rank's part of the model
+    dp: DataParallel  # owns the optimizer and the gradient reduction
+    pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
+    mesh: Mesh
+
+
+def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
+    """Apply every dimension of cfg.parallel to `model` in place."""
+    p = cfg.parallel
+    schedule = build_schedule(p.pp_schedule, p.pp, derive(cfg, mesh.world_size).grad_accum, p.virtual_stages)
+    chunks = split_stages(model, schedule, mesh.rank("pp"))
     if cfg.train.compile:
-        # Per block, so each compiled graph is small and pipeline stages compile only their own.
-        # Module.compile() keeps parameter names, so checkpoints do not depend on this switch.
+        # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
         for block in model.layers.values():
             block.compile()
-    return apply_data_parallel(model, mesh, cfg.parallel, cfg.train)
+    dp = apply_data_parallel(model, mesh, p, cfg.train)
+    device = next(model.parameters()).device
+    return Parallelized(model, dp, PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device), mesh)
 
 
-def full_state_dict(dp: DataParallel) -> dict[str, torch.Tensor]:
+def full_state_dict(par: Parallelized) -> dict[str, torch.Tensor]:
     """A plain, unsharded copy of the model's state on every rank, keyed as the single-process model.
 
-    Undoes every sharding of the layout: data parallel's (ZeRO-3 gathers its shards) for now.
+    Undoes every sharding of the layout: data parallel's (ZeRO-3 gathers its shards), then the
+    pipeline's (each stage contributes its own parameters).
     """
-    return dp.full_state_dict()
+    mine = par.dp.full_state_dict()
+    pp = par.mesh.group("pp")
+    if pp.size == 1:
+        return mine
+    parts: list[dict] = [None] * pp.size  # type: ignore[list-item]
+    dist.all_gather_object(parts, mine, group=pp.pg)
+    return {k: v for part in parts for k, v in part.items()}

@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.mesh import Mesh, device_for
-from fivefold.model import Transformer, cross_entropy_sum
+from fivefold.model import Transformer
 from fivefold.parallel import comms
-from fivefold.parallel.parallelize import full_state_dict, parallelize
+from fivefold.parallel.parallelize import Parallelized, full_state_dict, parallelize
 from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
 from fivefold.train.metrics import MetricsLog, ProgressDisplay
-from fivefold.train.optim import lr_at, set_lr
+from fivefold.train.optim import clip_grad_norm, lr_at, set_lr
 from fivefold.train.precision import LossScaler, autocast
 from fivefold.validate import derive, validate
 
@@ -103,20 +103,21 @@ def build_datasets(cfg: Config, run_dir: Path) -> tuple[PackedDataset, PackedDat
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: PackedDataset, cfg: Config, mesh: Mesh, device: torch.device,
-             dp: int) -> float:
+def evaluate(par: Parallelized, dataset: PackedDataset, cfg: Config, device: torch.device, dp: int) -> float:
     """Mean token loss over the first eval_batches global batches of the validation set."""
     batches = GlobalBatches(dataset, cfg.train.global_batch, cfg.train.seed, shuffle=False)
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, tokens)
+    mesh = par.mesh
     for _ in range(cfg.train.eval_batches):
         indices = batches.next_indices()
         batch = rank_slice(dataset, indices, cfg.train.global_batch, dp, mesh.rank("batch"), cfg.train.micro_batch)
-        for x, y in batch.micro_batches:
-            with autocast(cfg.train, mesh.device_type):
-                total[0] += cross_entropy_sum(model(x.to(device)), y.to(device)).double()
-            total[1] += (y != IGNORE).sum()  # this rank's tokens; the sum over ranks is the global count
+        micro = [(x.to(device), y.to(device)) for x, y in batch.micro_batches]
+        total[0] += par.pipeline.forward_only(micro, cfg.model.dim, autocast=lambda: autocast(cfg.train, mesh.device_type))
+        if par.pipeline.has_last_stage:  # where the loss is; the sum over dp ranks is the global count
+            total[1] += sum(int((y != IGNORE).sum()) for _, y in micro)
         if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches
             break
+    comms.all_reduce(total, mesh.group("pp"), label="log")
     comms.all_reduce(total, mesh.group("grad"), label="log")
     return float(total[0] / total[1])
 
@@ -150,7 +151,8 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
     mesh = Mesh.from_config(cfg, world, device_type)
     device = device_for(device_type)
     model = build_model(cfg, d.vocab_size).to(device)
-    dp = parallelize(model, mesh, cfg)
+    par = parallelize(model, mesh, cfg)
+    dp = par.dp
     train_set, val_set = build_datasets(cfg, run_dir)
     loader = GlobalBatches(train_set, t.global_batch, t.seed)
 
@@ -175,22 +177,21 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         set_lr(dp.optimizer, lr)
         epoch = loader.state.epoch
         batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for i, (x, y) in enumerate(batch.micro_batches):
-            with autocast(t, device_type):
-                logits = model(x.to(device))  # (micro_batch, T, V)
-            loss = cross_entropy_sum(logits, y.to(device)) / batch.global_tokens
-            dp.backward(loss * scaler.scale, last_micro_batch=i == len(batch.micro_batches) - 1)
-            loss_sum += loss.detach().double()
-        finite = scaler.unscale(dp.gradients(), dp.norm_group)
+        micro = [(x.to(device), y.to(device)) for x, y in batch.micro_batches]
+        stats = par.pipeline.run(micro, batch.global_tokens, cfg.model.dim, scaler.scale,
+                                 autocast=lambda: autocast(t, device_type))
+        split_over = [*dp.norm_groups, mesh.group("pp")]  # what a gradient norm must add up over
+        finite = scaler.unscale(dp.gradients(), split_over)
         if finite:
-            grad_norm = dp.clip_grad_norm(t.grad_clip)
+            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over)
             dp.step()
         else:  # fp16 overflow: nothing is applied, the scale halves
             grad_norm = float("inf")
             dp.skip_step()
         scaler.update(finite)
         comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
+        loss_sum = torch.tensor(stats.loss, dtype=torch.float64, device=device)  # last stage's, else 0
+        comms.all_reduce(loss_sum, mesh.group("pp"), label="log")
         comms.all_reduce(loss_sum, mesh.group("grad"), label="log")
         elapsed = time.perf_counter() - began
         loss_value = float(loss_sum)
@@ -207,7 +208,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
 
         done = step + 1
         if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):
-            record["val_loss"] = result.val_losses[done] = evaluate(model, val_set, cfg, mesh, device, d.dp)
+            record["val_loss"] = result.val_losses[done] = evaluate(par, val_set, cfg, device, d.dp)
         if log is not None:
             log.write(record)
         display.update(done, loss_value, record["tokens_per_s"])
@@ -221,7 +222,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
 
     display.close()
     if return_state:
-        result.state = full_state_dict(dp)
+        result.state = full_state_dict(par)
     if log is not None:
         log.close()
         summary = {"run_dir": str(run_dir), "metrics": str(log.path), "config": str(run_dir / "config.toml"),

@@ -52,18 +52,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, shard_group: AxisGroup | None = None) -> float:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = ()) -> float:
     """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
 
     With plain data parallel every rank holds the whole summed gradient, so the local norm is the
-    global one. Sharded gradients (ZeRO) pass their shard group: the partial sums of squares are
-    added over it before the square root, so each element counts exactly once.
+    global one. Gradients split over ranks (ZeRO shards, pipeline stages) pass the groups they are
+    split over: the partial sums of squares are added over them before the square root, so each
+    element counts exactly once.
     """
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for g in grads:
         sq += g.double().pow(2).sum()
-    if shard_group is not None:
-        comms.all_reduce(sq, shard_group)
+    for group in groups:
+        comms.all_reduce(sq, group)
     norm = float(sq.sqrt())
     if max_norm > 0:
         scale = min(1.0, max_norm / (norm + 1e-6))

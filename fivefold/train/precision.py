@@ -41,11 +41,11 @@ class LossScaler:
         self.clean_steps = 0
 
     @torch.no_grad()
-    def unscale(self, grads: list[torch.Tensor], shard_group: AxisGroup | None) -> bool:
+    def unscale(self, grads: list[torch.Tensor], groups: list[AxisGroup]) -> bool:
         """Divide gradients by the scale; True when all are finite on every rank.
 
-        With sharded gradients each rank sees only its shard, so the verdict is agreed over the
-        shard group: every rank must skip, or none.
+        With gradients split over ranks each sees only its part, so the verdict is agreed over the
+        groups they are split over: every rank must skip, or none.
         """
         if not self.enabled:
             return True
@@ -53,8 +53,8 @@ class LossScaler:
         for g in grads:
             g.mul_(1.0 / self.scale)
             bad += (~torch.isfinite(g)).any().float()
-        if shard_group is not None:
-            comms.all_reduce(bad, shard_group)
+        for group in groups:
+            comms.all_reduce(bad, group)
         return bool(bad == 0)
 
     def update(self, finite: bool) -> None:

@@ -1,0 +1,204 @@
+"""Pipeline parallel: layers split into stages; micro-batches flow through a schedule.
+
+What is sharded: the layers, over the `pp` axis. A rank keeps only the blocks of the stages it
+owns (one stage, or v chunks for interleaved and V schedules); the first stage also keeps the
+embedding, the last the final norm, head and loss. Collectives: point-to-point only. Forward sends
+each micro-batch's activation (micro_batch, T, dim) to the next stage; backward sends its
+gradient back. Both use asynchronous isend, and a message's tag names its kind, micro-batch and
+stage, so the order in which two ranks post them does not matter.
+
+`run_schedule()` is the one executor: it runs, action by action, the per-rank lists that
+`schedules.py` builds (and `simulate()` times and draws), so what is planned, drawn and executed
+cannot drift apart. Split backward (zero-bubble schedules): "I" computes only the gradient of the
+stage input, which the previous stage is waiting for, keeping the graph; "W" later walks the same
+graph again for the weight gradients (simple and exact, at the price of a second traversal).
+Data parallel reduces the gradients once the whole schedule is done, when every stage's last
+backward has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin
+from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.data import DataParallel
+from fivefold.parallel.schedules import Schedule
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
+    """Block names of each stage, balanced by count (validate() checks divisibility)."""
+    per = n_layers // n_stages
+    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(n_stages)]
+
+
+@dataclass
+class StageChunk:
+    """One stage's slice of this rank's model: the embedding if first, its blocks, the head if last."""
+
+    model: Transformer
+    layers: list[str]
+    first: bool
+    last: bool
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.model.tok_embeddings(x) if self.first else x  # (B, T, dim)
+        cos, sin = rope_cos_sin(positions, self.model.head_dim, self.model.cfg.rope_theta)
+        for name in self.layers:
+            h = self.model.layers[name](h, cos, sin)
+        if self.last:
+            h = self.model.output(self.model.norm(h))  # (B, T, V)
+        return h
+
+
+def split_stages(model: Transformer, schedule: Schedule, pp_rank: int) -> dict[int, StageChunk]:
+    """Keep in `model` only what this rank's stages use (deleting the rest); return its chunks."""
+    n_stages = schedule.num_stages
+    layers = stage_layers(len(model.layers), n_stages)
+    mine = [s for s in range(n_stages) if schedule.stage_to_rank(s) == pp_rank]
+    keep = {name for s in mine for name in layers[s]}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    if 0 not in mine:
+        model.tok_embeddings = None
+    if n_stages - 1 not in mine:
+        model.norm = model.output = None
+    return {s: StageChunk(model, layers[s], s == 0, s == n_stages - 1) for s in mine}
+
+
+@dataclass
+class _Slot:
+    """What one (micro-batch, stage) keeps between its forward and its backward."""
+
+    inp: torch.Tensor | None = None  # the received activation (a leaf that collects its gradient)
+    out: torch.Tensor | None = None  # the stage output, or the loss on the last stage
+    grad: torch.Tensor | None = None  # the gradient of `out` (kept from I to W)
+
+
+@dataclass
+class PipelineStats:
+    loss: float = 0.0  # this rank's sum of micro-batch losses (last stage only)
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, action)
+
+
+class PipelineExecutor:
+    """Runs one rank's action list of a schedule over its stage chunks."""
+
+    def __init__(self, schedule: Schedule, chunks: dict[int, StageChunk], group: AxisGroup, dp: DataParallel,
+                 device: torch.device):
+        self.schedule, self.chunks, self.group, self.dp = schedule, chunks, group, dp
+        self.group_device = device  # where received activations and gradients are put
+        self.rank = group.rank
+        self.n_stages = schedule.num_stages
+        self.has_last_stage = self.n_stages - 1 in chunks
+        actions = schedule.actions[self.rank]
+        # Data parallel may start reducing on the rank's last backward: every gradient is final then.
+        self.last_backward = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group.pg, self.schedule.stage_to_rank(stage))
+
+    def _tag(self, kind: int, mb: int, stage: int) -> int:
+        return (kind * self.schedule.microbatches + mb) * self.n_stages + stage
+
+    def _send(self, t: torch.Tensor, to_stage: int, key: tuple[int, int, int], local: dict, sends: list) -> None:
+        if self.schedule.stage_to_rank(to_stage) == self.rank:
+            local[key] = t  # both stages live here (V layout): hand over in memory
+            return
+        self.group.stats.record(self.group.label, "send", t.numel() * t.element_size(), self.group.size)
+        sends.append(dist.isend(t.contiguous(), self._peer(to_stage), group=self.group.pg, tag=self._tag(*key)))
+
+    def _recv(self, shape: torch.Size, dtype: torch.dtype, from_stage: int, key: tuple[int, int, int],
+              local: dict) -> torch.Tensor:
+        if key in local:
+            return local.pop(key)
+        buf = torch.empty(shape, dtype=dtype, device=self.group_device)
+        dist.irecv(buf, self._peer(from_stage), group=self.group.pg, tag=self._tag(*key)).wait()
+        return buf
+
+    def _params(self, chunk: StageChunk) -> list[nn.Parameter]:
+        mods = [chunk.model.layers[n] for n in chunk.layers]
+        mods += [chunk.model.tok_embeddings] if chunk.first else []
+        mods += [chunk.model.norm, chunk.model.output] if chunk.last else []
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int, dim: int,
+            loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None) -> PipelineStats:
+        """Run this rank's actions for one step; gradients accumulate as in one process.
+
+        Returns this rank's sum of micro-batch losses (non-zero on the last stage only), each
+        already divided by the step's global token count.
+        """
+        ACT, GRAD = 0, 1
+        slots: dict[tuple[int, int], _Slot] = {}
+        local: dict = {}
+        sends: list = []
+        stats = PipelineStats()
+        last = self.n_stages - 1
+        for index, action in enumerate(self.schedule.actions[self.rank]):
+            began = clock() if clock else 0.0
+            mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
+            x, y = micro_batches[mb]
+            shape, final = (*x.shape, dim), index == self.last_backward
+            if action.kind == "F":
+                slot = slots.setdefault((mb, s), _Slot())
+                if s > 0:
+                    x = slot.inp = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local).requires_grad_()
+                with autocast():
+                    out = chunk(x, torch.arange(x.shape[1], device=x.device))  # (B, T, dim), or (B, T, V) on the last stage
+                if s == last:
+                    out = cross_entropy_sum(out, y) / global_tokens  # the loss: backward starts here
+                    stats.loss += float(out.detach())
+                    out = out * loss_scale
+                else:
+                    out = out.float()  # activations travel in fp32 (autocast may have produced bf16)
+                    self._send(out.detach(), s + 1, (ACT, mb, s), local, sends)
+                slot.out = out
+            elif action.kind in ("B", "I"):
+                slot = slots[(mb, s)]
+                grad = None if s == last else self._recv(shape, torch.float32, s + 1, (GRAD, mb, s + 1), local)
+                if action.kind == "B":
+                    self.dp.backward(slot.out, grad, last_micro_batch=final)
+                    inp_grad = slot.inp.grad if slot.inp is not None else None
+                    del slots[(mb, s)]  # this micro-batch's activations on this stage are freed
+                else:  # input gradient only; the graph stays for W
+                    inp_grad = (torch.autograd.grad(slot.out, slot.inp, grad, retain_graph=True)[0]
+                                if slot.inp is not None else None)
+                    slot.grad = grad
+                if s > 0:
+                    self._send(inp_grad, s - 1, (GRAD, mb, s), local, sends)
+            else:  # "W": the weight gradients of a split backward
+                slot = slots.pop((mb, s))
+                self.dp.backward(slot.out, slot.grad, last_micro_batch=final, inputs=self._params(chunk))
+            if clock:
+                stats.timeline.append((began, clock(), str(action)))
+        for work in sends:  # every activation and gradient has left before its buffer can be reused
+            work.wait()
+        return stats
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], dim: int,
+                     autocast=contextlib.nullcontext) -> float:
+        """Sum of token losses over the micro-batches (last stage only), for evaluation."""
+        ACT, total, local, sends = 0, 0.0, {}, []
+        for mb, (x, y) in enumerate(micro_batches):
+            h = x
+            for s in sorted(self.chunks):  # each micro-batch through the stages in order: no deadlock
+                if s > 0:  # from the previous stage: another rank, or this one (then `local` has it)
+                    h = self._recv((*x.shape, dim), torch.float32, s - 1, (ACT, mb, s - 1), local)
+                with autocast():
+                    h = self.chunks[s](h, torch.arange(x.shape[1], device=x.device))
+                if s == self.n_stages - 1:
+                    total += float(cross_entropy_sum(h, y))
+                else:
+                    h = h.float()
+                    self._send(h, s + 1, (ACT, mb, s), local, sends)
+        for work in sends:
+            work.wait()
+        return total
