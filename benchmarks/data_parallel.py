@@ -23,20 +23,23 @@ are the same forward on the same weights and data, so only summation order can d
 
 How time is measured: a step is forward + backward (with the gradient reduction) + clip +
 optimizer step, timed with perf_counter on every rank; a step's time is the slowest rank's. The
-launcher is `fivefold.testing.run_workers`: every run of a configuration gets its own pair of
-freshly forked gloo workers (fork, so the imports done once here are not paid again; 1 thread and
-OMP_NUM_THREADS=1 in each). The first `--warmup` steps of every run are skipped (FSDP2's lazy init,
-torch DDP's bucket rebuild at its second step, allocator warm-up). The two sides of a comparison
-alternate, A B, B A, A B, ... over `--rounds` rounds, and the reported step time is the median over
-all kept steps of all rounds (each side's per-round medians are listed too, to judge the spread).
+launcher is `fivefold.testing.run_workers`: each round of a comparison gets a fresh pair of forked
+gloo workers (fork, so the imports done once here are not paid again; 1 thread and
+OMP_NUM_THREADS=1 in each). Both sides of the comparison live in those workers, each with its own
+model, wrapper and optimizer, and they alternate step by step (A B, B A, A B, ...), so that a load
+change on this shared machine hits both alike; which side is built and stepped first flips from
+round to round. Each side first runs `--warmup` untimed steps (FSDP2's lazy init, torch DDP's
+bucket rebuild at its second step, allocator warm-up). The reported step time is the median over
+all timed steps of all rounds; each side's per-round medians are listed too, to judge the spread.
 
-How memory is measured: peak RSS, each configuration in its own processes, in one extra untimed
-"memory run" per configuration (1 warm-up + 2 steps) after the timed rounds. In it:
+How memory is measured: peak RSS of processes that run one configuration alone: one extra untimed
+"memory run" per configuration (3 steps, fresh workers) after the timed rounds. In it:
 - glibc is told (mallopt) to give freed memory back at once: a fixed 64 KiB mmap threshold, so
   each tensor above it is its own mapping, unmapped when freed, and heap trimming above 128 KiB.
   By default glibc raises its threshold after the first large free and then serves activations
-  from a heap it keeps, so RSS would show "the most the heap ever held, plus fragmentation", not
-  what the configuration holds. It costs page faults, hence not in the timed runs;
+  from a heap it keeps, so RSS would show "the most the heap ever held, plus fragmentation"
+  (~45 MB more here, and noisy), not what the configuration holds. It costs page faults, hence
+  it is never set in the timed runs;
 - after the process groups exist and right before the model is built, the worker resets its peak
   RSS to its current RSS (writing 5 to /proc/self/clear_refs, Linux >= 4.0) and reads its
   anonymous RSS (RssAnon) as the baseline;
@@ -45,11 +48,11 @@ How memory is measured: peak RSS, each configuration in its own processes, in on
   in as it first runs it, ~30-50 MB and the same for every configuration) and the baseline.
 So `*_peak_mb` is the peak, from building the model to the last step, of the memory the run added:
 parameters (the full model too, before ZeRO-3 / FSDP2 shard it), gradients, optimizer state,
-activations, communication buffers; the maximum over ranks. One-off Python allocations that
-torch makes on first use (~26 MB of RSS when the first optimizer is built) are paid in this parent
-before forking (`_prewarm`), so they count for no configuration. `*_peak_mb_glibc_default` is the
-same measure taken in the timed runs with glibc's default behaviour (median over rounds): what a
-training process's RSS shows, allocator slack included, so noisier as a comparison.
+activations, communication buffers; the maximum over ranks. One-off allocations torch makes on
+first use (~26 MB of RSS when the first optimizer is built) are paid in this parent before forking
+(`_prewarm`), so they count for no configuration. `*_peak_rss_mb` is the absolute peak RSS of the
+same run, mostly the Python and torch every configuration shares. At this model size activations
+dominate (parameters, gradients and AdamW state together are ~15 MB), so ZeRO-3 saves little.
 
 Reading the numbers: absolute times on a shared 2-core machine are noise (another process's test
 run moves them by tens of percent); the ratios between alternated runs are what to read, and even

@@ -273,12 +273,12 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             except ValueError as e:
                 err(f"parallel.pp_schedule = '{p.pp_schedule}' with pp = {p.pp}, virtual_stages = "
                     f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
+    if p.pp_schedule == "dualpipe_v" and p.virtual_stages != 2:
+        err("parallel.pp_schedule = 'dualpipe_v' runs 2 stages per rank; set parallel.virtual_stages = 2")
     if p.pp > 1 and p.zero >= 2:
         err(f"parallel.pp = {p.pp} with parallel.zero = {p.zero}: reducing gradients on every micro-batch "
             f"across interleaved stage backwards is not available yet; use zero = 0 or 1 with pipelines")
-    if p.pp > 1 and m.tie_embeddings:
-        err("parallel.pp > 1 with model.tie_embeddings = true: keeping the first and last stage's copies in "
-            "sync is not available yet; untie the embeddings")
+
 
     return errors
 

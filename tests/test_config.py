@@ -141,3 +141,20 @@ def test_data_parallel_options():
     msg = one_error(errors_of(6, "--parallel.dp_replicate=4"), "parallel.dp_replicate = 4 does not divide dp = 6")
     assert "1, 2, 3, 6" in msg
     assert errors_of(4, "--parallel.dp_replicate=2", "--parallel.zero=2") == []
+
+
+def test_pipeline_options():
+    msg = one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.pp_schedule=1f1f"),
+                    "parallel.pp_schedule = '1f1f'")
+    assert "'1f1b'" in msg and "'interleaved_1f1b'" in msg and "'dualpipe_v'" in msg  # the valid names
+    msg = one_error(errors_of(4, "--parallel.pp=4", "--parallel.dp=1", "--parallel.pp_schedule=interleaved_1f1b",
+                              "--parallel.virtual_stages=2", "--train.global_batch=12", "--train.micro_batch=2"),
+                    "interleaved_1f1b")
+    assert "6 micro-batches" in msg and "m % p == 0" in msg
+    one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.pp_schedule=dualpipe_v"),
+              "virtual_stages = 2")
+    one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.pp_schedule=dualpipe_v",
+                        "--parallel.virtual_stages=2", "--train.micro_batch=4"), "dualpipe_v needs microbatches >= 2*pp")
+    one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.virtual_stages=2"), "1f1b")
+    one_error(errors_of(4, "--parallel.pp=2", "--parallel.zero=2"), "parallel.zero = 2")
+    assert errors_of(4, "--parallel.pp=2", "--parallel.zero=1") == []

@@ -42,6 +42,12 @@ LAYOUTS = {  # name: (ranks, overrides)
     "1f1b-pp2-dp2": (4, ("--parallel.pp=2", "--train.micro_batch=2")),
     "1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1")),
 }
+TIED = {
+    "tied-1f1b-pp2": (2, ("--parallel.pp=2", "--train.micro_batch=2")),
+    "tied-1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=2")),
+    "tied-dualpipe_v-pp2": (2, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
+                                "--train.micro_batch=2")),
+}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -56,3 +62,21 @@ def test_pipeline_reproduces_single_process(tmp_path, reference, layout):
         assert state.keys() == ref_state.keys()
         for name, ref in ref_state.items():
             torch.testing.assert_close(state[name], ref, rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    cfg = tiny_config(tmp_path_factory.mktemp("tied"), *DATA, "--train.micro_batch=8", "--model.tie_embeddings=true")
+    return run_workers(_run, 1, cfg)[0]
+
+
+@pytest.mark.parametrize("layout", TIED)
+def test_tied_embeddings_stay_in_sync_across_stages(tmp_path, tied_reference, layout):
+    ref_losses, _, ref_state = tied_reference
+    world, extra = TIED[layout]
+    results = run_workers(_run, world, tiny_config(tmp_path, *DATA, *extra, "--model.tie_embeddings=true"))
+    for losses, _, state in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        # The first stage's copy (tok_embeddings) and the last stage's (output) are one matrix again.
+        torch.testing.assert_close(state["tok_embeddings.weight"], ref_state["tok_embeddings.weight"], rtol=0, atol=1e-4)
+        assert torch.equal(state["tok_embeddings.weight"], state["output.weight"])

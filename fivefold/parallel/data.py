@@ -167,6 +167,10 @@ class DataParallel:
         """The groups this rank's gradients are split over (none: every rank holds all of them)."""
         return []
 
+    def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
+        """The reduced gradient the optimizer will apply to p (ZeRO: this rank's rows of it)."""
+        return p.grad
+
     def skip_step(self) -> None:
         """Drop this step's gradients (fp16 overflow): nothing is applied."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -301,6 +305,9 @@ class ZeroDataParallel(DataParallel):
     @property
     def norm_groups(self) -> list[comms.AxisGroup]:
         return [self.shard_group]
+
+    def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
+        return self.shards[id(p)].grad
 
     @torch.no_grad()
     def step(self) -> None:

@@ -21,7 +21,7 @@ from fivefold.config import Config
 from fivefold.mesh import Mesh
 from fivefold.model import Transformer
 from fivefold.parallel.data import DataParallel, apply_data_parallel
-from fivefold.parallel.pipeline import PipelineExecutor, split_stages
+from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embedding_group
 from fivefold.parallel.schedules import build_schedule
 from fivefold.validate import derive
 
@@ -43,9 +43,14 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
         # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
         for block in model.layers.values():
             block.compile()
+    tied = None
+    if cfg.model.tie_embeddings:
+        group = tied_embedding_group(mesh, schedule)  # collective: every rank takes part
+        holder = model.tok_embeddings or model.output  # neither on middle stages
+        tied = (holder.weight, group) if holder is not None else None
     dp = apply_data_parallel(model, mesh, p, cfg.train)
     device = next(model.parameters()).device
-    return Parallelized(model, dp, PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device), mesh)
+    return Parallelized(model, dp, PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied), mesh)
 
 
 def full_state_dict(par: Parallelized) -> dict[str, torch.Tensor]:

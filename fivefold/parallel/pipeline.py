@@ -19,6 +19,7 @@ backward has run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin
+from fivefold.mesh import Mesh
+from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.data import DataParallel
 from fivefold.parallel.schedules import Schedule
@@ -54,6 +57,23 @@ class StageChunk:
         if self.last:
             h = self.model.output(self.model.norm(h))  # (B, T, V)
         return h
+
+
+def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
+    """Each rank holding the first stage with its peer holding the last (same dp/cp/tp place).
+
+    With tied embeddings both keep a copy of the matrix: the copies start equal and stay equal
+    because each step applies the sum of both gradients to both (the V layout puts the two
+    stages on one rank: a group of one, nothing to send).
+    """
+    grid = mesh.device_mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) -> global rank
+    first, last = schedule.stage_to_rank(0), schedule.stage_to_rank(schedule.num_stages - 1)
+    parts = []
+    for place in itertools.product(*(range(n) for n in grid.shape[1:])):
+        column = grid[(slice(None), *place)].tolist()  # the pipeline of this place, by pp rank
+        ends = sorted({column[first], column[last]})
+        parts += [ends] + [[r] for r in column if r not in ends]
+    return mesh.subgroups(parts, "pp")
 
 
 def split_stages(model: Transformer, schedule: Schedule, pp_rank: int) -> dict[int, StageChunk]:
@@ -91,8 +111,9 @@ class PipelineExecutor:
     """Runs one rank's action list of a schedule over its stage chunks."""
 
     def __init__(self, schedule: Schedule, chunks: dict[int, StageChunk], group: AxisGroup, dp: DataParallel,
-                 device: torch.device):
+                 device: torch.device, tied: tuple[nn.Parameter, AxisGroup] | None = None):
         self.schedule, self.chunks, self.group, self.dp = schedule, chunks, group, dp
+        self.tied = tied  # the embedding matrix shared by the first and last stage, and their group
         self.group_device = device  # where received activations and gradients are put
         self.rank = group.rank
         self.n_stages = schedule.num_stages
@@ -100,6 +121,12 @@ class PipelineExecutor:
         actions = schedule.actions[self.rank]
         # Data parallel may start reducing on the rank's last backward: every gradient is final then.
         self.last_backward = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))
+
+    def copies_counted_elsewhere(self) -> list[torch.Tensor]:
+        """Gradients another rank holds too (the last stage's tied embedding copy): count them once."""
+        if self.tied is None or 0 in self.chunks:
+            return []
+        return [self.dp.gradient_of(self.tied[0])]
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group.pg, self.schedule.stage_to_rank(stage))
@@ -142,14 +169,20 @@ class PipelineExecutor:
         stats = PipelineStats()
         last = self.n_stages - 1
         for index, action in enumerate(self.schedule.actions[self.rank]):
-            began = clock() if clock else 0.0
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
             x, y = micro_batches[mb]
             shape, final = (*x.shape, dim), index == self.last_backward
+            # Inputs first, then the clock: a timeline shows compute, and waiting shows as gaps.
+            if action.kind == "F" and s > 0:
+                x = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local).requires_grad_()
+            elif action.kind in ("B", "I") and s < last:
+                grad = self._recv(shape, torch.float32, s + 1, (GRAD, mb, s + 1), local)
+            elif action.kind in ("B", "I"):
+                grad = None  # the last stage starts backward from its loss
+            began = clock() if clock else 0.0
             if action.kind == "F":
                 slot = slots.setdefault((mb, s), _Slot())
-                if s > 0:
-                    x = slot.inp = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local).requires_grad_()
+                slot.inp = x if s > 0 else None
                 with autocast():
                     out = chunk(x, torch.arange(x.shape[1], device=x.device))  # (B, T, dim), or (B, T, V) on the last stage
                 if s == last:
@@ -162,7 +195,6 @@ class PipelineExecutor:
                 slot.out = out
             elif action.kind in ("B", "I"):
                 slot = slots[(mb, s)]
-                grad = None if s == last else self._recv(shape, torch.float32, s + 1, (GRAD, mb, s + 1), local)
                 if action.kind == "B":
                     self.dp.backward(slot.out, grad, last_micro_batch=final)
                     inp_grad = slot.inp.grad if slot.inp is not None else None
@@ -180,6 +212,9 @@ class PipelineExecutor:
                 stats.timeline.append((began, clock(), str(action)))
         for work in sends:  # every activation and gradient has left before its buffer can be reused
             work.wait()
+        if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
+            param, group = self.tied
+            comms.all_reduce(self.dp.gradient_of(param), group)
         return stats
 
     @torch.no_grad()

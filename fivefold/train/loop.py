@@ -183,7 +183,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         split_over = [*dp.norm_groups, mesh.group("pp")]  # what a gradient norm must add up over
         finite = scaler.unscale(dp.gradients(), split_over)
         if finite:
-            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over)
+            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.pipeline.copies_counted_elsewhere())
             dp.step()
         else:  # fp16 overflow: nothing is applied, the scale halves
             grad_norm = float("inf")

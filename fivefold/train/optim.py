@@ -52,17 +52,20 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = ()) -> float:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = (),
+                   counted_elsewhere: list[torch.Tensor] = ()) -> float:
     """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
 
     With plain data parallel every rank holds the whole summed gradient, so the local norm is the
     global one. Gradients split over ranks (ZeRO shards, pipeline stages) pass the groups they are
     split over: the partial sums of squares are added over them before the square root, so each
-    element counts exactly once.
+    element counts exactly once; `counted_elsewhere` are copies another rank already counts (a tied
+    embedding on the last pipeline stage): they are scaled but not counted.
     """
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for g in grads:
-        sq += g.double().pow(2).sum()
+        if not any(g is other for other in counted_elsewhere):
+            sq += g.double().pow(2).sum()
     for group in groups:
         comms.all_reduce(sq, group)
     norm = float(sq.sqrt())
