@@ -156,8 +156,6 @@ def _prewarm() -> None:
 
 def clip_fivefold(dp, max_norm: float) -> float:
     """The wrapper's global-norm clipping, as train/loop.py does it."""
-    if hasattr(dp, "clip_grad_norm"):
-        return dp.clip_grad_norm(max_norm)
     return clip_grad_norm(dp.gradients(), max_norm, dp.norm_groups)  # groups the gradients are split over
 
 
