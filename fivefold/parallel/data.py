@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fivefold.config import ParallelConfig, TrainConfig
@@ -46,6 +47,9 @@ from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.ring import ring_all_reduce
 from fivefold.train.optim import build_optimizer
+
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -223,10 +227,12 @@ class DataParallel:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def optim_state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        # Flattened: every entry keyed by parameter name ("state.layers.0...exp_avg"), so ranks that
+        # hold different parameters (pipeline stages) never write the same key with other values.
+        return get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
 
     def load_optim_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=FLAT)
 
 
 class ZeroDataParallel(DataParallel):
