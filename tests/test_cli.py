@@ -5,6 +5,9 @@ import subprocess
 import sys
 import time
 
+import torch.distributed as dist
+
+from fivefold.cli import main
 from fivefold.train.metrics import read_metrics
 from helpers import ROOT
 
@@ -35,21 +38,20 @@ def test_train_under_torchrun(tmp_path):
     assert len(read_metrics(tmp_path / "tiny" / "metrics.jsonl")) == 3
 
 
-def test_bad_config_fails_before_any_process_starts(tmp_path):
+def test_bad_config_fails_before_any_process_starts(tmp_path, capsys):
     began = time.monotonic()
     out = fivefold("train", "configs/tiny.toml", "--nproc", "3", "--parallel.dp=2", "--train.stpes=1",
-                   f"--run.out_dir={tmp_path}")
+                   "--train.lr=-1", f"--run.out_dir={tmp_path}")
     assert out.returncode == 2
-    assert "unknown key 'train.stpes': did you mean 'steps'?" in out.stderr
-    out = fivefold("train", "configs/tiny.toml", "--nproc", "3", "--parallel.dp=2", "--train.lr=-1",
-                   f"--run.out_dir={tmp_path}")
-    assert out.returncode == 2
+    assert "unknown key 'train.stpes': did you mean 'steps'?" in out.stderr  # parse and value errors together
     assert "parallel.dp x pp x cp x tp = 2 x 1 x 1 x 1 = 2 but 3 processes" in out.stderr
     assert "train.lr = -1: must be > 0" in out.stderr
-    out = fivefold("train", "configs/tiny.toml", "--nproc", "64", "--deepspeed", "tests/data/ds_seed_004.json",
-                   f"--run.out_dir={tmp_path}")
-    assert out.returncode == 2
-    assert "zero_optimization.stage   -> parallel.zero = 2" in out.stderr  # the mapping is printed
-    assert "train_batch_size = 1024 but" in out.stderr and "= 4 x 8 x 8 = 256" in out.stderr
-    assert not (tmp_path / "tiny").exists()  # nothing started, nothing written
     assert time.monotonic() - began < 30
+    # In this process too: the check runs before any process group exists.
+    code = main(["train", "configs/tiny.toml", "--nproc", "64", "--deepspeed", str(ROOT / "tests/data/ds_seed_004.json"),
+                 f"--run.out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not dist.is_initialized()
+    assert "zero_optimization.stage   -> parallel.zero = 2" in err  # the mapping is printed
+    assert "train_batch_size = 1024 but" in err and "= 4 x 8 x 8 = 256" in err
+    assert not (tmp_path / "tiny").exists()  # nothing started, nothing written

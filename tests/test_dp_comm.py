@@ -24,8 +24,8 @@ def _train(rank, world, cfg):
 
 
 @pytest.mark.parametrize("zero,n,micro,keep", [
-    (0, 2, 4, False), (0, 4, 1, False), (1, 2, 2, False), (1, 4, 2, False), (2, 2, 4, False), (2, 2, 2, False),
-    (2, 4, 1, False), (3, 2, 4, False), (3, 2, 2, False), (3, 4, 1, False), (3, 2, 2, True)])
+    (0, 2, 4, False), (0, 4, 1, False), (1, 2, 2, False), (2, 2, 4, False), (2, 2, 2, False),
+    (3, 2, 4, False), (3, 4, 1, False), (3, 2, 2, True)])
 def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro, keep):
     cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", f"--train.micro_batch={micro}",
                       "--parallel.bucket_mb=0.2", f"--parallel.reshard_after_forward={str(not keep).lower()}")
@@ -195,7 +195,7 @@ def test_torch_as_oracle(tmp_path, kind, zero):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("zero", [2, 3])  # ZeRO-1 saves the same shards as ZeRO-2
 def test_zero_resume_is_exact(tmp_path, zero):
     args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=4", "--checkpoint.every=2",
             f"--parallel.zero={zero}", "--train.micro_batch=2")
@@ -211,8 +211,8 @@ def test_zero_resume_is_exact(tmp_path, zero):
 def test_model_state_memory_per_rank(tmp_path, zero):
     """Bytes per rank for parameters, gradients and optimizer state, sampled between micro-batches
     (the transient inside backward, a bucket or two gathered units, is not in these samples)."""
-    n = 4  # global batch 8 = 4 ranks x 2 micro-batches of 1: ZeRO-1 keeps full gradients between them
-    cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", "--train.micro_batch=1")
+    n = 2  # global batch 8 = 2 ranks x 2 micro-batches of 2: ZeRO-1 keeps full gradients between them
+    cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", "--train.micro_batch=2")
     run_workers(_train, n, cfg)
     P = count_parameters(build_model(cfg, 320))
     # fp32 on CPU: the parameters are the master weights for DDP; ZeRO keeps fp32 masters beside them.
