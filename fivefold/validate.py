@@ -20,8 +20,6 @@ from fivefold.parallel.schedules import build_schedule
 # Features whose config keys exist but whose code has not landed. Each issue that builds one
 # removes its line here; until then a non-default value is an error, never a silent no-op.
 NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
-    "parallel.tp": (1, "tensor parallel"),
-    "parallel.sp": (False, "sequence parallel"),
     "parallel.cp": (1, "context parallel"),
     "parallel.ep": (1, "expert parallel"),
     "train.recompute": ("none", "activation recomputation"),
@@ -209,6 +207,12 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if p.zero == 3 and t.compile:
         err("parallel.zero = 3 with train.compile = true: FSDP's gather/free hooks run around each block, "
             "which compiled blocks do not support yet; set train.compile = false or use zero = 1 or 2")
+    if p.tp > 1 and (p.zero or m.n_experts or m.tie_embeddings):
+        what = "parallel.zero > 0" if p.zero else ("an MoE model" if m.n_experts else "model.tie_embeddings")
+        err(f"parallel.tp = {p.tp} with {what} is not available yet; use tp = 1 or "
+            f"{'zero = 0' if p.zero else 'a dense model' if m.n_experts else 'untied embeddings'}")
+    if p.sp and p.tp == 1:
+        err("parallel.sp = true needs parallel.tp > 1 (it splits the sequence over the tp ranks)")
     if p.dp_collective == "ring" and p.zero:
         err(f"parallel.dp_collective = 'ring' is DDP's all-reduce; with parallel.zero = {p.zero} set dp_collective = 'builtin'")
     if p.bucket_mb <= 0:

@@ -158,3 +158,13 @@ def test_pipeline_options():
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.virtual_stages=2"), "1f1b")
     one_error(errors_of(4, "--parallel.pp=2", "--parallel.zero=2"), "parallel.zero = 2")
     assert errors_of(4, "--parallel.pp=2", "--parallel.zero=1") == []
+
+
+def test_tensor_parallel_options():
+    one_error(errors_of(2, "--parallel.sp=true"), "parallel.sp = true needs parallel.tp > 1")
+    one_error(errors_of(4, "--parallel.tp=2", "--parallel.zero=1"), "parallel.tp = 2 with parallel.zero > 0")
+    one_error(errors_of(2, "--parallel.tp=2", "--model.preset=tiny-moe"), "an MoE model")
+    one_error(errors_of(2, "--parallel.tp=2", "--model.tie_embeddings=true"), "model.tie_embeddings")
+    msg = one_error(errors_of(2, "--parallel.tp=2", "--data.vocab_multiple=7"), "vocabulary 259")
+    assert "vocab_multiple to a multiple of 2" in msg
+    assert errors_of(8, "--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2") == []

@@ -115,3 +115,91 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         return None
     group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
     return dist.all_gather_into_tensor(output, input, group=group.pg, async_op=async_op)
+
+
+# ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----
+# Each forward collective has its conjugate in backward: identity <-> all-reduce, and (sequence
+# parallel) all-gather <-> reduce-scatter along the sequence dim (dim 1 of (B, T, ...)).
+
+
+def _seq_gather(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """(B, T/n, ...) on each rank -> (B, T, ...), rank-ordered along T."""
+    local = x.transpose(0, 1).contiguous()  # (T/n, B, ...): the flat all-gather concatenates dim 0
+    out = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
+    all_gather(out, local, group)
+    return out.transpose(0, 1)
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) slice of their sum."""
+    full = x.transpose(0, 1).contiguous()  # (T, B, ...)
+    out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
+    reduce_scatter(out, full, group)
+    return out.transpose(0, 1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone(memory_format=torch.contiguous_format)  # the sum replaces a copy, not autograd's input
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: identity (every tp rank has x). Backward: all-reduce the partial input gradients."""
+    return x if group.size == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: all-reduce the partial sums of a row-parallel product. Backward: identity."""
+    return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: all-gather the sequence shards. Backward: reduce-scatter the gradient to them."""
+    return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: reduce-scatter partial sums into sequence shards. Backward: all-gather."""
+    return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group)

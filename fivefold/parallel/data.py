@@ -46,6 +46,7 @@ from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.ring import ring_all_reduce
+from fivefold.parallel.tensor import dtensors_as_local, gather_tp_shards, tp_shards_as_dtensors
 from fivefold.train.optim import build_optimizer
 
 
@@ -215,24 +216,28 @@ class DataParallel:
         return peak
 
     # ---- state: what checkpoints save and tests compare ----------------------------------------
+    # Tensor-parallel slices are described as DTensors on the tp axis, so a checkpoint knows each
+    # matrix's whole shape and where this rank's slice sits.
     def model_state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        return tp_shards_as_dtensors(get_model_state_dict(self.model), self.model, self.mesh)
 
     def load_model_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, dtensors_as_local(state))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Plain, unsharded copies of every parameter and buffer, keyed as in the model."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        local = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return gather_tp_shards(local, self.model, self.mesh)
 
     def optim_state_dict(self) -> dict:
         # Flattened: every entry keyed by parameter name ("state.layers.0...exp_avg"), so ranks that
         # hold different parameters (pipeline stages) never write the same key with other values.
-        return get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+        return tp_shards_as_dtensors(state, self.model, self.mesh, prefix="state.")
 
     def load_optim_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=FLAT)
+        set_optimizer_state_dict(self.model, self.optimizer, dtensors_as_local(state), options=FLAT)
 
 
 class ZeroDataParallel(DataParallel):

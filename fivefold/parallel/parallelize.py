@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.mesh import Mesh
+from fivefold.parallel.comms import AxisGroup
 from fivefold.model import Transformer
 from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embedding_group
 from fivefold.parallel.schedules import build_schedule
+from fivefold.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from fivefold.validate import derive
 
 
@@ -33,12 +35,26 @@ class Parallelized:
     pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
     mesh: Mesh
 
+    def gradient_split_groups(self) -> list[AxisGroup]:
+        """Groups over which this rank's gradients are parts of the whole (for norms and overflow checks)."""
+        return [*self.dp.norm_groups, self.mesh.group("pp"), self.mesh.group("tp")]
+
+    def gradients_counted_elsewhere(self) -> list[torch.Tensor]:
+        """Gradients another rank of those groups holds too, so a norm counts them once: the last
+        stage's tied embedding, and tp-replicated weights (norms) on tp ranks other than 0."""
+        out = self.pipeline.copies_counted_elsewhere()
+        if self.mesh.rank("tp") > 0:
+            out += [self.dp.gradient_of(p) for p in self.dp.params if not hasattr(p, "tp_dim")]
+        return out
+
 
 def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     """Apply every dimension of cfg.parallel to `model` in place."""
     p = cfg.parallel
     schedule = build_schedule(p.pp_schedule, p.pp, derive(cfg, mesh.world_size).grad_accum, p.virtual_stages)
     chunks = split_stages(model, schedule, mesh.rank("pp"))
+    apply_tensor_parallel(model, mesh, p.sp)
+    tp = mesh.group("tp")
     if cfg.train.compile:
         # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
         for block in model.layers.values():
@@ -50,7 +66,10 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
         tied = (holder.weight, group) if holder is not None else None
     dp = apply_data_parallel(model, mesh, p, cfg.train)
     device = next(model.parameters()).device
-    return Parallelized(model, dp, PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied), mesh)
+    pipeline = PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied,
+                                loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp),
+                                seq_divisor=tp.size if p.sp else 1)
+    return Parallelized(model, dp, pipeline, mesh)
 
 
 def full_state_dict(par: Parallelized) -> dict[str, torch.Tensor]:

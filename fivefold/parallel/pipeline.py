@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -111,8 +112,12 @@ class PipelineExecutor:
     """Runs one rank's action list of a schedule over its stage chunks."""
 
     def __init__(self, schedule: Schedule, chunks: dict[int, StageChunk], group: AxisGroup, dp: DataParallel,
-                 device: torch.device, tied: tuple[nn.Parameter, AxisGroup] | None = None):
+                 device: torch.device, tied: tuple[nn.Parameter, AxisGroup] | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+                 seq_divisor: int = 1):
         self.schedule, self.chunks, self.group, self.dp = schedule, chunks, group, dp
+        self.loss_fn = loss_fn  # sum of token losses from the last stage's output (vocab-parallel under tp)
+        self.seq_divisor = seq_divisor  # activations between stages hold T / seq_divisor tokens (sp)
         self.tied = tied  # the embedding matrix shared by the first and last stage, and their group
         self.group_device = device  # where received activations and gradients are put
         self.rank = group.rank
@@ -171,7 +176,8 @@ class PipelineExecutor:
         for index, action in enumerate(self.schedule.actions[self.rank]):
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
             x, y = micro_batches[mb]
-            shape, final = (*x.shape, dim), index == self.last_backward
+            shape, final = (x.shape[0], x.shape[1] // self.seq_divisor, dim), index == self.last_backward
+            positions = torch.arange(x.shape[1], device=x.device)  # every token's true position
             # Inputs first, then the clock: a timeline shows compute, and waiting shows as gaps.
             if action.kind == "F" and s > 0:
                 x = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local).requires_grad_()
@@ -184,9 +190,9 @@ class PipelineExecutor:
                 slot = slots.setdefault((mb, s), _Slot())
                 slot.inp = x if s > 0 else None
                 with autocast():
-                    out = chunk(x, torch.arange(x.shape[1], device=x.device))  # (B, T, dim), or (B, T, V) on the last stage
+                    out = chunk(x, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
                 if s == last:
-                    out = cross_entropy_sum(out, y) / global_tokens  # the loss: backward starts here
+                    out = self.loss_fn(out, y) / global_tokens  # the loss: backward starts here
                     stats.loss += float(out.detach())
                     out = out * loss_scale
                 else:
@@ -226,11 +232,12 @@ class PipelineExecutor:
             h = x
             for s in sorted(self.chunks):  # each micro-batch through the stages in order: no deadlock
                 if s > 0:  # from the previous stage: another rank, or this one (then `local` has it)
-                    h = self._recv((*x.shape, dim), torch.float32, s - 1, (ACT, mb, s - 1), local)
+                    shape = (x.shape[0], x.shape[1] // self.seq_divisor, dim)
+                    h = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local)
                 with autocast():
                     h = self.chunks[s](h, torch.arange(x.shape[1], device=x.device))
                 if s == self.n_stages - 1:
-                    total += float(cross_entropy_sum(h, y))
+                    total += float(self.loss_fn(h, y))
                 else:
                     h = h.float()
                     self._send(h, s + 1, (ACT, mb, s), local, sends)

@@ -180,10 +180,10 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         micro = [(x.to(device), y.to(device)) for x, y in batch.micro_batches]
         stats = par.pipeline.run(micro, batch.global_tokens, cfg.model.dim, scaler.scale,
                                  autocast=lambda: autocast(t, device_type))
-        split_over = [*dp.norm_groups, mesh.group("pp")]  # what a gradient norm must add up over
+        split_over = par.gradient_split_groups()  # what a gradient norm must add up over
         finite = scaler.unscale(dp.gradients(), split_over)
         if finite:
-            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.pipeline.copies_counted_elsewhere())
+            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.gradients_counted_elsewhere())
             dp.step()
         else:  # fp16 overflow: nothing is applied, the scale halves
             grad_norm = float("inf")

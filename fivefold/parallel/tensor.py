@@ -1,0 +1,228 @@
+"""Tensor parallel (Megatron-LM, Shoeybi et al. 2019) with sequence parallel (Korthikanti et al. 2022).
+
+What is sharded over `tp`: the weight matrices. Attention is split by heads (query heads and
+key/value heads alike, so grouped-query attention keeps its grouping on every rank) and SwiGLU by
+its hidden units: the first matrix of each pair is column-parallel (output features split), the
+second row-parallel (input features split), so the activation between them never needs
+communication. The embedding and the output head are split along the vocabulary, and the loss is
+computed from vocabulary-sharded logits without ever forming the full (B, T, V) tensor.
+
+Collectives per transformer block, forward (backward has the conjugates):
+- without sp: one all-reduce after attention's row-parallel wo and one after the MLP's down;
+- with sp (`parallel.sp`): activations outside the matmuls (norms, residual adds) are split along
+  the sequence; an all-gather enters each tensor-parallel region and a reduce-scatter leaves it,
+  moving the same bytes as the all-reduce they replace (an all-reduce is a reduce-scatter plus an
+  all-gather) while norms and residuals hold T/tp tokens. Norm weights then see different tokens
+  on each rank, so their gradients are all-reduced over tp.
+
+Every layer is built from the full layer and keeps its slice, so every layout starts from the
+same weights. Each sharded weight records the dim it is split along (`tp_dim`), so checkpoints
+can describe it as a DTensor Shard(tp_dim) on the tp axis.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from fivefold.mesh import Mesh
+from fivefold.model import Attention, FeedForward, Transformer
+from fivefold.parallel import comms
+from fivefold.parallel.comms import AxisGroup
+
+
+def _shard(weight: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
+    part = nn.Parameter(weight.detach().chunk(group.size, dim=dim)[group.rank].clone())
+    part.tp_dim = dim  # read by checkpoints: Shard(dim) on the tp axis
+    return part
+
+
+def enter_tensor_parallel_region(x: torch.Tensor, group: AxisGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Where a region of column-parallel layers begins: with sp, gather the sequence shards
+    (B, T/tp, d) -> (B, T, d); without, x is already whole and only its gradient needs a sum."""
+    if sequence_parallel:
+        return comms.gather_from_sequence_parallel_region(x, group)
+    return comms.copy_to_tensor_parallel_region(x, group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (output features) split: each rank computes its slice of y.
+
+    enter_region: begin a tensor-parallel region here (the output head). Inside a block the region
+    begins once for all of its column-parallel layers (q, k and v share one input), on entry to
+    attention or the MLP, so one collective serves them all.
+    """
+
+    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, enter_region: bool = False):
+        super().__init__()
+        self.group, self.sp, self.enter_region = group, sequence_parallel, enter_region
+        self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enter_region:
+            x = enter_tensor_parallel_region(x, self.group, self.sp)  # (B, T, in)
+        return F.linear(x, self.weight)  # (B, T, out/tp)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns (input features) split: partial products are summed over tp."""
+
+    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = group, sequence_parallel
+        self.weight = _shard(linear.weight, 1, group)  # (out, in/tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
+        if self.sp:
+            return comms.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
+        return comms.reduce_from_tensor_parallel_region(partial, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r V/tp, (r+1) V/tp) of the table on rank r; other tokens look up zeros, then a sum."""
+
+    def __init__(self, embedding: nn.Embedding, group: AxisGroup, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = group, sequence_parallel
+        self.weight = _shard(embedding.weight, 0, group)  # (V/tp, dim)
+        self.start = group.rank * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start  # (B, T)
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sp:
+            return comms.reduce_scatter_to_sequence_parallel_region(h, self.group)  # (B, T/tp, dim)
+        return comms.reduce_from_tensor_parallel_region(h, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Sum of token losses from logits split along the vocabulary.
+
+    loss_t = log sum_v exp(z_tv) - z_t,target: the max, the sum of exponentials and the target
+    logit are each reduced over tp (three small all-reduces of (B, T) values), so no rank forms
+    the full (B, T, V) logits. Backward is local: softmax minus one-hot, on this rank's columns.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        z = logits.float()  # (B, T, V/tp)
+        v_local = z.shape[-1]
+        start = group.rank * v_local
+        zmax = z.max(dim=-1).values  # (B, T)
+        comms.all_reduce(zmax, group, op=torch.distributed.ReduceOp.MAX)
+        z = z - zmax.unsqueeze(-1)
+        exp = z.exp()  # (B, T, V/tp)
+        sum_exp = exp.sum(dim=-1)  # (B, T)
+        comms.all_reduce(sum_exp, group)
+        valid = targets != -100
+        local_t = targets - start
+        mine = valid & (local_t >= 0) & (local_t < v_local)
+        idx = local_t.masked_fill(~mine, 0)
+        target_logit = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # (B, T)
+        comms.all_reduce(target_logit, group)
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        ctx.save_for_backward(exp, sum_exp, idx, mine, valid)
+        ctx.dtype = logits.dtype
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, idx, mine, valid = ctx.saved_tensors
+        g = exp / sum_exp.unsqueeze(-1)  # softmax on this rank's columns
+        g.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
+        g = g * valid.unsqueeze(-1) * grad
+        return g.to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Sum of token losses (targets of -100 count nothing) from (B, T, V/tp) vocabulary-sharded logits."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, group)
+
+
+# Module name -> how it is split. Attention by heads, SwiGLU by hidden units, vocabulary for
+# embedding and head; everything else (norms, router) is replicated.
+TP_PLAN: dict[str, type[nn.Module]] = {
+    "attn.wq": ColumnParallelLinear, "attn.wk": ColumnParallelLinear, "attn.wv": ColumnParallelLinear,
+    "attn.wo": RowParallelLinear,
+    "ffn.gate": ColumnParallelLinear, "ffn.up": ColumnParallelLinear, "ffn.down": RowParallelLinear,
+}
+
+
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool) -> None:
+    """Swap the model's layers for their tensor-parallel versions in place (no-op at tp = 1)."""
+    group = mesh.group("tp")
+    if group.size == 1:
+        return
+    for block in model.layers.values():
+        for name, cls in TP_PLAN.items():
+            parent_name, child = name.split(".")
+            parent = getattr(block, parent_name)
+            assert isinstance(parent, (Attention, FeedForward)), f"TP_PLAN covers dense blocks only, not {parent}"
+            setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
+        for region in (block.attn, block.ffn):  # one entry per region, before its column-parallel layers
+            region.register_forward_pre_hook(
+                lambda mod, args: (enter_tensor_parallel_region(args[0], group, sequence_parallel), *args[1:]))
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
+    if model.output is not None:  # logits stay vocabulary-sharded, for vocab_parallel_cross_entropy
+        model.output = ColumnParallelLinear(model.output, group, sequence_parallel, enter_region=True)
+    for name, p in model.named_parameters():
+        # Replicated weights that saw different data on each tp rank need the others' gradients:
+        # QK-norm weights (each rank normalises its own heads) and, with sp, every norm (each rank
+        # normalises its own T/tp tokens). Without sp the block norms' inputs are identical.
+        if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and "norm" in name):
+            p.register_hook(lambda g: _summed_over(g, group))
+
+
+def _summed_over(grad: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    grad = grad.clone()
+    comms.all_reduce(grad, group)
+    return grad
+
+
+# ---- state: tp shards as DTensors for checkpoints, or gathered whole for tests and export ------------
+def _tp_dims(model: nn.Module) -> dict[str, int]:
+    return {name: p.tp_dim for name, p in model.named_parameters() if hasattr(p, "tp_dim")}
+
+
+def tp_shards_as_dtensors(state: dict, model: nn.Module, mesh: Mesh, prefix: str = "") -> dict:
+    """Wrap each tp-sharded tensor of `state` (keys prefix + parameter name [+ "." + suffix]) as a
+    DTensor Shard(tp_dim) on the tp axis, so a checkpoint records the whole matrix's shape."""
+    dims = _tp_dims(model)
+    if not dims:
+        return state
+    tp = mesh.device_mesh["tp"]
+    out = {}
+    for key, value in state.items():
+        name = key[len(prefix):]
+        param = next((n for n in (name, name.rsplit(".", 1)[0]) if n in dims), None)
+        if param is None or not torch.is_tensor(value) or value.ndim == 0:
+            out[key] = value
+            continue
+        shape = list(value.shape)
+        shape[dims[param]] *= tp.size()
+        out[key] = DTensor.from_local(value, tp, [Shard(dims[param])], run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+    return out
+
+
+def dtensors_as_local(state: dict) -> dict:
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+@torch.no_grad()
+def gather_tp_shards(state: dict[str, torch.Tensor], model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """Whole tensors from each rank's tp slices (concatenated along the dim they were split on)."""
+    group, dims = mesh.group("tp"), _tp_dims(model)
+    out = dict(state)
+    for name, dim in dims.items():
+        local = state[name].movedim(dim, 0).contiguous()  # the flat all-gather concatenates dim 0
+        full = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
+        comms.all_gather(full, local, group)
+        out[name] = full.movedim(0, dim)
+    return out
