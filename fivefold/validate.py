@@ -22,7 +22,6 @@ from fivefold.parallel.schedules import build_schedule
 NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
     "parallel.cp": (1, "context parallel"),
     "parallel.ep": (1, "expert parallel"),
-    "train.recompute": ("none", "activation recomputation"),
 }
 
 

@@ -127,7 +127,9 @@ def _seq_gather(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     local = x.transpose(0, 1).contiguous()  # (T/n, B, ...): the flat all-gather concatenates dim 0
     out = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
     all_gather(out, local, group)
-    return out.transpose(0, 1)
+    # One contiguous copy here; a strided view would be copied again by each of the region's
+    # linears (q, k and v each), tripling what autograd keeps.
+    return out.transpose(0, 1).contiguous()
 
 
 def _seq_reduce_scatter(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -135,7 +137,7 @@ def _seq_reduce_scatter(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     full = x.transpose(0, 1).contiguous()  # (T, B, ...)
     out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
     reduce_scatter(out, full, group)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -23,6 +23,7 @@ from fivefold.parallel.comms import AxisGroup
 from fivefold.model import Transformer
 from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embedding_group
+from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from fivefold.validate import derive
@@ -55,6 +56,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     chunks = split_stages(model, schedule, mesh.rank("pp"))
     apply_tensor_parallel(model, mesh, p.sp)
     tp = mesh.group("tp")
+    apply_recompute(model, cfg.train.recompute)
     if cfg.train.compile:
         # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
         for block in model.layers.values():

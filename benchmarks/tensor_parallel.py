@@ -1,0 +1,407 @@
+"""Tensor-parallel step time and peak memory: fivefold against torch DTensor tensor parallel.
+
+Run: `.venv/bin/python benchmarks/tensor_parallel.py [--steps N] [--rounds R] [--quick] [--profile]`
+(extra `--section.key=value` arguments override the config, e.g. `--model.n_layers=8`).
+
+What is compared, on 2 ranks (tp = 2, dp = 1, pp = 1, gloo, CPU, fp32), the same model, initial
+weights and batches:
+1. `tp`:    fivefold `--parallel.tp=2`                    vs torch `parallelize_module` without
+                                                             sequence parallel;
+2. `tp_sp`: fivefold `--parallel.tp=2 --parallel.sp=true` vs the same with `SequenceParallel`.
+The model is fivefold's Transformer (`build_model`, seeded) from configs/tiny.toml with dim 256,
+8 heads (4 per rank), ffn 768, 4 layers, seq 128, one micro-batch of 8 sequences per step (both
+ranks see the same batch, as tp ranks do), byte vocabulary padded to 320.
+
+Both sides shard the same things, as Megatron-LM and PyTorch's Llama tutorial / torchtitan do:
+attention by heads and SwiGLU by hidden units, *and* the embedding and the output head along the
+vocabulary, with the loss computed from vocabulary-sharded logits (no rank forms (B, T, V)).
+- fivefold: `parallelize(model, mesh, cfg)` (`apply_tensor_parallel`: Column/RowParallelLinear,
+  VocabParallelEmbedding, `vocab_parallel_cross_entropy`), stepped as train/loop.py steps it:
+  `pipeline.run([(x, y)], tokens, dim)` (one stage, one micro-batch), `clip_grad_norm` over
+  `gradient_split_groups()`, `dp.step()` (dp = 1: no gradient reduction).
+- torch: `parallelize_module` on a 1-D `init_device_mesh("cpu", (2,))`, per block
+  ColwiseParallel for attn.wq/wk/wv and ffn.gate/up, RowwiseParallel for attn.wo and ffn.down,
+  and a `PrepareModuleInput` on attn and on ffn that makes their input Replicate once for all of
+  their column-parallel layers (as the tutorial does; fivefold also enters each region once, and
+  without it torch would all-reduce the input gradient once per Colwise layer, i.e. 3 times for
+  q, k, v). Model level: RowwiseParallel(input_layouts=Replicate()) for tok_embeddings (a
+  vocabulary-sharded embedding) and ColwiseParallel(output_layouts=Shard(-1),
+  use_local_output=False) for output, the loss under `loss_parallel()`. With sp: SequenceParallel
+  on attn_norm, ffn_norm and norm, Rowwise with output_layouts=Shard(1) (wo, down, embedding: a
+  reduce-scatter), the regions' inputs and the head's input_layouts=Shard(1) (an all-gather). The
+  forward gets `positions=arange(T)` (under sp the embedding's output holds T/2 tokens). Attention
+  reads its local head count from shapes, so `use_local_output=True` (the Colwise/Rowwise default)
+  runs the unchanged model code. Clipping: torch's `get_total_norm` + `clip_grads_with_norm_`
+  (`clip_torch`: without sp the norms stay plain tensors, and torch's foreach norm refuses a mix
+  of DTensors and tensors, so each kind is normed apart and the two combined). Under sp the norm
+  weights' gradients are Partial DTensors that DTensor all-reduces wherever they are read (in the
+  clipping norm, then again in each AdamW use: ~36 all-reduces of 1 KB per step, a few ms; fivefold
+  all-reduces each once, from a hook, in backward). That is torch's behaviour, left as it is.
+  Both optimizers come from `build_optimizer` (AdamW, foreach=False).
+
+Loss: the sum of token losses / the token count (the mean over every token) on both: torch runs
+fivefold's `cross_entropy_sum` on its vocabulary-sharded DTensor logits under `loss_parallel()`,
+fivefold's executor runs `vocab_parallel_cross_entropy` (the same sum, from its shards). Every
+rank computes the whole loss; the first step's must agree within 1e-5 absolute (`loss_check`):
+the same forward on the same weights and data, only the summation order can differ.
+
+How time is measured: a step is forward + backward (with every tp collective) + gradient-norm
+clipping + the AdamW step, i.e. the optimizer is inside the timed region on both sides;
+perf_counter on every rank, and a step's time is the slowest rank's. As in data_parallel.py and
+pipeline_parallel.py (whose helpers are imported): each round of a variant gets a fresh pair of
+workers forked by `fivefold.testing.run_workers` (one thread each, OMP_NUM_THREADS=1), holding
+both sides (each with its own model, process groups and optimizer), which alternate step by step
+(A B, B A, ...) with an untimed loss all-reduce between steps that lines the ranks up; which side
+is built and stepped first flips from round to round. Each side first runs `--warmup` untimed
+steps. The reported step time is the median over all timed steps of all rounds; per-round
+medians are listed too.
+
+How memory is measured: as data_parallel.py does, with its helpers: one extra untimed run per
+side and variant (3 steps, fresh workers, that side alone, glibc returning freed memory at once):
+peak RSS (VmHWM, reset right before the model is built) minus file-backed and shared RSS and
+minus the anonymous RSS at the reset; the maximum over ranks. It includes the full model both
+sides build before sharding it (~14 MB here, the same on both).
+
+`--profile` adds, per variant, one run of both sides under torch.profiler (after the warm-up,
+untimed otherwise) and prints each side's top operators by self CPU time on rank 0: where the
+time goes when the ratio is off.
+
+Reading the numbers: absolute times on a shared 2-core machine are noise; the ratios
+fivefold / torch between alternated runs are what to read (below 1: fivefold faster or smaller),
+and even they move by a few percent between invocations. Output: progress and checks on stderr;
+on stdout one JSON object per variant, and last a summary object whose measured ratios have
+"ratio" in their keys (the issue's target, step-time ratio <= 1.10, printed beside them, not
+asserted).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+from benchmarks.data_parallel import (_median, _prewarm, _ratio, _status_mb,  # noqa: E402
+                                      malloc_returns_memory, reset_peak_rss)
+from benchmarks.pipeline_parallel import _batches  # noqa: E402  (global batches, the same on every rank)
+from fivefold.config import Config, load_config, replace  # noqa: E402
+from fivefold.mesh import Mesh  # noqa: E402
+from fivefold.model import cross_entropy_sum  # noqa: E402
+from fivefold.parallel.parallelize import parallelize  # noqa: E402
+from fivefold.testing import run_workers  # noqa: E402
+from fivefold.train.loop import build_model  # noqa: E402
+from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fivefold.validate import derive  # noqa: E402
+
+torch.set_num_threads(1)
+# DTensor's sequence-parallel redistributions call all_gather_into_tensor / reduce_scatter_tensor,
+# deprecated in favour of *_single; the forked workers inherit this filter.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+VARIANTS = {"tp": False, "tp_sp": True}  # name -> sequence parallel
+TARGETS = {f"{name}_ratio_step_time": 1.10 for name in VARIANTS}  # fivefold / torch at tp = 2, from the issue
+LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ
+
+
+def variant_cfg(cfg: Config, name: str) -> Config:
+    return replace(cfg, parallel={"sp": VARIANTS[name]})
+
+
+# ---- the two sides ----------------------------------------------------------------------------------
+class FivefoldSide:
+    """fivefold's tensor parallel on this rank, stepped as train/loop.py steps it."""
+
+    kind = "fivefold"
+
+    def __init__(self, cfg: Config, world: int, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.par = parallelize(build_model(cfg, derive(cfg, world).vocab_size), mesh, cfg)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t, par = self.cfg.train, self.par
+        stats = par.pipeline.run([(x, y)], x.numel(), self.cfg.model.dim)  # one stage, one micro-batch
+        clip_grad_norm(par.dp.gradients(), t.grad_clip, par.gradient_split_groups(),
+                       par.gradients_counted_elsewhere())
+        par.dp.step()
+        return stats.loss  # the whole loss (/ tokens), the same on every tp rank
+
+
+def torch_tp_plan(model: torch.nn.Module, mesh, sp: bool) -> None:
+    """PyTorch's Llama tensor-parallel plan (the TP tutorial's, torchtitan's) on fivefold's module names."""
+    seq = Shard(1) if sp else Replicate()  # layout of activations outside the matmuls
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),  # vocabulary-sharded
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),  # loss_parallel
+    }
+    if sp:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers.values():
+        plan = {
+            # The region's input becomes Replicate once (an all-gather under sp), for all its Colwise layers.
+            "attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=seq),
+            "ffn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "ffn.gate": ColwiseParallel(), "ffn.up": ColwiseParallel(),
+            "ffn.down": RowwiseParallel(output_layouts=seq),
+        }
+        if sp:
+            plan["attn_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, mesh, plan)
+
+
+class TorchSide:
+    """torch DTensor tensor parallel with the same model, loss, clipping and AdamW."""
+
+    kind = "torch"
+
+    def __init__(self, cfg: Config, world: int):
+        self.cfg = cfg
+        self.model = build_model(cfg, derive(cfg, world).vocab_size)
+        torch_tp_plan(self.model, init_device_mesh("cpu", (world,)), cfg.parallel.sp)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = build_optimizer(self.model, cfg.train)
+        self.positions = torch.arange(cfg.train.seq_len)  # every token's true position (sp: the embedding keeps T/2)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        with loss_parallel():
+            loss = cross_entropy_sum(self.model(x, self.positions), y) / y.numel()  # a Replicate DTensor
+            loss.backward()
+        clip_torch(self.params, self.cfg.train.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        return float(loss.to_local() if isinstance(loss, DTensor) else loss)
+
+
+def clip_torch(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over DTensor and plain gradients together (without sp the norms stay
+    plain tensors, and torch's foreach norm refuses a mix): the total norm of each kind with
+    `get_total_norm` (a DTensor norm made whole with full_tensor(), as torchtitan does), then
+    `clip_grads_with_norm_` on each kind with the combined norm."""
+    kinds = [[p for p in params if p.grad is not None and isinstance(p.grad, DTensor) == is_dt] for is_dt in (True, False)]
+    norms = []
+    for ps in kinds:
+        if ps:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    for ps in kinds:
+        if ps:
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total
+
+
+def _make_side(kind: str, cfg: Config, world: int, mesh: Mesh):
+    return FivefoldSide(cfg, world, mesh) if kind == "fivefold" else TorchSide(cfg, world)
+
+
+def _timed_step(side, x: torch.Tensor, y: torch.Tensor) -> None:
+    began = time.perf_counter()
+    loss = side.step(x, y)
+    side.times.append(time.perf_counter() - began)
+    total = torch.tensor(loss, dtype=torch.float64)  # outside the timed region; lines the ranks up
+    dist.all_reduce(total)
+    side.losses.append(float(total) / dist.get_world_size())  # every tp rank holds the whole loss
+
+
+# ---- workers -------------------------------------------------------------------------------------------
+def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg: Config, warmup: int,
+                  steps: int) -> list[dict]:
+    """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
+    cfg = variant_cfg(cfg, name)
+    mesh = Mesh.from_config(cfg, world)
+    sides = [_make_side(kind, cfg, world, mesh) for kind in kinds]
+    batches = _batches(cfg, warmup + steps)
+    for side in sides:
+        for x, y in batches[:warmup]:
+            _timed_step(side, x, y)
+    for i, (x, y) in enumerate(batches[warmup:]):
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            _timed_step(side, x, y)
+    return [{"times": s.times[warmup:], "losses": s.losses} for s in sides]
+
+
+def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
+    """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
+    cfg = variant_cfg(cfg, name)
+    mesh = Mesh.from_config(cfg, world)  # process groups exist before the baseline (torch's 1-D mesh
+    # over the whole world is the default group: nothing new)
+    malloc_set = malloc_returns_memory()
+    dist.barrier()
+    reset_peak_rss()
+    anon0 = _status_mb("RssAnon")
+    side = _make_side(kind, cfg, world, mesh)
+    for x, y in _batches(cfg, steps):
+        _timed_step(side, x, y)
+    hwm = _status_mb("VmHWM")
+    file_backed = _status_mb("RssFile") + _status_mb("RssShmem")
+    return {"peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm, "malloc_set": malloc_set, "losses": side.losses}
+
+
+def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int, top: int) -> dict:
+    """Both sides, each profiled alone over `steps` steps after its warm-up: top ops by self CPU time."""
+    cfg = variant_cfg(cfg, name)
+    mesh, out = Mesh.from_config(cfg, world), {}
+    for kind in ("fivefold", "torch"):
+        side = _make_side(kind, cfg, world, mesh)
+        batches = _batches(cfg, warmup + steps)
+        for x, y in batches[:warmup]:
+            _timed_step(side, x, y)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for x, y in batches[warmup:]:
+                _timed_step(side, x, y)
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        out[kind] = {"step_s": round(_median(side.times[warmup:]), 4),
+                     "self_cpu_s_per_step": round(total / 1e6 / steps, 4),
+                     "top": [(e.key, round(e.self_cpu_time_total / 1e6 / steps, 4), e.count // steps)
+                             for e in events[:top]]}
+    return out
+
+
+# ---- driver ----------------------------------------------------------------------------------------------
+def run_timed(name: str, kinds: tuple[str, str], cfg: Config, world: int, warmup: int, steps: int) -> dict:
+    results = run_workers(_timed_worker, world, name, kinds, cfg, warmup, steps, timeout=300.0)  # [rank][side]
+    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results))],  # the slowest rank's
+                   "losses": results[0][i]["losses"]}
+            for i, kind in enumerate(kinds)}
+
+
+def run_memory(name: str, kind: str, cfg: Config, world: int, steps: int) -> dict:
+    results = run_workers(_memory_worker, world, name, kind, cfg, steps, timeout=300.0)
+    return {"peak_mb": max(r["peak_mb"] for r in results), "per_rank": [round(r["peak_mb"], 1) for r in results],
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in results), "malloc_set": all(r["malloc_set"] for r in results)}
+
+
+def _memory_fields(mem: dict[str, dict]) -> dict:
+    if not mem:  # --no-memory
+        return {"ratio_peak_memory": None}
+    m_f, m_t = mem["fivefold"], mem["torch"]
+    return {"fivefold_peak_mb": round(m_f["peak_mb"], 1), "torch_peak_mb": round(m_t["peak_mb"], 1),
+            "ratio_peak_memory": _ratio(m_f["peak_mb"], m_t["peak_mb"]),
+            "fivefold_peak_mb_per_rank": m_f["per_rank"], "torch_peak_mb_per_rank": m_t["per_rank"],
+            "fivefold_peak_rss_mb": round(m_f["peak_rss_mb"], 1), "torch_peak_rss_mb": round(m_t["peak_rss_mb"], 1),
+            "malloc_set": m_f["malloc_set"] and m_t["malloc_set"]}
+
+
+def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], steps: int, rounds: int) -> dict:
+    f, t = runs["fivefold"], runs["torch"]
+    t_f = _median([x for r in f for x in r["times"]])
+    t_t = _median([x for r in t for x in r["times"]])
+    first_diff = abs(f[0]["losses"][0] - t[0]["losses"][0])
+    rounds_of = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
+    return {
+        "name": name, "fivefold": f"fivefold tp=2 sp={str(VARIANTS[name]).lower()}",
+        "torch": "parallelize_module Colwise/Rowwise" + (" + SequenceParallel" if VARIANTS[name] else "")
+                 + ", vocab-parallel embedding/head, loss_parallel",
+        "fivefold_step_s": round(t_f, 4), "torch_step_s": round(t_t, 4), "ratio_step_time": _ratio(t_f, t_t),
+        **_memory_fields(mem),
+        "fivefold_round_medians_s": rounds_of(f), "torch_round_medians_s": rounds_of(t),
+        "steps": steps, "rounds": rounds,
+        "loss_first_step": [f[0]["losses"][0], t[0]["losses"][0]],
+        "loss_first_step_abs_diff": first_diff,
+        "loss_check": "ok" if first_diff <= LOSS_TOL else f"MISMATCH (> {LOSS_TOL})",
+        # Informative only: after several AdamW steps ~1e-5 would be normal (Adam amplifies last-bit
+        # gradient differences, and the two clip with norms summed in different precision).
+        "loss_last_step_abs_diff": abs(f[0]["losses"][-1] - t[0]["losses"][-1]),
+        "losses_repeat_every_round": all(r["losses"] == f[0]["losses"] for r in f)
+                                     and all(r["losses"] == t[0]["losses"] for r in t),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                     epilog="Extra --section.key=value arguments override the config.")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of each variant's two sides")
+    parser.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile both sides (torch.profiler, rank 0) per variant: top ops by self CPU time")
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps after 1 warm-up step: a smoke test")
+    args, overrides = parser.parse_known_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.rounds = 2, 1, 1
+    world = 2  # tp = 2, dp = 1: the target applies there, and 2 ranks fill the 2 cores
+    cfg = load_config(args.config, [
+        "--model.dim=256", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=768", "--model.n_layers=4",
+        "--train.seq_len=128", "--train.micro_batch=8", "--train.global_batch=8", "--train.dtype=fp32",
+        "--train.device=cpu", f"--parallel.tp={world}", "--parallel.dp=1", "--parallel.pp=1", *overrides])
+    m, t = cfg.model, cfg.train
+    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    _prewarm()
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"model dim {m.dim}, {m.n_heads} heads, ffn {m.ffn_dim}, {m.n_layers} layers, vocab "
+        f"{derive(cfg, world).vocab_size}, {n_params / 1e6:.2f}M params; tp {world}, batch {t.micro_batch} x seq "
+        f"{t.seq_len}, fp32; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run"
+        f"{'' if args.no_memory else ', then a memory run each'}; a step is forward + backward + clip + AdamW")
+
+    began = time.perf_counter()
+    runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.only}
+    for rnd in range(args.rounds):
+        for name in args.only:
+            kinds = ("fivefold", "torch") if rnd % 2 == 0 else ("torch", "fivefold")  # who is built and stepped first
+            for kind, res in run_timed(name, kinds, cfg, world, args.warmup, args.steps).items():
+                runs[name].setdefault(kind, []).append(res)
+                log(f"round {rnd + 1}/{args.rounds} {name:6s} {kind:9s} median {_median(res['times']):.4f} s/step  "
+                    f"first loss {res['losses'][0]:.7f}  [{time.perf_counter() - began:.0f} s]")
+    mem: dict[str, dict[str, dict]] = {name: {} for name in args.only}
+    for name in [] if args.no_memory else args.only:
+        for kind in ("fivefold", "torch"):  # 3 steps: the optimizer state exists from the first step on
+            mem[name][kind] = r = run_memory(name, kind, cfg, world, 3)
+            log(f"memory {name:6s} {kind:9s} peak +{r['peak_mb']:.1f} MB, per rank {r['per_rank']} (glibc "
+                f"returning freed memory: {r['malloc_set']})  [{time.perf_counter() - began:.0f} s]")
+    profiles = {}
+    if args.profile:
+        for name in args.only:
+            profiles[name] = run_workers(_profile_worker, world, name, cfg, args.warmup, args.steps, 12,
+                                         timeout=300.0)[0]
+            for kind, p in profiles[name].items():
+                log(f"profile {name} {kind} (rank 0): {p['step_s']:.4f} s/step, self CPU {p['self_cpu_s_per_step']:.4f}"
+                    f" s/step; top ops (self s/step, calls/step):\n" + "\n".join(
+                        f"    {key[:60]:60s} {s:.4f} {n:5d}" for key, s, n in p["top"]))
+
+    summary: dict = {"summary": True, "tp": world}
+    for name in args.only:
+        out = summarize(name, runs[name], mem[name], args.steps, args.rounds)
+        if name in profiles:
+            out["profile_rank0"] = profiles[name]
+        log(f"loss check {name}: first-step losses fivefold {out['loss_first_step'][0]:.8f} vs torch "
+            f"{out['loss_first_step'][1]:.8f}, |diff| {out['loss_first_step_abs_diff']:.2e} -> {out['loss_check']}")
+        print(json.dumps(out), flush=True)
+        summary[f"{name}_ratio_step_time"] = out["ratio_step_time"]
+        summary[f"{name}_ratio_peak_memory"] = out["ratio_peak_memory"]
+        summary[f"{name}_loss_check"] = out["loss_check"]
+    summary["targets"] = {k.replace("_ratio", ""): f"<= {v}" for k, v in TARGETS.items() if k in summary}
+    summary["within_target"] = {k.replace("_ratio", ""): summary[k] <= v for k, v in TARGETS.items() if k in summary}
+    summary["wall_s"] = round(time.perf_counter() - began, 1)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

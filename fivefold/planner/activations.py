@@ -1,0 +1,57 @@
+"""Activation memory of one transformer block: the bytes autograd keeps for backward.
+
+Derived for fivefold's own block (model.py: RMSNorm, grouped-query attention with RoPE and the
+fused (flash) attention kernel, SwiGLU) by listing what each operation saves, following the method
+of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), whose
+paper counts Megatron's GPT block instead. Per token, in elements, with d = dim, dq = H x head_dim,
+dk = K x head_dim, f = ffn width, t = tp:
+
+  norms and residual stream (replicated over tp; split over tp with sp):
+    attention norm: its input x, the rsqrt (1 per token), the normalised value before the weight;
+    its output, kept by the q/k/v projections (with sp those keep the gathered input instead:
+    d per token, not split); the same four for the MLP norm                     6d + 2
+  attention (split over tp):
+    the roped q and the k and v the kernel reads (repeated to H heads for GQA)   dq + 2 (dk or dq)
+    the kernel's output, which the out projection reads as its input (one storage), and the
+    kernel's log-sum-exp (H per token)                                            dq + H
+    (RoPE keeps only its cos/sin table, shared by every block, and not counted here: products
+    with a constant keep the constant, not the tensor)
+    QK-norm adds, for q and k, the raw value and the value before the weight (2dq, 2dk) and
+    the rsqrt per head (H, K)
+  SwiGLU (split over tp): gate output, its silu, up output, their product        4f
+
+Recompute: "full" keeps only each block's input (d, split with sp); "selective" recomputes the
+attention kernel, which then keeps no log-sum-exp, and keeps GQA's unrepeated k/v (the recompute
+repeats them again). Weights are not activations and are not counted.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import ModelConfig
+
+
+def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = False,
+                                        recompute: str = "none") -> float:
+    """Elements saved for backward per token of one block on one rank (see the module docstring)."""
+    d, hd = m.dim, m.head_dim or m.dim // m.n_heads
+    H, K = m.n_heads, m.n_kv_heads
+    dq, dk = H * hd, K * hd
+    if recompute == "full":
+        return d / tp if sp else d
+    replicated = 6 * d + 2
+    if sp:  # norms and residuals hold T/tp tokens; the projections keep the gathered inputs
+        replicated = (4 * d + 2) / tp + 2 * d
+    kv = dk if K == H else dq  # what the kernel reads
+    attention = dq + 2 * kv + dq + H
+    if recompute == "selective":  # the recomputed kernel keeps its inputs (k, v unrepeated) only
+        attention = dq + 2 * dk + dq
+    if m.qk_norm:
+        attention += 2 * dq + H + 2 * dk + K
+    ffn = 4 * (m.ffn_dim if not m.n_experts else m.moe_ffn_dim or m.ffn_dim)
+    return replicated + (attention + ffn) / tp
+
+
+def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", bytes_per_element: int = 4) -> float:
+    """Bytes one rank keeps for backward for one block and one micro-batch of (micro_batch, seq_len)."""
+    return block_activation_elements_per_token(m, tp, sp, recompute) * micro_batch * seq_len * bytes_per_element
