@@ -206,10 +206,10 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if p.zero == 3 and t.compile:
         err("parallel.zero = 3 with train.compile = true: FSDP's gather/free hooks run around each block, "
             "which compiled blocks do not support yet; set train.compile = false or use zero = 1 or 2")
-    if p.tp > 1 and (p.zero or m.n_experts or m.tie_embeddings):
-        what = "parallel.zero > 0" if p.zero else ("an MoE model" if m.n_experts else "model.tie_embeddings")
+    if p.tp > 1 and (m.n_experts or m.tie_embeddings):
+        what = "an MoE model" if m.n_experts else "model.tie_embeddings"
         err(f"parallel.tp = {p.tp} with {what} is not available yet; use tp = 1 or "
-            f"{'zero = 0' if p.zero else 'a dense model' if m.n_experts else 'untied embeddings'}")
+            f"{'a dense model' if m.n_experts else 'untied embeddings'}")
     if p.sp and p.tp == 1:
         err("parallel.sp = true needs parallel.tp > 1 (it splits the sequence over the tp ranks)")
     if p.dp_collective == "ring" and p.zero:

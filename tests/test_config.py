@@ -162,7 +162,6 @@ def test_pipeline_options():
 
 def test_tensor_parallel_options():
     one_error(errors_of(2, "--parallel.sp=true"), "parallel.sp = true needs parallel.tp > 1")
-    one_error(errors_of(4, "--parallel.tp=2", "--parallel.zero=1"), "parallel.tp = 2 with parallel.zero > 0")
     one_error(errors_of(2, "--parallel.tp=2", "--model.preset=tiny-moe"), "an MoE model")
     one_error(errors_of(2, "--parallel.tp=2", "--model.tie_embeddings=true"), "model.tie_embeddings")
     msg = one_error(errors_of(2, "--parallel.tp=2", "--data.vocab_multiple=7"), "vocabulary 259")

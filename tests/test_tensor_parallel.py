@@ -88,6 +88,8 @@ LAYOUTS = {
     "tp2-sp": (2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4")),
     "dp2-tp2": (4, ("--parallel.tp=2", "--train.micro_batch=2")),
     "pp2-tp2": (4, ("--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=2")),
+    "dp2-tp2-zero1": (4, ("--parallel.tp=2", "--parallel.zero=1", "--train.micro_batch=2")),
+    "dp2-tp2-sp-zero3": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3", "--train.micro_batch=2")),
     "pp2-tp2-sp-zb": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
                           "--train.micro_batch=2")),
 }
@@ -109,16 +111,18 @@ def test_tensor_parallel_reproduces_single_process(tmp_path, reference, layout):
             torch.testing.assert_close(state[name], ref, rtol=0, atol=3e-4, msg=name)
 
 
-def test_tensor_parallel_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("world,zero", [(2, 0), (4, 1), (4, 3)])
+def test_tensor_parallel_resume_is_exact(tmp_path, world, zero):
     import shutil
 
     from fivefold.train.checkpoint import complete_checkpoints
 
-    args = (*DATA, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2", "--parallel.tp=2")
-    first = run_workers(_run, 2, tiny_config(tmp_path, *args))[0][0]
+    args = (*DATA, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2", "--parallel.tp=2",
+            f"--parallel.zero={zero}", "--train.micro_batch=2")
+    first = run_workers(_run, world, tiny_config(tmp_path, *args))[0][0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
-    resumed = run_workers(_run, 2, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0][0]
-    assert resumed == first[2:]
+    resumed = run_workers(_run, world, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0][0]
+    assert resumed == first[2:]  # DTensor shards on (dp, tp) came back bit for bit
 
 
 @pytest.mark.parametrize("sp", [False, True])

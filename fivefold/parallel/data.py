@@ -252,13 +252,18 @@ class ZeroDataParallel(DataParallel):
         n, r = self.shard_group.size, self.shard_group.rank
         self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.rows = {}  # id(param) -> rows each rank owns (c)
-        self.shards: dict[int, nn.Parameter] = {}  # id(param) -> fp32 master rows, padded to c
+        self.zero_dims = {}  # id(param) -> the dim ZeRO splits (its "rows")
+        self.shards: dict[int, nn.Parameter] = {}  # id(param) -> fp32 master rows, padded to c, split dim first
         for b in self.buckets:
             for p in b.params:
-                c = -(-p.shape[0] // n)
-                master = torch.zeros((c, *p.shape[1:]), dtype=torch.float32, device=p.device)
-                valid = max(0, min(c, p.shape[0] - r * c))
-                master[:valid] = p.detach()[r * c : r * c + valid]
+                # A tensor-parallel slice split along dim 0 is split by ZeRO along dim 1, so the two
+                # splits are along different dims and the shard is a plain DTensor on (dp, tp).
+                zd = self.zero_dims[id(p)] = 1 if getattr(p, "tp_dim", None) == 0 and p.ndim > 1 else 0
+                rows = p.detach().movedim(zd, 0)
+                c = -(-rows.shape[0] // n)
+                master = torch.zeros((c, *rows.shape[1:]), dtype=torch.float32, device=p.device)
+                valid = max(0, min(c, rows.shape[0] - r * c))
+                master[:valid] = rows[r * c : r * c + valid]
                 self.rows[id(p)] = c
                 self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
                 b.shard_numel.append(master.numel())
@@ -284,7 +289,8 @@ class ZeroDataParallel(DataParallel):
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
         n = self.shard_group.size
-        chunks = [self._padded_rows(p.grad, self.rows[id(p)]).reshape(n, -1) for p in b.params]  # (N, c row numel)
+        chunks = [self._padded_rows(p.grad.movedim(self.zero_dims[id(p)], 0), self.rows[id(p)]).reshape(n, -1)
+                  for p in b.params]  # (N, c row numel) each
         b.flat = torch.cat(chunks, dim=1).reshape(-1).to(self.reduce_dtype)  # rank-major: (N sum(shard numel),)
         b.out = b.flat.new_empty(sum(b.shard_numel))
         b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
@@ -332,16 +338,26 @@ class ZeroDataParallel(DataParallel):
             comms.all_gather(full, local, self.shard_group)
             per_rank = full.view(n, -1)
             for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1)):
-                c = self.rows[id(p)]
-                p.copy_(chunk.reshape(n * c, *p.shape[1:])[: p.shape[0]])
+                self._write_rows(p, chunk, p)
+
+    def _write_rows(self, p: nn.Parameter, per_rank: torch.Tensor, target: torch.Tensor) -> None:
+        """Write every rank's rows of p (N, c row numel), gathered, into `target` (p or p.data)."""
+        rows = target.movedim(self.zero_dims[id(p)], 0)
+        rows.copy_(per_rank.reshape(self.shard_group.size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
 
     # ---- checkpoints: every shard as a DTensor, so a later layout can reshard it ------------------
     def _dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
-        r, c = self.shard_group.rank, self.rows[id(p)]
-        valid = max(0, min(c, p.shape[0] - r * c))
-        mesh = self.mesh.device_mesh["dp_replicate", "dp_shard"]
-        return DTensor.from_local(local[:valid], mesh, [Replicate(), Shard(0)], run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        """This rank's rows as a DTensor of the whole matrix: Shard(zero dim) over dp_shard,
+        replicated over dp_replicate, and Shard(tp_dim) over tp for a tensor-parallel slice."""
+        zd, r, c = self.zero_dims[id(p)], self.shard_group.rank, self.rows[id(p)]
+        valid = max(0, min(c, p.shape[zd] - r * c))
+        shape, placements = list(p.shape), [Replicate(), Shard(zd), Replicate()]
+        if hasattr(p, "tp_dim"):
+            shape[p.tp_dim] *= self.mesh.size("tp")
+            placements[2] = Shard(p.tp_dim)
+        mesh = self.mesh.device_mesh["dp_replicate", "dp_shard", "tp"]
+        return DTensor.from_local(local[:valid].movedim(0, zd), mesh, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
     def optim_state_dict(self) -> dict:
         out = {}
@@ -360,11 +376,13 @@ class ZeroDataParallel(DataParallel):
     def load_optim_state_dict(self, state: dict) -> None:
         for p in self.params:
             s, saved = self.shards[id(p)], state[self.names[id(p)]]
-            valid = saved["master"].to_local().shape[0]
-            s[:valid] = saved["master"].to_local()
+            zd = self.zero_dims[id(p)]
+            rows = {k: saved[k].to_local().movedim(zd, 0) for k in ("master", "exp_avg", "exp_avg_sq")}
+            valid = rows["master"].shape[0]
+            s[:valid] = rows["master"]
             mine = self.optimizer.state[s]
-            mine["exp_avg"][:valid] = saved["exp_avg"].to_local()
-            mine["exp_avg_sq"][:valid] = saved["exp_avg_sq"].to_local()
+            mine["exp_avg"][:valid] = rows["exp_avg"]
+            mine["exp_avg_sq"][:valid] = rows["exp_avg_sq"]
             mine["step"].copy_(saved["step"])
 
 

@@ -30,6 +30,7 @@ from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.data import Bucket, ZeroDataParallel
+from fivefold.parallel.tensor import gather_tp_shards
 
 
 @dataclass
@@ -98,7 +99,7 @@ class FullyShardedDataParallel(ZeroDataParallel):
             p.untyped_storage().resize_(p.numel() * p.element_size())
             # Through .data: a refill is not a modification autograd must see (the values are the
             # ones forward used), and bumping p's version would fail the saved-tensor check.
-            p.data.copy_(chunk.reshape(n * self.rows[id(p)], *p.shape[1:])[: p.shape[0]])
+            self._write_rows(p, chunk, p.data)
         unit.pending, unit.gathered = None, True
 
     def _free(self, unit: Unit) -> None:
@@ -151,7 +152,7 @@ class FullyShardedDataParallel(ZeroDataParallel):
     @torch.no_grad()
     def load_model_state_dict(self, state: dict) -> None:
         for p in self.params:
-            local = state[self.names[id(p)]].to_local()
+            local = state[self.names[id(p)]].to_local().movedim(self.zero_dims[id(p)], 0)
             self.shards[id(p)][: local.shape[0]] = local
 
     @torch.no_grad()
@@ -161,4 +162,4 @@ class FullyShardedDataParallel(ZeroDataParallel):
             self._gather(unit)
             out.update({self.names[id(p)]: p.detach().clone() for p in unit.params})
             self._free(unit)
-        return out
+        return gather_tp_shards(out, self.model, self.mesh)
