@@ -89,7 +89,7 @@ from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
 from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from fivefold.validate import derive  # noqa: E402
+from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -195,8 +195,10 @@ class TorchSide:
                                         output_args=(out,), group=self.group))
         global_tokens = t.global_batch * T
 
+        real = tokenizer_vocab(cfg)  # fivefold masks the padding ids out of the loss; so does this side
+
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return cross_entropy_sum(logits, target) / global_tokens
+            return cross_entropy_sum(logits[..., :real], target) / global_tokens
 
         n_micro = t.global_batch // t.micro_batch
         self.schedule = (cls(stages, n_micro, loss_fn=loss_fn, scale_grads=False) if v > 1

@@ -179,3 +179,25 @@ def _no_full_vocabulary_tensor(rank, world, cfg):
 def test_no_rank_forms_logits_over_the_whole_vocabulary(tmp_path):
     cfg = tiny_config(tmp_path, "--parallel.tp=2", "--train.global_batch=2", "--train.micro_batch=2")
     assert run_workers(_no_full_vocabulary_tensor, 2, cfg) == [160, 160]  # V / tp, never V = 320
+
+
+def _padding_masked(rank, world):
+    group = _mesh(world).group("tp")
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 12)  # 10 real ids, 2 padding ids (the vocabulary padded to divide by tp)
+    targets = torch.randint(0, 10, (2, 4))
+    local = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, group, vocab_limit=10)
+    loss.backward()
+    return float(loss), local.grad
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_padding_ids_are_masked_out_of_the_loss(world):
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 12)
+    targets = torch.randint(0, 10, (2, 4))
+    expected = cross_entropy_sum(logits[..., :10], targets)  # the loss over the real vocabulary only
+    results = run_workers(_padding_masked, world)
+    assert results[0][0] == pytest.approx(float(expected), rel=1e-6)
+    assert torch.equal(results[-1][1][..., -2:], torch.zeros(2, 4, 2))  # padding columns learn nothing

@@ -26,7 +26,7 @@ from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embe
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from fivefold.validate import derive
+from fivefold.validate import derive, tokenizer_vocab
 
 
 @dataclass
@@ -56,6 +56,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     chunks = split_stages(model, schedule, mesh.rank("pp"))
     apply_tensor_parallel(model, mesh, p.sp)
     tp = mesh.group("tp")
+    real_vocab = tokenizer_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size
     apply_recompute(model, cfg.train.recompute)
     if cfg.train.compile:
         # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
@@ -69,7 +70,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     dp = apply_data_parallel(model, mesh, p, cfg.train)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied,
-                                loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp),
+                                loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp, real_vocab),
                                 seq_divisor=tp.size if p.sp else 1)
     return Parallelized(model, dp, pipeline, mesh)
 

@@ -109,10 +109,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx, logits, targets, group, vocab_limit):
         z = logits.float()  # (B, T, V/tp)
         v_local = z.shape[-1]
         start = group.rank * v_local
+        if vocab_limit < start + v_local:  # padding ids (tp-divisible vocabulary) take no probability
+            z = z.masked_fill(torch.arange(start, start + v_local, device=z.device) >= vocab_limit, float("-inf"))
         zmax = z.max(dim=-1).values  # (B, T)
         comms.all_reduce(zmax, group, op=torch.distributed.ReduceOp.MAX)
         z = z - zmax.unsqueeze(-1)
@@ -136,12 +138,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = exp / sum_exp.unsqueeze(-1)  # softmax on this rank's columns
         g.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
         g = g * valid.unsqueeze(-1) * grad
-        return g.to(ctx.dtype), None, None
+        return g.to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """Sum of token losses (targets of -100 count nothing) from (B, T, V/tp) vocabulary-sharded logits."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, group)
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup,
+                                 vocab_limit: int | None = None) -> torch.Tensor:
+    """Sum of token losses (targets of -100 count nothing) from (B, T, V/tp) vocabulary-sharded logits.
+
+    vocab_limit: ids from here on are padding (the vocabulary was padded to divide by tp): they are
+    masked out of the softmax, so the loss is the one over the tokenizer's real vocabulary.
+    """
+    limit = vocab_limit if vocab_limit is not None else logits.shape[-1] * group.size
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, limit)
 
 
 # Module name -> how it is split. Attention by heads, SwiGLU by hidden units, vocabulary for
