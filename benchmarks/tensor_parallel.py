@@ -41,7 +41,10 @@ vocabulary, with the loss computed from vocabulary-sharded logits (no rank forms
 
 Loss: the sum of token losses / the token count (the mean over every token) on both: torch runs
 fivefold's `cross_entropy_sum` on its vocabulary-sharded DTensor logits under `loss_parallel()`,
-fivefold's executor runs `vocab_parallel_cross_entropy` (the same sum, from its shards). Every
+fivefold's executor runs `vocab_parallel_cross_entropy` (the same sum, from its shards). Both
+take the softmax over the tokenizer's 257 ids only: fivefold masks the vocabulary's padding ids
+(257..319, padded so tp divides it) out of the loss, and torch adds -inf to their logits (a bias
+sharded as the logits are, so nothing is communicated for it). Every
 rank computes the whole loss; the first step's must agree within 1e-5 absolute (`loss_check`):
 the same forward on the same weights and data, only the summation order can differ.
 
@@ -93,7 +96,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
                                                SequenceParallel, loss_parallel, parallelize_module)
 
@@ -107,7 +110,7 @@ from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
 from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from fivefold.validate import derive  # noqa: E402
+from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 torch.set_num_threads(1)
 # DTensor's sequence-parallel redistributions call all_gather_into_tensor / reduce_scatter_tensor,
@@ -177,8 +180,16 @@ class TorchSide:
 
     def __init__(self, cfg: Config, world: int):
         self.cfg = cfg
-        self.model = build_model(cfg, derive(cfg, world).vocab_size)
-        torch_tp_plan(self.model, init_device_mesh("cpu", (world,)), cfg.parallel.sp)
+        vocab = derive(cfg, world).vocab_size
+        self.model = build_model(cfg, vocab)
+        mesh = init_device_mesh("cpu", (world,))
+        torch_tp_plan(self.model, mesh, cfg.parallel.sp)
+        # fivefold masks the vocabulary's padding ids (257..V-1 of a byte vocabulary padded to divide
+        # by tp) out of the softmax; so does this side: -inf added to their logits, a (V,) bias
+        # sharded like the logits' last dim, so the vocabulary-parallel loss stays local.
+        real = cfg.model.vocab_size or tokenizer_vocab(cfg)
+        bias = torch.where(torch.arange(vocab) < real, 0.0, float("-inf"))
+        self.vocab_bias = distribute_tensor(bias, mesh, [Shard(0)]) if real < vocab else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, cfg.train)
         self.positions = torch.arange(cfg.train.seq_len)  # every token's true position (sp: the embedding keeps T/2)
@@ -187,7 +198,10 @@ class TorchSide:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         with loss_parallel():
-            loss = cross_entropy_sum(self.model(x, self.positions), y) / y.numel()  # a Replicate DTensor
+            logits = self.model(x, self.positions)  # (B, T, V) DTensor, Shard(-1)
+            if self.vocab_bias is not None:
+                logits = logits + self.vocab_bias
+            loss = cross_entropy_sum(logits, y) / y.numel()  # a Replicate DTensor
             loss.backward()
         clip_torch(self.params, self.cfg.train.grad_clip)
         self.opt.step()
