@@ -93,8 +93,10 @@ def _type_errors(cfg: Config) -> list[str]:
                 errors.append(f"{name} = {value!r}: must be a number")
             elif hint is str and not isinstance(value, str):
                 errors.append(f"{name} = {value!r}: must be a string")
-            elif typing.get_origin(hint) is tuple and not all(isinstance(v, str) for v in value):
-                errors.append(f"{name} = {value!r}: must be a list of strings")
+            elif typing.get_origin(hint) is tuple:
+                kind = typing.get_args(hint)[0]
+                if not isinstance(value, tuple) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                    errors.append(f"{name} = {value!r}: must be a list of {kind.__name__}s")
     return errors
 
 
@@ -232,7 +234,11 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             err(f"{key} = {value} is not divisible by parallel.tp = {p.tp}; use tp in "
                 f"{{{_divisors_near(value, 64)}}} or {key} = {_multiples_near(value, p.tp)}")
     stages = p.pp * p.virtual_stages
-    if m.n_layers % stages:
+    if p.stage_layers:
+        if len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers or min(p.stage_layers) < 1:
+            err(f"parallel.stage_layers = {list(p.stage_layers)}: needs pp x virtual_stages = {stages} entries, "
+                f"each at least 1, adding up to model.n_layers = {m.n_layers} (or [] for a balanced split)")
+    elif m.n_layers % stages:
         err(f"model.n_layers = {m.n_layers} is not divisible by parallel.pp x virtual_stages = {stages}; "
             f"use n_layers = {_multiples_near(m.n_layers, stages)} or pp x virtual_stages in "
             f"{{{_divisors_near(m.n_layers, m.n_layers)}}}")

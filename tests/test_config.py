@@ -158,6 +158,11 @@ def test_pipeline_options():
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.virtual_stages=2"), "1f1b")
     one_error(errors_of(4, "--parallel.pp=2", "--parallel.zero=2"), "parallel.zero = 2")
     assert errors_of(4, "--parallel.pp=2", "--parallel.zero=1") == []
+    one_error(errors_of(2, "--parallel.pp=2", "--parallel.stage_layers=[4, 3]"), "adding up to model.n_layers = 8")
+    one_error(errors_of(2, "--parallel.pp=2", "--parallel.stage_layers=[8]"), "needs pp x virtual_stages = 2 entries")
+    one_error(errors_of(2, "--parallel.pp=2", "--parallel.stage_layers=['a', 'b']"), "must be a list of ints")
+    assert errors_of(3, "--parallel.pp=3", "--parallel.stage_layers=[3, 3, 2]", "--train.global_batch=6",
+                     "--train.micro_batch=2") == []  # 8 layers do not divide by 3: explicit counts do
 
 
 def test_tensor_parallel_options():

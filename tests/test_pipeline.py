@@ -41,6 +41,7 @@ LAYOUTS = {  # name: (ranks, overrides)
                            "--train.micro_batch=1")),
     "1f1b-pp2-dp2": (4, ("--parallel.pp=2", "--train.micro_batch=2")),
     "1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1")),
+    "1f1b-pp2-layers-5-3": (2, ("--parallel.pp=2", "--parallel.stage_layers=[5, 3]", "--train.micro_batch=2")),
 }
 TIED = {
     "tied-1f1b-pp2": (2, ("--parallel.pp=2", "--train.micro_batch=2")),

@@ -53,7 +53,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     """Apply every dimension of cfg.parallel to `model` in place."""
     p = cfg.parallel
     schedule = build_schedule(p.pp_schedule, p.pp, derive(cfg, mesh.world_size).grad_accum, p.virtual_stages)
-    chunks = split_stages(model, schedule, mesh.rank("pp"))
+    chunks = split_stages(model, schedule, mesh.rank("pp"), p.stage_layers)
     apply_tensor_parallel(model, mesh, p.sp)
     tp = mesh.group("tp")
     real_vocab = tokenizer_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size

@@ -35,10 +35,12 @@ from fivefold.parallel.data import DataParallel
 from fivefold.parallel.schedules import Schedule
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[list[str]]:
-    """Block names of each stage, balanced by count (validate() checks divisibility)."""
-    per = n_layers // n_stages
-    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(n_stages)]
+def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] = ()) -> list[list[str]]:
+    """Block names of each stage: `counts` blocks each when given (e.g. fewer on the last stage,
+    which also computes the head and loss), else balanced by count (validate() checks both)."""
+    counts = counts or (n_layers // n_stages,) * n_stages
+    starts = [sum(counts[:s]) for s in range(n_stages)]
+    return [[str(i) for i in range(start, start + n)] for start, n in zip(starts, counts)]
 
 
 @dataclass
@@ -77,10 +79,11 @@ def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
     return mesh.subgroups(parts, "pp")
 
 
-def split_stages(model: Transformer, schedule: Schedule, pp_rank: int) -> dict[int, StageChunk]:
+def split_stages(model: Transformer, schedule: Schedule, pp_rank: int,
+                 counts: tuple[int, ...] = ()) -> dict[int, StageChunk]:
     """Keep in `model` only what this rank's stages use (deleting the rest); return its chunks."""
     n_stages = schedule.num_stages
-    layers = stage_layers(len(model.layers), n_stages)
+    layers = stage_layers(len(model.layers), n_stages, counts)
     mine = [s for s in range(n_stages) if schedule.stage_to_rank(s) == pp_rank]
     keep = {name for s in mine for name in layers[s]}
     for name in list(model.layers):
