@@ -122,7 +122,7 @@ class PipelineExecutor:
         self.loss_fn = loss_fn  # sum of token losses from the last stage's output (vocab-parallel under tp)
         self.seq_divisor = seq_divisor  # activations between stages hold T / seq_divisor tokens (sp)
         self.tied = tied  # the embedding matrix shared by the first and last stage, and their group
-        self.group_device = device  # where received activations and gradients are put
+        self.device = device  # where received activations and gradients are put
         self.rank = group.rank
         self.n_stages = schedule.num_stages
         self.has_last_stage = self.n_stages - 1 in chunks
@@ -153,7 +153,7 @@ class PipelineExecutor:
               local: dict) -> torch.Tensor:
         if key in local:
             return local.pop(key)
-        buf = torch.empty(shape, dtype=dtype, device=self.group_device)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         dist.irecv(buf, self._peer(from_stage), group=self.group.pg, tag=self._tag(*key)).wait()
         return buf
 
