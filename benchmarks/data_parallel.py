@@ -50,7 +50,7 @@ So `*_peak_mb` is the peak, from building the model to the last step, of the mem
 parameters (the full model too, before ZeRO-3 / FSDP2 shard it), gradients, optimizer state,
 activations, communication buffers; the maximum over ranks. One-off allocations torch makes on
 first use (~26 MB of RSS when the first optimizer is built) are paid in this parent before forking
-(`_prewarm`), so they count for no configuration. `*_peak_rss_mb` is the absolute peak RSS of the
+(`common.prewarm`), so they count for no configuration. `*_peak_rss_mb` is the absolute peak RSS of the
 same run, mostly the Python and torch every configuration shares. At this model size activations
 dominate (parameters, gradients and AdamW state together are ~15 MB), so ZeRO-3 saves little.
 
@@ -68,10 +68,6 @@ import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -87,6 +83,9 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
+from benchmarks.common import (alternate, comparison_record, finish_summary, log, make_parser,  # noqa: E402
+                               measure_peak, median, memory_fields, memory_over_ranks, parse, prewarm, report,
+                               slowest_rank)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402
@@ -105,53 +104,6 @@ COMPARISONS = {
     "overlap": ("fivefold_ddp_overlap", "fivefold_ddp_no_overlap"),
 }
 TARGETS = {"ddp_ratio_step_time": 1.10, "zero3_ratio_step_time": 1.15}  # fivefold / torch, from the issue
-LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order differs
-
-
-# ---- memory ------------------------------------------------------------------------------------
-def _status_mb(key: str) -> float:
-    """A size line of /proc/self/status (VmHWM, RssAnon, ...) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB -> MiB
-    return float("nan")
-
-
-def reset_peak_rss() -> None:
-    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:  # then the peak also covers what the fork inherited: the same for every configuration
-        pass
-
-
-def malloc_returns_memory() -> bool:
-    """Make glibc give freed tensors back to the OS at once, so that RSS follows live memory.
-
-    By default glibc raises its mmap threshold after the first large free (up to 32 MB) and then
-    serves activations from the heap, which it keeps: RSS becomes "the most the heap ever held, plus
-    fragmentation". With a fixed 64 KiB threshold every tensor above it is its own mapping, unmapped
-    when freed, and the heap top is trimmed above 128 KiB. This costs page faults, so it is only set
-    in the memory runs, never in the timed ones.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024))
-    except OSError:
-        return False
-
-
-def _prewarm() -> None:
-    """Pay once, here, for what torch allocates on first use (an optimizer's first construction
-    adds ~26 MB of RSS), so that no forked worker counts it in its peak."""
-    lin = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(lin.parameters(), foreach=False)
-    lin(torch.ones(2, 4)).sum().backward()
-    torch.nn.utils.clip_grad_norm_(list(lin.parameters()), 1.0)
-    opt.step()
 
 
 def clip_fivefold(dp, max_norm: float) -> float:
@@ -235,100 +187,51 @@ def _timed_worker(rank: int, world: int, kinds: tuple[str, str], cfg: Config, wa
     """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
     meshes = _setup(rank, world, cfg)
     sides = [Side(kind, cfg, world, meshes) for kind in kinds]
-    batches = _batches(cfg, world, rank, warmup + steps)
-    for side in sides:
-        for x, y in batches[:warmup]:
-            side.timed_step(x, y)
-    for i, (x, y) in enumerate(batches[warmup:]):
-        for side in sides if i % 2 == 0 else sides[::-1]:
-            side.timed_step(x, y)
-    return [{"times": s.times[warmup:], "losses": s.losses} for s in sides]
+    return alternate(sides, _batches(cfg, world, rank, warmup + steps), warmup, Side.timed_step)
 
 
 def _memory_worker(rank: int, world: int, kind: str, cfg: Config, steps: int) -> dict:
     """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
     meshes = _setup(rank, world, cfg)  # process groups exist before the baseline
-    malloc_set = malloc_returns_memory()
-    dist.barrier()
-    reset_peak_rss()
-    anon0 = _status_mb("RssAnon")
-    side = Side(kind, cfg, world, meshes)
-    for x, y in _batches(cfg, world, rank, steps):
-        side.timed_step(x, y)
-    hwm = _status_mb("VmHWM")
-    file_backed = _status_mb("RssFile") + _status_mb("RssShmem")
-    return {"peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm, "malloc_set": malloc_set, "losses": side.losses}
+
+    def run() -> Side:
+        side = Side(kind, cfg, world, meshes)
+        for x, y in _batches(cfg, world, rank, steps):
+            side.timed_step(x, y)
+        return side
+
+    return measure_peak(run)
 
 
 # ---- driver ----------------------------------------------------------------------------------------
 def run_timed(kinds: tuple[str, str], cfg: Config, world: int, warmup: int, steps: int) -> dict[str, dict]:
     results = run_workers(_timed_worker, world, kinds, cfg, warmup, steps, timeout=300.0)  # [rank][side]
-    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results))],  # the slowest rank's
-                   "losses": results[0][i]["losses"]}
-            for i, kind in enumerate(kinds)}
+    return slowest_rank(results, kinds)
 
 
 def run_memory(kind: str, cfg: Config, world: int, steps: int) -> dict:
-    results = run_workers(_memory_worker, world, kind, cfg, steps, timeout=300.0)
-    return {"peak_mb": max(r["peak_mb"] for r in results), "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
-            "malloc_set": all(r["malloc_set"] for r in results)}
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _ratio(a: float, b: float) -> float:
-    return round(a / b, 4) if b else float("nan")
+    return memory_over_ranks(run_workers(_memory_worker, world, kind, cfg, steps, timeout=300.0))
 
 
 def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], kinds: tuple[str, str],
               steps: int, rounds: int) -> dict:
     a, b = (runs[k] for k in kinds)
-    t_a = _median([x for r in a for x in r["times"]])
-    t_b = _median([x for r in b for x in r["times"]])
-    m_a, m_b = (mem[k]["peak_mb"] for k in kinds)
-    first_diff = abs(a[0]["losses"][0] - b[0]["losses"][0])
-    common = {
-        "steps": steps, "rounds": rounds,
-        "loss_first_step": [a[0]["losses"][0], b[0]["losses"][0]],
-        "loss_first_step_abs_diff": first_diff,
-        "loss_check": "ok" if first_diff <= LOSS_TOL else f"MISMATCH (> {LOSS_TOL})",
-        # Informative only: after several AdamW steps ~1e-5 would be normal (Adam amplifies last-bit
-        # gradient differences); at 2 ranks both sums are exact, so it is usually 0.
-        "loss_last_step_abs_diff": abs(a[0]["losses"][-1] - b[0]["losses"][-1]),
-        "losses_repeat_every_round": all(r["losses"] == a[0]["losses"] for r in a)
-                                     and all(r["losses"] == b[0]["losses"] for r in b),
-    }
-    rounds_of = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
-    if name == "overlap":
-        return {"name": name, "overlap_on_step_s": round(t_a, 4), "overlap_off_step_s": round(t_b, 4),
-                "ratio_overlap_on_off": _ratio(t_a, t_b),
-                "overlap_on_peak_mb": round(m_a, 1), "overlap_off_peak_mb": round(m_b, 1),
-                "overlap_on_round_medians_s": rounds_of(a), "overlap_off_round_medians_s": rounds_of(b), **common}
-    return {"name": name, "fivefold": kinds[0], "torch": kinds[1],
-            "fivefold_step_s": round(t_a, 4), "torch_step_s": round(t_b, 4), "ratio_step_time": _ratio(t_a, t_b),
-            "fivefold_peak_mb": round(m_a, 1), "torch_peak_mb": round(m_b, 1), "ratio_peak_memory": _ratio(m_a, m_b),
-            "fivefold_peak_rss_mb": round(mem[kinds[0]]["peak_rss_mb"], 1),
-            "torch_peak_rss_mb": round(mem[kinds[1]]["peak_rss_mb"], 1),
-            "fivefold_round_medians_s": rounds_of(a), "torch_round_medians_s": rounds_of(b), **common}
+    m_a, m_b = (mem[k] for k in kinds)
+    if name == "overlap":  # two fivefold runs: named by the overlap setting, no torch
+        labels = ("overlap_on", "overlap_off")
+        return comparison_record({"name": name}, a, b, memory_fields(m_a, m_b, labels, ("peak_mb",)), steps, rounds,
+                                 labels, ratio_key="ratio_overlap_on_off")
+    return comparison_record({"name": name, "fivefold": kinds[0], "torch": kinds[1]}, a, b,
+                             memory_fields(m_a, m_b), steps, rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="Extra --section.key=value arguments override the config.")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
-    parser.add_argument("--rounds", type=int, default=4, help="alternations of each comparison's two sides")
+    parser = make_parser(__doc__, str(ROOT / "configs" / "debug.toml"), COMPARISONS, steps=6, rounds=4,
+                         unit="comparison")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (forked worker processes)")
     parser.add_argument("--bucket-mb", type=float, default=1.0,
                         help="gradient bucket cap of both frameworks' DDP, in 10^6 bytes")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "debug.toml"))
-    parser.add_argument("--only", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS))
-    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps after 1 warm-up step: a smoke test")
-    args, overrides = parser.parse_known_args(argv)
-    if args.quick:
-        args.steps, args.warmup, args.rounds = 2, 1, 1
+    args, overrides = parse(parser, argv)
     world = args.nproc
     cfg = load_config(args.config, [
         "--train.micro_batch=8", "--train.seq_len=128", "--train.dtype=fp32",
@@ -336,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = replace(cfg, train={"global_batch": cfg.train.micro_batch * world})  # one micro-batch per rank
     m, t = cfg.model, cfg.train
     n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
-    _prewarm()
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    prewarm()
     log(f"model dim {m.dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; {world} ranks x micro-batch "
         f"{t.micro_batch} x seq {t.seq_len}, fp32; bucket {cfg.parallel.bucket_mb} MB; "
         f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run, then a memory run each")
@@ -349,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             kinds = COMPARISONS[name] if rnd % 2 == 0 else COMPARISONS[name][::-1]  # who is built and stepped first
             for kind, res in run_timed(kinds, cfg, world, args.warmup, args.steps).items():
                 runs.setdefault(kind, []).append(res)
-                log(f"round {rnd + 1}/{args.rounds} {kind:24s} median {_median(res['times']):.4f} s/step  "
+                log(f"round {rnd + 1}/{args.rounds} {kind:24s} median {median(res['times']):.4f} s/step  "
                     f"first loss {res['losses'][0]:.7f}  [{time.perf_counter() - began:.0f} s]")
     mem: dict[str, dict] = {}
     for name in args.only:
@@ -362,19 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict = {"summary": True}
     for name in args.only:
         out = summarize(name, runs, mem, COMPARISONS[name], args.steps, args.rounds)
-        log(f"loss check {name}: first-step losses {out['loss_first_step'][0]:.8f} vs "
-            f"{out['loss_first_step'][1]:.8f}, |diff| {out['loss_first_step_abs_diff']:.2e} -> {out['loss_check']}")
-        print(json.dumps(out), flush=True)
-        if name == "overlap":
-            summary["overlap_ratio"] = out["ratio_overlap_on_off"]
-        else:
-            summary[f"{name}_ratio_step_time"] = out["ratio_step_time"]
-            summary[f"{name}_ratio_peak_memory"] = out["ratio_peak_memory"]
-        summary[f"{name}_loss_check"] = out["loss_check"]
-    summary["targets"] = {k.replace("_ratio", ""): f"<= {v}" for k, v in TARGETS.items() if k in summary}
-    summary["within_target"] = {k.replace("_ratio", ""): summary[k] <= v for k, v in TARGETS.items() if k in summary}
-    summary["wall_s"] = round(time.perf_counter() - began, 1)
-    print(json.dumps(summary), flush=True)
+        report(name, out, summary, {"overlap_ratio": "ratio_overlap_on_off"} if name == "overlap" else None,
+               labels=("", ""))
+    finish_summary(summary, TARGETS, began)
 
 
 if __name__ == "__main__":

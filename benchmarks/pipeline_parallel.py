@@ -38,9 +38,9 @@ and stepped first flips from round to round. Each side first runs `--warmup` unt
 (torch's one-off stage initialisation and P2P warm-up, allocator warm-up). The reported step
 time is the median over all timed steps of all rounds; per-round medians are listed too.
 
-How memory is measured: as data_parallel.py does, and with its helpers: one extra untimed run per
-side and schedule (3 steps, fresh workers, that side alone) with glibc told to return freed memory
-at once; the peak RSS (VmHWM, reset right before the model is built) minus file-backed and shared
+How memory is measured: as data_parallel.py does, with the same helpers (common.py): one extra
+untimed run per side and schedule (3 steps, fresh workers, that side alone) with glibc told to
+return freed memory at once; the peak RSS (VmHWM, reset right before the model is built) minus file-backed and shared
 RSS and minus the anonymous RSS at the reset. `*_peak_mb` is the maximum over ranks,
 `*_peak_mb_per_rank` lists each rank's. It includes the full model built on every rank before
 its stages are cut out (~7 MB here, the same on both sides).
@@ -65,8 +65,6 @@ import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -80,8 +78,9 @@ from torch import nn  # noqa: E402
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                                           ScheduleInterleaved1F1B)
 
-from benchmarks.data_parallel import (_median, _prewarm, _ratio, _status_mb,  # noqa: E402
-                                      malloc_returns_memory, reset_peak_rss)
+from benchmarks.common import (alternate, comparison_record, finish_summary, log, make_parser,  # noqa: E402
+                               measure_peak, median, memory_fields, memory_over_ranks, memory_runs, parse,
+                               prewarm, report, slowest_rank, timed_rounds)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin  # noqa: E402
@@ -101,7 +100,6 @@ SCHEDULES = {
 }
 TARGETS = {f"{name}_ratio_step_time": 1.10 for name in SCHEDULES}  # fivefold / torch at 2 processes, from the issue
 TARGET_NPROC = 2
-LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ
 
 
 def schedule_cfg(cfg: Config, name: str) -> Config:
@@ -246,30 +244,21 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
     cfg = schedule_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, world)
     sides = [_make_side(kind, cfg, world, name, mesh) for kind in kinds]
-    batches = _batches(cfg, warmup + steps)
-    for side in sides:
-        for x, y in batches[:warmup]:
-            _timed_step(side, x, y)
-    for i, (x, y) in enumerate(batches[warmup:]):
-        for side in sides if i % 2 == 0 else sides[::-1]:
-            _timed_step(side, x, y)
-    return [{"times": s.times[warmup:], "losses": s.losses} for s in sides]
+    return alternate(sides, _batches(cfg, warmup + steps), warmup, _timed_step)
 
 
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
     """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
     cfg = schedule_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, world)  # process groups exist before the baseline
-    malloc_set = malloc_returns_memory()
-    dist.barrier()
-    reset_peak_rss()
-    anon0 = _status_mb("RssAnon")
-    side = _make_side(kind, cfg, world, name, mesh)
-    for x, y in _batches(cfg, steps):
-        _timed_step(side, x, y)
-    hwm = _status_mb("VmHWM")
-    file_backed = _status_mb("RssFile") + _status_mb("RssShmem")
-    return {"peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm, "malloc_set": malloc_set, "losses": side.losses}
+
+    def run() -> FivefoldSide | TorchSide:
+        side = _make_side(kind, cfg, world, name, mesh)
+        for x, y in _batches(cfg, steps):
+            _timed_step(side, x, y)
+        return side
+
+    return measure_peak(run)
 
 
 def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int) -> dict:
@@ -288,66 +277,32 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
         parts["wait_inputs"].append(waits)
         parts["other"].append(ended - timeline[-1][1])
         parts["step"].append(ended - began)
-    return {k: round(_median(v), 4) for k, v in parts.items()}
+    return {k: round(median(v), 4) for k, v in parts.items()}
 
 
 # ---- driver ----------------------------------------------------------------------------------------------
 def run_timed(name: str, kinds: tuple[str, str], cfg: Config, world: int, warmup: int, steps: int) -> dict:
     results = run_workers(_timed_worker, world, name, kinds, cfg, warmup, steps, timeout=300.0)  # [rank][side]
-    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results))],  # the slowest rank's
-                   "losses": results[0][i]["losses"]}
-            for i, kind in enumerate(kinds)}
+    return slowest_rank(results, kinds)
 
 
 def run_memory(name: str, kind: str, cfg: Config, world: int, steps: int) -> dict:
-    results = run_workers(_memory_worker, world, name, kind, cfg, steps, timeout=300.0)
-    return {"peak_mb": max(r["peak_mb"] for r in results), "per_rank": [round(r["peak_mb"], 1) for r in results],
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in results), "malloc_set": all(r["malloc_set"] for r in results)}
+    return memory_over_ranks(run_workers(_memory_worker, world, name, kind, cfg, steps, timeout=300.0))
 
 
 def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], steps: int, rounds: int) -> dict:
-    f, t = runs["fivefold"], runs["torch"]
-    t_f = _median([x for r in f for x in r["times"]])
-    t_t = _median([x for r in t for x in r["times"]])
-    m_f, m_t = mem["fivefold"], mem["torch"]
-    first_diff = abs(f[0]["losses"][0] - t[0]["losses"][0])
-    rounds_of = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
-    return {
-        "name": name, "fivefold": f"fivefold '{name}'", "torch": SCHEDULES[name][0].__name__,
-        "stages_per_rank": SCHEDULES[name][1],
-        "fivefold_step_s": round(t_f, 4), "torch_step_s": round(t_t, 4), "ratio_step_time": _ratio(t_f, t_t),
-        "fivefold_peak_mb": round(m_f["peak_mb"], 1), "torch_peak_mb": round(m_t["peak_mb"], 1),
-        "ratio_peak_memory": _ratio(m_f["peak_mb"], m_t["peak_mb"]),
-        "fivefold_peak_mb_per_rank": m_f["per_rank"], "torch_peak_mb_per_rank": m_t["per_rank"],
-        "fivefold_peak_rss_mb": round(m_f["peak_rss_mb"], 1), "torch_peak_rss_mb": round(m_t["peak_rss_mb"], 1),
-        "fivefold_round_medians_s": rounds_of(f), "torch_round_medians_s": rounds_of(t),
-        "steps": steps, "rounds": rounds,
-        "loss_first_step": [f[0]["losses"][0], t[0]["losses"][0]],
-        "loss_first_step_abs_diff": first_diff,
-        "loss_check": "ok" if first_diff <= LOSS_TOL else f"MISMATCH (> {LOSS_TOL})",
-        # Informative only: after several AdamW steps ~1e-5 would be normal (Adam amplifies last-bit
-        # gradient differences, and the two clip with norms summed in different precision).
-        "loss_last_step_abs_diff": abs(f[0]["losses"][-1] - t[0]["losses"][-1]),
-        "losses_repeat_every_round": all(r["losses"] == f[0]["losses"] for r in f)
-                                     and all(r["losses"] == t[0]["losses"] for r in t),
-    }
+    head = {"name": name, "fivefold": f"fivefold '{name}'", "torch": SCHEDULES[name][0].__name__,
+            "stages_per_rank": SCHEDULES[name][1]}
+    memory = memory_fields(mem["fivefold"], mem["torch"], fields=("peak_mb", "ratio", "per_rank", "peak_rss_mb"))
+    return comparison_record(head, runs["fivefold"], runs["torch"], memory, steps, rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="Extra --section.key=value arguments override the config.")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of each schedule's two sides")
+    parser = make_parser(__doc__, str(ROOT / "configs" / "tiny.toml"), SCHEDULES, steps=6, rounds=2, unit="schedule")
     parser.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages (pp); targets apply at 2")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
-    parser.add_argument("--only", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
     parser.add_argument("--profile", action="store_true",
                         help="also time fivefold's executor actions (compute vs input waits) per schedule")
-    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps after 1 warm-up step: a smoke test")
-    args, overrides = parser.parse_known_args(argv)
-    if args.quick:
-        args.steps, args.warmup, args.rounds = 2, 1, 1
+    args, overrides = parse(parser, argv)
     world = args.nproc
     cfg = load_config(args.config, [
         "--model.dim=128", "--model.ffn_dim=384", "--model.n_layers=8", "--train.seq_len=128",
@@ -356,28 +311,17 @@ def main(argv: list[str] | None = None) -> None:
     m, t = cfg.model, cfg.train
     n_micro = t.global_batch // t.micro_batch
     n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
-    _prewarm()
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    prewarm()
     log(f"model dim {m.dim}, ffn {m.ffn_dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; pp {world}, "
         f"global batch {t.global_batch} = {n_micro} micro-batches x {t.micro_batch} x seq {t.seq_len}, fp32; "
         f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run, then a memory run "
         f"each; optimizer (AdamW) inside the timed step on both sides")
 
     began = time.perf_counter()
-    runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.only}
-    for rnd in range(args.rounds):
-        for name in args.only:
-            kinds = ("fivefold", "torch") if rnd % 2 == 0 else ("torch", "fivefold")  # who is built and stepped first
-            for kind, res in run_timed(name, kinds, cfg, world, args.warmup, args.steps).items():
-                runs[name].setdefault(kind, []).append(res)
-                log(f"round {rnd + 1}/{args.rounds} {name:17s} {kind:9s} median {_median(res['times']):.4f} s/step  "
-                    f"first loss {res['losses'][0]:.7f}  [{time.perf_counter() - began:.0f} s]")
-    mem: dict[str, dict[str, dict]] = {name: {} for name in args.only}
-    for name in args.only:
-        for kind in ("fivefold", "torch"):  # 3 steps: the optimizer state exists from the first step on
-            mem[name][kind] = r = run_memory(name, kind, cfg, world, 3)
-            log(f"memory {name:17s} {kind:9s} peak +{r['peak_mb']:.1f} MB, per rank {r['per_rank']} (glibc "
-                f"returning freed memory: {r['malloc_set']})  [{time.perf_counter() - began:.0f} s]")
+    runs = timed_rounds(args.only, args.rounds,
+                        lambda name, kinds: run_timed(name, kinds, cfg, world, args.warmup, args.steps), began, 17)
+    # 3 steps: the optimizer state exists from the first step on
+    mem = memory_runs(args.only, lambda name, kind: run_memory(name, kind, cfg, world, 3), began, 17)
     profiles = {}
     if args.profile:
         for name in args.only:
@@ -392,20 +336,12 @@ def main(argv: list[str] | None = None) -> None:
         out = summarize(name, runs[name], mem[name], args.steps, args.rounds)
         if name in profiles:
             out["fivefold_profile_per_rank"] = profiles[name]
-        log(f"loss check {name}: first-step losses fivefold {out['loss_first_step'][0]:.8f} vs torch "
-            f"{out['loss_first_step'][1]:.8f}, |diff| {out['loss_first_step_abs_diff']:.2e} -> {out['loss_check']}")
-        print(json.dumps(out), flush=True)
-        summary[f"{name}_ratio_step_time"] = out["ratio_step_time"]
-        summary[f"{name}_ratio_peak_memory"] = out["ratio_peak_memory"]
-        summary[f"{name}_loss_check"] = out["loss_check"]
+        report(name, out, summary)
     if world == TARGET_NPROC:
-        summary["targets"] = {k.replace("_ratio", ""): f"<= {v}" for k, v in TARGETS.items() if k in summary}
-        summary["within_target"] = {k.replace("_ratio", ""): summary[k] <= v for k, v in TARGETS.items() if k in summary}
+        finish_summary(summary, TARGETS, began)
     else:
-        summary["targets"] = {}
-        summary["note"] = f"targets apply at {TARGET_NPROC} processes; {world} oversubscribe the 2 cores"
-    summary["wall_s"] = round(time.perf_counter() - began, 1)
-    print(json.dumps(summary), flush=True)
+        finish_summary(summary, None, began, note=f"targets apply at {TARGET_NPROC} processes; "
+                                                  f"{world} oversubscribe the 2 cores")
 
 
 if __name__ == "__main__":

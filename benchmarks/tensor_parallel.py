@@ -51,15 +51,15 @@ the same forward on the same weights and data, only the summation order can diff
 How time is measured: a step is forward + backward (with every tp collective) + gradient-norm
 clipping + the AdamW step, i.e. the optimizer is inside the timed region on both sides;
 perf_counter on every rank, and a step's time is the slowest rank's. As in data_parallel.py and
-pipeline_parallel.py (whose helpers are imported): each round of a variant gets a fresh pair of
-workers forked by `fivefold.testing.run_workers` (one thread each, OMP_NUM_THREADS=1), holding
+pipeline_parallel.py (the shared helpers are in common.py): each round of a variant gets a fresh
+pair of workers forked by `fivefold.testing.run_workers` (one thread each, OMP_NUM_THREADS=1), holding
 both sides (each with its own model, process groups and optimizer), which alternate step by step
 (A B, B A, ...) with an untimed loss all-reduce between steps that lines the ranks up; which side
 is built and stepped first flips from round to round. Each side first runs `--warmup` untimed
 steps. The reported step time is the median over all timed steps of all rounds; per-round
 medians are listed too.
 
-How memory is measured: as data_parallel.py does, with its helpers: one extra untimed run per
+How memory is measured: as data_parallel.py does, with the same helpers: one extra untimed run per
 side and variant (3 steps, fresh workers, that side alone, glibc returning freed memory at once):
 peak RSS (VmHWM, reset right before the model is built) minus file-backed and shared RSS and
 minus the anonymous RSS at the reset; the maximum over ranks. It includes the full model both
@@ -83,8 +83,6 @@ import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -100,8 +98,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from benchmarks.data_parallel import (_median, _prewarm, _ratio, _status_mb,  # noqa: E402
-                                      malloc_returns_memory, reset_peak_rss)
+from benchmarks.common import (alternate, comparison_record, finish_summary, log, make_parser,  # noqa: E402
+                               measure_peak, median, memory_fields, memory_over_ranks, memory_runs, parse,
+                               prewarm, report, slowest_rank, timed_rounds)
 from benchmarks.pipeline_parallel import _batches  # noqa: E402  (global batches, the same on every rank)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
@@ -119,7 +118,6 @@ warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is depreca
 
 VARIANTS = {"tp": False, "tp_sp": True}  # name -> sequence parallel
 TARGETS = {f"{name}_ratio_step_time": 1.10 for name in VARIANTS}  # fivefold / torch at tp = 2, from the issue
-LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ
 
 
 def variant_cfg(cfg: Config, name: str) -> Config:
@@ -248,14 +246,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
     cfg = variant_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, world)
     sides = [_make_side(kind, cfg, world, mesh) for kind in kinds]
-    batches = _batches(cfg, warmup + steps)
-    for side in sides:
-        for x, y in batches[:warmup]:
-            _timed_step(side, x, y)
-    for i, (x, y) in enumerate(batches[warmup:]):
-        for side in sides if i % 2 == 0 else sides[::-1]:
-            _timed_step(side, x, y)
-    return [{"times": s.times[warmup:], "losses": s.losses} for s in sides]
+    return alternate(sides, _batches(cfg, warmup + steps), warmup, _timed_step)
 
 
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
@@ -263,16 +254,14 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
     cfg = variant_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, world)  # process groups exist before the baseline (torch's 1-D mesh
     # over the whole world is the default group: nothing new)
-    malloc_set = malloc_returns_memory()
-    dist.barrier()
-    reset_peak_rss()
-    anon0 = _status_mb("RssAnon")
-    side = _make_side(kind, cfg, world, mesh)
-    for x, y in _batches(cfg, steps):
-        _timed_step(side, x, y)
-    hwm = _status_mb("VmHWM")
-    file_backed = _status_mb("RssFile") + _status_mb("RssShmem")
-    return {"peak_mb": hwm - file_backed - anon0, "peak_rss_mb": hwm, "malloc_set": malloc_set, "losses": side.losses}
+
+    def run() -> FivefoldSide | TorchSide:
+        side = _make_side(kind, cfg, world, mesh)
+        for x, y in _batches(cfg, steps):
+            _timed_step(side, x, y)
+        return side
+
+    return measure_peak(run)
 
 
 def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int, top: int) -> dict:
@@ -289,7 +278,7 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
                 _timed_step(side, x, y)
         events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in events)
-        out[kind] = {"step_s": round(_median(side.times[warmup:]), 4),
+        out[kind] = {"step_s": round(median(side.times[warmup:]), 4),
                      "self_cpu_s_per_step": round(total / 1e6 / steps, 4),
                      "top": [(e.key, round(e.self_cpu_time_total / 1e6 / steps, 4), e.count // steps)
                              for e in events[:top]]}
@@ -299,68 +288,30 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
 # ---- driver ----------------------------------------------------------------------------------------------
 def run_timed(name: str, kinds: tuple[str, str], cfg: Config, world: int, warmup: int, steps: int) -> dict:
     results = run_workers(_timed_worker, world, name, kinds, cfg, warmup, steps, timeout=300.0)  # [rank][side]
-    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results))],  # the slowest rank's
-                   "losses": results[0][i]["losses"]}
-            for i, kind in enumerate(kinds)}
+    return slowest_rank(results, kinds)
 
 
 def run_memory(name: str, kind: str, cfg: Config, world: int, steps: int) -> dict:
-    results = run_workers(_memory_worker, world, name, kind, cfg, steps, timeout=300.0)
-    return {"peak_mb": max(r["peak_mb"] for r in results), "per_rank": [round(r["peak_mb"], 1) for r in results],
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in results), "malloc_set": all(r["malloc_set"] for r in results)}
-
-
-def _memory_fields(mem: dict[str, dict]) -> dict:
-    if not mem:  # --no-memory
-        return {"ratio_peak_memory": None}
-    m_f, m_t = mem["fivefold"], mem["torch"]
-    return {"fivefold_peak_mb": round(m_f["peak_mb"], 1), "torch_peak_mb": round(m_t["peak_mb"], 1),
-            "ratio_peak_memory": _ratio(m_f["peak_mb"], m_t["peak_mb"]),
-            "fivefold_peak_mb_per_rank": m_f["per_rank"], "torch_peak_mb_per_rank": m_t["per_rank"],
-            "fivefold_peak_rss_mb": round(m_f["peak_rss_mb"], 1), "torch_peak_rss_mb": round(m_t["peak_rss_mb"], 1),
-            "malloc_set": m_f["malloc_set"] and m_t["malloc_set"]}
+    return memory_over_ranks(run_workers(_memory_worker, world, name, kind, cfg, steps, timeout=300.0))
 
 
 def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], steps: int, rounds: int) -> dict:
-    f, t = runs["fivefold"], runs["torch"]
-    t_f = _median([x for r in f for x in r["times"]])
-    t_t = _median([x for r in t for x in r["times"]])
-    first_diff = abs(f[0]["losses"][0] - t[0]["losses"][0])
-    rounds_of = lambda xs: [round(_median(x["times"]), 4) for x in xs]  # noqa: E731
-    return {
-        "name": name, "fivefold": f"fivefold tp=2 sp={str(VARIANTS[name]).lower()}",
-        "torch": "parallelize_module Colwise/Rowwise" + (" + SequenceParallel" if VARIANTS[name] else "")
-                 + ", vocab-parallel embedding/head, loss_parallel",
-        "fivefold_step_s": round(t_f, 4), "torch_step_s": round(t_t, 4), "ratio_step_time": _ratio(t_f, t_t),
-        **_memory_fields(mem),
-        "fivefold_round_medians_s": rounds_of(f), "torch_round_medians_s": rounds_of(t),
-        "steps": steps, "rounds": rounds,
-        "loss_first_step": [f[0]["losses"][0], t[0]["losses"][0]],
-        "loss_first_step_abs_diff": first_diff,
-        "loss_check": "ok" if first_diff <= LOSS_TOL else f"MISMATCH (> {LOSS_TOL})",
-        # Informative only: after several AdamW steps ~1e-5 would be normal (Adam amplifies last-bit
-        # gradient differences, and the two clip with norms summed in different precision).
-        "loss_last_step_abs_diff": abs(f[0]["losses"][-1] - t[0]["losses"][-1]),
-        "losses_repeat_every_round": all(r["losses"] == f[0]["losses"] for r in f)
-                                     and all(r["losses"] == t[0]["losses"] for r in t),
-    }
+    sp = VARIANTS[name]
+    head = {"name": name, "fivefold": f"fivefold tp=2 sp={str(sp).lower()}",
+            "torch": "parallelize_module Colwise/Rowwise" + (" + SequenceParallel" if sp else "")
+                     + ", vocab-parallel embedding/head, loss_parallel"}
+    memory = (memory_fields(mem["fivefold"], mem["torch"], fields=("peak_mb", "ratio", "per_rank", "peak_rss_mb",
+                                                                   "malloc_set"))
+              if mem else {"ratio_peak_memory": None})  # --no-memory
+    return comparison_record(head, runs["fivefold"], runs["torch"], memory, steps, rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="Extra --section.key=value arguments override the config.")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per run (after the warm-up)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps skipped at the start of every run")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of each variant's two sides")
-    parser.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
-    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser = make_parser(__doc__, str(ROOT / "configs" / "tiny.toml"), VARIANTS, steps=8, rounds=2, unit="variant")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     parser.add_argument("--profile", action="store_true",
                         help="also profile both sides (torch.profiler, rank 0) per variant: top ops by self CPU time")
-    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps after 1 warm-up step: a smoke test")
-    args, overrides = parser.parse_known_args(argv)
-    if args.quick:
-        args.steps, args.warmup, args.rounds = 2, 1, 1
+    args, overrides = parse(parser, argv)
     world = 2  # tp = 2, dp = 1: the target applies there, and 2 ranks fill the 2 cores
     cfg = load_config(args.config, [
         "--model.dim=256", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=768", "--model.n_layers=4",
@@ -368,28 +319,18 @@ def main(argv: list[str] | None = None) -> None:
         "--train.device=cpu", f"--parallel.tp={world}", "--parallel.dp=1", "--parallel.pp=1", *overrides])
     m, t = cfg.model, cfg.train
     n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
-    _prewarm()
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    prewarm()
     log(f"model dim {m.dim}, {m.n_heads} heads, ffn {m.ffn_dim}, {m.n_layers} layers, vocab "
         f"{derive(cfg, world).vocab_size}, {n_params / 1e6:.2f}M params; tp {world}, batch {t.micro_batch} x seq "
         f"{t.seq_len}, fp32; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run"
         f"{'' if args.no_memory else ', then a memory run each'}; a step is forward + backward + clip + AdamW")
 
     began = time.perf_counter()
-    runs: dict[str, dict[str, list[dict]]] = {name: {} for name in args.only}
-    for rnd in range(args.rounds):
-        for name in args.only:
-            kinds = ("fivefold", "torch") if rnd % 2 == 0 else ("torch", "fivefold")  # who is built and stepped first
-            for kind, res in run_timed(name, kinds, cfg, world, args.warmup, args.steps).items():
-                runs[name].setdefault(kind, []).append(res)
-                log(f"round {rnd + 1}/{args.rounds} {name:6s} {kind:9s} median {_median(res['times']):.4f} s/step  "
-                    f"first loss {res['losses'][0]:.7f}  [{time.perf_counter() - began:.0f} s]")
-    mem: dict[str, dict[str, dict]] = {name: {} for name in args.only}
-    for name in [] if args.no_memory else args.only:
-        for kind in ("fivefold", "torch"):  # 3 steps: the optimizer state exists from the first step on
-            mem[name][kind] = r = run_memory(name, kind, cfg, world, 3)
-            log(f"memory {name:6s} {kind:9s} peak +{r['peak_mb']:.1f} MB, per rank {r['per_rank']} (glibc "
-                f"returning freed memory: {r['malloc_set']})  [{time.perf_counter() - began:.0f} s]")
+    runs = timed_rounds(args.only, args.rounds,
+                        lambda name, kinds: run_timed(name, kinds, cfg, world, args.warmup, args.steps), began, 6)
+    # 3 steps: the optimizer state exists from the first step on
+    mem = {} if args.no_memory else memory_runs(args.only, lambda name, kind: run_memory(name, kind, cfg, world, 3),
+                                                began, 6)
     profiles = {}
     if args.profile:
         for name in args.only:
@@ -402,19 +343,11 @@ def main(argv: list[str] | None = None) -> None:
 
     summary: dict = {"summary": True, "tp": world}
     for name in args.only:
-        out = summarize(name, runs[name], mem[name], args.steps, args.rounds)
+        out = summarize(name, runs[name], mem.get(name, {}), args.steps, args.rounds)  # {}: --no-memory
         if name in profiles:
             out["profile_rank0"] = profiles[name]
-        log(f"loss check {name}: first-step losses fivefold {out['loss_first_step'][0]:.8f} vs torch "
-            f"{out['loss_first_step'][1]:.8f}, |diff| {out['loss_first_step_abs_diff']:.2e} -> {out['loss_check']}")
-        print(json.dumps(out), flush=True)
-        summary[f"{name}_ratio_step_time"] = out["ratio_step_time"]
-        summary[f"{name}_ratio_peak_memory"] = out["ratio_peak_memory"]
-        summary[f"{name}_loss_check"] = out["loss_check"]
-    summary["targets"] = {k.replace("_ratio", ""): f"<= {v}" for k, v in TARGETS.items() if k in summary}
-    summary["within_target"] = {k.replace("_ratio", ""): summary[k] <= v for k, v in TARGETS.items() if k in summary}
-    summary["wall_s"] = round(time.perf_counter() - began, 1)
-    print(json.dumps(summary), flush=True)
+        report(name, out, summary)
+    finish_summary(summary, TARGETS, began)
 
 
 if __name__ == "__main__":
