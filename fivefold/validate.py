@@ -114,7 +114,6 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     errors = _type_errors(cfg)
     if errors:  # arithmetic on wrongly typed values would only add noise
         return errors
-    m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
     unavailable = []
     for key, (default, what) in NOT_AVAILABLE.items():
         section, name = key.split(".")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from fivefold.mesh import Mesh
-from fivefold.model import cross_entropy_sum
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.tensor import apply_tensor_parallel
 from fivefold.planner.activations import block_activation_bytes

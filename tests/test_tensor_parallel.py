@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fivefold.mesh import Mesh
 from fivefold.model import cross_entropy_sum
