@@ -7,3 +7,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+from fivefold.testing import run_workers  # noqa: E402
+from helpers import EQUIVALENCE, tiny_config, train_and_gather  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The single-process run every layout must reproduce: each global batch in one micro-batch."""
+    cfg = tiny_config(tmp_path_factory.mktemp("ref"), *EQUIVALENCE, "--train.micro_batch=8")
+    return run_workers(train_and_gather, 1, cfg)[0]

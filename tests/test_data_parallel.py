@@ -10,24 +10,16 @@ import pytest
 import torch
 
 from fivefold.testing import run_workers
-from fivefold.train.loop import train
-from helpers import tiny_config
-
-# 1,100 bytes of the standard library -> 35 samples of 32 tokens: 4 full batches of 8, then 3.
-DATA = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=5", "--checkpoint.keep=1")
+from fivefold.train.data import GlobalBatches
+from fivefold.train.loop import build_datasets
+from helpers import EQUIVALENCE, tiny_config, train_and_gather
 
 
-def _run(rank, world, cfg):
-    result = train(cfg, progress=False, return_state=True)
-    return result.losses, result.grad_norms, result.state, result.samples
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("ref"), *DATA, "--train.micro_batch=8")
-    losses, norms, state, samples = run_workers(_run, 1, cfg)[0]
-    assert len(samples[-1]) == 3, "the last step must be an uneven batch"
-    return losses, norms, state
+def test_the_data_ends_on_an_uneven_batch(tmp_path):
+    cfg = tiny_config(tmp_path, *EQUIVALENCE)
+    train_set, _ = build_datasets(cfg, tmp_path)
+    loader = GlobalBatches(train_set, cfg.train.global_batch, cfg.train.seed)
+    assert [len(loader.next_indices()) for _ in range(5)] == [8, 8, 8, 8, 3]
 
 
 LAYOUTS = {  # name: (ranks, micro_batch, extra overrides)
@@ -53,9 +45,9 @@ LAYOUTS = {  # name: (ranks, micro_batch, extra overrides)
 def test_dp_reproduces_single_process(tmp_path, reference, layout):
     ref_losses, ref_norms, ref_state = reference
     dp, micro, extra = LAYOUTS[layout]
-    cfg = tiny_config(tmp_path, *DATA, f"--train.micro_batch={micro}", *extra)
-    results = run_workers(_run, dp, cfg)
-    losses, norms, state, _ = results[0]
+    cfg = tiny_config(tmp_path, *EQUIVALENCE, f"--train.micro_batch={micro}", *extra)
+    results = run_workers(train_and_gather, dp, cfg)
+    losses, norms, state = results[0]
     # Tolerances, each ~10x (params ~2x) above what these cases measured (torch 2.13, CPU). The
     # only legitimate difference is fp32 summation order (micro-batches, gloo's sum), ~1e-7
     # relative per step; AdamW then amplifies it: m / sqrt(v) turns a 7th-digit change of a

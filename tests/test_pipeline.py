@@ -9,20 +9,7 @@ import torch
 
 from fivefold.testing import run_workers
 from fivefold.train.loop import train
-from helpers import tiny_config
-
-DATA = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=5", "--checkpoint.keep=1")
-
-
-def _run(rank, world, cfg):
-    result = train(cfg, progress=False, return_state=True)
-    return result.losses, result.grad_norms, result.state
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("ref"), *DATA, "--train.micro_batch=8")
-    return run_workers(_run, 1, cfg)[0]
+from helpers import EQUIVALENCE, tiny_config, train_and_gather
 
 
 LAYOUTS = {  # name: (ranks, overrides)
@@ -55,7 +42,7 @@ TIED = {
 def test_pipeline_reproduces_single_process(tmp_path, reference, layout):
     ref_losses, ref_norms, ref_state = reference
     world, extra = LAYOUTS[layout]
-    results = run_workers(_run, world, tiny_config(tmp_path, *DATA, *extra))
+    results = run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *extra))
     # Same tolerances and reasons as test_data_parallel.py: fp32 summation order, amplified by AdamW.
     for losses, norms, state in results:  # every rank reports the same loss and gathered model
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -68,20 +55,20 @@ def test_pipeline_reproduces_single_process(tmp_path, reference, layout):
 # lr 1e-3: with tied embeddings at lr 1e-2, one process with 4 micro-batches already differs from
 # one with a single micro-batch by 2.5e-5 in the step-5 loss (AdamW amplifying fp32 summation order
 # in the doubly-fed matrix); at 1e-3 every layout, one process included, stays within 7e-8.
-TIED_ARGS = (*DATA, "--model.tie_embeddings=true", "--train.lr=1e-3")
+TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
 
 
 @pytest.fixture(scope="module")
 def tied_reference(tmp_path_factory):
     cfg = tiny_config(tmp_path_factory.mktemp("tied"), *TIED_ARGS, "--train.micro_batch=8")
-    return run_workers(_run, 1, cfg)[0]
+    return run_workers(train_and_gather, 1, cfg)[0]
 
 
 @pytest.mark.parametrize("layout", TIED)
 def test_tied_embeddings_stay_in_sync_across_stages(tmp_path, tied_reference, layout):
     ref_losses, _, ref_state = tied_reference
     world, extra = TIED[layout]
-    results = run_workers(_run, world, tiny_config(tmp_path, *TIED_ARGS, *extra))
+    results = run_workers(train_and_gather, world, tiny_config(tmp_path, *TIED_ARGS, *extra))
     for losses, _, state in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         # The first stage's copy (tok_embeddings) and the last stage's (output) are one matrix again.
@@ -99,7 +86,7 @@ def test_pipeline_resume_is_exact(tmp_path, schedule):
 
     from fivefold.train.checkpoint import complete_checkpoints
 
-    args = (*DATA, "--train.steps=4", "--checkpoint.every=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}",
+    args = (*EQUIVALENCE, "--train.steps=4", "--checkpoint.every=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}",
             "--train.micro_batch=2", "--train.eval_every=2", "--data.val_fraction=0.3", "--data.max_bytes=20000",
             "--checkpoint.keep=2")
     losses = run_workers(_train, 2, tiny_config(tmp_path, *args))[0]

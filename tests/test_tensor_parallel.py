@@ -8,8 +8,7 @@ from fivefold.model import cross_entropy_sum
 from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       enter_tensor_parallel_region, vocab_parallel_cross_entropy)
 from fivefold.testing import run_workers
-from fivefold.train.loop import train
-from helpers import tiny_config
+from helpers import EQUIVALENCE, tiny_config, train_and_gather
 
 
 def _mesh(tp):
@@ -68,19 +67,6 @@ def test_vocab_parallel_embedding_head_and_loss(world, sp):
         torch.testing.assert_close(*head_grads, atol=1e-5, rtol=1e-5)
 
 
-DATA = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=5", "--checkpoint.keep=1")
-
-
-def _run(rank, world, cfg):
-    result = train(cfg, progress=False, return_state=True)
-    return result.losses, result.grad_norms, result.state
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_workers(_run, 1, tiny_config(tmp_path_factory.mktemp("ref"), *DATA, "--train.micro_batch=8"))[0]
-
-
 LAYOUTS = {
     "tp2": (2, ("--parallel.tp=2", "--train.micro_batch=4")),
     "tp4": (4, ("--parallel.tp=4", "--train.micro_batch=8")),
@@ -98,7 +84,7 @@ LAYOUTS = {
 def test_tensor_parallel_reproduces_single_process(tmp_path, reference, layout):
     ref_losses, ref_norms, ref_state = reference
     world, extra = LAYOUTS[layout]
-    for losses, norms, state in run_workers(_run, world, tiny_config(tmp_path, *DATA, *extra)):
+    for losses, norms, state in run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *extra)):
         # fp32 summation order differs (row-parallel partial sums, split vocabulary sums), and AdamW
         # amplifies it on near-zero gradients (see test_data_parallel.py). Measured: losses <= 5.6e-7
         # relative, grad norms <= 5.4e-5, parameters <= 1.03e-4 (one element of a down projection,
@@ -116,11 +102,11 @@ def test_tensor_parallel_resume_is_exact(tmp_path, world, zero):
 
     from fivefold.train.checkpoint import complete_checkpoints
 
-    args = (*DATA, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2", "--parallel.tp=2",
+    args = (*EQUIVALENCE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2", "--parallel.tp=2",
             f"--parallel.zero={zero}", "--train.micro_batch=2")
-    first = run_workers(_run, world, tiny_config(tmp_path, *args))[0][0]
+    first = run_workers(train_and_gather, world, tiny_config(tmp_path, *args))[0][0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
-    resumed = run_workers(_run, world, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0][0]
+    resumed = run_workers(train_and_gather, world, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0][0]
     assert resumed == first[2:]  # DTensor shards on (dp, tp) came back bit for bit
 
 
@@ -132,7 +118,7 @@ def test_tensor_parallel_traffic_matches_the_theory(tmp_path, sp):
     n, L, B, T, d = 2, 8, 8, 32, 64
     cfg = tiny_config(tmp_path, "--train.steps=1", "--data.max_bytes=20000", "--data.val_fraction=0.0",
                       "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}", "--train.micro_batch=8")
-    run_workers(_run, n, cfg)
+    run_workers(train_and_gather, n, cfg)
     tp = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[0]["comm"]["tp"]
     S = B * T * d * 4  # one (B, T, dim) fp32 activation
     AR = lambda nbytes: wire_bytes("all_reduce", nbytes, n)  # noqa: E731
