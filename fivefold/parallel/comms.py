@@ -50,11 +50,12 @@ class CommStats:
 
     axes: dict[str, AxisCounter] = field(default_factory=lambda: defaultdict(AxisCounter))
 
-    def record(self, label: str, op: str, nbytes: int, n: int) -> None:
+    def record(self, label: str, op: str, nbytes: int, n: int, wire: float | None = None) -> None:
+        """One call of `op` over n ranks on nbytes; `wire` overrides the ring formula when known."""
         c = self.axes[label]
         c.calls += 1
         c.bytes += nbytes
-        c.wire_bytes += wire_bytes(op, nbytes, n)
+        c.wire_bytes += wire_bytes(op, nbytes, n) if wire is None else wire
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {k: {"calls": v.calls, "bytes": v.bytes, "wire_bytes": v.wire_bytes} for k, v in sorted(self.axes.items())}
@@ -115,6 +116,25 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         return None
     group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
     return dist.all_gather_into_tensor(output, input, group=group.pg, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None,
+               async_op: bool = False) -> dist.Work | None:
+    """Rank r sends rows input_splits[j] (dim 0) to rank j and receives output_splits[j] from it.
+
+    Equal splits when none are given. Counted by the rows this rank sends to the others (its own
+    rows never leave it): the wire bytes are then exactly the payload that crosses the network.
+    """
+    if group.size == 1:
+        output.copy_(input)
+        return None
+    sent = None  # equal splits: the ring formula (N-1)/N x S is exact
+    if input_splits is not None:
+        row = _nbytes(input[0]) if input.shape[0] else 0
+        sent = row * (sum(input_splits) - input_splits[group.rank])
+    group.stats.record(group.label, "all_to_all", _nbytes(input), group.size, wire=sent)
+    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg, async_op=async_op)
 
 
 # ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----
