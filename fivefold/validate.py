@@ -253,6 +253,12 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         if m.n_experts % p.ep:
             err(f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; "
                 f"use ep in {{{_divisors_near(m.n_experts, 64)}}}")
+        for key, value in (("model.moe_bias_update", m.moe_bias_update), ("model.moe_aux_loss", m.moe_aux_loss)):
+            if value < 0:
+                err(f"{key} = {value}: must be 0 (off) or more")
+        if m.moe_capacity_factor and m.moe_capacity_factor < 1:
+            err(f"model.moe_capacity_factor = {m.moe_capacity_factor}: must be 0 (dropless) or at least 1 "
+                f"(1.25 is common); below 1 even a perfectly balanced router drops tokens")
         if m.first_dense_layers >= m.n_layers:
             err(f"model.first_dense_layers = {m.first_dense_layers} leaves no MoE block of {m.n_layers}; lower it")
     elif p.ep > 1:
