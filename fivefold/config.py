@@ -61,7 +61,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallel inside tp regions
     pp: int = 1  # pipeline stages
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "dualpipe_v"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
     stage_layers: tuple[int, ...] = ()  # blocks of each pipeline stage, pp x virtual_stages entries; () = balanced
     cp: int = 1  # context-parallel degree (sequence of one sample split over cp ranks)

@@ -287,8 +287,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             except ValueError as e:
                 err(f"parallel.pp_schedule = '{p.pp_schedule}' with pp = {p.pp}, virtual_stages = "
                     f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
-    if p.pp_schedule == "dualpipe_v" and p.virtual_stages != 2:
-        err("parallel.pp_schedule = 'dualpipe_v' runs 2 stages per rank; set parallel.virtual_stages = 2")
+    if p.pp_schedule in ("dualpipe_v", "zb_v") and p.virtual_stages != 2:
+        err(f"parallel.pp_schedule = '{p.pp_schedule}' runs 2 stages per rank; set parallel.virtual_stages = 2")
     if p.pp > 1 and p.zero >= 2:
         err(f"parallel.pp = {p.pp} with parallel.zero = {p.zero}: reducing gradients on every micro-batch "
             f"across interleaved stage backwards is not available yet; use zero = 0 or 1 with pipelines")

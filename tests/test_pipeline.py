@@ -24,6 +24,8 @@ LAYOUTS = {  # name: (ranks, overrides)
     "zb_h1-pp4": (4, ("--parallel.pp=4", "--parallel.pp_schedule=zb_h1", "--train.micro_batch=1")),
     "dualpipe_v-pp2": (2, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
                            "--train.micro_batch=2")),
+    "zb_v-pp2": (2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
+                     "--train.micro_batch=2")),
     "dualpipe_v-pp4": (4, ("--parallel.pp=4", "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
                            "--train.micro_batch=1")),
     "1f1b-pp2-dp2": (4, ("--parallel.pp=2", "--train.micro_batch=2")),

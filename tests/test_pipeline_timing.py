@@ -1,9 +1,12 @@
 """The executor runs what the simulator plans: measured idle time matches simulate().
 
-Stage compute is replaced by sleeps of known length (forward F, backward B), so the timing is
-deterministic enough to compare with simulate() under the same costs.
+Stage compute is replaced by sleeps of known length, so the timing is deterministic enough to
+compare with simulate() under the same costs: forward F, and a backward made of an input-gradient
+part I and a weight-gradient part W (a full backward B costs I + W). Split-backward schedules
+therefore also check that W does not walk the input path again (it would cost I + W, not W).
 """
 
+import contextlib
 import time
 
 import pytest
@@ -12,65 +15,87 @@ import torch.distributed as dist
 
 from fivefold.mesh import Mesh
 from fivefold.parallel.pipeline import PipelineExecutor
-from fivefold.parallel.schedules import Costs, build_schedule, simulate
+from fivefold.parallel.schedules import build_schedule
+from fivefold.parallel.simulate import Costs, simulate
 from fivefold.testing import run_workers
 
-F, B = 0.04, 0.08  # seconds
+F, I, W = 0.04, 0.04, 0.04  # seconds
 
 
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        time.sleep(F)
-        return x.clone()
+def _sleeper(forward: float, backward: float):
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(forward)
+            return x.clone()
 
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(B)
-        return grad
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(backward)
+            return grad
+    return Sleep.apply
+
+
+_on_input_path, _on_weight_path = _sleeper(F, I), _sleeper(0.0, W)
 
 
 class _SleepChunk:
-    """A stage whose forward takes F seconds and whose backward takes B."""
+    """A stage: forward F; backward I on the input path and W on the weight's own branch."""
 
     def __init__(self, first: bool, last: bool):
         self.first, self.last = first, last
         self.w = torch.nn.Parameter(torch.ones(()))
+        self.e = torch.nn.Parameter(torch.ones(()))  # the first stage's "embedding"
 
-    def __call__(self, x, positions):
-        h = x.float().unsqueeze(-1).expand(*x.shape, 8) if self.first else x  # (B, T, 8)
-        return _Sleep.apply(h * self.w)
+    def embed(self, x):
+        return x.float().unsqueeze(-1).expand(*x.shape, 8) * self.e if self.first else x  # (B, T, 8)
+
+    def __call__(self, h, positions):
+        return h + _on_input_path(h) * _on_weight_path(self.w)  # ends in a residual add, as a block does
 
 
 class _PlainBackward:
     def backward(self, out, grad=None, *, last_micro_batch, inputs=None):
         torch.autograd.backward(out, grad, inputs=inputs)
 
+    @contextlib.contextmanager
+    def reducing(self, last_micro_batch):
+        yield
 
-def _measure(rank, world, name, m, v):
+
+def _measure(rank, world, name, m, v, stats_only=False):
     schedule = build_schedule(name, world, m, v)
     mesh = Mesh({"pp": world, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1})
     last = schedule.num_stages - 1
     chunks = {s: _SleepChunk(s == 0, s == last) for s in range(last + 1) if schedule.stage_to_rank(s) == rank}
     executor = PipelineExecutor(schedule, chunks, mesh.group("pp"), _PlainBackward(), torch.device("cpu"))
-    executor._params = lambda c: [c.w]
+    executor._params = lambda c: [c.w, c.e]
     micro = [(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)) for _ in range(m)]
     dist.barrier()
     stats = executor.run(micro, global_tokens=8 * m, dim=8, clock=time.time)
-    return stats.timeline
+    return stats if stats_only else stats.timeline
 
 
-# Split-backward schedules are left out: the executor's "W" walks the graph a second time, so
-# with a sleeping backward I and W would each cost B, which no uniform Costs describes.
-@pytest.mark.parametrize("name,m,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved_1f1b", 4, 2)])
+@pytest.mark.parametrize("name,m,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved_1f1b", 4, 2),
+                                      ("zb_h1", 4, 1), ("zb_v", 4, 2), ("dualpipe_v", 4, 2)])
 def test_measured_idle_time_matches_the_simulator(name, m, v):
     timelines = run_workers(_measure, 2, name, m, v)
     start = min(t[0][0] for t in timelines)
     makespan = max(t[-1][1] for t in timelines) - start
-    sim = simulate(build_schedule(name, 2, m, v), Costs(f=F, b=B))
+    sim = simulate(build_schedule(name, 2, m, v), Costs(f=F, b=I + W, i=I, w=W))
     for rank, timeline in enumerate(timelines):
         busy = sum(end - began for began, end, _ in timeline)
         measured = (makespan - busy) / makespan  # idle share of this rank
         planned = sim.idle[rank] / sim.makespan
         assert abs(measured - planned) < 0.05, (rank, measured, planned)
     assert makespan == pytest.approx(sim.makespan, rel=0.15)
+
+
+def test_sent_activations_are_freed():
+    """A stage output leaves its storage once sent; backward still runs on its autograd node."""
+    first, last = run_workers(_measure, 2, "1f1b", 4, 1, True)
+    activation = 2 * 4 * 8 * 4  # (micro_batch 2, T 4, dim 8) fp32
+    assert first.freed_bytes == 4 * activation  # every output the first stage sent
+    assert last.freed_bytes == 0  # the last stage sends only gradients, and keeps its loss
+    # 1F1B keeps 2 micro-batches on the first stage: without freeing, 2 inputs + 2 outputs.
+    assert first.peak_held_bytes < 4 * activation

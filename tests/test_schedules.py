@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from fivefold.parallel.schedules import (
-    SCHEDULES, Action, Costs, DeadlockError, Schedule, build_schedule, dualpipe_v,
-    gpipe, interleaved_1f1b, one_f_one_b, simulate, zero_bubble_h1,
+    SCHEDULES, Action, Schedule, build_schedule, dualpipe_v, gpipe, interleaved_1f1b, one_f_one_b,
+    zero_bubble_h1, zero_bubble_v,
 )
+from fivefold.parallel.simulate import Costs, DeadlockError, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,18 @@ def test_zb_h1_bubble_is_one_third_of_1f1b(p, m):
     assert zb.peak_inflight == [p] * p
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 32)])
+def test_zb_v_halves_zb_h1s_bubble_at_the_same_memory(p, m):
+    """ZB-V's chunks are half a stage, so F = I = W = 0.5 per chunk does the same work as ZB-H1
+    with F = I = W = 1: its bubble is half of ZB-H1's (a sixth of 1F1B's), and every rank holds
+    2p half-stage chunks, i.e. the p stages' worth that 1F1B's first rank holds."""
+    zbv = simulate(zero_bubble_v(p, m), Costs(f=0.5, b=1, i=0.5, w=0.5))
+    zbh1 = simulate(zero_bubble_h1(p, m), Costs(f=1, b=2, i=1, w=1))
+    assert zbv.busy == pytest.approx(zbh1.busy)
+    assert zbv.bubble_ratio == pytest.approx(zbh1.bubble_ratio / 2)
+    assert zbv.peak_inflight == [2 * p] * p
+
+
 def test_dualpipe_v_beats_1f1b_at_same_work():
     # Not a paper formula; guards against a regression that would make the V worse
     # than the plain schedule it is meant to improve on.
@@ -130,9 +143,9 @@ def _check_timeline(s: Schedule, costs: Costs) -> None:
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_runs_and_respects_dependencies(name, p):
-    v = 2 if name in ("interleaved_1f1b", "dualpipe_v") else 1
+    v = 2 if name in ("interleaved_1f1b", "dualpipe_v", "zb_v") else 1
     ms = [m for m in (1, 2, 3, p, 2 * p, 3 * p, 4 * p + 1)
-          if not (name == "interleaved_1f1b" and m % p) and not (name == "dualpipe_v" and m < 2 * p)]
+          if not (name == "interleaved_1f1b" and m % p) and not (name in ("dualpipe_v", "zb_v") and m < 2 * p)]
     for m in ms:
         s = build_schedule(name, p, m, v)
         for costs in (Costs(), Costs(f=1, b=1, comm=0.3), Costs(f=2, b=1, i=0.2)):
@@ -236,34 +249,20 @@ def _torch_order(cls, p: int, m: int, v_layout: bool) -> list[list[Action]]:
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("m_per_p", [2, 3])
 def test_against_pytorch_pipelining_orders(p, m_per_p):
-    """PyTorch's pipeline_order, obtained without a process group.
-
-    * ScheduleInterleaved1F1B (v=2) == fivefold interleaved_1f1b: identical
-      per-rank action order.
-    * ScheduleDualPipeV == fivefold dualpipe_v: identical per-rank action order
-      once each OVERLAP_F_B is flattened to its F then its B.
-    * ScheduleZBVZeroBubble differs from dualpipe_v (same V placement, other
-      order): with F = I = W = 1 the makespan is equal, but ZBV peaks at 2p
-      chunk activations per rank and DualPipeV at 2p + 1, so the peaks are
-      NOT equal; we assert that exact one-chunk difference.
+    """PyTorch's pipeline_order, obtained without a process group, equals ours per rank:
+    ScheduleInterleaved1F1B (v=2) == interleaved_1f1b, ScheduleZBVZeroBubble == zero_bubble_v,
+    and ScheduleDualPipeV == dualpipe_v once each OVERLAP_F_B is flattened to its F then its B.
+    (ZB-V and DualPipeV share the V placement but not the order: under unit costs ZB-V peaks at
+    2p chunk activations per rank, DualPipeV at 2p + 1.)
     """
     sched_mod = pytest.importorskip("torch.distributed.pipelining.schedules")
     m = m_per_p * p
+    assert _torch_order(sched_mod.ScheduleInterleaved1F1B, p, m, False) == interleaved_1f1b(p, m, 2).actions
+    assert _torch_order(sched_mod.ScheduleZBVZeroBubble, p, m, True) == zero_bubble_v(p, m).actions
+    assert _torch_order(sched_mod.ScheduleDualPipeV, p, m, True) == dualpipe_v(p, m).actions
     unit = Costs(f=1, b=2, i=1, w=1)
-
-    ours = interleaved_1f1b(p, m, 2)
-    assert _torch_order(sched_mod.ScheduleInterleaved1F1B, p, m, False) == ours.actions
-
-    ours = dualpipe_v(p, m)
-    assert _torch_order(sched_mod.ScheduleDualPipeV, p, m, True) == ours.actions
-
-    zbv = Schedule("torch_zbv", p, m, 2, _torch_order(sched_mod.ScheduleZBVZeroBubble, p, m, True),
-                   layout="v")
-    assert zbv.actions != ours.actions
-    theirs, mine = simulate(zbv, unit), simulate(ours, unit)
-    assert theirs.makespan == pytest.approx(mine.makespan)
-    assert theirs.peak_inflight == [2 * p] * p
-    assert mine.peak_inflight == [2 * p + 1] * p
+    assert simulate(zero_bubble_v(p, m), unit).peak_inflight == [2 * p] * p
+    assert simulate(dualpipe_v(p, m), unit).peak_inflight == [2 * p + 1] * p
 
 
 # ---------------------------------------------------------------- pictures

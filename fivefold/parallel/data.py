@@ -32,8 +32,10 @@ parameter padded to N c rows, so one reduce-scatter hands each rank exactly its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -113,12 +115,19 @@ class DataParallel:
                  inputs: list[torch.Tensor] | None = None) -> None:
         """Backward from `out` (a loss, or a pipeline stage's output with its gradient), reducing
         gradients as their buckets complete when this micro-batch talks."""
+        with self.reducing(last_micro_batch):
+            torch.autograd.backward(out, grad, inputs=inputs)
+
+    @contextlib.contextmanager
+    def reducing(self, last_micro_batch: bool) -> Iterator[None]:
+        """Around any code that accumulates a micro-batch's gradients (one backward, or the W
+        passes of a split backward): buckets reduce as they complete when this micro-batch talks."""
         self._reducing = self._reduces_on(last_micro_batch) and self._needs_reduction()
         if self._reducing:
             self._next = 0
             for b in self.buckets:
                 b.waiting = len(b.params)
-        torch.autograd.backward(out, grad, inputs=inputs)
+        yield
         if self._reducing:
             self._launch_ready(force=True)  # buckets with a parameter that got no gradient here
             for b in self.buckets:

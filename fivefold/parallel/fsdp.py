@@ -21,7 +21,9 @@ so checkpoints save DTensor shards and reshard to any layout.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -131,9 +133,10 @@ class FullyShardedDataParallel(ZeroDataParallel):
         unit = next(u for u in self.units if u.bucket is b)
         self._free(unit)
 
-    def backward(self, out: torch.Tensor, grad: torch.Tensor | None = None, *, last_micro_batch: bool,
-                 inputs: list[torch.Tensor] | None = None) -> None:
-        super().backward(out, grad, last_micro_batch=last_micro_batch, inputs=inputs)
+    @contextlib.contextmanager
+    def reducing(self, last_micro_batch: bool) -> Iterator[None]:
+        with super().reducing(last_micro_batch):
+            yield
         for unit in self.units:  # a unit whose output needed no gradient is still gathered
             if unit.gathered:
                 self._free(unit)

@@ -10,16 +10,22 @@ stage, so the order in which two ranks post them does not matter.
 `run_schedule()` is the one executor: it runs, action by action, the per-rank lists that
 `schedules.py` builds (and `simulate()` times and draws), so what is planned, drawn and executed
 cannot drift apart. Split backward (zero-bubble schedules): "I" computes only the gradient of the
-stage input, which the previous stage is waiting for, keeping the graph; "W" later walks the same
-graph again for the weight gradients (simple and exact, at the price of a second traversal).
-Data parallel reduces the gradients once the whole schedule is done, when every stage's last
-backward has run.
+stage input, which the previous stage is waiting for; "W" later computes only the weight
+gradients (`split_backward.py`). Data parallel starts reducing on the rank's last backward (B or
+W), when every gradient of the step is final.
+
+Memory: once a stage output has been sent, its storage is freed (Megatron-LM's "deallocate
+output tensor", Narayanan et al. 2021): the next stage holds the data now, and backward needs
+only the output's autograd node and shape, not its values, because a block ends with a residual
+add, whose backward saves nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +39,7 @@ from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.data import DataParallel
 from fivefold.parallel.schedules import Schedule
+from fivefold.parallel.split_backward import SplitBackward
 
 
 def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] = ()) -> list[list[str]]:
@@ -52,8 +59,12 @@ class StageChunk:
     first: bool
     last: bool
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.model.tok_embeddings(x) if self.first else x  # (B, T, dim)
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage input: token ids (B, T) -> embeddings (B, T, dim) on the first stage, else x."""
+        return self.model.tok_embeddings(x) if self.first else x
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim)."""
         cos, sin = rope_cos_sin(positions, self.model.head_dim, self.model.cfg.rope_theta)
         for name in self.layers:
             h = self.model.layers[name](h, cos, sin)
@@ -100,15 +111,72 @@ def split_stages(model: Transformer, schedule: Schedule, pp_rank: int,
 class _Slot:
     """What one (micro-batch, stage) keeps between its forward and its backward."""
 
-    inp: torch.Tensor | None = None  # the received activation (a leaf that collects its gradient)
-    out: torch.Tensor | None = None  # the stage output, or the loss on the last stage
-    grad: torch.Tensor | None = None  # the gradient of `out` (kept from I to W)
+    inp: torch.Tensor | None = None  # received activation (a leaf collecting its gradient) or embeddings
+    out: torch.Tensor | None = None  # the stage output (storage freed once sent), or the loss on the last stage
+    split: SplitBackward | None = None  # what I keeps for W
+
+
+def _held_bytes(slots: dict[tuple[int, int], _Slot]) -> int:
+    """Bytes of the stage inputs and outputs that slots keep (each storage once; freed ones are 0)."""
+    storages = {}
+    for slot in slots.values():
+        for t in (slot.inp, slot.out):
+            if t is not None:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 @dataclass
 class PipelineStats:
     loss: float = 0.0  # this rank's sum of micro-batch losses (last stage only)
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, action)
+    peak_held_bytes: int = 0  # most bytes of stage inputs and outputs kept for backward at once
+    freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
+
+
+def _values_unused(out: torch.Tensor) -> bool:
+    """Does backward need `out`'s node only, not its values? True after a residual add (a block's
+    last op) or a dtype cast; anything else (a compiled block, say) keeps its storage."""
+    return type(out.grad_fn).__name__ in ("AddBackward0", "ToCopyBackward0")
+
+
+class _Sends:
+    """Outstanding isends. When one completes, the stage output it carried (if any) is freed.
+
+    Completion is observed by a helper thread that waits on each send in turn (the wait releases
+    the GIL): gloo's Work.is_completed() reports False until someone waits (measured, torch 2.13),
+    so polling from the executor would free nothing before the end of the step.
+    """
+
+    def __init__(self, stats: PipelineStats):
+        self.stats = stats
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def add(self, work: dist.Work, free: torch.Tensor | None) -> None:
+        self.queue.put((work, free))
+
+    def _drain(self) -> None:
+        while (item := self.queue.get()) is not None:
+            work, t = item
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the executor's thread
+                self.error = self.error or e
+                continue
+            if t is not None:
+                self.stats.freed_bytes += t.untyped_storage().nbytes()
+                t.untyped_storage().resize_(0)  # shape and autograd node stay; the values are gone
+
+    def finish(self) -> None:
+        """Wait until every send has completed."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class PipelineExecutor:
@@ -142,12 +210,15 @@ class PipelineExecutor:
     def _tag(self, kind: int, mb: int, stage: int) -> int:
         return (kind * self.schedule.microbatches + mb) * self.n_stages + stage
 
-    def _send(self, t: torch.Tensor, to_stage: int, key: tuple[int, int, int], local: dict, sends: list) -> None:
+    def _send(self, t: torch.Tensor, to_stage: int, key: tuple[int, int, int], local: dict, sends: _Sends,
+              free: bool = False) -> None:
+        """Send `t` to the rank of `to_stage`; with `free`, release its storage once it has left."""
         if self.schedule.stage_to_rank(to_stage) == self.rank:
-            local[key] = t  # both stages live here (V layout): hand over in memory
+            local[key] = t  # both stages live here (V layout): hand over in memory, nothing to free
             return
         self.group.stats.record(self.group.label, "send", t.numel() * t.element_size(), self.group.size)
-        sends.append(dist.isend(t.contiguous(), self._peer(to_stage), group=self.group.pg, tag=self._tag(*key)))
+        t = t.contiguous()
+        sends.add(dist.isend(t, self._peer(to_stage), group=self.group.pg, tag=self._tag(*key)), t if free else None)
 
     def _recv(self, shape: torch.Size, dtype: torch.dtype, from_stage: int, key: tuple[int, int, int],
               local: dict) -> torch.Tensor:
@@ -173,8 +244,8 @@ class PipelineExecutor:
         ACT, GRAD = 0, 1
         slots: dict[tuple[int, int], _Slot] = {}
         local: dict = {}
-        sends: list = []
         stats = PipelineStats()
+        sends = _Sends(stats)
         last = self.n_stages - 1
         for index, action in enumerate(self.schedule.actions[self.rank]):
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
@@ -191,36 +262,36 @@ class PipelineExecutor:
             began = clock() if clock else 0.0
             if action.kind == "F":
                 slot = slots.setdefault((mb, s), _Slot())
-                slot.inp = x if s > 0 else None
                 with autocast():
-                    out = chunk(x, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
+                    slot.inp = chunk.embed(x)  # the received activation, or the first stage's embeddings
+                    out = chunk(slot.inp, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
                 if s == last:
                     out = self.loss_fn(out, y) / global_tokens  # the loss: backward starts here
                     stats.loss += float(out.detach())
                     out = out * loss_scale
                 else:
                     out = out.float()  # activations travel in fp32 (autocast may have produced bf16)
-                    self._send(out.detach(), s + 1, (ACT, mb, s), local, sends)
+                    self._send(out.detach(), s + 1, (ACT, mb, s), local, sends, free=_values_unused(out))
                 slot.out = out
-            elif action.kind in ("B", "I"):
+            elif action.kind == "B":
+                slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
+                self.dp.backward(slot.out, grad, last_micro_batch=final)
+                if s > 0:
+                    self._send(slot.inp.grad, s - 1, (GRAD, mb, s), local, sends)
+            elif action.kind == "I":  # input gradient only; W finishes this backward later
                 slot = slots[(mb, s)]
-                if action.kind == "B":
-                    self.dp.backward(slot.out, grad, last_micro_batch=final)
-                    inp_grad = slot.inp.grad if slot.inp is not None else None
-                    del slots[(mb, s)]  # this micro-batch's activations on this stage are freed
-                else:  # input gradient only; the graph stays for W
-                    inp_grad = (torch.autograd.grad(slot.out, slot.inp, grad, retain_graph=True)[0]
-                                if slot.inp is not None else None)
-                    slot.grad = grad
+                slot.split = SplitBackward(slot.out, slot.inp, self._params(chunk))
+                inp_grad = slot.split.input_grad(grad)
                 if s > 0:
                     self._send(inp_grad, s - 1, (GRAD, mb, s), local, sends)
             else:  # "W": the weight gradients of a split backward
                 slot = slots.pop((mb, s))
-                self.dp.backward(slot.out, slot.grad, last_micro_batch=final, inputs=self._params(chunk))
+                with self.dp.reducing(last_micro_batch=final):
+                    slot.split.weight_grad()
             if clock:
                 stats.timeline.append((began, clock(), str(action)))
-        for work in sends:  # every activation and gradient has left before its buffer can be reused
-            work.wait()
+            stats.peak_held_bytes = max(stats.peak_held_bytes, _held_bytes(slots))
+        sends.finish()  # every activation and gradient has left before its buffer is reused
         if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
             param, group = self.tied
             comms.all_reduce(self.dp.gradient_of(param), group)
@@ -230,7 +301,7 @@ class PipelineExecutor:
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], dim: int,
                      autocast=contextlib.nullcontext) -> float:
         """Sum of token losses over the micro-batches (last stage only), for evaluation."""
-        ACT, total, local, sends = 0, 0.0, {}, []
+        ACT, total, local, sends = 0, 0.0, {}, _Sends(PipelineStats())
         for mb, (x, y) in enumerate(micro_batches):
             h = x
             for s in sorted(self.chunks):  # each micro-batch through the stages in order: no deadlock
@@ -238,12 +309,11 @@ class PipelineExecutor:
                     shape = (x.shape[0], x.shape[1] // self.seq_divisor, dim)
                     h = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local)
                 with autocast():
-                    h = self.chunks[s](h, torch.arange(x.shape[1], device=x.device))
+                    h = self.chunks[s](self.chunks[s].embed(h), torch.arange(x.shape[1], device=x.device))
                 if s == self.n_stages - 1:
                     total += float(self.loss_fn(h, y))
                 else:
                     h = h.float()
                     self._send(h, s + 1, (ACT, mb, s), local, sends)
-        for work in sends:
-            work.wait()
+        sends.finish()
         return total

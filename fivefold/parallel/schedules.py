@@ -29,7 +29,7 @@ Why schedules are data
 The generators below return lists of :class:`Action`; they never touch a GPU or
 ``torch.distributed``. The same lists are consumed by the runtime executor
 (which turns each action into compute + send/recv), by the planner (which
-calls :func:`simulate` to compare schedules under measured costs) and by the
+calls ``simulate()`` (``simulate.py``) to compare schedules under measured costs) and by the
 pictures in ``fivefold.viz.schedule``. One source of truth means the picture
 you look at is exactly what the executor will run, and a schedule can be tested
 for deadlocks and memory without a cluster.
@@ -43,17 +43,16 @@ it can be moved into otherwise idle slots).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 __all__ = [
-    "Action", "Schedule", "Costs", "SimResult", "DeadlockError", "SCHEDULES",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "dualpipe_v",
-    "build_schedule", "simulate",
+    "Action", "Schedule", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1",
+    "zero_bubble_v", "dualpipe_v", "build_schedule",
 ]
 
 Kind = Literal["F", "B", "I", "W"]
-_KINDS = ("F", "B", "I", "W")
+KINDS = ("F", "B", "I", "W")
 
 
 @dataclass(frozen=True)
@@ -278,186 +277,80 @@ def dualpipe_v(p: int, m: int) -> Schedule:
     return Schedule("dualpipe_v", p, m, 2, acts, layout="v")
 
 
+def zero_bubble_v(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory").
+
+    The V placement of DualPipeV (rank r holds stages r and 2p-1-r), with every backward split
+    into I and W. The forward warm-up is sized so that the way down and the way back up are both
+    full when the first backward arrives; then each rank alternates F, I, W of one chunk with
+    F, I, W of the other; in the cool-down it runs the remaining I's first (they are on the
+    critical path of the ranks below) and fills the tail with its W's, holding back more of them
+    the deeper it sits in the V. With F = I = W the bubble is close to zero, while every rank
+    holds at most 2p chunk activations, the same as 1F1B's first rank with its full stage.
+    Needs m >= 2p. Its per-rank order equals PyTorch's ScheduleZBVZeroBubble (tested).
+    """
+    _check_pm(p, m)
+    if m < 2 * p:
+        raise ValueError(f"zb_v needs microbatches >= 2*pp; got m={m}, p={p}. Use m >= {2 * p}.")
+    acts = []
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        seq: list[Action] = []
+        nxt = dict.fromkeys([("F", c0), ("F", c1), ("I", c0), ("I", c1)], 0)  # next micro-batch
+        held: dict[int, deque[Action]] = {c0: deque(), c1: deque()}  # W's waiting in the cool-down
+
+        def run(kind: str, s: int) -> None:
+            seq.append(Action(kind, nxt[kind, s] if kind != "W" else nxt["I", s] - 1, s))
+            if kind != "W":
+                nxt[kind, s] += 1
+
+        for _ in range(2 * (p - r) - 1):          # warm-up: the way down
+            run("F", c0)
+        for _ in range(r):                        # both chunks, until the bottom of the V is full
+            run("F", c1); run("F", c0)
+        for _ in range(p - r):                    # the first backwards come back up
+            run("F", c1); run("I", c1); run("W", c1)
+        while nxt["F", c1] < m:                   # steady: F, I, W of each chunk in turn
+            if nxt["F", c0] < m:
+                run("F", c0)
+            run("I", c0); run("W", c0)
+            run("F", c1); run("I", c1); run("W", c1)
+        done = 0                                  # cool-down: I's first, W's held back
+        while nxt["I", c0] < m or nxt["I", c1] < m:
+            for s in (c0, c1):
+                if nxt["I", s] < m:
+                    run("I", s)
+                    held[s].append(Action("W", nxt["I", s] - 1, s))
+                    done += 1
+                    if s == c0 and done >= 2 * r + 1:
+                        seq.append(held[c0].popleft())
+        seq += [*held[c1], *held[c0]]
+        acts.append(seq)
+    return Schedule("zb_v", p, m, 2, acts, layout="v")
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zero_bubble_h1,
+    "zb_v": zero_bubble_v,
     "dualpipe_v": dualpipe_v,
 }
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build a registered schedule; ``v`` is only meaningful for interleaved
-    (>= 2) and dualpipe_v (always 2, so 1 or 2 is accepted)."""
+    (>= 2) and the V schedules (always 2, so 1 or 2 is accepted)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(p, m, v)
-    if name == "dualpipe_v":
+    if name in ("dualpipe_v", "zb_v"):
         if v not in (1, 2):
-            raise ValueError(f"dualpipe_v always uses 2 stages per rank; got virtual_stages={v}")
-        return dualpipe_v(p, m)
+            raise ValueError(f"{name} always uses 2 stages per rank; got virtual_stages={v}")
+        return SCHEDULES[name](p, m)
     if v != 1:
         raise ValueError(f"{name} has one stage per rank; got virtual_stages={v} "
                          "(use 'interleaved_1f1b' for v > 1)")
     return SCHEDULES[name](p, m)
-
-
-# ---------------------------------------------------------------- simulation
-
-@dataclass(frozen=True)
-class Costs:
-    """Durations of one action (one micro-batch through one stage).
-
-    ``b`` is a full backward. If the split parts are not given, I = W = b/2;
-    if only one is given the other is b minus it, so I + W == b either way.
-    ``comm`` is added to every dependency that crosses ranks.
-    """
-
-    f: float = 1.0
-    b: float = 2.0
-    i: float | None = None
-    w: float | None = None
-    comm: float = 0.0
-
-    def duration(self, kind: str) -> float:
-        if kind in ("F", "B"):
-            return self.f if kind == "F" else self.b
-        i, w = self.i, self.w
-        if i is None:
-            i = self.b / 2 if w is None else self.b - w
-        if w is None:
-            w = self.b - i
-        return i if kind == "I" else w
-
-
-class DeadlockError(RuntimeError):
-    """No rank can start its next action, yet actions remain."""
-
-    def __init__(self, message: str, blocked: dict[int, Action]):
-        super().__init__(message)
-        self.blocked = blocked
-
-
-@dataclass
-class SimResult:
-    makespan: float
-    busy: list[float]
-    idle: list[float]
-    bubble_ratio: float       # total idle / total compute
-    bubble_fraction: float    # total idle / (p * makespan)
-    peak_inflight: list[int]  # per rank, in units of (micro-batch, stage) activations
-    timeline: list[list[tuple[float, float, Action]]] = field(repr=False)
-
-
-def _validate(s: Schedule) -> None:
-    """Every (micro-batch, stage) needs one F and one backward (B, or I + W),
-    on the rank that owns the stage; anything else is a broken schedule."""
-    seen: dict[tuple[str, int, int], int] = {}
-    for r, seq in enumerate(s.actions):
-        for a in seq:
-            if a.kind not in _KINDS or not (0 <= a.microbatch < s.microbatches
-                                            and 0 <= a.stage < s.num_stages):
-                raise ValueError(f"rank {r}: bad action {a} (kinds {_KINDS}, "
-                                 f"m={s.microbatches}, stages={s.num_stages})")
-            if s.stage_to_rank(a.stage) != r:
-                raise ValueError(f"{a} is listed on rank {r} but stage {a.stage} "
-                                 f"lives on rank {s.stage_to_rank(a.stage)}")
-            seen[a.kind, a.microbatch, a.stage] = seen.get((a.kind, a.microbatch, a.stage), 0) + 1
-    problems = []
-    for mb in range(s.microbatches):
-        for st in range(s.num_stages):
-            n = tuple(seen.get((k, mb, st), 0) for k in _KINDS)  # counts of F, B, I, W
-            if n not in ((1, 1, 0, 0), (1, 0, 1, 1)):
-                problems.append(f"mb {mb} stage {st}: F/B/I/W x {n}")
-    if problems:
-        raise ValueError("each (microbatch, stage) needs exactly one F and one B (or one I "
-                         f"and one W): {'; '.join(problems[:8])}{' ...' * (len(problems) > 8)}")
-
-
-def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
-    """Time ``schedule`` with ``costs``: every rank runs its list strictly in
-    order, starting each action as soon as the rank is free and the action's
-    inputs exist (F after the previous stage's F; B/I after the same stage's F
-    and the next stage's B/I; W after the same stage's I; ``comm`` added when
-    the input comes from another rank). Raises :class:`DeadlockError` if the
-    orders can never complete, ValueError if the schedule is malformed."""
-    costs = costs or Costs()
-    _validate(schedule)
-    p, last, to_rank = schedule.pp, schedule.num_stages - 1, schedule.stage_to_rank
-    # Finish times keyed by (what, mb, stage); "G" = the input gradient sent
-    # upstream, produced by either B or I, so waiters need not know which.
-    done: dict[tuple[str, int, int], float] = {}
-
-    def needs(a: Action) -> list[tuple[str, int, int]]:
-        mb, s = a.microbatch, a.stage
-        if a.kind == "F":
-            return [("F", mb, s - 1)] if s > 0 else []
-        if a.kind == "W":
-            return [("I", mb, s)]
-        return [("F", mb, s)] + ([("G", mb, s + 1)] if s < last else [])
-
-    ptr, free = [0] * p, [0.0] * p
-    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
-    remaining = sum(len(seq) for seq in schedule.actions)
-    while remaining:
-        progressed = False
-        # The start time of an action depends only on its rank's previous action
-        # and its inputs' finish times, so any visiting order gives the same answer.
-        for r, seq in enumerate(schedule.actions):
-            while ptr[r] < len(seq):
-                a = seq[ptr[r]]
-                deps = needs(a)
-                if any(d not in done for d in deps):
-                    break  # this rank waits; try the others
-                ready = max((done[d] + (costs.comm if to_rank(d[2]) != r else 0.0)
-                             for d in deps), default=0.0)
-                start = max(free[r], ready)
-                free[r] = end = start + costs.duration(a.kind)
-                timeline[r].append((start, end, a))
-                done[a.kind, a.microbatch, a.stage] = end
-                if a.kind in ("B", "I"):
-                    done["G", a.microbatch, a.stage] = end
-                ptr[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            blocked = {r: seq[ptr[r]] for r, seq in enumerate(schedule.actions) if ptr[r] < len(seq)}
-            desc = "; ".join(
-                f"rank {r} stuck at {a} (step {ptr[r]}), waiting for "
-                + ", ".join(f"{'B/I' if d[0] == 'G' else d[0]}{d[1]}s{d[2]}"
-                            for d in needs(a) if d not in done)
-                for r, a in blocked.items())
-            raise DeadlockError(f"schedule {schedule.name!r} deadlocks: {desc}", blocked)
-
-    makespan = max(free, default=0.0)
-    busy = [sum(e - s for s, e, _ in tl) for tl in timeline]
-    idle = [makespan - b for b in busy]
-    return SimResult(
-        makespan=makespan, busy=busy, idle=idle,
-        bubble_ratio=sum(idle) / sum(busy) if sum(busy) else 0.0,
-        bubble_fraction=sum(idle) / (p * makespan) if makespan else 0.0,
-        peak_inflight=[_peak_inflight(seq) for seq in schedule.actions],
-        timeline=timeline,
-    )
-
-
-def _peak_inflight(seq: list[Action]) -> int:
-    """Most (micro-batch, stage) activations a rank holds at once.
-
-    A rank runs its list one action at a time, so this depends only on the
-    order, not on timing. Our choice: a unit is held from its F until its
-    backward *completes*, i.e. after B, or after W for a split backward. (I
-    frees part of it in practice, but W still needs the layer inputs, so we
-    count the whole unit; with this count ZB-H1's worst rank holds p, the same
-    as 1F1B's rank 0.) For v > 1 one unit is one chunk = 1/v of a rank's layers.
-    """
-    live = peak = 0
-    for a in seq:
-        if a.kind == "F":
-            live += 1
-            peak = max(peak, live)
-        elif a.kind in ("B", "W"):
-            live -= 1
-    return peak

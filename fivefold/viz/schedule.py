@@ -2,7 +2,7 @@
 
 Used by ``fivefold viz schedule`` (see :func:`add_schedule_parser`). The
 picture is drawn from the same :class:`~fivefold.parallel.schedules.Schedule`
-the executor runs, timed by :func:`~fivefold.parallel.schedules.simulate`, so
+the executor runs, timed by :func:`~fivefold.parallel.simulate.simulate`, so
 gaps in the picture are the bubble the run will have under those costs.
 """
 
@@ -12,9 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fivefold.parallel.schedules import (
-    SCHEDULES, Costs, Schedule, SimResult, build_schedule, simulate,
-)
+from fivefold.parallel.schedules import SCHEDULES, Schedule, build_schedule
+from fivefold.parallel.simulate import Costs, SimResult, simulate
 
 # Colour per action kind; I and W are shades that read as "parts of B".
 KIND_COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8C6BB1"}
@@ -131,7 +130,7 @@ def add_schedule_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks p")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
     parser.add_argument("--virtual-stages", type=int, default=1,
-                        help="chunks per rank v (interleaved_1f1b: >= 2; dualpipe_v: always 2)")
+                        help="chunks per rank v (interleaved_1f1b: >= 2; zb_v, dualpipe_v: always 2)")
     parser.add_argument("--costs", default=None, metavar="f,b[,w]",
                         help="time of forward and backward for one rank's whole share of "
                              "layers, optionally the weight-grad part w of b (default 1,2; "

@@ -1,0 +1,78 @@
+"""Split backward (zero-bubble I and W) on real transformer blocks, in one process.
+
+I must give exactly the input gradient and touch no weight; I then W must give exactly the weight
+gradients of one full backward; and W must not redo I's work (counted in matmuls).
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fivefold.config import ModelConfig
+from fivefold.model import Transformer, rope_cos_sin
+from fivefold.parallel.split_backward import SplitBackward
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _stage(first: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, qk_norm=True)
+    model = Transformer(cfg)
+    model.init_weights()
+    model.norm = model.output = None  # a first or middle stage: blocks only (and the embedding if first)
+    if not first:
+        model.tok_embeddings = None
+    x = torch.randint(0, 64, (2, 8)) if first else torch.randn(2, 8, 32, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg.rope_theta)
+
+    def forward():
+        inp = model.tok_embeddings(x) if first else x  # (2, 8, 32)
+        h = inp
+        for block in model.layers.values():
+            h = block(h, cos, sin)
+        return inp, h
+
+    return model, forward
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["middle-stage", "first-stage"])
+def test_i_then_w_equals_one_backward(first):
+    model, forward = _stage(first)
+    params = list(model.parameters())
+    inp, out = forward()
+    grad = torch.randn_like(out)
+    ref = torch.autograd.grad(out, [inp, *params], grad)
+
+    inp, out = forward()
+    split = SplitBackward(out, inp, params)
+    with _CountMatmuls() as i_count:
+        inp_grad = split.input_grad(grad)
+    assert all(p.grad is None for p in params)  # I computes no weight gradient
+    torch.testing.assert_close(inp_grad, ref[0], rtol=0, atol=0)
+    with _CountMatmuls() as w_count:
+        split.weight_grad()
+    for p, r in zip(params, ref[1:]):  # the same kernels on the same operands: bit-identical
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=0)
+    # Each linear layer's backward is two matmuls (dx and dW): I does one, W the other. Attention's
+    # own matmuls (scores and values) have no weights, so they all belong to I.
+    linears = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert w_count.n == linears
+    assert i_count.n >= linears
+
+
+def test_a_weight_used_twice_is_refused():
+    lin = torch.nn.Linear(4, 4, bias=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = lin(lin(x))
+    with pytest.raises(RuntimeError, match="used twice"):
+        SplitBackward(out, x, [lin.weight]).input_grad(torch.ones_like(out))
