@@ -20,7 +20,6 @@ from fivefold.parallel.schedules import build_schedule
 # Features whose config keys exist but whose code has not landed. Each issue that builds one
 # removes its line here; until then a non-default value is an error, never a silent no-op.
 NOT_AVAILABLE: dict[str, tuple[Any, str]] = {
-    "parallel.cp": (1, "context parallel"),
     "parallel.ep": (1, "expert parallel"),
 }
 
@@ -272,10 +271,18 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"train.global_batch = {t.global_batch} is not divisible by dp x train.micro_batch = {dp} x "
             f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or a micro_batch "
             f"in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp) if t.global_batch % dp == 0 else 1}}}")
-    seq_multiple = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
+    ring = p.cp > 1 and p.cp_method == "ring"
+    seq_multiple = (2 * p.cp if ring else p.cp) * (p.tp if p.sp else 1)
     if t.seq_len % seq_multiple:
-        err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} (2 x cp for zig-zag halves, "
-            f"x tp with sp); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
+        why = "2 x cp zig-zag chunks" if ring else "cp shards"
+        err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} ({why}"
+            f"{', x tp with sp' if p.sp else ''}); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
+    if p.cp > 1 and p.cp_method == "ulysses" and m.n_heads % p.tp == 0 and m.n_kv_heads % p.tp == 0:
+        heads, kv = m.n_heads // p.tp, m.n_kv_heads // p.tp
+        if heads % p.cp or kv % p.cp:
+            err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
+                f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "
+                f"{{{_divisors_near(math.gcd(heads, kv), 64)}}}")
     if dp and t.global_batch % (dp * t.micro_batch) == 0:
         micro = t.global_batch // (dp * t.micro_batch)
         if p.pp > 1 and micro < p.pp:

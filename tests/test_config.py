@@ -109,6 +109,9 @@ def test_batch_and_sequence_arithmetic():
     assert "dp x train.micro_batch = 2 x 2 = 4" in msg and "global_batch = 4 or 8" in msg
     msg = one_error(errors_of(2, "--parallel.cp=2", "--parallel.dp=1", "--train.seq_len=30"), "train.seq_len = 30")
     assert "divisible by 4" in msg and "seq_len = 28 or 32" in msg
+    msg = one_error(errors_of(4, "--parallel.cp=4", "--parallel.dp=1", "--parallel.cp_method=ulysses",
+                              "--model.n_kv_heads=2"), "cp_method = 'ulysses'")
+    assert "4 query and 2 key/value heads" in msg and "cp in {1, 2}" in msg
     msg = one_error(errors_of(2, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1", "--train.seq_len=33"), "seq_len = 33")
     assert "divisible by 2" in msg
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--train.global_batch=2", "--train.micro_batch=2"),

@@ -33,6 +33,7 @@ parameter padded to N c rows, so one reduce-scatter hands each rank exactly its 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -254,7 +255,10 @@ class ZeroDataParallel(DataParallel):
 
     def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
         self.stage = parallel.zero
-        self.shard_group, self.replicate_group = mesh.group("dp_shard"), mesh.group("dp_replicate")
+        self.shard_group = mesh.group("dp_shard")
+        # Ranks holding the same shard, whose gradients add up: HSDP replicas and context-parallel
+        # ranks (other tokens of the same samples). Their traffic is gradient reduction: "dp".
+        self.replica_groups = [mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp")]
         super().__init__(model, mesh, parallel, train)
 
     def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
@@ -311,7 +315,8 @@ class ZeroDataParallel(DataParallel):
     def _finish(self, b: Bucket) -> None:
         if b.work is not None:
             b.work.wait()
-        comms.all_reduce(b.out, self.replicate_group)  # HSDP: replicas of a shard agree
+        for group in self.replica_groups:  # replicas of a shard agree
+            comms.all_reduce(b.out, group)
         for p, rows in zip(b.params, b.out.split(b.shard_numel)):
             shard = self.shards[id(p)]
             rows = rows.view_as(shard).float()

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.mesh import Mesh
-from fivefold.parallel.comms import AxisGroup
 from fivefold.model import Transformer
+from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embedding_group
 from fivefold.parallel.recompute import apply_recompute
@@ -34,7 +35,18 @@ class Parallelized:
     model: Transformer  # this rank's part of the model
     dp: DataParallel  # owns the optimizer and the gradient reduction
     pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
+    cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
     mesh: Mesh
+
+    def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                            device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's tokens of each (ids, targets) micro-batch (B, T) -> (B, T/cp), on `device`.
+        Targets were shifted on the whole sequence, so each token keeps its true next token."""
+        return [(self.cp.shard(x).to(device), self.cp.shard(y).to(device)) for x, y in micro_batches]
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """True positions (T/cp,) of this rank's tokens, for RoPE."""
+        return self.cp.positions(seq_len, device)
 
     def gradient_split_groups(self) -> list[AxisGroup]:
         """Groups over which this rank's gradients are parts of the whole (for norms and overflow checks)."""
@@ -55,6 +67,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     schedule = build_schedule(p.pp_schedule, p.pp, derive(cfg, mesh.world_size).grad_accum, p.virtual_stages)
     chunks = split_stages(model, schedule, mesh.rank("pp"), p.stage_layers)
     apply_tensor_parallel(model, mesh, p.sp)
+    cp = apply_context_parallel(model, mesh.group("cp"), p.cp_method)
     tp = mesh.group("tp")
     real_vocab = tokenizer_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size
     apply_recompute(model, cfg.train.recompute)
@@ -72,7 +85,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     pipeline = PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied,
                                 loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp, real_vocab),
                                 seq_divisor=tp.size if p.sp else 1)
-    return Parallelized(model, dp, pipeline, mesh)
+    return Parallelized(model, dp, pipeline, cp, mesh)
 
 
 def full_state_dict(par: Parallelized) -> dict[str, torch.Tensor]:

@@ -235,11 +235,14 @@ class PipelineExecutor:
         return [p for m in mods for p in m.parameters() if p.requires_grad]
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int, dim: int,
-            loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None) -> PipelineStats:
+            loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None,
+            positions: torch.Tensor | None = None) -> PipelineStats:
         """Run this rank's actions for one step; gradients accumulate as in one process.
 
-        Returns this rank's sum of micro-batch losses (non-zero on the last stage only), each
-        already divided by the step's global token count.
+        `micro_batches` hold this rank's tokens (B, T_local); `positions` (T_local,) are their
+        true positions (context parallel), 0..T_local-1 when not given. Returns this rank's sum of
+        micro-batch losses (non-zero on the last stage only), each already divided by the step's
+        global token count.
         """
         ACT, GRAD = 0, 1
         slots: dict[tuple[int, int], _Slot] = {}
@@ -251,7 +254,8 @@ class PipelineExecutor:
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
             x, y = micro_batches[mb]
             shape, final = (x.shape[0], x.shape[1] // self.seq_divisor, dim), index == self.last_backward
-            positions = torch.arange(x.shape[1], device=x.device)  # every token's true position
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
             # Inputs first, then the clock: a timeline shows compute, and waiting shows as gaps.
             if action.kind == "F" and s > 0:
                 x = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local).requires_grad_()
@@ -299,17 +303,19 @@ class PipelineExecutor:
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], dim: int,
-                     autocast=contextlib.nullcontext) -> float:
+                     autocast=contextlib.nullcontext, positions: torch.Tensor | None = None) -> float:
         """Sum of token losses over the micro-batches (last stage only), for evaluation."""
         ACT, total, local, sends = 0, 0.0, {}, _Sends(PipelineStats())
         for mb, (x, y) in enumerate(micro_batches):
             h = x
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
             for s in sorted(self.chunks):  # each micro-batch through the stages in order: no deadlock
                 if s > 0:  # from the previous stage: another rank, or this one (then `local` has it)
                     shape = (x.shape[0], x.shape[1] // self.seq_divisor, dim)
                     h = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local)
                 with autocast():
-                    h = self.chunks[s](self.chunks[s].embed(h), torch.arange(x.shape[1], device=x.device))
+                    h = self.chunks[s](self.chunks[s].embed(h), positions)
                 if s == self.n_stages - 1:
                     total += float(self.loss_fn(h, y))
                 else:

@@ -111,8 +111,9 @@ def evaluate(par: Parallelized, dataset: PackedDataset, cfg: Config, device: tor
     for _ in range(cfg.train.eval_batches):
         indices = batches.next_indices()
         batch = rank_slice(dataset, indices, cfg.train.global_batch, dp, mesh.rank("batch"), cfg.train.micro_batch)
-        micro = [(x.to(device), y.to(device)) for x, y in batch.micro_batches]
-        total[0] += par.pipeline.forward_only(micro, cfg.model.dim, autocast=lambda: autocast(cfg.train, mesh.device_type))
+        micro = par.local_micro_batches(batch.micro_batches, device)
+        total[0] += par.pipeline.forward_only(micro, cfg.model.dim, autocast=lambda: autocast(cfg.train, mesh.device_type),
+                                              positions=par.positions(cfg.train.seq_len, device))
         if par.pipeline.has_last_stage:  # where the loss is; the sum over dp ranks is the global count
             total[1] += sum(int((y != IGNORE).sum()) for _, y in micro)
         if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches
@@ -177,9 +178,9 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         set_lr(dp.optimizer, lr)
         epoch = loader.state.epoch
         batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
-        micro = [(x.to(device), y.to(device)) for x, y in batch.micro_batches]
+        micro = par.local_micro_batches(batch.micro_batches, device)
         stats = par.pipeline.run(micro, batch.global_tokens, cfg.model.dim, scaler.scale,
-                                 autocast=lambda: autocast(t, device_type))
+                                 autocast=lambda: autocast(t, device_type), positions=par.positions(t.seq_len, device))
         split_over = par.gradient_split_groups()  # what a gradient norm must add up over
         finite = scaler.unscale(dp.gradients(), split_over)
         if finite:
