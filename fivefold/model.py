@@ -120,50 +120,174 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x[:0]
 
 
+def sort_by_expert(experts_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order of the token copies grouped by expert, and the copies each expert gets.
+
+    experts_idx (N, k) with -1 for a copy dropped over capacity -> order (M,) indices into the
+    flattened (N k) copies, dropped ones left out, and counts (E,). Stable, so inside one expert
+    the copies keep token order: the all-to-all of expert parallel relies on that to reproduce
+    one process's rows exactly.
+    """
+    flat_idx = experts_idx.reshape(-1)  # (N k,)
+    order = torch.argsort(flat_idx, stable=True)  # dropped copies (-1) sort first
+    counts = torch.bincount(flat_idx + 1, minlength=n_experts + 1)  # (1 + E,): slot 0 counts the dropped
+    return order[int(counts[0]):], counts[1:]
+
+
 def local_dispatch(x: torch.Tensor, weights: torch.Tensor, experts_idx: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
     """Send each token's copies to its experts and sum the weighted results, all in this process.
 
-    x (N, dim), weights and experts_idx (N, k) -> (N, dim). Expert parallel replaces this with an
-    all-to-all that sends the same sorted rows to the ranks owning the experts.
+    x (N, dim), weights and experts_idx (N, k) -> (N, dim); an index of -1 is a dropped copy. Expert
+    parallel replaces this with an all-to-all that sends the same sorted rows to the ranks owning
+    the experts.
     """
-    n_experts = experts.gate.shape[0]
-    flat_idx = experts_idx.reshape(-1)  # (N k,)
-    order = torch.argsort(flat_idx, stable=True)  # token copies grouped by expert
-    counts = torch.bincount(flat_idx, minlength=n_experts).tolist()
-    token_of_copy = order // experts_idx.shape[1]  # (N k,) source token of each sorted copy
-    y = experts(x[token_of_copy], counts)  # (N k, dim)
+    order, counts = sort_by_expert(experts_idx, experts.gate.shape[0])  # (M,), (E,)
+    token_of_copy = order // experts_idx.shape[1]  # (M,) source token of each sorted copy
+    y = experts(x[token_of_copy], counts.tolist())  # (M, dim)
     y = y * weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of_copy, y)  # (N, dim)
+    return y.new_zeros(x.shape).index_add_(0, token_of_copy, y)  # (N, dim)
+
+
+def sequence_balance_loss(scores: torch.Tensor, idx: torch.Tensor,
+                          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (technical report, eqs. 17-20) per sequence, without alpha.
+
+    scores (S, T, E) router affinities, idx (S, T, k) the selected experts -> (S,):
+      L = sum_i f_i P_i,  f_i = E / (k T) x #{t : token t selected expert i},
+      P_i = 1/T sum_t s'_it,  s'_it = s_it / sum_j s_jt.
+    f counts the experts actually selected (with the balancing bias, when there is one: the load
+    that must be balanced; equal to the paper's TopK(s) when the bias is zero) and carries no
+    gradient; P does. `reduce` sums per-sequence counts (S, E) over ranks that hold other tokens of
+    the same sequences (context parallel); each rank then returns its tokens' share of L, and the
+    shares add up to the whole sequence's loss. T is the whole sequence's length, read from the counts.
+    """
+    n_seq, _, n_experts = scores.shape
+    k = idx.shape[-1]
+    counts = scores.new_zeros(n_seq, n_experts).scatter_add_(
+        1, idx.reshape(n_seq, -1), scores.new_ones(idx.reshape(n_seq, -1).shape))  # (S, E)
+    if reduce is not None:
+        counts = reduce(counts)
+    tokens = counts.sum(-1, keepdim=True) / k  # (S, 1): T of the whole sequence
+    f = counts * (n_experts / k) / tokens  # (S, E)
+    p = (scores / scores.sum(-1, keepdim=True)).sum(1) / tokens  # (S, E), this rank's part of P
+    return (f.detach() * p).sum(-1)  # (S,)
+
+
+def drop_over_capacity(idx: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """idx (N, k) -> the same with -1 for every copy past an expert's first `capacity` copies.
+
+    Copies queue in token order (token t's k copies before token t+1's), so which ones are dropped
+    depends on positions only: deterministic, and the same however often forward is recomputed.
+    """
+    order, counts = sort_by_expert(idx, n_experts)  # (N k,), (E,)
+    first = torch.cumsum(counts, 0) - counts  # (E,) where each expert's run starts in `order`
+    flat = idx.reshape(-1)
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(order.numel(), device=idx.device) - first[flat[order]]  # (N k,) place in its queue
+    return flat.masked_fill(place >= capacity, -1).view_as(idx)
+
+
+class _StepTally(torch.autograd.Function):
+    """Identity on the MoE output, whose backward does what must happen once per trained token.
+
+    - Adds this forward's routing statistics to the step's totals. Counting here rather than in
+      forward makes evaluation (no backward) count nothing, and activation recomputation (a
+      second forward, whose graph is never run backward) count once; a split backward (zero-
+      bubble pipelines run it twice over a kept graph) is caught by the flag on ctx.
+    - Injects the balance loss: its gradient is `aux_grad` whatever the main loss is, so the loss
+      needs no extra term (with pipeline parallel only the last stage holds the loss).
+    """
+
+    @staticmethod
+    def forward(ctx, out, aux, moe, load, dropped, aux_grad):
+        ctx.moe, ctx.load, ctx.dropped, ctx.counted = moe, load, dropped, False
+        ctx.aux = None if aux is None else aux.detach()
+        ctx.aux_grad = aux_grad
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.counted:
+            ctx.counted = True
+            ctx.moe.step_load += ctx.load
+            ctx.moe.step_dropped += ctx.dropped
+            if ctx.aux is not None:
+                ctx.moe.step_balance_loss += ctx.aux
+        aux_grad = None if ctx.aux is None else torch.full_like(ctx.aux, ctx.aux_grad)
+        return grad, aux_grad, None, None, None, None
 
 
 class MoE(nn.Module):
-    """Top-k routed experts plus optional always-on shared experts (Shazeer 2017; DeepSeekMoE 2024)."""
+    """Top-k routed experts plus optional always-on shared experts (Shazeer 2017; DeepSeekMoE 2024).
+
+    Load balancing (all off by default, then the math is the plain top-k MoE):
+    - `expert_bias` (E,): added to the scores to choose the top-k, never to the gate weights
+      (DeepSeek-V3 sec. 2.1.2, auxiliary-loss-free); the training loop moves it after each step
+      (fivefold.parallel.expert.update_expert_bias). A state-dict entry only when the update is on.
+    - `aux_weight` (alpha): the sequence-wise balance loss enters backward through _StepTally,
+      scaled by alpha x loss_scale / step_sequences, so summed over every micro-batch and rank it
+      is alpha x the mean over the step's sequences. step_sequences = 0 means this forward's own
+      sequences (a single call); the loop sets both per step (expert.set_balance_loss_scale).
+    - `capacity_factor` (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): an expert takes
+      at most ceil(cf x N k / E) of the N k copies of a call's N tokens; the rest are dropped
+      (their tokens keep the residual only) and counted.
+    Per-step totals (buffers, not saved): step_load (E,) copies selected per expert, step_dropped,
+    step_balance_loss (sum over sequences of L without alpha).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.moe_ffn_dim or cfg.ffn_dim
-        self.top_k, self.score, self.norm_topk = cfg.top_k, cfg.router_score, cfg.norm_topk
+        self.n_experts, self.top_k, self.score, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.router_score, cfg.norm_topk
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.dispatch: Callable[..., torch.Tensor] = local_dispatch
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=cfg.moe_bias_update > 0)
+        self.aux_weight, self.capacity_factor = cfg.moe_aux_loss, cfg.moe_capacity_factor
+        self.step_sequences, self.loss_scale = 0, 1.0
+        # Sums per-sequence expert counts over the ranks sharing those sequences (context parallel).
+        self.sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.register_buffer("step_load", torch.zeros(cfg.n_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("step_balance_loss", torch.zeros((), dtype=torch.float64), persistent=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, dim) -> top-k weights (N, k) and expert indices (N, k)."""
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, dim) -> router affinities (N, E)."""
         logits = self.router(x).float()  # (N, E)
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        weights, idx = scores.topk(self.top_k, dim=-1)
+        return logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+
+    def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """scores (N, E) -> top-k gate weights (N, k) and expert indices (N, k)."""
+        idx = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # the bias only chooses
+        weights = scores.gather(-1, idx)  # (N, k) unbiased
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, idx
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, dim) -> top-k weights (N, k) and expert indices (N, k)."""
+        return self.select(self.scores(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, dim = x.shape
         flat = x.reshape(-1, dim)  # (B T, dim)
-        weights, idx = self.route(flat)
+        scores = self.scores(flat)  # (B T, E)
+        weights, idx = self.select(scores)
+        training = torch.is_grad_enabled()  # evaluation neither counts nor adds the balance loss
+        if training:
+            load = torch.bincount(idx.reshape(-1), minlength=self.n_experts)  # (E,) what the router chose
+            aux = None
+            if self.aux_weight > 0:
+                aux = sequence_balance_loss(scores.view(B, T, -1), idx.view(B, T, -1), self.sequence_reduce).sum()
+        if self.capacity_factor > 0:
+            idx = drop_over_capacity(idx, self.n_experts, math.ceil(self.capacity_factor * idx.numel() / self.n_experts))
         out = self.dispatch(flat, weights, idx, self.experts)
         if self.shared is not None:
             out = out + self.shared(flat)
+        if training and out.requires_grad:
+            aux_grad = self.aux_weight * self.loss_scale / (self.step_sequences or B)
+            out = _StepTally.apply(out, aux, self, load, (idx < 0).sum(), aux_grad)
         return out.view(B, T, dim)
 
 

@@ -70,9 +70,35 @@ def test_i_then_w_equals_one_backward(first):
     assert i_count.n >= linears
 
 
+def test_moe_stage_accumulates_each_weight_once():
+    """Stacked expert weights are used by one matmul per expert: W must still accumulate each
+    parameter once (data parallel's buckets count one accumulation per parameter)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64, vocab_size=64, n_experts=4, top_k=2)
+    model = Transformer(cfg)
+    model.init_weights()
+    block, params = model.layers["0"], list(model.layers.parameters())
+    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg.rope_theta)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    out = block(x, cos, sin)
+    grad = torch.randn_like(out)
+    ref = torch.autograd.grad(out, [x, *params], grad)
+    block.ffn.step_load.zero_()
+    accumulations = {id(p): 0 for p in params}
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: accumulations.__setitem__(id(p), accumulations[id(p)] + 1))
+    out = block(x, cos, sin)
+    split = SplitBackward(out, x, params)
+    torch.testing.assert_close(split.input_grad(grad), ref[0], rtol=0, atol=0)
+    split.weight_grad()
+    assert set(accumulations.values()) == {1}
+    for p, r in zip(params, ref[1:]):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-7)
+
+
 def test_a_weight_used_twice_is_refused():
     lin = torch.nn.Linear(4, 4, bias=False)
     x = torch.randn(3, 4, requires_grad=True)
     out = lin(lin(x))
-    with pytest.raises(RuntimeError, match="used twice"):
+    with pytest.raises(RuntimeError, match="applied twice in a chain"):
         SplitBackward(out, x, [lin.weight]).input_grad(torch.ones_like(out))

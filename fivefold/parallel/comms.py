@@ -225,3 +225,29 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> t
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: reduce-scatter partial sums into sequence shards. Backward: all-gather."""
     return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+# ---- autograd-aware all-to-all (expert dispatch, Ulysses) ----
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to other ranks by splits; backward sends the gradients back (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        all_to_all(out, x.contiguous(), group, out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        all_to_all(grad_in, grad.contiguous(), ctx.group, in_splits, out_splits)
+        return grad_in, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group: AxisGroup, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Autograd-aware all-to-all along dim 0: x's rows in_splits[j] go to rank j; receive out_splits[j]."""
+    return _AllToAll.apply(x, group, out_splits, in_splits)

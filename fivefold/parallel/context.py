@@ -266,25 +266,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
 # ---- Ulysses ----
 
 
-class _AllToAll(torch.autograd.Function):
+def _all_to_all(x: torch.Tensor, group: AxisGroup, split: int, cat: int) -> torch.Tensor:
     """Split dim `split` into cp parts, send part j to rank j, concatenate what arrives along `cat`
     (in source-rank order). Its gradient is the inverse all-to-all: the same with the dims swapped."""
-
-    @staticmethod
-    def forward(ctx, x, group: AxisGroup, split: int, cat: int):
-        ctx.group, ctx.split, ctx.cat = group, split, cat
-        return _all_to_all(x, group, split, cat)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, ctx.cat, ctx.split), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, group: AxisGroup, split: int, cat: int) -> torch.Tensor:
+    ones = [1] * group.size
     send = torch.stack(x.chunk(group.size, dim=split))  # (cp, ...): part j for rank j
-    recv = torch.empty_like(send)
-    comms.all_to_all(recv, send, group)
-    return torch.cat(recv.unbind(0), dim=cat)
+    return torch.cat(comms.all_to_all_rows(send, group, ones, ones).unbind(0), dim=cat)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -300,10 +287,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     # stay whole on each rank (query head h and its K/V head h // G land on the same rank).
     parts = [x.reshape(B, T_local, n, x.shape[2] // n, D) for x in (q, k, v)]
     packed = torch.cat(parts, dim=3).flatten(2, 3)  # (B, T/cp, H + 2K, D)
-    full = _AllToAll.apply(packed, group, 2, 1)  # (B, T, (H + 2K)/cp, D), rank order = token order
+    full = _all_to_all(packed, group, 2, 1)  # (B, T, (H + 2K)/cp, D), rank order = token order
     qh, kh, vh = full.split([H // n, K // n, K // n], dim=2)
     out = causal_attention(qh, kh, vh)  # (B, T, H/cp, D)
-    return _AllToAll.apply(out, group, 1, 2)  # (B, T/cp, H, D)
+    return _all_to_all(out, group, 1, 2)  # (B, T/cp, H, D)
 
 
 # ---- what the model and the training loop use ----

@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -48,6 +48,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
+from fivefold.parallel.expert import (ExpertGroups, expert_shards_as_dtensors, gather_expert_shards,
+                                     is_expert_parameter)
 from fivefold.parallel.ring import ring_all_reduce
 from fivefold.parallel.tensor import dtensors_as_local, gather_tp_shards, tp_shards_as_dtensors
 from fivefold.train.optim import build_optimizer
@@ -59,6 +61,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
+    group: comms.AxisGroup | None = None  # DDP: where its gradients are summed (None: the grad view)
     waiting: int = 0  # gradients of this backward not yet accumulated
     work: object | None = None  # the in-flight collective
     flat: torch.Tensor | None = None  # its send buffer (DDP: also the result)
@@ -66,14 +69,16 @@ class Bucket:
     shard_numel: list[int] = field(default_factory=list)  # ZeRO: numel of one rank's rows per parameter
 
 
-def make_buckets(params: list[nn.Parameter], cap_bytes: float) -> list[Bucket]:
-    """Consecutive groups of `params` whose bytes stay under cap_bytes (a larger tensor stands alone)."""
+def make_buckets(params: list[nn.Parameter], cap_bytes: float,
+                 group_of: Callable[[nn.Parameter], comms.AxisGroup | None] = lambda p: None) -> list[Bucket]:
+    """Consecutive groups of `params` whose bytes stay under cap_bytes (a larger tensor stands alone),
+    each reduced over one group: a parameter of another `group_of` starts a new bucket."""
     buckets: list[Bucket] = []
     size = math.inf
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if size + nbytes > cap_bytes:
-            buckets.append(Bucket([]))
+        if size + nbytes > cap_bytes or group_of(p) is not buckets[-1].group:
+            buckets.append(Bucket([], group_of(p)))
             size = 0
         buckets[-1].params.append(p)
         size += nbytes
@@ -83,8 +88,9 @@ def make_buckets(params: list[nn.Parameter], cap_bytes: float) -> list[Bucket]:
 class DataParallel:
     """DDP: the whole model on every rank; gradients all-reduced bucket by bucket during backward."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
-        self.model, self.mesh = model, mesh
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig,
+                 experts: ExpertGroups | None = None):
+        self.model, self.mesh, self.experts = model, mesh, experts
         self.group = mesh.group("grad")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(parallel)
@@ -100,7 +106,11 @@ class DataParallel:
         self.optimizer = self._build_optimizer(train)
 
     def _make_buckets(self, parallel: ParallelConfig) -> list[Bucket]:
-        return make_buckets(self.params[::-1], parallel.bucket_mb * 1e6)
+        # An expert's gradient already holds every token its ep group routed to it: it is summed
+        # over the ranks holding the same experts (the expert replicas), not the whole grad view.
+        replicas = self.experts.replicas if self.experts is not None else None
+        return make_buckets(self.params[::-1], parallel.bucket_mb * 1e6,
+                            lambda p: replicas if is_expert_parameter(p) else None)
 
     def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
         return build_optimizer(self.model, train)
@@ -156,12 +166,13 @@ class DataParallel:
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
         b.flat = torch.cat([p.grad.reshape(-1) for p in b.params]).to(self.reduce_dtype)  # (bucket numel,)
+        group = b.group or self.group
         if not self.ring:
-            b.work = comms.all_reduce(b.flat, self.group, async_op=True)
+            b.work = comms.all_reduce(b.flat, group, async_op=True)
             return
-        numel, n = b.flat.numel(), self.group.size
+        numel, n = b.flat.numel(), group.size
         padded = torch.cat([b.flat, b.flat.new_zeros(-numel % n)])  # the ring moves N equal chunks
-        ring_all_reduce(padded, self.group)  # synchronous: each of its 2(N-1) steps waits for the last
+        ring_all_reduce(padded, group)  # synchronous: each of its 2(N-1) steps waits for the last
         b.flat = padded[:numel]
 
     @torch.no_grad()
@@ -229,7 +240,8 @@ class DataParallel:
     # Tensor-parallel slices are described as DTensors on the tp axis, so a checkpoint knows each
     # matrix's whole shape and where this rank's slice sits.
     def model_state_dict(self) -> dict:
-        return tp_shards_as_dtensors(get_model_state_dict(self.model), self.model, self.mesh)
+        state = tp_shards_as_dtensors(get_model_state_dict(self.model), self.model, self.mesh)
+        return expert_shards_as_dtensors(state, self.model, self.experts)
 
     def load_model_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, dtensors_as_local(state))
@@ -238,13 +250,15 @@ class DataParallel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Plain, unsharded copies of every parameter and buffer, keyed as in the model."""
         local = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return gather_tp_shards(local, self.model, self.mesh)
+        local = gather_tp_shards(local, self.model, self.mesh)
+        return gather_expert_shards(local, self.model, self.experts.ep) if self.experts else local
 
     def optim_state_dict(self) -> dict:
         # Flattened: every entry keyed by parameter name ("state.layers.0...exp_avg"), so ranks that
         # hold different parameters (pipeline stages) never write the same key with other values.
         state = get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
-        return tp_shards_as_dtensors(state, self.model, self.mesh, prefix="state.")
+        state = tp_shards_as_dtensors(state, self.model, self.mesh, prefix="state.")
+        return expert_shards_as_dtensors(state, self.model, self.experts, prefix="state.")
 
     def load_optim_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, dtensors_as_local(state), options=FLAT)
@@ -400,11 +414,14 @@ class ZeroDataParallel(DataParallel):
             mine["step"].copy_(saved["step"])
 
 
-def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig) -> DataParallel:
-    """DDP for zero = 0, ZeRO-1/2, or FSDP for zero = 3; DDP over one rank reduces nothing."""
+def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig,
+                        experts: ExpertGroups | None = None) -> DataParallel:
+    """DDP for zero = 0, ZeRO-1/2, or FSDP for zero = 3; DDP over one rank reduces nothing.
+    `experts`: expert parallel's groups (DDP only: validate() refuses ZeRO with ep > 1)."""
     if parallel.zero == 3:
         from fivefold.parallel.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, mesh, parallel, train)
-    cls = ZeroDataParallel if parallel.zero in (1, 2) else DataParallel
-    return cls(model, mesh, parallel, train)
+    if parallel.zero in (1, 2):
+        return ZeroDataParallel(model, mesh, parallel, train)
+    return DataParallel(model, mesh, parallel, train, experts)

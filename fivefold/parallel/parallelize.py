@@ -23,6 +23,7 @@ from fivefold.model import Transformer
 from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
+from fivefold.parallel.expert import ExpertGroups, apply_expert_parallel, is_expert_parameter
 from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embedding_group
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.schedules import build_schedule
@@ -36,6 +37,7 @@ class Parallelized:
     dp: DataParallel  # owns the optimizer and the gradient reduction
     pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
     cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
+    experts: ExpertGroups  # expert parallel's groups (of size 1 without it)
     mesh: Mesh
 
     def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -52,6 +54,11 @@ class Parallelized:
         """Groups over which this rank's gradients are parts of the whole (for norms and overflow checks)."""
         return [*self.dp.norm_groups, self.mesh.group("pp"), self.mesh.group("tp")]
 
+    def expert_gradients(self) -> tuple[list[torch.Tensor], AxisGroup]:
+        """Gradients of the experts this rank holds, and the ep group that holds the other experts."""
+        grads = [self.dp.gradient_of(p) for p in self.dp.params if is_expert_parameter(p)]
+        return [g for g in grads if g is not None], self.experts.ep
+
     def gradients_counted_elsewhere(self) -> list[torch.Tensor]:
         """Gradients another rank of those groups holds too, so a norm counts them once: the last
         stage's tied embedding, and tp-replicated weights (norms) on tp ranks other than 0."""
@@ -67,6 +74,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
     schedule = build_schedule(p.pp_schedule, p.pp, derive(cfg, mesh.world_size).grad_accum, p.virtual_stages)
     chunks = split_stages(model, schedule, mesh.rank("pp"), p.stage_layers)
     apply_tensor_parallel(model, mesh, p.sp)
+    experts = apply_expert_parallel(model, mesh, p.ep)  # collective: builds the expert groups
     cp = apply_context_parallel(model, mesh.group("cp"), p.cp_method)
     tp = mesh.group("tp")
     real_vocab = tokenizer_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size
@@ -80,12 +88,12 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
         group = tied_embedding_group(mesh, schedule)  # collective: every rank takes part
         holder = model.tok_embeddings or model.output  # neither on middle stages
         tied = (holder.weight, group) if holder is not None else None
-    dp = apply_data_parallel(model, mesh, p, cfg.train)
+    dp = apply_data_parallel(model, mesh, p, cfg.train, experts)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied,
                                 loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp, real_vocab),
                                 seq_divisor=tp.size if p.sp else 1)
-    return Parallelized(model, dp, pipeline, cp, mesh)
+    return Parallelized(model, dp, pipeline, cp, experts, mesh)
 
 
 def full_state_dict(par: Parallelized) -> dict[str, torch.Tensor]:

@@ -14,12 +14,16 @@ How this is done with autograd alone, on the graph the forward recorded:
 2. A *frontier* node is on the input path and has a child off it that leads to parameters (for
    a linear layer: the matmul node, whose other child leads to the weight). While I runs, a
    pre-hook on each frontier node keeps the gradient arriving at it (dy).
-3. W starts autograd again at each frontier node (a `GradientEdge`) with the kept gradient and
-   only that node's parameters as `inputs`, so the engine computes just the weight branch.
+3. W starts autograd again at the frontier nodes (`GradientEdge`s) with the kept gradients and
+   only their parameters as `inputs`, so the engine computes just the weight branches. Frontier
+   nodes that share a parameter (each expert's slice of a stacked expert tensor) go in one call,
+   so every parameter's gradient is accumulated once, as in a plain backward: data parallel's
+   buckets count one accumulation per parameter.
 
-The parameters of two frontier nodes must be disjoint (each weight used once in the stage);
-otherwise one W would reach the other's weights through the input path and count them twice,
-so that case is refused. On the first stage the "input" is the embedding output: I propagates
+A W call must not reach its parameters through its node's input-path children too: it would
+then also compute (again) a contribution that another frontier node below owns. That happens only
+when one weight is used in a chain (w applied twice in a row), and is refused; a weight used side
+by side (each expert's slice of a stacked expert tensor) is fine: each node adds its own part. On the first stage the "input" is the embedding output: I propagates
 through the blocks down to it, and W also runs the embedding's backward from the kept gradient.
 """
 
@@ -33,34 +37,23 @@ def _children(node: Node) -> list[Node]:
     return [child for child, _ in node.next_functions if child is not None]
 
 
-def _reaches(root: Node, targets: set[Node]) -> dict[Node, bool]:
-    """For every node below `root`: is one of `targets` reachable from it? (iterative post-order)"""
-    reach: dict[Node, bool] = {}
+def _walk(root: Node, targets: set[Node], params: dict[int, torch.Tensor]) -> dict[Node, tuple[bool, frozenset]]:
+    """For every node below `root`: can it reach one of `targets`, and which parameters (ids) lie
+    below it? One iterative post-order pass, each node visited once."""
+    info: dict[Node, tuple[bool, frozenset]] = {}
     stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
-            reach[node] = node in targets or any(reach[c] for c in _children(node))
-        elif node not in reach:
-            reach[node] = False  # placeholder; the graph is acyclic, so it is final before it is read
+            kids = [info[c] for c in _children(node)]
+            var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+            own = frozenset([id(var)]) if var is not None and id(var) in params else frozenset()
+            info[node] = (node in targets or any(r for r, _ in kids), own.union(*(p for _, p in kids)))
+        elif node not in info:
+            info[node] = (False, frozenset())  # placeholder; acyclic, so final before it is read
             stack.append((node, True))
-            stack += [(c, False) for c in _children(node) if c not in reach]
-    return reach
-
-
-def _leaf_params(start: Node, params: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters whose gradient accumulators lie below `start`."""
-    found, seen, stack = {}, {start}, [start]
-    while stack:
-        node = stack.pop()
-        var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if var is not None and id(var) in params:
-            found[id(var)] = var
-        for c in _children(node):
-            if c not in seen:
-                seen.add(c)
-                stack.append(c)
-    return list(found.values())
+            stack += [(c, False) for c in _children(node) if c not in info]
+    return info
 
 
 class SplitBackward:
@@ -70,36 +63,44 @@ class SplitBackward:
         """`inp`: the received activation (a leaf), or on the first stage the embedding output."""
         self.out, self.inp = out, inp
         self.params = {id(p): p for p in params}
-        self.kept: list[tuple[Node, tuple, list[torch.Tensor]]] = []  # (frontier, its dy, its params)
+        self.groups: list[tuple[list[Node], list[torch.Tensor]]] = []  # frontier nodes sharing parameters
+        self.kept: dict[Node, tuple] = {}  # frontier node -> the gradient that reached it in I
         self.inp_grad: torch.Tensor | None = None  # kept for the embedding's backward (first stage)
 
-    def _frontier(self) -> list[tuple[Node, list[torch.Tensor]]]:
+    def _frontier(self) -> list[tuple[list[Node], list[torch.Tensor]]]:
+        """Frontier nodes, grouped by the parameters they share, with those parameters."""
         root = self.out.grad_fn
         if self.inp.grad_fn is not None:  # the embedding output: I stops at the node that made it
             targets = {self.inp.grad_fn}
         else:  # a received activation: I ends at its gradient accumulator
-            targets = {n for n in _reaches(root, set()) if getattr(n, "variable", None) is self.inp}
-        on_path = _reaches(root, targets)
-        frontier, owner = [], {}
-        for node, reaches_input in on_path.items():
-            if not reaches_input or node in targets:
+            targets = {n for n in _walk(root, set(), {}) if getattr(n, "variable", None) is self.inp}
+        info = _walk(root, targets, self.params)
+        groups: list[tuple[list[Node], set[int], set[int]]] = []  # (nodes, their params, params on their input paths)
+        for node, (on_path, _) in info.items():
+            if not on_path or node in targets:
                 continue
-            params = [p for c in _children(node) if not on_path[c] for p in _leaf_params(c, self.params)]
-            for p in params:
-                if id(p) in owner:
-                    raise RuntimeError("split backward: a parameter is used twice in one stage; "
-                                       "use a schedule without split backward (1f1b, interleaved_1f1b)")
-                owner[id(p)] = node
-            if params:
-                frontier.append((node, params))
-        return frontier
+            kids = [info[c] for c in _children(node)]
+            mine = set().union(*(p for r, p in kids if not r))  # reached off the input path
+            if not mine:
+                continue
+            merged = ([node], mine, set().union(*(p for r, p in kids if r)))
+            for g in [g for g in groups if g[1] & mine]:  # join every group sharing a parameter
+                groups.remove(g)
+                merged = (merged[0] + g[0], merged[1] | g[1], merged[2] | g[2])
+            groups.append(merged)
+        for nodes, params, on_input_paths in groups:
+            if params & on_input_paths:
+                raise RuntimeError("split backward: a weight is applied twice in a chain in one stage (tied "
+                                   "embeddings on one stage?); use a schedule without split backward (1f1b)")
+        return [(nodes, [self.params[i] for i in params]) for nodes, params, _ in groups]
 
     def input_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
         """I: the gradient of the stage input, keeping what W needs."""
+        self.groups = self._frontier()
         hooks = []
-        for node, params in self._frontier():
-            def keep(grad_outputs: tuple, node: Node = node, params: list = params) -> None:
-                self.kept.append((node, grad_outputs, params))
+        for node in (n for nodes, _ in self.groups for n in nodes):
+            def keep(grad_outputs: tuple, node: Node = node) -> None:
+                self.kept[node] = grad_outputs
             hooks.append(node.register_prehook(keep))
         try:
             (inp_grad,) = torch.autograd.grad(self.out, self.inp, grad, retain_graph=True)
@@ -112,11 +113,11 @@ class SplitBackward:
 
     def weight_grad(self) -> None:
         """W: accumulate the weight gradients into .grad (gradient hooks fire as in any backward)."""
-        for node, grad_outputs, params in self.kept:
-            edges = [(GradientEdge(node, i), g) for i, g in enumerate(grad_outputs) if g is not None]
+        for nodes, params in self.groups:
+            edges = [(GradientEdge(n, i), g) for n in nodes for i, g in enumerate(self.kept[n]) if g is not None]
             torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params)
         if self.inp_grad is not None:  # first stage: the embedding below the input
-            below = _leaf_params(self.inp.grad_fn, self.params)
+            below = [self.params[i] for i in _walk(self.inp.grad_fn, set(), self.params)[self.inp.grad_fn][1]]
             if below:
                 torch.autograd.backward(self.inp, self.inp_grad, inputs=below)
-        self.kept, self.inp_grad = [], None
+        self.groups, self.kept, self.inp_grad = [], {}, None

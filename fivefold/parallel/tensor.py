@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fivefold.mesh import Mesh
-from fivefold.model import Attention, FeedForward, Transformer
+from fivefold.model import FeedForward, Transformer
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
 
@@ -167,12 +168,15 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
     if group.size == 1:
         return
     for block in model.layers.values():
+        # An MoE block's experts are not split by tp (expert parallel shards them instead): each
+        # tp rank routes the same tokens through whole experts (validate() refuses sp with MoE).
+        regions = [block.attn] + ([block.ffn] if isinstance(block.ffn, FeedForward) else [])
         for name, cls in TP_PLAN.items():
             parent_name, child = name.split(".")
             parent = getattr(block, parent_name)
-            assert isinstance(parent, (Attention, FeedForward)), f"TP_PLAN covers dense blocks only, not {parent}"
-            setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
-        for region in (block.attn, block.ffn):  # one entry per region, before its column-parallel layers
+            if parent in regions:
+                setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
+        for region in regions:  # one entry per region, before its column-parallel layers
             region.register_forward_pre_hook(
                 lambda mod, args: (enter_tensor_parallel_region(args[0], group, sequence_parallel), *args[1:]))
     if model.tok_embeddings is not None:
@@ -199,12 +203,15 @@ def _tp_dims(model: nn.Module) -> dict[str, int]:
 
 
 def tp_shards_as_dtensors(state: dict, model: nn.Module, mesh: Mesh, prefix: str = "") -> dict:
-    """Wrap each tp-sharded tensor of `state` (keys prefix + parameter name [+ "." + suffix]) as a
-    DTensor Shard(tp_dim) on the tp axis, so a checkpoint records the whole matrix's shape."""
-    dims = _tp_dims(model)
+    """Wrap each tp-sharded tensor of `state` as a DTensor Shard(tp_dim) on the tp axis."""
+    return shards_as_dtensors(state, _tp_dims(model), mesh.device_mesh["tp"], prefix)
+
+
+def shards_as_dtensors(state: dict, dims: dict[str, int], device_mesh: DeviceMesh, prefix: str = "") -> dict:
+    """Wrap each tensor of `state` whose key is prefix + a parameter name in `dims` [+ "." + suffix]
+    as a DTensor Shard(dim) on the 1-D `device_mesh`, so a checkpoint records the whole shape."""
     if not dims:
         return state
-    tp = mesh.device_mesh["tp"]
     out = {}
     for key, value in state.items():
         name = key[len(prefix):]
@@ -213,8 +220,8 @@ def tp_shards_as_dtensors(state: dict, model: nn.Module, mesh: Mesh, prefix: str
             out[key] = value
             continue
         shape = list(value.shape)
-        shape[dims[param]] *= tp.size()
-        out[key] = DTensor.from_local(value, tp, [Shard(dims[param])], run_check=False, shape=torch.Size(shape),
+        shape[dims[param]] *= device_mesh.size()
+        out[key] = DTensor.from_local(value, device_mesh, [Shard(dims[param])], run_check=False, shape=torch.Size(shape),
                                       stride=torch.empty(shape, device="meta").stride())
     return out
 

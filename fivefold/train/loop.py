@@ -24,6 +24,7 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.mesh import Mesh, device_for
 from fivefold.model import Transformer
 from fivefold.parallel import comms
+from fivefold.parallel.expert import expert_stats, reset_expert_counts, set_balance_loss_scale, update_expert_bias
 from fivefold.parallel.parallelize import Parallelized, full_state_dict, parallelize
 from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
@@ -123,6 +124,17 @@ def evaluate(par: Parallelized, dataset: PackedDataset, cfg: Config, device: tor
     return float(total[0] / total[1])
 
 
+def moe_metrics(routing, mesh: Mesh) -> dict:
+    """Copies routed to each expert per MoE block (all stages), and each block's max/mean load."""
+    parts = [routing]
+    if mesh.size("pp") > 1:  # each stage counted its own blocks
+        parts = [None] * mesh.size("pp")
+        dist.all_gather_object(parts, routing, group=mesh.group("pp").pg)
+    load = {k: v for part in parts for k, v in part.load.items()}
+    return {"expert_load": load, "expert_dropped": {k: v for part in parts for k, v in part.dropped.items()},
+            "expert_max_over_mean": {k: max(v) * len(v) / max(sum(v), 1) for k, v in load.items()}}
+
+
 def train(cfg: Config, *, progress: bool = True, return_state: bool = False) -> TrainResult:
     """Train on this rank as part of the job (joins or creates the process group).
 
@@ -179,17 +191,23 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         epoch = loader.state.epoch
         batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
         micro = par.local_micro_batches(batch.micro_batches, device)
+        set_balance_loss_scale(par.model, t.global_batch, scaler.scale)
         stats = par.pipeline.run(micro, batch.global_tokens, cfg.model.dim, scaler.scale,
                                  autocast=lambda: autocast(t, device_type), positions=par.positions(t.seq_len, device))
         split_over = par.gradient_split_groups()  # what a gradient norm must add up over
         finite = scaler.unscale(dp.gradients(), split_over)
         if finite:
-            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.gradients_counted_elsewhere())
+            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.gradients_counted_elsewhere(),
+                                       par.expert_gradients())
             dp.step()
         else:  # fp16 overflow: nothing is applied, the scale halves
             grad_norm = float("inf")
             dp.skip_step()
         scaler.update(finite)
+        routing = expert_stats(par.model, mesh.group("grad"), label="log")  # summed over the grad view
+        if finite and cfg.model.moe_bias_update:
+            update_expert_bias(par.model, routing, cfg.model.moe_bias_update)
+        reset_expert_counts(par.model)
         comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
         loss_sum = torch.tensor(stats.loss, dtype=torch.float64, device=device)  # last stage's, else 0
         comms.all_reduce(loss_sum, mesh.group("pp"), label="log")
@@ -206,6 +224,8 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
                   "model_state_bytes": dp.pop_peak_state_bytes()}
         if scaler.enabled:
             record.update(loss_scale=scaler.scale, skipped=not finite)
+        if cfg.model.n_experts:
+            record.update(moe_metrics(routing, mesh))
 
         done = step + 1
         if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):
