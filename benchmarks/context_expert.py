@@ -23,6 +23,7 @@ issue asks for the figures. With --nproc 4 the 2 cores are oversubscribed: repor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -43,7 +44,8 @@ COMPARISONS = {  # name: (shared overrides, {side: overrides})
             "--model.n_layers=4", "--train.seq_len=512", "--train.micro_batch=1", "--train.global_batch=2"),
            {"ring": ("--parallel.cp_method=ring",), "ulysses": ("--parallel.cp_method=ulysses",)}),
     "ep": (("--model.preset=tiny-moe", "--model.dim=128", "--model.n_layers=4", "--model.n_experts=8",
-            "--model.moe_ffn_dim=256", "--train.seq_len=128", "--train.micro_batch=4"),
+            "--model.moe_ffn_dim=256", "--train.seq_len=128", "--train.micro_batch=4",
+            "--train.global_batch=16"),
            {"ep1": ("--parallel.ep=1",), "ep": ()}),
 }
 
@@ -51,7 +53,8 @@ COMPARISONS = {  # name: (shared overrides, {side: overrides})
 def _worker(rank: int, world: int, cfg) -> list[dict]:
     from fivefold.train.loop import train
 
-    result = train(cfg, progress=False)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds only this script's JSON lines
+        result = train(cfg, progress=False)
     lines = (result.run_dir / cfg.run.metrics_file).read_text().splitlines() if rank == 0 else []
     return [json.loads(line) for line in lines]
 

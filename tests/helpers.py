@@ -26,3 +26,21 @@ def train_and_gather(rank: int, world: int, cfg: Config):
 
     result = train(cfg, progress=False, return_state=True)
     return result.losses, result.grad_norms, result.state
+
+
+def assert_reproduces(result, reference, param_atol: float = 1e-4, exact: tuple[str, ...] = ()) -> None:
+    """One rank's (losses, grad norms, gathered state) against the single-process reference.
+
+    Losses within 1e-5 and gradient norms within 5e-4 relative, parameters within `param_atol`
+    absolute (each caller says why its bounds are what they are); state names ending in one of
+    `exact` must be bit-identical.
+    """
+    import torch
+
+    (losses, norms, state), (ref_losses, ref_norms, ref_state) = result, reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=5e-4, atol=0)
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        tol = 0 if name.endswith(exact) and exact else param_atol
+        torch.testing.assert_close(state[name], ref, rtol=0, atol=tol, msg=name)

@@ -375,9 +375,8 @@ def moe_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", MOE_TRAINING)
 def test_training_reproduces_single_process(tmp_path, moe_reference, layout):
-    from helpers import EQUIVALENCE, tiny_config, train_and_gather
+    from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
-    ref_losses, ref_norms, ref_state = moe_reference
     world, extra = MOE_TRAINING[layout]
     results = run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *MOE, *extra))
     # Losses and norms as in test_data_parallel.py. Weights 2e-4, not 1e-4: an expert sees only the
@@ -385,13 +384,8 @@ def test_training_reproduces_single_process(tmp_path, moe_reference, layout):
     # turns summation-order differences into up to 1.1e-4 (measured for tp2 alone, without ep).
     # The routing bias is compared exactly: it moves in +-0.01 steps from integer loads, so one
     # token routed differently anywhere would show.
-    for losses, norms, state in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=5e-4, atol=0)
-        assert state.keys() == ref_state.keys()
-        for name, ref in ref_state.items():
-            tol = 0 if name.endswith("expert_bias") else 2e-4
-            torch.testing.assert_close(state[name], ref, rtol=0, atol=tol, msg=name)
+    for result in results:
+        assert_reproduces(result, moe_reference, param_atol=2e-4, exact=("expert_bias",))
 
 
 def _train_losses(rank, world, cfg):
