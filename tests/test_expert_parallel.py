@@ -360,6 +360,7 @@ MOE_TRAINING = {  # name: (ranks, overrides), all against one process with the s
     "ep2": (2, ("--parallel.ep=2",)),
     "ep4": (4, ("--parallel.ep=4", "--train.micro_batch=1")),
     "tp2-ep2": (4, ("--parallel.tp=2", "--parallel.ep=2")),
+    "dp2-zero3": (2, ("--parallel.zero=3",)),  # MoE under FSDP: the routing bias is a buffer it must keep
     "pp2-ep2-zb_h1": (4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=zb_h1",
                           "--train.micro_batch=2")),
 }
@@ -394,22 +395,30 @@ def _train_losses(rank, world, cfg):
     return train(cfg, progress=False).losses
 
 
-@pytest.mark.parametrize("resume_ep", [2, 1], ids=["same-ep", "ep2-to-ep1"])
-def test_checkpoint_resumes_under_expert_parallel(tmp_path, resume_ep):
+RESUMES = {  # name: (first run, resumed run)
+    "same-ep": ("--parallel.ep=2", "--parallel.ep=2"),
+    "ep2-to-ep1": ("--parallel.ep=2", "--parallel.ep=1"),
+    "zero3": ("--parallel.zero=3", "--parallel.zero=3"),  # FSDP must save the routing bias too
+}
+
+
+@pytest.mark.parametrize("case", RESUMES)
+def test_checkpoint_resumes_under_expert_parallel(tmp_path, case):
     """Each ep rank writes its experts as shards of one (E, ...) tensor, so a run resumes exactly,
-    also without expert parallel (the loader reads all E experts from the two ranks' shards)."""
+    also without expert parallel (the loader reads all E experts from the two ranks' shards);
+    the routing bias (a buffer, moved every step) is saved and restored with the weights."""
     import shutil
 
     from helpers import EQUIVALENCE, tiny_config
     from fivefold.train.checkpoint import complete_checkpoints
 
     args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2")
-    losses = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, "--parallel.ep=2"))[0]
+    first, then = RESUMES[case]
+    losses = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, first))[0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
-    resumed = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, f"--parallel.ep={resume_ep}",
-                                                        "--checkpoint.resume=true"))[0]
-    # Same layout: bit-exact. Without ep: the same sums in another order (1e-5, as everywhere).
-    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=0 if resume_ep == 2 else 1e-5, atol=0)
+    resumed = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, then, "--checkpoint.resume=true"))[0]
+    # Same layout: bit-exact. ep2 -> ep1: the same sums in another order (1e-5, as everywhere).
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=0 if first == then else 1e-5, atol=0)
 
 
 def _load_at_step_50(rank, world, cfg):

@@ -149,14 +149,22 @@ class FullyShardedDataParallel(ZeroDataParallel):
                 self._free(unit)
 
     # ---- state ----------------------------------------------------------------------------------
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers (an MoE's routing bias): replicated, saved as they are."""
+        params = set(self.names.values())
+        return {k: v for k, v in self.model.state_dict().items() if k not in params}
+
     def model_state_dict(self) -> dict:
-        return {self.names[id(p)]: self._dtensor(p, self.shards[id(p)].detach()) for p in self.params}
+        shards = {self.names[id(p)]: self._dtensor(p, self.shards[id(p)].detach()) for p in self.params}
+        return {**shards, **self._buffers()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict) -> None:
         for p in self.params:
             local = state[self.names[id(p)]].to_local().movedim(self.zero_dims[id(p)], 0)
             self.shards[id(p)][: local.shape[0]] = local
+        for name, buffer in self._buffers().items():
+            buffer.copy_(state[name])
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -165,4 +173,5 @@ class FullyShardedDataParallel(ZeroDataParallel):
             self._gather(unit)
             out.update({self.names[id(p)]: p.detach().clone() for p in unit.params})
             self._free(unit)
+        out.update({k: v.detach().clone() for k, v in self._buffers().items()})
         return gather_tp_shards(out, self.model, self.mesh)
