@@ -103,10 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.viz.schedule import add_schedule_parser
 
     add_schedule_parser(viz)
+    from fivefold.planner.cli import add_calibrate_parser, add_plan_parser, run as run_planner
+
+    add_plan_parser(sub)
+    add_calibrate_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args, rest)
+        if args.command in ("plan", "calibrate"):  # plan takes --model.KEY VALUE overrides in `rest`
+            return run_planner(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "viz":

@@ -1,0 +1,209 @@
+"""`fivefold plan` and `fivefold calibrate`.
+
+    fivefold plan --model llama3-70b --gpus 64 --gpu h100 --seq 8192 --global-batch-tokens 4M
+    fivefold plan --model llama3-8b --gpus 8 --gpu a100-80gb --layout dp=8,zero=1 --seq 4096 --global-batch 64 --explain
+    fivefold plan --params 7.5e9 --gpus 8 --gpu a100-80gb --bytes 2,2,8        # does a 7.5B model fit?
+    fivefold calibrate --out local.toml && fivefold plan ... --hardware local.toml
+
+With --layout one layout is estimated (a rich table, --explain for the arithmetic, --json for one
+object); without it every layout is searched and the fastest that fits is written as a TOML that
+`fivefold train` loads unchanged. Model fields can be overridden like training configs:
+--model.n_layers 96 --model.dim 12288.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fivefold.config import ConfigError, read_config, to_toml
+from fivefold.planner.hardware import GB, get_hardware, load_profile, profile_toml
+from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict memory, traffic and step time; search layouts",
+                       description="Estimate a layout (--layout) or search them all; --model.KEY VALUE overrides.")
+    p.add_argument("--model", default=None, help="a preset name (llama3-70b, ...) or a TOML config file")
+    p.add_argument("--params", type=float, default=None, help="a bare parameter count: model-state memory only")
+    p.add_argument("--gpu", default="h100", help="catalog entry: a100-40gb, a100-80gb, h100, h200, b200, mi300x")
+    p.add_argument("--hardware", default=None, help="a profile TOML (from `fivefold calibrate`), instead of --gpu")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's")
+    p.add_argument("--layout", default=None, help="dp=8,tp=8,pp=1,cp=1,ep=1,zero=1,sp=true,pp_schedule=1f1b,"
+                   "virtual_stages=1,recompute=selective,micro_batch=1 (omit to search)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's)")
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    p.add_argument("--global-batch-tokens", default=None, help="tokens per step: 4M = 4 x 2^20, 512K, ...")
+    p.add_argument("--bytes", default="2,2,12", help="bytes per parameter: weight,gradient,optimizer (2,2,12)")
+    p.add_argument("--act-bytes", type=int, default=2, help="bytes per activation element (2 = bf16)")
+    p.add_argument("--explain", action="store_true", help="print the arithmetic behind each number")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--top", type=int, default=10, help="search: layouts shown")
+    p.add_argument("--out", default="plan.toml", help="search: where the best layout's config is written")
+
+
+def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
+                       description="Time matmuls, a copy and every collective; write a profile for --hardware.")
+    p.add_argument("--out", default="local.toml", help="profile to write")
+    p.add_argument("--nproc", type=int, default=2, help="local gloo ranks for the collective timings")
+    p.add_argument("--quick", action="store_true", help="small sizes (a few seconds)")
+
+
+def parse_tokens(text: str) -> int:
+    """"4M" -> 4 x 2^20 (binary, as in "4M tokens" = 1024 x 4096), "512K", or a plain number."""
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "B": 2**30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def _hardware(args: argparse.Namespace):
+    import dataclasses
+
+    hw = load_profile(args.hardware) if args.hardware else get_hardware(args.gpu)
+    if args.gpus_per_node:
+        hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
+    return hw
+
+
+def _config(args: argparse.Namespace, rest: list[str]):
+    from fivefold.planner.layout import layout_overrides
+
+    path, preset = None, []
+    if args.model and Path(args.model).suffix == ".toml":
+        path = args.model
+    elif args.model:
+        preset = [f"--model.preset={args.model}"]
+    extra = []
+    if args.seq:
+        extra.append(f"--train.seq_len={args.seq}")
+    if args.micro_batch:
+        extra.append(f"--train.micro_batch={args.micro_batch}")
+    seq = args.seq
+    if args.global_batch_tokens:
+        if not seq:
+            seq = read_config(path, preset + rest)[0].train.seq_len
+        extra.append(f"--train.global_batch={max(1, parse_tokens(args.global_batch_tokens) // seq)}")
+    elif args.global_batch:
+        extra.append(f"--train.global_batch={args.global_batch}")
+    layout = layout_overrides(args.layout) if args.layout else []
+    cfg, errors = read_config(path, preset + extra + rest + layout)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _fits_table(args: argparse.Namespace, hw, b: BytesPerParam) -> int:
+    """--params: model state per rank for each ZeRO stage, and the largest model that fits."""
+    n = args.gpus
+    table = Table(title=f"{args.params / 1e9:.2f}B parameters on {n} x {hw.name} ({hw.memory_bytes / GB:.0f} GB), "
+                        f"bytes {b.param:g},{b.grad:g},{b.optimizer:g}")
+    for col in ("stage", "params GB", "grads GB", "optimizer GB", "total GB", "fits", "largest model"):
+        table.add_column(col, justify="right")
+    out = {}
+    for zero, name in enumerate(("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")):
+        s = model_state_bytes(args.params, b, zero, n)
+        big = largest_fitting_model(hw.memory_bytes, b, zero, n)
+        out[name] = {**{k: v / GB for k, v in s.items()}, "fits": s["total"] <= hw.memory_bytes, "largest_params": big}
+        table.add_row(name, *(f"{s[k] / GB:.1f}" for k in ("params", "grads", "optimizer", "total")),
+                      "yes" if s["total"] <= hw.memory_bytes else "no", f"{big / 1e9:.2f}B")
+    if args.json:
+        print(json.dumps(out))
+    else:
+        Console().print(table)
+    return 0
+
+
+def _print_estimate(cfg, est, hw, world: int) -> None:
+    from fivefold.planner.search import layout_name
+
+    c = Console()
+    t = Table(title=f"{layout_name(cfg)} on {world} x {hw.name}")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    for k, v in est.memory.items():
+        t.add_row(f"memory {k}", f"{v / GB:.2f} GB")
+    for a, tr in est.comm.items():
+        t.add_row(f"{a} bytes/step", f"{tr.bytes / GB:.3f} GB ({'inter' if tr.inter_node else 'intra'}-node)")
+    t.add_row("bubble", f"{est.bubble_ratio:.1%} of compute / {est.bubble_fraction:.1%} of time")
+    t.add_row("exposed dp", f"{est.exposed_dp_s * 1e3:.1f} ms")
+    t.add_row("step time", f"{est.step_time_s:.3f} s")
+    t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}")
+    t.add_row("MFU", f"{est.mfu:.1%}")
+    t.add_row("fits", "yes" if est.fits else "NO")
+    c.print(t)
+
+
+def _print_explain(est) -> None:
+    c = Console()
+    for what, arithmetic, source in est.explain:
+        c.print(f"[bold]{what}[/bold]: {arithmetic}\n    [dim]source: {source}[/dim]", highlight=False)
+
+
+def _search(args, cfg, hw, b: BytesPerParam) -> int:
+    from fivefold.planner.search import layout_name, search
+
+    res = search(cfg, args.gpus, hw, b, args.act_bytes, keep=args.top)
+    c = Console(stderr=args.json)
+    if not c.is_terminal:  # rich assumes 80 columns when piped; the table needs more
+        c.width = 150
+    t = Table(title=f"{len(res.ranked)} best of {res.tried} layouts, {args.gpus} x {hw.name}")
+    for col in ("layout", "step s", "tok/s/GPU", "MFU", "mem GB", "state GB", "act GB", "bubble", "tp+cp+ep s",
+                "dp exposed s"):
+        t.add_column(col, justify="right")
+    for lc, e in res.ranked:
+        state = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
+        t.add_row(layout_name(lc), f"{e.step_time_s:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}",
+                  f"{e.memory['total'] / GB:.1f}", f"{state / GB:.1f}", f"{e.memory['activations'] / GB:.1f}",
+                  f"{e.bubble_fraction:.1%}", f"{e.time_split['tp_cp_ep']:.2f}", f"{e.exposed_dp_s:.2f}")
+    c.print(t)
+    for reason, n in res.rejected.most_common():
+        c.print(f"rejected {n:>6}: {reason}", highlight=False)
+    if not res.ranked:
+        c.print("no layout fits: more GPUs, a larger --gpu, or a smaller model")
+        return 1
+    best_cfg, best = res.ranked[0]
+    Path(args.out).write_text(to_toml(best_cfg))
+    c.print(f"best: {layout_name(best_cfg)} -> {args.out} (fivefold train {args.out} on {args.gpus} processes)")
+    if args.json:
+        print(json.dumps(best.to_json()))
+    return 0
+
+
+def run(args: argparse.Namespace, rest: list[str]) -> int:
+    """Entry point for both commands (cli.main dispatches here)."""
+    if args.command == "calibrate":
+        from fivefold.planner.calibrate import calibrate
+
+        hw = calibrate(args.nproc, args.quick, name=Path(args.out).stem)
+        Path(args.out).write_text(profile_toml(hw))
+        print(f"wrote {args.out}: peak {hw.peak_flops / 1e9:.1f} GFLOP/s, copy {hw.hbm_bw / 1e9:.1f} GB/s, "
+              f"collectives alpha {hw.intra_latency * 1e6:.0f} us, beta {hw.intra_bw / 1e9:.2f} GB/s")
+        return 0
+    from fivefold.planner.estimate import estimate
+    from fivefold.validate import validate
+
+    hw, b = _hardware(args), BytesPerParam.parse(args.bytes)
+    if args.params is not None:
+        return _fits_table(args, hw, b)
+    cfg = _config(args, rest)
+    if not args.layout:
+        return _search(args, cfg, hw, b)
+    errors = validate(cfg, args.gpus)
+    if errors:
+        raise ConfigError(errors)
+    est = estimate(cfg, args.gpus, hw, b, args.act_bytes)
+    if args.json:
+        print(json.dumps(est.to_json()))
+        return 0
+    _print_estimate(cfg, est, hw, args.gpus)
+    if args.explain:
+        _print_explain(est)
+    return 0
+

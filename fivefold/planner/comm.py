@@ -1,0 +1,116 @@
+"""Bytes each rank sends per optimizer step on each axis, and how long that takes.
+
+Bytes use the same `comms.wire_bytes()` the running code counts with (bandwidth-optimal ring:
+all-reduce 2(N-1)/N x S, all-gather / reduce-scatter / all-to-all (N-1)/N x S, send S), so a
+prediction and a measurement are the same quantity. Per step, with M micro-batches per rank:
+
+- dp (gradient reduction over dp x cp; Rajbhandari et al. 2020; lecture notes 000_*):
+  DDP: all-reduce of the gradients once (on the last micro-batch); ZeRO-1: reduce-scatter of the
+  gradients + all-gather of the weights (same bytes as DDP); ZeRO-2: a reduce-scatter on every
+  micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
+  the gradients per micro-batch (3 x params: 1.5x DDP at M = 1).
+- tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
+  two all-reduces in forward (attention, MLP) and two in backward, each of the (b, s/cp, d)
+  activation: 8 b s d (t-1)/t element-bytes per block (000_*); with sp an all-gather plus a
+  reduce-scatter replace each all-reduce at the same bytes. Full recompute runs forward again
+  (+2 per block). The vocabulary-parallel embedding and head add one each.
+- pp: one activation forward and one gradient backward per micro-batch and stage boundary
+  (b s d elements, / t with sp), 2 M per chunk not at the model's ends.
+- cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops,
+  once in forward and K, V plus dK, dV in backward: 3 (C-1) x the K/V block; Ulysses:
+  four all-to-alls forward (q, k, v, out) and four backward.
+- ep (GShard, Lepikhin et al. 2020): per MoE block and micro-batch, dispatch and combine in
+  forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d).
+
+Time by an alpha-beta model (Hockney 1994; Thakur et al. 2005 for the collective step counts):
+t = steps x alpha + wire bytes / (bandwidth x efficiency), the link being the node's interconnect
+or the per-GPU NIC depending on whether the axis's groups cross nodes (layout.axis_spans_nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import Config
+from fivefold.parallel.comms import wire_bytes
+from fivefold.planner.hardware import Hardware
+
+AXES = ("dp", "tp", "pp", "cp", "ep")
+
+
+@dataclass
+class AxisTraffic:
+    """One axis on one rank for one step."""
+
+    bytes: float = 0.0  # wire bytes this rank sends
+    calls: int = 0  # collectives (alpha is paid per step of each)
+    steps: int = 0  # ring steps summed over the calls (latency terms)
+    inter_node: bool = False
+    time_s: float = 0.0
+
+    def add(self, op: str, nbytes: float, n: int, count: float = 1) -> None:
+        if n <= 1 or count <= 0:
+            return
+        self.bytes += count * wire_bytes(op, nbytes, n)  # the formula the running code counts with
+        self.calls += int(count)
+        per_call = {"all_reduce": 2 * (n - 1), "send": 1, "broadcast": 1}.get(op, n - 1)
+        self.steps += int(count * per_call)
+
+
+def link(hw: Hardware, inter_node: bool) -> tuple[float, float]:
+    """(bandwidth in bytes/s after efficiency, latency per step in s) of the link an axis uses."""
+    if inter_node:
+        return hw.inter_bw * hw.bw_efficiency, hw.inter_latency
+    return hw.intra_bw * hw.bw_efficiency, hw.intra_latency
+
+
+def time_of(t: AxisTraffic, hw: Hardware) -> float:
+    bw, alpha = link(hw, t.inter_node)
+    return t.steps * alpha + t.bytes / bw
+
+
+def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int) -> AxisTraffic:
+    """Gradient reduction of one rank's `grad_bytes` (and weight gathers of `param_bytes`) over n."""
+    t = AxisTraffic()
+    if zero == 0:
+        t.add("all_reduce", grad_bytes, n)
+    elif zero in (1, 2):
+        t.add("reduce_scatter", grad_bytes, n, micro if zero == 2 else 1)
+        t.add("all_gather", param_bytes, n)
+    else:
+        t.add("all_gather", param_bytes, n, 2 * micro)
+        t.add("reduce_scatter", grad_bytes, n, micro)
+    return t
+
+
+def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, first: bool, last: bool,
+                       local_seq: int, micro: int, act_bytes: int, pp_ends: int) -> dict[str, AxisTraffic]:
+    """tp, pp, cp and ep traffic of one pipeline rank holding `blocks` blocks in `chunks` chunks.
+
+    pp_ends: how many of this rank's chunks sit at an end of the model (first or last stage), whose
+    input or output does not travel.
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    b = t.micro_batch
+    act = b * local_seq * m.dim * act_bytes  # one (b, s/cp, d) activation
+    out = {axis: AxisTraffic() for axis in ("tp", "pp", "cp", "ep")}
+    # tp: 4 per block (2 fwd + 2 bwd), +2 with full recompute; embedding fwd, head bwd.
+    per_block = 4 + (2 if t.recompute == "full" else 0)
+    out["tp"].add("all_reduce", act, p.tp, micro * (per_block * blocks + int(first) + int(last)))
+    # pp: activation out and gradient back at each boundary this rank's chunks touch.
+    boundaries = 2 * chunks - pp_ends
+    out["pp"].add("send", act / (p.tp if p.sp else 1), p.pp, micro * boundaries)
+    # cp: ring K/V (per tp rank's kv heads), or Ulysses' all-to-alls of q, k, v, out.
+    hd = m.head_dim or m.dim // m.n_heads
+    kv = 2 * b * local_seq * (m.n_kv_heads // p.tp) * hd * act_bytes  # K and V of one block
+    fwd_passes = 2 if t.recompute == "full" else 1
+    if p.cp > 1 and p.cp_method == "ring":
+        # each hop sends this rank's current block: (C-1) sends per pass, K/V fwd; K/V + dK/dV bwd
+        out["cp"].add("send", kv, p.cp, micro * blocks * (p.cp - 1) * (fwd_passes + 2))
+    elif p.cp > 1:
+        qkvo = 2 * b * local_seq * (m.n_heads // p.tp) * hd * act_bytes + kv  # q, out, k, v
+        out["cp"].add("all_to_all", qkvo / 4, p.cp, micro * blocks * 4 * (fwd_passes + 1))
+    # ep: dispatch + combine, forward and backward, of the top_k copies of each token.
+    copies = b * local_seq * m.top_k * m.dim * act_bytes
+    out["ep"].add("all_to_all", copies, p.ep, micro * moe_blocks * 2 * (fwd_passes + 1))
+    return out

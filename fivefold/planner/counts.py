@@ -1,0 +1,106 @@
+"""Parameter and FLOP counts of fivefold's model, by formula, for any shape.
+
+The formula mirrors `model.py` layer by layer (a test builds every preset on the meta device and
+compares), and splits the total the way the parallel code splits the model: what tensor parallel
+cuts, what it replicates, what expert parallel cuts, and what lives in the first and last pipeline
+stage only. Nothing here allocates a tensor, so a 405B model costs microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameters of one transformer block, by how the parallel code treats them."""
+
+    tp_split: int  # attention projections and a dense SwiGLU: cut by tp (parallel/tensor.py TP_PLAN)
+    replicated: int  # norms, QK-norm, router and shared experts: whole on every tp rank
+    experts: int  # routed experts: cut by ep, replicated over tp (README, expert parallel)
+    active_matmul: int  # matmul weights one token goes through (top_k of the routed experts)
+
+    @property
+    def total(self) -> int:
+        return self.tp_split + self.replicated + self.experts
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    blocks: list[BlockParams]
+    embedding: int  # V x d (first stage); cut by tp over the vocabulary
+    head: int  # V x d, 0 when tied (last stage); cut by tp
+    final_norm: int  # d (last stage)
+
+    @property
+    def total(self) -> int:
+        return sum(b.total for b in self.blocks) + self.embedding + self.head + self.final_norm
+
+    @property
+    def expert_total(self) -> int:
+        return sum(b.experts for b in self.blocks)
+
+    @property
+    def active_matmul(self) -> int:
+        """Matmul parameters one token uses: blocks (top-k experts only) and the output head."""
+        return sum(b.active_matmul for b in self.blocks) + self.embedding  # the head is V x d either way
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim or m.dim // m.n_heads
+
+
+def block_params(m: ModelConfig, layer: int) -> BlockParams:
+    """model.Block: attn_norm, Attention (wq wk wv wo, optional q/k norm), ffn_norm, FeedForward or MoE."""
+    d, hd = m.dim, head_dim(m)
+    attn = d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd + m.n_heads * hd * d  # wq, wk, wv, wo
+    norms = 2 * d + (2 * hd if m.qk_norm else 0)  # attn_norm, ffn_norm, q_norm, k_norm
+    if m.n_experts and layer >= m.first_dense_layers:
+        h = m.moe_ffn_dim or m.ffn_dim
+        router, experts = d * m.n_experts, 3 * m.n_experts * d * h  # gate, up, down per expert
+        shared = 3 * d * h * m.n_shared_experts  # one SwiGLU of width h x n_shared
+        active = attn + router + shared + 3 * d * h * m.top_k
+        return BlockParams(tp_split=attn, replicated=norms + router + shared, experts=experts, active_matmul=active)
+    ffn = 3 * d * m.ffn_dim  # gate, up, down
+    return BlockParams(tp_split=attn + ffn, replicated=norms, experts=0, active_matmul=attn + ffn)
+
+
+def model_counts(m: ModelConfig, vocab_size: int | None = None) -> ModelCounts:
+    """Counts for a model whose vocabulary is `vocab_size` (default: m.vocab_size)."""
+    v = vocab_size or m.vocab_size
+    if v <= 0:
+        raise ValueError("the vocabulary size must be known (model.vocab_size, or pass vocab_size)")
+    return ModelCounts(blocks=[block_params(m, i) for i in range(m.n_layers)], embedding=v * m.dim,
+                       head=0 if m.tie_embeddings else v * m.dim, final_norm=m.dim)
+
+
+def count_on_meta(m: ModelConfig, vocab_size: int | None = None) -> int:
+    """The same count from the real model built on the meta device (no memory): the test oracle."""
+    import dataclasses
+
+    import torch
+
+    from fivefold.model import Transformer, count_parameters
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(m, vocab_size=vocab_size or m.vocab_size))
+    return count_parameters(model)
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward), model FLOPs only (no recompute).
+
+    - matmuls: 6 x active matmul parameters (2 per multiply-add forward, twice that backward;
+      Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6N), head included;
+    - attention scores and the weighted sum: 2 matmuls of s x head_dim per head, 2 FLOPs each,
+      x3 for backward, halved for the causal mask a fused kernel skips: 6 x L x s x H x hd
+      (PaLM, Chowdhery et al. 2022, App. B counts 12 L H Q T without the causal halving).
+    Returns {"matmul", "attention", "total", "attention_forward"} (the last is the share that
+    selective recompute runs again).
+    """
+    c = model_counts(m, vocab_size)
+    matmul = 6.0 * c.active_matmul
+    attention = 6.0 * m.n_layers * seq_len * m.n_heads * head_dim(m)
+    return {"matmul": matmul, "attention": attention, "total": matmul + attention, "attention_forward": attention / 3}

@@ -1,0 +1,227 @@
+"""Estimate one layout: memory per rank, bytes per axis, pipeline bubble, step time, MFU.
+
+`estimate(cfg, world_size, hw)` takes the same `Config` that `fivefold train` runs (a layout is a
+config) and returns an `Estimate` whose `explain` lists every number with its arithmetic and the
+source of its formula. How the step time is put together:
+
+1. compute: training FLOPs of one micro-batch on one pipeline chunk (counts.flops_per_token:
+   6 x active matmul parameters + causal attention), split by tp (experts are not: they are
+   replicated over tp), at peak x compute_efficiency; backward = 2 x forward; full recompute adds
+   a forward, selective the attention core's forward (Korthikanti et al. 2022).
+2. tp, cp and ep collectives sit on the critical path of each forward and backward (they are
+   added to its duration); ring attention's K/V hops overlap the block's attention compute, so
+   only what exceeds it is added.
+3. the pipeline: `simulate(build_schedule(...), Costs(f, b, comm))`, the very simulator that
+   checks the executor's schedules, gives the makespan and both bubble figures.
+4. dp: the gradient reduction overlaps the backward of the last micro-batch bucket by bucket
+   (Li et al. 2020, "PyTorch Distributed"; course page 003_*), so only what exceeds that backward
+   is exposed, and never less than the last bucket; ZeRO's weight all-gather after the optimizer
+   step is exposed; ZeRO-3's per-unit gathers overlap the compute of each micro-batch.
+5. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
+   parameter of its shard at the HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from fivefold.config import Config
+from fivefold.parallel.schedules import build_schedule
+from fivefold.parallel.simulate import Costs, SimResult, simulate
+from fivefold.planner.comm import AXES, AxisTraffic, activation_traffic, dp_traffic, link, time_of
+from fivefold.planner.counts import flops_per_token, head_dim, model_counts
+from fivefold.planner.hardware import GB, Hardware
+from fivefold.planner.layout import axis_spans_nodes, rank_shares
+from fivefold.planner.memory import (BytesPerParam, activation_bytes, buffer_bytes, fivefold_state_bytes,
+                                     model_state_bytes)
+from fivefold.validate import derive
+
+@functools.lru_cache(maxsize=4096)
+def _simulate_unit(schedule: str, pp: int, m: int, v: int, b_over_f: float, comm_over_f: float) -> SimResult:
+    return simulate(build_schedule(schedule, pp, m, v), Costs(f=1.0, b=b_over_f, comm=comm_over_f))
+
+
+def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float, comm: float) -> SimResult:
+    """simulate() with f = 1, scaled: every duration scales with f, so the makespan does too and
+    the bubble figures and peak in flight do not. Cached, so a search simulates each shape once."""
+    if f <= 0:
+        return simulate(build_schedule(schedule, pp, m, v), Costs(f=f, b=b, comm=comm))
+    unit = _simulate_unit(schedule, pp, m, v, round(b / f, 4), round(comm / f, 4))
+    return dataclasses.replace(unit, makespan=unit.makespan * f, busy=[x * f for x in unit.busy],
+                               idle=[x * f for x in unit.idle], timeline=[])
+
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "total")
+
+
+@dataclass
+class Estimate:
+    world_size: int
+    memory: dict[str, float]  # bytes on the fullest rank, MEMORY_KEYS
+    comm: dict[str, AxisTraffic]  # per axis, on the busiest rank
+    bubble_ratio: float  # idle / ideal compute (simulate)
+    bubble_fraction: float  # idle / total
+    exposed_dp_s: float
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool
+    time_split: dict[str, float]  # seconds: compute, tp/cp/ep exposed, bubble, dp exposed, optimizer
+    explain: list[tuple[str, str, str]] = field(default_factory=list)  # (what, arithmetic, source)
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` object (keys fixed by the planner issue)."""
+        return {
+            "memory_gb": {k: self.memory[k] / GB for k in MEMORY_KEYS},
+            "comm_bytes_per_step": {a: self.comm[a].bytes for a in AXES},
+            "bubble": {"ratio": self.bubble_ratio, "fraction": self.bubble_fraction},
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "fits": self.fits,
+        }
+
+
+def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
+             implementation: bool = False) -> Estimate:
+    """Predict one layout. `cfg` must pass validate(cfg, world_size).
+
+    b: bytes per parameter (default 2,2,12); act_bytes: bytes per activation element (2 = bf16).
+    implementation=True counts model state as fivefold's own code holds it (fp32 weights and
+    gradients, memory.fivefold_state_bytes) and gradients travel in parallel.reduce_dtype: the
+    self-check against real runs; False is the textbook accounting with `b`.
+    """
+    b = b or BytesPerParam()
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    d = derive(cfg, world_size)
+    counts = model_counts(m, d.vocab_size)
+    shares = rank_shares(cfg, counts)
+    M, local_seq, n_shard = d.grad_accum, d.local_seq_len, d.dp_shard
+    grad_ranks = d.dp * p.cp
+    ex: list[tuple[str, str, str]] = []
+    eff_flops = hw.peak_flops * hw.compute_efficiency
+    ex.append(("params", f"{counts.total:,} ({counts.total / 1e9:.2f}B), experts {counts.expert_total:,}",
+               "counts.model_counts: model.py layer by layer (checked on the meta device)"))
+
+    # ---- compute per chunk (per micro-batch), on the busiest pipeline rank ---------------------
+    tokens = t.micro_batch * local_seq  # tokens of one micro-batch on one rank
+    attn_fwd_per_block = 2 * t.seq_len * m.n_heads * head_dim(m) / p.tp  # causal: half of 4 s H hd
+    fwd_flops, moe_blocks_on = [], []
+    for s in shares:
+        flops = 0.0
+        for blk in s.blocks:
+            bp = counts.blocks[blk]
+            # tp cuts attention and dense MLPs; routed/shared experts and the router run whole
+            flops += 2 * bp.tp_split / p.tp + 2 * (bp.active_matmul - bp.tp_split) + attn_fwd_per_block
+        if s.last:
+            flops += 2 * counts.embedding / p.tp  # the head's V x d matmul
+        fwd_flops.append(flops * tokens)
+        moe_blocks_on.append(sum(1 for blk in s.blocks if counts.blocks[blk].experts))
+    worst = max(range(len(shares)), key=lambda r: fwd_flops[r])
+    share = shares[worst]
+    chunks = p.virtual_stages if p.pp_schedule not in ("zb_v", "dualpipe_v") else 2
+    f_compute = fwd_flops[worst] / chunks / eff_flops
+    recompute = {"none": 0.0, "full": f_compute,
+                 "selective": attn_fwd_per_block * tokens * len(share.blocks) / chunks / eff_flops}[t.recompute]
+    b_compute = 2 * f_compute + recompute
+    ex.append(("forward per chunk", f"{fwd_flops[worst] / chunks:.3e} FLOP / ({hw.peak_flops:.3e} x "
+               f"{hw.compute_efficiency}) = {f_compute * 1e3:.3f} ms; backward 2x + recompute {recompute * 1e3:.3f} ms",
+               "6N + causal attention (Kaplan 2020; PaLM App. B halved for the mask); recompute: Korthikanti 2022"))
+
+    # ---- traffic per axis -----------------------------------------------------------------------
+    if implementation:
+        grad_b = 2.0 if p.reduce_dtype == "bf16" else 4.0
+        param_b = 4.0
+    else:
+        grad_b, param_b = b.grad, b.param
+    traffic: dict[str, AxisTraffic] = {"dp": dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard,
+                                                        share.params * grad_b, share.params * param_b, M)}
+    pp_ends = int(share.first) + int(share.last) if p.pp > 1 else 0
+    traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks_on[worst], chunks, share.first, share.last,
+                                      local_seq, M, act_bytes, pp_ends))
+    for axis, tr in traffic.items():
+        tr.inter_node = axis_spans_nodes(cfg, world_size, hw.gpus_per_node, axis)
+        tr.time_s = time_of(tr, hw)
+        where = "across nodes" if tr.inter_node else "inside a node"
+        if tr.bytes:
+            ex.append((f"{axis} traffic", f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: "
+                       f"{tr.time_s * 1e3:.2f} ms", "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994)"))
+
+    # tp / ep / cp on the critical path of every F and B of every chunk (spread evenly).
+    units = max(1, 2 * M * chunks)  # F and B of each micro-batch and chunk
+    attention_time = attn_fwd_per_block * tokens * len(share.blocks) / chunks / eff_flops
+    cp_exposed = max(0.0, traffic["cp"].time_s / units - attention_time) if p.cp_method == "ring" else traffic["cp"].time_s / units
+    on_path = (traffic["tp"].time_s + traffic["ep"].time_s) / units + cp_exposed
+    pp_bw, pp_alpha = link(hw, traffic["pp"].inter_node)
+    p2p = pp_alpha + t.micro_batch * local_seq * m.dim * act_bytes / (p.tp if p.sp else 1) / pp_bw if p.pp > 1 else 0.0
+    f_cost, b_cost = f_compute + on_path, b_compute + on_path
+
+    # ---- the pipeline: the same simulator as the executor's schedules ---------------------------
+    sim = _simulate(p.pp_schedule, p.pp, M, p.virtual_stages, f_cost, b_cost, p2p)
+    ideal = M * chunks * (f_cost + b_cost)
+    ex.append(("pipeline", f"{p.pp_schedule} p={p.pp} m={M} v={p.virtual_stages}: makespan {sim.makespan * 1e3:.2f} ms, "
+               f"bubble {sim.bubble_ratio:.1%} of compute, {sim.bubble_fraction:.1%} of time",
+               "parallel/simulate.py on parallel/schedules.py (1F1B: (p-1)/m and (p-1)/(m+p-1), Narayanan 2021)"))
+
+    # ---- data parallel exposure -----------------------------------------------------------------
+    dp = traffic["dp"]
+    bw, alpha = link(hw, dp.inter_node)
+    bucket = min(p.bucket_mb * 1e6, share.params * grad_b)
+    n_dp = grad_ranks if p.zero == 0 else n_shard
+    t_bucket = (2 * (n_dp - 1) * alpha + 2 * (n_dp - 1) / n_dp * bucket / bw) if n_dp > 1 else 0.0
+    backward_window = chunks * b_cost if p.overlap_comm else 0.0
+    gather = share.params * param_b * (n_dp - 1) / n_dp / bw + (n_dp - 1) * alpha if n_dp > 1 else 0.0
+    if n_dp <= 1:
+        exposed = 0.0
+    elif p.zero == 3:
+        per_micro = (dp.time_s) / max(M, 1)
+        exposed = M * max(0.0, per_micro - chunks * (f_cost + b_cost)) + share.largest_unit * param_b / bw
+    else:
+        reduce_t = dp.time_s - (gather if p.zero else 0.0)
+        reduce_t /= M if p.zero == 2 else 1
+        exposed_reduce = max(reduce_t - backward_window, min(t_bucket, reduce_t))
+        exposed = exposed_reduce * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
+    ex.append(("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, backward window {backward_window * 1e3:.2f} ms: "
+               f"{exposed * 1e3:.2f} ms exposed", "bucket overlap (Li et al. 2020; course page 003_*)"))
+
+    # ---- optimizer, memory, totals --------------------------------------------------------------
+    shard = share.params / (n_shard if p.zero else 1)
+    optimizer_t = shard * (b.param + b.grad + 2 * b.optimizer) / hw.hbm_bw
+    step = sim.makespan + exposed + optimizer_t
+    tokens_step = d.tokens_per_step
+    model_flops = flops_per_token(m, t.seq_len, d.vocab_size)["total"] * tokens_step
+    mfu = model_flops / (step * world_size * hw.peak_flops)
+
+    memory, act_b = {}, act_bytes
+    for r, s in enumerate(shares):
+        state = (fivefold_state_bytes(cfg, s.params, n_shard, M) if implementation
+                 else model_state_bytes(s.params, b, p.zero, n_shard))
+        acts = activation_bytes(cfg, s, sim.peak_inflight[r], local_seq, d.vocab_size, act_b)
+        bufs = buffer_bytes(cfg, s, b, local_seq, act_b, grad_ranks)
+        mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
+               "activations": acts["total"], "buffers": bufs["total"]}
+        mem["total"] = sum(mem.values())
+        if not memory or mem["total"] > memory["total"]:
+            memory, worst_acts, worst_r = mem, acts, r
+    ex.append(("model state", f"{memory['params'] / GB:.2f} + {memory['grads'] / GB:.2f} + {memory['optimizer'] / GB:.2f} GB "
+               f"(bytes {b.param:g},{b.grad:g},{b.optimizer:g}; zero={p.zero} over {n_shard})",
+               "ZeRO (Rajbhandari 2020 sec. 3); lecture 000_*: 16 bytes/param"))
+    ex.append(("activations", f"{worst_acts['per_block_microbatch'] / GB:.3f} GB/block/micro-batch x "
+               f"{shares[worst_r].chunk_blocks} blocks x {sim.peak_inflight[worst_r]} in flight + logits "
+               f"{worst_acts['logits'] / GB:.3f} GB", "activations.py (Korthikanti 2022 method); simulate().peak_inflight"))
+    fits = memory["total"] <= hw.memory_bytes
+    ex.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: {'fits' if fits else 'does NOT fit'}",
+               hw.sources.get("memory_bytes", "profile")))
+    ex.append(("step time", f"{sim.makespan * 1e3:.2f} (pipeline) + {exposed * 1e3:.2f} (dp) + {optimizer_t * 1e3:.2f} "
+               f"(optimizer) = {step * 1e3:.2f} ms; MFU {model_flops:.3e} / ({step:.3f} s x {world_size} x "
+               f"{hw.peak_flops:.3e}) = {mfu:.1%}", "MFU as in PaLM (Chowdhery et al. 2022, App. B)"))
+    compute = M * chunks * (f_compute + b_compute)
+    split = {"compute": compute, "tp_cp_ep": M * chunks * 2 * on_path, "bubble": sim.makespan - ideal,
+             "dp_exposed": exposed, "optimizer": optimizer_t}
+    return Estimate(world_size=world_size, memory=memory, comm=traffic, bubble_ratio=sim.bubble_ratio,
+                    bubble_fraction=sim.bubble_fraction, exposed_dp_s=exposed, step_time_s=step,
+                    tokens_per_s_per_gpu=tokens_step / step / world_size, mfu=mfu, fits=fits, time_split=split,
+                    explain=ex)

@@ -1,0 +1,115 @@
+"""Where things live in a layout: which blocks each pipeline rank holds, how many parameters a
+rank keeps after tp/ep/pp splitting, and whether an axis's groups stay inside one node.
+
+A layout *is* a `Config` here: the planner estimates exactly what `fivefold train` would run,
+and the search filters candidates with the same `validate()`. `--layout dp=8,tp=8,...` is only a
+short way to write `parallel.*`, `train.recompute` and `train.micro_batch` overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import Config
+from fivefold.planner.counts import ModelCounts
+from fivefold.validate import derive
+
+# --layout keys -> config keys (everything else is refused with the list of valid keys)
+LAYOUT_KEYS = {
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
+    "zero": "parallel.zero", "sp": "parallel.sp", "pp_schedule": "parallel.pp_schedule",
+    "virtual_stages": "parallel.virtual_stages", "v": "parallel.virtual_stages", "cp_method": "parallel.cp_method",
+    "dp_replicate": "parallel.dp_replicate", "recompute": "train.recompute", "micro_batch": "train.micro_batch",
+    "mb": "train.micro_batch",
+}
+
+
+def layout_overrides(text: str) -> list[str]:
+    """"dp=8,tp=8,sp=true" -> ["--parallel.dp=8", "--parallel.tp=8", "--parallel.sp=true"]."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in LAYOUT_KEYS:
+            raise ValueError(f"--layout item '{item}': expected KEY=VALUE with KEY in {', '.join(LAYOUT_KEYS)}")
+        value = value.strip()
+        if key.strip() in ("pp_schedule", "recompute", "cp_method"):
+            value = f'"{value}"'
+        out.append(f"--{LAYOUT_KEYS[key.strip()]}={value}")
+    return out
+
+
+def stage_sizes(cfg: Config) -> list[int]:
+    """Blocks in each (virtual) stage, in model order: parallel.stage_layers or a balanced split."""
+    p, n_layers = cfg.parallel, cfg.model.n_layers
+    stages = p.pp * p.virtual_stages
+    if p.stage_layers:
+        return list(p.stage_layers)
+    return [n_layers // stages + (1 if s < n_layers % stages else 0) for s in range(stages)]
+
+
+def stage_to_rank(cfg: Config, stage: int) -> int:
+    """Same placement as schedules.Schedule.stage_to_rank: loop, or V for zb_v / dualpipe_v."""
+    p = cfg.parallel
+    if p.pp_schedule in ("zb_v", "dualpipe_v"):
+        return stage if stage < p.pp else 2 * p.pp - 1 - stage
+    return stage % p.pp
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one pipeline rank holds (per tp/ep rank), in parameters."""
+
+    pp_rank: int
+    blocks: list[int]  # global block indices
+    chunk_blocks: int  # the largest (virtual) stage on this rank, in blocks
+    params: int  # parameters on this rank after tp and ep splitting
+    expert_params: int  # the routed-expert part of `params`
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm, head and loss
+    largest_unit: int  # ZeRO-3 gathers a unit (one block, the embedding or the head) at a time
+
+
+def rank_shares(cfg: Config, counts: ModelCounts) -> list[RankShare]:
+    """One entry per pipeline rank."""
+    p = cfg.parallel
+    tp, ep = p.tp, p.ep
+    sizes = stage_sizes(cfg)
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    shares = []
+    for r in range(p.pp):
+        stages = [s for s in range(len(sizes)) if stage_to_rank(cfg, s) == r]
+        blocks = [b for s in stages for b in range(starts[s], starts[s] + sizes[s])]
+        first, last = 0 in stages, len(sizes) - 1 in stages
+        units = []
+        expert = 0
+        for b in blocks:
+            bp = counts.blocks[b]
+            units.append(bp.tp_split // tp + bp.replicated + bp.experts // ep)
+            expert += bp.experts // ep
+        if first:
+            units.append(counts.embedding // tp)
+        if last:  # a tied head on another rank than the embedding keeps its own copy of the matrix
+            tied_copy = counts.embedding if counts.head == 0 and not first else 0
+            units.append((counts.head + tied_copy) // tp + counts.final_norm)
+        shares.append(RankShare(pp_rank=r, blocks=blocks, chunk_blocks=max(sizes[s] for s in stages),
+                                params=sum(units), expert_params=expert, first=first, last=last,
+                                largest_unit=max(units) if units else 0))
+    return shares
+
+
+def axis_spans_nodes(cfg: Config, world_size: int, gpus_per_node: int, axis: str) -> bool:
+    """Whether a group of `axis` crosses a node boundary.
+
+    Ranks are laid out as the mesh lays them (fivefold/mesh.py), outermost first
+    (pp, dp_replicate, dp_shard, cp, tp): a group of axis X is `size` ranks `stride` apart, where
+    stride is the product of the degrees inside X. It stays in a node when size x stride ranks fit
+    in one (and nodes hold a multiple of that). The "dp" axis means the gradient view dp x cp; ep
+    groups are taken inside dp x cp, next to tp.
+    """
+    p, d = cfg.parallel, derive(cfg, world_size)
+    inner = {"tp": 1, "cp": p.tp, "ep": p.tp, "dp": p.tp, "pp": p.tp * p.cp * d.dp}[axis]
+    size = {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": d.dp * p.cp, "pp": p.pp}[axis]
+    span = inner * size
+    if size <= 1:
+        return False
+    return span > gpus_per_node or gpus_per_node % span != 0

@@ -1,0 +1,106 @@
+"""Search layouts: enumerate, keep what validate() accepts and what fits, rank by step time.
+
+Choosing a layout automatically is an open problem (talk summary 001_*); this is the plain
+version: every combination of degrees (tp inside a node, pp dividing the layers, cp for long
+sequences, ep for MoE), ZeRO stage, sequence parallel, pipeline schedule, micro-batch size and
+recompute, each checked by the same `validate()` that guards `fivefold train`, each estimated by
+`estimate()`, the ones over memory dropped, the rest sorted by predicted step time. Every
+rejection is counted under its reason, so "nothing fits" says why.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fivefold.config import Config, replace
+from fivefold.planner.estimate import Estimate, estimate
+from fivefold.planner.hardware import Hardware
+from fivefold.planner.memory import BytesPerParam
+from fivefold.validate import validate
+
+
+@dataclass
+class SearchResult:
+    ranked: list[tuple[Config, Estimate]]  # fitting layouts, fastest first
+    rejected: Counter = field(default_factory=Counter)  # reason -> count
+    tried: int = 0
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
+
+
+def _reason(error: str) -> str:
+    """A short bucket for a validate() message (its first words name the field)."""
+    return "invalid: " + error.split(":")[0].split(" = ")[0].split(" is ")[0][:60]
+
+
+def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
+    """Every layout worth trying for `base` on `world` ranks (before validation)."""
+    m, t = base.model, base.train
+    moe = m.n_experts > 0
+    out = []
+    tps = [k for k in _divisors(world, gpus_per_node) if k & (k - 1) == 0]  # 1, 2, 4, 8: inside a node
+    pps = [k for k in _divisors(world, 64) if m.n_layers % k == 0]
+    cps = [k for k in (1, 2, 4, 8) if t.seq_len // k >= 4096 or k == 1]  # only long sequences are cut
+    for tp, pp, cp in itertools.product(tps, pps, cps):
+        if world % (tp * pp * cp):
+            continue
+        dp = world // (tp * pp * cp)
+        eps = [k for k in _divisors(dp * cp, 256) if m.n_experts % k == 0] if moe else [1]
+        zeros = (0,) if dp == 1 else (0, 1) if pp > 1 else (0, 1, 2, 3)  # ZeRO over one rank is DDP
+        sps = (False, True) if tp > 1 and not moe else (False,)
+        for ep, zero, sp, mb, rc in itertools.product(eps, zeros, sps, (1, 2, 4), ("none", "selective", "full")):
+            if ep > 1 and zero:  # refused by validate(); skip the noise
+                continue
+            micro = t.global_batch // max(1, dp * mb)
+            # ZB-V's lists grow as p x m and it is slow to build: tried for up to 64 micro-batches
+            schedules = ([("1f1b", 1), ("interleaved_1f1b", 2)] + ([("zb_v", 2)] if micro <= 64 else [])
+                         if pp > 1 else [("1f1b", 1)])
+            for sched, v in schedules:
+                out.append(replace(base, parallel={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero,
+                                                   "sp": sp, "pp_schedule": sched, "virtual_stages": v},
+                                   train={"micro_batch": mb, "recompute": rc}))
+    return out
+
+
+def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
+           keep: int = 10) -> SearchResult:
+    """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`."""
+    result = SearchResult(ranked=[])
+    checked: dict[Config, list[str]] = {}
+    for cfg in candidates(base, world, hw.gpus_per_node):
+        result.tried += 1
+        # validate() builds the pipeline schedule, the slow part of a search; train.recompute
+        # takes no part in its arithmetic (only its type is checked, and every candidate's is
+        # valid; a test keeps this true), so candidates differing only in recompute share a result.
+        key = replace(cfg, train={"recompute": "none"})
+        if key not in checked:
+            checked[key] = validate(cfg, world)
+        errors = checked[key]
+        if errors:
+            result.rejected[_reason(errors[0])] += 1
+            continue
+        est = estimate(cfg, world, hw, b, act_bytes)
+        if not est.fits:
+            result.rejected["does not fit in memory"] += 1
+            continue
+        result.ranked.append((cfg, est))
+    result.ranked.sort(key=lambda ce: ce[1].step_time_s)
+    del result.ranked[keep:]
+    return result
+
+
+def layout_name(cfg: Config) -> str:
+    """"dp2 tp8sp pp4 z1 1f1b mb1 sel": the degrees above 1 (dp always), then the choices."""
+    p, t = cfg.parallel, cfg.train
+    parts = [f"dp{p.dp}"] + [f"{a}{getattr(p, a)}" for a in ("tp", "pp", "cp", "ep") if getattr(p, a) > 1]
+    if p.sp:
+        parts[parts.index(f"tp{p.tp}")] += "sp"
+    parts.append(f"z{p.zero}")
+    if p.pp > 1:
+        parts.append({"interleaved_1f1b": "i1f1b"}.get(p.pp_schedule, p.pp_schedule)
+                     + (f"v{p.virtual_stages}" if p.pp_schedule == "interleaved_1f1b" else ""))
+    return " ".join(parts + [f"mb{t.micro_batch}", {"none": "-", "selective": "sel", "full": "full"}[t.recompute]])

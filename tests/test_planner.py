@@ -1,0 +1,149 @@
+"""The planner against the source texts' numbers (000_*, 003_*), the model's own parameter count,
+validate(), and its JSON / CLI contract. Pure Python: no process group, no tensor allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import load_config
+from fivefold.parallel.comms import wire_bytes
+from fivefold.planner.comm import dp_traffic
+from fivefold.planner.counts import count_on_meta, model_counts
+from fivefold.planner.estimate import estimate
+from fivefold.planner.hardware import CATALOG, GB, get_hardware
+from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
+from fivefold.presets import PRESETS
+from fivefold.validate import validate
+
+ANCHOR = 27_781_427_952  # the course page's 27.8B model (003_*): "27,781,427,952 个参数"
+LECTURE = BytesPerParam(2, 2, 8)  # the lecture's 12 bytes per parameter (000_*)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameter_count_matches_the_meta_device_model(name):
+    m = PRESETS[name]
+    vocab = m.vocab_size or 320
+    assert model_counts(m, vocab).total == count_on_meta(m, vocab)
+
+
+def test_does_it_fit_table_of_the_lecture():
+    # 000_*: 8 x A100-80G, 12 bytes per parameter: 6.67B -> 16B -> 24.6B -> 53.3B
+    mem = get_hardware("a100-80gb").memory_bytes
+    got = [round(largest_fitting_model(mem, LECTURE, zero, 8) / 1e9, 2) for zero in range(4)]
+    assert got == [6.67, 16.0, 24.62, 53.33]
+
+
+def test_anchor_model_state_and_zero_stages():
+    b = BytesPerParam()  # 2,2,12 = 16 bytes
+    totals = [model_state_bytes(ANCHOR, b, zero, 8)["total"] / GB for zero in range(4)]
+    assert [round(x, 1) for x in totals] == [444.5, 152.8, 104.2, 55.6]  # 003_*
+
+
+def test_ring_all_reduce_traffic_and_zero3_ratio():
+    grads = ANCHOR * 2  # bf16 gradients
+    assert round(dp_traffic(0, 8, grads, grads, 1).bytes / GB, 1) == 97.2  # 003_*: N = 8
+    assert round(dp_traffic(0, 64, grads, grads, 1).bytes / GB, 1) == 109.4  # N = 64
+    assert dp_traffic(0, 8, grads, grads, 1).bytes == wire_bytes("all_reduce", grads, 8)
+    ddp, z1 = dp_traffic(0, 8, grads, grads, 1).bytes, dp_traffic(1, 8, grads, grads, 1).bytes
+    z3 = dp_traffic(3, 8, grads, grads, 1).bytes
+    assert z1 == pytest.approx(ddp) and z3 == pytest.approx(1.5 * ddp)  # 000_*: 3x vs 2x params
+
+
+def _ideal(hw_name="h100"):
+    """Links of infinite speed: what is left of the bubble is the schedule's own."""
+    return dataclasses.replace(get_hardware(hw_name), intra_bw=1e30, inter_bw=1e30, intra_latency=0.0,
+                               inter_latency=0.0)
+
+
+def test_1f1b_bubble_from_the_simulator():
+    cfg = load_config(None, ["--model.preset=llama3-8b", "--parallel.pp=8", "--parallel.dp=1",
+                             "--train.global_batch=32", "--train.micro_batch=1", "--train.seq_len=4096"])
+    assert validate(cfg, 8) == []
+    est = estimate(cfg, 8, _ideal())
+    assert round(est.bubble_ratio, 3) == 0.219 and round(est.bubble_fraction, 3) == 0.179  # 003_*
+
+
+def test_estimate_json_has_exactly_the_issue_keys(capsys):
+    rc = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100", "--seq", "4096", "--global-batch", "64",
+               "--layout", "dp=4,tp=2,sp=true,zero=1,recompute=selective,micro_batch=1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"memory_gb", "comm_bytes_per_step", "bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu", "fits"}
+    assert set(out["memory_gb"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert set(out["comm_bytes_per_step"]) == {"dp", "tp", "pp", "cp", "ep"}
+    assert set(out["bubble"]) == {"ratio", "fraction"}
+    assert out["comm_bytes_per_step"]["tp"] > 0 and 0 < out["mfu"] < 1
+
+
+def test_params_table_through_the_cli(capsys):
+    assert main(["plan", "--params", "7.5e9", "--gpus", "8", "--gpu", "a100-80gb", "--bytes", "2,2,8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["DDP"]["fits"] and out["ZeRO-1"]["fits"]  # 7.5B > 6.67B, < 16B
+    assert out["DDP"]["total"] == pytest.approx(90.0)
+
+
+def test_explain_names_a_source_for_every_number(capsys):
+    main(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--seq", "4096", "--global-batch", "64",
+          "--layout", "dp=2,tp=8,pp=1,zero=1,sp=true", "--explain"])
+    out = capsys.readouterr().out
+    assert out.count("source:") >= 8 and "Rajbhandari" in out and "simulate" in out
+
+
+def test_catalog_has_sources_for_every_number():
+    assert {"a100-40gb", "a100-80gb", "h100", "h200", "b200", "mi300x"} <= set(CATALOG)
+    for hw in CATALOG.values():
+        for f in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "compute_efficiency", "bw_efficiency"):
+            assert hw.sources.get(f), (hw.name, f)
+
+
+def test_axes_inside_or_across_nodes():
+    cfg = load_config(None, ["--model.preset=llama3-70b", "--parallel.tp=8", "--parallel.pp=4", "--parallel.dp=2",
+                             "--train.seq_len=4096", "--train.global_batch=64", "--train.micro_batch=1"])
+    est = estimate(cfg, 64, get_hardware("h100"))
+    assert not est.comm["tp"].inter_node and est.comm["dp"].inter_node and est.comm["pp"].inter_node
+    # tp traffic: 4 all-reduces per block and micro-batch of (b, s, d) bf16 (000_*: 8 b s h (t-1)/t per layer)
+    per_block = 4 * wire_bytes("all_reduce", 1 * 4096 * 8192 * 2, 8)
+    micro, blocks = 64 // 2, 80 // 4
+    assert est.comm["tp"].bytes == pytest.approx(micro * (blocks * per_block + wire_bytes("all_reduce", 4096 * 8192 * 2, 8)))
+
+
+# The real recipes of 000_* ("真实配方"). Sequence lengths and batch sizes are those the papers
+# report where the lecture gives none; GPUs the closest catalog entry (H100 for H800 and TPU).
+RECIPES = {
+    "Llama 3 405B (DP=128, TP=8, PP=16)": ("llama3-405b", 16384,
+        ["--parallel.dp=128", "--parallel.tp=8", "--parallel.pp=16", "--parallel.sp=true", "--train.seq_len=8192",
+         "--train.global_batch=2048", "--train.micro_batch=1", "--parallel.pp_schedule=\"interleaved_1f1b\"",
+         "--parallel.virtual_stages=2", "--parallel.zero=1"]),
+    "DeepSeek-V3 (ZeRO-1, TP=1, EP=64, PP=16)": ("deepseek-v3", 2048,
+        ["--parallel.dp=128", "--parallel.ep=64", "--parallel.pp=16", "--parallel.zero=1", "--train.seq_len=4096",
+         "--train.global_batch=15360", "--train.micro_batch=1", "--parallel.pp_schedule=\"dualpipe_v\"",
+         "--parallel.virtual_stages=2", "--model.n_layers=64"]),
+    "Mixtral 8x22B (TP/PP/CP/EP = 4/4/1/8)": ("mixtral-8x22b", 128,
+        ["--parallel.dp=8", "--parallel.tp=4", "--parallel.pp=4", "--parallel.ep=8", "--train.seq_len=4096",
+         "--train.global_batch=512", "--train.micro_batch=1", "--train.recompute=\"full\""]),
+    "Qwen 3 (EP=32, TP=2, PP=8)": ("qwen3-235b-a22b", 512,
+        ["--parallel.dp=32", "--parallel.tp=2", "--parallel.pp=8", "--parallel.ep=32", "--train.seq_len=4096",
+         "--train.global_batch=1024", "--train.micro_batch=1", "--train.recompute=\"full\""]),
+    "Gemma 2 27B shape (ZeRO-3, TP+SP, DP=768)": ("", 6144,
+        ["--model.dim=4608", "--model.n_layers=46", "--model.n_heads=32", "--model.n_kv_heads=16",
+         "--model.head_dim=128", "--model.ffn_dim=36864", "--model.vocab_size=256000", "--parallel.dp=768",
+         "--parallel.tp=8", "--parallel.sp=true", "--parallel.zero=3", "--train.seq_len=8192",
+         "--train.global_batch=1536", "--train.micro_batch=1", "--train.recompute=\"selective\""]),
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_real_recipes_evaluate(name):
+    preset, world, overrides = RECIPES[name]
+    cfg = load_config(None, ([f"--model.preset={preset}"] if preset else []) + overrides)
+    est = estimate(cfg, world, get_hardware("h100"))
+    out = est.to_json()
+    assert all(math.isfinite(v) for v in out["memory_gb"].values()) and out["step_time_s"] > 0
+    assert 0 < out["mfu"] < 1
+    print(f"{name}: {out['memory_gb']['total']:.1f} GB/GPU, fits={out['fits']}, "
+          f"validate: {validate(cfg, world)[:1] or 'ok'}")

@@ -1,0 +1,87 @@
+"""Search, calibration and the self-check against a real 2-rank CPU run."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import load_config, read_config, replace
+from fivefold.planner.calibrate import calibrate, fit_alpha_beta
+from fivefold.planner.estimate import estimate
+from fivefold.planner.hardware import load_profile, profile_toml
+from fivefold.planner.search import candidates, search
+from fivefold.planner.selfcheck import predict_for_config
+from fivefold.testing import run_workers
+from fivefold.train.metrics import read_metrics
+from fivefold.validate import validate
+from helpers import tiny_config
+
+
+def _small():
+    return load_config(None, ["--model.preset=tiny", "--train.seq_len=64", "--train.global_batch=16"])
+
+
+def test_search_returns_only_valid_fitting_layouts_and_writes_a_trainable_toml(tmp_path, capsys):
+    from fivefold.planner.hardware import get_hardware
+
+    res = search(_small(), 4, get_hardware("h100"), keep=50)
+    assert res.ranked and res.tried == len(candidates(_small(), 4, 8))
+    for cfg, est in res.ranked:
+        assert validate(cfg, 4) == [] and est.fits
+    times = [e.step_time_s for _, e in res.ranked]
+    assert times == sorted(times)
+    out = tmp_path / "best.toml"
+    assert main(["plan", "--model", "tiny", "--gpus", "4", "--gpu", "h100", "--seq", "64", "--global-batch", "16",
+                 "--out", str(out)]) == 0
+    assert "rejected" in capsys.readouterr().out
+    # what `fivefold train best.toml --nproc 4` checks before it starts any process
+    cfg, errors = read_config(out, [f"--run.out_dir={tmp_path}"])
+    assert errors == [] and validate(cfg, 4) == []
+
+
+def test_validate_ignores_recompute_as_the_search_cache_assumes():
+    for cfg in candidates(_small(), 4, 8)[:60]:
+        base = validate(replace(cfg, train={"recompute": "none"}), 4)
+        assert all(validate(replace(cfg, train={"recompute": r}), 4) == base for r in ("selective", "full"))
+
+
+def test_alpha_beta_fit_recovers_its_own_model():
+    alpha, beta = 20e-6, 2e9
+    rows = []
+    for op in ("all_reduce", "all_gather", "send"):
+        for nbytes in (4096, 65536, 1 << 20):
+            from fivefold.parallel.comms import wire_bytes
+
+            steps = {"all_reduce": 2, "send": 1}.get(op, 1)
+            rows.append((op, nbytes, steps * alpha + wire_bytes(op, nbytes, 2) / beta))
+    a, b = fit_alpha_beta(rows, 2)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+
+
+def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
+    hw = calibrate(nproc=2, quick=True, name="local")
+    path = tmp_path / "local.toml"
+    path.write_text(profile_toml(hw))
+    back = load_profile(path)
+    assert back == hw and back.sources["intra_bw"].startswith("measured")
+    assert hw.peak_flops > 1e8 and hw.intra_bw > 1e6 and 0 < hw.compute_efficiency <= 1
+    cfg = tiny_config(tmp_path)
+    assert estimate(cfg, 2, back, act_bytes=4).step_time_s > 0
+
+
+def _train(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    return train(cfg, progress=False).run_dir
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_prediction_matches_a_real_two_rank_run(tmp_path, zero):
+    cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", f"--parallel.zero={zero}")
+    run_dir = run_workers(_train, 2, cfg)[0]
+    measured = read_metrics(run_dir / cfg.run.metrics_file)[-1]  # step 2: AdamW's state exists
+    predicted = predict_for_config(cfg, 2)
+    for part in ("params", "grads", "optimizer", "total"):
+        assert predicted["model_state_bytes"][part] == pytest.approx(measured["model_state_bytes"][part], rel=0.05), part
+    assert predicted["comm_wire_bytes"]["dp"] == pytest.approx(measured["comm"]["dp"]["wire_bytes"], rel=0.05)
