@@ -121,6 +121,7 @@ class RunConfig:
     name: str = ""  # run directory name; "" = the config file's stem
     out_dir: str = "runs"  # parent of run directories
     metrics_file: str = "metrics.jsonl"  # one JSON object per step, inside the run directory
+    hardware: str = ""  # a hardware profile (`fivefold calibrate --out`) for the predicted step time in the metrics log
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     for path in d.paths:
         if not Path(path).exists():
             err(f"data.paths: '{path}' does not exist; give existing text files or folders, or [] for the standard library")
+    if cfg.run.hardware and not Path(cfg.run.hardware).is_file():
+        err(f"run.hardware = '{cfg.run.hardware}' does not exist; write one with `fivefold calibrate --out "
+            f"{cfg.run.hardware}` or leave it empty")
     if bad_sizes:  # the arithmetic below assumes positive sizes
         return errors
 

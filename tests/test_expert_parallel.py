@@ -396,7 +396,6 @@ def _train_losses(rank, world, cfg):
 
 
 RESUMES = {  # name: (first run, resumed run)
-    "same-ep": ("--parallel.ep=2", "--parallel.ep=2"),
     "ep2-to-ep1": ("--parallel.ep=2", "--parallel.ep=1"),
     "zero3": ("--parallel.zero=3", "--parallel.zero=3"),  # FSDP must save the routing bias too
 }

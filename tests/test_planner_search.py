@@ -76,12 +76,18 @@ def _train(rank, world, cfg):
     return train(cfg, progress=False).run_dir
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_prediction_matches_a_real_two_rank_run(tmp_path, zero):
-    cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", f"--parallel.zero={zero}")
+@pytest.mark.parametrize("layout", [("--parallel.zero=0",), ("--parallel.zero=1",), ("--parallel.tp=2",),
+                                    ("--parallel.pp=2",)], ids=["dp2", "dp2-zero1", "tp2", "pp2"])
+def test_the_logged_prediction_matches_a_real_two_rank_run(tmp_path, layout):
+    """`fivefold train` logs the planner's prediction beside what it measures: model-state bytes
+    and every axis's wire bytes agree within 5% (the self-check)."""
+    cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", *layout)
     run_dir = run_workers(_train, 2, cfg)[0]
     measured = read_metrics(run_dir / cfg.run.metrics_file)[-1]  # step 2: AdamW's state exists
-    predicted = predict_for_config(cfg, 2)
+    predicted = measured["predicted"]
+    assert predicted == predict_for_config(cfg, 2)
     for part in ("params", "grads", "optimizer", "total"):
         assert predicted["model_state_bytes"][part] == pytest.approx(measured["model_state_bytes"][part], rel=0.05), part
-    assert predicted["comm_wire_bytes"]["dp"] == pytest.approx(measured["comm"]["dp"]["wire_bytes"], rel=0.05)
+    for axis, counted in measured["comm"].items():
+        if axis != "log":
+            assert predicted["comm_wire_bytes"][axis] == pytest.approx(counted["wire_bytes"], rel=0.05), axis

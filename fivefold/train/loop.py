@@ -124,6 +124,16 @@ def evaluate(par: Parallelized, dataset: PackedDataset, cfg: Config, device: tor
     return float(total[0] / total[1])
 
 
+def predicted(cfg: Config, world: int, device_type: str) -> dict:
+    """The planner's prediction for this run's layout, logged beside what each step measures
+    (the step time only with a calibrated hardware profile, `run.hardware`)."""
+    from fivefold.planner.hardware import load_profile
+    from fivefold.planner.selfcheck import predict_for_config
+
+    hardware = load_profile(cfg.run.hardware) if cfg.run.hardware else None
+    return predict_for_config(cfg, world, hardware, device_type)
+
+
 def moe_metrics(routing, mesh: Mesh) -> dict:
     """Copies routed to each expert per MoE block (all stages), and each block's max/mean load."""
     parts = [routing]
@@ -161,6 +171,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         (run_dir / "config.toml").write_text(to_toml(cfg))
     dist.barrier()
 
+    prediction = predicted(cfg, world, device_type) if rank == 0 else None
     mesh = Mesh.from_config(cfg, world, device_type)
     device = device_for(device_type)
     model = build_model(cfg, d.vocab_size).to(device)
@@ -226,6 +237,7 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
             record.update(loss_scale=scaler.scale, skipped=not finite)
         if cfg.model.n_experts:
             record.update(moe_metrics(routing, mesh))
+        record["predicted"] = prediction
 
         done = step + 1
         if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):

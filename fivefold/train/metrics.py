@@ -16,6 +16,7 @@ Keys of a step's object in `metrics.jsonl` (later features add keys; none is eve
 | model_state_bytes | {params, grads, optimizer, total}: bytes rank 0 held, largest sample after each micro-batch's backward (storages counted once) |
 | val_loss | mean validation token loss (only on steps that evaluate) |
 | loss_scale, skipped | fp16 only: the loss scale after the step, and whether an overflow skipped it |
+| predicted | the planner's prediction for this layout (planner/selfcheck.py): model_state_bytes, activation_bytes, buffer_bytes, comm_wire_bytes per axis, step_time_s (with `run.hardware`, else null) |
 | expert_load | MoE only: {block: copies the router sent to each expert during the step, all ranks} |
 | expert_max_over_mean | MoE only: {block: busiest expert's load / mean load} (1.0 = balanced) |
 | expert_dropped | MoE only: {block: copies dropped over capacity (moe_capacity_factor)} |
