@@ -5,6 +5,7 @@ A checkpoint is a folder `checkpoints/step_XXXXXXXX/` in the run directory holdi
   tensors once), keyed by parameter name so that a later layout can reshard them;
 - `state.json`: step, data-loader position, tokens seen, world size (plain JSON, no pickle);
 - `rng/rank<R>.pt`: each rank's torch RNG state (a uint8 tensor, read with weights_only=True).
+Loading never unpickles anything but data (`safe_load.py`).
 
 It is written into `.tmp_step_XXXXXXXX/` and renamed when every rank has finished, so a crash
 mid-write leaves a temporary folder that is never picked up, and the previous checkpoint intact.
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fivefold.parallel.data import DataParallel
+from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
 PREFIX = "step_"
 
@@ -73,7 +75,8 @@ def load_checkpoint(path: Path, dp: DataParallel) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
     target = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
-    dcp.load(target, checkpoint_id=str(path))  # in place, each rank reading the pieces it owns
+    # In place, each rank reading the pieces it owns; nothing in the files can run code (safe_load.py).
+    dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     dp.load_model_state_dict(target["model"])
     dp.load_optim_state_dict(target["optim"])
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"

@@ -1,0 +1,53 @@
+"""A tampered checkpoint cannot run code: metadata and non-tensor items are read as data only."""
+
+import io
+import os
+import pickle
+
+import pytest
+import torch
+
+from fivefold.testing import run_workers
+from fivefold.train.safe_load import SafeLoadPlanner, UnsafeCheckpointError
+from helpers import EQUIVALENCE, tiny_config
+
+
+class _Payload:
+    """Unpickling this creates a file: the proof that code ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _train(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    return train(cfg, progress=False).losses
+
+
+def test_tampered_metadata_is_refused_and_runs_nothing(tmp_path):
+    args = (*EQUIVALENCE, "--train.steps=2", "--checkpoint.every=1")
+    run_workers(_train, 1, tiny_config(tmp_path, *args))
+    from fivefold.train.checkpoint import latest_checkpoint
+
+    metadata = latest_checkpoint(tmp_path / "tiny") / ".metadata"
+    marker = tmp_path / "payload-ran"
+    metadata.write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(Exception, match=r"refusing to load posix\.system|refusing to load os\.system"):
+        run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=3", "--checkpoint.resume=true"))
+    assert not marker.exists()
+
+
+def test_non_tensor_items_load_as_data_only(tmp_path):
+    marker = tmp_path / "payload-ran"
+    planner = SafeLoadPlanner(tmp_path)
+    item = type("ReadItem", (), {"dest_index": type("Index", (), {"fqn": "optim.param_groups.0.lr"})()})()
+    bad = io.BytesIO()
+    torch.save({"lr": _Payload(str(marker))}, bad)
+    bad.seek(0)
+    with pytest.raises(UnsafeCheckpointError, match="optim.param_groups.0.lr"):
+        planner.load_bytes(item, bad)
+    assert not marker.exists()
