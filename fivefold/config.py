@@ -94,6 +94,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False  # torch.compile each transformer block
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf gradient: stop naming the parameter, or skip the step
     eval_every: int = 0  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches per validation pass
     log_every: int = 10  # steps between printed lines (the metrics file gets every step)

@@ -114,3 +114,23 @@ def test_low_precision_compute_trains_close_to_fp32(tmp_path, dtype):
     # bf16 keeps 8 bits of mantissa (fp16 11): ~0.4% per rounding; losses stay within 2%.
     torch.testing.assert_close(torch.tensor(low), torch.tensor(ref), rtol=2e-2, atol=0)
     assert low != ref  # the low-precision path really ran
+
+
+def _train_expecting(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    try:
+        return train(cfg, progress=False).losses
+    except FloatingPointError as e:
+        return str(e)
+
+
+def test_a_nonfinite_gradient_stops_with_the_step_and_parameter_or_is_skipped(tmp_path):
+    """lr 1e30 makes every weight ~1e30 after step 1, so step 2's loss and gradients are not finite."""
+    args = ("--train.steps=3", "--train.lr=1e30", "--train.warmup_steps=0", "--data.max_bytes=20000")
+    messages = run_workers(_train_expecting, 2, tiny_config(tmp_path / "stop", *args))
+    for message in messages:  # every rank stops, with the same message
+        assert message.startswith("step 2: the gradient is not finite (first: ") and "(rank " in message
+        assert "train.nonfinite = 'skip'" in message
+    losses = run_workers(_train_expecting, 1, tiny_config(tmp_path / "skip", *args, "--train.nonfinite=skip"))[0]
+    assert len(losses) == 3  # the run went on; the skipped steps applied nothing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -124,6 +125,18 @@ def evaluate(par: Parallelized, dataset: PackedDataset, cfg: Config, device: tor
     return float(total[0] / total[1])
 
 
+def nonfinite_message(step: int, loss: float, dp) -> str:
+    """Which gradients are NaN/Inf at `step`, gathered from every rank (they hold different parts)."""
+    local = [name for name, p in dp.model.named_parameters()
+             if (g := dp.gradient_of(p)) is not None and not torch.isfinite(g).all()]
+    found: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(found, local)
+    names = [f"{n} (rank {r})" for r, part in enumerate(found) for n in part]
+    return (f"step {step}: the gradient is not finite (first: {names[0] if names else '?'}; {len(names)} parameters in "
+            f"all; this rank's loss share {loss}). Lower train.lr, raise train.warmup_steps or set train.grad_clip; "
+            f"train.nonfinite = 'skip' skips such steps instead; resume from the last checkpoint with --resume")
+
+
 def predicted(cfg: Config, world: int, device_type: str) -> dict:
     """The planner's prediction for this run's layout, logged beside what each step measures
     (the step time only with a calibrated hardware profile, `run.hardware`)."""
@@ -210,7 +223,14 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         if finite:
             grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.gradients_counted_elsewhere(),
                                        par.expert_gradients())
-            dp.step()
+            finite = math.isfinite(grad_norm)  # every rank sees the same global norm
+            if finite:
+                dp.step()
+            elif t.nonfinite == "stop":
+                raise FloatingPointError(nonfinite_message(step + 1, stats.loss, dp))
+            else:  # train.nonfinite = "skip": nothing is applied
+                display.print(f"step {step + 1}: gradient norm {grad_norm}; step skipped (train.nonfinite = 'skip')")
+                dp.skip_step()
         else:  # fp16 overflow: nothing is applied, the scale halves
             grad_norm = float("inf")
             dp.skip_step()
