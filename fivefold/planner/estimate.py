@@ -54,6 +54,33 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float, comm: 
                                idle=[x * f for x in unit.idle], timeline=[])
 
 
+def _op_priced(cfg: Config, hw: Hardware, share, vocab: int, local_seq: int,
+               chunks: int) -> tuple[float, float, int, dict] | None:
+    """(forward s, backward s, parameter tensors, parts) of one micro-batch's chunk on the rank
+    holding `share`, priced op by op (opcount.py), or None when the profile has no per-op costs
+    (a catalog GPU) or a block cannot be traced (then FLOPs alone price it)."""
+    if not hw.op_overhead_s:
+        return None
+    from fivefold.planner.opcount import OpTally, block_tally, ends_tally, tally_time
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    fwd, bwd = OpTally(), OpTally()
+    try:
+        for blk in share.blocks:
+            f, b = block_tally(m, blk, p.tp, t.micro_batch, local_seq)
+            fwd, bwd = fwd + f, bwd + b
+        f, b = ends_tally(m, vocab, p.tp, t.micro_batch, local_seq, share.first, share.last)
+        fwd, bwd = fwd + f, bwd + b
+    except ValueError:
+        return None
+    ft, bt = tally_time(fwd, hw), tally_time(bwd, hw)
+    recompute = ft["total"] if t.recompute == "full" else 0.0
+    both = fwd + bwd
+    parts = {k: (ft[k] + bt[k]) / chunks for k in ft} | {"ops": both.ops // chunks, "views": both.views // chunks,
+                                                         "flops": both.flops / chunks}
+    return ft["total"] / chunks, (bt["total"] + recompute) / chunks, fwd.params, parts
+
+
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "total")
 
 
@@ -130,6 +157,15 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     ex.append(("forward per chunk", f"{fwd_flops[worst] / chunks:.3e} FLOP / ({hw.peak_flops:.3e} x "
                f"{hw.compute_efficiency}) = {f_compute * 1e3:.3f} ms; backward 2x + recompute {recompute * 1e3:.3f} ms",
                "6N + causal attention (Kaplan 2020; PaLM App. B halved for the mask); recompute: Korthikanti 2022"))
+    op_priced = _op_priced(cfg, hw, share, d.vocab_size, local_seq, chunks)
+    if op_priced is not None:  # a profile that measured per-op costs (a CPU): price the model's own ops
+        f_compute, b_compute, n_tensors, parts = op_priced
+        ex.append(("forward per chunk (ops)", f"{parts['ops']:,} ops + {parts['views']:,} views, "
+                   f"{parts['flops']:.3e} FLOP: {f_compute * 1e3:.3f} ms forward, {b_compute * 1e3:.3f} ms backward "
+                   f"(overhead {parts['overhead'] * 1e3:.3f}, matmul {parts['matmul'] * 1e3:.3f}, attention "
+                   f"{parts['attention'] * 1e3:.3f}, elementwise {parts['elementwise'] * 1e3:.3f} ms)",
+                   "opcount.py: model.Block and the ends traced forward + backward (TorchDispatchMode), priced "
+                   "with the profile's op_overhead_s, view_overhead_s, matmul_curve, elementwise_curve"))
 
     # ---- traffic per axis -----------------------------------------------------------------------
     if implementation:
@@ -190,7 +226,22 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     # ---- optimizer, memory, totals --------------------------------------------------------------
     shard = share.params / (n_shard if p.zero else 1)
     optimizer_t = shard * (b.param + b.grad + 2 * b.optimizer) / hw.hbm_bw
-    step = sim.makespan + exposed + optimizer_t
+    if hw.optimizer_s_per_tensor or hw.optimizer_s_per_element:  # measured: fivefold's own optimizer step
+        tensors = op_priced[2] if op_priced is not None else 0
+        optimizer_t = tensors * hw.optimizer_s_per_tensor + shard * hw.optimizer_s_per_element
+        ex.append(("optimizer", f"{tensors} tensors x {hw.optimizer_s_per_tensor * 1e6:.1f} us + {shard:,.0f} "
+                   f"elements x {hw.optimizer_s_per_element * 1e9:.2f} ns = {optimizer_t * 1e3:.3f} ms",
+                   hw.sources.get("optimizer_s_per_tensor", "profile")))
+    # scalar all-reduces every step runs (train/loop.py): the gradient norm's partial sums over the
+    # groups gradients are split over (ZeRO shards, pp, tp, ep: parallelize.gradient_split_groups)
+    # and the logged loss over pp and the gradient group: latency only, nothing to overlap with
+    alpha_in = link(hw, False)[1]
+    split_over = [n_shard if p.zero else 1, p.pp, p.tp, p.ep if m.n_experts else 1, p.pp, grad_ranks]
+    sync_t = sum(2 * (n - 1) * alpha_in for n in split_over if n > 1)
+    if sync_t:
+        ex.append(("step sync", f"{sum(1 for n in split_over if n > 1)} scalar all-reduces (gradient norm, logged "
+                   f"loss) x 2(n-1) x {alpha_in * 1e6:.0f} us = {sync_t * 1e3:.2f} ms", "train/loop.py; alpha-beta"))
+    step = sim.makespan + exposed + optimizer_t + sync_t
     tokens_step = d.tokens_per_step
     model_flops = flops_per_token(m, t.seq_len, d.vocab_size)["total"] * tokens_step
     mfu = model_flops / (step * world_size * hw.peak_flops)
@@ -216,11 +267,11 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     ex.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: {'fits' if fits else 'does NOT fit'}",
                hw.sources.get("memory_bytes", "profile")))
     ex.append(("step time", f"{sim.makespan * 1e3:.2f} (pipeline) + {exposed * 1e3:.2f} (dp) + {optimizer_t * 1e3:.2f} "
-               f"(optimizer) = {step * 1e3:.2f} ms; MFU {model_flops:.3e} / ({step:.3f} s x {world_size} x "
+               f"(optimizer) + {sync_t * 1e3:.2f} (sync) = {step * 1e3:.2f} ms; MFU {model_flops:.3e} / ({step:.3f} s x {world_size} x "
                f"{hw.peak_flops:.3e}) = {mfu:.1%}", "MFU as in PaLM (Chowdhery et al. 2022, App. B)"))
     compute = M * chunks * (f_compute + b_compute)
     split = {"compute": compute, "tp_cp_ep": M * chunks * 2 * on_path, "bubble": sim.makespan - ideal,
-             "dp_exposed": exposed, "optimizer": optimizer_t}
+             "dp_exposed": exposed, "optimizer": optimizer_t, "step_sync": sync_t}
     return Estimate(world_size=world_size, memory=memory, comm=traffic, bubble_ratio=sim.bubble_ratio,
                     bubble_fraction=sim.bubble_fraction, exposed_dp_s=exposed, step_time_s=step,
                     tokens_per_s_per_gpu=tokens_step / step / world_size, mfu=mfu, fits=fits, time_split=split,

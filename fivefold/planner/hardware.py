@@ -40,6 +40,15 @@ class Hardware:
     bw_efficiency: float = 0.8  # achievable fraction of a link's bandwidth for a large collective
     intra_latency: float = 5e-6  # seconds per collective step inside a node (alpha of alpha-beta)
     inter_latency: float = 10e-6  # seconds per collective step across nodes
+    # Measured by `fivefold calibrate` on a CPU (0 / empty on the catalog's GPUs, where kernels queue
+    # asynchronously behind the launch and a step is priced by FLOPs and bytes alone):
+    threads: int = 0  # compute threads per rank the measurements ran with (training workers' count)
+    op_overhead_s: float = 0.0  # fixed cost of one dispatched aten op, forward or backward (autograd included)
+    view_overhead_s: float = 0.0  # the same for a view (view, t, transpose, detach: no data moved)
+    matmul_curve: tuple[tuple[float, float], ...] = ()  # (FLOPs of one matmul, FLOP/s achieved), by size
+    elementwise_curve: tuple[tuple[float, float], ...] = ()  # (bytes an op reads + writes, bytes/s beyond the overhead)
+    optimizer_s_per_tensor: float = 0.0  # AdamW + gradient clipping + zero_grad, per parameter tensor
+    optimizer_s_per_element: float = 0.0  # the same, per parameter element
     sources: dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it comes from
 
 
@@ -115,6 +124,9 @@ def get_hardware(name: str) -> Hardware:
 
 # ---- profiles: the same fields in TOML, with a [sources] table -------------------------------------
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
+_MEASURED_ONLY = {"threads", "op_overhead_s", "view_overhead_s", "matmul_curve", "elementwise_curve",
+                  "optimizer_s_per_tensor", "optimizer_s_per_element"}  # optional: absent on a GPU profile
+_CURVES = ("matmul_curve", "elementwise_curve")
 
 
 def load_profile(path: str | Path) -> Hardware:
@@ -126,10 +138,13 @@ def load_profile(path: str | Path) -> Hardware:
     if unknown:
         raise ValueError(f"{path}: unknown hardware keys {unknown}; valid: {_FIELDS}")
     sources = dict(data.get("sources", {}))
+    for k in _CURVES:
+        if k in hw:
+            hw[k] = tuple((float(x), float(y)) for x, y in hw[k])
     if base:
         start = get_hardware(base)
         return dataclasses.replace(start, **hw, sources={**start.sources, **sources})
-    missing = [f for f in _FIELDS if f not in hw and f not in _ASSUMED]
+    missing = [f for f in _FIELDS if f not in hw and f not in _ASSUMED and f not in _MEASURED_ONLY]
     if missing:
         raise ValueError(f"{path}: missing hardware keys {missing} (or set base = 'h100' to start from the catalog)")
     return Hardware(**{"name": Path(path).stem, **hw, "sources": sources})
@@ -140,7 +155,10 @@ def profile_toml(hw: Hardware) -> str:
     lines = ["[hardware]", f'name = "{hw.name}"']
     for f in _FIELDS:
         value = getattr(hw, f)
-        lines.append(f"{f} = {int(value) if f == 'gpus_per_node' else float(value)!r}")
+        if f in _CURVES:
+            lines.append(f"{f} = [{', '.join(f'[{float(x)!r}, {float(y)!r}]' for x, y in value)}]")
+        else:
+            lines.append(f"{f} = {int(value) if f in ('gpus_per_node', 'threads') else float(value)!r}")
     lines += ["", "[sources]"]
     for k, v in sorted(hw.sources.items()):
         lines.append(f'{k} = "{v.replace(chr(34), chr(39))}"')

@@ -1,0 +1,100 @@
+"""The planner's op-priced step time (opcount.py, calibrated profiles): the op counts come from the
+model's own code and the arithmetic is what the profile says. No timing here: the self-check's
+measured-vs-predicted table is a report, not a test."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fivefold.planner.counts import model_counts
+from fivefold.planner.estimate import _op_priced, estimate
+from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
+from fivefold.planner.layout import rank_shares
+from fivefold.planner.opcount import block_tally, ends_tally, tally_time
+from fivefold.presets import PRESETS
+from helpers import tiny_config
+
+TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
+
+
+def _synthetic(**over):
+    """A CPU-like profile where only what the test sets costs anything."""
+    return dataclasses.replace(get_hardware("h100"), peak_flops=1e30, hbm_bw=1e30, intra_latency=0.0,
+                               inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, **over)
+
+
+def test_block_op_count_is_stable_positive_and_matches_the_matmul_flops():
+    fwd, bwd = block_tally.__wrapped__(TINY, 0, 1, 2, 32)
+    again = block_tally.__wrapped__(TINY, 0, 1, 2, 32)
+    assert (fwd.ops, fwd.views, bwd.ops, bwd.views) == (again[0].ops, again[0].views, again[1].ops, again[1].views)
+    assert fwd.ops > 0 and bwd.ops > fwd.ops  # backward runs more ops than forward
+    tokens = 2 * 32
+    matmul_params = model_counts(TINY).blocks[0].tp_split  # wq wk wv wo gate up down
+    assert len(fwd.matmul_flops) == 7
+    assert sum(fwd.matmul_flops) == 2 * tokens * matmul_params
+    assert sum(bwd.matmul_flops) == 4 * tokens * matmul_params  # input and weight gradients
+    assert fwd.params == 9  # 7 matrices, 2 norms
+    assert len(fwd.attention) == 1 and len(bwd.attention) == 1
+
+
+def test_tensor_parallel_block_halves_the_matmuls_not_the_op_count():
+    (f1, _), (f2, _) = block_tally(TINY, 0, 1, 2, 32), block_tally(TINY, 0, 2, 2, 32)
+    assert sum(f2.matmul_flops) == sum(f1.matmul_flops) / 2
+    assert f2.ops == f1.ops
+
+
+def test_tally_time_is_the_profile_arithmetic():
+    fwd, _ = block_tally(TINY, 0, 1, 2, 32)
+    hw = _synthetic(op_overhead_s=1e-5, view_overhead_s=2e-6)
+    t = tally_time(fwd, hw)
+    assert t["total"] == pytest.approx(fwd.ops * 1e-5 + fwd.views * 2e-6)
+    curve = ((1.0, 1e9), (1e12, 1e9))  # 1 GFLOP/s at every size
+    t = tally_time(fwd, dataclasses.replace(hw, op_overhead_s=0.0, view_overhead_s=0.0, matmul_curve=curve))
+    assert t["matmul"] == pytest.approx(sum(fwd.matmul_flops) / 1e9)
+
+
+def test_estimate_prices_every_op_and_the_optimizer_from_the_profile(tmp_path):
+    cfg = tiny_config(tmp_path)  # global batch 8, micro-batch 2: 4 micro-batches on one rank
+    hw = _synthetic(op_overhead_s=1e-5, optimizer_s_per_tensor=1e-3, optimizer_s_per_element=1e-9)
+    est = estimate(cfg, 1, hw, act_bytes=4, implementation=True)
+    share = rank_shares(cfg, model_counts(cfg.model, 320))[0]
+    ops = 0
+    for blk in share.blocks:
+        f, b = block_tally(cfg.model, blk, 1, 2, 32)
+        ops += f.ops + b.ops
+    f, b = ends_tally(cfg.model, est_vocab(cfg), 1, 2, 32, True, True)
+    ops += f.ops + b.ops
+    assert est.time_split["compute"] == pytest.approx(4 * ops * 1e-5)
+    tensors = len(share.blocks) * 9 + 3  # blocks, embedding, final norm, head
+    assert est.time_split["optimizer"] == pytest.approx(tensors * 1e-3 + share.params * 1e-9)
+    assert est.step_time_s == pytest.approx(est.time_split["compute"] + est.time_split["optimizer"])
+
+
+def est_vocab(cfg):
+    from fivefold.validate import derive
+
+    return derive(cfg, 1).vocab_size
+
+
+def test_catalog_gpu_keeps_the_flops_estimate(tmp_path):
+    cfg = tiny_config(tmp_path)
+    share = rank_shares(cfg, model_counts(cfg.model, 320))[0]
+    assert _op_priced(cfg, get_hardware("h100"), share, 320, 32, 1) is None
+
+
+def test_profile_round_trip_with_measured_fields(tmp_path):
+    hw = _synthetic(threads=1, op_overhead_s=1e-5, view_overhead_s=3e-6, matmul_curve=((8192.0, 2e9), (5e5, 4e10)),
+                    elementwise_curve=((32768.0, 3e10),), optimizer_s_per_tensor=1e-4, optimizer_s_per_element=7e-9)
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(hw))
+    back = load_profile(path)
+    for f in ("threads", "op_overhead_s", "view_overhead_s", "matmul_curve", "elementwise_curve",
+              "optimizer_s_per_tensor", "optimizer_s_per_element"):
+        assert getattr(back, f) == getattr(hw, f), f
+    # a profile without them (written before they existed) still loads, with the GPU defaults
+    old = "\n".join(line for line in profile_toml(hw).splitlines()
+                    if not line.startswith(("threads", "op_", "view_", "matmul_curve", "elementwise_curve", "optimizer_s")))
+    path.write_text(old)
+    assert load_profile(path).op_overhead_s == 0.0 and load_profile(path).matmul_curve == ()
