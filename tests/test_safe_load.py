@@ -51,3 +51,19 @@ def test_non_tensor_items_load_as_data_only(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="optim.param_groups.0.lr"):
         planner.load_bytes(item, bad)
     assert not marker.exists()
+
+
+def test_another_model_shape_or_a_corrupt_checkpoint_is_named(tmp_path):
+    """Resuming with another model shape names each tensor and both shapes; a truncated metadata
+    file names the path. Both before anything is loaded into the model."""
+    args = (*EQUIVALENCE, "--train.steps=1")
+    run_workers(_train, 1, tiny_config(tmp_path, *args))
+    with pytest.raises(Exception, match=r"model.tok_embeddings.weight: checkpoint \(320, 64\), this model \(320, 128\)"):
+        run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true",
+                                           "--model.dim=128"))
+    from fivefold.train.checkpoint import latest_checkpoint
+
+    metadata = latest_checkpoint(tmp_path / "tiny") / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    with pytest.raises(Exception, match="unreadable checkpoint metadata"):
+        run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true"))

@@ -14,6 +14,7 @@ mid-write leaves a temporary folder that is never picked up, and the previous ch
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold.parallel.data import DataParallel
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
@@ -71,10 +73,39 @@ def save_checkpoint(run_dir: Path, step: int, dp: DataParallel,
     return final
 
 
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit this model: nothing was loaded."""
+
+
+def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
+    """Every tensor the run needs is in the checkpoint with the same whole shape (a DTensor's is
+    its global one, so any layout compares alike); else one error listing each difference, raised
+    before anything is read into the model."""
+    try:
+        saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointMismatchError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the "
+                                      f"checkpoint is incomplete or corrupt: delete it to resume from an earlier one") from None
+    problems = []
+    for section, entries in target.items():
+        for key, value in entries.items():
+            if not torch.is_tensor(value):
+                continue
+            fqn, found = f"{section}.{key}", saved.get(f"{section}.{key}")
+            if not isinstance(found, TensorStorageMetadata):
+                problems.append(f"{fqn}: not in the checkpoint")
+            elif tuple(found.size) != tuple(value.shape):
+                problems.append(f"{fqn}: checkpoint {tuple(found.size)}, this model {tuple(value.shape)}")
+    if problems:
+        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise CheckpointMismatchError(f"{path} does not fit this model (was it written with another model config?):\n  {shown}")
+
+
 def load_checkpoint(path: Path, dp: DataParallel) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
     target = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
+    check_compatible(target, path)
     # In place, each rank reading the pieces it owns; nothing in the files can run code (safe_load.py).
     dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     dp.load_model_state_dict(target["model"])
