@@ -1,4 +1,4 @@
-"""Data parallel (DDP) with gradient buckets overlapped with backward, and ZeRO-1 / ZeRO-2.
+"""Data parallel (DDP) with gradient buckets overlapped with backward; the base of ZeRO-1/2/3.
 
 What is sharded: the batch over the `batch` view (dp). With `zero = 1` also the optimizer state
 (fp32 master weights and both AdamW moments), with `zero = 2` also the gradients, each over
@@ -23,17 +23,12 @@ waits for the end of backward, where missing gradients are zeros.
 Gradients are summed, not averaged: each rank's loss is already divided by the global token count
 of the step (train/loop.py), so the sum is the gradient of the mean over every token.
 
-Shards (ZeRO): each parameter is split along dim 0 like torch.chunk: rank r owns rows
-[r c, (r+1) c) with c = ceil(rows / N), so every shard is a DTensor Shard(0) on the dp_shard mesh
-and checkpoints can reshard it (`optim_state_dict`). For the collectives a bucket lays its
-parameters out rank-major (rank 0's rows of every parameter, then rank 1's, ...) with each
-parameter padded to N c rows, so one reduce-scatter hands each rank exactly its rows.
+ZeRO-1/2 (`zero.py`) and ZeRO-3 (`fsdp.py`) build on DataParallel's buckets and reducing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -43,7 +38,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
@@ -264,156 +258,6 @@ class DataParallel:
         set_optimizer_state_dict(self.model, self.optimizer, dtensors_as_local(state), options=FLAT)
 
 
-class ZeroDataParallel(DataParallel):
-    """ZeRO stage 1 or 2 over dp_shard (replicated over dp_replicate): sharded optimizer state."""
-
-    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
-        self.stage = parallel.zero
-        self.shard_group = mesh.group("dp_shard")
-        # Ranks holding the same shard, whose gradients add up: HSDP replicas and context-parallel
-        # ranks (other tokens of the same samples). Their traffic is gradient reduction: "dp".
-        self.replica_groups = [mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp")]
-        super().__init__(model, mesh, parallel, train)
-
-    def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
-        n, r = self.shard_group.size, self.shard_group.rank
-        self.names = {id(p): name for name, p in self.model.named_parameters()}
-        self.rows = {}  # id(param) -> rows each rank owns (c)
-        self.zero_dims = {}  # id(param) -> the dim ZeRO splits (its "rows")
-        self.shards: dict[int, nn.Parameter] = {}  # id(param) -> fp32 master rows, padded to c, split dim first
-        for b in self.buckets:
-            for p in b.params:
-                # A tensor-parallel slice split along dim 0 is split by ZeRO along dim 1, so the two
-                # splits are along different dims and the shard is a plain DTensor on (dp, tp).
-                zd = self.zero_dims[id(p)] = 1 if getattr(p, "tp_dim", None) == 0 and p.ndim > 1 else 0
-                rows = p.detach().movedim(zd, 0)
-                c = -(-rows.shape[0] // n)
-                master = torch.zeros((c, *rows.shape[1:]), dtype=torch.float32, device=p.device)
-                valid = max(0, min(c, rows.shape[0] - r * c))
-                master[:valid] = rows[r * c : r * c + valid]
-                self.rows[id(p)] = c
-                self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
-                b.shard_numel.append(master.numel())
-        decay = [self.shards[id(p)] for p in self.params if p.ndim >= 2]
-        no_decay = [self.shards[id(p)] for p in self.params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=False)
-        for s in self.shards.values():  # the state AdamW would create at its first step, made now for checkpoints
-            opt.state[s] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(s), "exp_avg_sq": torch.zeros_like(s)}
-        return opt
-
-    def _reduces_on(self, last_micro_batch: bool) -> bool:
-        return self.stage == 2 or last_micro_batch
-
-    def _needs_reduction(self) -> bool:
-        return True  # even alone, gradients must move into the fp32 shards the optimizer steps
-
-    def _padded_rows(self, t: torch.Tensor, c: int) -> torch.Tensor:
-        """t (rows, ...) -> (N c, ...) with zero rows appended."""
-        pad = self.shard_group.size * c - t.shape[0]
-        return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-
-    @torch.no_grad()
-    def _launch(self, b: Bucket) -> None:
-        n = self.shard_group.size
-        chunks = [self._padded_rows(p.grad.movedim(self.zero_dims[id(p)], 0), self.rows[id(p)]).reshape(n, -1)
-                  for p in b.params]  # (N, c row numel) each
-        b.flat = torch.cat(chunks, dim=1).reshape(-1).to(self.reduce_dtype)  # rank-major: (N sum(shard numel),)
-        b.out = b.flat.new_empty(sum(b.shard_numel))
-        b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
-        if self.stage >= 2:
-            for p in b.params:
-                p.grad = None  # the full gradient is not kept: its rows live on in b.flat until reduced
-
-    @torch.no_grad()
-    def _finish(self, b: Bucket) -> None:
-        if b.work is not None:
-            b.work.wait()
-        for group in self.replica_groups:  # replicas of a shard agree
-            comms.all_reduce(b.out, group)
-        for p, rows in zip(b.params, b.out.split(b.shard_numel)):
-            shard = self.shards[id(p)]
-            rows = rows.view_as(shard).float()
-            shard.grad = rows if shard.grad is None else shard.grad.add_(rows)
-            p.grad = None
-        b.work = b.flat = b.out = None
-
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        return super()._optimizer_tensors() + list(self.shards.values())  # the fp32 masters
-
-    def _extra_grads(self) -> list[torch.Tensor]:
-        return [s.grad for s in self.shards.values()]
-
-    def gradients(self) -> list[torch.Tensor]:
-        return [s.grad for s in self.shards.values() if s.grad is not None]
-
-    @property
-    def norm_groups(self) -> list[comms.AxisGroup]:
-        return [self.shard_group]
-
-    def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
-        return self.shards[id(p)].grad
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's rows, then all-gather every parameter's rows from all ranks."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        n = self.shard_group.size
-        for b in self.buckets:
-            local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
-            full = local.new_empty(n * local.numel())  # (N sum(shard numel),) rank-major
-            comms.all_gather(full, local, self.shard_group)
-            per_rank = full.view(n, -1)
-            for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1)):
-                self._write_rows(p, chunk, p)
-
-    def _write_rows(self, p: nn.Parameter, per_rank: torch.Tensor, target: torch.Tensor) -> None:
-        """Write every rank's rows of p (N, c row numel), gathered, into `target` (p or p.data)."""
-        rows = target.movedim(self.zero_dims[id(p)], 0)
-        rows.copy_(per_rank.reshape(self.shard_group.size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
-
-    # ---- checkpoints: every shard as a DTensor, so a later layout can reshard it ------------------
-    def _dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
-        """This rank's rows as a DTensor of the whole matrix: Shard(zero dim) over dp_shard,
-        replicated over dp_replicate, and Shard(tp_dim) over tp for a tensor-parallel slice."""
-        zd, r, c = self.zero_dims[id(p)], self.shard_group.rank, self.rows[id(p)]
-        valid = max(0, min(c, p.shape[zd] - r * c))
-        shape, placements = list(p.shape), [Replicate(), Shard(zd), Replicate()]
-        if hasattr(p, "tp_dim"):
-            shape[p.tp_dim] *= self.mesh.size("tp")
-            placements[2] = Shard(p.tp_dim)
-        mesh = self.mesh.device_mesh["dp_replicate", "dp_shard", "tp"]
-        return DTensor.from_local(local[:valid].movedim(0, zd), mesh, placements, run_check=False,
-                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-
-    def optim_state_dict(self) -> dict:
-        out = {}
-        for p in self.params:
-            s = self.shards[id(p)]
-            state = self.optimizer.state[s]
-            out[self.names[id(p)]] = {
-                "master": self._dtensor(p, s.detach()),
-                "exp_avg": self._dtensor(p, state["exp_avg"]),
-                "exp_avg_sq": self._dtensor(p, state["exp_avg_sq"]),
-                "step": state["step"],
-            }
-        return out
-
-    @torch.no_grad()
-    def load_optim_state_dict(self, state: dict) -> None:
-        for p in self.params:
-            s, saved = self.shards[id(p)], state[self.names[id(p)]]
-            zd = self.zero_dims[id(p)]
-            rows = {k: saved[k].to_local().movedim(zd, 0) for k in ("master", "exp_avg", "exp_avg_sq")}
-            valid = rows["master"].shape[0]
-            s[:valid] = rows["master"]
-            mine = self.optimizer.state[s]
-            mine["exp_avg"][:valid] = rows["exp_avg"]
-            mine["exp_avg_sq"][:valid] = rows["exp_avg_sq"]
-            mine["step"].copy_(saved["step"])
-
-
 def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig,
                         experts: ExpertGroups | None = None) -> DataParallel:
     """DDP for zero = 0, ZeRO-1/2, or FSDP for zero = 3; DDP over one rank reduces nothing.
@@ -423,5 +267,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, 
 
         return FullyShardedDataParallel(model, mesh, parallel, train)
     if parallel.zero in (1, 2):
+        from fivefold.parallel.zero import ZeroDataParallel
+
         return ZeroDataParallel(model, mesh, parallel, train)
     return DataParallel(model, mesh, parallel, train, experts)

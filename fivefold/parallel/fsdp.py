@@ -31,7 +31,8 @@ from torch import nn
 from fivefold.config import ParallelConfig, TrainConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
-from fivefold.parallel.data import Bucket, ZeroDataParallel
+from fivefold.parallel.data import Bucket
+from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.parallel.tensor import gather_tp_shards
 
 
