@@ -30,7 +30,7 @@ through the blocks down to it, and W also runs the embedding's backward from the
 from __future__ import annotations
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 def _children(node: Node) -> list[Node]:
@@ -66,15 +66,16 @@ class SplitBackward:
         self.groups: list[tuple[list[Node], list[torch.Tensor]]] = []  # frontier nodes sharing parameters
         self.kept: dict[Node, tuple] = {}  # frontier node -> the gradient that reached it in I
         self.inp_grad: torch.Tensor | None = None  # kept for the embedding's backward (first stage)
+        self.below: list[torch.Tensor] = []  # parameters below the input (the first stage's embedding)
 
     def _frontier(self) -> list[tuple[list[Node], list[torch.Tensor]]]:
         """Frontier nodes, grouped by the parameters they share, with those parameters."""
-        root = self.out.grad_fn
-        if self.inp.grad_fn is not None:  # the embedding output: I stops at the node that made it
-            targets = {self.inp.grad_fn}
-        else:  # a received activation: I ends at its gradient accumulator
-            targets = {n for n in _walk(root, set(), {}) if getattr(n, "variable", None) is self.inp}
-        info = _walk(root, targets, self.params)
+        # Where I stops: the node that made the embedding output, or a received activation's
+        # gradient accumulator.
+        target = get_gradient_edge(self.inp).node
+        targets = {target}
+        info = _walk(self.out.grad_fn, targets, self.params)
+        self.below = [self.params[i] for i in info.get(target, (False, frozenset()))[1]]
         groups: list[tuple[list[Node], set[int], set[int]]] = []  # (nodes, their params, params on their input paths)
         for node, (on_path, _) in info.items():
             if not on_path or node in targets:
@@ -116,8 +117,6 @@ class SplitBackward:
         for nodes, params in self.groups:
             edges = [(GradientEdge(n, i), g) for n in nodes for i, g in enumerate(self.kept[n]) if g is not None]
             torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params)
-        if self.inp_grad is not None:  # first stage: the embedding below the input
-            below = [self.params[i] for i in _walk(self.inp.grad_fn, set(), self.params)[self.inp.grad_fn][1]]
-            if below:
-                torch.autograd.backward(self.inp, self.inp_grad, inputs=below)
-        self.groups, self.kept, self.inp_grad = [], {}, None
+        if self.inp_grad is not None and self.below:  # first stage: the embedding below the input
+            torch.autograd.backward(self.inp, self.inp_grad, inputs=self.below)
+        self.groups, self.kept, self.inp_grad, self.below = [], {}, None, []
