@@ -25,7 +25,8 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.mesh import Mesh, device_for
 from fivefold.model import Transformer
 from fivefold.parallel import comms
-from fivefold.parallel.expert import expert_stats, reset_expert_counts, set_balance_loss_scale, update_expert_bias
+from fivefold.parallel.expert import (ExpertStats, expert_stats, reset_expert_counts, set_balance_loss_scale,
+                                     update_expert_bias)
 from fivefold.parallel.parallelize import Parallelized, full_state_dict, parallelize
 from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
@@ -147,15 +148,15 @@ def predicted(cfg: Config, world: int, device_type: str) -> dict:
     return predict_for_config(cfg, world, hardware, device_type)
 
 
-def moe_metrics(routing, mesh: Mesh) -> dict:
+def moe_metrics(routing: ExpertStats, mesh: Mesh) -> dict:
     """Copies routed to each expert per MoE block (all stages), and each block's max/mean load."""
     parts = [routing]
     if mesh.size("pp") > 1:  # each stage counted its own blocks
         parts = [None] * mesh.size("pp")
         dist.all_gather_object(parts, routing, group=mesh.group("pp").pg)
-    load = {k: v for part in parts for k, v in part.load.items()}
-    return {"expert_load": load, "expert_dropped": {k: v for part in parts for k, v in part.dropped.items()},
-            "expert_max_over_mean": {k: max(v) * len(v) / max(sum(v), 1) for k, v in load.items()}}
+    every = ExpertStats(load={k: v for part in parts for k, v in part.load.items()},
+                        dropped={k: v for part in parts for k, v in part.dropped.items()})
+    return {"expert_load": every.load, "expert_dropped": every.dropped, "expert_max_over_mean": every.max_over_mean()}
 
 
 def train(cfg: Config, *, progress: bool = True, return_state: bool = False) -> TrainResult:
