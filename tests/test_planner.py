@@ -12,7 +12,7 @@ import pytest
 from fivefold.cli import main
 from fivefold.config import load_config
 from fivefold.parallel.comms import wire_bytes
-from fivefold.planner.comm import dp_traffic
+from fivefold.planner.comm import LOSS_ALL_REDUCES, dp_traffic
 from fivefold.planner.counts import count_on_meta, model_counts
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import CATALOG, GB, get_hardware
@@ -106,10 +106,12 @@ def test_axes_inside_or_across_nodes():
                              "--train.seq_len=4096", "--train.global_batch=64", "--train.micro_batch=1"])
     est = estimate(cfg, 64, get_hardware("h100"))
     assert not est.comm["tp"].inter_node and est.comm["dp"].inter_node and est.comm["pp"].inter_node
-    # tp traffic: 4 all-reduces per block and micro-batch of (b, s, d) bf16 (000_*: 8 b s h (t-1)/t per layer)
+    # tp traffic: 4 all-reduces per block and micro-batch of (b, s, d) bf16 (000_*: 8 b s h (t-1)/t per layer);
+    # the busiest rank holds the head (one more) and the vocabulary-parallel loss (3 of (b, s) fp32)
     per_block = 4 * wire_bytes("all_reduce", 1 * 4096 * 8192 * 2, 8)
     micro, blocks = 64 // 2, 80 // 4
-    assert est.comm["tp"].bytes == pytest.approx(micro * (blocks * per_block + wire_bytes("all_reduce", 4096 * 8192 * 2, 8)))
+    ends = wire_bytes("all_reduce", 4096 * 8192 * 2, 8) + LOSS_ALL_REDUCES * wire_bytes("all_reduce", 4096 * 4, 8)
+    assert est.comm["tp"].bytes == pytest.approx(micro * (blocks * per_block + ends))
 
 
 # The real recipes of 000_* ("真实配方"). Sequence lengths and batch sizes are those the papers

@@ -7,7 +7,8 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config, read_config, replace
-from fivefold.planner.calibrate import calibrate, fit_alpha_beta
+from fivefold.planner.calibrate import calibrate
+from fivefold.planner.calibrate_comm import fit_alpha_beta
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import load_profile, profile_toml
 from fivefold.planner.search import candidates, search

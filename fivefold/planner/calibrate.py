@@ -2,32 +2,37 @@
 
 Everything is measured the way training runs: on `nproc` forked ranks at once, each with the
 thread count a training worker uses (`threads`: the cores shared out over the ranks, 1 when the
-ranks outnumber the cores), so the ranks contend for cores, caches and memory as they will.
+ranks outnumber the cores), so the ranks contend for cores, caches and memory as they will; the
+ranks start each measurement together. Every timing is a median over samples about as long as a
+training step (timing.py: short ones would miss the preemptions a step pays for on a shared
+machine). The compute measurements run in rounds, every one of them once a round, and each figure
+is the median over the rounds and then over the ranks: a neighbour's burst of load spoils one round
+of each figure, not every round of one.
 What is measured, and what it becomes in the profile (every value's [sources] entry says so):
 
-- the fixed cost of one op: a chain of tiny elementwise multiplies run forward and backward with
-  autograd, divided by the aten ops it dispatches (counted, opcount.trace) -> op_overhead_s; the
-  same with a chain of views -> view_overhead_s;
+- the fixed cost of one op: a chain of tiny elementwise ops of fifteen kinds (multiply, tanh, silu,
+  exp, rsqrt, ...) run forward and backward with autograd, divided by the aten ops it dispatches
+  (counted, opcount.trace) -> op_overhead_s; the same with a chain of views -> view_overhead_s;
 - the same chain at larger sizes -> elementwise_curve: bytes read + written per op, and the rate
   at which the time beyond the overhead grows with them (caches first, then memory);
-- a matmul sweep (square n x n, n = 16 .. 1024, the compute dtype) -> matmul_curve (FLOPs of one
-  matmul, FLOP/s achieved); peak_flops is its best rate and compute_efficiency its median / best
-  (what the FLOPs-only estimate, and MFU, use);
+- a matmul sweep (square n x n, n = 16 .. 1024, the compute dtype), run as a step runs them: a
+  chain of linear layers forward and backward -> matmul_curve (FLOPs of one matmul, FLOP/s
+  achieved); peak_flops is its best rate and compute_efficiency its median / best (what the
+  FLOPs-only estimate, and MFU, use);
 - fivefold's own optimizer step (train/optim.py: AdamW foreach=False, gradient clipping,
   zero_grad) on many small and on a few large tensors -> optimizer_s_per_tensor and
   optimizer_s_per_element (two equations, two unknowns);
+- Python's fixed costs beyond the ops (calibrate_host.py): an nn.Module call, a custom autograd
+  Function, a gradient hook, the loop's model-state sampling per parameter, a helper thread ->
+  module_call_s, function_s, hook_s, tensor_query_s, thread_s;
 - a large copy -> hbm_bw (bytes read + written per second);
-- every collective the parallel code uses (all-reduce, all-gather, reduce-scatter, all-to-all,
-  send/recv) at several sizes, each issued right after a burst of compute on every rank, as
-  training issues them (a collective called back to back with the last one finds the transport
-  threads awake; one called after compute, as in training, pays to wake them), median of the
-  repeats -> a least-squares fit of the alpha-beta model t = steps x alpha + wire bytes / beta
-  (the planner's comm.py model), giving intra_latency = alpha and intra_bw = beta with
-  bw_efficiency = 1 (beta is already achieved); local ranks share one "node", so the inter-node
-  figures are set to the same values.
+- every collective the parallel code uses (calibrate_comm.py), each after a burst of compute as
+  training issues it -> intra_bw (beta of the alpha-beta fit, bw_efficiency = 1 since beta is
+  already achieved), intra_latency (its alpha) and collective_alpha (alpha per collective); local
+  ranks share one "node", so the inter-node figures are set to the same values.
 Nothing is fitted to a training run: the planner's step time on this machine is then a
-prediction from these primitives (opcount.py prices the model's own ops with them), and the
-self-check compares it with what `fivefold train` measures.
+prediction from these primitives (opcount.py prices the model's own ops with them, overheads.py
+the Python around them), and the self-check compares it with what `fivefold train` measures.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ import time
 
 import torch
 
-from fivefold.parallel.comms import wire_bytes
+from fivefold.planner.calibrate_comm import alpha_per_op, collective_timings, fit_alpha_beta
+from fivefold.planner.calibrate_host import host_costs
 from fivefold.planner.hardware import Hardware
+from fivefold.planner.timing import SAMPLE_S, sample_time
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+HOST = ("module_call_s", "function_s", "hook_s", "tensor_query_s", "thread_s")
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -54,35 +61,41 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def threads_per_rank(nproc: int) -> int:
     """The compute threads one training worker gets when nproc ranks share this machine's cores."""
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
 def matmul_sweep(sizes: tuple[int, ...] = (128, 256, 512, 1024), dtype: torch.dtype = torch.float32,
-                 repeats: int = 3) -> dict[int, float]:
-    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) for each n, median of `repeats` timings of enough
-    calls to take about 10 ms (a tiny matmul takes microseconds)."""
+                 repeats: int = 3, min_s: float = SAMPLE_S, op_s: float = 0.0, view_s: float = 0.0) -> dict[int, float]:
+    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) for each n, as a training step runs its matmuls:
+    a chain of n x n linear layers (n tokens) forward and backward, three matmuls per layer (output,
+    input gradient, weight gradient), each writing a fresh tensor that autograd keeps or frees as it
+    goes; the same matmul repeated on two warm operands runs faster than any step does.
+
+    The rate is that of the time beyond the chain's fixed costs (its ops and views, counted by
+    opcount.trace, at op_s and view_s), which opcount.tally_time adds back per op; sizes whose
+    time is all fixed cost get no point."""
+    from fivefold.planner.opcount import trace
+
     out = {}
     for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        calls = max(1, int(2e7 // (2 * n**3)))
+        layers = max(1, min(8, int(3e7 // (2 * n**3))))
+        weights = [torch.randn(n, n, dtype=dtype, requires_grad=True) for _ in range(layers)]
+        x0 = torch.randn(n, n, dtype=dtype, requires_grad=True)
 
-        def run():
-            for _ in range(calls):
-                torch.mm(a, b)
+        def chain():
+            x = x0
+            for w in weights:
+                x = torch.nn.functional.linear(x, w)
+            x.backward(torch.ones_like(x))
+            for t in (x0, *weights):
+                t.grad = None
 
-        out[n] = 2 * n**3 * calls / _median_time(run, repeats)
+        tally = trace(chain)
+        work = sample_time(chain, repeats, min_s) - tally.ops * op_s - tally.views * view_s
+        if work > 0:
+            out[n] = 2 * n**3 * 3 * layers / work
     return out
 
 
@@ -92,10 +105,18 @@ def copy_bandwidth(nbytes: int = 64_000_000, repeats: int = 3) -> float:
     return 2 * nbytes / _best_time(lambda: dst.copy_(src), repeats)
 
 
-def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 100,
-             repeats: int = 9) -> dict:
-    """Seconds per aten op of a forward + backward chain of elementwise multiplies (64 elements,
-    then `sizes`), and of a chain of views; ops counted as dispatched (opcount.trace).
+# The elementwise ops a transformer's code is made of, taken in turn: a chain repeating one op keeps
+# that one kernel's code and data hot, and with the other rank busy on the second core it ran at
+# half to two thirds of the per-op cost of the model's blocks here; a chain of many kinds came close.
+_MIX = (lambda x: x * 1.0001, torch.tanh, torch.nn.functional.silu, lambda x: x.pow(2), torch.sigmoid,
+        torch.neg, lambda x: x / 1.5, torch.exp, lambda x: x + 0.5, torch.rsqrt, torch.nn.functional.gelu,
+        torch.sin, lambda x: x.clamp(-1.0, 1.0), torch.abs, lambda x: x - 0.25)
+
+
+def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 120,
+             repeats: int = 9, min_s: float = SAMPLE_S) -> dict:
+    """Seconds per aten op of a forward + backward chain of elementwise ops of many kinds (_MIX:
+    64 elements, then `sizes`), and of a chain of views; ops counted as dispatched (opcount.trace).
 
     Returns {"op_overhead_s", "view_overhead_s", "elementwise_curve": ((bytes per op, bytes/s), ...)}:
     the curve's rate is that of the time beyond the tiny chain's (the fixed cost).
@@ -104,15 +125,16 @@ def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 1
 
     def per_op(numel: int) -> float:
         w = torch.randn(numel, requires_grad=True)
+        length = links if numel <= 65_536 else len(_MIX) * 2  # a long chain of MB-sized ops takes seconds
 
         def chain():
             x = w
-            for _ in range(links):
-                x = x * 1.0001
+            for i in range(length):
+                x = _MIX[i % len(_MIX)](x)
             x.sum().backward()
 
         tally = trace(chain)
-        return _median_time(chain, repeats) / (tally.ops + tally.views)
+        return sample_time(chain, repeats, min_s) / (tally.ops + tally.views)
 
     w = torch.randn(64, requires_grad=True)
 
@@ -126,7 +148,7 @@ def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 1
     # the view chain also runs a clone per reshape of a transposed view and a few kernels: price
     # those at the elementwise overhead and leave the rest to the views
     overhead = per_op(64)
-    view_time = _median_time(views, repeats) - vt.ops * overhead
+    view_time = sample_time(views, repeats, min_s) - vt.ops * overhead
     curve = []
     for n in sizes:
         extra = per_op(n) - overhead
@@ -137,7 +159,7 @@ def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 1
             "elementwise_curve": tuple(curve)}
 
 
-def optimizer_costs(repeats: int = 5) -> tuple[float, float]:
+def optimizer_costs(repeats: int = 5, min_s: float = SAMPLE_S) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per element) of fivefold's optimizer step as the
     training loop runs it: clip_grad_norm, AdamW (train/optim.py), zero_grad; from many small
     and a few large tensors."""
@@ -158,8 +180,8 @@ def optimizer_costs(repeats: int = 5) -> tuple[float, float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        clone = _median_time(lambda: [g.clone() for g in grads], repeats)  # not the optimizer's
-        return _median_time(step, repeats) - clone
+        clone = sample_time(lambda: [g.clone() for g in grads], repeats, min_s)  # not the optimizer's
+        return sample_time(step, repeats, min_s) - clone
 
     (t1, n1, e1), (t2, n2, e2) = [(per_step(c, e), c, c * e) for c, e in ((96, 64), (4, 262_144))]
     # t = n a + e b for both sets
@@ -168,128 +190,78 @@ def optimizer_costs(repeats: int = 5) -> tuple[float, float]:
     return max(a, 0.0), max(b, 0.0)
 
 
+def _median_of(values: list):
+    """Median of like-shaped measurements: numbers; tuples element by element (over the shortest);
+    dicts key by key (a key over the measurements that have it: a curve may lack a point)."""
+    first = values[0]
+    if isinstance(first, dict):
+        keys = dict.fromkeys(k for v in values for k in v)
+        return {k: _median_of([v[k] for v in values if k in v]) for k in sorted(keys)}
+    if isinstance(first, (tuple, list)):
+        return tuple(_median_of([v[i] for v in values]) for i in range(min(len(v) for v in values)))
+    return statistics.median(values)
+
+
 def _compute_worker(rank: int, world: int, threads: int, quick: bool) -> dict:
     """Every compute measurement, on each of `world` ranks at once (each with `threads` threads)."""
-    torch.set_num_threads(threads)
-    sizes = (16, 32, 64, 128, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
-    # rounds spread over the run, medians taken: a neighbour's burst of load spoils one round, not all
-    rounds = 1 if quick else 3
-    ops, opt = [], []
-    out = {}
-    for r in range(rounds):
-        ops.append(op_costs(repeats=5 if quick else 9))
-        opt.append(optimizer_costs(3 if quick else 5))
-        if r == 0:
-            out["matmul"] = matmul_sweep(sizes, repeats=3 if quick else 5)
-            out["copy"] = copy_bandwidth(8_000_000 if quick else 64_000_000)
-    med = statistics.median
-    out["op_overhead_s"] = med(o["op_overhead_s"] for o in ops)
-    out["view_overhead_s"] = med(o["view_overhead_s"] for o in ops)
-    n = min(len(o["elementwise_curve"]) for o in ops)
-    out["elementwise_curve"] = tuple((ops[0]["elementwise_curve"][i][0], med(o["elementwise_curve"][i][1] for o in ops))
-                                     for i in range(n))
-    out["optimizer"] = (med(o[0] for o in opt), med(o[1] for o in opt))
-    return out
-
-
-def compute_timings(nproc: int, threads: int, quick: bool = False) -> dict:
-    """The compute measurements on nproc forked ranks; each figure is the median over the ranks."""
-    from fivefold.testing import run_workers
-
-    rows = run_workers(_compute_worker, nproc, threads, quick, timeout=600.0)
-    med = statistics.median
-    return {
-        "matmul": {n: med(r["matmul"][n] for r in rows) for n in rows[0]["matmul"]},
-        "op_overhead_s": med(r["op_overhead_s"] for r in rows),
-        "view_overhead_s": med(r["view_overhead_s"] for r in rows),
-        "elementwise_curve": tuple(
-            (x, med(r["elementwise_curve"][i][1] for r in rows if len(r["elementwise_curve"]) > i))
-            for i, (x, _) in enumerate(min((r["elementwise_curve"] for r in rows), key=len))),
-        "optimizer": (med(r["optimizer"][0] for r in rows), med(r["optimizer"][1] for r in rows)),
-        "copy": med(r["copy"] for r in rows),
-    }
-
-
-def _burst(x: torch.Tensor, ops: int = 100) -> None:
-    """About a millisecond of small ops: the compute a training step runs between collectives."""
-    for _ in range(ops):
-        x = x * 1.0001
-
-
-def _collective_worker(rank: int, world: int, sizes: tuple[int, ...], repeats: int,
-                       threads: int = 1) -> list[tuple[str, int, float]]:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    rows = []
-    filler = torch.randn(64)
-    for nbytes in sizes:
-        n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by world
-        full, part = torch.ones(n), torch.ones(n // world)
-        ops = {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-            "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
-            "send": lambda: (dist.send(full, 1) if rank == 0 else dist.recv(full, 0)) if rank < 2 else None,
-        }
-        for op, fn in ops.items():
+    sizes = (16, 32, 64, 128, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
+    rounds, samples, min_s = (1, 3, SAMPLE_S / 5) if quick else (3, 5, SAMPLE_S)
+    ops, opt, host, mm = [], [], [], []
+    for _ in range(rounds):
+        for measure, into in ((lambda: op_costs(repeats=samples, min_s=min_s), ops),
+                              (lambda: optimizer_costs(samples, min_s), opt),
+                              (lambda: host_costs(samples, min_s), host),
+                              (lambda: matmul_sweep(sizes, repeats=3, min_s=min_s, op_s=ops[-1]["op_overhead_s"],
+                                                    view_s=ops[-1]["view_overhead_s"]), mm)):
             dist.barrier()
-            fn()  # warm-up
-            times = []
-            for _ in range(repeats):
-                _burst(filler)  # as in training: compute, then the collective
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            rows.append((op, n * 4, statistics.median(times)))
-    return rows
+            into.append(measure())
+    for o in ops:  # by size, so that sessions, ranks and rounds merge point by point
+        o["elementwise_curve"] = dict(o["elementwise_curve"])
+    return {**_median_of(ops), **_median_of(host), "optimizer": _median_of(opt), "matmul": _median_of(mm),
+            "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
 
 
-def collective_timings(nproc: int = 2, sizes: tuple[int, ...] = (16_384, 262_144, 4_194_304),
-                       repeats: int = 7, threads: int = 1) -> list[tuple[str, int, float]]:
-    """(op, tensor bytes, seconds) measured on `nproc` forked gloo ranks (rank 0's view), each
-    collective issued after a burst of compute, median of `repeats`."""
+def measure(nproc: int = 2, quick: bool = False, threads: int | None = None) -> dict:
+    """One session of every measurement on nproc forked ranks (each figure the median over the
+    ranks): {"compute": {...}, "collectives": {(op, tensor bytes): seconds}}. calibrate() makes a
+    profile of one session; profile() of several, taken at different times (medians of each)."""
     from fivefold.testing import run_workers
 
-    return run_workers(_collective_worker, nproc, sizes, repeats, threads)[0]
-
-
-def fit_alpha_beta(rows: list[tuple[str, int, float]], n: int) -> tuple[float, float]:
-    """Least squares of t = steps x alpha + wire / beta over every (op, size) timing -> (alpha, beta)."""
-    xs = []
-    for op, nbytes, t in rows:
-        steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(op, n - 1)
-        xs.append((steps, wire_bytes(op, nbytes, n), t))
-    # normal equations for two unknowns a = alpha, c = 1/beta
-    s11 = sum(s * s for s, _, _ in xs); s12 = sum(s * w for s, w, _ in xs); s22 = sum(w * w for _, w, _ in xs)
-    r1 = sum(s * t for s, _, t in xs); r2 = sum(w * t for _, w, t in xs)
-    det = s11 * s22 - s12 * s12
-    alpha, inv_beta = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-    if inv_beta <= 0:  # latency-dominated sizes: bandwidth from the largest transfer alone
-        _, w, t = max(xs, key=lambda x: x[1])
-        inv_beta = t / w
-    return max(alpha, 0.0), 1.0 / inv_beta
+    threads = threads or threads_per_rank(nproc)
+    compute = _median_of(run_workers(_compute_worker, nproc, threads, quick, timeout=600.0))
+    rows = collective_timings(nproc, (4_096, 65_536, 1_048_576) if quick else (16_384, 262_144, 4_194_304),
+                              repeats=((3, 4), (3, 2), (2, 1)) if quick else ((9, 16), (5, 4), (3, 1)), threads=threads)
+    return {"compute": compute, "collectives": {(op, nbytes): t for op, nbytes, t in rows}}
 
 
 def calibrate(nproc: int = 2, quick: bool = False, name: str = "local", threads: int | None = None) -> Hardware:
     """Measure this machine as `nproc` training ranks use it: op costs, matmuls, the optimizer,
-    copy bandwidth (on every rank at once) and collectives on nproc gloo ranks."""
+    Python's fixed costs, copy bandwidth (on every rank at once) and collectives on nproc gloo ranks."""
     threads = threads or threads_per_rank(nproc)
-    c = compute_timings(nproc, threads, quick)
+    return profile([measure(nproc, quick, threads)], nproc, threads, name)
+
+
+def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local") -> Hardware:
+    """The hardware profile from measure() sessions: each figure the median over them."""
+    c = _median_of([s["compute"] for s in sessions])
+    timed = _median_of([s["collectives"] for s in sessions])
+    rows = [(op, nbytes, t) for (op, nbytes), t in timed.items()]
     rates = c["matmul"]
     peak = max(rates.values())
-    rows = collective_timings(nproc, (4_096, 65_536, 1_048_576) if quick else (16_384, 262_144, 4_194_304),
-                              repeats=3 if quick else 7, threads=threads)
     alpha, beta = fit_alpha_beta(rows, nproc)
+    per_op = alpha_per_op(rows, nproc, beta)
     host = (f"measured by fivefold calibrate on {os.uname().nodename} ({os.cpu_count()} cores, "
-            f"{nproc} ranks x {threads} threads, torch {torch.__version__})")
+            f"{nproc} ranks x {threads} threads, torch {torch.__version__}, median of {len(sessions)} session(s))")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     sweep = ", ".join(f"{n}: {r / 1e9:.1f}" for n, r in rates.items())
     coll = "; ".join(f"{op} {nb}B {t * 1e6:.0f}us" for op, nb, t in rows)
     per_tensor, per_element = c["optimizer"]
     sources = {
-        "peak_flops": f"{host}: best fp32 matmul rate of the sweep (GFLOP/s by n: {sweep})",
+        "peak_flops": f"{host}: best fp32 matmul rate of the sweep, n x n linear layers forward + backward "
+                      f"(GFLOP/s by n: {sweep})",
         "compute_efficiency": f"{host}: median / best rate of the same sweep",
         "matmul_curve": f"{host}: the same sweep, (2 n^3 FLOPs, FLOP/s) per n",
         "hbm_bw": f"{host}: tensor copy, bytes read + written per second",
@@ -297,19 +269,29 @@ def calibrate(nproc: int = 2, quick: bool = False, name: str = "local", threads:
         "intra_bw": f"{host}: alpha-beta least-squares fit over {nproc} gloo ranks, each collective after "
                     f"a burst of compute, median ({coll})",
         "intra_latency": f"{host}: same fit, alpha per ring step",
+        "collective_alpha": f"{host}: per collective, its smallest size's median less wire bytes / intra_bw, "
+                            "per ring step (a send: half a ping-pong)",
         "bw_efficiency": "1.0: the fitted bandwidth is already the achieved one",
         "inter_bw": "local ranks share one node: same as intra_bw",
         "inter_latency": "local ranks share one node: same as intra_latency",
         "pcie_bw": "not measured: set to the copy bandwidth",
         "gpus_per_node": f"{host}: CPU cores (local ranks all sit in this node)",
         "threads": f"{host}: torch threads per rank during every measurement (cores / ranks, at least 1)",
-        "op_overhead_s": f"{host}: forward + backward of a chain of 64-element multiplies / aten ops dispatched",
+        "op_overhead_s": f"{host}: forward + backward of a chain of 64-element elementwise ops of 15 kinds / aten "
+                         "ops dispatched",
         "view_overhead_s": f"{host}: the same for a chain of views (its few kernels priced at op_overhead_s)",
-        "elementwise_curve": f"{host}: the multiply chain at larger sizes, (bytes read + written per op, "
+        "elementwise_curve": f"{host}: the same chain at larger sizes, (bytes read + written per op, "
                              "bytes/s of the time beyond op_overhead_s)",
         "optimizer_s_per_tensor": f"{host}: clip_grad_norm + AdamW(foreach=False) + zero_grad of train/optim.py "
                                   "on 96 x 64 and 4 x 262144 elements, solved for per tensor and per element",
         "optimizer_s_per_element": f"{host}: same measurement",
+        "module_call_s": f"{host}: 100 multiplies each in an nn.Module's forward, less the bare chain, forward + "
+                         "backward, per module",
+        "function_s": f"{host}: the same multiplies as a custom autograd.Function, less the bare chain, per Function",
+        "hook_s": f"{host}: a sum of 100 leaves each with a post-accumulate-grad hook, less none, per hook",
+        "tensor_query_s": f"{host}: DataParallel.model_state_bytes on 100 parameters (gradient and AdamW state "
+                          "each), per parameter",
+        "thread_s": f"{host}: a thread draining a queue, started and joined (pipeline._Sends' pattern)",
     }
     return Hardware(name=name, peak_flops=peak, memory_bytes=float(mem), hbm_bw=c["copy"], intra_bw=beta,
                     inter_bw=beta, pcie_bw=c["copy"], gpus_per_node=os.cpu_count() or 1,
@@ -317,5 +299,6 @@ def calibrate(nproc: int = 2, quick: bool = False, name: str = "local", threads:
                     intra_latency=alpha, inter_latency=alpha, threads=threads,
                     op_overhead_s=c["op_overhead_s"], view_overhead_s=c["view_overhead_s"],
                     matmul_curve=tuple((2.0 * n**3, r) for n, r in rates.items()),
-                    elementwise_curve=c["elementwise_curve"], optimizer_s_per_tensor=per_tensor,
-                    optimizer_s_per_element=per_element, sources=sources)
+                    elementwise_curve=tuple(c["elementwise_curve"].items()), optimizer_s_per_tensor=per_tensor,
+                    optimizer_s_per_element=per_element, collective_alpha=per_op,
+                    sources=sources, **{k: c[k] for k in HOST})

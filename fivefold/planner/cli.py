@@ -50,10 +50,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure this machine and write a hardware profile",
-                       description="Time matmuls, a copy and every collective; write a profile for --hardware.")
+                       description="Time ops, matmuls, the optimizer, Python's fixed costs, a copy and every "
+                                   "collective; write a profile for --hardware.")
     p.add_argument("--out", default="local.toml", help="profile to write")
     p.add_argument("--nproc", type=int, default=2, help="local gloo ranks for the collective timings")
-    p.add_argument("--quick", action="store_true", help="small sizes (a few seconds)")
+    p.add_argument("--quick", action="store_true", help="small sizes, short samples (a few seconds; rough)")
 
 
 def parse_tokens(text: str) -> int:

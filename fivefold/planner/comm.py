@@ -13,7 +13,8 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   two all-reduces in forward (attention, MLP) and two in backward, each of the (b, s/cp, d)
   activation: 8 b s d (t-1)/t element-bytes per block (000_*); with sp an all-gather plus a
   reduce-scatter replace each all-reduce at the same bytes. Full recompute runs forward again
-  (+2 per block). The vocabulary-parallel embedding and head add one each.
+  (+2 per block). The vocabulary-parallel embedding and head add one each, and the loss three
+  small ones of (b, s/cp) fp32 values (the max, the sum of exponentials, the target logit).
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
   (b s d elements, / t with sp), 2 M per chunk not at the model's ends.
 - cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops,
@@ -25,17 +26,20 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
 Time by an alpha-beta model (Hockney 1994; Thakur et al. 2005 for the collective step counts):
 t = steps x alpha + wire bytes / (bandwidth x efficiency), the link being the node's interconnect
 or the per-GPU NIC depending on whether the axis's groups cross nodes (layout.axis_spans_nodes).
+A profile from `fivefold calibrate` holds alpha per collective (on gloo their fixed costs per ring
+step differ by a factor of two or more); the catalog's one alpha per link serves every op.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fivefold.config import Config
 from fivefold.parallel.comms import wire_bytes
 from fivefold.planner.hardware import Hardware
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
+LOSS_ALL_REDUCES = 3  # per micro-batch, inside parallel/tensor.py's _VocabParallelCrossEntropy
 
 
 @dataclass
@@ -47,26 +51,34 @@ class AxisTraffic:
     steps: int = 0  # ring steps summed over the calls (latency terms)
     inter_node: bool = False
     time_s: float = 0.0
+    op_steps: dict[str, int] = field(default_factory=dict)  # the steps by collective
 
     def add(self, op: str, nbytes: float, n: int, count: float = 1) -> None:
         if n <= 1 or count <= 0:
             return
         self.bytes += count * wire_bytes(op, nbytes, n)  # the formula the running code counts with
         self.calls += int(count)
-        per_call = {"all_reduce": 2 * (n - 1), "send": 1, "broadcast": 1}.get(op, n - 1)
-        self.steps += int(count * per_call)
+        steps = int(count * ring_steps(op, n))
+        self.steps += steps
+        self.op_steps[op] = self.op_steps.get(op, 0) + steps
 
 
-def link(hw: Hardware, inter_node: bool) -> tuple[float, float]:
-    """(bandwidth in bytes/s after efficiency, latency per step in s) of the link an axis uses."""
-    if inter_node:
-        return hw.inter_bw * hw.bw_efficiency, hw.inter_latency
-    return hw.intra_bw * hw.bw_efficiency, hw.intra_latency
+def ring_steps(op: str, n: int) -> int:
+    """Latency terms of one collective over n ranks (Thakur et al. 2005): 2(n-1) for a ring
+    all-reduce, 1 for a send or broadcast, n-1 for the others."""
+    return {"all_reduce": 2 * (n - 1), "send": 1, "broadcast": 1}.get(op, n - 1)
+
+
+def link(hw: Hardware, inter_node: bool, op: str | None = None) -> tuple[float, float]:
+    """(bandwidth in bytes/s after efficiency, latency per step in s) of the link an axis uses;
+    with `op`, that collective's own latency where the profile measured one per collective."""
+    bw, alpha = ((hw.inter_bw, hw.inter_latency) if inter_node else (hw.intra_bw, hw.intra_latency))
+    return bw * hw.bw_efficiency, dict(hw.collective_alpha).get(op, alpha)
 
 
 def time_of(t: AxisTraffic, hw: Hardware) -> float:
-    bw, alpha = link(hw, t.inter_node)
-    return t.steps * alpha + t.bytes / bw
+    bw, _ = link(hw, t.inter_node)
+    return sum(steps * link(hw, t.inter_node, op)[1] for op, steps in t.op_steps.items()) + t.bytes / bw
 
 
 def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int) -> AxisTraffic:
@@ -97,6 +109,8 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
     # tp: 4 per block (2 fwd + 2 bwd), +2 with full recompute; embedding fwd, head bwd.
     per_block = 4 + (2 if t.recompute == "full" else 0)
     out["tp"].add("all_reduce", act, p.tp, micro * (per_block * blocks + int(first) + int(last)))
+    if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
+        out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
     # pp: activation out and gradient back at each boundary this rank's chunks touch.
     boundaries = 2 * chunks - pp_ends
     out["pp"].add("send", act / (p.tp if p.sp else 1), p.pp, micro * boundaries)

@@ -7,7 +7,11 @@ source of its formula. How the step time is put together:
 1. compute: training FLOPs of one micro-batch on one pipeline chunk (counts.flops_per_token:
    6 x active matmul parameters + causal attention), split by tp (experts are not: they are
    replicated over tp), at peak x compute_efficiency; backward = 2 x forward; full recompute adds
-   a forward, selective the attention core's forward (Korthikanti et al. 2022).
+   a forward, selective the attention core's forward (Korthikanti et al. 2022). With a profile
+   from `fivefold calibrate` (a CPU) the model's own ops are priced one by one instead
+   (opcount.py), and the Python around them from counts of the layout (overheads.py: module
+   calls, autograd Functions, gradient hooks, model-state sampling and gradient accumulation per
+   micro-batch; the send thread and DDP's bucket packing per step).
 2. tp, cp and ep collectives sit on the critical path of each forward and backward (they are
    added to its duration); ring attention's K/V hops overlap the block's attention compute, so
    only what exceeds it is added.
@@ -18,7 +22,7 @@ source of its formula. How the step time is put together:
    is exposed, and never less than the last bucket; ZeRO's weight all-gather after the optimizer
    step is exposed; ZeRO-3's per-unit gathers overlap the compute of each micro-batch.
 5. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
-   parameter of its shard at the HBM bandwidth.
+   parameter of its shard at the HBM bandwidth (a calibrated profile: fivefold's own step, timed).
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ from typing import Any
 from fivefold.config import Config
 from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.simulate import Costs, SimResult, simulate
-from fivefold.planner.comm import AXES, AxisTraffic, activation_traffic, dp_traffic, link, time_of
+from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, activation_traffic, dp_traffic, link, time_of
 from fivefold.planner.counts import flops_per_token, head_dim, model_counts
 from fivefold.planner.hardware import GB, Hardware
 from fivefold.planner.layout import axis_spans_nodes, rank_shares
 from fivefold.planner.memory import (BytesPerParam, activation_bytes, buffer_bytes, fivefold_state_bytes,
                                      model_state_bytes)
+from fivefold.planner.overheads import HostCosts, host_costs
 from fivefold.validate import derive
 
 @functools.lru_cache(maxsize=4096)
@@ -77,11 +82,33 @@ def _op_priced(cfg: Config, hw: Hardware, share, vocab: int, local_seq: int,
     recompute = ft["total"] if t.recompute == "full" else 0.0
     both = fwd + bwd
     parts = {k: (ft[k] + bt[k]) / chunks for k in ft} | {"ops": both.ops // chunks, "views": both.views // chunks,
-                                                         "flops": both.flops / chunks}
+                                                         "flops": both.flops / chunks, "modules": fwd.modules / chunks,
+                                                         "functions": fwd.functions / chunks}
     return ft["total"] / chunks, (bt["total"] + recompute) / chunks, fwd.params, parts
 
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "total")
+
+
+def bucket_reduce_s(bucket_bytes: float, n: int, bw: float, alpha: float) -> float:
+    """One gradient bucket's ring all-reduce over n ranks: 2(n-1) steps of alpha, 2(n-1)/n of it on the wire."""
+    return (2 * (n - 1) * alpha + 2 * (n - 1) / n * bucket_bytes / bw) if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class BucketOverlap:
+    """A gradient reduction started bucket by bucket during the backward that fills the buckets
+    (Li et al. 2020, "PyTorch Distributed"; course page 003_*). Seconds."""
+
+    reduce_s: float  # reducing all the gradients of one backward
+    bucket_s: float  # reducing one bucket
+    window_s: float  # the backward it overlaps (0 without parallel.overlap_comm)
+
+    @property
+    def exposed_s(self) -> float:
+        """What the backward does not hide: all that exceeds it, and never less than the last
+        bucket, which fills only when the backward ends."""
+        return max(self.reduce_s - self.window_s, min(self.bucket_s, self.reduce_s))
 
 
 @dataclass
@@ -96,8 +123,9 @@ class Estimate:
     tokens_per_s_per_gpu: float
     mfu: float
     fits: bool
-    time_split: dict[str, float]  # seconds: compute, tp/cp/ep exposed, bubble, dp exposed, optimizer
+    time_split: dict[str, float]  # seconds: compute, tp/cp/ep exposed, bubble, dp exposed, optimizer, sync, host
     explain: list[tuple[str, str, str]] = field(default_factory=list)  # (what, arithmetic, source)
+    dp_overlap: BucketOverlap | None = None  # DDP, ZeRO-1/2 over more than one rank (per micro-batch for ZeRO-2)
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object (keys fixed by the planner issue)."""
@@ -183,17 +211,29 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
         tr.time_s = time_of(tr, hw)
         where = "across nodes" if tr.inter_node else "inside a node"
         if tr.bytes:
-            ex.append((f"{axis} traffic", f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: "
-                       f"{tr.time_s * 1e3:.2f} ms", "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994)"))
+            steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
+                               for op, k in tr.op_steps.items())
+            ex.append((f"{axis} traffic", f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: {steps} + "
+                       f"bytes / {link(hw, tr.inter_node)[0] / GB:.2f} GB/s = {tr.time_s * 1e3:.2f} ms",
+                       "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994); alpha: "
+                       + hw.sources.get("collective_alpha" if hw.collective_alpha
+                                        else "inter_latency" if tr.inter_node else "intra_latency", "profile")))
 
     # tp / ep / cp on the critical path of every F and B of every chunk (spread evenly).
     units = max(1, 2 * M * chunks)  # F and B of each micro-batch and chunk
     attention_time = attn_fwd_per_block * tokens * len(share.blocks) / chunks / eff_flops
     cp_exposed = max(0.0, traffic["cp"].time_s / units - attention_time) if p.cp_method == "ring" else traffic["cp"].time_s / units
     on_path = (traffic["tp"].time_s + traffic["ep"].time_s) / units + cp_exposed
-    pp_bw, pp_alpha = link(hw, traffic["pp"].inter_node)
+    pp_bw, pp_alpha = link(hw, traffic["pp"].inter_node, "send")
     p2p = pp_alpha + t.micro_batch * local_seq * m.dim * act_bytes / (p.tp if p.sp else 1) / pp_bw if p.pp > 1 else 0.0
-    f_cost, b_cost = f_compute + on_path, b_compute + on_path
+    host = HostCosts()
+    if op_priced is not None:  # a CPU profile: the Python around the ops, from counts of this layout
+        host = host_costs(cfg, hw, modules=parts["modules"], functions=parts["functions"], tensors=n_tensors / chunks,
+                          rank_tensors=n_tensors, rank_params=share.params, micro=M, chunks=chunks,
+                          tp_calls=traffic["tp"].calls - (M * LOSS_ALL_REDUCES if share.last and p.tp > 1 else 0),
+                          grad_bytes=share.params * grad_b, dp_ranks=grad_ranks)
+        ex += host.explain
+    f_cost, b_cost = f_compute + on_path + host.forward_s, b_compute + on_path + host.backward_s
 
     # ---- the pipeline: the same simulator as the executor's schedules ---------------------------
     sim = _simulate(p.pp_schedule, p.pp, M, p.virtual_stages, f_cost, b_cost, p2p)
@@ -204,12 +244,13 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
 
     # ---- data parallel exposure -----------------------------------------------------------------
     dp = traffic["dp"]
-    bw, alpha = link(hw, dp.inter_node)
+    bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
     bucket = min(p.bucket_mb * 1e6, share.params * grad_b)
     n_dp = grad_ranks if p.zero == 0 else n_shard
-    t_bucket = (2 * (n_dp - 1) * alpha + 2 * (n_dp - 1) / n_dp * bucket / bw) if n_dp > 1 else 0.0
+    t_bucket = bucket_reduce_s(bucket, n_dp, bw, alpha)
     backward_window = chunks * b_cost if p.overlap_comm else 0.0
     gather = share.params * param_b * (n_dp - 1) / n_dp / bw + (n_dp - 1) * alpha if n_dp > 1 else 0.0
+    overlap = None
     if n_dp <= 1:
         exposed = 0.0
     elif p.zero == 3:
@@ -218,8 +259,8 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     else:
         reduce_t = dp.time_s - (gather if p.zero else 0.0)
         reduce_t /= M if p.zero == 2 else 1
-        exposed_reduce = max(reduce_t - backward_window, min(t_bucket, reduce_t))
-        exposed = exposed_reduce * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
+        overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
+        exposed = overlap.exposed_s * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
     ex.append(("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, backward window {backward_window * 1e3:.2f} ms: "
                f"{exposed * 1e3:.2f} ms exposed", "bucket overlap (Li et al. 2020; course page 003_*)"))
 
@@ -235,13 +276,13 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     # scalar all-reduces every step runs (train/loop.py): the gradient norm's partial sums over the
     # groups gradients are split over (ZeRO shards, pp, tp, ep: parallelize.gradient_split_groups)
     # and the logged loss over pp and the gradient group: latency only, nothing to overlap with
-    alpha_in = link(hw, False)[1]
+    alpha_in = link(hw, False, "all_reduce")[1]
     split_over = [n_shard if p.zero else 1, p.pp, p.tp, p.ep if m.n_experts else 1, p.pp, grad_ranks]
     sync_t = sum(2 * (n - 1) * alpha_in for n in split_over if n > 1)
     if sync_t:
         ex.append(("step sync", f"{sum(1 for n in split_over if n > 1)} scalar all-reduces (gradient norm, logged "
                    f"loss) x 2(n-1) x {alpha_in * 1e6:.0f} us = {sync_t * 1e3:.2f} ms", "train/loop.py; alpha-beta"))
-    step = sim.makespan + exposed + optimizer_t + sync_t
+    step = sim.makespan + exposed + optimizer_t + sync_t + host.step_s
     tokens_step = d.tokens_per_step
     model_flops = flops_per_token(m, t.seq_len, d.vocab_size)["total"] * tokens_step
     mfu = model_flops / (step * world_size * hw.peak_flops)
@@ -267,12 +308,14 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     ex.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: {'fits' if fits else 'does NOT fit'}",
                hw.sources.get("memory_bytes", "profile")))
     ex.append(("step time", f"{sim.makespan * 1e3:.2f} (pipeline) + {exposed * 1e3:.2f} (dp) + {optimizer_t * 1e3:.2f} "
-               f"(optimizer) + {sync_t * 1e3:.2f} (sync) = {step * 1e3:.2f} ms; MFU {model_flops:.3e} / ({step:.3f} s x {world_size} x "
+               f"(optimizer) + {sync_t * 1e3:.2f} (sync) + {host.step_s * 1e3:.2f} (per-step Python) = "
+               f"{step * 1e3:.2f} ms; MFU {model_flops:.3e} / ({step:.3f} s x {world_size} x "
                f"{hw.peak_flops:.3e}) = {mfu:.1%}", "MFU as in PaLM (Chowdhery et al. 2022, App. B)"))
     compute = M * chunks * (f_compute + b_compute)
     split = {"compute": compute, "tp_cp_ep": M * chunks * 2 * on_path, "bubble": sim.makespan - ideal,
-             "dp_exposed": exposed, "optimizer": optimizer_t, "step_sync": sync_t}
+             "dp_exposed": exposed, "optimizer": optimizer_t, "step_sync": sync_t,
+             "host": M * chunks * (host.forward_s + host.backward_s) + host.step_s}
     return Estimate(world_size=world_size, memory=memory, comm=traffic, bubble_ratio=sim.bubble_ratio,
                     bubble_fraction=sim.bubble_fraction, exposed_dp_s=exposed, step_time_s=step,
                     tokens_per_s_per_gpu=tokens_step / step / world_size, mfu=mfu, fits=fits, time_split=split,
-                    explain=ex)
+                    explain=ex, dp_overlap=overlap)

@@ -6,7 +6,10 @@ A `Hardware` holds two kinds of numbers, and keeps them apart on purpose:
   data sheet it comes from;
 - efficiency factors (the achievable fraction of peak FLOP/s and of link bandwidth, and the
   latency of one collective step), each with where it comes from: either a stated assumption of
-  the catalog or a measurement written by `fivefold calibrate` on the machine it ran on.
+  the catalog or a measurement written by `fivefold calibrate` on the machine it ran on;
+- on a CPU, what `fivefold calibrate` measured beyond those: the fixed cost of an op, of a view, of
+  Python's module calls, autograd Functions, hooks and bookkeeping, the optimizer step, matmul and
+  elementwise rate curves and a latency per collective (zero or empty on the catalog's GPUs).
 
 Factors are never fitted to published training runs: a planner tuned to reproduce Llama 3's MFU
 would only tell us what we told it. Bandwidths are per GPU and per direction (what one rank can
@@ -49,6 +52,13 @@ class Hardware:
     elementwise_curve: tuple[tuple[float, float], ...] = ()  # (bytes an op reads + writes, bytes/s beyond the overhead)
     optimizer_s_per_tensor: float = 0.0  # AdamW + gradient clipping + zero_grad, per parameter tensor
     optimizer_s_per_element: float = 0.0  # the same, per parameter element
+    # Python's share of a step, measured the same way (priced by overheads.py from counts of the layout):
+    module_call_s: float = 0.0  # one nn.Module call (forward), beyond the ops it runs
+    function_s: float = 0.0  # one custom autograd.Function (its Python forward and backward), beyond its ops
+    hook_s: float = 0.0  # one Python hook on a gradient (data parallel's, per parameter and backward)
+    tensor_query_s: float = 0.0  # the loop's model-state sampling, per parameter (gradient, optimizer state)
+    thread_s: float = 0.0  # one helper thread started and joined (the pipeline's send thread, once a step)
+    collective_alpha: tuple[tuple[str, float], ...] = ()  # (op, latency per ring step) when measured per op
     sources: dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it comes from
 
 
@@ -125,8 +135,10 @@ def get_hardware(name: str) -> Hardware:
 # ---- profiles: the same fields in TOML, with a [sources] table -------------------------------------
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
 _MEASURED_ONLY = {"threads", "op_overhead_s", "view_overhead_s", "matmul_curve", "elementwise_curve",
-                  "optimizer_s_per_tensor", "optimizer_s_per_element"}  # optional: absent on a GPU profile
+                  "optimizer_s_per_tensor", "optimizer_s_per_element", "module_call_s", "function_s", "hook_s",
+                  "tensor_query_s", "thread_s", "collective_alpha"}  # optional: absent on a GPU profile
 _CURVES = ("matmul_curve", "elementwise_curve")
+_BY_OP = ("collective_alpha",)  # [[op, value], ...]
 
 
 def load_profile(path: str | Path) -> Hardware:
@@ -141,6 +153,9 @@ def load_profile(path: str | Path) -> Hardware:
     for k in _CURVES:
         if k in hw:
             hw[k] = tuple((float(x), float(y)) for x, y in hw[k])
+    for k in _BY_OP:
+        if k in hw:
+            hw[k] = tuple((str(op), float(y)) for op, y in hw[k])
     if base:
         start = get_hardware(base)
         return dataclasses.replace(start, **hw, sources={**start.sources, **sources})
@@ -157,6 +172,9 @@ def profile_toml(hw: Hardware) -> str:
         value = getattr(hw, f)
         if f in _CURVES:
             lines.append(f"{f} = [{', '.join(f'[{float(x)!r}, {float(y)!r}]' for x, y in value)}]")
+        elif f in _BY_OP:
+            pairs = ", ".join(f'["{op}", {float(y)!r}]' for op, y in value)
+            lines.append(f"{f} = [{pairs}]")
         else:
             lines.append(f"{f} = {int(value) if f in ('gpus_per_node', 'threads') else float(value)!r}")
     lines += ["", "[sources]"]

@@ -13,7 +13,13 @@ measured those costs (`fivefold calibrate`), prices a micro-batch op by op:
 The op list comes from running `model.Block` (and the embedding, final norm, head and loss) forward
 and backward once under a `TorchDispatchMode`, on FakeTensors of the rank's true shapes (the tensor
 parallel slice: heads and FFN width / tp), so nothing is allocated and the CPU kernels are the ones
-selected. Results are cached per shape: a search traces each shape once.
+selected. The same trace counts the nn.Module calls and the custom autograd Functions, which
+overheads.py prices. Results are cached per shape: a search traces each shape once.
+
+Known gap: on the 2-core test machine a block's backward costs per op what the calibration's op
+chains cost, but its forward costs up to twice as much per op, even after module calls (with
+autograd off the gap halves: model code records more autograd state per op than a chain does).
+The forward of a tiny model is then priced low, and so its step, by up to a quarter.
 """
 
 from __future__ import annotations
@@ -40,15 +46,17 @@ class OpTally:
     attention: list[tuple[float, float]] = field(default_factory=list)  # (FLOPs, FLOPs of one head's QK^T)
     elementwise_bytes: list[float] = field(default_factory=list)  # bytes read + written, per other op
     params: int = 0  # parameter tensors (the optimizer's per-tensor work)
+    modules: int = 0  # nn.Module calls (forward)
+    functions: int = 0  # custom autograd.Functions applied (forward; each runs a Python backward too)
 
     def scaled(self, k: int) -> "OpTally":
         return OpTally(self.ops * k, self.views * k, self.matmul_flops * k, self.attention * k,
-                       self.elementwise_bytes * k, self.params * k)
+                       self.elementwise_bytes * k, self.params * k, self.modules * k, self.functions * k)
 
     def __add__(self, o: "OpTally") -> "OpTally":
         return OpTally(self.ops + o.ops, self.views + o.views, self.matmul_flops + o.matmul_flops,
                        self.attention + o.attention, self.elementwise_bytes + o.elementwise_bytes,
-                       self.params + o.params)
+                       self.params + o.params, self.modules + o.modules, self.functions + o.functions)
 
     @property
     def flops(self) -> float:
@@ -95,7 +103,8 @@ def _record(tally: OpTally, func, args, kwargs, out) -> None:
 
 
 def trace(fn) -> OpTally:
-    """Run fn() (forward and backward) and tally every aten op it dispatches."""
+    """Run fn() (forward and backward) and tally every aten op it dispatches and module it calls."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.utils._python_dispatch import TorchDispatchMode
 
     tally = OpTally()
@@ -107,9 +116,31 @@ def trace(fn) -> OpTally:
                 _record(tally, func, args, kwargs, out)
             return out
 
-    with _Count():
-        fn()
+    def count_module(module, args):
+        tally.modules += 1
+
+    handle = register_module_forward_pre_hook(count_module)
+    try:
+        with _Count():
+            fn()
+    finally:
+        handle.remove()
     return tally
+
+
+def python_functions(out) -> int:
+    """Custom autograd.Functions in the graph that produced `out` (each node once)."""
+    import torch
+
+    seen, todo, count = set(), [out.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += isinstance(node, torch.autograd.function.BackwardCFunction)
+        todo += [n for n, _ in node.next_functions]
+    return count
 
 
 def _rank_model(m: ModelConfig, tp: int) -> ModelConfig:
@@ -126,6 +157,7 @@ def _fwd_bwd(forward) -> tuple[OpTally, OpTally]:
     box = []
     fwd = trace(lambda: box.append(forward()))
     out = box[0]
+    fwd.functions = python_functions(out)
     bwd = trace(lambda: out.backward(torch.ones_like(out)))
     return fwd, bwd
 
@@ -166,18 +198,27 @@ def block_tally(m: ModelConfig, layer: int, tp: int, batch: int, seq: int) -> tu
 @functools.lru_cache(maxsize=256)
 def ends_tally(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool,
                last: bool) -> tuple[OpTally, OpTally]:
-    """The embedding (first stage) and final norm + head + loss (last stage): forward, backward."""
+    """The embedding (first stage) and final norm + head + loss (last stage): forward, backward.
+
+    The code training runs: under tp the vocabulary-parallel embedding, and at every tp the
+    vocabulary-parallel loss, divided by the step's tokens and scaled (pipeline.py); traced over a
+    group of one, so their collectives (priced as tp traffic) drop out and their ops stay.
+    """
     import torch
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fivefold.model import RMSNorm, cross_entropy_sum
+    from fivefold.model import RMSNorm
+    from fivefold.parallel.comms import AxisGroup, CommStats
+    from fivefold.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
     fwd, bwd = OpTally(), OpTally()
     v = max(1, vocab // tp)  # the vocabulary is split over tp
+    alone = AxisGroup("tp", "tp", None, 1, 0, CommStats())
     with FakeTensorMode():
         if first:
             emb = nn.Embedding(v, m.dim)
+            emb = VocabParallelEmbedding(emb, alone, False) if tp > 1 else emb
             tokens = torch.randint(0, v, (batch, seq))
             f, b = _fwd_bwd(lambda: emb(tokens))
             fwd, bwd = fwd + f, bwd + b
@@ -186,7 +227,7 @@ def ends_tally(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first:
             norm, head = RMSNorm(m.dim, m.norm_eps), nn.Linear(m.dim, v, bias=False)
             x = torch.randn(batch, seq, m.dim, requires_grad=True)
             targets = torch.randint(0, v, (batch, seq))
-            f, b = _fwd_bwd(lambda: cross_entropy_sum(head(norm(x)), targets))
+            f, b = _fwd_bwd(lambda: vocab_parallel_cross_entropy(head(norm(x)), targets, alone) / (batch * seq) * 1.0)
             fwd, bwd = fwd + f, bwd + b
             fwd.params += 1 if m.tie_embeddings and first else 2
     return fwd, bwd

@@ -4,7 +4,9 @@
 the quantities the metrics log measures (train/metrics.py): model-state bytes per rank as fivefold's
 own data-parallel code holds them (fp32 weights and gradients, AdamW moments, ZeRO's fp32 master
 shards: memory.fivefold_state_bytes), activation bytes, wire bytes per axis per step (the same
-comms.wire_bytes() accounting the counters use) and, given a hardware profile, the step time.
+comms.wire_bytes() accounting the counters use) and, given a hardware profile, the step time:
+with one from `fivefold calibrate` on the machine that trains, the op-by-op price of the model's
+own code (estimate.py), which benchmarks/planner_selfcheck.py compares with the measured median.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
     """The prediction for one run of `cfg` on `world_size` ranks (cfg must pass validate()).
 
     Returns {"model_state_bytes": {params, grads, optimizer, total}, "activation_bytes",
-    "buffer_bytes", "comm_wire_bytes": {dp, tp, pp, cp, ep}, "step_time_s" (None without a
-    `hardware` profile: a catalog GPU's time means nothing for a CPU run), "hardware"}.
+    "buffer_bytes", "comm_wire_bytes": {dp, tp, pp, cp, ep}, "step_time_s" and its parts
+    "time_split" (both None without a `hardware` profile: a catalog GPU's time means nothing for a
+    CPU run), "hardware"}.
     Byte counts are for the fullest rank (rank 0 for dp-only layouts, which is what the
     metrics log samples).
     """
@@ -44,5 +47,6 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
         "buffer_bytes": mem["buffers"],
         "comm_wire_bytes": {axis: tr.bytes for axis, tr in est.comm.items()},
         "step_time_s": est.step_time_s if hardware is not None else None,
+        "time_split": est.time_split if hardware is not None else None,  # the step time's parts (estimate.py)
         "hardware": hardware.name if hardware is not None else None,
     }

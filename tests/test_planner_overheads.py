@@ -1,0 +1,118 @@
+"""The planner's Python-side step costs (overheads.py), per-collective latencies (comm.py) and the
+profile arithmetic of `fivefold calibrate`: counts from the layout times profile figures, nothing
+timed here (the measured-vs-predicted table is benchmarks/planner_selfcheck.py's report)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fivefold.planner.calibrate import _median_of
+from fivefold.planner.calibrate_comm import alpha_per_op
+from fivefold.planner.comm import LOSS_ALL_REDUCES, AxisTraffic, activation_traffic, time_of
+from fivefold.planner.estimate import estimate
+from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
+from fivefold.planner.opcount import block_tally, ends_tally
+from fivefold.planner.overheads import host_costs
+from fivefold.parallel.comms import wire_bytes
+from fivefold.presets import PRESETS
+from helpers import tiny_config
+
+TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
+
+
+def _synthetic(**over):
+    """A CPU-like profile where only what the test sets costs anything."""
+    return dataclasses.replace(get_hardware("h100"), peak_flops=1e30, hbm_bw=1e30, intra_latency=0.0,
+                               inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, **over)
+
+
+def test_traces_count_module_calls_and_python_functions():
+    fwd, _ = block_tally(TINY, 0, 1, 2, 32)
+    assert fwd.modules == 12  # the block, 2 norms, attention + 4 linears, the MLP + 3 linears
+    assert fwd.functions == 0
+    fwd, _ = ends_tally(TINY, 320, 1, 2, 32, True, True)
+    assert fwd.modules == 3  # embedding, final norm, head
+    assert fwd.functions == 1  # the vocabulary-parallel loss, the Function training runs
+
+
+def test_host_costs_are_counts_times_profile_figures(tmp_path):
+    cfg = tiny_config(tmp_path)
+    hw = _synthetic(module_call_s=1e-6, function_s=2e-6, hook_s=3e-6, tensor_query_s=4e-6, thread_s=5e-4)
+    h = host_costs(cfg, hw, modules=10, functions=2, tensors=7, rank_tensors=9, rank_params=1000, micro=4,
+                   chunks=1, tp_calls=8, grad_bytes=4000, dp_ranks=1)
+    assert h.forward_s == pytest.approx(10 * 1e-6 + (2 + 8 / 4) * 2e-6 / 2)
+    assert h.backward_s == pytest.approx((2 + 8 / 4) * 2e-6 / 2 + 7 * 3e-6 + 9 * 4e-6)
+    assert h.step_s == pytest.approx(5e-4)
+    assert {w for w, _, _ in h.explain} == {"module calls", "autograd Functions", "gradient hooks",
+                                            "model-state sampling", "send thread"}
+
+
+def test_gradient_accumulation_and_bucket_packing_are_priced_as_ops(tmp_path):
+    cfg = tiny_config(tmp_path)
+    curve = ((1.0, 1e9), (1e12, 1e9))  # 1 GB/s at every size
+    hw = _synthetic(op_overhead_s=1e-5, view_overhead_s=1e-6, elementwise_curve=curve)
+    h = host_costs(cfg, hw, modules=0, functions=0, tensors=10, rank_tensors=10, rank_params=1000, micro=4,
+                   chunks=1, tp_calls=0, grad_bytes=4000, dp_ranks=2)
+    per_add = 1e-5 + 3 * 400 / 1e9  # one 100-element fp32 gradient added in place
+    assert h.backward_s == pytest.approx(3 / 4 * 10 * per_add)
+    assert h.step_s == pytest.approx((1 + 10) * 1e-5 + 20 * 1e-6 + 4 * 4000 / 1e9)  # cat + copies back
+    alone = host_costs(cfg, hw, modules=0, functions=0, tensors=10, rank_tensors=10, rank_params=1000, micro=1,
+                       chunks=1, tp_calls=0, grad_bytes=4000, dp_ranks=1)
+    assert alone.backward_s == 0 and alone.step_s == 0  # one micro-batch, one rank: nothing to add or pack
+
+
+def test_estimate_adds_the_host_terms_to_the_pipeline_and_the_step(tmp_path):
+    cfg = tiny_config(tmp_path, "--parallel.pp=2")
+    hw = _synthetic(op_overhead_s=1e-5, module_call_s=1e-6, hook_s=2e-6, thread_s=1e-3)
+    est = estimate(cfg, 2, hw, act_bytes=4, implementation=True)
+    split = est.time_split
+    assert split["host"] > 1e-3
+    assert sum(split.values()) == pytest.approx(est.step_time_s)
+    bare = estimate(cfg, 2, dataclasses.replace(hw, module_call_s=0.0, hook_s=0.0, thread_s=0.0), act_bytes=4,
+                    implementation=True)
+    assert est.step_time_s > bare.step_time_s + 1e-3  # the thread, and the rest inside the pipeline
+
+
+def test_per_collective_latency_prices_each_op_at_its_own_alpha():
+    t = AxisTraffic()
+    t.add("all_reduce", 1000, 2, count=3)  # 2 steps each
+    t.add("send", 1000, 2, count=5)  # 1 step each
+    hw = dataclasses.replace(_synthetic(), intra_latency=1.0, collective_alpha=(("all_reduce", 1e-3), ("send", 1e-4)))
+    assert time_of(t, hw) == pytest.approx(6 * 1e-3 + 5 * 1e-4)
+    assert time_of(t, dataclasses.replace(hw, collective_alpha=())) == pytest.approx(11 * 1.0)  # one alpha for all
+
+
+def test_tensor_parallel_traffic_counts_the_loss_all_reduces(tmp_path):
+    cfg = tiny_config(tmp_path, "--parallel.tp=2")
+    tp = activation_traffic(cfg, 8, 0, 1, True, True, 32, 4, 4, 0)["tp"]
+    per_micro = 4 * 8 + 2 + LOSS_ALL_REDUCES
+    assert tp.calls == 4 * per_micro
+    act = 2 * 32 * 64 * 4
+    assert tp.bytes == pytest.approx(4 * ((4 * 8 + 2) * wire_bytes("all_reduce", act, 2)
+                                          + LOSS_ALL_REDUCES * wire_bytes("all_reduce", 2 * 32 * 4, 2)))
+
+
+def test_alpha_per_op_is_the_smallest_size_less_its_wire_time():
+    rows = [("all_reduce", 1000, 0.004), ("all_reduce", 10**6, 0.1), ("send", 1000, 0.0011)]
+    beta = 1e6
+    got = dict(alpha_per_op(rows, 2, beta))
+    assert got["all_reduce"] == pytest.approx((0.004 - wire_bytes("all_reduce", 1000, 2) / beta) / 2)
+    assert got["send"] == pytest.approx(0.0011 - 1000 / beta)
+
+
+def test_sessions_merge_by_median_field_by_field():
+    a = {"x": 1.0, "curve": {1.0: 10.0, 2.0: 20.0}, "t": (1.0, 5.0), "d": {("send", 4): 1.0}}
+    b = {"x": 3.0, "curve": {1.0: 30.0, 2.0: 40.0}, "t": (3.0, 7.0), "d": {("send", 4): 2.0}}
+    c = {"x": 2.0, "curve": {2.0: 30.0}, "t": (2.0, 6.0), "d": {("send", 4): 9.0}}  # a point missing
+    assert _median_of([a, b, c]) == {"x": 2.0, "curve": {1.0: 20.0, 2.0: 30.0}, "t": (2.0, 6.0),
+                                     "d": {("send", 4): 2.0}}
+
+
+def test_profile_round_trip_with_the_python_costs_and_per_op_alpha(tmp_path):
+    hw = _synthetic(op_overhead_s=1e-5, module_call_s=2e-6, function_s=1e-5, hook_s=5e-7, tensor_query_s=3e-6,
+                    thread_s=4e-4, collective_alpha=(("all_reduce", 5e-4), ("send", 2e-4)))
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(hw))
+    assert load_profile(path) == hw
