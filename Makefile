@@ -17,7 +17,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fivefold train configs/debug.toml --nproc 2 --run.name=debug-$$(date +%Y%m%d-%H%M%S)
 
+# Browser tests (tests/test_pages.py) need Debian's chromium + chromium-driver: installed if missing.
 test: $(STAMP)
+	bash scripts/install-browser.sh
 	$(PY) -m pytest
 
 clean:

@@ -1,11 +1,12 @@
 """`fivefold <command>`: the command line.
 
     fivefold train configs/debug.toml --nproc 2 --train.steps=500
-    torchrun --nproc-per-node 8 -m fivefold train configs/llama3_8b.toml   (several nodes: torchrun's usual flags)
+    fivefold train CONFIG --nproc 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   (on each node)
+    torchrun --nproc-per-node 8 -m fivefold train configs/llama3_8b.toml
 
 `train` checks the whole configuration for the number of processes it will run on before any
 process starts, then either trains in this process (under torchrun, or alone) or starts `--nproc`
-local workers through PyTorch's elastic launcher, the machinery behind torchrun.
+workers on this node through PyTorch's elastic launcher, the machinery behind torchrun (launch.py).
 """
 
 from __future__ import annotations
@@ -13,20 +14,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 
 from fivefold.config import ConfigError, load_config, read_config
+from fivefold.launch import LaunchError, add_arguments as add_launch_arguments
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model", description="Train; any --section.key=value overrides the config.")
     p.add_argument("config", nargs="?", default=None, help="TOML file (see configs/); defaults apply without one")
-    p.add_argument("--nproc", type=int, default=None, help="start this many local processes (default: 1, or torchrun's)")
+    p.add_argument("--nproc", type=int, default=None, help="worker processes on this node (default: 1, or torchrun's)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times if one fails")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a worker fails, restart every worker (all nodes) up to this many times, from the last checkpoint")
     p.add_argument("--deepspeed", metavar="JSON", default=None,
                    help="a DeepSpeed config: its keys with a fivefold meaning apply between the TOML and the overrides")
     p.add_argument("--no-progress", action="store_true", help="print lines only, no progress bar")
+    p.add_argument("--trace", action="store_true",
+                   help="write a Chrome trace per rank of a few steps (run.trace_steps) to RUN_DIR/trace/")
+    add_launch_arguments(p)
 
 
 def _under_torchrun() -> bool:
@@ -50,14 +55,14 @@ def _worker(config: str | None, overrides: list[str], resume: bool, progress: bo
     """Entry point of each launched process: the same config, the same code, its own rank."""
     from fivefold.train.loop import train
 
-    # After a failure the launcher restarts every worker: continue from the last checkpoint.
-    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     args = argparse.Namespace(resume=resume)
     train(load_config(config, _overrides(args, overrides)), progress=progress)
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from fivefold.train.loop import check_run_dir
+    from fivefold.launch import check_writable, launch, spec_from_args
+    from fivefold.train.loop import check_run_dir, run_dir_of
+    from fivefold.train.weights import check_init_from
     from fivefold.validate import validate
 
     nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
@@ -65,34 +70,28 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(["--nproc starts local processes; under torchrun use torchrun's --nproc-per-node instead"])
     if nproc < 1:
         raise ConfigError([f"--nproc = {nproc}: must be at least 1"])
-    errors: list[str] = []
+    if _under_torchrun() and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        args.resume = True  # torchrun restarted the workers after a failure: continue from the last checkpoint
+    spec, errors = spec_from_args(args, nproc, _under_torchrun())
+    if args.trace:
+        overrides = [*overrides, "--run.trace=true"]  # carried to every worker with the other overrides
     if args.deepspeed:
-        ds_overrides, errors = _deepspeed_layer(args.deepspeed, nproc)
+        ds_overrides, ds_errors = _deepspeed_layer(args.deepspeed, spec.world_size)
+        errors += ds_errors
         overrides = [*ds_overrides, *overrides]  # later wins: the command line over the JSON
     cfg, parse_errors = read_config(args.config, _overrides(args, overrides))
-    errors += parse_errors + validate(cfg, nproc) + check_run_dir(cfg)
+    errors += (parse_errors + validate(cfg, spec.world_size) + check_run_dir(cfg) + check_init_from(cfg)
+               + check_writable(run_dir_of(cfg)))
     if errors:
         raise ConfigError(errors)
     progress = not args.no_progress
-    if _under_torchrun() or (nproc == 1 and not args.max_restarts):
+    if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
         _worker(args.config, overrides, args.resume, progress)
         return 0
-    launch_local(nproc, args.max_restarts, (args.config, overrides, args.resume, progress))
+    # Restarted workers continue from the last checkpoint; any checkpoint they find was written by
+    # this job, since a fresh run into a folder holding checkpoints was refused above.
+    launch(spec, _worker, (args.config, overrides, args.resume or spec.max_restarts > 0, progress))
     return 0
-
-
-def launch_local(nproc: int, max_restarts: int, worker_args: tuple) -> None:
-    """Start nproc workers on this machine through torch's elastic launcher (what torchrun runs)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # Each worker gets an equal share of the cores; oversubscribed OpenMP threads slow everyone down.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # loopback only, port chosen by the OS
-        max_restarts=max_restarts, monitor_interval=0.5,
-    )
-    elastic_launch(config, _worker)(*worker_args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,23 +102,38 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.viz.schedule import add_schedule_parser
 
     add_schedule_parser(viz)
+    from fivefold.viz.trace import add_trace_parser, run_trace_viz
+
+    add_trace_parser(viz)
     from fivefold.planner.cli import add_calibrate_parser, add_plan_parser, run as run_planner
 
     add_plan_parser(sub)
     add_calibrate_parser(sub)
+    from fivefold.convert_cli import add_parsers as add_weights_parsers, run as run_weights
+
+    add_weights_parsers(sub)
+    from fivefold.viz.cli import add_parsers as add_page_parsers, run as run_pages
+
+    add_page_parsers(sub)  # explain, report
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
             return cmd_train(args, rest)
         if args.command in ("plan", "calibrate"):  # plan takes --model.KEY VALUE overrides in `rest`
             return run_planner(args, rest)
+        if args.command in ("init", "convert"):  # init takes --section.key=value overrides in `rest`
+            return run_weights(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "viz" and args.what == "trace":
+            return run_trace_viz(args)
         if args.command == "viz":
             from fivefold.viz.schedule import run_schedule_viz
 
             return run_schedule_viz(args)
-    except ConfigError as e:
+        if args.command in ("explain", "report"):
+            return run_pages(args)
+    except (ConfigError, LaunchError) as e:
         print(f"fivefold: {e}", file=sys.stderr)
         return 2
     return 1

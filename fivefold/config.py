@@ -67,11 +67,19 @@ class ParallelConfig:
     cp: int = 1  # context-parallel degree (sequence of one sample split over cp ranks)
     cp_method: Literal["ring", "ulysses"] = "ring"
     ep: int = 1  # expert-parallel degree; divides dp x cp
+    # Seconds any collective (and the process group's start) waits for its peers before failing with
+    # a message naming the rank, axis and operation: a rank died or took another code path. It covers
+    # every wait, e.g. while rank 0 trains the BPE tokenizer (torchtitan: comm.train_timeout_seconds;
+    # Megatron: --distributed-timeout-minutes).
+    collective_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 100  # optimizer steps
+    # End this job after this step, with a checkpoint, leaving the LR schedule of `steps` as it is;
+    # the next job continues with --resume (for clusters' job time limits). 0 = run to `steps`.
+    stop_after: int = 0
     global_batch: int = 8  # sequences per optimizer step, over all ranks
     micro_batch: int = 2  # sequences per forward/backward on one rank
     seq_len: int = 64  # tokens per sequence
@@ -114,7 +122,12 @@ class DataConfig:
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep: int = 2  # complete checkpoints kept; older ones are deleted
+    async_save: bool = False  # write while training goes on (one staged CPU copy of this rank's state)
     resume: bool = False  # continue from the latest complete checkpoint in the run directory
+    # Start from these weights instead of a random init, under any layout: a directory of safetensors
+    # from `fivefold init` / `fivefold convert`, or a Hugging Face Llama/Mixtral directory. "" = random
+    # init; ignored when resuming from the run's own checkpoint.
+    init_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,8 @@ class RunConfig:
     out_dir: str = "runs"  # parent of run directories
     metrics_file: str = "metrics.jsonl"  # one JSON object per step, inside the run directory
     hardware: str = ""  # a hardware profile (`fivefold calibrate --out`) for the predicted step time in the metrics log
+    trace: bool = False  # write a Chrome trace per rank (RUN_DIR/trace/rank<R>.json); `fivefold train --trace`
+    trace_steps: int = 3  # steps traced: from the job's second (the first warms up), or its first if it is shorter
 
 
 @dataclass(frozen=True)

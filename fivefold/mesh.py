@@ -18,6 +18,7 @@ because split_group fails on gloo. Nothing here is global: the Mesh is passed to
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,13 +42,14 @@ LABELS = {"dp_replicate": "dp", "dp_shard": "dp", "batch": "dp", "grad": "dp"}
 class Mesh:
     """Named process groups for one layout; `group(name)` gives an AxisGroup for comms.py."""
 
-    def __init__(self, degrees: dict[str, int], device_type: str = "cpu"):
+    def __init__(self, degrees: dict[str, int], device_type: str = "cpu", timeout_s: float | None = None):
         missing = [a for a in AXES if a not in degrees]
         if missing:
             raise ValueError(f"Mesh needs a degree for every axis {AXES}; missing {missing}")
         self.degrees = {a: degrees[a] for a in AXES}
         self.world_size = math.prod(self.degrees.values())
         self.device_type = device_type
+        self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
         self.stats = CommStats()
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
         self._groups: dict[str, AxisGroup] = {}
@@ -62,12 +64,16 @@ class Mesh:
     def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu") -> "Mesh":
         d = derive(cfg, world_size)
         p = cfg.parallel
-        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": d.dp_shard, "cp": p.cp, "tp": p.tp}, device_type)
+        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": d.dp_shard, "cp": p.cp, "tp": p.tp}, device_type,
+                   p.collective_timeout_s)
 
     def _add(self, name: str, sub: DeviceMesh) -> None:
+        pg = sub.get_group()
+        if self.timeout_s is not None:  # DeviceMesh makes its groups with torch's default timeout
+            pg.set_timeout(timedelta(seconds=self.timeout_s))
         self._groups[name] = AxisGroup(
-            name=name, label=LABELS.get(name, name), pg=sub.get_group(), size=sub.size(),
-            rank=sub.get_local_rank(), stats=self.stats,
+            name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
+            rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s,
         )
 
     def group(self, name: str) -> AxisGroup:
@@ -89,9 +95,10 @@ class Mesh:
         me = dist.get_rank()
         mine = None
         for ranks in partition:
-            pg = dist.new_group(ranks)
+            pg = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
             if me in ranks:
-                mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me), stats=self.stats)
+                mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me), stats=self.stats,
+                                 timeout_s=self.timeout_s)
         if mine is None:
             raise ValueError(f"rank {me} is in no part of {partition}")
         return mine

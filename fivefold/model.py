@@ -323,15 +323,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2 L) (GPT-2)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        """Every parameter by init_parameter(), in named_parameters() order from one generator."""
         for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)  # norm weights
-            else:
-                residual_out = name.endswith(("wo.weight", "down.weight", ".experts.down"))
-                p.normal_(0.0, out_std if residual_out else std, generator=generator)
+            init_parameter(name, p, self.cfg, generator)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, dim)
@@ -345,6 +339,21 @@ class Transformer(nn.Module):
         if self.output is not None:
             h = self.output(h)  # (B, T, V)
         return h
+
+
+@torch.no_grad()
+def init_parameter(name: str, p: torch.Tensor, cfg: ModelConfig, generator: torch.Generator | None = None) -> None:
+    """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2 L) (GPT-2).
+
+    One parameter at a time, so the seed checkpoint writer (train/seed.py) can materialise and
+    initialise each tensor alone and still draw exactly the numbers init_weights() draws.
+    """
+    if p.ndim == 1:
+        p.fill_(1.0)  # norm weights
+    else:
+        residual_out = name.endswith(("wo.weight", "down.weight", ".experts.down"))
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if residual_out else cfg.init_std
+        p.normal_(0.0, std, generator=generator)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         "parallel.dp_replicate": p.dp_replicate, "parallel.virtual_stages": p.virtual_stages,
         "train.steps": t.steps, "train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
         "train.seq_len": t.seq_len, "train.eval_batches": t.eval_batches, "train.log_every": t.log_every,
-        "data.vocab_multiple": d.vocab_multiple, "checkpoint.keep": c.keep,
+        "data.vocab_multiple": d.vocab_multiple, "checkpoint.keep": c.keep, "run.trace_steps": cfg.run.trace_steps,
     }
     for key, value in positive.items():
         if value < 1:
@@ -141,7 +141,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         "parallel.dp": p.dp, "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
         "model.n_experts": m.n_experts, "model.moe_ffn_dim": m.moe_ffn_dim,
         "model.n_shared_experts": m.n_shared_experts, "model.first_dense_layers": m.first_dense_layers,
-        "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every,
+        "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
     }
@@ -155,6 +155,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"train.lr = {t.lr}: must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
         err(f"train.min_lr_ratio = {t.min_lr_ratio}: must be within [0, 1]")
+    if t.stop_after > t.steps:
+        err(f"train.stop_after = {t.stop_after} exceeds train.steps = {t.steps}; lower it (0 = run to the end)")
     if t.warmup_steps > t.steps:
         err(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}; lower warmup_steps")
     if not 0 < t.decay_fraction <= 1:
@@ -221,6 +223,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.dp_collective = 'ring' is DDP's all-reduce; with parallel.zero = {p.zero} set dp_collective = 'builtin'")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
+    if p.collective_timeout_s <= 0:
+        err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
 
     # Model shape.
     if m.head_dim == 0 and m.dim % m.n_heads:

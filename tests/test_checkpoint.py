@@ -20,9 +20,9 @@ def _train(rank, world, cfg):
     return r.start_step, r.losses, r.samples
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, dp):
-    cfg = tiny_config(tmp_path, *ARGS)
+@pytest.mark.parametrize("dp,write", [(1, "blocking"), (2, "async")])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, dp, write):
+    cfg = tiny_config(tmp_path, *ARGS, f"--checkpoint.async_save={str(write == 'async').lower()}")
     start, losses, samples = run_workers(_train, dp, cfg)[0]
     run_dir = tmp_path / "tiny"
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step_00000003", "step_00000006"]
@@ -30,7 +30,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, dp):
     shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
     # A fresh run refuses to overwrite it (cli.py checks this before any process starts).
     assert "already holds checkpoints; pass --resume" in check_run_dir(cfg)[0]
-    resumed = tiny_config(tmp_path, *ARGS, "--checkpoint.resume=true")
+    resumed = tiny_config(tmp_path, *ARGS, "--checkpoint.resume=true", f"--checkpoint.async_save={str(write == 'async').lower()}")
     start2, losses2, samples2 = run_workers(_train, dp, resumed)[0]
     assert start2 == 3
     # Bit-exact on CPU: same weights, optimizer moments, step count, data position and lr.
@@ -58,3 +58,31 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     cfg = tiny_config(tmp_path, "--train.steps=4", "--checkpoint.every=1", "--checkpoint.keep=2")
     run_workers(_train, 1, cfg)
     assert [p.name for p in complete_checkpoints(tmp_path / "tiny")] == ["step_00000003", "step_00000004"]
+
+
+def _save_async_then_change_the_weights(rank, world, cfg, root):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from fivefold.mesh import Mesh
+    from fivefold.parallel.parallelize import parallelize
+    from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
+    from fivefold.train.loop import build_model
+
+    dp = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, world), cfg).dp
+    local = lambda: [v.to_local() if isinstance(v, DTensor) else v for v in dp.model_state_dict().values()]  # noqa: E731
+    before = [v.clone() for v in local()]
+    writer = CheckpointWriter(root, keep=2, async_save=True)
+    writer.save(1, dp, {"loader": {}})
+    with torch.no_grad():  # training goes on while the checkpoint is written (ZeRO-3: in its shards)
+        for v in local():
+            v.add_(1.0)
+    writer.wait()
+    load_checkpoint(latest_checkpoint(root), dp)
+    return all(torch.equal(a, b) for a, b in zip(before, local()))
+
+
+def test_async_save_writes_the_state_of_its_step_not_later_changes(tmp_path):
+    """The asynchronous write stages a copy: weights changed right after save() are not in it."""
+    cfg = tiny_config(tmp_path, "--parallel.zero=3")  # ZeRO-3: the shards themselves are staged
+    assert run_workers(_save_async_then_change_the_weights, 2, cfg, tmp_path / "run") == [True, True]

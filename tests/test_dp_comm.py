@@ -198,7 +198,7 @@ def test_torch_as_oracle(tmp_path, kind, zero):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("zero", [2, 3])  # ZeRO-1 saves the same shards as ZeRO-2
+@pytest.mark.parametrize("zero", [3])  # ZeRO-1/2 (same shards) go across layouts in test_reshard.py
 def test_zero_resume_is_exact(tmp_path, zero):
     args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=4", "--checkpoint.every=2",
             f"--parallel.zero={zero}", "--train.micro_batch=2")

@@ -77,7 +77,7 @@ def _train(rank, world, cfg):
     return train(cfg, progress=False).losses
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["zb_h1"])  # pp2 -> pp1 (1F1B) is in test_reshard.py
 def test_pipeline_resume_is_exact(tmp_path, schedule):
     import shutil
 

@@ -55,7 +55,8 @@ def test_non_tensor_items_load_as_data_only(tmp_path):
 
 def test_another_model_shape_or_a_corrupt_checkpoint_is_named(tmp_path):
     """Resuming with another model shape names each tensor and both shapes; a truncated metadata
-    file names the path. Both before anything is loaded into the model."""
+    file names the path; both before anything is loaded into the model. A truncated data file
+    names the checkpoint and the fix, before any step runs."""
     args = (*EQUIVALENCE, "--train.steps=1")
     run_workers(_train, 1, tiny_config(tmp_path, *args))
     with pytest.raises(Exception, match=r"model.tok_embeddings.weight: checkpoint \(320, 64\), this model \(320, 128\)"):
@@ -63,6 +64,14 @@ def test_another_model_shape_or_a_corrupt_checkpoint_is_named(tmp_path):
                                            "--model.dim=128"))
     from fivefold.train.checkpoint import latest_checkpoint
 
+    data = latest_checkpoint(tmp_path / "tiny") / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(Exception, match=r"step_00000001: reading its tensors failed \(rank 0: .*truncated or corrupt"):
+        run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true"))
+    data = latest_checkpoint(tmp_path / "tiny") / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(Exception, match=r"step_00000001: reading its tensors failed \(rank 0: .*truncated or corrupt"):
+        run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true"))
     metadata = latest_checkpoint(tmp_path / "tiny") / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:100])
     with pytest.raises(Exception, match="unreadable checkpoint metadata"):

@@ -11,15 +11,25 @@ Bytes are counted two ways, per rank:
   by the course texts and by NCCL's bus bandwidth: all-reduce 2(N-1)/N x S (a reduce-scatter then
   an all-gather, Patarasuk & Yuan 2009), all-gather and reduce-scatter (N-1)/N x S of the full
   tensor, all-to-all (N-1)/N x S, broadcast and point-to-point S.
+
+A collective whose peers do not answer within the group's timeout (`parallel.collective_timeout_s`),
+or whose peer's connection drops, raises `CollectiveError` naming this rank, the axis, the operation
+and its bytes, instead of the backend's anonymous message; async handles do the same in `wait()`.
+
+The time the calling thread is blocked in a collective (a synchronous call, an async launch, a
+`wait()`) is reported to `timing.TIMER` as that axis's exposed communication.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from fivefold.parallel.timing import TIMER, Flight
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> float:
@@ -74,14 +84,81 @@ class AxisGroup:
     size: int
     rank: int
     stats: CommStats
+    timeout_s: float | None = None  # what the process group waits for its peers (None: torch's default)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class CollectiveError(RuntimeError):
+    """A collective timed out or lost a peer; the message says which, where, and the likely cause."""
+
+
+def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str) -> RuntimeError:
+    """The backend's error as a CollectiveError naming the call, or unchanged if it is another kind."""
+    text = str(error)
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        waited = f"{group.timeout_s:g} s" if group.timeout_s is not None else "torch's default timeout"
+        what = f"got no answer within {waited} (parallel.collective_timeout_s)"
+    elif "closed by peer" in lowered or "reset by peer" in lowered or "broken pipe" in lowered:
+        what = "lost the connection to a peer"
+    else:
+        return error
+    axis = group.name if label == group.label else f"{group.name}, counted as {label}"
+    return CollectiveError(
+        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on axis '{axis}' (rank {group.rank} of {group.size} "
+        f"there) {what}. Another rank of that group most likely died (look for the first error in the other "
+        f"ranks' output) or took another code path and never made this call (a rank-dependent branch, "
+        f"an exception caught on one rank). Backend: {text.splitlines()[0] if text else type(error).__name__}")
+
+
+class Pending:
+    """The handle of an async collective: wait() blocks until it is done, naming it if it fails.
+
+    The time wait() blocks is this axis's exposed communication (timing.py)."""
+
+    def __init__(self, work: dist.Work, describe: Callable[[RuntimeError], RuntimeError], label: str, op: str,
+                 flight: Flight | None = None):
+        self._work, self._describe, self._label, self._op = work, describe, label, op
+        self._flight = flight  # traced, and the work has no future: its span ends when waited on
+
+    def wait(self) -> bool:
+        try:
+            with TIMER.blocked(self._label, f"{self._op} wait"):
+                done = self._work.wait()
+        except RuntimeError as e:
+            raise self._describe(e) from e
+        if self._flight is not None:
+            self._flight.done()
+            self._flight = None
+        return done
+
+
+def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
+           call: Callable[[], dist.Work | None]) -> Pending | None:
+    """Run one collective; a failure names it (async: when the handle is waited on)."""
+    describe = lambda e: _named(e, op, group, nbytes, label)  # noqa: E731
+    flight = TIMER.flight(label, op) if async_op else None
+    try:
+        with TIMER.blocked(label, op):  # a synchronous call blocks throughout; an async one while it launches
+            work = call()
+    except RuntimeError as e:
+        raise describe(e) from e
+    if not async_op:
+        return None
+    if flight is not None:
+        try:  # gloo's collectives complete their future from the backend's thread: the true end
+            work.get_future().add_done_callback(flight.done)
+            flight = None
+        except RuntimeError:  # "getFuture not implemented" (gloo point-to-point): ends at wait()
+            pass
+    return Pending(work, describe, label, op, flight)
+
+
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-               async_op: bool = False, label: str | None = None) -> dist.Work | None:
+               async_op: bool = False, label: str | None = None) -> Pending | None:
     """In-place all-reduce over `group`; returns the work handle when async_op.
 
     `label` charges the traffic elsewhere than the group's axis (metrics use "log", so the
@@ -90,12 +167,13 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
     if group.size == 1:
         return None
     group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
-    return dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op)
+    return _issue("all_reduce", group, _nbytes(tensor), label or group.label, async_op,
+                  lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
 
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
-                   async_op: bool = False) -> dist.Work | None:
+                   async_op: bool = False) -> Pending | None:
     """Sum `input` (N x output.numel(), rank-major) over the group; rank r keeps chunk r in `output`.
 
     Counted by the full input size, as the ring moves (N-1)/N of it. On gloo the async form
@@ -105,22 +183,24 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         output.copy_(input)
         return None
     group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
-    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
+    return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
+                  lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
-               async_op: bool = False) -> dist.Work | None:
+               async_op: bool = False) -> Pending | None:
     """Concatenate every rank's `input` into the flat `output` (N x input.numel()), in rank order."""
     if group.size == 1:
         output.copy_(input)
         return None
     group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
-    return dist.all_gather_into_tensor(output, input, group=group.pg, async_op=async_op)
+    return _issue("all_gather", group, _nbytes(output), group.label, async_op,
+                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                output_splits: list[int] | None = None, input_splits: list[int] | None = None,
-               async_op: bool = False) -> dist.Work | None:
+               async_op: bool = False) -> Pending | None:
     """Rank r sends rows input_splits[j] (dim 0) to rank j and receives output_splits[j] from it.
 
     Equal splits when none are given. Counted by the rows this rank sends to the others (its own
@@ -134,7 +214,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         row = _nbytes(input[0]) if input.shape[0] else 0
         sent = row * (sum(input_splits) - input_splits[group.rank])
     group.stats.record(group.label, "all_to_all", _nbytes(input), group.size, wire=sent)
-    return dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg, async_op=async_op)
+    return _issue("all_to_all", group, _nbytes(input), group.label, async_op,
+                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg,
+                                                 async_op=async_op))
 
 
 # ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----

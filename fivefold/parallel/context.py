@@ -41,6 +41,8 @@ loss by the global token count, and sum parameter gradients over cp as well as d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,6 +50,7 @@ from torch import nn
 from fivefold.model import causal_attention
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.timing import TIMER, Flight
 
 LAYOUTS = ("zigzag", "contiguous")
 METHODS = {"ring": "zigzag", "ulysses": "contiguous"}  # cp method -> the token layout it uses
@@ -94,27 +97,42 @@ def attention_work(seq_len: int, cp: int, layout: str) -> list[int]:
 # ---- ring attention ----
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> list[dist.Work]:
-    """Post: send `send` to the next rank, receive `recv` from the previous one; return the handles.
+@dataclass
+class _Hop:
+    """One ring hop in flight: its handles, the axis its waiting counts to, its trace span."""
+
+    works: list[dist.Work]
+    label: str
+    flight: Flight | None = None
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> _Hop:
+    """Post: send `send` to the next rank, receive `recv` from the previous one; return the hop.
 
     Send and receive go in one batch, so no rank blocks in a send its neighbour is not yet
     receiving (a ring of blocking sends deadlocks). A group of size 1 is its own neighbour: copy.
     """
     if group.size == 1:
         recv.copy_(send)
-        return []
+        return _Hop([], group.label)
     n, r = group.size, group.rank
     to = dist.get_global_rank(group.pg, (r + 1) % n)  # p2p addresses global ranks
     frm = dist.get_global_rank(group.pg, (r - 1) % n)
     group.stats.record(group.label, "send", send.numel() * send.element_size(), n)
     ops = [dist.P2POp(dist.isend, send, to, group=group.pg, tag=tag),
            dist.P2POp(dist.irecv, recv, frm, group=group.pg, tag=tag)]
-    return dist.batch_isend_irecv(ops)
+    flight = TIMER.flight(group.label, "ring hop")  # gloo's p2p works have no future: it ends at _wait
+    with TIMER.blocked(group.label, "ring hop"):
+        works = dist.batch_isend_irecv(ops)
+    return _Hop(works, group.label, flight)
 
 
-def _wait(works: list[dist.Work]) -> None:
-    for w in works:
-        w.wait()
+def _wait(hop: _Hop) -> None:
+    with TIMER.blocked(hop.label, "ring hop wait"):
+        for w in hop.works:
+            w.wait()
+    if hop.flight is not None:
+        hop.flight.done()
 
 
 def _pair_mode(q_chunk: int, kv_chunk: int) -> str | None:
@@ -167,7 +185,7 @@ class _RingAttention(torch.autograd.Function):
             src = (group.rank - step) % n  # whose block is in hand
             if step < n - 1:  # post the next hop first: it travels while this block is computed
                 kv_next = torch.empty_like(kv)
-                works = _exchange(kv, kv_next, group, _TAG_KV)
+                hop = _exchange(kv, kv_next, group, _TAG_KV)
             kc = kv[0].float().transpose(1, 2).chunk(len(q_ids), dim=2)  # (B, K, c, D) each
             vc = kv[1].float().transpose(1, 2).chunk(len(q_ids), dim=2)
             for i, a in enumerate(q_ids):
@@ -185,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
                         outs[i] = outs[i] * torch.exp(lses[i] - merged)[..., None] + out * torch.exp(lse - merged)[..., None]
                         lses[i] = merged
             if step < n - 1:
-                _wait(works)
+                _wait(hop)
                 kv = kv_next
         # Every query chunk met its own diagonal block, so no entry of outs/lses is None here.
         out = _ungrouped(torch.cat(outs, dim=3)).to(q.dtype)  # (B, T/cp, H, D)
@@ -213,7 +231,7 @@ class _RingAttention(torch.autograd.Function):
             src = (group.rank - step) % n
             if step < n - 1:
                 kv_next = torch.empty_like(kv)
-                works = _exchange(kv, kv_next, group, _TAG_KV)
+                hop = _exchange(kv, kv_next, group, _TAG_KV)
             kc = kv[0].float().transpose(1, 2).chunk(nq, dim=2)  # (B, K, c, D) each
             vc = kv[1].float().transpose(1, 2).chunk(nq, dim=2)
             dkv = torch.zeros(2, *kc[0].shape[:2], kv.shape[2], D, device=q.device)  # (2, B, K, T/cp, D) fp32: this rank's share
@@ -236,7 +254,7 @@ class _RingAttention(torch.autograd.Function):
             buf = torch.empty_like(dkv)
             incoming = (_exchange(dkv, buf, group, _TAG_DKV), buf, dkv)  # dkv kept alive while in flight
             if step < n - 1:
-                _wait(works)
+                _wait(hop)
                 kv = kv_next
         _wait(incoming[0])
         dkv = incoming[1].transpose(2, 3)  # (2, B, T/cp, K, D): this rank's own block, summed over the ring

@@ -249,13 +249,18 @@ class DataParallel:
 
     def optim_state_dict(self) -> dict:
         # Flattened: every entry keyed by parameter name ("state.layers.0...exp_avg"), so ranks that
-        # hold different parameters (pipeline stages) never write the same key with other values.
+        # hold different parameters (pipeline stages) never write the same key with other values,
+        # and ZeRO's shards of the same moments (zero.py) have the same keys. Hyperparameters
+        # ("param_groups.*") are not saved: they come from the config, which may change on resume.
         state = get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+        state = {k: v for k, v in state.items() if k.startswith("state.")}
         state = tp_shards_as_dtensors(state, self.model, self.mesh, prefix="state.")
         return expert_shards_as_dtensors(state, self.model, self.experts, prefix="state.")
 
     def load_optim_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, dtensors_as_local(state), options=FLAT)
+        current = get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
+        groups = {k: v for k, v in current.items() if k.startswith("param_groups.")}
+        set_optimizer_state_dict(self.model, self.optimizer, {**groups, **dtensors_as_local(state)}, options=FLAT)
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig,

@@ -40,6 +40,7 @@ from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.data import DataParallel
 from fivefold.parallel.schedules import Schedule
 from fivefold.parallel.split_backward import SplitBackward
+from fivefold.parallel.timing import TIMER, Flight
 
 
 def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] = ()) -> list[list[str]]:
@@ -156,17 +157,19 @@ class _Sends:
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
 
-    def add(self, work: dist.Work, free: torch.Tensor | None) -> None:
-        self.queue.put((work, free))
+    def add(self, work: dist.Work, free: torch.Tensor | None, flight: Flight | None = None) -> None:
+        self.queue.put((work, free, flight))
 
     def _drain(self) -> None:
         while (item := self.queue.get()) is not None:
-            work, t = item
+            work, t, flight = item
             try:
                 work.wait()
             except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the executor's thread
                 self.error = self.error or e
                 continue
+            if flight is not None:  # sends are waited in order: a later one may have finished earlier
+                flight.done()
             if t is not None:
                 self.stats.freed_bytes += t.untyped_storage().nbytes()
                 t.untyped_storage().resize_(0)  # shape and autograd node stay; the values are gone
@@ -218,14 +221,22 @@ class PipelineExecutor:
             return
         self.group.stats.record(self.group.label, "send", t.numel() * t.element_size(), self.group.size)
         t = t.contiguous()
-        sends.add(dist.isend(t, self._peer(to_stage), group=self.group.pg, tag=self._tag(*key)), t if free else None)
+        name = f"send {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} to stage {to_stage}"
+        flight = TIMER.flight(self.group.label, name)
+        with TIMER.blocked(self.group.label, name):
+            work = dist.isend(t, self._peer(to_stage), group=self.group.pg, tag=self._tag(*key))
+        sends.add(work, t if free else None, flight)
 
     def _recv(self, shape: torch.Size, dtype: torch.dtype, from_stage: int, key: tuple[int, int, int],
               local: dict) -> torch.Tensor:
         if key in local:
             return local.pop(key)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.irecv(buf, self._peer(from_stage), group=self.group.pg, tag=self._tag(*key)).wait()
+        # The stage has nothing to do until this arrives: the pipeline bubble. The wait also holds
+        # the transfer itself, small on CPU with these activations; on a slow link it is pp time.
+        name = f"recv {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} from stage {from_stage}"
+        with TIMER.span("bubble", self.group.label, name):
+            dist.irecv(buf, self._peer(from_stage), group=self.group.pg, tag=self._tag(*key)).wait()
         return buf
 
     def _params(self, chunk: StageChunk) -> list[nn.Parameter]:
@@ -264,38 +275,42 @@ class PipelineExecutor:
             elif action.kind in ("B", "I"):
                 grad = None  # the last stage starts backward from its loss
             began = clock() if clock else 0.0
-            if action.kind == "F":
-                slot = slots.setdefault((mb, s), _Slot())
-                with autocast():
-                    slot.inp = chunk.embed(x)  # the received activation, or the first stage's embeddings
-                    out = chunk(slot.inp, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
-                if s == last:
-                    out = self.loss_fn(out, y) / global_tokens  # the loss: backward starts here
-                    stats.loss += float(out.detach())
-                    out = out * loss_scale
-                else:
-                    out = out.float()  # activations travel in fp32 (autocast may have produced bf16)
-                    self._send(out.detach(), s + 1, (ACT, mb, s), local, sends, free=_values_unused(out))
-                slot.out = out
-            elif action.kind == "B":
-                slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
-                self.dp.backward(slot.out, grad, last_micro_batch=final)
-                if s > 0:
-                    self._send(slot.inp.grad, s - 1, (GRAD, mb, s), local, sends)
-            elif action.kind == "I":  # input gradient only; W finishes this backward later
-                slot = slots[(mb, s)]
-                slot.split = SplitBackward(slot.out, slot.inp, self._params(chunk))
-                inp_grad = slot.split.input_grad(grad)
-                if s > 0:
-                    self._send(inp_grad, s - 1, (GRAD, mb, s), local, sends)
-            else:  # "W": the weight gradients of a split backward
-                slot = slots.pop((mb, s))
-                with self.dp.reducing(last_micro_batch=final):
-                    slot.split.weight_grad()
+            with TIMER.span("compute", "compute", str(action)):  # minus the collectives inside
+                if action.kind == "F":
+                    slot = slots.setdefault((mb, s), _Slot())
+                    with autocast():
+                        slot.inp = chunk.embed(x)  # the received activation, or the first stage's embeddings
+                        out = chunk(slot.inp, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
+                    if s == last:
+                        out = self.loss_fn(out, y) / global_tokens  # the loss: backward starts here
+                        stats.loss += float(out.detach())
+                        out = out * loss_scale
+                    else:
+                        out = out.float()  # activations travel in fp32 (autocast may have produced bf16)
+                        self._send(out.detach(), s + 1, (ACT, mb, s), local, sends, free=_values_unused(out))
+                    slot.out = out
+                elif action.kind == "B":
+                    slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
+                    self.dp.backward(slot.out, grad, last_micro_batch=final)
+                    if s > 0:
+                        self._send(slot.inp.grad, s - 1, (GRAD, mb, s), local, sends)
+                elif action.kind == "I":  # input gradient only; W finishes this backward later
+                    slot = slots[(mb, s)]
+                    slot.split = SplitBackward(slot.out, slot.inp, self._params(chunk))
+                    inp_grad = slot.split.input_grad(grad)
+                    if s > 0:
+                        self._send(inp_grad, s - 1, (GRAD, mb, s), local, sends)
+                else:  # "W": the weight gradients of a split backward
+                    slot = slots.pop((mb, s))
+                    with self.dp.reducing(last_micro_batch=final):
+                        slot.split.weight_grad()
             if clock:
                 stats.timeline.append((began, clock(), str(action)))
             stats.peak_held_bytes = max(stats.peak_held_bytes, _held_bytes(slots))
-        sends.finish()  # every activation and gradient has left before its buffer is reused
+        # A pipeline of one stage sends nothing: joining the helper thread is no pp time.
+        pp = self.group.size > 1
+        with TIMER.blocked(self.group.label, "sends in flight") if pp else contextlib.nullcontext():
+            sends.finish()  # every activation and gradient has left before its buffer is reused
         if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
             param, group = self.tied
             comms.all_reduce(self.dp.gradient_of(param), group)

@@ -13,16 +13,27 @@ under tensor and sequence parallel: a recomputed region runs its collectives aga
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Literal
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from fivefold.model import Transformer
+from fivefold.parallel.timing import TIMER
+
+
+def _timed_recompute():
+    """checkpoint()'s contexts: none around the forward, the step timer's "recompute" part around
+    the forward it runs again inside backward (its collectives still count to their axes)."""
+    return contextlib.nullcontext(), TIMER.span("recompute")
 
 
 def _recomputed(fn, *args):
-    return checkpoint(fn, *args, use_reentrant=False)
+    if torch.compiler.is_compiling():  # traced contexts must be TorchDispatchModes: left in compute
+        return checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_timed_recompute)
 
 
 def apply_recompute(model: Transformer, mode: Literal["none", "selective", "full"]) -> None:

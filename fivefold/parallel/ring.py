@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.timing import TIMER
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, step: RingStep, group: Axi
     to = dist.get_global_rank(group.pg, step.send_to)
     frm = dist.get_global_rank(group.pg, step.recv_from)
     ops = [dist.P2POp(dist.isend, send, to, group=group.pg), dist.P2POp(dist.irecv, recv, frm, group=group.pg)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    with TIMER.blocked(group.label, "ring step"):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     # Counted per step as a send of one chunk, so the totals are what this rank put on the wire.
     group.stats.record(group.label, "send", send.numel() * send.element_size(), group.size)
 

@@ -50,11 +50,10 @@ class ZeroDataParallel(DataParallel):
                 zd = self.zero_dims[id(p)] = 1 if getattr(p, "tp_dim", None) == 0 and p.ndim > 1 else 0
                 rows = p.detach().movedim(zd, 0)
                 c = -(-rows.shape[0] // n)
-                master = torch.zeros((c, *rows.shape[1:]), dtype=torch.float32, device=p.device)
-                valid = max(0, min(c, rows.shape[0] - r * c))
-                master[:valid] = rows[r * c : r * c + valid]
                 self.rows[id(p)] = c
+                master = torch.zeros((c, *rows.shape[1:]), dtype=torch.float32, device=p.device)
                 self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
+                self._copy_master_rows(p)
                 b.shard_numel.append(master.numel())
         decay = [self.shards[id(p)] for p in self.params if p.ndim >= 2]
         no_decay = [self.shards[id(p)] for p in self.params if p.ndim < 2]
@@ -63,6 +62,14 @@ class ZeroDataParallel(DataParallel):
         for s in self.shards.values():  # the state AdamW would create at its first step, made now for checkpoints
             opt.state[s] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(s), "exp_avg_sq": torch.zeros_like(s)}
         return opt
+
+    @torch.no_grad()
+    def _copy_master_rows(self, p: nn.Parameter) -> None:
+        """This rank's rows of the full parameter p into its fp32 master shard."""
+        zd, c, r = self.zero_dims[id(p)], self.rows[id(p)], self.shard_group.rank
+        rows = p.detach().movedim(zd, 0)
+        valid = max(0, min(c, rows.shape[0] - r * c))
+        self.shards[id(p)][:valid] = rows[r * c : r * c + valid]
 
     def _reduces_on(self, last_micro_batch: bool) -> bool:
         return self.stage == 2 or last_micro_batch
@@ -149,28 +156,32 @@ class ZeroDataParallel(DataParallel):
         return DTensor.from_local(local[:valid].movedim(0, zd), mesh, placements, run_check=False,
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
+    # ---- state ----------------------------------------------------------------------------------
+    # The same keys as DDP's flattened optimizer state ("state.<param>.exp_avg", ...), each moment a
+    # DTensor of the whole parameter, so a checkpoint moves between DDP, ZeRO-1/2/3 and any dp or
+    # tp degree. The fp32 masters are not saved: they equal the fp32 parameters, which the model
+    # state holds, and they are rebuilt from them on load (ZeRO-3 loads its shards directly).
+    def load_model_state_dict(self, state: dict) -> None:
+        super().load_model_state_dict(state)
+        for p in self.params:
+            self._copy_master_rows(p)
+
     def optim_state_dict(self) -> dict:
         out = {}
         for p in self.params:
-            s = self.shards[id(p)]
+            s, name = self.shards[id(p)], self.names[id(p)]
             state = self.optimizer.state[s]
-            out[self.names[id(p)]] = {
-                "master": self._dtensor(p, s.detach()),
-                "exp_avg": self._dtensor(p, state["exp_avg"]),
-                "exp_avg_sq": self._dtensor(p, state["exp_avg_sq"]),
-                "step": state["step"],
-            }
+            out[f"state.{name}.exp_avg"] = self._dtensor(p, state["exp_avg"])
+            out[f"state.{name}.exp_avg_sq"] = self._dtensor(p, state["exp_avg_sq"])
+            out[f"state.{name}.step"] = state["step"]
         return out
 
     @torch.no_grad()
     def load_optim_state_dict(self, state: dict) -> None:
         for p in self.params:
-            s, saved = self.shards[id(p)], state[self.names[id(p)]]
-            zd = self.zero_dims[id(p)]
-            rows = {k: saved[k].to_local().movedim(zd, 0) for k in ("master", "exp_avg", "exp_avg_sq")}
-            valid = rows["master"].shape[0]
-            s[:valid] = rows["master"]
+            s, name, zd = self.shards[id(p)], self.names[id(p)], self.zero_dims[id(p)]
             mine = self.optimizer.state[s]
-            mine["exp_avg"][:valid] = rows["exp_avg"]
-            mine["exp_avg_sq"][:valid] = rows["exp_avg_sq"]
-            mine["step"].copy_(saved["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                rows = state[f"state.{name}.{key}"].to_local().movedim(zd, 0)
+                mine[key][: rows.shape[0]] = rows
+            mine["step"].copy_(state[f"state.{name}.step"])

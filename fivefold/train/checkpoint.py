@@ -13,15 +13,19 @@ mid-write leaves a temporary folder that is never picked up, and the previous ch
 
 from __future__ import annotations
 
+import errno
 import json
 import pickle
 import shutil
+import threading
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold.parallel.data import DataParallel
@@ -48,29 +52,135 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, dp: DataParallel,
-                    state: dict[str, Any], keep: int) -> Path:
-    """Collective over the world: every rank calls it with the same step."""
-    rank = dist.get_rank()
-    root = checkpoint_dir(run_dir)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp_{PREFIX}{step:08d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    dcp.save({"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}, checkpoint_id=str(tmp))
-    torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    dist.barrier()  # every rank's files are on disk before the folder becomes visible as complete
-    if rank == 0:
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the previous complete one is untouched."""
+
+
+def _attempt(write: Callable[[], object]) -> BaseException | None:
+    """Run a write; return its error (DCP's CheckpointException is a BaseException) instead of raising."""
+    try:
+        write()
+    except (OSError, CheckpointException) as e:
+        return e
+    return None
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError behind a write error: itself, or the first one DCP gathered from the ranks."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, CheckpointException):
+        return next((e for e, _ in error.failures.values() if isinstance(e, OSError)), None)
+    return None
+
+
+class CheckpointWriter:
+    """Writes checkpoints: blocking, or (`checkpoint.async_save`) overlapped with training.
+
+    Asynchronous: DCP copies this rank's state into fresh CPU memory (the "staging" copy, so the
+    next optimizer step cannot change what is being written), then a thread writes it while
+    training goes on. That thread runs DCP's collectives (planning, gathering every rank's write
+    results) on a process group of its own: on the training group they could interleave with the
+    training collectives in a different order on different ranks. When rank 0's write completes,
+    DCP has written the metadata after every rank's data, so rank 0 alone makes it visible
+    (state.json, rename) with no further collective. At most one write is in flight: the next
+    save, and the end of training, wait for it first, so memory holds at most one staged copy.
+    """
+
+    def __init__(self, run_dir: Path, keep: int, async_save: bool = False):
+        self.run_dir, self.keep = run_dir, keep
+        # Collective: every rank builds the writer at the same point of the run.
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.pending: Future | None = None
+        self.writing: tuple[int, Path] | None = None  # step and folder of the pending write
+        self.published = threading.Event()
+        self.error: BaseException | None = None  # publishing failed on the writer's thread
+
+    def save(self, step: int, dp: DataParallel, state: dict[str, Any]) -> Path:
+        """Collective over the world: every rank calls it with the same step."""
+        self.wait()
+        rank = dist.get_rank()
+        root = checkpoint_dir(self.run_dir)
+        final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp_{PREFIX}{step:08d}"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier()
+        error = _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
+        tensors = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
+        publish = lambda: self._publish(tmp, final, {"step": step, **state})  # noqa: E731
+        if self.group is None:
+            # Collective: called on every rank, even one whose own file failed, or the others would hang.
+            error = error or _attempt(lambda: dcp.save(tensors, checkpoint_id=str(tmp)))
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # every rank stops if any rank failed
+        if failed.item():
+            raise self._failed(step, tmp, error)
+        if self.group is None:
+            dist.barrier()  # every rank's files are on disk before the folder becomes visible as complete
+            if rank == 0:
+                publish()
+            dist.barrier()
+            return final
+        self.published.clear()
+        self.pending = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
+        self.writing = (step, tmp)
+        if rank == 0:
+            self.pending.add_done_callback(lambda f: self._after_write(f, publish))
+        return final
+
+    def _failed(self, step: int, tmp: Path, error: BaseException | None) -> CheckpointWriteError:
+        """Rank 0 removes the partial folder (it was never visible as a checkpoint); the error says why."""
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error(error)
+        reason = cause and (f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror)
+        previous = latest_checkpoint(self.run_dir)
+        kept = (f"the previous checkpoint '{previous}' is intact and --resume continues from it" if previous
+                else "there is no earlier checkpoint")
+        if cause is None:
+            return CheckpointWriteError(f"checkpoint step {step}: writing '{tmp}' failed ({error or 'on another rank'}"
+                                        f"); {kept}")
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return CheckpointWriteError(
+                f"checkpoint step {step}: no space left to write '{tmp}' ({reason}); free "
+                f"space on that disk (or raise its quota, or the file-size limit `ulimit -f`) or set --run.out_dir to "
+                f"a disk with room; {kept}")
+        return CheckpointWriteError(f"checkpoint step {step}: cannot write '{tmp}' ({reason}); make the run "
+                                    f"directory writable or set --run.out_dir; {kept}")
+
+    def _after_write(self, written: Future, publish: Callable[[], None]) -> None:
+        """Rank 0, on the writer's thread: publish a complete write; keep any error for wait()."""
+        try:
+            if written.exception() is None:
+                publish()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            self.error = e
+        finally:
+            self.published.set()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk and, on rank 0, published."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        error = _attempt(pending.result)  # the write's error comes here, in the training thread
+        if error is not None:  # DCP gathered it: every rank sees it
+            raise self._failed(*self.writing, error)
+        if dist.get_rank() == 0:
+            self.published.wait()  # callbacks run after result() is released: wait for the rename
+            if self.error is not None:
+                error, self.error = self.error, None
+                raise error
+
+    def _publish(self, tmp: Path, final: Path, state: dict[str, Any]) -> None:
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in complete_checkpoints(run_dir)[:-keep]:
+        for old in complete_checkpoints(self.run_dir)[:-self.keep]:
             shutil.rmtree(old)
-    dist.barrier()
-    return final
+        self.published.set()
 
 
 class CheckpointMismatchError(ValueError):
@@ -101,13 +211,27 @@ def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
         raise CheckpointMismatchError(f"{path} does not fit this model (was it written with another model config?):\n  {shown}")
 
 
+def _first_failure(e: CheckpointException) -> str:
+    """The first rank's error, one line (DCP's own message holds every rank's traceback)."""
+    failures = getattr(e, "failures", {}) or {}
+    for rank, failure in sorted(failures.items()):
+        reason = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        return f"rank {rank}: {type(reason).__name__}: {str(reason).splitlines()[0][:200]}"
+    return str(e).splitlines()[0][:200]
+
+
 def load_checkpoint(path: Path, dp: DataParallel) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
     target = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
     check_compatible(target, path)
     # In place, each rank reading the pieces it owns; nothing in the files can run code (safe_load.py).
-    dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
+    try:
+        dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
+    except CheckpointException as e:  # a data file truncated or damaged after its metadata was written
+        raise CheckpointMismatchError(
+            f"{path}: reading its tensors failed ({_first_failure(e)}); a data file is truncated or corrupt. "
+            f"The run stops here, before any step: delete {path} to resume from the checkpoint before it") from None
     dp.load_model_state_dict(target["model"])
     dp.load_optim_state_dict(target["optim"])
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -28,12 +29,16 @@ from fivefold.parallel import comms
 from fivefold.parallel.expert import (ExpertStats, expert_stats, reset_expert_counts, set_balance_loss_scale,
                                      update_expert_bias)
 from fivefold.parallel.parallelize import Parallelized, full_state_dict, parallelize
-from fivefold.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fivefold.parallel.timing import TIMER
+from fivefold.train.breakdown import BreakdownWindow, gather_parts, log_entries, pipeline_timeline
+from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
 from fivefold.train.metrics import MetricsLog, ProgressDisplay
 from fivefold.train.optim import clip_grad_norm, lr_at, set_lr
 from fivefold.train.precision import LossScaler, autocast
+from fivefold.train.weights import check_init_from, load_weights
 from fivefold.validate import derive, validate
+from fivefold.viz.trace import RankTrace
 
 
 @dataclass
@@ -67,7 +72,7 @@ def resolve_device_type(cfg: Config) -> str:
     return cfg.train.device
 
 
-def init_distributed(device_type: str) -> bool:
+def init_distributed(device_type: str, timeout_s: float | None = None) -> bool:
     """Join the job's process group (torchrun's environment), or make a group of one. True if new."""
     if dist.is_initialized():
         return False
@@ -75,7 +80,7 @@ def init_distributed(device_type: str) -> bool:
     if "RANK" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
@@ -165,7 +170,7 @@ def train(cfg: Config, *, progress: bool = True, return_state: bool = False) -> 
     return_state: put the final unsharded model state in the result (tests compare layouts with it).
     """
     device_type = resolve_device_type(cfg)
-    owns_group = init_distributed(device_type)
+    owns_group = init_distributed(device_type, cfg.parallel.collective_timeout_s)
     try:
         return _train(cfg, device_type, progress, return_state)
     finally:
@@ -175,7 +180,7 @@ def train(cfg: Config, *, progress: bool = True, return_state: bool = False) -> 
 
 def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) -> TrainResult:
     world, rank = dist.get_world_size(), dist.get_rank()
-    errors = validate(cfg, world) + check_run_dir(cfg)
+    errors = validate(cfg, world) + check_run_dir(cfg) + check_init_from(cfg)
     if errors:
         raise ConfigError(errors)
     d, t = derive(cfg, world), cfg.train
@@ -202,56 +207,77 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         loader.load_state_dict(state["loader"])
         scaler.load_state_dict(state["loss_scaler"])
         start = state["step"]
+    elif cfg.checkpoint.init_from:  # a fresh run from given weights: each rank reads only its slices
+        load_weights(Path(cfg.checkpoint.init_from), dp)
     result = TrainResult(run_dir=run_dir, start_step=start)
     log = MetricsLog(run_dir / cfg.run.metrics_file, start if latest else None) if rank == 0 else None
     display = ProgressDisplay(t.steps, start, enabled=rank == 0, bar=progress)
     if latest is not None:
         display.print(f"resumed from {latest} at step {start}")
 
-    for step in range(start, t.steps):
-        began = time.perf_counter()
+    checkpoints = CheckpointWriter(run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    end = t.stop_after or t.steps
+    world_group = comms.AxisGroup("world", "log", None, world, rank, mesh.stats, cfg.parallel.collective_timeout_s)
+    breakdown = BreakdownWindow()  # rank 0: the steps since the last printed table
+    trace = None
+    if cfg.run.trace:  # from the job's second step (the first warms up), or its first if it is shorter
+        first_traced = start + (2 if end - start > cfg.run.trace_steps else 1)
+        trace = RankTrace(rank, first_traced, min(end, first_traced + cfg.run.trace_steps - 1))
+    for step in range(start, end):
+        began = TIMER.begin_step(trace=trace is not None and trace.covers(step + 1))
         mesh.stats.reset()
         lr = lr_at(step, t)
         set_lr(dp.optimizer, lr)
-        epoch = loader.state.epoch
-        batch = rank_slice(train_set, loader.next_indices(), t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
-        micro = par.local_micro_batches(batch.micro_batches, device)
+        with TIMER.span("data"):
+            epoch, first = loader.state.epoch, loader.state.cursor
+            indices = loader.next_indices()
+            batch = rank_slice(train_set, indices, t.global_batch, d.dp, mesh.rank("batch"), t.micro_batch)
+            micro = par.local_micro_batches(batch.micro_batches, device)
+            positions = par.positions(t.seq_len, device)
         set_balance_loss_scale(par.model, t.global_batch, scaler.scale)
         stats = par.pipeline.run(micro, batch.global_tokens, cfg.model.dim, scaler.scale,
-                                 autocast=lambda: autocast(t, device_type), positions=par.positions(t.seq_len, device))
-        split_over = par.gradient_split_groups()  # what a gradient norm must add up over
-        finite = scaler.unscale(dp.gradients(), split_over)
-        if finite:
-            grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.gradients_counted_elsewhere(),
-                                       par.expert_gradients())
-            finite = math.isfinite(grad_norm)  # every rank sees the same global norm
+                                 autocast=lambda: autocast(t, device_type), positions=positions,
+                                 clock=time.perf_counter if mesh.size("pp") > 1 else None)
+        with TIMER.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
+            split_over = par.gradient_split_groups()  # what a gradient norm must add up over
+            finite = scaler.unscale(dp.gradients(), split_over)
             if finite:
-                dp.step()
-            elif t.nonfinite == "stop":
-                raise FloatingPointError(nonfinite_message(step + 1, stats.loss, dp))
-            else:  # train.nonfinite = "skip": nothing is applied
-                display.print(f"step {step + 1}: gradient norm {grad_norm}; step skipped (train.nonfinite = 'skip')")
+                grad_norm = clip_grad_norm(dp.gradients(), t.grad_clip, split_over, par.gradients_counted_elsewhere(),
+                                           par.expert_gradients())
+                finite = math.isfinite(grad_norm)  # every rank sees the same global norm
+                if finite:
+                    dp.step()
+                elif t.nonfinite == "stop":
+                    raise FloatingPointError(nonfinite_message(step + 1, stats.loss, dp))
+                else:  # train.nonfinite = "skip": nothing is applied
+                    display.print(f"step {step + 1}: gradient norm {grad_norm}; step skipped "
+                                  f"(train.nonfinite = 'skip')")
+                    dp.skip_step()
+            else:  # fp16 overflow: nothing is applied, the scale halves
+                grad_norm = float("inf")
                 dp.skip_step()
-        else:  # fp16 overflow: nothing is applied, the scale halves
-            grad_norm = float("inf")
-            dp.skip_step()
-        scaler.update(finite)
-        routing = expert_stats(par.model, mesh.group("grad"), label="log")  # summed over the grad view
-        if finite and cfg.model.moe_bias_update:
-            update_expert_bias(par.model, routing, cfg.model.moe_bias_update)
-        reset_expert_counts(par.model)
+            scaler.update(finite)
+            routing = expert_stats(par.model, mesh.group("grad"), label="log")  # summed over the grad view
+            if finite and cfg.model.moe_bias_update:
+                update_expert_bias(par.model, routing, cfg.model.moe_bias_update)
+            reset_expert_counts(par.model)
         comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
         loss_sum = torch.tensor(stats.loss, dtype=torch.float64, device=device)  # last stage's, else 0
         comms.all_reduce(loss_sum, mesh.group("pp"), label="log")
         comms.all_reduce(loss_sum, mesh.group("grad"), label="log")
-        elapsed = time.perf_counter() - began
+        elapsed, parts = TIMER.end_step()
+        matrix = gather_parts(elapsed, parts, world_group, device)  # every rank's parts, outside the step's time
+        if trace is not None and trace.covers(step + 1):
+            trace.add(step + 1, began, elapsed, TIMER.events)
+            if step + 1 == trace.last:
+                trace.write(run_dir)
         loss_value = float(loss_sum)
         result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
         result.tokens_per_s.append(batch.global_tokens / elapsed)
         result.samples.append([int(i) for i in batch.indices])
         record = {"step": step + 1, "epoch": epoch, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": batch.global_tokens, "step_time_s": elapsed,
+                  "tokens": batch.global_tokens, "samples": [first, first + len(indices)], "step_time_s": elapsed,
                   "tokens_per_s": batch.global_tokens / elapsed, "comm": comm,
                   "model_state_bytes": dp.pop_peak_state_bytes()}
         if scaler.enabled:
@@ -259,21 +285,33 @@ def _train(cfg: Config, device_type: str, progress: bool, return_state: bool) ->
         if cfg.model.n_experts:
             record.update(moe_metrics(routing, mesh))
         record["predicted"] = prediction
+        record.update(log_entries(matrix))
 
         done = step + 1
+        printed = done % t.log_every == 0 or done == end
+        if mesh.size("pp") > 1 and printed:  # every log_every steps: a few hundred actions per step
+            timeline = pipeline_timeline(stats.timeline, mesh.group("pp"))
+            if timeline is not None:
+                record["pipeline_timeline"] = timeline
         if val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps):
             record["val_loss"] = result.val_losses[done] = evaluate(par, val_set, cfg, device, d.dp)
         if log is not None:
             log.write(record)
         display.update(done, loss_value, record["tokens_per_s"])
-        if done % t.log_every == 0 or done == t.steps:
+        if rank == 0:
+            breakdown.add(done, matrix)
+        if printed:
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
             display.print(f"step {done:>6}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
                           f"grad_norm {grad_norm:.3f}  {record['tokens_per_s']:,.0f} tok/s")
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == t.steps:
+            if rank == 0:
+                display.print(breakdown.table(done, prediction))
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
             state = {"loader": loader.state_dict(), "loss_scaler": scaler.state_dict(), "world_size": world}
-            save_checkpoint(run_dir, done, dp, state, cfg.checkpoint.keep)
+            checkpoints.save(done, dp, state)
 
+    checkpoints.wait()  # an asynchronous write in flight completes before the job ends
+    dist.barrier()
     display.close()
     if return_state:
         result.state = full_state_dict(par)

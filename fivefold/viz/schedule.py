@@ -102,6 +102,17 @@ def draw_schedule(result: SimResult, schedule: Schedule,
     return png, svg
 
 
+def per_chunk_costs(costs: Costs, v: int) -> Costs:
+    """Costs of one chunk when `costs` are for a rank's whole share of layers cut into v chunks.
+
+    Keeps makespans comparable between 1f1b and interleaved / V schedules: the same work per rank.
+    """
+    if v == 1:
+        return costs
+    return Costs(f=costs.f / v, b=costs.b / v, i=None if costs.i is None else costs.i / v,
+                 w=None if costs.w is None else costs.w / v, comm=costs.comm)
+
+
 def _parse_costs(text: str | None) -> Costs:
     """``"f,b"`` or ``"f,b,w"``: b is the whole backward, w its weight-grad part."""
     if not text:
@@ -149,14 +160,8 @@ def run_schedule_viz(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # Costs are per rank-share of layers; a chunk is 1/v of that, which keeps
-    # makespans comparable between 1f1b and interleaved/dualpipe_v.
     v = schedule.virtual_stages
-    if v > 1:
-        costs = Costs(f=costs.f / v, b=costs.b / v,
-                      i=None if costs.i is None else costs.i / v,
-                      w=None if costs.w is None else costs.w / v, comm=costs.comm)
-    result = simulate(schedule, costs)
+    result = simulate(schedule, per_chunk_costs(costs, v))
     out = args.out or f"schedule_{schedule.name}_p{schedule.pp}_m{schedule.microbatches}"
     png, svg = draw_schedule(result, schedule, out)
     print(f"{schedule.name} p={schedule.pp} m={schedule.microbatches} v={v}: "

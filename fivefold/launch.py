@@ -1,0 +1,270 @@
+"""Start this node's workers through torch's elastic agent (what torchrun runs), alone or as one
+node of several, with a c10d rendezvous.
+
+    fivefold train CONFIG --nproc 8                                          # this machine only
+    fivefold train CONFIG --nproc 8 --nnodes 4 --node-rank R --rdzv-endpoint node0:29500  # each node
+
+Node 0 hosts the rendezvous at --rdzv-endpoint and every node names the same endpoint. Global ranks
+are handed out by the rendezvous (nodes sorted by address), not by --node-rank.
+
+Where this differs from torchrun's c10d rendezvous, and why:
+- node 0 binds the rendezvous port here, before anything starts: a port in use fails at once,
+  naming the address (torch would fall back to being a client of whatever listens there);
+- on a loopback endpoint (every local run) the rendezvous and the workers' store listen on that
+  address only; torch's TCPStore listens on every interface whatever host it is given;
+- the workers' store is new in every rendezvous round: torch keeps one for the whole job, and a
+  restarted group reads the dead workers' addresses from it and cannot connect (pytorch#135712);
+- a rendezvous that times out says which nodes arrived, and a node that cannot reach node 0 says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import multiprocessing
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+LOCAL_ENDPOINT = "127.0.0.1:0"  # one machine: loopback, a port the OS picks
+BACKEND = "fivefold-c10d"  # our rendezvous handler's name in torch's registry
+ARRIVED = "fivefold.arrived."  # + node rank: a node reached the rendezvous (store key)
+
+
+class LaunchError(RuntimeError):
+    """The job could not start; the message names the address and what to change."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    nproc: int  # workers on this node
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str = LOCAL_ENDPOINT  # HOST:PORT of the rendezvous, hosted by node 0
+    rdzv_timeout_s: int = 300  # how long nodes wait for each other
+    max_restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs --nproc workers)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's index; node 0 hosts the rendezvous")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="node 0's address and a free port, the same on every node (default: loopback, one node)")
+    p.add_argument("--rdzv-timeout", type=int, default=300, metavar="SECONDS",
+                   help="how long a node waits for the others to join before giving up (default 300)")
+
+
+def spec_from_args(args: argparse.Namespace, nproc: int, under_torchrun: bool) -> tuple[LaunchSpec, list[str]]:
+    """The launch asked for on the command line, and every problem with it."""
+    errors = []
+    given = [f for f, v in (("--nnodes", args.nnodes != 1), ("--node-rank", args.node_rank is not None),
+                            ("--rdzv-endpoint", args.rdzv_endpoint is not None)) if v]
+    if under_torchrun and (given or args.max_restarts):
+        errors.append(f"{', '.join(given + ['--max-restarts'] * bool(args.max_restarts))}: under torchrun use "
+                      f"torchrun's own flags (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts)")
+    if args.nnodes < 1:
+        errors.append(f"--nnodes = {args.nnodes}: must be at least 1")
+    if args.nnodes > 1 and (args.node_rank is None or args.rdzv_endpoint is None):
+        errors.append(f"--nnodes = {args.nnodes} needs --node-rank (0..{args.nnodes - 1}) and --rdzv-endpoint "
+                      f"HOST:PORT (node 0's address and a free port), the same endpoint on every node")
+    node_rank = args.node_rank or 0
+    if not 0 <= node_rank < max(args.nnodes, 1):
+        errors.append(f"--node-rank = {node_rank}: must be within 0..{args.nnodes - 1} (--nnodes = {args.nnodes})")
+    endpoint = args.rdzv_endpoint or LOCAL_ENDPOINT
+    try:
+        if split_endpoint(endpoint)[1] == 0 and args.nnodes > 1:
+            errors.append(f"--rdzv-endpoint = '{endpoint}': port 0 lets the OS pick one the other nodes cannot "
+                          f"know; give a fixed free port, e.g. 29500")
+    except ValueError as e:
+        errors.append(str(e))
+    if args.rdzv_timeout < 1:
+        errors.append(f"--rdzv-timeout = {args.rdzv_timeout}: must be at least 1 second")
+    if args.max_restarts < 0:
+        errors.append(f"--max-restarts = {args.max_restarts}: must be 0 or more")
+    spec = LaunchSpec(nproc=nproc, nnodes=max(args.nnodes, 1), node_rank=node_rank, endpoint=endpoint,
+                      rdzv_timeout_s=args.rdzv_timeout, max_restarts=args.max_restarts)
+    return spec, errors
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:29500' or '[::1]:29500' -> (host, port)."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint = '{endpoint}': expected HOST:PORT with a port in 0..65535, "
+                         f"e.g. node0:29500 or 127.0.0.1:29500")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Written as a loopback address. A name is not resolved: /etc/hosts often maps the machine's
+    own name to 127.0.1.1 while other nodes reach it by its real address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket for a store: on host itself when it is a loopback address, else on every
+    interface (as torch does: other nodes may reach this one by any of its addresses)."""
+    if is_loopback(host):
+        addr = "127.0.0.1" if host == "localhost" else host
+        return socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def bind_rendezvous(endpoint: str) -> socket.socket:
+    """Node 0's rendezvous socket, or a LaunchError naming the address."""
+    host, port = split_endpoint(endpoint)
+    try:
+        return listen(host, port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchError(f"rendezvous endpoint {endpoint}: the port is already in use (another job, or a "
+                              f"previous run still exiting); pick a free port with --rdzv-endpoint "
+                              f"{host}:PORT, the same on every node") from None
+        raise LaunchError(f"rendezvous endpoint {endpoint}: cannot listen there ({e.strerror}); node 0 must run "
+                          f"on the endpoint's host, or give --rdzv-endpoint an address of this machine") from None
+
+
+def check_writable(run_dir: Path) -> list[str]:
+    """The run directory can be created and written: checked before any process starts, writing
+    nothing but a temporary file in the nearest existing folder (removed at once)."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        reason = f"'{existing}' is a file, not a folder"
+    else:
+        try:
+            tempfile.TemporaryFile(dir=existing).close()
+            return []
+        except OSError as e:
+            reason = f"cannot write in '{existing}': {e.strerror}"
+    return [f"run directory '{run_dir}' is not writable ({reason}); set --run.out_dir to a writable folder"]
+
+
+def _store_server(host: str, port: int, sock: socket.socket | None = None, **kwargs: Any):
+    """A TCPStore server on `sock` (or a new socket from listen()): torch would bind every interface."""
+    import torch.distributed as dist
+
+    sock = sock or listen(host, port)
+    # The store owns the descriptor from here on (detach: Python must not close it).
+    return dist.TCPStore(host, sock.getsockname()[1], is_master=True, master_listen_fd=sock.detach(),
+                         wait_for_workers=False, **kwargs)
+
+
+def _handler_class():
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class Rendezvous(DynamicRendezvousHandler):
+        """torch's dynamic (c10d) rendezvous with a fresh, loopback-aware workers' store per round
+        and a timeout that says who is missing."""
+
+        endpoint: str
+        nnodes: int
+        timeout_s: int
+
+        def next_rendezvous(self):
+            # torch keeps the first round's workers' store; a new one per round holds no stale addresses.
+            self._shared_tcp_store_server = None
+            self._bootstrap_store_info = None
+            try:
+                return super().next_rendezvous()
+            except RendezvousTimeoutError:
+                raise RendezvousTimeoutError(self._who_is_missing()) from None
+
+        def get_backend(self) -> str:
+            return BACKEND
+
+        def _create_tcp_store_server(self, master_addr: str, master_port: int):
+            if not is_loopback(master_addr):
+                return super()._create_tcp_store_server(master_addr, master_port)
+            return _store_server(master_addr, master_port, multi_tenant=True)
+
+        def _who_is_missing(self) -> str:
+            arrived = [r for r in range(self.nnodes) if self._store.check([f"{ARRIVED}{r}"])]
+            missing = [r for r in range(self.nnodes) if r not in arrived]
+            if not missing:  # everyone came once: a restart round that a node did not come back to
+                return (f"rendezvous at {self.endpoint}: not every node of {self.nnodes} came back within "
+                        f"{self.timeout_s} s after a restart; a node's launcher may have died: look at its log")
+            return (f"rendezvous at {self.endpoint}: {len(arrived)} of {self.nnodes} nodes joined within "
+                    f"{self.timeout_s} s (--rdzv-timeout); missing node-rank {', '.join(map(str, missing))}. Start "
+                    f"`fivefold train` there with --nnodes {self.nnodes} --node-rank R --rdzv-endpoint "
+                    f"{self.endpoint}, check that those nodes reach this address, or raise --rdzv-timeout")
+
+    return Rendezvous
+
+
+def _create_handler(params):
+    """torch's registry calls this with LaunchConfig's rendezvous settings (rdzv_configs below)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    host, port = split_endpoint(params.endpoint)
+    node_rank, timeout_s = params.get_as_int("node_rank"), params.get_as_int("join_timeout")
+    fd = params.get_as_int("listen_fd", -1)
+    timeout = timedelta(seconds=timeout_s)
+    if fd >= 0:  # node 0: the socket bound by launch()
+        store = _store_server(host, port, socket.socket(fileno=fd), timeout=timeout, multi_tenant=True)
+    else:
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise LaunchError(f"no rendezvous at {params.endpoint} within {timeout_s} s (--rdzv-timeout): start node-rank "
+                              f"0 on that host, check this node can reach it (firewall, address), or raise "
+                              f"--rdzv-timeout ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    store.set(f"{ARRIVED}{node_rank}", "1")
+    handler = _handler_class().from_backend(
+        params.run_id, store, C10dRendezvousBackend(store, params.run_id), params.min_nodes, params.max_nodes,
+        params.local_addr, RendezvousTimeout(join=timeout))
+    handler.endpoint, handler.nnodes, handler.timeout_s = params.endpoint, params.max_nodes, timeout_s
+    return handler
+
+
+def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> None:
+    """Run entrypoint(*args) in spec.nproc local workers, restarting them all up to max_restarts times."""
+    from torch.distributed.elastic.rendezvous import RendezvousError, rendezvous_handler_registry
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    host, _ = split_endpoint(spec.endpoint)
+    endpoint, fd = spec.endpoint, -1
+    if spec.node_rank == 0:
+        sock = bind_rendezvous(spec.endpoint)
+        endpoint = f"{host}:{sock.getsockname()[1]}"  # the port the OS chose for ":0"
+        fd = sock.detach()
+    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    # Each worker gets an equal share of the cores; oversubscribed OpenMP threads slow everyone down.
+    # Set before the forkserver below starts: OpenMP reads it when torch is imported there.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
+    # Workers are forked by a server process that has imported torch and fivefold once, so a restart
+    # starts them in a fraction of a second instead of every worker importing again (seconds each).
+    # It forks from its single thread: no lock held by this process's store threads is copied.
+    multiprocessing.set_forkserver_preload(["fivefold.train.loop", "torch._dynamo"])
+    config = LaunchConfig(
+        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id="fivefold",
+        rdzv_backend=BACKEND, rdzv_endpoint=endpoint, max_restarts=spec.max_restarts, monitor_interval=0.5,
+        start_method="forkserver",
+        rdzv_configs={"node_rank": spec.node_rank, "join_timeout": spec.rdzv_timeout_s, "listen_fd": fd},
+        local_addr=host if is_loopback(host) else None,  # what the workers connect to
+    )
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except RendezvousError as e:
+        raise LaunchError(str(e)) from None

@@ -1,0 +1,116 @@
+"""The step-time breakdown of a run: every rank's parts gathered, logged, printed beside the plan.
+
+Each rank measures its own step (`parallel/timing.py`); after the step, outside its timed window,
+one all-gather brings every rank's parts to every rank. The metrics log keeps, per part, the mean
+over ranks (`step_breakdown`: the parts add up to the ranks' mean step time) and the max over
+ranks (`step_breakdown_max`: the slowest rank for that part; these do not add up). A pipeline's
+stages differ (the last computes the head and loss, the first waits longest for gradients), so
+both are worth reading.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from fivefold.parallel import comms
+from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.timing import PARTS, UNATTRIBUTED
+
+COLUMNS = (*PARTS, UNATTRIBUTED, "step")  # one row per rank in the gathered matrix
+ALWAYS = ("compute", UNATTRIBUTED)  # logged even when zero; other parts only when some rank has time there
+
+# The printed table's rows: the planner's time_split (planner/estimate.py) where a part matches it.
+# (label, measured parts, the prediction's keys (summed; none: no prediction), a note where the two
+# count differently). The planner's "host" is the Python around the model's ops: measured inside
+# the actions, so it is set beside compute.
+ROWS = (
+    ("compute", ("compute", "recompute"), ("compute", "host"), "planned: + host (Python overhead)"),
+    ("exposed tp/cp/ep", ("exposed_tp", "exposed_cp", "exposed_ep"), ("tp_cp_ep",), ""),
+    ("bubble", ("bubble",), ("bubble",), ""),
+    ("exposed dp", ("exposed_dp",), ("dp_exposed",), ""),
+    ("exposed pp", ("exposed_pp",), (), ""),
+    ("optimizer", ("optimizer",), ("optimizer",), "measured: unscale + clip + step"),
+    ("metrics sync", ("exposed_log",), ("step_sync",), "planned: + gradient-norm reductions"),
+    ("data", ("data",), (), ""),
+    (UNATTRIBUTED, (UNATTRIBUTED,), (), ""),
+    ("step", ("step",), ("step_time_s",), ""),
+)
+
+
+def gather_parts(wall: float, parts: dict[str, float], world: AxisGroup, device: torch.device) -> torch.Tensor:
+    """Every rank's parts of this step: (world size, len(COLUMNS)) seconds, rows by rank."""
+    mine = torch.tensor([parts[k] for k in COLUMNS[:-1]] + [wall], dtype=torch.float64, device=device)
+    every = mine.new_empty(world.size * mine.numel())
+    comms.all_gather(every, mine, world)
+    return every.view(world.size, -1).cpu()
+
+
+def log_entries(matrix: torch.Tensor) -> dict[str, dict[str, float]]:
+    """`step_breakdown` (mean over ranks) and `step_breakdown_max` for the metrics log."""
+    mean, most = matrix.mean(0), matrix.max(0).values
+    keep = [i for i, k in enumerate(COLUMNS[:-1]) if k in ALWAYS or bool((matrix[:, i] != 0).any())]
+    return {"step_breakdown": {COLUMNS[i]: round(float(mean[i]), 7) for i in keep},
+            "step_breakdown_max": {COLUMNS[i]: round(float(most[i]), 7) for i in keep}}
+
+
+class BreakdownWindow:
+    """Sums the gathered parts over the steps between two printed tables."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.steps = 0
+        self.first = 0
+
+    def add(self, step: int, matrix: torch.Tensor) -> None:
+        if self.total is None:
+            self.total, self.first = torch.zeros_like(matrix), step
+        self.total += matrix
+        self.steps += 1
+
+    def table(self, last: int, predicted: dict | None) -> Table:
+        """The mean step of the window as a table, then the window starts again."""
+        per_rank = self.total / self.steps  # (world, columns): each rank's mean step
+        steps = f"step {last}" if self.first == last else f"steps {self.first}-{last}"
+        split = (predicted or {}).get("time_split")
+        planned = {**split, "step_time_s": predicted["step_time_s"]} if split else {}
+        table = Table(title=f"step time, {steps} (over ranks)", title_justify="left", box=None, padding=(0, 1),
+                      show_edge=False)
+        for header in ("part", "mean ms", "max ms", "% step"):
+            table.add_column(header, justify="left" if header == "part" else "right")
+        if split:
+            table.add_column("predicted ms", justify="right")
+        table.add_column("detail")
+        step_ms = float(per_rank[:, -1].mean()) * 1e3
+        for label, parts, keys, note in ROWS:
+            cols = [COLUMNS.index(p) for p in parts]
+            values = per_rank[:, cols]  # (world, parts)
+            total = values.sum(1)
+            known = [planned[k] for k in keys if k in planned]
+            pred = sum(known) if known else None
+            if not bool((total != 0).any()) and not pred:
+                continue
+            spent = [j for j in range(len(parts)) if bool((values[:, j] != 0).any())]
+            detail = ", ".join(f"{parts[j].removeprefix('exposed_')} {float(values[:, j].mean()) * 1e3:.2f}"
+                               for j in spent) if len(spent) > 1 else ""
+            row = [label, f"{float(total.mean()) * 1e3:.2f}", f"{float(total.max()) * 1e3:.2f}",
+                   f"{float(total.mean()) * 1e3 / step_ms:.1%}" if step_ms else "-"]
+            if split:
+                row.append(f"{pred * 1e3:.2f}" if pred is not None else "-")
+            counted_as_noted = bool(keys) and len(known) == len(keys)
+            table.add_row(*row, "; ".join(d for d in (detail, note if counted_as_noted else "") if d))
+        self.total, self.steps = None, 0
+        return table
+
+
+def pipeline_timeline(timeline: list[tuple[float, float, str]], pp: AxisGroup) -> list[list[list]] | None:
+    """The executed actions of every stage of this rank's pipeline, `[start_s, end_s, "F3s1"]` per
+    action, in seconds from the earliest action of the step (perf_counter is one clock for every
+    process of a host; across hosts the stages' clocks are not aligned). None on ranks but pp's 0."""
+    rows: list = [None] * pp.size
+    dist.all_gather_object(rows, timeline, group=pp.pg)
+    if pp.rank != 0:
+        return None
+    t0 = min((start for row in rows for start, _, _ in row), default=0.0)
+    return [[[round(start - t0, 7), round(end - t0, 7), name] for start, end, name in row] for row in rows]

@@ -1,0 +1,57 @@
+"""Seed checkpoints: a model's initial weights written by one process, one tensor at a time.
+
+At scale no process can build the whole model to initialise it. Here the model is built on the
+meta device (shapes, no memory), and each parameter in turn is materialised, initialised by
+`model.init_parameter` with the one seeded generator in `named_parameters()` order, streamed into
+a safetensors file and dropped. So the peak memory is the largest single tensor, and the numbers
+are bit-identical to `build_model()`'s in-memory init with the same `train.seed` (same generator,
+same draws in the same order, same shapes).
+
+A seed directory holds `model.safetensors` (fivefold's names; a tied head is saved once, as
+`tok_embeddings.weight`) and `fivefold.toml`, the resolved config with `checkpoint.init_from`
+pointing at the directory: `fivefold train DIR/fivefold.toml` starts from it under any layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from fivefold.config import Config, replace, to_toml
+from fivefold.model import Transformer, init_parameter
+from fivefold.train.safetensors_io import SafetensorsWriter
+from fivefold.train.weights import SEED_CONFIG
+from fivefold.validate import padded_vocab
+
+WEIGHTS = "model.safetensors"
+
+
+def write_seed_config(cfg: Config, out: Path) -> Path:
+    """The config that trains from `out`: cfg with checkpoint.init_from = out."""
+    path = out / SEED_CONFIG
+    path.write_text(to_toml(replace(cfg, checkpoint={"init_from": str(out), "resume": False})))
+    return path
+
+
+@torch.no_grad()
+def write_seed_checkpoint(cfg: Config, out: Path) -> Path:
+    """Write cfg's initial weights into out/model.safetensors (and out/fivefold.toml); return the
+    weights file. Holds one parameter at a time."""
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg))
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    params = list(model.named_parameters())  # init_weights()'s order; a tied matrix appears once
+    out.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsWriter(out / WEIGHTS, {name: (torch.float32, tuple(p.shape)) for name, p in params},
+                               metadata={"format": "pt", "fivefold": "seed", "seed": str(cfg.train.seed)})
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    for name, p in params:
+        value = torch.empty(p.shape, dtype=torch.float32)  # this tensor only, for as long as it is written
+        init_parameter(name, value, model_cfg, generator)
+        writer.write(name, value)
+        del value
+    writer.close()
+    write_seed_config(cfg, out)
+    return out / WEIGHTS

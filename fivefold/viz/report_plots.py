@@ -1,0 +1,136 @@
+"""The run report's figures: matplotlib drawn to SVG, returned as a data: URL for an <img>.
+
+An <img> with a data: URL keeps each figure self-contained (no file beside the page, no fetch)
+and keeps the SVGs' internal ids apart, which inline <svg> elements in one page would share.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Sequence
+
+from fivefold.viz.schedule import KIND_COLOURS, KIND_LABELS
+
+
+def byte_unit(largest: float) -> tuple[float, str]:
+    """(divisor, name) that writes `largest` bytes with a few digits before the point."""
+    return next(((d, n) for d, n in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if largest >= d), (1.0, "bytes"))
+
+
+def format_bytes(n: float) -> str:
+    scale, unit = byte_unit(abs(n))
+    return f"{n / scale:.2f} {unit}" if scale > 1 else f"{n:.0f} bytes"
+ACTION = re.compile(r"([FBIW])(\d+)s(\d+)$")  # str(parallel.schedules.Action): "F3s1"
+
+
+def _figure(width: float, height: float):
+    # Figure + explicit canvas instead of pyplot: no global backend switch (as viz/schedule.py).
+    from matplotlib.backends.backend_svg import FigureCanvasSVG
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasSVG(fig)
+    return fig
+
+
+def svg_data_url(fig) -> str:
+    from matplotlib import rc_context
+
+    buf = io.BytesIO()
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "fivefold"}):
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def loss_figure(steps: Sequence[int], loss: Sequence[float], val: Sequence[tuple[int, float]]) -> str:
+    fig = _figure(9, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(steps, loss, color=KIND_COLOURS["F"], linewidth=1.2, label="training loss (global batch)")
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], "o-", color=KIND_COLOURS["I"], markersize=5,
+                label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean token loss")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    return svg_data_url(fig)
+
+
+def throughput_figure(steps: Sequence[int], tokens_per_s: Sequence[float]) -> str:
+    fig = _figure(9, 3.0)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(steps, tokens_per_s, color=KIND_COLOURS["B"], linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s (whole job)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    return svg_data_url(fig)
+
+
+def memory_figure(parts: Sequence[str], measured: Sequence[float], predicted: Sequence[float | None]) -> str:
+    fig = _figure(7, 3.0)
+    ax = fig.add_subplot(1, 1, 1)
+    x = range(len(parts))
+    scale, unit = byte_unit(max([*measured, *(p or 0 for p in predicted)]))
+    ax.bar([i - 0.2 for i in x], [m / scale for m in measured], width=0.4, color=KIND_COLOURS["F"], label="measured")
+    ax.bar([i + 0.2 for i in x], [(p or 0) / scale for p in predicted], width=0.4, color=KIND_COLOURS["W"],
+           label="predicted (planner)")
+    ax.set_xticks(list(x), parts)
+    ax.set_ylabel(f"{unit} on rank 0")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(frameon=False)
+    return svg_data_url(fig)
+
+
+def breakdown_figure(parts: dict[str, float]) -> str:
+    fig = _figure(9, 1.9)
+    ax = fig.add_subplot(1, 1, 1)
+    left = 0.0
+    colours = ["#4C72B0", "#55A868", "#DD8452", "#8C6BB1", "#C44E52", "#937860", "#8c8c8c"]
+    for k, (name, seconds) in enumerate(parts.items()):
+        ax.barh([0], [seconds * 1e3], left=left, color=colours[k % len(colours)], label=name)
+        left += seconds * 1e3
+    ax.set_yticks([])
+    ax.set_xlabel("ms per step (mean over the steps that logged it)")
+    ax.legend(frameon=False, ncol=min(len(parts), 6), loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    return svg_data_url(fig)
+
+
+def comm_figure(steps: Sequence[int], wire: dict[str, Sequence[float]]) -> str:
+    fig = _figure(9, 3.0)
+    ax = fig.add_subplot(1, 1, 1)
+    scale, unit = byte_unit(max((max(v, default=0) for v in wire.values()), default=0))
+    for axis, values in wire.items():
+        ax.plot(steps, [v / scale for v in values], linewidth=1.2, label=axis)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{unit} sent by rank 0 per step")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, title="axis")
+    return svg_data_url(fig)
+
+
+def timeline_figure(ranks: Sequence[Sequence[Sequence]]) -> str:
+    """The executed pipeline: per rank [start_s, end_s, "F3s1"] as the run measured them."""
+    from matplotlib.patches import Patch
+
+    p = len(ranks)
+    fig = _figure(10, 0.55 * p + 1.4)
+    ax = fig.add_subplot(1, 1, 1)
+    t0 = min((ev[0] for row in ranks for ev in row), default=0.0)
+    kinds = set()
+    for rank, row in enumerate(ranks):
+        for start, end, action in row:
+            match = ACTION.match(action)
+            kind = match.group(1) if match else "F"
+            kinds.add(kind)
+            ax.broken_barh([((start - t0) * 1e3, (end - start) * 1e3)], (rank - 0.4, 0.8),
+                           facecolors=KIND_COLOURS[kind], edgecolors="white", linewidth=0.5)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_xlabel("ms from the step's first action")
+    ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=f"{k}: {KIND_LABELS[k]}") for k in "FBIW" if k in kinds],
+              frameon=False, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    return svg_data_url(fig)

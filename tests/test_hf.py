@@ -1,0 +1,165 @@
+"""Hugging Face Llama and Mixtral in and out: same logits in every layout, exact round trips."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fivefold.config import replace
+from fivefold.convert import fivefold_to_hf, hf_to_fivefold
+from fivefold.hf import HFFormatError, HFSource, model_config_from_hf
+from fivefold.mesh import Mesh
+from fivefold.model import Transformer
+from fivefold.parallel.parallelize import parallelize
+from fivefold.testing import run_workers
+from fivefold.train.loop import build_model
+from fivefold.train.safetensors_io import SafetensorsDir
+from fivefold.train.weights import check_init_from, load_weights
+from fivefold.validate import validate
+from helpers import tiny_config
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=320, initializer_range=0.2)  # std 0.2, not 0.02: logits of order 1, so errors show
+KINDS = {"llama": ("Llama", {}),  # transformers' classes by name: importing it costs seconds, so only when used
+         "llama-tied": ("Llama", dict(tie_word_embeddings=True)),  # no lm_head.weight saved
+         "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2))}
+
+
+def hf_class(kind: str, what: str):
+    import transformers
+
+    return getattr(transformers, KINDS[kind][0] + what)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Per kind: a random fp32 HF model saved in 40 KB shards (the sharded index path), its logits
+    on a fixed batch, and the seed directory `fivefold convert --to fivefold` makes of it."""
+    out = {}
+    for kind, (_, extra) in KINDS.items():
+        root = tmp_path_factory.mktemp(kind)
+        torch.manual_seed(0)
+        hf = hf_class(kind, "ForCausalLM")(hf_class(kind, "Config")(**SHAPE, **extra)).eval()
+        hf.save_pretrained(root / "hf", max_shard_size="40KB")
+        x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
+        with torch.no_grad():
+            logits = hf(x).logits  # (2, 16, 320)
+        hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
+        out[kind] = dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits)
+    return out
+
+
+def _logits(rank, world, cfg, sources, x, save_to=None):
+    """Load each weights directory in turn into this rank's part of the layout and run x; the
+    last rank returns the whole logits of each. `save_to`: also write a run checkpoint of it."""
+    mesh = Mesh.from_config(cfg, world)
+    par = parallelize(build_model(cfg, cfg.model.vocab_size), mesh, cfg)
+    stride = world // mesh.size("pp")  # pp is the outermost mesh axis: stages are this many ranks apart
+    out = []
+    for weights in sources:
+        load_weights(weights, par.dp)
+        if save_to is not None:  # what a run checkpoint holds: DTensor shards written by every rank
+            dcp.save({"model": par.dp.model_state_dict()}, checkpoint_id=str(save_to))
+        with torch.no_grad():
+            h = x
+            if mesh.rank("pp") > 0:
+                h = torch.empty(*x.shape, cfg.model.dim)
+                dist.recv(h, src=rank - stride)
+            h = par.model(h)  # (B, T, dim) on the first stage, (B, T, V/tp) on the last
+            if mesh.rank("pp") < mesh.size("pp") - 1:
+                dist.send(h, dst=rank + stride)
+                continue
+            parts = [torch.empty_like(h) for _ in range(mesh.size("tp"))]
+            dist.all_gather(parts, h.contiguous(), group=mesh.group("tp").pg)
+            out.append(torch.cat(parts, dim=-1))  # (B, T, V)
+    return out
+
+
+LAYOUTS = {"single": (1, {}), "tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2}), "dp2-ep2": (2, {"ep": 2})}
+# ep needs experts; validate() refuses tp with tied embeddings.
+CASES = [(layout, kind) for layout in LAYOUTS for kind in KINDS
+         if (layout != "dp2-ep2" or kind == "mixtral") and (layout != "tp2" or kind != "llama-tied")]
+
+
+@pytest.mark.parametrize("layout,kind", CASES)
+def test_same_logits_as_transformers_in_every_layout(tmp_path, models, layout, kind):
+    m = models[kind]
+    world, parallel = LAYOUTS[layout]
+    cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(m["hf"]).model_cfg), parallel=parallel,
+                  train={"global_batch": 2, "micro_batch": 1})
+    assert validate(cfg, world) == []
+    # The seed directory, and the HF directory read directly: both ways in must agree.
+    both = run_workers(_logits, world, cfg, [m["seed"], m["hf"]], m["x"])[-1]
+    assert len(both) == 2
+    for logits in both:
+        # One process, pp and ep: the same kernels as transformers on the same rows, measured
+        # bit-equal. tp adds each row-parallel product from two halves (an all-reduce), another fp32
+        # rounding: measured 5.5e-6 on logits up to 6.4, bound 2e-5. A wrong mapping (w1 and w3
+        # swapped, a transposed expert, a permuted head) moves them by O(0.1-1).
+        torch.testing.assert_close(logits, m["logits"], rtol=0, atol=2e-5 if layout == "tp2" else 0)
+
+
+def test_a_wrong_rope_permutation_is_caught(models):
+    """Meta's adjacent-pair layout (HF's conversion script permutes wq and wk out of it,
+    per head: view(H, D/2, 2, dim).transpose(1, 2)) applied once more must change the logits."""
+    m = models["llama"]
+    model = Transformer(HFSource(m["hf"]).model_cfg)
+    seed = SafetensorsDir(m["seed"])
+    model.load_state_dict({n: seed.read(n) for n in seed.names()})
+    wq = model.layers["0"].attn.wq.weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(m["x"]), m["logits"], rtol=0, atol=0)
+        wq.copy_(wq.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64))  # (H D, dim) rows re-ordered per head
+        assert (model(m["x"]) - m["logits"]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
+    m = models[kind]
+    fivefold_to_hf(m["seed"], tmp_path / "back", max_shard_bytes=30_000)
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()  # sharded on the way out too
+    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
+    assert before.names() == after.names()
+    for name in before.names():
+        assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((m["hf"] / "config.json").read_text())
+
+
+@pytest.mark.parametrize("layout,kind", [("tp2", "llama"), ("dp2-ep2", "mixtral")])
+def test_run_checkpoint_to_hf_is_exact(tmp_path, models, layout, kind):
+    """A checkpoint saved as DTensor shards (tp slices, ep expert groups) -> HF, read tensor by tensor."""
+    m = models[kind]
+    world, parallel = LAYOUTS[layout]
+    cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(m["hf"]).model_cfg), parallel=parallel,
+                  train={"global_batch": 2, "micro_batch": 1})
+    run_workers(_logits, world, cfg, [m["hf"]], m["x"], tmp_path / "step")
+    fivefold_to_hf(tmp_path / "step", tmp_path / "back", config=m["seed"] / "fivefold.toml",
+                   hf_base=m["hf"] / "config.json")
+    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
+    assert before.names() == after.names()
+    for name in before.names():
+        assert torch.equal(before.read(name), after.read(name)), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((m["hf"] / "config.json").read_text())
+    hf = hf_class(kind, "ForCausalLM").from_pretrained(tmp_path / "back").eval()  # transformers itself reads it back
+    with torch.no_grad():
+        torch.testing.assert_close(hf(m["x"]).logits, m["logits"], rtol=0, atol=0)
+
+
+def test_what_fivefold_cannot_represent_is_refused(tmp_path, models):
+    config = json.loads((models["llama"]["hf"] / "config.json").read_text())
+    with pytest.raises(HFFormatError, match="MistralForCausalLM.*LlamaForCausalLM and MixtralForCausalLM"):
+        model_config_from_hf({**config, "architectures": ["MistralForCausalLM"]})
+    scaled = {**config, "attention_bias": True, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
+    with pytest.raises(HFFormatError, match="(?s)attention_bias = True.*rope type 'llama3'"):
+        model_config_from_hf(scaled)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    error = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={tmp_path / 'bin'}"))[0]
+    assert "checkpoint.init_from" in error and "pickle" in error and "save_pretrained" in error
+    mismatch = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={models['llama']['hf']}"))[0]
+    assert "model.rope_theta = 10000.0, this run has 10000.0" not in mismatch  # only real differences
+    assert "layers.0.ffn.gate.weight: weights (96, 64), this model (128, 64)" in mismatch

@@ -1,0 +1,182 @@
+"""The launcher for real: a worker killed from outside, two nodes on one machine, bad input.
+
+Every `fivefold train` here is a real launcher process, and each start costs seconds (the launcher
+and the forkserver its workers come from import torch), so the launched cases share one reference run.
+"""
+
+import ipaddress
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fivefold.cli import main
+from fivefold.testing import run_workers
+from fivefold.train.loop import train
+from fivefold.train.metrics import read_metrics
+from helpers import ROOT, tiny_config
+
+# 8 steps over an epoch boundary (35 samples, batches of 8: the 5th batch holds 3).
+RUN = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=8")
+STEPS = 8
+CONFIG = str(ROOT / "configs" / "tiny.toml")
+
+
+def _train(rank, world, cfg):
+    train(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted one-node run on 2 ranks (forked in this process): its metrics records."""
+    out = tmp_path_factory.mktemp("reference")
+    run_workers(_train, 2, tiny_config(out, *RUN))
+    return read_metrics(out / "tiny" / "metrics.jsonl")
+
+
+def start(out: Path, *args: str, log: str = "job.log") -> tuple[subprocess.Popen, Path]:
+    """`fivefold train` on the tiny config as a process of its own; its output goes to a file."""
+    path = out / log
+    cmd = [sys.executable, "-m", "fivefold", "train", CONFIG, f"--run.out_dir={out}", *RUN, "--no-progress", *args]
+    with path.open("w") as f:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000"}  # COLUMNS: rich wraps no line
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=f)
+    return job, path
+
+
+def same_steps(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["epoch"], r["samples"]) for r in records]
+
+
+def assert_each_sample_once(records: list[dict]) -> None:
+    """Positions consumed in each epoch's order: no repeats, and no gap before the last one."""
+    seen = [(r["epoch"], i) for r in records for i in range(*r["samples"])]
+    assert len(seen) == len(set(seen)), "a sample was repeated"
+    for epoch in {e for e, _ in seen}:
+        positions = sorted(i for e, i in seen if e == epoch)
+        assert positions == list(range(len(positions))), f"epoch {epoch}: a sample was skipped"
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """The workers: children of the launcher's forkserver (its other child is the resource tracker)."""
+    servers = [c for c in children(launcher) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(w for server in servers for w in children(server))
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """Local addresses of the TCP sockets process `pid` listens on (from /proc, no tools needed)."""
+    inodes = {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
+              if os.readlink(fd).startswith("socket:[")}
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                # The kernel prints each 32-bit word of the address in host (little-endian) order.
+                found.append(str(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))))
+    return found
+
+
+def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, reference):
+    job, log = start(tmp_path, "--nproc", "2", "--max-restarts", "1", "--checkpoint.every=2")
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    try:
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.01)
+        done = len(metrics.read_text().splitlines())
+        # A local run's rendezvous and workers' store listen on loopback only.
+        listens = listening_addresses(job.pid)
+        workers = worker_pids(job.pid)
+        os.kill(workers[-1], signal.SIGKILL)
+        assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        job.kill()
+    assert len(workers) == 2 and done < STEPS  # killed mid-run
+    assert len(listens) >= 2 and all(ipaddress.ip_address(a).is_loopback for a in listens), listens
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log.read_text())
+    assert resumed, log.read_text()[-3000:]
+    # From the last complete checkpoint: the one of step `done - 1` or before was complete when step
+    # `done` was logged (checkpoints every 2 steps).
+    assert (done - 1) // 2 * 2 <= int(resumed.group(1)) < STEPS
+    records = read_metrics(metrics)
+    assert same_steps(records) == same_steps(reference)  # losses bit-exact, the same samples each step
+    assert_each_sample_once(records)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_like_one_node(tmp_path, reference):
+    endpoint = f"127.0.0.1:{free_port()}"
+    # Node 1 first: it must wait for node 0's rendezvous to appear.
+    nodes = [start(tmp_path, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint,
+                   log=f"node{rank}.log") for rank in (1, 0)]
+    try:
+        for job, log in nodes:
+            assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        for job, _ in nodes:
+            job.kill()
+    # dp = 2 over two nodes is the same computation as over two local ranks: exactly equal.
+    assert same_steps(read_metrics(tmp_path / "tiny" / "metrics.jsonl")) == same_steps(reference)
+
+
+def _train_command(tmp_path: Path, *args: str) -> list[str]:
+    return ["train", CONFIG, f"--run.out_dir={tmp_path}", "--no-progress", *args]
+
+
+def test_a_rendezvous_port_in_use_fails_at_once_naming_it(tmp_path, capsys):
+    began = time.monotonic()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
+        code = main(_train_command(tmp_path, "--nproc", "1", "--nnodes", "2", "--node-rank", "0",
+                                   "--rdzv-endpoint", endpoint, "--rdzv-timeout", "5"))
+    assert code == 2 and not dist.is_initialized()
+    assert f"rendezvous endpoint {endpoint}: the port is already in use" in capsys.readouterr().err
+    assert time.monotonic() - began < 10
+
+
+def test_a_node_that_never_joins_times_out_naming_the_address(tmp_path, capsys):
+    endpoint = f"127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    # Node 0 waits for node 1, which never comes.
+    assert main(_train_command(tmp_path, "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                               endpoint, "--rdzv-timeout", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"rendezvous at {endpoint}: 1 of 2 nodes joined within 1 s" in err and "missing node-rank 1" in err
+    # Node 1 waits for node 0's rendezvous, which never comes.
+    assert main(_train_command(tmp_path, "--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                               endpoint, "--rdzv-timeout", "1")) == 2
+    assert f"no rendezvous at {endpoint} within 1 s" in capsys.readouterr().err
+    assert time.monotonic() - began < 20
+    assert not (tmp_path / "tiny").exists()  # no worker ever started
+
+
+def test_a_missing_corpus_or_an_unwritable_run_directory_fails_before_any_process(tmp_path, capsys):
+    """An unwritable folder is made with a file where a folder should be: chmod would not stop root."""
+    (tmp_path / "a_file").write_text("")
+    out_dir = tmp_path / "a_file" / "runs"
+    began = time.monotonic()
+    code = main(["train", CONFIG, "--nproc", "2", f"--run.out_dir={out_dir}", "--data.paths=['no/such/corpus']"])
+    err = capsys.readouterr().err
+    assert code == 2 and not dist.is_initialized()
+    assert "data.paths: 'no/such/corpus' does not exist" in err
+    assert f"run directory '{out_dir / 'tiny'}' is not writable ('{tmp_path / 'a_file'}' is a file" in err
+    assert "set --run.out_dir to a writable folder" in err
+    assert time.monotonic() - began < 10
