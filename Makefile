@@ -6,9 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test clean
 
+# --no-compile: pip would byte-compile every module of torch and transformers (minutes here); Python
+# compiles, once, only what is imported.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-compile -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)

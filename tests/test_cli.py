@@ -20,17 +20,7 @@ def fivefold(*args: str, launcher: tuple[str, ...] = ("-m", "fivefold")) -> subp
                           timeout=240)
 
 
-def test_train_with_local_launcher(tmp_path):
-    out = fivefold("train", "configs/tiny.toml", "--nproc", "2", f"--run.out_dir={tmp_path}", *FAST)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = tmp_path / "tiny"
-    records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[0]["comm"]["dp"]["calls"] == 1  # one gradient all-reduce per step over 2 ranks
-    assert (run / "config.toml").is_file() and (run / "checkpoints" / "step_00000003" / "state.json").is_file()
-    assert f"outputs in {run}" in out.stderr
-
-
+# The local launcher (`--nproc`) runs in tests/test_launch.py, killed worker and all.
 def test_train_under_torchrun(tmp_path):
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fivefold")
     out = fivefold("train", "configs/tiny.toml", f"--run.out_dir={tmp_path}", *FAST, launcher=torchrun)

@@ -114,6 +114,8 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, refere
     records = read_metrics(metrics)
     assert same_steps(records) == same_steps(reference)  # losses bit-exact, the same samples each step
     assert_each_sample_once(records)
+    assert records[0]["comm"]["dp"]["calls"] == 1  # one gradient all-reduce per step over 2 ranks
+    assert (tmp_path / "tiny" / "config.toml").is_file() and f"outputs in {tmp_path / 'tiny'}" in log.read_text()
 
 
 def free_port() -> int:

@@ -47,6 +47,7 @@ from fivefold.planner.calibrate_comm import alpha_per_op, collective_timings, fi
 from fivefold.planner.calibrate_host import host_costs
 from fivefold.planner.hardware import Hardware
 from fivefold.planner.timing import SAMPLE_S, sample_time
+from fivefold.progress import progress_bar
 
 HOST = ("module_call_s", "function_s", "hook_s", "tensor_query_s", "thread_s")
 
@@ -224,24 +225,29 @@ def _compute_worker(rank: int, world: int, threads: int, quick: bool) -> dict:
             "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
 
 
-def measure(nproc: int = 2, quick: bool = False, threads: int | None = None) -> dict:
+def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, progress: bool = False) -> dict:
     """One session of every measurement on nproc forked ranks (each figure the median over the
     ranks): {"compute": {...}, "collectives": {(op, tensor bytes): seconds}}. calibrate() makes a
     profile of one session; profile() of several, taken at different times (medians of each)."""
     from fivefold.testing import run_workers
 
     threads = threads or threads_per_rank(nproc)
-    compute = _median_of(run_workers(_compute_worker, nproc, threads, quick, timeout=600.0))
-    rows = collective_timings(nproc, (4_096, 65_536, 1_048_576) if quick else (16_384, 262_144, 4_194_304),
-                              repeats=((3, 4), (3, 2), (2, 1)) if quick else ((9, 16), (5, 4), (3, 1)), threads=threads)
+    # Two phases of about the same length: the bar's ETA after the first is a fair guess.
+    with progress_bar("calibrating: compute, then collectives", 2, progress) as advance:
+        compute = _median_of(run_workers(_compute_worker, nproc, threads, quick, timeout=600.0))
+        advance()
+        rows = collective_timings(nproc, (4_096, 65_536, 1_048_576) if quick else (16_384, 262_144, 4_194_304),
+                                  repeats=((3, 4), (3, 2), (2, 1)) if quick else ((9, 16), (5, 4), (3, 1)), threads=threads)
+        advance()
     return {"compute": compute, "collectives": {(op, nbytes): t for op, nbytes, t in rows}}
 
 
-def calibrate(nproc: int = 2, quick: bool = False, name: str = "local", threads: int | None = None) -> Hardware:
+def calibrate(nproc: int = 2, quick: bool = False, name: str = "local", threads: int | None = None,
+              progress: bool = True) -> Hardware:
     """Measure this machine as `nproc` training ranks use it: op costs, matmuls, the optimizer,
     Python's fixed costs, copy bandwidth (on every rank at once) and collectives on nproc gloo ranks."""
     threads = threads or threads_per_rank(nproc)
-    return profile([measure(nproc, quick, threads)], nproc, threads, name)
+    return profile([measure(nproc, quick, threads, progress)], nproc, threads, name)
 
 
 def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local") -> Hardware:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from fivefold.progress import progress_bar
+
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -174,7 +176,7 @@ def _torch_dtype(code: str) -> torch.dtype:
 
 
 def write_sharded(out: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ...], Any]], max_shard_bytes: int,
-                  metadata: dict[str, str] | None = None) -> list[Path]:
+                  metadata: dict[str, str] | None = None, progress: bool = True) -> list[Path]:
     """Write tensors [(name, dtype, shape, produce)] into `out` as Hugging Face lays them out:
     `model.safetensors` when they fit in one shard of max_shard_bytes, else
     `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. `produce()` returns the
@@ -191,15 +193,17 @@ def write_sharded(out: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ..
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     out.mkdir(parents=True, exist_ok=True)
-    for file, shard in zip(names, shards):
-        writer = SafetensorsWriter(out / file, {name: (dtype, shape) for name, dtype, shape, _ in shard}, metadata)
-        for name, _, _, produce in shard:
-            value = produce()
-            for piece in [value] if torch.is_tensor(value) else value:
-                writer.write(name, piece)
-        writer.close()
+    total = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape, _ in tensors)
+    with progress_bar(f"writing {out}", total, progress) as advance:
+        for file, shard in zip(names, shards):
+            writer = SafetensorsWriter(out / file, {name: (dtype, shape) for name, dtype, shape, _ in shard}, metadata)
+            for name, dtype, shape, produce in shard:
+                value = produce()
+                for piece in [value] if torch.is_tensor(value) else value:
+                    writer.write(name, piece)
+                advance(torch.Size(shape).numel() * dtype.itemsize)
+            writer.close()
     if n > 1:
-        total = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape, _ in tensors)
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: file for file, shard in zip(names, shards) for name, *_ in shard}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -21,6 +21,7 @@ import torch
 
 from fivefold.config import Config, replace, to_toml
 from fivefold.model import Transformer, init_parameter
+from fivefold.progress import progress_bar
 from fivefold.train.safetensors_io import SafetensorsWriter
 from fivefold.train.weights import SEED_CONFIG
 from fivefold.validate import padded_vocab
@@ -36,7 +37,7 @@ def write_seed_config(cfg: Config, out: Path) -> Path:
 
 
 @torch.no_grad()
-def write_seed_checkpoint(cfg: Config, out: Path) -> Path:
+def write_seed_checkpoint(cfg: Config, out: Path, progress: bool = True) -> Path:
     """Write cfg's initial weights into out/model.safetensors (and out/fivefold.toml); return the
     weights file. Holds one parameter at a time."""
     model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg))
@@ -47,11 +48,13 @@ def write_seed_checkpoint(cfg: Config, out: Path) -> Path:
     writer = SafetensorsWriter(out / WEIGHTS, {name: (torch.float32, tuple(p.shape)) for name, p in params},
                                metadata={"format": "pt", "fivefold": "seed", "seed": str(cfg.train.seed)})
     generator = torch.Generator().manual_seed(cfg.train.seed)
-    for name, p in params:
-        value = torch.empty(p.shape, dtype=torch.float32)  # this tensor only, for as long as it is written
-        init_parameter(name, value, model_cfg, generator)
-        writer.write(name, value)
-        del value
+    with progress_bar(f"initialising {out / WEIGHTS}", sum(p.numel() for _, p in params), progress) as advance:
+        for name, p in params:
+            value = torch.empty(p.shape, dtype=torch.float32)  # this tensor only, for as long as it is written
+            init_parameter(name, value, model_cfg, generator)
+            writer.write(name, value)
+            del value
+            advance(p.numel())
     writer.close()
     write_seed_config(cfg, out)
     return out / WEIGHTS
