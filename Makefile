@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo browser test clean
 
 # --no-compile: pip would byte-compile every module of torch and transformers (minutes here); Python
 # compiles, once, only what is imported.
@@ -19,10 +19,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fivefold train configs/debug.toml --nproc 2 --run.name=debug-$$(date +%Y%m%d-%H%M%S)
 
-# Browser tests (tests/test_pages.py) need Debian's chromium + chromium-driver: installed if missing.
-test: $(STAMP)
-	bash scripts/install-browser.sh
+# Browser tests (tests/test_pages.py) need Debian's chromium + chromium-driver, installed if missing
+# in the background while pip installs and the other tests run (about a minute of downloads); the
+# pages' tests wait for .browser-install.done, which holds the script's exit status.
+browser:
+	rm -f .browser-install.done
+	(bash scripts/install-browser.sh > .browser-install.log 2>&1; echo $$? > .browser-install.done) &
+
+test: browser $(STAMP)
 	$(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info .browser-install.*

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_
 from fivefold.presets import PRESETS
 from fivefold.viz.explain import buckets, ring
 from fivefold.viz.schedule import per_chunk_costs
+from helpers import ROOT
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # Headless, and nothing that reaches for the network (this machine has none: each would stall).
@@ -36,12 +38,24 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--window-size=1200,900")
 
 
+INSTALL_LOG, INSTALL_DONE = ROOT / ".browser-install.log", ROOT / ".browser-install.done"
+
+
+def _wait_for_install(timeout_s: float = 600.0) -> None:
+    """`make test` installs the browser in the background (Makefile `browser`): wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while INSTALL_LOG.exists() and not INSTALL_DONE.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
+    _wait_for_install()
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
+        log = INSTALL_LOG.read_text()[-2000:] if INSTALL_LOG.exists() else ""
         pytest.fail(f"{', '.join(missing)} not found: run `bash scripts/install-browser.sh` as root "
-                    "(apt-get install chromium chromium-driver); `make test` does it")
+                    f"(apt-get install chromium chromium-driver); `make test` does it\n{log}")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
