@@ -212,7 +212,6 @@ def test_transformer_matches_one_process(method):
 # ---- whole training runs: the loop, the data sharding, RoPE positions and gradient sums ----
 
 TRAINING = {  # name: (ranks, overrides); the same data and reference as test_data_parallel.py
-    "ring-cp2": (2, ("--parallel.cp=2",)),
     "ring-cp4": (4, ("--parallel.cp=4", "--train.micro_batch=4")),
     "ulysses-cp2": (2, ("--parallel.cp=2", "--parallel.cp_method=ulysses")),
     "ring-dp2-cp2-zero3": (4, ("--parallel.cp=2", "--parallel.zero=3")),

@@ -32,7 +32,6 @@ LAYOUTS = {  # name: (ranks, micro_batch, extra overrides)
     "zero1-dp4": (4, 2, ("--parallel.zero=1",)),
     "zero2-dp2-accum2": (2, 2, ("--parallel.zero=2", "--parallel.bucket_mb=0.1")),
     "zero2-dp4-accum2": (4, 1, ("--parallel.zero=2",)),
-    "hsdp-zero1-2x2": (4, 1, ("--parallel.zero=1", "--parallel.dp_replicate=2")),
     "hsdp-zero2-2x2-accum2": (4, 1, ("--parallel.zero=2", "--parallel.dp_replicate=2", "--parallel.bucket_mb=0.1")),
     "zero3-dp2-accum2": (2, 2, ("--parallel.zero=3",)),
     "zero3-dp4-accum2": (4, 1, ("--parallel.zero=3",)),

@@ -71,7 +71,6 @@ LAYOUTS = {
     "tp2": (2, ("--parallel.tp=2", "--train.micro_batch=4")),
     "tp4": (4, ("--parallel.tp=4", "--train.micro_batch=8")),
     "tp2-sp": (2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4")),
-    "dp2-tp2": (4, ("--parallel.tp=2", "--train.micro_batch=2")),
     "pp2-tp2": (4, ("--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=2")),
     "dp2-tp2-zero1": (4, ("--parallel.tp=2", "--parallel.zero=1", "--train.micro_batch=2")),
     "dp2-tp2-sp-zero3": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3", "--train.micro_batch=2")),
