@@ -213,9 +213,7 @@ def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
 
 def _first_failure(e: CheckpointException) -> str:
     """The first rank's error, one line (DCP's own message holds every rank's traceback)."""
-    failures = getattr(e, "failures", {}) or {}
-    for rank, failure in sorted(failures.items()):
-        reason = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+    for rank, (reason, _) in sorted(e.failures.items()):  # rank -> (exception, traceback), as in _os_error
         return f"rank {rank}: {type(reason).__name__}: {str(reason).splitlines()[0][:200]}"
     return str(e).splitlines()[0][:200]
 
