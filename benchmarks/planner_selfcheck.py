@@ -10,8 +10,9 @@ with the real loop (`fivefold.train.loop.train`, fp32, 1 thread per rank); a ste
 round. The prediction is `selfcheck.predict_for_config`, the figure `fivefold train
 --run.hardware PROFILE` logs as `predicted.step_time_s`, from a profile of this machine:
 
-- without --hardware, each round first takes one measurement session of `fivefold calibrate`
-  (calibrate.measure: op costs, matmuls, the optimizer, Python's fixed costs, collectives), then
+- without --hardware, each round first takes one measurement session of `fivefold calibrate
+  --layers` on the runs' configs (calibrate.measure: op costs, matmuls, the optimizer, Python's
+  fixed costs, the models' blocks, embedding and head timed whole, collectives), then
   trains every layout; the profile is the median over the sessions (calibrate.profile), so the
   calibration samples the same stretch of time as the runs it predicts. On this shared 2-core
   machine a neighbour's test run can double every time for tens of seconds; one calibration
@@ -21,7 +22,8 @@ round. The prediction is `selfcheck.predict_for_config`, the figure `fivefold tr
 The layouts take turns from round to round (A B C, C B A, ...), so a load change hits them alike.
 
 Output: progress on stderr; one JSON line per model and layout (measured median, predicted,
-ratio = predicted / measured, per-round medians, the prediction's time split) on stdout, then a
+ratio = predicted / measured, per-round medians, the prediction's time split, and `ratio_op_priced`:
+the same profile without its layer times, every part priced op by op) on stdout, then a
 summary line with every ratio and the issue's target (each within [0.75, 1.25]), printed beside
 the ratios, not asserted: timings on a shared machine are a report, not a test.
 """
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", default=None, help="a profile from `fivefold calibrate` (else: measured here)")
     parser.add_argument("--out", default=None, help="where to write the profile measured here")
     args, overrides = parse(parser, argv)
+    import dataclasses
+
     from fivefold.planner.calibrate import measure, profile, threads_per_rank
+    from fivefold.planner.calibrate_layers import config_parts
     from fivefold.planner.estimate import estimate
     from fivefold.planner.hardware import load_profile, profile_toml
     from fivefold.planner.selfcheck import activation_element_bytes, predict_for_config
@@ -84,10 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[tuple[str, str], list[list[float]]] = {run: [] for run in runs}
     sessions = []
     with tempfile.TemporaryDirectory() as tmp:
+        parts = {part.key: part for m, lay in runs
+                 for part in config_parts(_config(m, lay, args, overrides, Path(tmp), None), NPROC)}
         for rnd in range(args.rounds):
             if not args.hardware:
                 log(f"round {rnd + 1}/{args.rounds}: calibration session  [{time.perf_counter() - began:.0f} s]")
-                sessions.append(measure(NPROC, args.quick))
+                sessions.append(measure(NPROC, args.quick, parts=tuple(parts.values())))
             for model, layout in runs if rnd % 2 == 0 else runs[::-1]:
                 cfg = _config(model, layout, args, overrides, Path(tmp), args.hardware)
                 steps = run_workers(_worker, NPROC, cfg, timeout=1800)[0][args.warmup:]
@@ -98,19 +105,23 @@ def main(argv: list[str] | None = None) -> None:
         if not args.hardware:
             Path(path).write_text(profile_toml(profile(sessions, NPROC, threads_per_rank(NPROC))))
         hw = load_profile(path)
+        op_priced = dataclasses.replace(hw, layer_times=())
         for model, layout in runs:
             cfg = _config(model, layout, args, overrides, Path(tmp), path)
             predicted = predict_for_config(cfg, NPROC, hw)["step_time_s"]
+            predicted_ops = predict_for_config(cfg, NPROC, op_priced)["step_time_s"]
             split = estimate(cfg, NPROC, hw, act_bytes=activation_element_bytes(cfg), implementation=True).time_split
             measured = median([t for steps in times[(model, layout)] for t in steps])
             name = f"{model}_{layout}"
             record = {"model": model, "layout": layout, "measured_step_s": round(measured, 4),
                       "predicted_step_s": round(predicted, 4), "ratio": round(predicted / measured, 3),
+                      "ratio_op_priced": round(predicted_ops / measured, 3),
                       "round_medians_s": [round(median(s), 4) for s in times[(model, layout)]],
                       "predicted_split_s": {k: round(v, 4) for k, v in split.items()},
                       "steps": args.steps, "rounds": args.rounds,
                       "profile": args.hardware or f"{len(sessions)} session(s) measured here"}
             summary[f"{name}_ratio"] = record["ratio"]
+            summary[f"{name}_ratio_op_priced"] = record["ratio_op_priced"]
             print(json.dumps(record), flush=True)
     ratios = {k: v for k, v in summary.items() if k.endswith("_ratio")}
     summary["target"] = f"each ratio within [{TARGET[0]}, {TARGET[1]}]"

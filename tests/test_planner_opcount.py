@@ -12,7 +12,7 @@ from fivefold.planner.counts import model_counts
 from fivefold.planner.estimate import _op_priced, estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
 from fivefold.planner.layout import rank_shares
-from fivefold.planner.opcount import block_tally, ends_tally, tally_time
+from fivefold.planner.opcount import Part, block_tally, ends_tally, part_tally, tally_time
 from fivefold.presets import PRESETS
 from helpers import tiny_config
 
@@ -26,8 +26,9 @@ def _synthetic(**over):
 
 
 def test_block_op_count_is_stable_positive_and_matches_the_matmul_flops():
-    fwd, bwd = block_tally.__wrapped__(TINY, 0, 1, 2, 32)
-    again = block_tally.__wrapped__(TINY, 0, 1, 2, 32)
+    part = Part("block", TINY, 0, 0, 1, 2, 32)
+    fwd, bwd = part_tally.__wrapped__(part)  # traced twice, not served from the cache
+    again = part_tally.__wrapped__(part)
     assert (fwd.ops, fwd.views, bwd.ops, bwd.views) == (again[0].ops, again[0].views, again[1].ops, again[1].views)
     assert fwd.ops > 0 and bwd.ops > fwd.ops  # backward runs more ops than forward
     tokens = 2 * 32
@@ -73,6 +74,34 @@ def test_estimate_prices_every_op_and_the_optimizer_from_the_profile(tmp_path):
     assert est.time_split["host"] == pytest.approx(3 * tensors * 1e-5)
     assert est.step_time_s == pytest.approx(est.time_split["compute"] + est.time_split["optimizer"]
                                             + est.time_split["host"])
+
+
+def test_parts_timed_whole_replace_their_op_prices(tmp_path):
+    """A profile's layer_times (calibrate --layers) price the parts they name; the rest stay op-priced."""
+    cfg = tiny_config(tmp_path, "--train.recompute=full")
+    vocab = est_vocab(cfg)
+    hw = _synthetic(op_overhead_s=1e-5)
+    block = Part("block", cfg.model, 0, 0, 1, 2, 32)
+    timed = dataclasses.replace(hw, layer_times=((block.key, 1e-3, 2e-3),))
+    est = estimate(cfg, 1, timed, act_bytes=4, implementation=True)
+    f, b = ends_tally(cfg.model, vocab, 1, 2, 32, True, True)
+    ends = (2 * f.ops + b.ops) * 1e-5  # full recompute: their forward again
+    blocks = 8 * (1e-3 + 2e-3 + 1e-3)  # forward, backward, the forward recomputed
+    assert est.time_split["compute"] == pytest.approx(4 * (blocks + ends))
+    assert any("8 of 10 parts timed whole" in arithmetic for _, arithmetic, _ in est.explain)
+    # a profile timing another shape (micro-batch 4) prices every op as before
+    other = Part("block", cfg.model, 0, 0, 1, 4, 32)
+    assert estimate(cfg, 1, dataclasses.replace(hw, layer_times=((other.key, 1.0, 1.0),)), act_bytes=4,
+                    implementation=True).time_split == estimate(cfg, 1, hw, act_bytes=4, implementation=True).time_split
+
+
+def test_part_keys_name_what_a_part_costs_depend_on():
+    tp2 = Part("block", TINY, 0, 0, 2, 2, 32)
+    assert tp2.key == "block dim=64 heads=2/2 head_dim=16 ffn=64 batch=2 seq=32"
+    assert Part("head", TINY, 0, 320, 2, 2, 32).key == "head vocab=160 dim=64 tp=2 batch=2 seq=32"
+    moe = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_ffn_dim=64, first_dense_layers=1)
+    assert Part("block", moe, 0, 0, 1, 2, 32).key == Part("block", TINY, 0, 0, 1, 2, 32).key  # a dense first block
+    assert "experts=4x64 top_k=2" in Part("block", moe, 1, 0, 1, 2, 32).key
 
 
 def est_vocab(cfg):

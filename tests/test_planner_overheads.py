@@ -112,7 +112,9 @@ def test_sessions_merge_by_median_field_by_field():
 
 def test_profile_round_trip_with_the_python_costs_and_per_op_alpha(tmp_path):
     hw = _synthetic(op_overhead_s=1e-5, module_call_s=2e-6, function_s=1e-5, hook_s=5e-7, tensor_query_s=3e-6,
-                    thread_s=4e-4, collective_alpha=(("all_reduce", 5e-4), ("send", 2e-4)))
+                    thread_s=4e-4, collective_alpha=(("all_reduce", 5e-4), ("send", 2e-4)),
+                    layer_times=(("block dim=64 heads=4/4 head_dim=16 ffn=128 batch=2 seq=32", 1e-3, 2e-3),
+                                 ("head vocab=320 dim=64 tp=1 batch=2 seq=32", 3e-4, 4e-4)))
     path = tmp_path / "p.toml"
     path.write_text(profile_toml(hw))
     assert load_profile(path) == hw

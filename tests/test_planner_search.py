@@ -7,10 +7,10 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config, read_config, replace
-from fivefold.planner.calibrate import calibrate
+from fivefold.planner.calibrate_layers import config_parts
 from fivefold.planner.calibrate_comm import fit_alpha_beta
 from fivefold.planner.estimate import estimate
-from fivefold.planner.hardware import load_profile, profile_toml
+from fivefold.planner.hardware import load_profile
 from fivefold.planner.search import candidates, search
 from fivefold.planner.selfcheck import predict_for_config
 from fivefold.testing import run_workers
@@ -61,14 +61,17 @@ def test_alpha_beta_fit_recovers_its_own_model():
 
 
 def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
-    hw = calibrate(nproc=2, quick=True, name="local")
+    """`fivefold calibrate --layers` on a pp2 config: the profile times the parts both stages run."""
     path = tmp_path / "local.toml"
-    path.write_text(profile_toml(hw))
+    assert main(["calibrate", "--quick", "--out", str(path), "--layers", "configs/tiny.toml", "--parallel.pp=2"]) == 0
     back = load_profile(path)
-    assert back == hw and back.sources["intra_bw"].startswith("measured")
-    assert hw.peak_flops > 1e8 and hw.intra_bw > 1e6 and 0 < hw.compute_efficiency <= 1
-    cfg = tiny_config(tmp_path)
-    assert estimate(cfg, 2, back, act_bytes=4).step_time_s > 0
+    assert back.sources["intra_bw"].startswith("measured") and "calibrate_layers" in back.sources["layer_times"]
+    assert back.peak_flops > 1e8 and back.intra_bw > 1e6 and 0 < back.compute_efficiency <= 1
+    cfg = tiny_config(tmp_path, "--parallel.pp=2")
+    keys = [k for k, _, _ in back.layer_times]
+    assert sorted(keys) == sorted(p.key for p in config_parts(cfg, 2))  # 8 alike blocks, embedding, head
+    assert len(keys) == 3 and all(f > 0 and b > 0 for _, f, b in back.layer_times)
+    assert any("5 of 5 parts timed whole" in a for _, a, _ in estimate(cfg, 2, back, act_bytes=4).explain)
 
 
 def _train(rank, world, cfg):

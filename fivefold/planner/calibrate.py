@@ -25,6 +25,8 @@ What is measured, and what it becomes in the profile (every value's [sources] en
 - Python's fixed costs beyond the ops (calibrate_host.py): an nn.Module call, a custom autograd
   Function, a gradient hook, the loop's model-state sampling per parameter, a helper thread ->
   module_call_s, function_s, hook_s, tensor_query_s, thread_s;
+- with `--layers CONFIG`, the model's own blocks, embedding and head + loss, each built alone at
+  the shapes the config's ranks compute, forward and backward (calibrate_layers.py) -> layer_times;
 - a large copy -> hbm_bw (bytes read + written per second);
 - every collective the parallel code uses (calibrate_comm.py), each after a burst of compute as
   training issues it -> intra_bw (beta of the alpha-beta fit, bw_efficiency = 1 since beta is
@@ -203,38 +205,44 @@ def _median_of(values: list):
     return statistics.median(values)
 
 
-def _compute_worker(rank: int, world: int, threads: int, quick: bool) -> dict:
-    """Every compute measurement, on each of `world` ranks at once (each with `threads` threads)."""
+def _compute_worker(rank: int, world: int, threads: int, quick: bool, parts: tuple = ()) -> dict:
+    """Every compute measurement, on each of `world` ranks at once (each with `threads` threads);
+    `parts` (opcount.Part): the model's own parts to time whole (calibrate_layers.py)."""
     import torch.distributed as dist
+
+    from fivefold.planner.calibrate_layers import time_parts
 
     torch.set_num_threads(threads)
     sizes = (16, 32, 64, 128, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
     rounds, samples, min_s = (1, 3, SAMPLE_S / 5) if quick else (3, 5, SAMPLE_S)
-    ops, opt, host, mm = [], [], [], []
+    ops, opt, host, mm, layers = [], [], [], [], []
     for _ in range(rounds):
         for measure, into in ((lambda: op_costs(repeats=samples, min_s=min_s), ops),
                               (lambda: optimizer_costs(samples, min_s), opt),
                               (lambda: host_costs(samples, min_s), host),
                               (lambda: matmul_sweep(sizes, repeats=3, min_s=min_s, op_s=ops[-1]["op_overhead_s"],
-                                                    view_s=ops[-1]["view_overhead_s"]), mm)):
+                                                    view_s=ops[-1]["view_overhead_s"]), mm),
+                              (lambda: time_parts(list(parts), samples, min_s), layers)):
             dist.barrier()
             into.append(measure())
     for o in ops:  # by size, so that sessions, ranks and rounds merge point by point
         o["elementwise_curve"] = dict(o["elementwise_curve"])
     return {**_median_of(ops), **_median_of(host), "optimizer": _median_of(opt), "matmul": _median_of(mm),
-            "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
+            "layers": _median_of(layers), "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
 
 
-def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, progress: bool = False) -> dict:
+def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, progress: bool = False,
+            parts: tuple = ()) -> dict:
     """One session of every measurement on nproc forked ranks (each figure the median over the
     ranks): {"compute": {...}, "collectives": {(op, tensor bytes): seconds}}. calibrate() makes a
-    profile of one session; profile() of several, taken at different times (medians of each)."""
+    profile of one session; profile() of several, taken at different times (medians of each).
+    parts: opcount.Part to time whole (calibrate_layers.config_parts of the configs to plan)."""
     from fivefold.testing import run_workers
 
     threads = threads or threads_per_rank(nproc)
     # Two phases of about the same length: the bar's ETA after the first is a fair guess.
     with progress_bar("calibrating: compute, then collectives", 2, progress) as advance:
-        compute = _median_of(run_workers(_compute_worker, nproc, threads, quick, timeout=600.0))
+        compute = _median_of(run_workers(_compute_worker, nproc, threads, quick, tuple(parts), timeout=600.0))
         advance()
         rows = collective_timings(nproc, (4_096, 65_536, 1_048_576) if quick else (16_384, 262_144, 4_194_304),
                                   repeats=((3, 4), (3, 2), (2, 1)) if quick else ((9, 16), (5, 4), (3, 1)), threads=threads)
@@ -243,11 +251,12 @@ def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, pro
 
 
 def calibrate(nproc: int = 2, quick: bool = False, name: str = "local", threads: int | None = None,
-              progress: bool = True) -> Hardware:
+              progress: bool = True, parts: tuple = ()) -> Hardware:
     """Measure this machine as `nproc` training ranks use it: op costs, matmuls, the optimizer,
-    Python's fixed costs, copy bandwidth (on every rank at once) and collectives on nproc gloo ranks."""
+    Python's fixed costs, copy bandwidth and the model's `parts` (on every rank at once) and
+    collectives on nproc gloo ranks."""
     threads = threads or threads_per_rank(nproc)
-    return profile([measure(nproc, quick, threads, progress)], nproc, threads, name)
+    return profile([measure(nproc, quick, threads, progress, parts)], nproc, threads, name)
 
 
 def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local") -> Hardware:
@@ -299,6 +308,10 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
                           "each), per parameter",
         "thread_s": f"{host}: a thread draining a queue, started and joined (pipeline._Sends' pattern)",
     }
+    layers = c.get("layers") or {}
+    if layers:
+        sources["layer_times"] = (f"{host}: fivefold's own blocks, embedding and head + loss, each built alone at a "
+                                  "rank's shapes and run forward and backward on real tensors (calibrate_layers.py)")
     return Hardware(name=name, peak_flops=peak, memory_bytes=float(mem), hbm_bw=c["copy"], intra_bw=beta,
                     inter_bw=beta, pcie_bw=c["copy"], gpus_per_node=os.cpu_count() or 1,
                     compute_efficiency=statistics.median(rates.values()) / peak, bw_efficiency=1.0,
@@ -307,4 +320,5 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
                     matmul_curve=tuple((2.0 * n**3, r) for n, r in rates.items()),
                     elementwise_curve=tuple(c["elementwise_curve"].items()), optimizer_s_per_tensor=per_tensor,
                     optimizer_s_per_element=per_element, collective_alpha=per_op,
+                    layer_times=tuple((k, f, b) for k, (f, b) in sorted(layers.items())),
                     sources=sources, **{k: c[k] for k in HOST})

@@ -55,6 +55,10 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="local.toml", help="profile to write")
     p.add_argument("--nproc", type=int, default=2, help="local gloo ranks for the collective timings")
     p.add_argument("--quick", action="store_true", help="small sizes, short samples (a few seconds; rough)")
+    p.add_argument("--layers", nargs="+", default=[], metavar="CONFIG",
+                   help="also time the model's own blocks, embedding and head + loss whole, at the shapes these "
+                        "training configs run on --nproc ranks (--section.key=value overrides apply to each); the "
+                        "planner uses those times instead of pricing the parts op by op")
 
 
 def parse_tokens(text: str) -> int:
@@ -177,15 +181,34 @@ def _search(args, cfg, hw, b: BytesPerParam) -> int:
     return 0
 
 
+def _layer_parts(args: argparse.Namespace, rest: list[str]) -> tuple:
+    """The distinct parts the --layers configs run on --nproc ranks; every config checked first."""
+    from fivefold.config import load_config
+    from fivefold.planner.calibrate_layers import config_parts
+    from fivefold.validate import validate
+
+    if rest and not args.layers:
+        raise ConfigError([f"unrecognized arguments: {' '.join(rest)} (overrides apply to --layers configs)"])
+    parts = {}
+    for path in args.layers:
+        cfg = load_config(path, rest)
+        errors = validate(cfg, args.nproc)
+        if errors:
+            raise ConfigError([f"--layers {path} on --nproc {args.nproc}: {e}" for e in errors])
+        parts.update((part.key, part) for part in config_parts(cfg, args.nproc))
+    return tuple(parts.values())
+
+
 def run(args: argparse.Namespace, rest: list[str]) -> int:
     """Entry point for both commands (cli.main dispatches here)."""
     if args.command == "calibrate":
         from fivefold.planner.calibrate import calibrate
 
-        hw = calibrate(args.nproc, args.quick, name=Path(args.out).stem)
+        hw = calibrate(args.nproc, args.quick, name=Path(args.out).stem, parts=_layer_parts(args, rest))
         Path(args.out).write_text(profile_toml(hw))
         print(f"wrote {args.out}: peak {hw.peak_flops / 1e9:.1f} GFLOP/s, copy {hw.hbm_bw / 1e9:.1f} GB/s, "
-              f"collectives alpha {hw.intra_latency * 1e6:.0f} us, beta {hw.intra_bw / 1e9:.2f} GB/s")
+              f"collectives alpha {hw.intra_latency * 1e6:.0f} us, beta {hw.intra_bw / 1e9:.2f} GB/s"
+              + (f", {len(hw.layer_times)} model parts timed" if hw.layer_times else ""))
         return 0
     from fivefold.planner.estimate import estimate
     from fivefold.validate import validate

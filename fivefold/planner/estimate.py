@@ -62,29 +62,41 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float, comm: 
 def _op_priced(cfg: Config, hw: Hardware, share, vocab: int, local_seq: int,
                chunks: int) -> tuple[float, float, int, dict] | None:
     """(forward s, backward s, parameter tensors, parts) of one micro-batch's chunk on the rank
-    holding `share`, priced op by op (opcount.py), or None when the profile has no per-op costs
-    (a catalog GPU) or a block cannot be traced (then FLOPs alone price it)."""
+    holding `share`: each part (block, embedding, head) timed whole if the profile has it
+    (hw.layer_times, calibrate_layers.py), else priced op by op (opcount.py); None when the profile
+    has no per-op costs (a catalog GPU) or a block cannot be traced (then FLOPs alone price it)."""
     if not hw.op_overhead_s:
         return None
-    from fivefold.planner.opcount import OpTally, block_tally, ends_tally, tally_time
+    from fivefold.planner.opcount import OpTally, Part, end_parts, part_tally, tally_time
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    fwd, bwd = OpTally(), OpTally()
+    parts = [Part("block", m, blk, 0, p.tp, t.micro_batch, local_seq) for blk in share.blocks]
+    parts += end_parts(m, vocab, p.tp, t.micro_batch, local_seq, share.first, share.last)
+    priced_f, priced_b, all_f, all_b = OpTally(), OpTally(), OpTally(), OpTally()
+    timed_f = timed_b = 0.0
+    timed = 0
     try:
-        for blk in share.blocks:
-            f, b = block_tally(m, blk, p.tp, t.micro_batch, local_seq)
-            fwd, bwd = fwd + f, bwd + b
-        f, b = ends_tally(m, vocab, p.tp, t.micro_batch, local_seq, share.first, share.last)
-        fwd, bwd = fwd + f, bwd + b
+        for part in parts:
+            f, b = part_tally(part)
+            all_f, all_b = all_f + f, all_b + b
+            measured = hw.layer_time(part.key)
+            if measured:
+                timed_f, timed_b, timed = timed_f + measured[0], timed_b + measured[1], timed + 1
+            else:
+                priced_f, priced_b = priced_f + f, priced_b + b
     except ValueError:
         return None
-    ft, bt = tally_time(fwd, hw), tally_time(bwd, hw)
-    recompute = ft["total"] if t.recompute == "full" else 0.0
-    both = fwd + bwd
-    parts = {k: (ft[k] + bt[k]) / chunks for k in ft} | {"ops": both.ops // chunks, "views": both.views // chunks,
-                                                         "flops": both.flops / chunks, "modules": fwd.modules / chunks,
-                                                         "functions": fwd.functions / chunks}
-    return ft["total"] / chunks, (bt["total"] + recompute) / chunks, fwd.params, parts
+    ft, bt = tally_time(priced_f, hw), tally_time(priced_b, hw)
+    forward = ft["total"] + timed_f
+    recompute = forward if t.recompute == "full" else 0.0
+    both = all_f + all_b
+    n_params = all_f.params - (1 if share.first and share.last and m.tie_embeddings else 0)
+    out = {k: (ft[k] + bt[k]) / chunks for k in ft} | {
+        "timed": (timed_f + timed_b) / chunks, "timed_parts": timed, "parts": len(parts),
+        "ops": both.ops // chunks, "views": both.views // chunks, "flops": both.flops / chunks,
+        # the Python around the ops of timed parts is in their times already (overheads.py adds the rest)
+        "modules": priced_f.modules / chunks, "functions": priced_f.functions / chunks}
+    return forward / chunks, (bt["total"] + timed_b + recompute) / chunks, n_params, out
 
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "total")
@@ -190,10 +202,12 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
         f_compute, b_compute, n_tensors, parts = op_priced
         ex.append(("forward per chunk (ops)", f"{parts['ops']:,} ops + {parts['views']:,} views, "
                    f"{parts['flops']:.3e} FLOP: {f_compute * 1e3:.3f} ms forward, {b_compute * 1e3:.3f} ms backward "
-                   f"(overhead {parts['overhead'] * 1e3:.3f}, matmul {parts['matmul'] * 1e3:.3f}, attention "
-                   f"{parts['attention'] * 1e3:.3f}, elementwise {parts['elementwise'] * 1e3:.3f} ms)",
+                   f"({parts['timed_parts']} of {parts['parts']} parts timed whole: {parts['timed'] * 1e3:.3f} ms; the "
+                   f"rest op by op: overhead {parts['overhead'] * 1e3:.3f}, matmul {parts['matmul'] * 1e3:.3f}, "
+                   f"attention {parts['attention'] * 1e3:.3f}, elementwise {parts['elementwise'] * 1e3:.3f} ms)",
                    "opcount.py: model.Block and the ends traced forward + backward (TorchDispatchMode), priced "
-                   "with the profile's op_overhead_s, view_overhead_s, matmul_curve, elementwise_curve"))
+                   "with the profile's op_overhead_s, view_overhead_s, matmul_curve, elementwise_curve; timed "
+                   "parts: the profile's layer_times (calibrate_layers.py)"))
 
     # ---- traffic per axis -----------------------------------------------------------------------
     if implementation:

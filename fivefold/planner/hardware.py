@@ -9,7 +9,8 @@ A `Hardware` holds two kinds of numbers, and keeps them apart on purpose:
   the catalog or a measurement written by `fivefold calibrate` on the machine it ran on;
 - on a CPU, what `fivefold calibrate` measured beyond those: the fixed cost of an op, of a view, of
   Python's module calls, autograd Functions, hooks and bookkeeping, the optimizer step, matmul and
-  elementwise rate curves and a latency per collective (zero or empty on the catalog's GPUs).
+  elementwise rate curves and a latency per collective (zero or empty on the catalog's GPUs), and
+  optionally the model's own layers timed whole at the shapes of given configs (layer_times).
 
 Factors are never fitted to published training runs: a planner tuned to reproduce Llama 3's MFU
 would only tell us what we told it. Bandwidths are per GPU and per direction (what one rank can
@@ -59,7 +60,14 @@ class Hardware:
     tensor_query_s: float = 0.0  # the loop's model-state sampling, per parameter (gradient, optimizer state)
     thread_s: float = 0.0  # one helper thread started and joined (the pipeline's send thread, once a step)
     collective_alpha: tuple[tuple[str, float], ...] = ()  # (op, latency per ring step) when measured per op
+    # `fivefold calibrate --layers`: the model's own parts timed whole at the shapes a config's ranks
+    # run (opcount.Part.key, forward s, backward s); the planner uses them instead of their op prices
+    layer_times: tuple[tuple[str, float, float], ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it comes from
+
+    def layer_time(self, key: str) -> tuple[float, float] | None:
+        """(forward s, backward s) of the part named `key` (opcount.Part.key), if it was timed."""
+        return next(((f, b) for k, f, b in self.layer_times if k == key), None)
 
 
 # The catalog's efficiency factors are not measurements: they are round numbers stated as
@@ -136,7 +144,7 @@ def get_hardware(name: str) -> Hardware:
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
 _MEASURED_ONLY = {"threads", "op_overhead_s", "view_overhead_s", "matmul_curve", "elementwise_curve",
                   "optimizer_s_per_tensor", "optimizer_s_per_element", "module_call_s", "function_s", "hook_s",
-                  "tensor_query_s", "thread_s", "collective_alpha"}  # optional: absent on a GPU profile
+                  "tensor_query_s", "thread_s", "collective_alpha", "layer_times"}  # optional: absent on a GPU profile
 _CURVES = ("matmul_curve", "elementwise_curve")
 _BY_OP = ("collective_alpha",)  # [[op, value], ...]
 
@@ -156,6 +164,8 @@ def load_profile(path: str | Path) -> Hardware:
     for k in _BY_OP:
         if k in hw:
             hw[k] = tuple((str(op), float(y)) for op, y in hw[k])
+    if "layer_times" in hw:
+        hw["layer_times"] = tuple((str(k), float(f), float(b)) for k, f, b in hw["layer_times"])
     if base:
         start = get_hardware(base)
         return dataclasses.replace(start, **hw, sources={**start.sources, **sources})
@@ -175,6 +185,9 @@ def profile_toml(hw: Hardware) -> str:
         elif f in _BY_OP:
             pairs = ", ".join(f'["{op}", {float(y)!r}]' for op, y in value)
             lines.append(f"{f} = [{pairs}]")
+        elif f == "layer_times":  # one part a line: the keys are long
+            rows = "".join(f'\n  ["{k}", {float(fw)!r}, {float(bw)!r}],' for k, fw, bw in value)
+            lines.append(f"{f} = [{rows}\n]" if value else f"{f} = []")
         else:
             lines.append(f"{f} = {int(value) if f in ('gpus_per_node', 'threads') else float(value)!r}")
     lines += ["", "[sources]"]

@@ -16,10 +16,11 @@ parallel slice: heads and FFN width / tp), so nothing is allocated and the CPU k
 selected. The same trace counts the nn.Module calls and the custom autograd Functions, which
 overheads.py prices. Results are cached per shape: a search traces each shape once.
 
-Known gap: on the 2-core test machine a block's backward costs per op what the calibration's op
-chains cost, but its forward costs up to twice as much per op, even after module calls (with
-autograd off the gap halves: model code records more autograd state per op than a chain does).
-The forward of a tiny model is then priced low, and so its step, by up to a quarter.
+Known gap: on the 2-core test machine, a tiny block (64 tokens of width 64) runs 1.4-1.5x its
+op price: its matmuls cost 1.7x what the same calls cost replayed alone, its reductions 2-5x. Blocks
+small enough to be all fixed cost, and the debug model's, come within 15%. What an op costs depends
+on the ops around it (caches, the allocator), which no generic chain reproduces; a profile can time
+the parts themselves instead (`Part`, calibrate_layers.py), and the planner then uses those times.
 """
 
 from __future__ import annotations
@@ -150,6 +151,72 @@ def _rank_model(m: ModelConfig, tp: int) -> ModelConfig:
                                ffn_dim=max(1, m.ffn_dim // tp), head_dim=hd, n_layers=1)
 
 
+@dataclass(frozen=True)
+class Part:
+    """A piece of one rank's micro-batch that is priced as a whole, op by op, or timed as a whole by
+    `fivefold calibrate --layers` (calibrate_layers.py): a block, the embedding, or the final norm,
+    head and loss, at the shapes one rank computes (heads, FFN width and vocabulary / tp)."""
+
+    kind: str  # "block", "embedding" or "head"
+    model: ModelConfig
+    layer: int  # blocks: dense or MoE follows from it
+    vocab: int
+    tp: int
+    batch: int
+    seq: int
+
+    @property
+    def key(self) -> str:
+        """What the part's time depends on, readable: a profile's layer_times are keyed by it."""
+        m, tail = self.model, f"batch={self.batch} seq={self.seq}"
+        if self.kind != "block":
+            return f"{self.kind} vocab={max(1, self.vocab // self.tp)} dim={m.dim} tp={self.tp} {tail}"
+        rm = _rank_model(m, self.tp)
+        if m.n_experts and self.layer >= m.first_dense_layers:
+            ffn = (f"experts={m.n_experts}x{m.moe_ffn_dim or m.ffn_dim} top_k={m.top_k} shared={m.n_shared_experts} "
+                   f"score={m.router_score} aux={m.moe_aux_loss:g} cf={m.moe_capacity_factor:g}")
+        else:
+            ffn = f"ffn={rm.ffn_dim}"
+        qk = " qk_norm" if m.qk_norm else ""
+        return f"block dim={m.dim} heads={rm.n_heads}/{rm.n_kv_heads} head_dim={rm.head_dim} {ffn}{qk} {tail}"
+
+    def build(self):
+        """(forward, parameters, inputs): a closure running the part's forward on fresh inputs and
+        initialised weights (real tensors, or FakeTensors under FakeTensorMode), returning the
+        tensor to run backward from. The code training runs: under tp the vocabulary-parallel
+        embedding, and at every tp the vocabulary-parallel loss, divided by the step's tokens and
+        scaled (pipeline.py), over a group of one, so their collectives (priced as tp traffic) drop
+        out and their ops stay."""
+        import torch
+        from torch import nn
+
+        from fivefold.model import Block, RMSNorm, init_parameter, rope_cos_sin
+        from fivefold.parallel.comms import AxisGroup, CommStats
+        from fivefold.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+        m, b, s = self.model, self.batch, self.seq
+        if self.kind == "block":
+            rm = dataclasses.replace(_rank_model(m, self.tp), first_dense_layers=m.first_dense_layers)
+            block = Block(rm, self.layer, rm.head_dim)
+            for name, p in block.named_parameters():
+                init_parameter(name, p, rm)
+            x = torch.randn(b, s, m.dim, requires_grad=True)
+            cos, sin = rope_cos_sin(torch.arange(s), rm.head_dim, m.rope_theta)
+            return (lambda: block(x, cos, sin)), list(block.parameters()), [x]
+        v = max(1, self.vocab // self.tp)  # the vocabulary is split over tp
+        alone = AxisGroup("tp", "tp", None, 1, 0, CommStats())
+        if self.kind == "embedding":
+            emb = nn.Embedding(v, m.dim)
+            emb = VocabParallelEmbedding(emb, alone, False) if self.tp > 1 else emb
+            tokens = torch.randint(0, v, (b, s))
+            return (lambda: emb(tokens)), list(emb.parameters()), []
+        norm, head = RMSNorm(m.dim, m.norm_eps), nn.Linear(m.dim, v, bias=False)
+        x = torch.randn(b, s, m.dim, requires_grad=True)
+        targets = torch.randint(0, v, (b, s))
+        loss = lambda: vocab_parallel_cross_entropy(head(norm(x)), targets, alone) / (b * s) * 1.0  # noqa: E731
+        return loss, [norm.weight, head.weight], [x]
+
+
 def _fwd_bwd(forward) -> tuple[OpTally, OpTally]:
     """Tallies of forward() (returning a tensor) and of its backward, separately."""
     import torch
@@ -162,74 +229,53 @@ def _fwd_bwd(forward) -> tuple[OpTally, OpTally]:
     return fwd, bwd
 
 
-@functools.lru_cache(maxsize=256)
-def block_tally(m: ModelConfig, layer: int, tp: int, batch: int, seq: int) -> tuple[OpTally, OpTally]:
-    """Forward and backward of `model.Block` number `layer` on one rank: (batch, seq, dim) in and out.
+@functools.lru_cache(maxsize=512)
+def part_tally(part: Part) -> tuple[OpTally, OpTally]:
+    """Forward and backward tallies of one part, on FakeTensors: no memory, CPU kernels.
 
-    FakeTensors: no memory, CPU kernels. A block whose ops depend on values (MoE routing reads
-    its expert counts) cannot run on FakeTensors: it runs on real tensors when small enough,
-    else the caller falls back to FLOPs (raises ValueError).
-    """
-    import torch
+    A block whose ops depend on values (MoE routing reads its expert counts) cannot run on
+    FakeTensors: it runs on real tensors when small enough, else the caller falls back to FLOPs
+    (raises ValueError)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fivefold.model import Block, rope_cos_sin
-
-    rm = dataclasses.replace(_rank_model(m, tp), first_dense_layers=m.first_dense_layers)
-
     def run():
-        block = Block(rm, layer, rm.head_dim)
-        x = torch.randn(batch, seq, m.dim, requires_grad=True)
-        cos, sin = rope_cos_sin(torch.arange(seq), rm.head_dim, m.rope_theta)
-        fwd, bwd = _fwd_bwd(lambda: block(x, cos, sin))
-        fwd.params = len(list(block.parameters()))
+        forward, params, _ = part.build()
+        fwd, bwd = _fwd_bwd(forward)
+        fwd.params = len(params)
         return fwd, bwd
 
     try:
         with FakeTensorMode():
             return run()
     except Exception:  # data-dependent ops (MoE): real tensors, if they fit in a few hundred MB
+        m = part.model
         moe = m.n_experts * 3 * m.dim * (m.moe_ffn_dim or m.ffn_dim)
-        if batch * seq * max(m.dim, m.ffn_dim) * 32 + moe * 4 > 4e8:
+        if part.kind != "block" or part.batch * part.seq * max(m.dim, m.ffn_dim) * 32 + moe * 4 > 4e8:
             raise ValueError("this block's ops depend on its values and it is too large to run for real")
         return run()
 
 
-@functools.lru_cache(maxsize=256)
+def block_tally(m: ModelConfig, layer: int, tp: int, batch: int, seq: int) -> tuple[OpTally, OpTally]:
+    """Forward and backward of `model.Block` number `layer` on one rank: (batch, seq, dim) in and out."""
+    return part_tally(Part("block", m, layer, 0, tp, batch, seq))
+
+
+def end_parts(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool, last: bool) -> list[Part]:
+    """The embedding (first stage) and the final norm + head + loss (last stage) of a rank."""
+    return ([Part("embedding", m, 0, vocab, tp, batch, seq)] if first else []) + \
+        ([Part("head", m, 0, vocab, tp, batch, seq)] if last else [])
+
+
 def ends_tally(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool,
                last: bool) -> tuple[OpTally, OpTally]:
-    """The embedding (first stage) and final norm + head + loss (last stage): forward, backward.
-
-    The code training runs: under tp the vocabulary-parallel embedding, and at every tp the
-    vocabulary-parallel loss, divided by the step's tokens and scaled (pipeline.py); traced over a
-    group of one, so their collectives (priced as tp traffic) drop out and their ops stay.
-    """
-    import torch
-    from torch import nn
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fivefold.model import RMSNorm
-    from fivefold.parallel.comms import AxisGroup, CommStats
-    from fivefold.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
-
+    """Forward and backward tallies of a rank's ends (end_parts); a tied head on the embedding's
+    rank adds no parameter tensor of its own."""
     fwd, bwd = OpTally(), OpTally()
-    v = max(1, vocab // tp)  # the vocabulary is split over tp
-    alone = AxisGroup("tp", "tp", None, 1, 0, CommStats())
-    with FakeTensorMode():
-        if first:
-            emb = nn.Embedding(v, m.dim)
-            emb = VocabParallelEmbedding(emb, alone, False) if tp > 1 else emb
-            tokens = torch.randint(0, v, (batch, seq))
-            f, b = _fwd_bwd(lambda: emb(tokens))
-            fwd, bwd = fwd + f, bwd + b
-            fwd.params += 1
-        if last:
-            norm, head = RMSNorm(m.dim, m.norm_eps), nn.Linear(m.dim, v, bias=False)
-            x = torch.randn(batch, seq, m.dim, requires_grad=True)
-            targets = torch.randint(0, v, (batch, seq))
-            f, b = _fwd_bwd(lambda: vocab_parallel_cross_entropy(head(norm(x)), targets, alone) / (batch * seq) * 1.0)
-            fwd, bwd = fwd + f, bwd + b
-            fwd.params += 1 if m.tie_embeddings and first else 2
+    for part in end_parts(m, vocab, tp, batch, seq, first, last):
+        f, b = part_tally(part)
+        fwd, bwd = fwd + f, bwd + b
+    if first and last and m.tie_embeddings:
+        fwd.params -= 1
     return fwd, bwd
 
 
