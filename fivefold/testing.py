@@ -76,7 +76,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         while pending:
             ready = mp_connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                errors += [f"rank {r}: no result within {timeout:.0f} s (hung or deadlocked)" for r in pending.values()]
+                why = ("killed 2 s after the failure above (likely waiting for it in a collective)" if errors
+                       else f"no result within {timeout:.0f} s (hung or deadlocked)")
+                errors += [f"rank {r}: {why}" for r in pending.values()]
                 break
             for conn in ready:
                 rank = pending.pop(conn)

@@ -38,15 +38,17 @@ def test_traces_count_module_calls_and_python_functions():
 
 
 def test_host_costs_are_counts_times_profile_figures(tmp_path):
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, "--parallel.pp=2")
     hw = _synthetic(module_call_s=1e-6, function_s=2e-6, hook_s=3e-6, tensor_query_s=4e-6, thread_s=5e-4)
-    h = host_costs(cfg, hw, modules=10, functions=2, tensors=7, rank_tensors=9, rank_params=1000, micro=4,
-                   chunks=1, tp_calls=8, grad_bytes=4000, dp_ranks=1)
+    counts = dict(modules=10, functions=2, tensors=7, rank_tensors=9, rank_params=1000, micro=4, chunks=1,
+                  tp_calls=8, grad_bytes=4000, dp_ranks=1)
+    h = host_costs(cfg, hw, **counts)
     assert h.forward_s == pytest.approx(10 * 1e-6 + (2 + 8 / 4) * 2e-6 / 2)
     assert h.backward_s == pytest.approx((2 + 8 / 4) * 2e-6 / 2 + 7 * 3e-6 + 9 * 4e-6)
     assert h.step_s == pytest.approx(5e-4)
     assert {w for w, _, _ in h.explain} == {"module calls", "autograd Functions", "gradient hooks",
                                             "model-state sampling", "send thread"}
+    assert host_costs(tiny_config(tmp_path), hw, **counts).step_s == 0  # pp = 1 sends nothing: no thread
 
 
 def test_gradient_accumulation_and_bucket_packing_are_priced_as_ops(tmp_path):

@@ -154,10 +154,12 @@ class _Sends:
         self.stats = stats
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None  # started by the first send: pp = 1 sends nothing
 
     def add(self, work: dist.Work, free: torch.Tensor | None, flight: Flight | None = None) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._drain, daemon=True)
+            self.thread.start()
         self.queue.put((work, free, flight))
 
     def _drain(self) -> None:
@@ -176,6 +178,8 @@ class _Sends:
 
     def finish(self) -> None:
         """Wait until every send has completed."""
+        if self.thread is None:
+            return
         self.queue.put(None)
         self.thread.join()
         if self.error is not None:

@@ -17,7 +17,7 @@ simulation sees them):
 - gradient accumulation: every micro-batch but the first adds its gradients into .grad, one op per
   parameter tensor (DDP and ZeRO-1; ZeRO-2/3 reduce each micro-batch's gradient instead);
 per step:
-- the pipeline's send thread (pipeline._Sends), started and joined once: thread_s;
+- the pipeline's send thread (pipeline._Sends), started and joined once when pp > 1: thread_s;
 - DDP's bucket packing after backward: each bucket concatenated into one flat tensor and the
   reduced result copied back per parameter, ops priced like any other (op_overhead_s and the
   elementwise curve).
@@ -87,7 +87,7 @@ def host_costs(cfg: Config, hw: Hardware, *, modules: float, functions: float, t
         out.explain.append(("gradient accumulation", f"({micro} - 1) / {micro} x {tensors:.0f} adds x "
                             f"{per_add * us:.2f} us = {t * 1e3:.3f} ms per backward",
                             "autograd adds into .grad after the first micro-batch; op_overhead_s, elementwise_curve"))
-    if hw.thread_s:
+    if hw.thread_s and cfg.parallel.pp > 1:  # started by the first send to another rank
         out.step_s += hw.thread_s
         out.explain.append(("send thread", f"1 per step x {hw.thread_s * 1e3:.3f} ms", src("thread_s", "profile")))
     if cfg.parallel.zero == 0 and dp_ranks > 1 and hw.op_overhead_s:

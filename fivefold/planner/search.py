@@ -10,6 +10,8 @@ rejection is counted under its reason, so "nothing fits" says why.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -71,6 +73,9 @@ def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = Non
     """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`."""
     result = SearchResult(ranked=[])
     checked: dict[Config, list[str]] = {}
+    # One pricing for every candidate: a profile's layer times cover only the shapes they were taken
+    # at, and a CPU prices parts higher timed whole than op by op, which would rank against them.
+    hw = dataclasses.replace(hw, layer_times=())
     for cfg in candidates(base, world, hw.gpus_per_node):
         result.tried += 1
         # validate() builds the pipeline schedule, the slow part of a search; train.recompute
