@@ -5,11 +5,13 @@ timed here (the measured-vs-predicted table is benchmarks/planner_selfcheck.py's
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from fivefold.planner.calibrate import _median_of
 from fivefold.planner.calibrate_comm import alpha_per_op
+from fivefold.planner.calibrate_sync import expected_max_normal
 from fivefold.planner.comm import LOSS_ALL_REDUCES, AxisTraffic, activation_traffic, time_of
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
@@ -115,8 +117,34 @@ def test_sessions_merge_by_median_field_by_field():
 def test_profile_round_trip_with_the_python_costs_and_per_op_alpha(tmp_path):
     hw = _synthetic(op_overhead_s=1e-5, module_call_s=2e-6, function_s=1e-5, hook_s=5e-7, tensor_query_s=3e-6,
                     thread_s=4e-4, collective_alpha=(("all_reduce", 5e-4), ("send", 2e-4)),
+                    noise_curve=((1e-3, 1e-4), (0.256, 2e-2)),
                     layer_times=(("block dim=64 heads=4/4 head_dim=16 ffn=128 batch=2 seq=32", 1e-3, 2e-3),
                                  ("head vocab=320 dim=64 tp=1 batch=2 seq=32", 3e-4, 4e-4)))
     path = tmp_path / "p.toml"
     path.write_text(profile_toml(hw))
     assert load_profile(path) == hw
+
+
+def test_expected_maximum_of_normals():
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)  # E|X - Y| / 2
+    assert expected_max_normal(4) == pytest.approx(1.0294, abs=1e-4)  # tables of normal order statistics
+    assert expected_max_normal(64) == pytest.approx(2.3437, abs=1e-3)
+
+
+@pytest.mark.parametrize("layout,waits", [
+    (("--parallel.dp=2",), "dp"),  # DDP: once a step, after the whole step's compute
+    (("--parallel.tp=2",), "tp"),  # at every tensor-parallel collective
+])
+def test_each_collective_waits_for_the_slowest_rank(tmp_path, layout, waits):
+    """With a measured noise scale sigma(d), a collective of n ranks after d seconds of compute waits
+    E[max of n normals] x sigma(d): a constant sigma makes the added time exact."""
+    cfg = tiny_config(tmp_path, *layout)
+    quiet = dataclasses.replace(_synthetic(op_overhead_s=1e-5), intra_latency=1e-4)
+    noisy = dataclasses.replace(quiet, noise_curve=((1e-6, 2e-4), (10.0, 2e-4)))
+    a, b = (estimate(cfg, 2, hw, act_bytes=4, implementation=True) for hw in (quiet, noisy))
+    syncs = 1 if waits == "dp" else a.comm["tp"].calls
+    key = "dp_exposed" if waits == "dp" else "tp_cp_ep"
+    assert b.time_split[key] - a.time_split[key] == pytest.approx(syncs * expected_max_normal(2) * 2e-4)
+    # the step: the same, up to the pipeline simulation's cache rounding its cost ratios to 1e-4
+    assert b.step_time_s - a.step_time_s == pytest.approx(syncs * expected_max_normal(2) * 2e-4, rel=1e-3)

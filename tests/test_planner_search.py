@@ -71,6 +71,7 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
     keys = [k for k, _, _ in back.layer_times]
     assert sorted(keys) == sorted(p.key for p in config_parts(cfg, 2))  # 8 alike blocks, embedding, head
     assert len(keys) == 3 and all(f > 0 and b > 0 for _, f, b in back.layer_times)
+    assert len(back.noise_curve) == 5 and all(sigma >= 0 for _, sigma in back.noise_curve)
     assert any("5 of 5 parts timed whole" in a for _, a, _ in estimate(cfg, 2, back, act_bytes=4).explain)
 
 

@@ -27,6 +27,8 @@ What is measured, and what it becomes in the profile (every value's [sources] en
   module_call_s, function_s, hook_s, tensor_query_s, thread_s;
 - with `--layers CONFIG`, the model's own blocks, embedding and head + loss, each built alone at
   the shapes the config's ranks compute, forward and backward (calibrate_layers.py) -> layer_times;
+- the same compute started together on every rank, timed at lengths of 1 to 256 ms: how long the
+  slowest rank keeps a collective waiting (calibrate_sync.py) -> noise_curve;
 - a large copy -> hbm_bw (bytes read + written per second);
 - every collective the parallel code uses (calibrate_comm.py), each after a burst of compute as
   training issues it -> intra_bw (beta of the alpha-beta fit, bw_efficiency = 1 since beta is
@@ -211,24 +213,26 @@ def _compute_worker(rank: int, world: int, threads: int, quick: bool, parts: tup
     import torch.distributed as dist
 
     from fivefold.planner.calibrate_layers import time_parts
+    from fivefold.planner.calibrate_sync import noise_curve
 
     torch.set_num_threads(threads)
     sizes = (16, 32, 64, 128, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
     rounds, samples, min_s = (1, 3, SAMPLE_S / 5) if quick else (3, 5, SAMPLE_S)
-    ops, opt, host, mm, layers = [], [], [], [], []
+    ops, opt, host, mm, layers, noise = [], [], [], [], [], []
     for _ in range(rounds):
         for measure, into in ((lambda: op_costs(repeats=samples, min_s=min_s), ops),
                               (lambda: optimizer_costs(samples, min_s), opt),
                               (lambda: host_costs(samples, min_s), host),
                               (lambda: matmul_sweep(sizes, repeats=3, min_s=min_s, op_s=ops[-1]["op_overhead_s"],
                                                     view_s=ops[-1]["view_overhead_s"]), mm),
-                              (lambda: time_parts(list(parts), samples, min_s), layers)):
+                              (lambda: time_parts(list(parts), samples, min_s), layers),
+                              (lambda: noise_curve(budget_s=0.5 if quick else 2.0), noise)):
             dist.barrier()
             into.append(measure())
     for o in ops:  # by size, so that sessions, ranks and rounds merge point by point
         o["elementwise_curve"] = dict(o["elementwise_curve"])
     return {**_median_of(ops), **_median_of(host), "optimizer": _median_of(opt), "matmul": _median_of(mm),
-            "layers": _median_of(layers), "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
+            "layers": _median_of(layers), "noise": _median_of(noise), "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
 
 
 def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, progress: bool = False,
@@ -308,6 +312,9 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
                           "each), per parameter",
         "thread_s": f"{host}: a thread draining a queue, started and joined (pipeline._Sends' pattern)",
     }
+    sources["noise_curve"] = (f"{host}: the same compute (0.1 ms units of small linear layers and tanh, forward and "
+                              "backward) started at a barrier on every rank, per length d: the slowest rank's lead over "
+                              "the mean, trimmed mean, over E[max of the ranks' standard normals] (calibrate_sync.py)")
     layers = c.get("layers") or {}
     if layers:
         sources["layer_times"] = (f"{host}: fivefold's own blocks, embedding and head + loss, each built alone at a "
@@ -321,4 +328,5 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
                     elementwise_curve=tuple(c["elementwise_curve"].items()), optimizer_s_per_tensor=per_tensor,
                     optimizer_s_per_element=per_element, collective_alpha=per_op,
                     layer_times=tuple((k, f, b) for k, (f, b) in sorted(layers.items())),
+                    noise_curve=tuple(sorted(c.get("noise", {}).items())),
                     sources=sources, **{k: c[k] for k in HOST})

@@ -9,9 +9,10 @@ source of its formula. How the step time is put together:
    replicated over tp), at peak x compute_efficiency; backward = 2 x forward; full recompute adds
    a forward, selective the attention core's forward (Korthikanti et al. 2022). With a profile
    from `fivefold calibrate` (a CPU) the model's own ops are priced one by one instead
-   (opcount.py), and the Python around them from counts of the layout (overheads.py: module
-   calls, autograd Functions, gradient hooks, model-state sampling and gradient accumulation per
-   micro-batch; the send thread and DDP's bucket packing per step).
+   (opcount.py; parts the profile timed whole, calibrate_layers.py, at their measured times), and
+   the Python around them from counts of the layout (overheads.py: module calls, autograd
+   Functions, gradient hooks, model-state sampling and gradient accumulation per micro-batch; the
+   send thread and DDP's bucket packing per step).
 2. tp, cp and ep collectives sit on the critical path of each forward and backward (they are
    added to its duration); ring attention's K/V hops overlap the block's attention compute, so
    only what exceeds it is added.
@@ -21,6 +22,9 @@ source of its formula. How the step time is put together:
    (Li et al. 2020, "PyTorch Distributed"; course page 003_*), so only what exceeds that backward
    is exposed, and never less than the last bucket; ZeRO's weight all-gather after the optimizer
    step is exposed; ZeRO-3's per-unit gathers overlap the compute of each micro-batch.
+   With a measured noise curve (calibrate_sync.py), every collective also waits for its slowest
+   rank, E[max of n normals] x sigma(compute since the last one): on tp/cp/ep's path and in dp's
+   exposed time (the pipeline's sends are not charged).
 5. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
    parameter of its shard at the HBM bandwidth (a calibrated profile: fivefold's own step, timed).
 """
@@ -41,6 +45,7 @@ from fivefold.planner.hardware import GB, Hardware
 from fivefold.planner.layout import axis_spans_nodes, rank_shares
 from fivefold.planner.memory import (BytesPerParam, activation_bytes, buffer_bytes, fivefold_state_bytes,
                                      model_state_bytes)
+from fivefold.planner.opcount import noise_wait
 from fivefold.planner.overheads import HostCosts, host_costs
 from fivefold.validate import derive
 
@@ -247,6 +252,15 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
                           tp_calls=traffic["tp"].calls - (M * LOSS_ALL_REDUCES if share.last and p.tp > 1 else 0),
                           grad_bytes=share.params * grad_b, dp_ranks=grad_ranks)
         ex += host.explain
+    # Each collective also waits for its slowest rank: noise since the last one (calibrate_sync.py).
+    busy = M * chunks * (f_compute + b_compute + host.forward_s + host.backward_s)  # one rank's compute
+    degrees = {a: n for a, n in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep if m.n_experts else 1)) if n > 1}
+    syncs = sum(traffic[a].calls for a in degrees)
+    noise = sum(traffic[a].calls * noise_wait(hw, n, busy / syncs) for a, n in degrees.items()) if syncs else 0.0
+    if noise:
+        ex.append(("tp/cp/ep noise", f"{syncs} collectives, each after {busy / syncs * 1e3:.2f} ms of compute: "
+                   f"{noise * 1e3:.2f} ms waiting for the slowest rank", hw.sources.get("noise_curve", "profile")))
+    on_path += noise / units
     f_cost, b_cost = f_compute + on_path + host.forward_s, b_compute + on_path + host.backward_s
 
     # ---- the pipeline: the same simulator as the executor's schedules ---------------------------
@@ -275,8 +289,14 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
         reduce_t /= M if p.zero == 2 else 1
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
         exposed = overlap.exposed_s * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
-    ex.append(("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, backward window {backward_window * 1e3:.2f} ms: "
-               f"{exposed * 1e3:.2f} ms exposed", "bucket overlap (Li et al. 2020; course page 003_*)"))
+    # its collectives wait for the slowest replica too: once a step (DDP, ZeRO-1), once per
+    # micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)
+    dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else M if p.zero == 2 else 1
+    dp_noise = dp_syncs * noise_wait(hw, n_dp, busy / dp_syncs) if dp_syncs else 0.0
+    exposed += dp_noise
+    ex.append(("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, backward window {backward_window * 1e3:.2f} ms, "
+               f"{dp_syncs} x waiting for the slowest replica {dp_noise * 1e3:.2f} ms: {exposed * 1e3:.2f} ms exposed",
+               "bucket overlap (Li et al. 2020; course page 003_*); noise: calibrate_sync.py"))
 
     # ---- optimizer, memory, totals --------------------------------------------------------------
     shard = share.params / (n_shard if p.zero else 1)

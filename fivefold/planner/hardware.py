@@ -63,6 +63,9 @@ class Hardware:
     # `fivefold calibrate --layers`: the model's own parts timed whole at the shapes a config's ranks
     # run (opcount.Part.key, forward s, backward s); the planner uses them instead of their op prices
     layer_times: tuple[tuple[str, float, float], ...] = ()
+    # (seconds of compute since the ranks last synchronised, noise scale sigma): a collective after
+    # d seconds waits expected_max_normal(n) x sigma(d) for the slowest of its n ranks (calibrate_sync.py)
+    noise_curve: tuple[tuple[float, float], ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it comes from
 
     def layer_time(self, key: str) -> tuple[float, float] | None:
@@ -144,8 +147,9 @@ def get_hardware(name: str) -> Hardware:
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources")]
 _MEASURED_ONLY = {"threads", "op_overhead_s", "view_overhead_s", "matmul_curve", "elementwise_curve",
                   "optimizer_s_per_tensor", "optimizer_s_per_element", "module_call_s", "function_s", "hook_s",
-                  "tensor_query_s", "thread_s", "collective_alpha", "layer_times"}  # optional: absent on a GPU profile
-_CURVES = ("matmul_curve", "elementwise_curve")
+                  "tensor_query_s", "thread_s", "collective_alpha", "layer_times",
+                  "noise_curve"}  # optional: absent on a GPU profile
+_CURVES = ("matmul_curve", "elementwise_curve", "noise_curve")
 _BY_OP = ("collective_alpha",)  # [[op, value], ...]
 
 

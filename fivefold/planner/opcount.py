@@ -309,6 +309,17 @@ def elementwise_rate(hw, nbytes: float) -> float:
     return hw.hbm_bw
 
 
+def noise_wait(hw, n: int, compute_s: float) -> float:
+    """Seconds a collective of n ranks waits for the slowest after compute_s of compute since their
+    last one: E[max of n standard normals] x the profile's noise scale at that length (0 without a
+    measured noise_curve: a catalog GPU)."""
+    from fivefold.planner.calibrate_sync import expected_max_normal
+
+    if n <= 1 or compute_s <= 0 or not hw.noise_curve:
+        return 0.0
+    return expected_max_normal(n) * _interp(hw.noise_curve, compute_s)
+
+
 def tally_time(t: OpTally, hw) -> dict[str, float]:
     """Seconds of the tally on `hw`: {"overhead", "matmul", "attention", "elementwise", "total"}."""
     overhead = t.ops * hw.op_overhead_s + t.views * hw.view_overhead_s
