@@ -61,8 +61,7 @@ def _worker(config: str | None, overrides: list[str], resume: bool, progress: bo
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.launch import check_writable, launch, spec_from_args
-    from fivefold.train.loop import check_run_dir, run_dir_of
-    from fivefold.train.weights import check_init_from
+    from fivefold.train.run_dir import check_run_dir, run_dir_of
     from fivefold.validate import validate
 
     nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
@@ -80,8 +79,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         errors += ds_errors
         overrides = [*ds_overrides, *overrides]  # later wins: the command line over the JSON
     cfg, parse_errors = read_config(args.config, _overrides(args, overrides))
-    errors += (parse_errors + validate(cfg, spec.world_size) + check_run_dir(cfg) + check_init_from(cfg)
-               + check_writable(run_dir_of(cfg)))
+    errors += parse_errors + validate(cfg, spec.world_size) + check_run_dir(cfg) + check_writable(run_dir_of(cfg))
+    if cfg.checkpoint.init_from:  # reads the weights' headers against the model: the one check that needs torch
+        from fivefold.train.weights import check_init_from
+
+        errors += check_init_from(cfg)
     if errors:
         raise ConfigError(errors)
     progress = not args.no_progress

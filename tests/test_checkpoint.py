@@ -7,8 +7,9 @@ import pytest
 
 from fivefold.testing import run_workers
 from fivefold.train.checkpoint import complete_checkpoints, latest_checkpoint
-from fivefold.train.loop import check_run_dir, train
+from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
+from fivefold.train.run_dir import check_run_dir
 from helpers import tiny_config
 
 # 6 steps over an epoch boundary (35 samples, batches of 8), checkpoints at steps 3 and 6.

@@ -29,28 +29,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold.parallel.data import DataParallel
+from fivefold.train.run_dir import PREFIX, checkpoint_dir, complete_checkpoints, latest_checkpoint
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
-
-PREFIX = "step_"
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Finished checkpoints, oldest first (temporary folders of interrupted writes are ignored)."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
-
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; the previous complete one is untouched."""

@@ -31,7 +31,8 @@ from fivefold.parallel.expert import (ExpertStats, expert_stats, reset_expert_co
 from fivefold.parallel.parallelize import Parallelized, full_state_dict, parallelize
 from fivefold.parallel.timing import TIMER
 from fivefold.train.breakdown import BreakdownWindow, gather_parts, log_entries, pipeline_timeline
-from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
+from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
+from fivefold.train.run_dir import check_run_dir, latest_checkpoint, run_dir_of
 from fivefold.train.data import IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice, read_documents, split_documents
 from fivefold.train.metrics import MetricsLog, ProgressDisplay
 from fivefold.train.optim import clip_grad_norm, lr_at, set_lr
@@ -51,19 +52,6 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     samples: list[list[int]] = field(default_factory=list)  # this rank's sample indices per step
     state: dict[str, torch.Tensor] | None = None  # full_state_dict() at the end, when asked for
-
-
-def run_dir_of(cfg: Config) -> Path:
-    return Path(cfg.run.out_dir) / (cfg.run.name or "run")
-
-
-def check_run_dir(cfg: Config) -> list[str]:
-    """A fresh run must not overwrite the checkpoints of an earlier one."""
-    run_dir = run_dir_of(cfg)
-    if not cfg.checkpoint.resume and latest_checkpoint(run_dir) is not None:
-        return [f"run directory '{run_dir}' already holds checkpoints; pass --resume to continue it, "
-                f"or choose another --run.name"]
-    return []
 
 
 def resolve_device_type(cfg: Config) -> str:

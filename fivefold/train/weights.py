@@ -100,8 +100,7 @@ def check_init_from(cfg: Config) -> list[str]:
     """Problems with cfg.checkpoint.init_from, found before any process starts: the path, its
     files, every tensor's shape against the model (from the files' headers: no weight is read),
     and the model fields that shapes cannot show. Empty when unset, fine, or not used (resuming)."""
-    from fivefold.train.checkpoint import latest_checkpoint
-    from fivefold.train.loop import run_dir_of  # here: loop imports this module
+    from fivefold.train.run_dir import latest_checkpoint, run_dir_of
 
     if not cfg.checkpoint.init_from or (cfg.checkpoint.resume and latest_checkpoint(run_dir_of(cfg)) is not None):
         return []
