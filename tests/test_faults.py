@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
@@ -32,6 +33,12 @@ def _skip_a_collective(rank, world, cfg):
         comms.all_reduce(torch.ones(1000), mesh.group("dp"))
     except comms.CollectiveError as e:
         messages.append(str(e))
+    # Point-to-point calls outside comms.py (pipeline sends and receives, ring hops) name theirs too.
+    try:
+        with comms.named_errors("recv activation mb 0 from stage 1", mesh.group("dp"), 16):
+            dist.irecv(torch.empty(4), 1, group=mesh.group("dp").pg).wait()
+    except comms.CollectiveError as e:
+        messages.append(str(e))
     # Raise rather than return: the harness's closing barrier would meet rank 1's late calls.
     raise AssertionError(f"{time.monotonic() - began:.1f} s\n" + "\n".join(messages))
 
@@ -40,13 +47,15 @@ def test_a_skipped_collective_times_out_naming_rank_axis_and_operation(tmp_path)
     cfg = tiny_config(tmp_path, "--parallel.collective_timeout_s=0.5")
     with pytest.raises(WorkerError) as failed:
         run_workers(_skip_a_collective, 2, cfg)
-    seconds, async_message, sync_message = str(failed.value).split("AssertionError: ")[1].splitlines()[:3]
-    assert float(seconds.split()[0]) < 3  # two waits of 0.5 s each, not the default 300 s
+    seconds, async_message, sync_message, p2p_message = str(failed.value).split("AssertionError: ")[1].splitlines()[:4]
+    assert float(seconds.split()[0]) < 4  # three waits of 0.5 s each, not the default 300 s
     assert async_message.startswith("rank 0: all_to_all of 96 bytes on axis 'ep' (rank 0 of 2 there) got no "
                                     "answer within 0.5 s (parallel.collective_timeout_s)")
     assert sync_message.startswith("rank 0: all_reduce of 4,000 bytes on axis 'dp' (rank 0 of 2 there) got no "
                                    "answer within 0.5 s")
     assert "most likely died" in sync_message and "another code path" in sync_message
+    assert p2p_message.startswith("rank 0: recv activation mb 0 from stage 1 of 16 bytes on axis 'dp' (rank 0 of 2 "
+                                  "there) got no answer within 0.5 s")
 
 
 def _train(rank, world, cfg, file_size_limit=None):

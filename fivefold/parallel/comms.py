@@ -22,9 +22,10 @@ The time the calling thread is blocked in a collective (a synchronous call, an a
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,19 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
         f"there) {what}. Another rank of that group most likely died (look for the first error in the other "
         f"ranks' output) or took another code path and never made this call (a rank-dependent branch, "
         f"an exception caught on one rank). Backend: {text.splitlines()[0] if text else type(error).__name__}")
+
+
+@contextlib.contextmanager
+def named_errors(op: str, group: AxisGroup, nbytes: int) -> Iterator[None]:
+    """For the point-to-point calls made outside this module (pipeline sends, ring hops): a timeout or
+    a lost peer inside the block is raised as the same CollectiveError as a collective's."""
+    try:
+        yield
+    except RuntimeError as e:
+        named = _named(e, op, group, nbytes, group.label)
+        if named is e:
+            raise
+        raise named from e
 
 
 class Pending:

@@ -99,11 +99,14 @@ def attention_work(seq_len: int, cp: int, layout: str) -> list[int]:
 
 @dataclass
 class _Hop:
-    """One ring hop in flight: its handles, the axis its waiting counts to, its trace span."""
+    """One ring hop in flight: its handles, the axis its waiting counts to, its trace span, its group
+    and the bytes it sends."""
 
     works: list[dist.Work]
     label: str
     flight: Flight | None = None
+    group: AxisGroup | None = None  # for naming a failure (comms.named_errors)
+    nbytes: int = 0
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> _Hop:
@@ -122,13 +125,14 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int
     ops = [dist.P2POp(dist.isend, send, to, group=group.pg, tag=tag),
            dist.P2POp(dist.irecv, recv, frm, group=group.pg, tag=tag)]
     flight = TIMER.flight(group.label, "ring hop")  # gloo's p2p works have no future: it ends at _wait
-    with TIMER.blocked(group.label, "ring hop"):
+    nbytes = send.numel() * send.element_size()
+    with TIMER.blocked(group.label, "ring hop"), comms.named_errors("ring hop", group, nbytes):
         works = dist.batch_isend_irecv(ops)
-    return _Hop(works, group.label, flight)
+    return _Hop(works, group.label, flight, group, nbytes)
 
 
 def _wait(hop: _Hop) -> None:
-    with TIMER.blocked(hop.label, "ring hop wait"):
+    with TIMER.blocked(hop.label, "ring hop wait"), comms.named_errors("ring hop", hop.group, hop.nbytes):
         for w in hop.works:
             w.wait()
     if hop.flight is not None:

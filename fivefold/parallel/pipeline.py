@@ -23,11 +23,12 @@ add, whose backward saves nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -156,17 +157,20 @@ class _Sends:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None  # started by the first send: pp = 1 sends nothing
 
-    def add(self, work: dist.Work, free: torch.Tensor | None, flight: Flight | None = None) -> None:
+    def add(self, work: dist.Work, free: torch.Tensor | None, flight: Flight | None = None,
+            named: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        """named(): the context that names a failure of this send (comms.named_errors)."""
         if self.thread is None:
             self.thread = threading.Thread(target=self._drain, daemon=True)
             self.thread.start()
-        self.queue.put((work, free, flight))
+        self.queue.put((work, free, flight, named))
 
     def _drain(self) -> None:
         while (item := self.queue.get()) is not None:
-            work, t, flight = item
+            work, t, flight, named = item
             try:
-                work.wait()
+                with named():
+                    work.wait()
             except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the executor's thread
                 self.error = self.error or e
                 continue
@@ -227,9 +231,11 @@ class PipelineExecutor:
         t = t.contiguous()
         name = f"send {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} to stage {to_stage}"
         flight = TIMER.flight(self.group.label, name)
-        with TIMER.blocked(self.group.label, name):
+        nbytes = t.numel() * t.element_size()
+        named = functools.partial(comms.named_errors, name, self.group, nbytes)
+        with TIMER.blocked(self.group.label, name), named():
             work = dist.isend(t, self._peer(to_stage), group=self.group.pg, tag=self._tag(*key))
-        sends.add(work, t if free else None, flight)
+        sends.add(work, t if free else None, flight, named)
 
     def _recv(self, shape: torch.Size, dtype: torch.dtype, from_stage: int, key: tuple[int, int, int],
               local: dict) -> torch.Tensor:
@@ -239,7 +245,7 @@ class PipelineExecutor:
         # The stage has nothing to do until this arrives: the pipeline bubble. The wait also holds
         # the transfer itself, small on CPU with these activations; on a slow link it is pp time.
         name = f"recv {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} from stage {from_stage}"
-        with TIMER.span("bubble", self.group.label, name):
+        with TIMER.span("bubble", self.group.label, name), comms.named_errors(name, self.group, buf.nbytes):
             dist.irecv(buf, self._peer(from_stage), group=self.group.pg, tag=self._tag(*key)).wait()
         return buf
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.comms import AxisGroup, named_errors
 from fivefold.parallel.timing import TIMER
 
 
@@ -99,7 +99,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, step: RingStep, group: Axi
     to = dist.get_global_rank(group.pg, step.send_to)
     frm = dist.get_global_rank(group.pg, step.recv_from)
     ops = [dist.P2POp(dist.isend, send, to, group=group.pg), dist.P2POp(dist.irecv, recv, frm, group=group.pg)]
-    with TIMER.blocked(group.label, "ring step"):
+    with TIMER.blocked(group.label, "ring step"), named_errors("ring step", group, send.numel() * send.element_size()):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     # Counted per step as a send of one chunk, so the totals are what this rank put on the wire.

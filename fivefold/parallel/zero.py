@@ -38,7 +38,7 @@ class ZeroDataParallel(DataParallel):
         super().__init__(model, mesh, parallel, train)
 
     def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
-        n, r = self.shard_group.size, self.shard_group.rank
+        n = self.shard_group.size
         self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.rows = {}  # id(param) -> rows each rank owns (c)
         self.zero_dims = {}  # id(param) -> the dim ZeRO splits (its "rows")
