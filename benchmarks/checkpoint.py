@@ -70,16 +70,18 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
     from fivefold.train.loop import build_model
 
+    peer = build_model(cfg, 320)
+    params = sum(p.numel() for p in peer.parameters())  # before any sharding
     dp = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, world), cfg).dp
     if cfg.parallel.zero == 3:  # the native peer of ZeRO-3: FSDP2 on every block, then the root
         from torch.distributed.fsdp import fully_shard
 
-        ddp = build_model(cfg, 320)
+        ddp = peer
         for block in ddp.layers.values():
             fully_shard(block)
         fully_shard(ddp)
     else:
-        ddp = DistributedDataParallel(build_model(cfg, 320))
+        ddp = DistributedDataParallel(peer)
     opt = torch.optim.AdamW(ddp.parameters())
     for p in ddp.parameters():  # Adam's moments exist after a first step
         p.grad = torch.zeros_like(p)
@@ -111,7 +113,7 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     written = latest_checkpoint(root / "ff0")
     return {"times": {k: statistics.median(v) for k, v in times.items()},
             "bytes": _rank_bytes(written, rank), "torch_bytes": _rank_bytes(root / "torch0", rank),
-            "params": sum(p.numel() for p in build_model(cfg, 320).parameters())}
+            "params": params}
 
 
 def main(argv: list[str] | None = None) -> None:
