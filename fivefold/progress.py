@@ -1,8 +1,8 @@
-"""A progress bar with an ETA for the commands that take a while (init, convert, calibrate).
+"""A progress bar with an ETA for the commands that take a while (init, convert, calibrate, explain).
 
-Training has its own display (train/metrics.py: loss and tokens/s beside the bar) and `explain`
-one task per page; this is the plain case: one piece of work, advanced in any unit (bytes,
-tensors, phases). On a terminal it redraws in place on stderr; elsewhere rich prints it once.
+Training has its own display (train/metrics.py: loss and tokens/s beside the bar); this is the
+plain case: one piece of work, advanced in any unit (bytes, tensors, phases, table entries). On a
+terminal it redraws in place on stderr; elsewhere rich prints it once.
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+from fivefold.progress import progress_bar
 from fivefold.viz.explain import buckets, pipeline, ring, zero
 from fivefold.viz.explain.page import Page, render_index, render_page
 
@@ -23,14 +21,11 @@ def write_pages(out: Path, progress: bool = True) -> list[Path]:
     """Compute every page's table and write the pages plus index.html into `out`; return the paths."""
     out.mkdir(parents=True, exist_ok=True)
     pages = [build() for build in PAGE_BUILDERS]
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("[bold]{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
-                   TimeRemainingColumn(), console=console, disable=not progress)
     written = []
-    with bar:
-        tasks = [bar.add_task(p.slug, total=p.count()) for p in pages]
-        for page, task in zip(pages, tasks):
-            page.build_table(lambda task=task: bar.advance(task))
+    # one bar over every table entry of every page: the pages differ a hundredfold in work
+    with progress_bar(f"explain: {len(pages)} pages", sum(p.count() for p in pages), progress) as advance:
+        for page in pages:
+            page.build_table(advance)
             path = out / f"{page.slug}.html"
             path.write_text(render_page(page))
             written.append(path)
