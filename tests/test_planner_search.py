@@ -96,3 +96,13 @@ def test_the_logged_prediction_matches_a_real_two_rank_run(tmp_path, layout):
     for axis, counted in measured["comm"].items():
         if axis != "log":
             assert predicted["comm_wire_bytes"][axis] == pytest.approx(counted["wire_bytes"], rel=0.05), axis
+
+
+def test_calibrate_layers_refuses_a_config_that_cannot_run_before_measuring(tmp_path, capsys):
+    out = tmp_path / "local.toml"
+    assert main(["calibrate", "--quick", "--out", str(out), "--layers", "configs/tiny.toml", "--parallel.tp=3"]) == 2
+    err = capsys.readouterr().err
+    assert "--layers configs/tiny.toml on --nproc 2:" in err and "parallel.tp" in err
+    assert main(["calibrate", "--quick", "--out", str(out), "--parallel.tp=2"]) == 2  # an override with no config
+    assert "overrides apply to --layers configs" in capsys.readouterr().err
+    assert not out.exists()  # nothing measured, nothing written
