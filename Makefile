@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo browser test clean
+.PHONY: install demo browser test lint clean
 
 # --no-compile: pip would byte-compile every module of torch and transformers (minutes here); Python
 # compiles, once, only what is imported.
@@ -28,6 +28,10 @@ browser:
 
 test: browser $(STAMP)
 	$(PY) -m pytest
+
+# ruff: pyflakes, pycodestyle, import order and bugbear, lines of at most 120 characters (pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .browser-install.*
