@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # compiles, once, only what is imported.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -e ".[test]"
+	$(PY) -m pip install -q --no-compile -e ".[test,tensorboard,wandb]"
 	touch $(STAMP)
 
 install: $(STAMP)

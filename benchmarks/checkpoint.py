@@ -69,10 +69,12 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     from fivefold.parallel.parallelize import parallelize
     from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
     from fivefold.train.loop import build_model
+    from fivefold.validate import derive
 
     peer = build_model(cfg, 320)
     params = sum(p.numel() for p in peer.parameters())  # before any sharding
-    dp = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, world), cfg).dp
+    derived = derive(cfg, world)
+    par = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, derived), cfg, derived)
     if cfg.parallel.zero == 3:  # the native peer of ZeRO-3: FSDP2 on every block, then the root
         from torch.distributed.fsdp import fully_shard
 
@@ -90,12 +92,12 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     for i in range(rounds):
         run, theirs = root / f"ff{i}", root / f"torch{i}"
         writer = CheckpointWriter(run, keep=1)
-        times["save"].append(_timed(lambda: writer.save(1, dp, {"loader": {}})))
-        times["load"].append(_timed(lambda: load_checkpoint(latest_checkpoint(run), dp)))
+        times["save"].append(_timed(lambda: writer.save(1, par, {"loader": {}})))
+        times["load"].append(_timed(lambda: load_checkpoint(latest_checkpoint(run), par)))
         overlapped = CheckpointWriter(root / f"async{i}", keep=1, async_save=True)
         dist.barrier()
         began = time.perf_counter()
-        overlapped.save(1, dp, {"loader": {}})
+        overlapped.save(1, par, {"loader": {}})
         times["async_blocking"].append(_slowest(time.perf_counter() - began))
         overlapped.wait()
         dist.barrier()

@@ -4,7 +4,7 @@ Run: `.venv/bin/python benchmarks/context_expert.py [--steps N] [--rounds R] [--
 (extra `--section.key=value` arguments override both model configs).
 
 There is no PyTorch peer to run beside these on a CPU: torch's context_parallel has no CPU
-attention strategy (TORCH-CPU-NOTES.md) and torch has no expert-parallel MoE. So each comparison
+attention strategy (docs/torch-cpu-notes.md) and torch has no expert-parallel MoE. So each comparison
 is between two fivefold layouts of the same model, data and weights, trained with the real loop
 (`fivefold.train.loop.train`) on forked gloo ranks:
 1. `cp`: cp = nproc, `cp_method = "ring"` (zig-zag) vs `"ulysses"`, dim 128, 8 heads, 4 layers,
@@ -52,11 +52,11 @@ COMPARISONS = {  # name: (shared overrides, {side: overrides})
 
 def _worker(rank: int, world: int, cfg) -> list[dict]:
     from fivefold.train.loop import train
+    from fivefold.train.metrics import read_metrics
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only this script's JSON lines
         result = train(cfg, progress=False)
-    lines = (result.run_dir / cfg.run.metrics_file).read_text().splitlines() if rank == 0 else []
-    return [json.loads(line) for line in lines]
+    return read_metrics(result.run_dir / cfg.run.metrics_file) if rank == 0 else []
 
 
 def _run(name: str, side: str, nproc: int, args, overrides: list[str], out: Path) -> list[dict]:

@@ -89,10 +89,10 @@ from benchmarks.common import (alternate, comparison_record, finish_summary, log
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402
-from fivefold.parallel.data import apply_data_parallel  # noqa: E402
+from fivefold.parallel.data_parallel import apply_data_parallel  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fivefold.train.optim import build_optimizer, clip_grad_norm, init_optimizer_state  # noqa: E402
 from fivefold.validate import derive  # noqa: E402
 
 torch.set_num_threads(1)
@@ -107,7 +107,7 @@ TARGETS = {"ddp_ratio_step_time": 1.10, "zero3_ratio_step_time": 1.15}  # fivefo
 
 
 def clip_fivefold(dp, max_norm: float) -> float:
-    """The wrapper's global-norm clipping, as train/loop.py does it."""
+    """The wrapper's global-norm clipping, as Parallelized.optimizer_step does it."""
     return clip_grad_norm(dp.gradients(), max_norm, dp.norm_groups)  # groups the gradients are split over
 
 
@@ -132,11 +132,14 @@ class Side:
         t = self.train = cfg.train
         self.local_tokens = t.micro_batch * t.seq_len
         self.global_tokens = self.local_tokens * world
-        self.model = build_model(cfg, derive(cfg, world).vocab_size)
+        derived = derive(cfg, world)
+        self.model = build_model(cfg, derived.vocab_size)
         if kind.startswith("fivefold"):
             cfg = replace(cfg, parallel={"zero": 3 if kind == "fivefold_zero3" else 0})
-            self.dp = apply_data_parallel(self.model, meshes["fivefold"], cfg.parallel, cfg.train)
+            self.dp = apply_data_parallel(self.model, meshes["fivefold"], cfg, derived)
             self.dp.overlap = kind != "fivefold_ddp_no_overlap"
+            self.opt = build_optimizer(self.dp.optimizer_params(), t)  # as parallelize() builds it
+            init_optimizer_state(self.opt)
             self.loss_weight = 1.0  # the global loss is the sum of the ranks' losses
             return
         if kind == "torch_ddp":
@@ -158,7 +161,9 @@ class Side:
             loss = cross_entropy_sum(self.model(x), y) / self.global_tokens  # the wrapper sums over ranks
             self.dp.backward(loss, last_micro_batch=True)
             clip_fivefold(self.dp, t.grad_clip)
-            self.dp.step()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.dp.after_step()  # ZeRO-3: nothing to gather, the next forward gathers
         else:
             loss = cross_entropy_sum(self.net(x), y) / self.local_tokens  # torch averages over ranks
             loss.backward()
@@ -180,7 +185,7 @@ def _setup(rank: int, world: int, cfg: Config) -> dict:
     torch.set_num_threads(1)
     # FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, deprecated in favour of *_single.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    return {"fivefold": Mesh.from_config(cfg, world), "torch": init_device_mesh("cpu", (world,))}
+    return {"fivefold": Mesh.from_config(cfg, derive(cfg, world)), "torch": init_device_mesh("cpu", (world,))}
 
 
 def _timed_worker(rank: int, world: int, kinds: tuple[str, str], cfg: Config, warmup: int, steps: int) -> list[dict]:

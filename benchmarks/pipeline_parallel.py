@@ -11,8 +11,8 @@ CPU, fp32), the same model, initial weights and micro-batches:
                        2 stages per rank (stage s on rank s % pp).
 The model is fivefold's Transformer (`build_model`, seeded) from configs/tiny.toml with dim 128,
 ffn 384, 8 layers, seq 128; a step is global batch 16 in m = 8 micro-batches of 2. fivefold runs it
-the way train/loop.py does: `parallelize()` (split_stages + PipelineExecutor), `pipeline.run()`,
-`clip_grad_norm` over the pp group, `dp.step()`. The torch side builds, on each rank, one
+the way train/step.py does: `parallelize()` (apply_pipeline_parallel + PipelineExecutor),
+`pipeline.run()`, `optimizer_step()` (the global-norm clip over the pp group, AdamW). The torch side builds, on each rank, one
 nn.Module per stage around the very same modules (embedding on the first stage, its blocks, final
 norm + head on the last; RoPE tables computed in forward as fivefold's StageChunk does), a
 `PipelineStage` with static example shapes (so no metadata travels at run time), and the schedule
@@ -87,7 +87,8 @@ from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin  # noqa:
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fivefold.train.optim import build_optimizer  # noqa: E402
+from fivefold.train.precision import LossScaler  # noqa: E402
 from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 torch.set_num_threads(1)
@@ -146,7 +147,9 @@ class FivefoldSide:
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.par = parallelize(build_model(cfg, derive(cfg, mesh.world_size).vocab_size), mesh, cfg)
+        derived = derive(cfg, mesh.world_size)
+        self.par = parallelize(build_model(cfg, derived.vocab_size), mesh, cfg, derived)
+        self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
         self.losses: list[float] = []
         self.timelines: list[list[tuple[float, float, str]]] = []
@@ -155,10 +158,8 @@ class FivefoldSide:
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
         t, par = self.cfg.train, self.par
         micro = list(zip(x.split(t.micro_batch), y.split(t.micro_batch)))  # m micro-batches, in order
-        stats = par.pipeline.run(micro, x.numel(), self.cfg.model.dim, clock=clock)
-        clip_grad_norm(par.dp.gradients(), t.grad_clip, [*par.dp.norm_groups, self.mesh.group("pp")],
-                       par.pipeline.copies_counted_elsewhere())
-        par.dp.step()
+        stats = par.pipeline.run(micro, x.numel(), clock=clock)
+        par.optimizer_step(t.lr, self.scaler, t.grad_clip, stop_on_nonfinite=True)
         if clock:
             self.timelines.append(stats.timeline)
         return stats.loss  # this rank's sum of micro-batch losses (0 off the last stage)
@@ -185,7 +186,7 @@ class TorchSide:
         mb, T, vocab = t.micro_batch, t.seq_len, derive(cfg, world).vocab_size
         stages = []
         for s, module in zip(mine, self.modules):
-            # Static example shapes: non-first inputs and every output need requires_grad (TORCH-CPU-NOTES).
+            # Static example shapes: non-first inputs and every output need requires_grad (docs/torch-cpu-notes.md).
             inp = (torch.zeros(mb, T, dtype=torch.long) if s == 0
                    else torch.zeros(mb, T, m.dim, requires_grad=True))
             out = torch.zeros(mb, T, vocab if s == n_stages - 1 else m.dim, requires_grad=True)
@@ -242,7 +243,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
                   steps: int) -> list[dict]:
     """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
     cfg = schedule_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, world)
+    mesh = Mesh.from_config(cfg, derive(cfg, world))
     sides = [_make_side(kind, cfg, world, name, mesh) for kind in kinds]
     return alternate(sides, _batches(cfg, warmup + steps), warmup, _timed_step)
 
@@ -250,7 +251,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
     """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
     cfg = schedule_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, world)  # process groups exist before the baseline
+    mesh = Mesh.from_config(cfg, derive(cfg, world))  # process groups exist before the baseline
 
     def run() -> FivefoldSide | TorchSide:
         side = _make_side(kind, cfg, world, name, mesh)
@@ -264,7 +265,7 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
 def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int) -> dict:
     """fivefold alone with the executor's clock: compute, input waits and the rest, per step."""
     cfg = schedule_cfg(cfg, name)
-    side = FivefoldSide(cfg, Mesh.from_config(cfg, world))
+    side = FivefoldSide(cfg, Mesh.from_config(cfg, derive(cfg, world)))
     for i, (x, y) in enumerate(_batches(cfg, warmup + steps)):
         _timed_step(side, x, y, clock=time.perf_counter if i >= warmup else None)
     parts = {"compute": [], "wait_inputs": [], "other": [], "step": []}

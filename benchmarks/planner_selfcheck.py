@@ -11,13 +11,13 @@ round. The prediction is `selfcheck.predict_for_config`, the figure `fivefold tr
 --run.hardware PROFILE` logs as `predicted.step_time_s`, from a profile of this machine:
 
 - without --hardware, each round first takes one measurement session of `fivefold calibrate
-  --layers` on the runs' configs (calibrate.measure: op costs, matmuls, the optimizer, Python's
-  fixed costs, the models' blocks, embedding and head timed whole, collectives), then
-  trains every layout; the profile is the median over the sessions (calibrate.profile), so the
-  calibration samples the same stretch of time as the runs it predicts. On this shared 2-core
-  machine a neighbour's test run can double every time for tens of seconds; one calibration
-  taken a minute before the runs measures another machine. Nothing in the profile comes from
-  the runs: it is written (--out) before any prediction is made;
+  --layers` on the runs' configs (planner.calibration.measure.measure: op costs, matmuls, the
+  optimizer, Python's fixed costs, the models' blocks, embedding and head timed whole,
+  collectives), then trains every layout; the profile is the median over the sessions
+  (measure.profile), so the calibration samples the same stretch of time as the runs it predicts.
+  On this shared 2-core machine a neighbour's test run can double every time for tens of seconds;
+  one calibration taken a minute before the runs measures another machine. Nothing in the profile
+  comes from the runs: it is written (--out) before any prediction is made;
 - with --hardware, that profile as it is.
 The layouts take turns from round to round (A B C, C B A, ...), so a load change hits them alike.
 
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parse(parser, argv)
     import dataclasses
 
-    from fivefold.planner.calibrate import measure, profile, threads_per_rank
-    from fivefold.planner.calibrate_layers import config_parts
+    from fivefold.planner.calibration.layers import config_parts
+    from fivefold.planner.calibration.measure import measure, profile, threads_per_rank
     from fivefold.planner.estimate import estimate
     from fivefold.planner.hardware import load_profile, profile_toml
     from fivefold.planner.selfcheck import activation_element_bytes, predict_for_config
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.hardware:
             Path(path).write_text(profile_toml(profile(sessions, NPROC, threads_per_rank(NPROC))))
         hw = load_profile(path)
-        op_priced = dataclasses.replace(hw, layer_times=())
+        # the pricer a search uses: a measured one without its layer times, every part priced op by op
+        op_priced = dataclasses.replace(hw, pricer=hw.pricer.for_search())
         for model, layout in runs:
             cfg = _config(model, layout, args, overrides, Path(tmp), path)
             predicted = predict_for_config(cfg, NPROC, hw)["step_time_s"]

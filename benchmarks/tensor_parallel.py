@@ -15,10 +15,10 @@ ranks see the same batch, as tp ranks do), byte vocabulary padded to 320.
 Both sides shard the same things, as Megatron-LM and PyTorch's Llama tutorial / torchtitan do:
 attention by heads and SwiGLU by hidden units, *and* the embedding and the output head along the
 vocabulary, with the loss computed from vocabulary-sharded logits (no rank forms (B, T, V)).
-- fivefold: `parallelize(model, mesh, cfg)` (`apply_tensor_parallel`: Column/RowParallelLinear,
+- fivefold: `parallelize(model, mesh, cfg, derived)` (`apply_tensor_parallel`: Column/RowParallelLinear,
   VocabParallelEmbedding, `vocab_parallel_cross_entropy`), stepped as train/loop.py steps it:
-  `pipeline.run([(x, y)], tokens, dim)` (one stage, one micro-batch), `clip_grad_norm` over
-  `gradient_split_groups()`, `dp.step()` (dp = 1: no gradient reduction).
+  `pipeline.run([(x, y)], tokens)` (one stage, one micro-batch), then `optimizer_step()`: the
+  global-norm clip over the groups gradients are split across and AdamW (dp = 1: no reduction).
 - torch: `parallelize_module` on a 1-D `init_device_mesh("cpu", (2,))`, per block
   ColwiseParallel for attn.wq/wk/wv and ffn.gate/up, RowwiseParallel for attn.wo and ffn.down,
   and a `PrepareModuleInput` on attn and on ffn that makes their input Replicate once for all of
@@ -108,7 +108,8 @@ from fivefold.model import cross_entropy_sum  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fivefold.train.optim import build_optimizer  # noqa: E402
+from fivefold.train.precision import LossScaler  # noqa: E402
 from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 torch.set_num_threads(1)
@@ -132,16 +133,16 @@ class FivefoldSide:
 
     def __init__(self, cfg: Config, world: int, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.par = parallelize(build_model(cfg, derive(cfg, world).vocab_size), mesh, cfg)
+        derived = derive(cfg, world)
+        self.par = parallelize(build_model(cfg, derived.vocab_size), mesh, cfg, derived)
+        self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         t, par = self.cfg.train, self.par
-        stats = par.pipeline.run([(x, y)], x.numel(), self.cfg.model.dim)  # one stage, one micro-batch
-        clip_grad_norm(par.dp.gradients(), t.grad_clip, par.gradient_split_groups(),
-                       par.gradients_counted_elsewhere())
-        par.dp.step()
+        stats = par.pipeline.run([(x, y)], x.numel())  # one stage, one micro-batch
+        par.optimizer_step(t.lr, self.scaler, t.grad_clip, stop_on_nonfinite=True)
         return stats.loss  # the whole loss (/ tokens), the same on every tp rank
 
 
@@ -244,7 +245,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
                   steps: int) -> list[dict]:
     """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
     cfg = variant_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, world)
+    mesh = Mesh.from_config(cfg, derive(cfg, world))
     sides = [_make_side(kind, cfg, world, mesh) for kind in kinds]
     return alternate(sides, _batches(cfg, warmup + steps), warmup, _timed_step)
 
@@ -252,7 +253,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
     """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
     cfg = variant_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, world)  # process groups exist before the baseline (torch's 1-D mesh
+    mesh = Mesh.from_config(cfg, derive(cfg, world))  # process groups exist before the baseline (torch's 1-D mesh
     # over the whole world is the default group: nothing new)
 
     def run() -> FivefoldSide | TorchSide:
@@ -267,7 +268,7 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
 def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int, top: int) -> dict:
     """Both sides, each profiled alone over `steps` steps after its warm-up: top ops by self CPU time."""
     cfg = variant_cfg(cfg, name)
-    mesh, out = Mesh.from_config(cfg, world), {}
+    mesh, out = Mesh.from_config(cfg, derive(cfg, world)), {}
     for kind in ("fivefold", "torch"):
         side = _make_side(kind, cfg, world, mesh)
         batches = _batches(cfg, warmup + steps)

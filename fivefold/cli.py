@@ -15,8 +15,10 @@ import argparse
 import os
 import sys
 
-from fivefold.config import ConfigError, load_config, read_config
-from fivefold.launch import LaunchError, add_arguments as add_launch_arguments
+from fivefold.config import Config, ConfigError, read_config, replace
+from fivefold.launch import LaunchError
+from fivefold.launch import add_arguments as add_launch_arguments
+from fivefold.validate import Derived, derive
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,18 +53,17 @@ def _deepspeed_layer(path: str, nproc: int) -> tuple[list[str], list[str]]:
     return mapping.overrides, mapping.errors
 
 
-def _worker(config: str | None, overrides: list[str], resume: bool, progress: bool) -> None:
-    """Entry point of each launched process: the same config, the same code, its own rank."""
+def _worker(cfg: Config, derived: Derived, progress: bool) -> None:
+    """Entry point of each launched process: the config checked by the launcher, its own rank."""
     from fivefold.train.loop import train
 
-    args = argparse.Namespace(resume=resume)
-    train(load_config(config, _overrides(args, overrides)), progress=progress)
+    train(cfg, derived, progress=progress)
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.launch import check_writable, launch, spec_from_args
-    from fivefold.train.run_dir import check_run_dir, run_dir_of
-    from fivefold.validate import validate
+    from fivefold.train.preflight import preflight
+    from fivefold.train.run_dir import run_dir_of
 
     nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
     if args.nproc and _under_torchrun():
@@ -73,26 +74,26 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         args.resume = True  # torchrun restarted the workers after a failure: continue from the last checkpoint
     spec, errors = spec_from_args(args, nproc, _under_torchrun())
     if args.trace:
-        overrides = [*overrides, "--run.trace=true"]  # carried to every worker with the other overrides
+        overrides = [*overrides, "--run.trace=true"]
     if args.deepspeed:
         ds_overrides, ds_errors = _deepspeed_layer(args.deepspeed, spec.world_size)
         errors += ds_errors
         overrides = [*ds_overrides, *overrides]  # later wins: the command line over the JSON
     cfg, parse_errors = read_config(args.config, _overrides(args, overrides))
-    errors += parse_errors + validate(cfg, spec.world_size) + check_run_dir(cfg) + check_writable(run_dir_of(cfg))
-    if cfg.checkpoint.init_from:  # reads the weights' headers against the model: the one check that needs torch
-        from fivefold.train.weights import check_init_from
-
-        errors += check_init_from(cfg)
+    errors += parse_errors + preflight(cfg, spec.world_size) + check_writable(run_dir_of(cfg))
     if errors:
         raise ConfigError(errors)
+    # Checked once, here: every worker receives this resolved config and its derived numbers.
+    derived = derive(cfg, spec.world_size)
     progress = not args.no_progress
     if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
-        _worker(args.config, overrides, args.resume, progress)
+        _worker(cfg, derived, progress)
         return 0
     # Restarted workers continue from the last checkpoint; any checkpoint they find was written by
     # this job, since a fresh run into a folder holding checkpoints was refused above.
-    launch(spec, _worker, (args.config, overrides, args.resume or spec.max_restarts > 0, progress))
+    if spec.max_restarts:
+        cfg = replace(cfg, checkpoint={"resume": True})
+    launch(spec, _worker, (cfg, derived, progress))
     return 0
 
 
@@ -107,14 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.viz.trace import add_trace_parser, run_trace_viz
 
     add_trace_parser(viz)
-    from fivefold.planner.cli import add_calibrate_parser, add_plan_parser, run as run_planner
+    from fivefold.planner.cli import add_calibrate_parser, add_plan_parser
+    from fivefold.planner.cli import run as run_planner
 
     add_plan_parser(sub)
     add_calibrate_parser(sub)
-    from fivefold.convert_cli import add_parsers as add_weights_parsers, run as run_weights
+    from fivefold.convert_cli import add_parsers as add_weights_parsers
+    from fivefold.convert_cli import run as run_weights
 
     add_weights_parsers(sub)
-    from fivefold.viz.cli import add_parsers as add_page_parsers, run as run_pages
+    from fivefold.viz.cli import add_parsers as add_page_parsers
+    from fivefold.viz.cli import run as run_pages
 
     add_page_parsers(sub)  # explain, report
     args, rest = parser.parse_known_args(argv)

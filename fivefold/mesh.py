@@ -11,12 +11,20 @@ returns at once. Views by purpose:
 - "batch": the ranks that see different samples (= dp);
 - "grad": the ranks whose gradients are summed (dp x cp: context-parallel ranks hold different
   tokens of the same samples, so their gradients add up too).
-Sub-groups that are not mesh views (expert groups) come from `subgroups()`, built on new_group
-because split_group fails on gloo. Nothing here is global: the Mesh is passed to whoever needs it.
+- "ep": the ranks among which one MoE block's experts are split, and "expert_dp", the ranks that
+  hold the same experts (their gradients are summed there; charged to "dp"). They are not axes of
+  the DeviceMesh but carved out of the grad view, one grad view per (pp, tp) place: grad rank g is in
+  ep group g // ep with ep rank g % ep (`expert_partitions`). Built with new_group, because
+  split_group fails on gloo; at ep = 1 the ep group is this rank alone and expert_dp is the grad view.
+
+The mesh also owns this rank's communication counters (`stats`) and step timer (`timer`), which
+every group carries, so the code that talks and computes reports to them without any global.
+Nothing here is global: the Mesh is passed to whoever needs it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from datetime import timedelta
 
@@ -26,7 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fivefold.config import Config
 from fivefold.parallel.comms import AxisGroup, CommStats
-from fivefold.validate import derive
+from fivefold.parallel.timing import StepTimer
+from fivefold.validate import Derived
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # View name -> the mesh axes it spans (consecutive, so DeviceMesh can flatten them).
@@ -39,10 +48,29 @@ VIEWS = {
 LABELS = {"dp_replicate": "dp", "dp_shard": "dp", "batch": "dp", "grad": "dp"}
 
 
-class Mesh:
-    """Named process groups for one layout; `group(name)` gives an AxisGroup for comms.py."""
+def expert_partitions(grid: torch.Tensor, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Global ranks of every ep group and every expert replica group, for a mesh grid of global
+    ranks shaped (pp, dp_replicate, dp_shard, cp, tp). Pure: every rank computes the same lists."""
+    pp, dpr, dps, cp, tp = grid.shape
+    grad = dpr * dps * cp
+    if grad % ep:
+        raise ValueError(f"ep = {ep} must divide dp x cp = {grad}")
+    views = grid.permute(0, 4, 1, 2, 3).reshape(pp * tp, grad)  # one grad view per (pp, tp), in grad-rank order
+    ep_parts, replica_parts = [], []
+    for ranks in views.tolist():
+        ep_parts += [ranks[i:i + ep] for i in range(0, grad, ep)]  # consecutive grad ranks
+        replica_parts += [ranks[j::ep] for j in range(ep)]  # the same ep rank in every ep group
+    return ep_parts, replica_parts
 
-    def __init__(self, degrees: dict[str, int], device_type: str = "cpu", timeout_s: float | None = None):
+
+class Mesh:
+    """Named process groups for one layout; `group(name)` gives an AxisGroup for comms.py.
+
+    Collective: every rank builds the same mesh at the same point (DeviceMesh and new_group are).
+    """
+
+    def __init__(self, degrees: dict[str, int], device_type: str = "cpu", timeout_s: float | None = None,
+                 ep: int = 1):
         missing = [a for a in AXES if a not in degrees]
         if missing:
             raise ValueError(f"Mesh needs a degree for every axis {AXES}; missing {missing}")
@@ -51,6 +79,7 @@ class Mesh:
         self.device_type = device_type
         self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
         self.stats = CommStats()
+        self.timer = StepTimer()
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
         self._groups: dict[str, AxisGroup] = {}
         for axis in AXES:
@@ -59,13 +88,36 @@ class Mesh:
             # DeviceMesh caches a flattened mesh under its name; "batch" reuses the "dp" one.
             flat_name = "dp" if view == "batch" else view
             self._add(view, self.device_mesh[axes]._flatten(flat_name))
+        self.ep_device_mesh = self._add_expert_views(ep)
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, device_type: str = "cpu") -> "Mesh":
-        d = derive(cfg, world_size)
+    def from_config(cls, cfg: Config, derived: Derived, device_type: str = "cpu") -> "Mesh":
         p = cfg.parallel
-        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": d.dp_shard, "cp": p.cp, "tp": p.tp}, device_type,
-                   p.collective_timeout_s)
+        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": derived.dp_shard, "cp": p.cp, "tp": p.tp},
+                   device_type, p.collective_timeout_s, ep=p.ep)
+
+    def _add_expert_views(self, ep: int) -> DeviceMesh | None:
+        """The "ep" and "expert_dp" views; returns the ep group as a 1-D DeviceMesh (ep > 1), on which
+        checkpoints shard the experts."""
+        ep_parts, replica_parts = expert_partitions(self.device_mesh.mesh, ep)
+        # The ep group always gets its own process group: its all-to-alls run inside backward, and
+        # must not queue behind (or between) gradient all-reduces on the grad view.
+        self._groups["ep"] = self._carve(ep_parts, "ep", "ep")
+        if len(replica_parts[0]) == self.size("grad"):  # ep = 1: data parallel's own group
+            self._groups["expert_dp"] = dataclasses.replace(self.group("grad"), name="expert_dp")
+        else:
+            self._groups["expert_dp"] = self._carve(replica_parts, "expert_dp", "dp")
+        if ep == 1:
+            return None
+        # Every rank is in exactly one ep group, so the groups stacked are a mesh of the whole world,
+        # and its "ep" dim is this rank's group.
+        return DeviceMesh(self.device_type, torch.tensor(ep_parts), mesh_dim_names=("ep_groups", "ep"))["ep"]
+
+    def _carve(self, parts: list[list[int]], name: str, label: str) -> AxisGroup:
+        """This rank's group among equal-sized `parts`; a part of one needs no process group."""
+        if len(parts[0]) == 1:
+            return AxisGroup(name=name, label=label, pg=None, size=1, rank=0, stats=self.stats, timer=self.timer)
+        return dataclasses.replace(self.subgroups(parts, label), name=name)
 
     def _add(self, name: str, sub: DeviceMesh) -> None:
         pg = sub.get_group()
@@ -73,7 +125,7 @@ class Mesh:
             pg.set_timeout(timedelta(seconds=self.timeout_s))
         self._groups[name] = AxisGroup(
             name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
-            rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s,
+            rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s, timer=self.timer,
         )
 
     def group(self, name: str) -> AxisGroup:
@@ -98,7 +150,7 @@ class Mesh:
             pg = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
             if me in ranks:
                 mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me), stats=self.stats,
-                                 timeout_s=self.timeout_s)
+                                 timeout_s=self.timeout_s, timer=self.timer)
         if mine is None:
             raise ValueError(f"rank {me} is in no part of {partition}")
         return mine

@@ -19,7 +19,7 @@ Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim, E exp
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -327,16 +327,24 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             init_parameter(name, p, self.cfg, generator)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, dim)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
+                embed: bool = True, head: bool = True) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V), or a part of that for one pipeline stage.
+
+        layers: the names of the blocks to run, in order (default: every block this model holds);
+        embed=False: x is already hidden states (B, T, dim); head=False: return the last block's
+        output (B, T, dim) without the final norm and head. An absent embedding, norm or head (a
+        pipeline stage deleted it) is passed through.
+        """
+        h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta)  # (T, D)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        if self.norm is not None:
+        for name in self.layers if layers is None else layers:
+            h = self.layers[name](h, cos, sin)
+        if head and self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if head and self.output is not None:
             h = self.output(h)  # (B, T, V)
         return h
 

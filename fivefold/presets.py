@@ -7,7 +7,7 @@ model cannot disagree about what "llama3-70b" is.
 
 from __future__ import annotations
 
-from fivefold.config import ModelConfig
+from fivefold.model_config import ModelConfig
 
 _LLAMA3 = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
 _QWEN3 = dict(head_dim=128, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True)

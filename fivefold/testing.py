@@ -1,6 +1,6 @@
 """Run one function on N gloo ranks inside a test: forked workers, a store on port 0, real tracebacks.
 
-Forked workers start in milliseconds where spawned ones cost seconds each (TORCH-CPU-NOTES.md),
+Forked workers start in milliseconds where spawned ones cost seconds each (docs/torch-cpu-notes.md),
 which is what lets the suite run dozens of multi-process cases. Three details make fork safe:
 - each child calls torch.set_num_threads(1) before touching torch, or it can hang on the thread
   pool inherited from the parent;

@@ -8,6 +8,7 @@ module recomputes these numbers its own way.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, fields
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from fivefold.config import SECTIONS, Config
 from fivefold.parallel.schedules import build_schedule
+from fivefold.train.sinks import SINK_PACKAGES
 
 # Features whose config keys exist but whose code has not landed. Each issue that builds one
 # removes its line here; until then a non-default value is an error, never a silent no-op.
@@ -31,6 +33,7 @@ class Derived:
     tokens_per_step: int  # global_batch x seq_len
     local_seq_len: int  # tokens of one sequence held by one rank (seq_len / cp)
     vocab_size: int  # model vocabulary after padding
+    vocab_limit: int  # token ids from here on are padding: the loss gives them no probability
     head_dim: int
 
 
@@ -66,6 +69,7 @@ def derive(cfg: Config, world_size: int) -> Derived:
         tokens_per_step=t.global_batch * t.seq_len,
         local_seq_len=t.seq_len // p.cp,
         vocab_size=padded_vocab(cfg),
+        vocab_limit=m.vocab_size or tokenizer_vocab(cfg),
         head_dim=m.head_dim or m.dim // m.n_heads,
     )
 
@@ -104,6 +108,30 @@ def _divisors_near(n: int, limit: int) -> str:
 def _multiples_near(value: int, k: int) -> str:
     lo = max(k, value // k * k)
     return f"{lo} or {lo + k}" if lo != value else str(lo)
+
+
+def _sink_errors(cfg: Config) -> list[str]:
+    """run.sinks: known names, jsonl kept, and each sink's optional package installed; found with
+    find_spec, which locates a package without importing it (wandb alone takes most of a second)."""
+    r = cfg.run
+    errors = []
+    for name in dict.fromkeys(r.sinks):
+        package = SINK_PACKAGES.get(name, "")
+        if package == "":
+            errors.append(f"run.sinks: unknown sink '{name}'; choose among {', '.join(map(repr, SINK_PACKAGES))}")
+        elif package and importlib.util.find_spec(package) is None:
+            errors.append(f"run.sinks includes '{name}' but the {package} package is not installed: "
+                          f"pip install 'fivefold[{name}]' (make install does), or remove it from run.sinks")
+    if len(set(r.sinks)) != len(r.sinks):
+        errors.append(f"run.sinks = {list(r.sinks)} names a sink twice; list each once")
+    if "jsonl" not in r.sinks:
+        errors.append(f"run.sinks = {list(r.sinks)} leaves out 'jsonl': resume and `fivefold report` read "
+                      f"{r.metrics_file}; add 'jsonl' (the other sinks come beside it)")
+    if "wandb" in r.sinks and (not r.wandb_project or len(r.wandb_project) > 128
+                               or any(c in r.wandb_project for c in "/\\#?%:")):
+        errors.append(f"run.wandb_project = {r.wandb_project!r}: W&B project names are 1 to 128 characters "
+                      f"without / \\ # ? % :")
+    return errors
 
 
 def validate(cfg: Config, world_size: int) -> list[str]:
@@ -187,6 +215,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if cfg.run.hardware and not Path(cfg.run.hardware).is_file():
         err(f"run.hardware = '{cfg.run.hardware}' does not exist; write one with `fivefold calibrate --out "
             f"{cfg.run.hardware}` or leave it empty")
+    errors += _sink_errors(cfg)
     if bad_sizes:  # the arithmetic below assumes positive sizes
         return errors
 

@@ -44,3 +44,14 @@ def assert_reproduces(result, reference, param_atol: float = 1e-4, exact: tuple[
     for name, ref in ref_state.items():
         tol = 0 if name.endswith(exact) and exact else param_atol
         torch.testing.assert_close(state[name], ref, rtol=0, atol=tol, msg=name)
+
+
+def parallelized(cfg: Config, world: int, vocab_size: int = 320):
+    """Worker: `cfg`'s layout over the job's `world` ranks, as the training loop builds it."""
+    from fivefold.mesh import Mesh
+    from fivefold.parallel.parallelize import parallelize
+    from fivefold.train.loop import build_model
+    from fivefold.validate import derive
+
+    derived = derive(cfg, world)
+    return parallelize(build_model(cfg, vocab_size), Mesh.from_config(cfg, derived), cfg, derived)

@@ -4,22 +4,27 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import tiny_config
 
+from fivefold.config import replace
 from fivefold.mesh import Mesh
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.tensor import apply_tensor_parallel
 from fivefold.planner.activations import block_activation_bytes
 from fivefold.testing import run_workers
 from fivefold.train.loop import build_model
-from helpers import tiny_config
+from fivefold.validate import derive
 
 B, T = 2, 64
 
 
 def _saved_per_block(rank, world, cfg, sp, recompute):
+    cfg = replace(cfg, parallel={"tp": world, "sp": sp, "dp": 1}, train={"recompute": recompute})
+    derived = derive(cfg, world)
+    mesh = Mesh.from_config(cfg, derived)
     model = build_model(cfg, 320)
-    apply_tensor_parallel(model, Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": world}), sp)
-    apply_recompute(model, recompute)
+    apply_tensor_parallel(model, mesh, cfg, derived)
+    apply_recompute(model, mesh, cfg, derived)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     per_block: list[dict[int, int]] = []
     recording = [False]

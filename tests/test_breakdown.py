@@ -13,16 +13,17 @@ import time
 
 import pytest
 import torch.distributed as dist
+from helpers import tiny_config
 
 from fivefold.cli import main
 from fivefold.testing import run_workers
+from fivefold.train.metrics import read_metrics
 from fivefold.viz.trace import check_trace
-from helpers import tiny_config
 
 # seq 64: a step of ~100 ms or more here, so a millisecond of scheduling noise is not 5 % (tp2's
 # synchronous all-reduces make its step that long at seq 32 already).
 BASE = ("--train.steps=6", "--train.seq_len=64", "--data.max_bytes=8000", "--data.val_fraction=0",
-        "--train.log_every=100", "--checkpoint.keep=1")
+        "--train.log_every=1", "--checkpoint.keep=1")  # every step a logging step: each has its breakdown
 LAYOUTS = {"dp2": ("--parallel.dp=2",), "tp2": ("--parallel.tp=2", "--parallel.dp=1", "--train.seq_len=32"),
            "pp2": ("--parallel.pp=2", "--parallel.dp=1")}
 # The perturbed run: a 2-block model (little real compute, so the injected times dominate the
@@ -45,23 +46,23 @@ def _train(rank: int, world: int, cfg, perturb=None) -> None:
 
 def _perturb() -> None:
     """In this worker, patch the code the step runs, each perturbation on its own steps."""
-    import fivefold.train.loop as loop
     from fivefold.model import Block
-    from fivefold.parallel.timing import TIMER
+    from fivefold.parallel.timing import StepTimer
+    from fivefold.train.moe_balance import MoEBalancing
 
     step = [0]
-    begin, forward, balance, all_reduce = TIMER.begin_step, Block.forward, loop.set_balance_loss_scale, dist.all_reduce
+    begin, forward, balance, all_reduce = StepTimer.begin_step, Block.forward, MoEBalancing.before, dist.all_reduce
 
-    def counting_begin(*args, **kwargs):
+    def counting_begin(self, *args, **kwargs):
         step[0] += 1
-        return begin(*args, **kwargs)
+        return begin(self, *args, **kwargs)
 
     def sleepy_forward(self, *args):
         if step[0] in GROUPS["slow compute"]:
             time.sleep(FORWARD_SLEEP)
         return forward(self, *args)
 
-    def sleepy_balance(*args):  # called by the loop between data loading and the pipeline: no span
+    def sleepy_balance(*args):  # called by the step between data loading and the pipeline: no span
         if step[0] in GROUPS["slow compute"]:
             time.sleep(UNSPANNED)
         return balance(*args)
@@ -83,7 +84,7 @@ def _perturb() -> None:
         work = all_reduce(*args, async_op=async_op, **kwargs)
         return LateWork(work) if async_op else work
 
-    TIMER.begin_step, Block.forward, loop.set_balance_loss_scale = counting_begin, sleepy_forward, sleepy_balance
+    StepTimer.begin_step, Block.forward, MoEBalancing.before = counting_begin, sleepy_forward, sleepy_balance
     dist.all_reduce = late_all_reduce
 
 
@@ -95,7 +96,7 @@ def _run(tmp_path_factory, name: str, *args: str, perturb=None) -> list[dict]:
     if name not in _RUNS:
         out = tmp_path_factory.mktemp(name)
         run_workers(_train, 2, tiny_config(out, *BASE, *args), perturb)
-        _RUNS[name] = (out / "tiny", [json.loads(line) for line in (out / "tiny" / "metrics.jsonl").open()])
+        _RUNS[name] = (out / "tiny", read_metrics(out / "tiny" / "metrics.jsonl"))
     return _RUNS[name][1]
 
 
@@ -190,19 +191,34 @@ def test_the_printed_table_sets_the_prediction_beside_the_measurement():
     import torch
     from rich.console import Console
 
-    from fivefold.train.breakdown import COLUMNS, BreakdownWindow
+    from fivefold.train.breakdown import COLUMNS, breakdown_table
 
-    window = BreakdownWindow()
-    for step in (1, 2):  # 2 ranks, every part 1 ms except rank 1's compute (3 ms); step = their sum
-        matrix = torch.full((2, len(COLUMNS)), 1e-3, dtype=torch.float64)
-        matrix[1, COLUMNS.index("compute")] = 3e-3
-        matrix[:, -1] = matrix[:, :-1].sum(1)
-        window.add(step, matrix)
+    per_rank = torch.full((2, len(COLUMNS)), 1e-3, dtype=torch.float64)  # 2 ranks, every part 1 ms ...
+    per_rank[1, COLUMNS.index("compute")] = 3e-3  # ... except rank 1's compute (3 ms)
+    per_rank[:, -1] = per_rank[:, :-1].sum(1)  # the step: their sum
     split = {"compute": 0.02, "tp_cp_ep": 0.0, "bubble": 0.0, "dp_exposed": 0.004, "optimizer": 0.001, "step_sync": 0.0}
     console = Console(record=True, width=160)
-    console.print(window.table(2, {"time_split": split, "step_time_s": 0.03}))
-    rows = {line.split()[0]: line.split() for line in console.export_text().splitlines()[2:] if line.strip()}
+    console.print(breakdown_table(per_rank, 1, 2, {"time_split": split, "step_time_s": 0.03}))
+    lines = console.export_text().splitlines()
+    assert "steps 1-2" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[2:] if line.strip()}
     # compute + recompute: mean 3.0 (rank 0: 2, rank 1: 4), max 4.0, predicted 20
     assert rows["compute"][1:3] == ["3.00", "4.00"] and rows["compute"][4] == "20.00"
     assert rows["step"][4] == "30.00" and rows["data"][4] == "-"  # the planner has no data part
-    assert window.steps == 0  # the next table starts a new window
+
+
+def test_the_window_keeps_this_ranks_steps_until_a_logging_step_gathers_them():
+    import torch
+
+    from fivefold.parallel.comms import AxisGroup, CommStats
+    from fivefold.train.breakdown import COLUMNS, PARTS, BreakdownWindow
+
+    window, alone = BreakdownWindow(), AxisGroup("world", "log", None, 1, 0, CommStats())  # a group of one
+    for step, ms in ((3, 1.0), (4, 3.0)):
+        window.add(step, 10 * ms * 1e-3, {**dict.fromkeys(PARTS, 0.0), "compute": ms * 1e-3, "unattributed": 0.0})
+    last, mean, first = window.gather(alone, torch.device("cpu"))
+    assert first == 3 and last.shape == mean.shape == (1, len(COLUMNS))
+    assert float(last[0, COLUMNS.index("compute")]) == 3e-3 and float(mean[0, COLUMNS.index("compute")]) == 2e-3
+    assert float(mean[0, -1]) == 20e-3  # the window's mean wall time
+    window.add(5, 1e-3, {**dict.fromkeys(PARTS, 0.0), "unattributed": 1e-3})
+    assert window.gather(alone, torch.device("cpu"))[2] == 5  # the next window starts after the gather

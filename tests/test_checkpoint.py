@@ -4,13 +4,13 @@ import json
 import shutil
 
 import pytest
+from helpers import tiny_config
 
 from fivefold.testing import run_workers
 from fivefold.train.checkpoint import complete_checkpoints, latest_checkpoint
 from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
 from fivefold.train.run_dir import check_run_dir
-from helpers import tiny_config
 
 # 6 steps over an epoch boundary (35 samples, batches of 8), checkpoints at steps 3 and 6.
 ARGS = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=6", "--checkpoint.every=3")
@@ -63,23 +63,21 @@ def test_keep_prunes_old_checkpoints(tmp_path):
 
 def _save_async_then_change_the_weights(rank, world, cfg, root):
     import torch
+    from helpers import parallelized
     from torch.distributed.tensor import DTensor
 
-    from fivefold.mesh import Mesh
-    from fivefold.parallel.parallelize import parallelize
     from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
-    from fivefold.train.loop import build_model
 
-    dp = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, world), cfg).dp
-    local = lambda: [v.to_local() if isinstance(v, DTensor) else v for v in dp.model_state_dict().values()]  # noqa: E731
+    par = parallelized(cfg, world)
+    local = lambda: [v.to_local() if isinstance(v, DTensor) else v for v in par.model_state_dict().values()]  # noqa: E731
     before = [v.clone() for v in local()]
     writer = CheckpointWriter(root, keep=2, async_save=True)
-    writer.save(1, dp, {"loader": {}})
+    writer.save(1, par, {"loader": {}})
     with torch.no_grad():  # training goes on while the checkpoint is written (ZeRO-3: in its shards)
         for v in local():
             v.add_(1.0)
     writer.wait()
-    load_checkpoint(latest_checkpoint(root), dp)
+    load_checkpoint(latest_checkpoint(root), par)
     return all(torch.equal(a, b) for a, b in zip(before, local()))
 
 

@@ -6,10 +6,10 @@ import sys
 import time
 
 import torch.distributed as dist
+from helpers import ROOT
 
 from fivefold.cli import main
 from fivefold.train.metrics import read_metrics
-from helpers import ROOT
 
 FAST = ["--data.max_bytes=20000", "--train.steps=3", "--no-progress"]
 

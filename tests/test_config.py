@@ -3,10 +3,10 @@
 import dataclasses
 
 import pytest
+from helpers import ROOT, tiny_config
 
 from fivefold.config import Config, ConfigError, load_config, parse_overrides, replace, to_toml
 from fivefold.validate import NOT_AVAILABLE, derive, validate
-from helpers import ROOT, tiny_config
 
 
 def errors_of(world: int, *overrides: str) -> list[str]:

@@ -18,14 +18,22 @@ import functools
 import pytest
 import torch
 
-from fivefold.config import ModelConfig
+from fivefold.config import Config, ModelConfig, replace
 from fivefold.mesh import Mesh
 from fivefold.model import Transformer, causal_attention, cross_entropy_sum
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup, CommStats
-from fivefold.parallel.context import (ContextParallel, apply_context_parallel, attention_work, positions,
-                                       ring_attention, shard_sequence, ulysses_attention)
+from fivefold.parallel.context import (
+    ContextParallel,
+    apply_context_parallel,
+    attention_work,
+    positions,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+)
 from fivefold.testing import run_workers
+from fivefold.validate import derive
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, reordered sums (module docstring)
 B, T, D = 2, 32, 8
@@ -192,7 +200,8 @@ def _model_worker(rank, world, method):
 
     model = Transformer(cfg)
     model.load_state_dict(ref.state_dict())
-    cp = apply_context_parallel(model, mesh.group("cp"), method)
+    run_cfg = replace(Config(), parallel={"cp": world, "cp_method": method})
+    cp = apply_context_parallel(model, mesh, run_cfg, derive(run_cfg, world))
     logits = model(cp.shard(inputs), positions=cp.positions(T))  # (B, T/cp, V)
     (cross_entropy_sum(logits, cp.shard(targets)) / targets.numel()).backward()  # global token count
     pairs = [("logits", logits.detach(), cp.shard(logits_ref.detach()))]

@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 
 from fivefold.config import DataConfig
-from fivefold.train.data import (IGNORE, BPETokenizer, ByteTokenizer, GlobalBatches, PackedDataset, rank_slice,
-                                 read_documents, split_documents, stdlib_sources)
+from fivefold.train.data import (
+    IGNORE,
+    BPETokenizer,
+    ByteTokenizer,
+    GlobalBatches,
+    PackedDataset,
+    rank_slice,
+    read_documents,
+    split_documents,
+    stdlib_sources,
+)
 
 
 def docs_of(*texts: str) -> list[tuple[str, bytes]]:

@@ -8,11 +8,11 @@ only padding, which is exactly where a per-rank mean loss would go wrong.
 
 import pytest
 import torch
+from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
 from fivefold.testing import run_workers
 from fivefold.train.data import GlobalBatches
 from fivefold.train.loop import build_datasets
-from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
 
 def test_the_data_ends_on_an_uneven_batch(tmp_path):
@@ -49,7 +49,7 @@ def test_dp_reproduces_single_process(tmp_path, reference, layout):
     # Tolerances, each ~10x (params ~2x) above what these cases measured (torch 2.13, CPU). The
     # only legitimate difference is fp32 summation order (micro-batches, gloo's sum), ~1e-7
     # relative per step; AdamW then amplifies it: m / sqrt(v) turns a 7th-digit change of a
-    # near-zero gradient into a visible change of the update (TORCH-CPU-NOTES.md, "Determinism").
+    # near-zero gradient into a visible change of the update (docs/torch-cpu-notes.md, "Determinism").
     # A single process with 4 micro-batches differs from 1 micro-batch by as much as dp4 does.
     # Measured: loss <= 1.0e-6 relative, grad norm <= 9.1e-5 relative (at the step-3 spike),
     # parameters <= 4.6e-5 absolute with lr = 1e-2. A per-rank, per-micro-batch mean loss instead

@@ -131,8 +131,8 @@ def test_batch_refused_when_the_three_do_not_multiply_out():
 
 
 def test_seed_004_is_refused():
-    # /work/shared/seeds/004_116861fe215d8cbb.txt prints this config for "3D 并行（TP=2，PP=4，DP=8）",
-    # i.e. 2 x 4 x 8 = 64 GPUs: dp = 64 / (2 x 4) = 8 and 4 x 8 x 8 = 256, not 1024.
+    # tests/data/ds_seed_004.json: a DeepSpeed config a tutorial gives for 3D parallelism (TP=2, PP=4,
+    # DP=8), i.e. 2 x 4 x 8 = 64 GPUs: dp = 64 / (2 x 4) = 8 and 4 x 8 x 8 = 256, not 1024.
     m = load_deepspeed(DATA / "ds_seed_004.json", 64)
     one_error(m, "train_batch_size = 1024", "4 x 8 x 8 = 256", "tp 2 x pp 4", "gradient_accumulation_steps = 32")
     assert not any("global_batch" in o or "micro_batch" in o for o in m.overrides)
@@ -142,8 +142,8 @@ def test_seed_004_is_refused():
 
 
 def test_seed_002_multiplies_out_on_its_64_gpus():
-    # /work/shared/seeds/002_f1b409f42d2c5397.txt, section 7.2 (quotes restored: the page lost them),
-    # runs on "H100×64" with `deepspeed --num_gpus 64`. With its tp_size 8 x pp_size 8, dp = 1, and
+    # tests/data/ds_seed_002.json, from a practitioner's blog post (quotes restored: the page lost them),
+    # runs on 64 H100s with `deepspeed --num_gpus 64`. With its tp_size 8 x pp_size 8, dp = 1, and
     # the two given keys derive micro = 128 // 1 // 16 = 8: this JSON alone is consistent.
     m = load_deepspeed(DATA / "ds_seed_002.json", 64)
     assert m.errors == []

@@ -7,16 +7,23 @@ import math
 import pytest
 import torch
 
-from fivefold.mesh import Mesh
+from fivefold.config import Config
+from fivefold.mesh import Mesh, expert_partitions
+from fivefold.model import (
+    MoE,
+    Transformer,
+    cross_entropy_sum,
+    drop_over_capacity,
+    local_dispatch,
+    sequence_balance_loss,
+)
 from fivefold.parallel.comms import AxisGroup, CommStats
-from fivefold.model import (MoE, Transformer, cross_entropy_sum, drop_over_capacity, local_dispatch,
-                            sequence_balance_loss)
-from fivefold.parallel.expert import (ExpertParallelDispatch, apply_expert_parallel, expert_groups, expert_partitions,
-                                      expert_stats, gather_expert_shards, reset_expert_counts, set_balance_loss_scale,
-                                      shard_experts, update_expert_bias)
-from fivefold.parallel.recompute import apply_recompute
+from fivefold.parallel.expert import ExpertParallelDispatch, apply_expert_parallel, shard_experts
+from fivefold.parallel.state_dict import gather_expert_shards
 from fivefold.presets import PRESETS
 from fivefold.testing import run_workers
+from fivefold.train.moe_balance import expert_stats, reset_expert_counts, set_balance_loss_scale, update_expert_bias
+from fivefold.validate import derive
 
 DIM, HIDDEN = 16, 32
 
@@ -34,8 +41,14 @@ def make_moe(seed=0, **changes) -> MoE:
     return moe
 
 
-def _mesh(**degrees):
-    return Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, **degrees})
+def _mesh(ep=1, **degrees):
+    return Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, **degrees}, ep=ep)
+
+
+def _apply_ep(moe, mesh):
+    """apply_expert_parallel on one MoE block: everything it needs is the mesh's ep and cp groups."""
+    cfg = Config()
+    return apply_expert_parallel(moe, mesh, cfg, derive(cfg, mesh.world_size))
 
 
 # ---- groups ---------------------------------------------------------------------------------------
@@ -55,16 +68,17 @@ def test_partitions_carve_ep_groups_out_of_each_grad_view():
 def _groups(rank, world):
     out = []
     for degrees, ep in (({"dp_shard": 2, "cp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2), ({"dp_shard": 4}, 1), ({"dp_shard": 4}, 4)):
-        mesh = _mesh(**degrees)
-        g = expert_groups(mesh, ep)
+        mesh = _mesh(ep, **degrees)
+        ep_group, replicas = mesh.group("ep"), mesh.group("expert_dp")
         members = []
-        for group in (g.ep, g.replicas):  # who is really in each group: gather the global ranks
+        for group in (ep_group, replicas):  # who is really in each group: gather the global ranks
             t = torch.zeros(world, dtype=torch.long)
             t[rank] = 1
             if group.size > 1:
                 torch.distributed.all_reduce(t, group=group.pg)
             members.append(t.nonzero().flatten().tolist())
-        out.append((mesh.rank("grad"), g.ep.rank, g.ep.label, g.replicas.label, members, g.ep.pg is mesh.group("grad").pg))
+        out.append((mesh.rank("grad"), ep_group.rank, ep_group.label, replicas.label, members,
+                    ep_group.pg is mesh.group("grad").pg))
     return out
 
 
@@ -99,8 +113,8 @@ def _moe_equivalence(rank, world, with_empty_expert):
     out_ref = out_ref.detach().view(world, B, T, DIM)
     idx_all = moe_ref.route(x_all.view(-1, DIM))[1].view(world, B * T, 2)  # every rank's routing
 
-    mesh = _mesh(dp_shard=world)
-    groups = apply_expert_parallel(moe, mesh, world)
+    mesh = _mesh(ep=world, dp_shard=world)
+    ep = _apply_ep(moe, mesh).group
     set_balance_loss_scale(moe, sequences=world * B)  # the reference's mean is over every rank's sequences
     assert moe.experts.gate.shape[0] == 8 // world and isinstance(moe.dispatch, ExpertParallelDispatch)
     x = x_all[rank].clone().requires_grad_()
@@ -116,9 +130,9 @@ def _moe_equivalence(rank, world, with_empty_expert):
     received = int(sum((owner[s] == rank).sum() for s in range(world) if s != rank))
     counts_bytes = (world - 1) * (8 // world) * 8  # the int64 counts exchange, forward only
     router = moe.router.weight.grad.clone()
-    torch.distributed.all_reduce(router, group=groups.ep.pg)  # each rank's share of the router gradient
-    grads = gather_expert_shards({n: p.grad for n, p in moe.named_parameters()}, moe, groups.ep)
-    stats, stats_ref = expert_stats(moe, groups.ep), expert_stats(moe_ref)
+    torch.distributed.all_reduce(router, group=ep.pg)  # each rank's share of the router gradient
+    grads = gather_expert_shards({n: p.grad for n, p in moe.named_parameters()}, moe, ep)
+    stats, stats_ref = expert_stats(moe, ep), expert_stats(moe_ref)
     rows_bytes = (sent + received) * DIM * 4  # fp32 rows, each way once in forward and once in backward
     return dict(
         out=(out, out_ref[rank]), x_grad=(x.grad, x_ref.grad.view(world, B, T, DIM)[rank]),
@@ -156,14 +170,15 @@ def _context_parallel(rank, world):
     x_all, g_all = torch.randn(B, T, DIM), torch.randn(B, T, DIM)
     x_ref = x_all.clone().requires_grad_()
     (moe_ref(x_ref) * g_all).sum().backward()
-    groups = apply_expert_parallel(moe, _mesh(cp=2), 2)
+    mesh = _mesh(ep=2, cp=2)
+    _apply_ep(moe, mesh)
     set_balance_loss_scale(moe, sequences=B)  # cp ranks share their sequences: B in all
     mine = slice(rank * T // 2, (rank + 1) * T // 2)
     x = x_all[:, mine].clone().requires_grad_()
     (moe(x) * g_all[:, mine]).sum().backward()
     router = moe.router.weight.grad.clone()
-    torch.distributed.all_reduce(router, group=groups.cp.pg)
-    balance = expert_stats(moe, groups.cp).balance_loss[""]
+    torch.distributed.all_reduce(router, group=mesh.group("cp").pg)
+    balance = expert_stats(moe, mesh.group("cp")).balance_loss[""]
     return [(router, moe_ref.router.weight.grad), (x.grad, x_ref.grad[:, mine]),
             (torch.tensor(balance), torch.tensor(expert_stats(moe_ref).balance_loss[""] / B))]
 
@@ -207,8 +222,8 @@ def _crafted(rank, world, routes):
     x_ref, w_ref = x_all.clone().requires_grad_(), w_all.clone().requires_grad_()
     ref = torch.cat([local_dispatch(x_ref[s], w_ref[s], idx_all[s], full) for s in range(2)])  # (6, DIM)
     (ref * g_all.view(6, DIM)).sum().backward()
-    mesh = _mesh(dp_shard=2)
-    ep = expert_groups(mesh, 2).ep
+    mesh = _mesh(ep=2, dp_shard=2)
+    ep = mesh.group("ep")
     mine = copy.deepcopy(full)
     shard_experts(mine, ep)
     x, w = x_all[rank].clone().requires_grad_(), w_all[rank].clone().requires_grad_()
@@ -325,7 +340,10 @@ def test_balance_loss_gradient_reaches_the_router_with_the_step_scale():
 
 
 # ---- counting: once per trained token ----------------------------------------------------------------------
-def test_recompute_and_split_backward_count_each_token_once():
+def _count_each_token_once(rank, world):
+    from fivefold.config import replace
+    from fivefold.parallel.recompute import apply_recompute
+
     cfg = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=64, n_layers=2, moe_aux_loss=0.01)
     x = torch.randint(0, 64, (2, 16))
     per_block = 2 * 16 * cfg.top_k
@@ -333,7 +351,8 @@ def test_recompute_and_split_backward_count_each_token_once():
     for mode in ("none", "full"):
         m = Transformer(cfg)
         m.init_weights(torch.Generator().manual_seed(0))
-        apply_recompute(m, mode)
+        run_cfg = replace(Config(), train={"recompute": mode})
+        apply_recompute(m, _mesh(), run_cfg, derive(run_cfg, 1))
         cross_entropy_sum(m(x), x).backward()
         stats = expert_stats(m)
         assert all(sum(v) == per_block for v in stats.load.values()), (mode, stats.load)
@@ -351,6 +370,10 @@ def test_recompute_and_split_backward_count_each_token_once():
     torch.autograd.backward(out, inputs=[p for p in m.parameters()])
     assert all(sum(v) == per_block for v in expert_stats(m).load.values())
     assert math.isfinite(float(m.layers["0"].ffn.step_balance_loss))
+
+
+def test_recompute_and_split_backward_count_each_token_once():
+    run_workers(_count_each_token_once, 1)
 
 
 # ---- whole training runs: the loop, expert gradients, norms, the bias update, checkpoints ----
@@ -402,6 +425,7 @@ def test_checkpoint_resumes_from_expert_parallel_without_it(tmp_path):
     import shutil
 
     from helpers import EQUIVALENCE, tiny_config
+
     from fivefold.train.checkpoint import complete_checkpoints
 
     args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2")
@@ -413,18 +437,18 @@ def test_checkpoint_resumes_from_expert_parallel_without_it(tmp_path):
 
 
 def _save_and_load_routing_bias(rank, world, cfg, root):
-    from fivefold.parallel.parallelize import parallelize
+    from helpers import parallelized
+
     from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
-    from fivefold.train.loop import build_model
 
     def fresh():
-        return parallelize(build_model(cfg, 320), Mesh.from_config(cfg, world), cfg).dp
+        return parallelized(cfg, world)
 
-    dp = fresh()
-    biases = [m.expert_bias for m in dp.model.modules() if isinstance(m, MoE)]
+    par = fresh()
+    biases = [m.expert_bias for m in par.model.modules() if isinstance(m, MoE)]
     for i, b in enumerate(biases):
         b.copy_(torch.arange(len(b)) * 0.1 + i)  # what bias balancing would have moved it to
-    CheckpointWriter(root, keep=1).save(1, dp, {"loader": {}})
+    CheckpointWriter(root, keep=1).save(1, par, {"loader": {}})
     again = fresh()
     load_checkpoint(latest_checkpoint(root), again)
     return [m.expert_bias.tolist() for m in again.model.modules() if isinstance(m, MoE)] == [b.tolist() for b in biases]
@@ -439,12 +463,11 @@ def test_zero3_saves_and_restores_the_routing_bias(tmp_path):
 
 
 def _load_at_step_50(rank, world, cfg):
-    import json
-
     from fivefold.train.loop import train
+    from fivefold.train.metrics import read_metrics
 
     result = train(cfg, progress=False)
-    last = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    last = read_metrics(result.run_dir / "metrics.jsonl")[-1]
     ratios = last["expert_max_over_mean"]
     return sum(ratios.values()) / len(ratios)
 

@@ -7,19 +7,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import parallelized, tiny_config
 
 from fivefold.config import replace
 from fivefold.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.hf import HFFormatError, HFSource, model_config_from_hf
-from fivefold.mesh import Mesh
 from fivefold.model import Transformer
-from fivefold.parallel.parallelize import parallelize
 from fivefold.testing import run_workers
-from fivefold.train.loop import build_model
 from fivefold.train.safetensors_io import SafetensorsDir
 from fivefold.train.weights import check_init_from, load_weights
 from fivefold.validate import validate
-from helpers import tiny_config
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=320, initializer_range=0.2)  # std 0.2, not 0.02: logits of order 1, so errors show
@@ -55,14 +52,14 @@ def models(tmp_path_factory):
 def _logits(rank, world, cfg, sources, x, save_to=None):
     """Load each weights directory in turn into this rank's part of the layout and run x; the
     last rank returns the whole logits of each. `save_to`: also write a run checkpoint of it."""
-    mesh = Mesh.from_config(cfg, world)
-    par = parallelize(build_model(cfg, cfg.model.vocab_size), mesh, cfg)
+    par = parallelized(cfg, world, cfg.model.vocab_size)
+    mesh = par.mesh
     stride = world // mesh.size("pp")  # pp is the outermost mesh axis: stages are this many ranks apart
     out = []
     for weights in sources:
-        load_weights(weights, par.dp)
+        load_weights(weights, par)
         if save_to is not None:  # what a run checkpoint holds: DTensor shards written by every rank
-            dcp.save({"model": par.dp.model_state_dict()}, checkpoint_id=str(save_to))
+            dcp.save({"model": par.model_state_dict()}, checkpoint_id=str(save_to))
         with torch.no_grad():
             h = x
             if mesh.rank("pp") > 0:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import ROOT, tiny_config
 
 from fivefold.cli import main
 from fivefold.testing import run_workers
 from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
-from helpers import ROOT, tiny_config
 
 # 8 steps over an epoch boundary (35 samples, batches of 8: the 5th batch holds 3).
 RUN = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=8")
@@ -93,10 +93,10 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, refere
     job, log = start(tmp_path, "--nproc", "2", "--max-restarts", "1", "--checkpoint.every=2")
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     try:
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        while not (metrics.is_file() and len(read_metrics(metrics)) >= 3):
             assert job.poll() is None, log.read_text()[-3000:]
             time.sleep(0.01)
-        done = len(metrics.read_text().splitlines())
+        done = len(read_metrics(metrics))  # steps logged (event lines are not steps)
         # A local run's rendezvous and workers' store listen on loopback only.
         listens = listening_addresses(job.pid)
         workers = worker_pids(job.pid)

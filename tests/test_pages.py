@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from fivefold.cli import main
 from fivefold.parallel.comms import wire_bytes
@@ -29,7 +30,6 @@ from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_
 from fivefold.presets import PRESETS
 from fivefold.viz.explain import buckets, ring
 from fivefold.viz.schedule import per_chunk_costs
-from helpers import ROOT
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # Headless, and nothing that reaches for the network (this machine has none: each would stall).

@@ -6,11 +6,10 @@ micro-batches are pure padding, which the pipeline must carry without changing t
 
 import pytest
 import torch
+from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
 from fivefold.testing import run_workers
 from fivefold.train.loop import train
-from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
-
 
 LAYOUTS = {  # name: (ranks, overrides)
     "gpipe-pp2": (2, ("--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--train.micro_batch=2")),

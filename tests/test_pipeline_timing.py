@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.mesh import Mesh
-from fivefold.parallel.pipeline import PipelineExecutor
+from fivefold.parallel.pipeline import PipelineExecutor, PipelineStages
 from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.simulate import Costs, simulate
 from fivefold.testing import run_workers
@@ -68,11 +68,12 @@ def _measure(rank, world, name, m, v, stats_only=False):
     mesh = Mesh({"pp": world, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1})
     last = schedule.num_stages - 1
     chunks = {s: _SleepChunk(s == 0, s == last) for s in range(last + 1) if schedule.stage_to_rank(s) == rank}
-    executor = PipelineExecutor(schedule, chunks, mesh.group("pp"), _PlainBackward(), torch.device("cpu"))
+    stages = PipelineStages(schedule, chunks, mesh.group("pp"))
+    executor = PipelineExecutor(stages, _PlainBackward(), torch.device("cpu"), dim=8)
     executor._params = lambda c: [c.w, c.e]
     micro = [(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)) for _ in range(m)]
     dist.barrier()
-    stats = executor.run(micro, global_tokens=8 * m, dim=8, clock=time.time)
+    stats = executor.run(micro, global_tokens=8 * m, clock=time.time)
     return stats if stats_only else stats.timeline
 
 

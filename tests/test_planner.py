@@ -1,5 +1,6 @@
-"""The planner against the source texts' numbers (000_*, 003_*), the model's own parameter count,
-validate(), and its JSON / CLI contract. Pure Python: no process group, no tensor allocated."""
+"""The planner against numbers worked by hand (ZeRO's model-state accounting, ring all-reduce bytes,
+the 1F1B bubble), the model's own parameter count, validate(), and its JSON / CLI contract. Pure
+Python: no process group, no tensor allocated."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_
 from fivefold.presets import PRESETS
 from fivefold.validate import validate
 
-ANCHOR = 27_781_427_952  # the course page's 27.8B model (003_*): "27,781,427,952 个参数"
-LECTURE = BytesPerParam(2, 2, 8)  # the lecture's 12 bytes per parameter (000_*)
+ANCHOR = 27_781_427_952  # a 27.8B-parameter model, the worked example of the tests below
+TWELVE = BytesPerParam(2, 2, 8)  # 12 bytes per parameter: bf16 weight and gradient, two fp32 Adam moments
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -31,27 +32,28 @@ def test_parameter_count_matches_the_meta_device_model(name):
     assert model_counts(m, vocab).total == count_on_meta(m, vocab)
 
 
-def test_does_it_fit_table_of_the_lecture():
-    # 000_*: 8 x A100-80G, 12 bytes per parameter: 6.67B -> 16B -> 24.6B -> 53.3B
+def test_does_it_fit_table_at_twelve_bytes_per_parameter():
+    # 8 x A100-80G: 80 GB / 12 = 6.67B (DDP), / (2 + 2 + 8/8) = 16B, / (2 + 10/8) = 24.6B, / (12/8) = 53.3B
     mem = get_hardware("a100-80gb").memory_bytes
-    got = [round(largest_fitting_model(mem, LECTURE, zero, 8) / 1e9, 2) for zero in range(4)]
+    got = [round(largest_fitting_model(mem, TWELVE, zero, 8) / 1e9, 2) for zero in range(4)]
     assert got == [6.67, 16.0, 24.62, 53.33]
 
 
 def test_anchor_model_state_and_zero_stages():
     b = BytesPerParam()  # 2,2,12 = 16 bytes
     totals = [model_state_bytes(ANCHOR, b, zero, 8)["total"] / GB for zero in range(4)]
-    assert [round(x, 1) for x in totals] == [444.5, 152.8, 104.2, 55.6]  # 003_*
+    # 16, 2 + 2 + 12/8, 2 + 14/8 and 16/8 bytes per parameter (Rajbhandari et al. 2020, Figure 1)
+    assert [round(x, 1) for x in totals] == [444.5, 152.8, 104.2, 55.6]
 
 
 def test_ring_all_reduce_traffic_and_zero3_ratio():
     grads = ANCHOR * 2  # bf16 gradients
-    assert round(dp_traffic(0, 8, grads, grads, 1).bytes / GB, 1) == 97.2  # 003_*: N = 8
+    assert round(dp_traffic(0, 8, grads, grads, 1).bytes / GB, 1) == 97.2  # 2(N-1)/N x 55.6 GB at N = 8
     assert round(dp_traffic(0, 64, grads, grads, 1).bytes / GB, 1) == 109.4  # N = 64
     assert dp_traffic(0, 8, grads, grads, 1).bytes == wire_bytes("all_reduce", grads, 8)
     ddp, z1 = dp_traffic(0, 8, grads, grads, 1).bytes, dp_traffic(1, 8, grads, grads, 1).bytes
     z3 = dp_traffic(3, 8, grads, grads, 1).bytes
-    assert z1 == pytest.approx(ddp) and z3 == pytest.approx(1.5 * ddp)  # 000_*: 3x vs 2x params
+    assert z1 == pytest.approx(ddp) and z3 == pytest.approx(1.5 * ddp)  # ZeRO sec. 7: 3 x vs 2 x the parameters
 
 
 def _ideal(hw_name="h100"):
@@ -65,7 +67,8 @@ def test_1f1b_bubble_from_the_simulator():
                              "--train.global_batch=32", "--train.micro_batch=1", "--train.seq_len=4096"])
     assert validate(cfg, 8) == []
     est = estimate(cfg, 8, _ideal())
-    assert round(est.bubble_ratio, 3) == 0.219 and round(est.bubble_fraction, 3) == 0.179  # 003_*
+    # (p-1)/m = 7/32 and (p-1)/(m+p-1) = 7/39 (Narayanan et al. 2021)
+    assert round(est.bubble_ratio, 3) == 0.219 and round(est.bubble_fraction, 3) == 0.179
 
 
 def test_estimate_json_has_exactly_the_issue_keys(capsys):
@@ -73,7 +76,8 @@ def test_estimate_json_has_exactly_the_issue_keys(capsys):
                "--layout", "dp=4,tp=2,sp=true,zero=1,recompute=selective,micro_batch=1", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"memory_gb", "comm_bytes_per_step", "bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu", "fits"}
+    assert set(out) == {"memory_gb", "comm_bytes_per_step", "bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu",
+                        "fits"}
     assert set(out["memory_gb"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert set(out["comm_bytes_per_step"]) == {"dp", "tp", "pp", "cp", "ep"}
     assert set(out["bubble"]) == {"ratio", "fraction"}
@@ -106,7 +110,7 @@ def test_axes_inside_or_across_nodes():
                              "--train.seq_len=4096", "--train.global_batch=64", "--train.micro_batch=1"])
     est = estimate(cfg, 64, get_hardware("h100"))
     assert not est.comm["tp"].inter_node and est.comm["dp"].inter_node and est.comm["pp"].inter_node
-    # tp traffic: 4 all-reduces per block and micro-batch of (b, s, d) bf16 (000_*: 8 b s h (t-1)/t per layer);
+    # tp traffic: 4 all-reduces per block and micro-batch of (b, s, d) bf16, each 2(t-1)/t on the wire: 8 b s h (t-1)/t;
     # the busiest rank holds the head (one more) and the vocabulary-parallel loss (3 of (b, s) fp32)
     per_block = 4 * wire_bytes("all_reduce", 1 * 4096 * 8192 * 2, 8)
     micro, blocks = 64 // 2, 80 // 4
@@ -114,8 +118,9 @@ def test_axes_inside_or_across_nodes():
     assert est.comm["tp"].bytes == pytest.approx(micro * (blocks * per_block + ends))
 
 
-# The real recipes of 000_* ("真实配方"). Sequence lengths and batch sizes are those the papers
-# report where the lecture gives none; GPUs the closest catalog entry (H100 for H800 and TPU).
+# Layouts at the scale these models were trained at (the Llama 3 and DeepSeek-V3 reports publish
+# theirs: TP 8 / PP 16 / DP 128, and ZeRO-1 / EP 64 / PP 16); sequence lengths and batch sizes as
+# the reports give them where they do; GPUs the closest catalog entry (H100 for H800 and TPU).
 RECIPES = {
     "Llama 3 405B (DP=128, TP=8, PP=16)": ("llama3-405b", 16384,
         ["--parallel.dp=128", "--parallel.tp=8", "--parallel.pp=16", "--parallel.sp=true", "--train.seq_len=8192",

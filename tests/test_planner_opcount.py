@@ -1,34 +1,46 @@
-"""The planner's op-priced step time (opcount.py, calibrated profiles): the op counts come from the
-model's own code and the arithmetic is what the profile says. No timing here: the self-check's
-measured-vs-predicted table is a report, not a test."""
+"""The planner's op-priced step time (calibration/opcount.py and pricer.py, calibrated profiles): the
+op counts come from the model's own code and the arithmetic is what the profile says. No timing
+here: the self-check's measured-vs-predicted table is a report, not a test."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from helpers import tiny_config
 
+from fivefold.planner.calibration.opcount import Part, block_tally, ends_tally, part_tally
+from fivefold.planner.calibration.pricer import MeasuredPricer, op_priced
+from fivefold.planner.calibration.profile import MeasuredProfile, tally_time
+from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.counts import model_counts
-from fivefold.planner.estimate import _op_priced, estimate
+from fivefold.planner.datasheet import DatasheetPricer
+from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
 from fivefold.planner.layout import rank_shares
-from fivefold.planner.opcount import Part, block_tally, ends_tally, part_tally, tally_time
+from fivefold.planner.pricing import Memo
 from fivefold.presets import PRESETS
-from helpers import tiny_config
+from fivefold.validate import derive
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 
 
 def _synthetic(**over):
-    """A CPU-like profile where only what the test sets costs anything."""
+    """A CPU-like profile where only what the test sets costs anything (`over`: MeasuredProfile fields)."""
     return dataclasses.replace(get_hardware("h100"), peak_flops=1e30, hbm_bw=1e30, intra_latency=0.0,
-                               inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, **over)
+                               inter_latency=0.0, intra_bw=1e30, inter_bw=1e30,
+                               pricer=MeasuredPricer(MeasuredProfile(**over)))
+
+
+def _measured(hw, **over):
+    """`hw` with some of its measured figures replaced."""
+    return dataclasses.replace(hw, pricer=MeasuredPricer(dataclasses.replace(hw.pricer.profile, **over)))
 
 
 def test_block_op_count_is_stable_positive_and_matches_the_matmul_flops():
     part = Part("block", TINY, 0, 0, 1, 2, 32)
-    fwd, bwd = part_tally.__wrapped__(part)  # traced twice, not served from the cache
-    again = part_tally.__wrapped__(part)
+    fwd, bwd = part_tally(part)  # traced twice (nothing is cached between calls)
+    again = part_tally(part)
     assert (fwd.ops, fwd.views, bwd.ops, bwd.views) == (again[0].ops, again[0].views, again[1].ops, again[1].views)
     assert fwd.ops > 0 and bwd.ops > fwd.ops  # backward runs more ops than forward
     tokens = 2 * 32
@@ -49,10 +61,10 @@ def test_tensor_parallel_block_halves_the_matmuls_not_the_op_count():
 def test_tally_time_is_the_profile_arithmetic():
     fwd, _ = block_tally(TINY, 0, 1, 2, 32)
     hw = _synthetic(op_overhead_s=1e-5, view_overhead_s=2e-6)
-    t = tally_time(fwd, hw)
+    t = tally_time(fwd, hw.pricer.profile, hw)
     assert t["total"] == pytest.approx(fwd.ops * 1e-5 + fwd.views * 2e-6)
     curve = ((1.0, 1e9), (1e12, 1e9))  # 1 GFLOP/s at every size
-    t = tally_time(fwd, dataclasses.replace(hw, op_overhead_s=0.0, view_overhead_s=0.0, matmul_curve=curve))
+    t = tally_time(fwd, MeasuredProfile(matmul_curve=curve), hw)
     assert t["matmul"] == pytest.approx(sum(fwd.matmul_flops) / 1e9)
 
 
@@ -82,7 +94,7 @@ def test_parts_timed_whole_replace_their_op_prices(tmp_path):
     vocab = est_vocab(cfg)
     hw = _synthetic(op_overhead_s=1e-5)
     block = Part("block", cfg.model, 0, 0, 1, 2, 32)
-    timed = dataclasses.replace(hw, layer_times=((block.key, 1e-3, 2e-3),))
+    timed = _measured(hw, layer_times=((block.key, 1e-3, 2e-3),))
     est = estimate(cfg, 1, timed, act_bytes=4, implementation=True)
     f, b = ends_tally(cfg.model, vocab, 1, 2, 32, True, True)
     ends = (2 * f.ops + b.ops) * 1e-5  # full recompute: their forward again
@@ -91,7 +103,7 @@ def test_parts_timed_whole_replace_their_op_prices(tmp_path):
     assert any("8 of 10 parts timed whole" in arithmetic for _, arithmetic, _ in est.explain)
     # a profile timing another shape (micro-batch 4) prices every op as before
     other = Part("block", cfg.model, 0, 0, 1, 4, 32)
-    assert estimate(cfg, 1, dataclasses.replace(hw, layer_times=((other.key, 1.0, 1.0),)), act_bytes=4,
+    assert estimate(cfg, 1, _measured(hw, layer_times=((other.key, 1.0, 1.0),)), act_bytes=4,
                     implementation=True).time_split == estimate(cfg, 1, hw, act_bytes=4, implementation=True).time_split
 
 
@@ -105,15 +117,21 @@ def test_part_keys_name_what_a_part_costs_depend_on():
 
 
 def est_vocab(cfg):
-    from fivefold.validate import derive
-
     return derive(cfg, 1).vocab_size
 
 
 def test_catalog_gpu_keeps_the_flops_estimate(tmp_path):
     cfg = tiny_config(tmp_path)
-    share = rank_shares(cfg, model_counts(cfg.model, 320))[0]
-    assert _op_priced(cfg, get_hardware("h100"), share, 320, 32, 1) is None
+    d = derive(cfg, 1)
+    counts = model_counts(cfg.model, d.vocab_size)
+    work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts))
+    h100 = get_hardware("h100")
+    assert isinstance(h100.pricer, DatasheetPricer)  # the catalog prices from its data sheets
+    assert op_priced(MeasuredProfile(), work, h100, Memo()) is None  # a profile with no per-op cost: FLOPs
+    est = estimate(cfg, 1, h100)
+    eff = h100.peak_flops * h100.compute_efficiency
+    assert est.time_split["compute"] == pytest.approx(4 * 3 * work.forward_flops / eff)  # 4 micro-batches, F + 2F
+    assert not any(what == "forward per chunk (ops)" for what, _, _ in est.explain)
 
 
 def test_profile_round_trip_with_measured_fields(tmp_path):
@@ -124,9 +142,13 @@ def test_profile_round_trip_with_measured_fields(tmp_path):
     back = load_profile(path)
     for f in ("threads", "op_overhead_s", "view_overhead_s", "matmul_curve", "elementwise_curve",
               "optimizer_s_per_tensor", "optimizer_s_per_element"):
-        assert getattr(back, f) == getattr(hw, f), f
+        assert getattr(back.pricer.profile, f) == getattr(hw.pricer.profile, f), f
     # a profile without them (written before they existed) still loads, with the GPU defaults
-    old = "\n".join(line for line in profile_toml(hw).splitlines()
-                    if not line.startswith(("threads", "op_", "view_", "matmul_curve", "elementwise_curve", "optimizer_s")))
+    old = "\n".join(line for line in profile_toml(hw).splitlines() if not line.startswith(
+        ("threads", "op_", "view_", "matmul_curve", "elementwise_curve", "optimizer_s")))
     path.write_text(old)
-    assert load_profile(path).op_overhead_s == 0.0 and load_profile(path).matmul_curve == ()
+    measured = load_profile(path).pricer.profile
+    assert measured.op_overhead_s == 0.0 and measured.matmul_curve == ()
+    # a profile without any measured key (a GPU's, by hand) is priced from its figures, like the catalog
+    path.write_text(profile_toml(get_hardware("h100")))
+    assert load_profile(path) == get_hardware("h100")

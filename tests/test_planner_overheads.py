@@ -1,6 +1,6 @@
-"""The planner's Python-side step costs (overheads.py), per-collective latencies (comm.py) and the
-profile arithmetic of `fivefold calibrate`: counts from the layout times profile figures, nothing
-timed here (the measured-vs-predicted table is benchmarks/planner_selfcheck.py's report)."""
+"""The planner's Python-side step costs (calibration/overheads.py), per-collective latencies (comm.py)
+and the profile arithmetic of `fivefold calibrate`: counts from the layout times profile figures,
+nothing timed here (the measured-vs-predicted table is benchmarks/planner_selfcheck.py's report)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,34 @@ import dataclasses
 import math
 
 import pytest
+from helpers import tiny_config
 
-from fivefold.planner.calibrate import _median_of
-from fivefold.planner.calibrate_comm import alpha_per_op
-from fivefold.planner.calibrate_sync import expected_max_normal
+from fivefold.parallel.comms import wire_bytes
+from fivefold.planner.calibration.collectives import alpha_per_op
+from fivefold.planner.calibration.measure import _median_of
+from fivefold.planner.calibration.noise import expected_max_normal
+from fivefold.planner.calibration.opcount import block_tally, ends_tally
+from fivefold.planner.calibration.overheads import host_costs
+from fivefold.planner.calibration.pricer import MeasuredPricer
+from fivefold.planner.calibration.profile import MeasuredProfile
 from fivefold.planner.comm import LOSS_ALL_REDUCES, AxisTraffic, activation_traffic, time_of
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
-from fivefold.planner.opcount import block_tally, ends_tally
-from fivefold.planner.overheads import host_costs
-from fivefold.parallel.comms import wire_bytes
 from fivefold.presets import PRESETS
-from helpers import tiny_config
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 
 
-def _synthetic(**over):
-    """A CPU-like profile where only what the test sets costs anything."""
+def _synthetic(collective_alpha=(), **over):
+    """A CPU-like profile where only what the test sets costs anything (`over`: MeasuredProfile fields)."""
     return dataclasses.replace(get_hardware("h100"), peak_flops=1e30, hbm_bw=1e30, intra_latency=0.0,
-                               inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, **over)
+                               inter_latency=0.0, intra_bw=1e30, inter_bw=1e30, collective_alpha=collective_alpha,
+                               pricer=MeasuredPricer(MeasuredProfile(**over)))
+
+
+def _measured(hw, **over):
+    """`hw` with some of its measured figures replaced."""
+    return dataclasses.replace(hw, pricer=MeasuredPricer(dataclasses.replace(hw.pricer.profile, **over)))
 
 
 def test_traces_count_module_calls_and_python_functions():
@@ -44,26 +52,26 @@ def test_host_costs_are_counts_times_profile_figures(tmp_path):
     hw = _synthetic(module_call_s=1e-6, function_s=2e-6, hook_s=3e-6, tensor_query_s=4e-6, thread_s=5e-4)
     counts = dict(modules=10, functions=2, tensors=7, rank_tensors=9, rank_params=1000, micro=4, chunks=1,
                   tp_calls=8, grad_bytes=4000, dp_ranks=1)
-    h = host_costs(cfg, hw, **counts)
+    h = host_costs(cfg, hw.pricer.profile, hw, **counts)
     assert h.forward_s == pytest.approx(10 * 1e-6 + (2 + 8 / 4) * 2e-6 / 2)
     assert h.backward_s == pytest.approx((2 + 8 / 4) * 2e-6 / 2 + 7 * 3e-6 + 9 * 4e-6)
     assert h.step_s == pytest.approx(5e-4)
     assert {w for w, _, _ in h.explain} == {"module calls", "autograd Functions", "gradient hooks",
                                             "model-state sampling", "send thread"}
-    assert host_costs(tiny_config(tmp_path), hw, **counts).step_s == 0  # pp = 1 sends nothing: no thread
+    assert host_costs(tiny_config(tmp_path), hw.pricer.profile, hw, **counts).step_s == 0  # pp = 1: no thread
 
 
 def test_gradient_accumulation_and_bucket_packing_are_priced_as_ops(tmp_path):
     cfg = tiny_config(tmp_path)
     curve = ((1.0, 1e9), (1e12, 1e9))  # 1 GB/s at every size
     hw = _synthetic(op_overhead_s=1e-5, view_overhead_s=1e-6, elementwise_curve=curve)
-    h = host_costs(cfg, hw, modules=0, functions=0, tensors=10, rank_tensors=10, rank_params=1000, micro=4,
-                   chunks=1, tp_calls=0, grad_bytes=4000, dp_ranks=2)
+    h = host_costs(cfg, hw.pricer.profile, hw, modules=0, functions=0, tensors=10, rank_tensors=10, rank_params=1000,
+                   micro=4, chunks=1, tp_calls=0, grad_bytes=4000, dp_ranks=2)
     per_add = 1e-5 + 3 * 400 / 1e9  # one 100-element fp32 gradient added in place
     assert h.backward_s == pytest.approx(3 / 4 * 10 * per_add)
     assert h.step_s == pytest.approx((1 + 10) * 1e-5 + 20 * 1e-6 + 4 * 4000 / 1e9)  # cat + copies back
-    alone = host_costs(cfg, hw, modules=0, functions=0, tensors=10, rank_tensors=10, rank_params=1000, micro=1,
-                       chunks=1, tp_calls=0, grad_bytes=4000, dp_ranks=1)
+    alone = host_costs(cfg, hw.pricer.profile, hw, modules=0, functions=0, tensors=10, rank_tensors=10,
+                       rank_params=1000, micro=1, chunks=1, tp_calls=0, grad_bytes=4000, dp_ranks=1)
     assert alone.backward_s == 0 and alone.step_s == 0  # one micro-batch, one rank: nothing to add or pack
 
 
@@ -74,7 +82,7 @@ def test_estimate_adds_the_host_terms_to_the_pipeline_and_the_step(tmp_path):
     split = est.time_split
     assert split["host"] > 1e-3
     assert sum(split.values()) == pytest.approx(est.step_time_s)
-    bare = estimate(cfg, 2, dataclasses.replace(hw, module_call_s=0.0, hook_s=0.0, thread_s=0.0), act_bytes=4,
+    bare = estimate(cfg, 2, _measured(hw, module_call_s=0.0, hook_s=0.0, thread_s=0.0), act_bytes=4,
                     implementation=True)
     assert est.step_time_s > bare.step_time_s + 1e-3  # the thread, and the rest inside the pipeline
 
@@ -141,7 +149,7 @@ def test_each_collective_waits_for_the_slowest_rank(tmp_path, layout, waits):
     E[max of n normals] x sigma(d): a constant sigma makes the added time exact."""
     cfg = tiny_config(tmp_path, *layout)
     quiet = dataclasses.replace(_synthetic(op_overhead_s=1e-5), intra_latency=1e-4)
-    noisy = dataclasses.replace(quiet, noise_curve=((1e-6, 2e-4), (10.0, 2e-4)))
+    noisy = _measured(quiet, noise_curve=((1e-6, 2e-4), (10.0, 2e-4)))
     a, b = (estimate(cfg, 2, hw, act_bytes=4, implementation=True) for hw in (quiet, noisy))
     syncs = 1 if waits == "dp" else a.comm["tp"].calls
     key = "dp_exposed" if waits == "dp" else "tp_cp_ep"

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import pytest
+from helpers import tiny_config
 
 from fivefold.cli import main
 from fivefold.config import load_config, read_config, replace
-from fivefold.planner.calibrate_layers import config_parts
-from fivefold.planner.calibrate_comm import fit_alpha_beta
+from fivefold.parallel.comms import wire_bytes
+from fivefold.planner.calibration.collectives import fit_alpha_beta
+from fivefold.planner.calibration.layers import config_parts
 from fivefold.planner.estimate import estimate
-from fivefold.planner.hardware import load_profile
+from fivefold.planner.hardware import get_hardware, load_profile
 from fivefold.planner.search import candidates, search
 from fivefold.planner.selfcheck import predict_for_config
 from fivefold.testing import run_workers
 from fivefold.train.metrics import read_metrics
 from fivefold.validate import validate
-from helpers import tiny_config
 
 
 def _small():
@@ -24,8 +27,6 @@ def _small():
 
 
 def test_search_returns_only_valid_fitting_layouts_and_writes_a_trainable_toml(tmp_path, capsys):
-    from fivefold.planner.hardware import get_hardware
-
     res = search(_small(), 4, get_hardware("h100"), keep=50)
     assert res.ranked and res.tried == len(candidates(_small(), 4, 8))
     for cfg, est in res.ranked:
@@ -52,8 +53,6 @@ def test_alpha_beta_fit_recovers_its_own_model():
     rows = []
     for op in ("all_reduce", "all_gather", "send"):
         for nbytes in (4096, 65536, 1 << 20):
-            from fivefold.parallel.comms import wire_bytes
-
             steps = {"all_reduce": 2, "send": 1}.get(op, 1)
             rows.append((op, nbytes, steps * alpha + wire_bytes(op, nbytes, 2) / beta))
     a, b = fit_alpha_beta(rows, 2)
@@ -65,13 +64,14 @@ def test_calibrate_writes_a_profile_the_planner_reads(tmp_path):
     path = tmp_path / "local.toml"
     assert main(["calibrate", "--quick", "--out", str(path), "--layers", "configs/tiny.toml", "--parallel.pp=2"]) == 0
     back = load_profile(path)
-    assert back.sources["intra_bw"].startswith("measured") and "calibrate_layers" in back.sources["layer_times"]
+    assert back.sources["intra_bw"].startswith("measured") and "calibration/layers" in back.sources["layer_times"]
     assert back.peak_flops > 1e8 and back.intra_bw > 1e6 and 0 < back.compute_efficiency <= 1
     cfg = tiny_config(tmp_path, "--parallel.pp=2")
-    keys = [k for k, _, _ in back.layer_times]
+    measured = back.pricer.profile
+    keys = [k for k, _, _ in measured.layer_times]
     assert sorted(keys) == sorted(p.key for p in config_parts(cfg, 2))  # 8 alike blocks, embedding, head
-    assert len(keys) == 3 and all(f > 0 and b > 0 for _, f, b in back.layer_times)
-    assert len(back.noise_curve) == 5 and all(sigma >= 0 for _, sigma in back.noise_curve)
+    assert len(keys) == 3 and all(f > 0 and b > 0 for _, f, b in measured.layer_times)
+    assert len(measured.noise_curve) == 5 and all(sigma >= 0 for _, sigma in measured.noise_curve)
     assert any("5 of 5 parts timed whole" in a for _, a, _ in estimate(cfg, 2, back, act_bytes=4).explain)
 
 
@@ -92,7 +92,8 @@ def test_the_logged_prediction_matches_a_real_two_rank_run(tmp_path, layout):
     predicted = measured["predicted"]
     assert predicted == predict_for_config(cfg, 2)
     for part in ("params", "grads", "optimizer", "total"):
-        assert predicted["model_state_bytes"][part] == pytest.approx(measured["model_state_bytes"][part], rel=0.05), part
+        assert predicted["model_state_bytes"][part] == pytest.approx(measured["model_state_bytes"][part],
+                                                                     rel=0.05), part
     for axis, counted in measured["comm"].items():
         if axis != "log":
             assert predicted["comm_wire_bytes"][axis] == pytest.approx(counted["wire_bytes"], rel=0.05), axis
@@ -106,3 +107,21 @@ def test_calibrate_layers_refuses_a_config_that_cannot_run_before_measuring(tmp_
     assert main(["calibrate", "--quick", "--out", str(out), "--parallel.tp=2"]) == 2  # an override with no config
     assert "overrides apply to --layers configs" in capsys.readouterr().err
     assert not out.exists()  # nothing measured, nothing written
+
+
+def test_the_planner_core_does_not_import_the_calibration_package():
+    """A measured profile brings its pricer along (Hardware.pricer); the core never imports it, at
+    module level or inside a function (this runs an estimate and a search on a catalog GPU)."""
+    code = ("import sys\n"
+            "from fivefold.config import load_config\n"
+            "from fivefold.planner.datasheet import get_hardware\n"
+            "from fivefold.planner.estimate import estimate\n"
+            "from fivefold.planner.search import search\n"
+            "from fivefold.planner.selfcheck import predict_for_config\n"
+            "cfg = load_config(None, ['--model.preset=tiny', '--train.seq_len=64', '--train.global_batch=16'])\n"
+            "estimate(cfg, 2, get_hardware('h100')); predict_for_config(cfg, 2)\n"
+            "search(cfg, 2, get_hardware('h100'))\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('fivefold.planner.calibration'))\n"
+            "assert not loaded, loaded\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -2,13 +2,16 @@
 
 import pytest
 import torch
+from helpers import tiny_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fivefold.config import replace
+from fivefold.mesh import Mesh
+from fivefold.model import cross_entropy_sum
+from fivefold.parallel.recompute import apply_recompute
 from fivefold.testing import run_workers
 from fivefold.train.loop import build_model, train
-from fivefold.parallel.recompute import apply_recompute
-from fivefold.model import cross_entropy_sum
-from helpers import tiny_config
+from fivefold.validate import derive
 
 ARGS = ("--train.steps=3", "--data.max_bytes=20000", "--data.val_fraction=0.0")
 
@@ -46,16 +49,23 @@ def saved_bytes(model, x) -> int:
     return sum(seen.values())
 
 
-def test_selective_recompute_drops_the_score_matrix(tmp_path):
-    cfg = tiny_config(tmp_path)
-    B, T, L, H = 2, 64, 8, 4
-    x = torch.randint(0, 320, (B, T))
+def _saved_bytes_by_mode(rank, world, cfg):
+    B, T = 2, 64
+    x = torch.randint(0, 320, (B, T), generator=torch.Generator().manual_seed(0))
+    derived = derive(cfg, world)
+    mesh = Mesh.from_config(cfg, derived)
+    sizes = {}
     with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel keeps no score matrix to begin with
-        sizes = {}
         for mode in ("none", "selective", "full"):
             model = build_model(cfg, 320)
-            apply_recompute(model, mode)
+            apply_recompute(model, mesh, replace(cfg, train={"recompute": mode}), derived)
             sizes[mode] = saved_bytes(model, x)
+    return sizes
+
+
+def test_selective_recompute_drops_the_score_matrix(tmp_path):
+    B, T, L, H = 2, 64, 8, 4
+    sizes = run_workers(_saved_bytes_by_mode, 1, tiny_config(tmp_path))[0]
     scores = B * H * T * T * 4  # one fp32 (B, H, T, T) matrix per layer
     assert sizes["none"] - sizes["selective"] >= L * scores  # at least the scores of every layer
     assert sizes["full"] < sizes["selective"] < sizes["none"]

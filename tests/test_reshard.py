@@ -5,12 +5,11 @@ owns (DTensors of the whole parameters and moments), and the loader's position i
 next global batch is the same samples whatever dp is.
 """
 
-import pytest
-import torch
+
+from helpers import EQUIVALENCE, assert_reproduces, tiny_config
 
 from fivefold.testing import run_workers
 from fivefold.train.checkpoint import complete_checkpoints
-from helpers import EQUIVALENCE, assert_reproduces, tiny_config
 
 # Each job runs one step of the 5-step reference (train.stop_after) and the next resumes under
 # another layout: (world size, overrides, what the hop into it reshards).

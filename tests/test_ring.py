@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from fivefold.mesh import Mesh
-from fivefold.parallel import comms, ring
+from fivefold.parallel import comms
+from fivefold.parallel import ring_collectives as ring
 from fivefold.parallel.comms import AxisGroup, CommStats
-from fivefold.parallel.ring import (
+from fivefold.parallel.ring_collectives import (
     RingStep,
     ring_all_gather,
     ring_all_gather_schedule,

@@ -6,10 +6,10 @@ import pickle
 
 import pytest
 import torch
+from helpers import EQUIVALENCE, tiny_config
 
 from fivefold.testing import run_workers
 from fivefold.train.safe_load import SafeLoadPlanner, UnsafeCheckpointError
-from helpers import EQUIVALENCE, tiny_config
 
 
 class _Payload:

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from fivefold.parallel.schedules import (
-    SCHEDULES, Action, Schedule, build_schedule, dualpipe_v, gpipe, interleaved_1f1b, one_f_one_b,
-    zero_bubble_h1, zero_bubble_v,
+    SCHEDULES,
+    Action,
+    Schedule,
+    build_schedule,
+    dualpipe_v,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_h1,
+    zero_bubble_v,
 )
 from fivefold.parallel.simulate import Costs, DeadlockError, simulate
 
@@ -39,7 +47,7 @@ def test_gpipe_and_1f1b_bubble_formulas(gen, p, m):
 
 
 def test_anchor_figures_p8_m32():
-    # The course notes' numbers: 21.9 % of compute, 17.9 % of wall-clock.
+    # p = 8, m = 32: (p-1)/m = 21.9 % of compute, (p-1)/(m+p-1) = 17.9 % of wall-clock (docs/pipeline-schedules.md).
     for name in ("gpipe", "1f1b"):
         r = simulate(build_schedule(name, 8, 32), Costs(f=1, b=1))
         assert r.bubble_ratio == pytest.approx(0.21875)

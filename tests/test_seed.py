@@ -2,17 +2,15 @@
 
 import pytest
 import torch
+from helpers import EQUIVALENCE, parallelized, tiny_config
 
 from fivefold.cli import main
-from fivefold.mesh import Mesh
-from fivefold.parallel.parallelize import full_state_dict, parallelize
 from fivefold.testing import run_workers
 from fivefold.train.loop import build_model
 from fivefold.train.safetensors_io import SafetensorsDir
 from fivefold.train.seed import write_seed_checkpoint
 from fivefold.train.weights import check_init_from, load_weights
 from fivefold.validate import validate
-from helpers import EQUIVALENCE, tiny_config
 
 # MoE with the routing-bias buffer (absent from seed files: it keeps its zeros); TIED: the head
 # saved once as tok_embeddings.weight (the last pipeline stage reads its copy from there).
@@ -33,10 +31,11 @@ def test_seed_is_bit_identical_to_the_in_memory_init(tmp_path, model):
 def _load_and_gather(rank, world, cfg, seed_dir):
     """Build with other random weights, load the seed, take an optimizer step without gradients
     (it must change nothing: ZeRO-1/2 write their fp32 masters back), gather the full model."""
-    par = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, world), cfg)
-    load_weights(seed_dir, par.dp)
-    par.dp.step()
-    return full_state_dict(par)
+    par = parallelized(cfg, world)
+    load_weights(seed_dir, par)
+    par.optimizer.step()
+    par.dp.after_step()
+    return par.full_state_dict()
 
 
 LAYOUTS = {  # world, overrides; tied embeddings where validate() allows them (not with tp or ZeRO-3)

@@ -2,13 +2,18 @@
 
 import pytest
 import torch
+from helpers import EQUIVALENCE, assert_reproduces, parallelized, tiny_config, train_and_gather
 
 from fivefold.mesh import Mesh
 from fivefold.model import cross_entropy_sum
-from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                      enter_tensor_parallel_region, vocab_parallel_cross_entropy)
+from fivefold.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    enter_tensor_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 from fivefold.testing import run_workers
-from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
 
 def _mesh(tp):
@@ -136,8 +141,6 @@ def _no_full_vocabulary_tensor(rank, world, cfg):
     """Record every tensor an op creates during a training step: none may span the whole vocabulary."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fivefold.parallel.parallelize import parallelize
-    from fivefold.train.loop import build_model
 
     widest = []
 
@@ -149,11 +152,10 @@ def _no_full_vocabulary_tensor(rank, world, cfg):
                     widest.append(t.shape[-1])
             return out
 
-    mesh = Mesh.from_config(cfg, world)
-    par = parallelize(build_model(cfg, 320), mesh, cfg)
+    par = parallelized(cfg, world)
     x = torch.randint(0, 320, (2, 32))
     with Watch():
-        par.pipeline.run([(x, x)], global_tokens=64, dim=64)
+        par.pipeline.run([(x, x)], global_tokens=64)
     return max(widest)
 
 

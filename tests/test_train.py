@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_config
 
 from fivefold.config import TrainConfig
 from fivefold.testing import run_workers
 from fivefold.train.loop import build_model, train
 from fivefold.train.optim import build_optimizer, clip_grad_norm, lr_at
-from helpers import tiny_config
 
 
 def test_no_weight_decay_on_norms_and_biases(tmp_path):

@@ -8,7 +8,7 @@ nothing: code never branches on "is this dimension on".
 Bytes are counted two ways, per rank:
 - `bytes`: the payload (the tensor handed to the collective);
 - `wire_bytes`: what one rank sends under the bandwidth-optimal ring algorithm, the accounting used
-  by the course texts and by NCCL's bus bandwidth: all-reduce 2(N-1)/N x S (a reduce-scatter then
+  in docs/ring-all-reduce.md and by NCCL's bus bandwidth: all-reduce 2(N-1)/N x S (a reduce-scatter then
   an all-gather, Patarasuk & Yuan 2009), all-gather and reduce-scatter (N-1)/N x S of the full
   tensor, all-to-all (N-1)/N x S, broadcast and point-to-point S.
 
@@ -16,8 +16,14 @@ A collective whose peers do not answer within the group's timeout (`parallel.col
 or whose peer's connection drops, raises `CollectiveError` naming this rank, the axis, the operation
 and its bytes, instead of the backend's anonymous message; async handles do the same in `wait()`.
 
-The time the calling thread is blocked in a collective (a synchronous call, an async launch, a
-`wait()`) is reported to `timing.TIMER` as that axis's exposed communication.
+Point-to-point messages (pipeline activations and gradients, ring-attention K/V blocks, the steps
+of our own ring all-reduce) go through here too: `send`, `recv` and `exchange` address peers by
+their rank in the group, count what they send as "send" on the group's axis, and name a failure
+like a collective does.
+
+The time the calling thread is blocked in a collective or a message (a synchronous call, an async
+launch, a `wait()`) is reported to the group's `timer` (timing.py) as that axis's exposed
+communication.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from fivefold.parallel.timing import TIMER, Flight
+from fivefold.parallel.timing import Flight, StepTimer
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> float:
@@ -86,6 +92,11 @@ class AxisGroup:
     rank: int
     stats: CommStats
     timeout_s: float | None = None  # what the process group waits for its peers (None: torch's default)
+    timer: StepTimer = field(default_factory=StepTimer)  # the mesh's step timer: where blocked time goes
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of this group's rank `group_rank` (point-to-point calls address world ranks)."""
+        return dist.get_global_rank(self.pg, group_rank)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -117,8 +128,7 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
 
 @contextlib.contextmanager
 def named_errors(op: str, group: AxisGroup, nbytes: int) -> Iterator[None]:
-    """For the point-to-point calls made outside this module (pipeline sends, ring hops): a timeout or
-    a lost peer inside the block is raised as the same CollectiveError as a collective's."""
+    """A timeout or a lost peer inside the block is raised as a CollectiveError naming `op`."""
     try:
         yield
     except RuntimeError as e:
@@ -129,46 +139,48 @@ def named_errors(op: str, group: AxisGroup, nbytes: int) -> Iterator[None]:
 
 
 class Pending:
-    """The handle of an async collective: wait() blocks until it is done, naming it if it fails.
+    """The handle of an async collective or message: wait() blocks until it is done, naming it if it
+    fails. The time wait() blocks is this axis's exposed communication (timing.py); a wait on another
+    thread (the pipeline's send thread) counts nothing."""
 
-    The time wait() blocks is this axis's exposed communication (timing.py)."""
-
-    def __init__(self, work: dist.Work, describe: Callable[[RuntimeError], RuntimeError], label: str, op: str,
-                 flight: Flight | None = None):
-        self._work, self._describe, self._label, self._op = work, describe, label, op
+    def __init__(self, works: list[dist.Work], describe: Callable[[RuntimeError], RuntimeError], group: AxisGroup,
+                 label: str, op: str, flight: Flight | None = None):
+        self._works, self._describe, self._group, self._label, self._op = works, describe, group, label, op
         self._flight = flight  # traced, and the work has no future: its span ends when waited on
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         try:
-            with TIMER.blocked(self._label, f"{self._op} wait"):
-                done = self._work.wait()
+            with self._group.timer.blocked(self._label, f"{self._op} wait"):
+                for work in self._works:
+                    work.wait()
         except RuntimeError as e:
             raise self._describe(e) from e
         if self._flight is not None:
             self._flight.done()
             self._flight = None
-        return done
 
 
 def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
-           call: Callable[[], dist.Work | None]) -> Pending | None:
-    """Run one collective; a failure names it (async: when the handle is waited on)."""
-    describe = lambda e: _named(e, op, group, nbytes, label)  # noqa: E731
-    flight = TIMER.flight(label, op) if async_op else None
+           call: Callable[[], dist.Work | list[dist.Work] | None], name: str | None = None) -> Pending | None:
+    """Run one collective or batch of messages; a failure names it (async: when the handle is waited on)."""
+    name = name or op
+    describe = lambda e: _named(e, name, group, nbytes, label)  # noqa: E731
+    flight = group.timer.flight(label, name) if async_op else None
     try:
-        with TIMER.blocked(label, op):  # a synchronous call blocks throughout; an async one while it launches
+        with group.timer.blocked(label, name):  # a synchronous call blocks throughout; an async one while it launches
             work = call()
     except RuntimeError as e:
         raise describe(e) from e
     if not async_op:
         return None
-    if flight is not None:
+    works = work if isinstance(work, list) else [work]
+    if flight is not None and len(works) == 1:
         try:  # gloo's collectives complete their future from the backend's thread: the true end
-            work.get_future().add_done_callback(flight.done)
+            works[0].get_future().add_done_callback(flight.done)
             flight = None
         except RuntimeError:  # "getFuture not implemented" (gloo point-to-point): ends at wait()
             pass
-    return Pending(work, describe, label, op, flight)
+    return Pending(works, describe, group, label, name, flight)
 
 
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -191,7 +203,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     """Sum `input` (N x output.numel(), rank-major) over the group; rank r keeps chunk r in `output`.
 
     Counted by the full input size, as the ring moves (N-1)/N of it. On gloo the async form
-    blocks for most of its time (TORCH-CPU-NOTES.md): expect no overlap there.
+    blocks for most of its time (docs/torch-cpu-notes.md): expect no overlap there.
     """
     if group.size == 1:
         output.copy_(input)
@@ -231,6 +243,41 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     return _issue("all_to_all", group, _nbytes(input), group.label, async_op,
                   lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg,
                                                  async_op=async_op))
+
+
+# ---- point-to-point: pipeline messages, ring hops ----
+# Peers are group ranks. Only sends are counted (a message's bytes once, by the rank that sends them).
+
+
+def send(tensor: torch.Tensor, to: int, group: AxisGroup, name: str = "send", tag: int = 0) -> Pending:
+    """Start sending `tensor` to group rank `to`; wait() on the handle (or on another thread) to finish."""
+    nbytes = _nbytes(tensor)
+    group.stats.record(group.label, "send", nbytes, group.size)
+    return _issue("send", group, nbytes, group.label, True,
+                  lambda: dist.isend(tensor, group.global_rank(to), group=group.pg, tag=tag), name)
+
+
+def recv(tensor: torch.Tensor, frm: int, group: AxisGroup, name: str = "recv", tag: int = 0,
+         part: str | None = None) -> None:
+    """Receive into `tensor` from group rank `frm`, blocking. The time waited is the axis's exposed
+    time, or `part`'s ("bubble": a pipeline stage that has nothing else to do)."""
+    span = group.timer.span(part, group.label, name) if part else group.timer.blocked(group.label, name)
+    with span, named_errors(name, group, _nbytes(tensor)):
+        dist.irecv(tensor, group.global_rank(frm), group=group.pg, tag=tag).wait()
+
+
+def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to: int, frm: int, group: AxisGroup,
+             name: str = "exchange", tag: int = 0) -> Pending:
+    """Post a send to `to` and a receive from `frm` as one batch; wait() on the handle for both.
+
+    One batch, because in a ring every rank sends and receives at once: if each did a blocking send
+    first, all would wait for a receiver that is itself stuck sending.
+    """
+    nbytes = _nbytes(send_buf)
+    group.stats.record(group.label, "send", nbytes, group.size)
+    ops = [dist.P2POp(dist.isend, send_buf, group.global_rank(to), group=group.pg, tag=tag),
+           dist.P2POp(dist.irecv, recv_buf, group.global_rank(frm), group=group.pg, tag=tag)]
+    return _issue("send", group, nbytes, group.label, True, lambda: dist.batch_isend_irecv(ops), name)
 
 
 # ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----

@@ -2,38 +2,24 @@
 
 What is sharded over `cp`: the tokens of every sequence. Each rank runs the whole model (all
 weights, all heads) on T/cp tokens. Everything but attention is per token, so it needs nothing;
-attention needs every earlier token's keys and values. Two ways to bring them:
+attention needs every earlier token's keys and values. Two ways to bring them (the derivations,
+the zig-zag arithmetic and the byte counts are in docs/context-parallel.md):
 
-Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"), `method="ring"`.
-Queries stay where they are; each rank's K/V block (K heads only: grouped-query heads are repeated
-locally, after communication) travels around the ring, cp-1 hops, from rank r to r+1. At each hop
-a rank attends its queries to the block in hand and merges the partial result with the log-sum-exp
-rescaling of the online softmax (Milakov & Gimelshein 2018; Dao et al. 2022, FlashAttention):
-    lse = logaddexp(lse_a, lse_b);  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
-so the result is exact, not an approximation. The next block's send/recv is posted before the
-current block is computed, so communication hides behind compute. Backward is written by hand (no
-autograd through the ring): the K/V blocks go round again, and with each travels a buffer
-accumulating that block's dK/dV; after the last hop it arrives back at its owner.
-Forward sends (cp-1) K/V blocks per rank; backward (cp-1) K/V blocks plus cp fp32 dK/dV buffers.
+Ring attention (Liu et al. 2023), `method="ring"`. Queries stay; each rank's K/V block (K heads
+only: grouped-query heads are repeated locally, after communication) travels around the ring,
+cp-1 hops, posted before the block in hand is computed so it travels while the rank computes.
+Partial results merge by log-sum-exp rescaling (the online softmax), so the result is exact.
+Backward is written by hand: the blocks go round again, each with a buffer accumulating its dK/dV,
+which arrives back at its owner after the last hop. Collectives: send/recv of (cp-1) K/V blocks
+forward; (cp-1) K/V blocks and cp fp32 dK/dV buffers backward. Layout "zigzag": rank i holds
+chunks i and 2cp-1-i of 2cp, so every rank computes the same number of causal query-key pairs.
 
-Load balance ("zigzag", as in Llama 3's and Megatron's context parallel): under a causal mask a
-rank holding the last tokens does far more work than one holding the first. Cutting the sequence
-into 2cp chunks and giving rank i chunks i and 2cp-1-i pairs an early chunk with a late one, so
-every rank computes the same number of query-key pairs (`attention_work`). At every hop a rank
-then does two chunk-pairs of full attention (or, at its own block, two causal diagonals and one
-full pair); no rank waits for another.
+Ulysses (Jacobs et al. 2023), `method="ulysses"`. An all-to-all turns sequence-sharded q/k/v
+(B, T/cp, H, D) into head-sharded (B, T, H/cp, D); each rank runs plain causal attention for its
+heads over the whole sequence, and a second all-to-all turns the output back (backward: the same
+pair inverted). Layout "contiguous"; needs the query and K/V heads per tp rank divisible by cp.
 
-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"), `method="ulysses"`. An all-to-all turns
-sequence-sharded q/k/v (B, T/cp, H, D) into head-sharded (B, T, H/cp, D): each rank then runs plain
-causal attention over the whole sequence for its heads, and a second all-to-all turns the output
-back. Every rank computes all tokens of H/cp heads, so causal balance is automatic and Ulysses uses
-the "contiguous" layout (rank i holds tokens [i T/cp, (i+1) T/cp)): the all-to-all concatenates the
-ranks' tokens in rank order, which is then already true token order. It needs H and K divisible
-by cp (per tensor-parallel rank: H/tp and K/tp).
-Bytes per rank per forward: B (T/cp) (H + 2K) D e in, B (T/cp) H D e out (e bytes per element),
-each all-to-all putting (cp-1)/cp of its payload on the wire; backward the same again.
-
-What the training loop must do (both methods): shard input ids and the already-shifted targets
+What the training step must do (both methods): shard input ids and the already-shifted targets
 with `shard`, pass `positions` to the model for RoPE (true positions, not 0..T/cp-1), divide the
 loss by the global token count, and sum parameter gradients over cp as well as dp (the mesh's
 "grad" view), because cp ranks hold different tokens of the same samples.
@@ -41,16 +27,15 @@ loss by the global token count, and sum parameter gradients over cp as well as d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fivefold.config import Config
+from fivefold.mesh import Mesh
 from fivefold.model import causal_attention
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
-from fivefold.parallel.timing import TIMER, Flight
+from fivefold.validate import Derived
 
 LAYOUTS = ("zigzag", "contiguous")
 METHODS = {"ring": "zigzag", "ulysses": "contiguous"}  # cp method -> the token layout it uses
@@ -97,46 +82,21 @@ def attention_work(seq_len: int, cp: int, layout: str) -> list[int]:
 # ---- ring attention ----
 
 
-@dataclass
-class _Hop:
-    """One ring hop in flight: its handles, the axis its waiting counts to, its trace span, its group
-    and the bytes it sends."""
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> comms.Pending | None:
+    """Post: send `send` to the next rank, receive `recv` from the previous one; wait() on the result.
 
-    works: list[dist.Work]
-    label: str
-    flight: Flight | None = None
-    group: AxisGroup | None = None  # for naming a failure (comms.named_errors)
-    nbytes: int = 0
-
-
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> _Hop:
-    """Post: send `send` to the next rank, receive `recv` from the previous one; return the hop.
-
-    Send and receive go in one batch, so no rank blocks in a send its neighbour is not yet
-    receiving (a ring of blocking sends deadlocks). A group of size 1 is its own neighbour: copy.
+    A group of size 1 is its own neighbour: copy, nothing to wait for.
     """
     if group.size == 1:
         recv.copy_(send)
-        return _Hop([], group.label)
+        return None
     n, r = group.size, group.rank
-    to = dist.get_global_rank(group.pg, (r + 1) % n)  # p2p addresses global ranks
-    frm = dist.get_global_rank(group.pg, (r - 1) % n)
-    group.stats.record(group.label, "send", send.numel() * send.element_size(), n)
-    ops = [dist.P2POp(dist.isend, send, to, group=group.pg, tag=tag),
-           dist.P2POp(dist.irecv, recv, frm, group=group.pg, tag=tag)]
-    flight = TIMER.flight(group.label, "ring hop")  # gloo's p2p works have no future: it ends at _wait
-    nbytes = send.numel() * send.element_size()
-    with TIMER.blocked(group.label, "ring hop"), comms.named_errors("ring hop", group, nbytes):
-        works = dist.batch_isend_irecv(ops)
-    return _Hop(works, group.label, flight, group, nbytes)
+    return comms.exchange(send, recv, (r + 1) % n, (r - 1) % n, group, "ring hop", tag)
 
 
-def _wait(hop: _Hop) -> None:
-    with TIMER.blocked(hop.label, "ring hop wait"), comms.named_errors("ring hop", hop.group, hop.nbytes):
-        for w in hop.works:
-            w.wait()
-    if hop.flight is not None:
-        hop.flight.done()
+def _wait(hop: comms.Pending | None) -> None:
+    if hop is not None:
+        hop.wait()
 
 
 def _pair_mode(q_chunk: int, kv_chunk: int) -> str | None:
@@ -342,14 +302,14 @@ class ContextParallel:
         return ring_attention(q, k, v, self.group, self.layout)
 
 
-def apply_context_parallel(model: nn.Module, group: AxisGroup, method: str = "ring") -> ContextParallel:
+def apply_context_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: Derived) -> ContextParallel:
     """Swap every block's attention core for the cp one; return the ContextParallel for the loop.
 
     At cp = 1 the model is left as it is (the local core is already exact) and the returned object
     shards nothing and gives positions 0..T-1, so the loop calls it the same way for any cp.
     """
-    cp = ContextParallel(group, method)
-    if group.size > 1:
+    cp = ContextParallel(mesh.group("cp"), cfg.parallel.cp_method)
+    if cp.group.size > 1:
         for block in model.layers.values():
             block.attn.core = cp.core
     return cp

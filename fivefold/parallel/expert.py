@@ -5,12 +5,12 @@ ep ranks of one group hold experts [r E/ep, (r+1) E/ep) each, and see different 
 data- or context-parallel ranks). Everything else (attention, router, shared experts, the routing
 bias) stays replicated.
 
-Groups. EP groups are carved out of the `grad` view (dp_replicate x dp_shard x cp, the ranks whose
-gradients are summed), one grad view per (pp, tp) position: grad rank g is in ep group g // ep with
-ep rank g % ep. The grad ranks with the same ep rank hold the same experts; they form the expert
-replica group ("expert data parallel", size dp x cp / ep, charged to "dp"). An expert's gradient
-already holds every token of its ep group that was routed to it, so data parallel sums expert
-gradients over the replica group only, and every other gradient over the whole grad view.
+Groups: the mesh's "ep" view (mesh.py carves it out of the grad view, dp_replicate x dp_shard x
+cp): the ep ranks of one group hold different experts and see different tokens. The grad ranks
+with the same ep rank hold the same experts; they form the "expert_dp" view ("expert data
+parallel", size dp x cp / ep, charged to "dp"). An expert's gradient already holds every token of
+its ep group that was routed to it, so data parallel sums expert gradients over expert_dp only,
+and every other gradient over the whole grad view.
 
 What travels, per MoE block and micro-batch (all-to-alls inside the ep group, charged to "ep"):
   forward:  1. counts: how many copies this rank sends to each expert (E integers), so every rank
@@ -21,78 +21,24 @@ What travels, per MoE block and micro-batch (all-to-alls inside the ep group, ch
             like a combine (an all-to-all's adjoint is the all-to-all with the splits swapped).
 Only rows that leave the rank count as wire bytes: a copy routed to a local expert costs nothing.
 
-Load balancing (DeepSeek-V3 technical report, sec. 2.1.2), used by the training loop after each step:
-- expert_stats(): per-expert copies over the step's micro-batches (counted in backward, so neither
-  evaluation nor recomputed forwards count), summed over the grad view in one all-reduce;
-- update_expert_bias(): bias_e += u x sign(mean load - load_e), the same on every replica;
-- set_balance_loss_scale(): tells each MoE how many sequences the step has (and the fp16 loss
-  scale), so the injected balance loss is alpha x its mean over the global batch.
-Capacity dropping (GShard, Switch) and the balance loss itself live in the model (fivefold/model.py).
+Load balancing (the routing bias update, the balance loss's scale, the routing statistics) is a
+training concern: train/moe_balance.py. Capacity dropping (GShard, Switch) and the balance loss
+itself live in the model (fivefold/model.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
+from fivefold.config import Config
 from fivefold.mesh import Mesh
-from fivefold.model import MoE, GroupedExperts, sort_by_expert
+from fivefold.model import GroupedExperts, MoE, sort_by_expert
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
-from fivefold.parallel.tensor import shards_as_dtensors
-
-
-# ---- groups -------------------------------------------------------------------------------------
-@dataclass
-class ExpertGroups:
-    ep: AxisGroup  # the ranks among which one block's experts are split (label "ep")
-    replicas: AxisGroup  # the ranks holding the same experts: expert gradients are summed here (label "dp")
-    cp: AxisGroup | None = None  # ranks sharing sequences: the balance loss sums its counts over them
-    device_mesh: DeviceMesh | None = None  # the ep group as a 1-D DeviceMesh (ep > 1): checkpoints shard on it
-
-
-def expert_partitions(grid: torch.Tensor, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Global ranks of every ep group and every expert replica group, for a mesh grid of global
-    ranks shaped (pp, dp_replicate, dp_shard, cp, tp). Pure: every rank computes the same lists."""
-    pp, dpr, dps, cp, tp = grid.shape
-    grad = dpr * dps * cp
-    if grad % ep:
-        raise ValueError(f"ep = {ep} must divide dp x cp = {grad}")
-    views = grid.permute(0, 4, 1, 2, 3).reshape(pp * tp, grad)  # one grad view per (pp, tp), in grad-rank order
-    ep_parts, replica_parts = [], []
-    for ranks in views.tolist():
-        ep_parts += [ranks[i:i + ep] for i in range(0, grad, ep)]  # consecutive grad ranks
-        replica_parts += [ranks[j::ep] for j in range(ep)]  # the same ep rank in every ep group
-    return ep_parts, replica_parts
-
-
-def _group(mesh: Mesh, parts: list[list[int]], name: str, label: str, may_be_grad: bool) -> AxisGroup:
-    # Every part has the same size, so every rank takes the same branch and new_group (collective
-    # over the world) runs for every part in the same order. A group of one needs no process group
-    # (comms returns at once). The replica group may be the grad view itself (ep = 1): data
-    # parallel's own group then. The ep group always gets its own: its all-to-alls run inside
-    # backward, and must not queue behind (or between) gradient all-reduces on the grad view.
-    if len(parts[0]) == 1:
-        return AxisGroup(name=name, label=label, pg=None, size=1, rank=0, stats=mesh.stats)
-    if may_be_grad and len(parts[0]) == mesh.size("grad"):
-        return dataclasses.replace(mesh.group("grad"), name=name, label=label)
-    return dataclasses.replace(mesh.subgroups(parts, label), name=name)
-
-
-def expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
-    """This rank's ep group and expert replica group. Collective: every rank must call it."""
-    ep_parts, replica_parts = expert_partitions(mesh.device_mesh.mesh, ep)
-    # Every rank is in exactly one ep group, so the groups stacked are a mesh of the whole world,
-    # and its "ep" dim is this rank's group: what a DTensor Shard(0) of the experts lives on.
-    device_mesh = (DeviceMesh(mesh.device_type, torch.tensor(ep_parts), mesh_dim_names=("ep_groups", "ep"))["ep"]
-                   if ep > 1 else None)
-    return ExpertGroups(ep=_group(mesh, ep_parts, "ep", "ep", may_be_grad=False),
-                        replicas=_group(mesh, replica_parts, "expert_dp", "dp", may_be_grad=True), cp=mesh.group("cp"),
-                        device_mesh=device_mesh)
+from fivefold.validate import Derived
 
 
 # ---- dispatch -----------------------------------------------------------------------------------
@@ -147,40 +93,13 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
     """Keep experts [r E/ep, (r+1) E/ep) of rank r, under the same parameter names.
 
     Each kept tensor records the dim it was split along (`ep_dim`), as tensor parallel's `tp_dim`:
-    data parallel and checkpoints tell expert weights apart by it.
+    data parallel and checkpoints tell expert weights apart by it (state_dict.is_expert_parameter).
     """
     for name in ("gate", "up", "down"):
         full = getattr(experts, name)
         part = nn.Parameter(full.detach().chunk(group.size, dim=0)[group.rank].clone())  # (E/ep, ...)
         part.ep_dim = 0
         setattr(experts, name, part)
-
-
-def is_expert_parameter(p: torch.Tensor) -> bool:
-    return hasattr(p, "ep_dim")
-
-
-@torch.no_grad()
-def gather_expert_shards(tensors: dict[str, torch.Tensor], model: nn.Module, group: AxisGroup) -> dict[str, torch.Tensor]:
-    """Whole (E, ...) tensors from each ep rank's expert slices, for the keys naming expert
-    parameters (values: the parameters, their gradients, ...); other entries pass through."""
-    sharded = {name for name, p in model.named_parameters() if is_expert_parameter(p)}
-    out = dict(tensors)
-    for name in sorted(sharded & tensors.keys()):  # the same order on every rank
-        local = tensors[name].contiguous()
-        full = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
-        comms.all_gather(full, local, group)
-        out[name] = full
-    return out
-
-
-def expert_shards_as_dtensors(state: dict, model: nn.Module, groups: ExpertGroups | None, prefix: str = "") -> dict:
-    """Expert tensors of `state` as DTensors Shard(0) on the ep group, so a checkpoint records all
-    E experts and loads under any ep."""
-    if groups is None or groups.device_mesh is None:
-        return state
-    dims = {name: p.ep_dim for name, p in model.named_parameters() if is_expert_parameter(p)}
-    return shards_as_dtensors(state, dims, groups.device_mesh, prefix)
 
 
 def _summed_over(group: AxisGroup):
@@ -190,82 +109,27 @@ def _summed_over(group: AxisGroup):
     return reduce
 
 
-def apply_expert_parallel(model: nn.Module, mesh_or_groups: Mesh | ExpertGroups, ep: int = 1) -> ExpertGroups:
-    """Shard every MoE block's experts over the ep group and install the all-to-all dispatch.
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The group one MoE block's experts are split over (size 1 without expert parallel)."""
 
-    Collective when given a Mesh (it builds the groups). A no-op for the experts at ep = 1; with
-    context parallel the balance loss still learns to sum its counts over cp. Returns the groups:
-    data parallel needs `replicas` for the expert gradients.
+    group: AxisGroup
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: Derived) -> ExpertParallel:
+    """Shard every MoE block's experts over the mesh's ep group and install the all-to-all dispatch.
+
+    A no-op for the experts at ep = 1; with context parallel the balance loss still learns to sum
+    its counts over cp (its sequences are split there).
     """
-    groups = mesh_or_groups if isinstance(mesh_or_groups, ExpertGroups) else expert_groups(mesh_or_groups, ep)
+    group, cp = mesh.group("ep"), mesh.group("cp")
     for moe in moe_blocks(model).values():
-        if groups.cp is not None and groups.cp.size > 1:
-            moe.sequence_reduce = _summed_over(groups.cp)
-        if groups.ep.size == 1:
+        if cp.size > 1:
+            moe.sequence_reduce = _summed_over(cp)
+        if group.size == 1:
             continue
-        if moe.n_experts % groups.ep.size:
-            raise ValueError(f"{moe.n_experts} experts do not split over ep = {groups.ep.size}")
-        shard_experts(moe.experts, groups.ep)
-        moe.dispatch = ExpertParallelDispatch(groups.ep, moe.n_experts)
-    return groups
-
-
-# ---- load balancing: what the training loop calls --------------------------------------------------
-@dataclass
-class ExpertStats:
-    """One step's routing, summed over the grad view (every rank holds the same numbers)."""
-
-    load: dict[str, list[int]] = field(default_factory=dict)  # block -> copies routed to each expert
-    dropped: dict[str, int] = field(default_factory=dict)  # block -> copies over capacity
-    balance_loss: dict[str, float] = field(default_factory=dict)  # block -> mean over sequences, without alpha
-
-    def max_over_mean(self) -> dict[str, float]:
-        """Per block: the busiest expert's load over the mean load (1.0 = perfectly balanced)."""
-        return {k: max(v) * len(v) / max(sum(v), 1) for k, v in self.load.items()}
-
-
-def set_balance_loss_scale(model: nn.Module, sequences: int, loss_scale: float = 1.0) -> None:
-    """Before each step: `sequences` = the step's global batch (sequences over all micro-batches
-    and dp ranks; cp ranks share theirs), `loss_scale` = the fp16 loss scale (1 otherwise). The
-    balance loss's gradient is then alpha x loss_scale x d(mean over sequences)/d(scores)."""
-    for moe in moe_blocks(model).values():
-        moe.step_sequences, moe.loss_scale = sequences, loss_scale
-
-
-def expert_stats(model: nn.Module, group: AxisGroup | None = None, label: str | None = None) -> ExpertStats:
-    """The step's loads, drops and balance loss per MoE block, summed over `group` (the grad
-    view) in one all-reduce. Collective over `group`; `label` charges it elsewhere ("log")."""
-    blocks = moe_blocks(model)
-    if not blocks:
-        return ExpertStats()
-    rows = [torch.cat([m.step_load.double(), m.step_dropped.double().view(1), m.step_balance_loss.view(1)])
-            for m in blocks.values()]
-    total = torch.stack(rows)  # (blocks, E + 2), float64: integer counts stay exact below 2**53
-    if group is not None:
-        comms.all_reduce(total, group, label=label)
-    stats = ExpertStats()
-    for (name, moe), row in zip(blocks.items(), total.tolist()):
-        stats.load[name] = [int(v) for v in row[:-2]]
-        stats.dropped[name] = int(row[-2])
-        stats.balance_loss[name] = row[-1] / max(moe.step_sequences, 1)
-    return stats
-
-
-@torch.no_grad()
-def update_expert_bias(model: nn.Module, stats: ExpertStats, rate: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free update after an optimizer step: b_e += u sign(mean - load_e).
-
-    `stats` must be summed over the grad view (expert_stats with mesh.group("grad")), so every
-    replica moves its bias identically. A block that saw no tokens stays where it is (sign(0) = 0).
-    """
-    for name, moe in moe_blocks(model).items():
-        load = torch.tensor(stats.load[name], dtype=torch.float32, device=moe.expert_bias.device)  # (E,)
-        moe.expert_bias += rate * torch.sign(load.mean() - load)
-
-
-def reset_expert_counts(model: nn.Module) -> None:
-    """Zero the per-step totals: call after reading them, before the next step's first forward."""
-    for moe in moe_blocks(model).values():
-        moe.step_load.zero_()
-        moe.step_dropped.zero_()
-        moe.step_balance_loss.zero_()
+        if moe.n_experts % group.size:
+            raise ValueError(f"{moe.n_experts} experts do not split over ep = {group.size}")
+        shard_experts(moe.experts, group)
+        moe.dispatch = ExpertParallelDispatch(group, moe.n_experts)
+    return ExpertParallel(group)

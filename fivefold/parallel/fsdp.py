@@ -28,12 +28,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from fivefold.config import ParallelConfig, TrainConfig
+from fivefold.config import ParallelConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
-from fivefold.parallel.data import Bucket
+from fivefold.parallel.ddp import Bucket
+from fivefold.parallel.state_dict import gather_tp_shards
 from fivefold.parallel.zero import ZeroDataParallel
-from fivefold.parallel.tensor import gather_tp_shards
 
 
 @dataclass
@@ -54,14 +54,14 @@ def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
 
 
 class FullyShardedDataParallel(ZeroDataParallel):
-    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig):
         self.reshard_after_forward = parallel.reshard_after_forward
         self.units = [Unit(mods, [p for m in mods for p in m.parameters() if p.requires_grad])
                       for mods in sharding_units(model)]
         for a, b in zip(self.units, self.units[1:]):
             a.next, b.prev = b, a
         self.max_gathered = 0  # most units holding full parameters at once, prefetches included
-        super().__init__(model, mesh, parallel, train)  # makes the fp32 shards from the full weights
+        super().__init__(model, mesh, parallel)  # makes the fp32 shards from the full weights
         for unit in self.units:
             self._free(unit)
             unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
@@ -142,9 +142,8 @@ class FullyShardedDataParallel(ZeroDataParallel):
             if unit.gathered:
                 self._free(unit)
 
-    def step(self) -> None:
-        self.optimizer.step()  # the shards are the weights now; the next forward gathers them
-        self.optimizer.zero_grad(set_to_none=True)
+    def after_step(self) -> None:
+        """The shards are the weights now: the next forward gathers them, no all-gather here."""
         for unit in self.units:  # anything still gathered (kept after an evaluation) is stale now
             if unit.gathered:
                 self._free(unit)

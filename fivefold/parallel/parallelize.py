@@ -5,14 +5,21 @@
       -> activation checkpointing / compile
       -> data parallel / ZeRO / FSDP (last: it wraps whatever parameters the others left)
 
-Each step is one `apply_<dim>(model, mesh, cfg)` that is a no-op at size 1. Data parallel comes
+Each step is one `apply_<dim>(model, mesh, cfg, derived)` that changes the model in place, returns
+what the rest of the step needs from that dimension, and is a no-op at size 1. Data parallel comes
 last because it reduces (or shards) the parameters as the earlier steps left them: after TP a
 rank's weights are slices, after PP only its stage's layers remain.
+
+The result, `Parallelized`, is what the training step talks to: the pipeline executor runs
+forward and backward over the micro-batches, and `optimizer_step()` unscales, clips and applies
+the gradients wherever they live.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,23 +29,52 @@ from fivefold.mesh import Mesh
 from fivefold.model import Transformer
 from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
-from fivefold.parallel.data import DataParallel, apply_data_parallel
-from fivefold.parallel.expert import ExpertGroups, apply_expert_parallel, is_expert_parameter
-from fivefold.parallel.pipeline import PipelineExecutor, split_stages, tied_embedding_group
+from fivefold.parallel.data_parallel import apply_data_parallel
+from fivefold.parallel.ddp import DataParallel
+from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
+from fivefold.parallel.pipeline import PipelineExecutor, apply_pipeline_parallel
 from fivefold.parallel.recompute import apply_recompute
-from fivefold.parallel.schedules import build_schedule
-from fivefold.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from fivefold.validate import derive, tokenizer_vocab
+from fivefold.parallel.state_dict import is_expert_parameter
+from fivefold.parallel.state_memory import ModelStateMeter
+from fivefold.parallel.tensor import apply_tensor_parallel
+from fivefold.train.optim import build_optimizer, clip_grad_norm, init_optimizer_state, set_lr
+from fivefold.validate import Derived
+
+
+class LossScale(Protocol):
+    """What optimizer_step needs of a loss scaler (train/precision.py's LossScaler)."""
+
+    scale: float
+
+    def unscale(self, grads: list[torch.Tensor], groups: list[AxisGroup]) -> bool: ...
+    def update(self, finite: bool) -> None: ...
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A NaN or Inf gradient with train.nonfinite = "stop"; `names` are the parameters, every rank's."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        super().__init__(f"non-finite gradient in {names[0] if names else '?'} ({len(names)} parameters)")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    grad_norm: float  # global L2 norm of the summed gradient before clipping (inf on an fp16 overflow)
+    applied: bool  # the optimizer stepped; False: the step was skipped, nothing changed
+    overflow: bool  # skipped because fp16's scaled gradients overflowed (the scale halves)
 
 
 @dataclass
 class Parallelized:
     model: Transformer  # this rank's part of the model
-    dp: DataParallel  # owns the optimizer and the gradient reduction
-    pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
-    cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
-    experts: ExpertGroups  # expert parallel's groups (of size 1 without it)
     mesh: Mesh
+    pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
+    dp: DataParallel  # reduces (ZeRO: shards) the gradients
+    cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
+    experts: ExpertParallel  # the group experts are split over (of size 1 without ep)
+    optimizer: torch.optim.Optimizer  # AdamW over dp.optimizer_params()
+    memory: ModelStateMeter  # this rank's model-state bytes, sampled after every backward
 
     def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,16 +86,41 @@ class Parallelized:
         """True positions (T/cp,) of this rank's tokens, for RoPE."""
         return self.cp.positions(seq_len, device)
 
-    def gradient_split_groups(self) -> list[AxisGroup]:
-        """Groups over which this rank's gradients are parts of the whole (for norms and overflow checks)."""
-        return [*self.dp.norm_groups, self.mesh.group("pp"), self.mesh.group("tp")]
+    # ---- the optimizer step ---------------------------------------------------------------------
+    def optimizer_step(self, lr: float, scaler: LossScale, grad_clip: float, stop_on_nonfinite: bool) -> StepOutcome:
+        """Unscale (fp16), clip to the global norm, step, and let data parallel follow up (ZeRO's
+        gather). A non-finite gradient skips the step on every rank alike, or raises NonFiniteGradient
+        when `stop_on_nonfinite`. Collective: the norm and the overflow check reduce over the groups
+        the gradients are split across."""
+        set_lr(self.optimizer, lr)
+        split_over = [*self.dp.norm_groups, self.mesh.group("pp"), self.mesh.group("tp")]
+        if not scaler.unscale(self.dp.gradients(), split_over):  # fp16 overflow: the scale halves
+            self._skip()
+            scaler.update(False)
+            return StepOutcome(float("inf"), applied=False, overflow=True)
+        grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, split_over, self._counted_elsewhere(),
+                                   self._expert_gradients())
+        finite = math.isfinite(grad_norm)  # every rank sees the same global norm
+        if finite:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.dp.after_step()
+        elif stop_on_nonfinite:
+            raise NonFiniteGradient(self._nonfinite_parameters())
+        else:
+            self._skip()
+        scaler.update(finite)
+        return StepOutcome(grad_norm, applied=finite, overflow=False)
 
-    def expert_gradients(self) -> tuple[list[torch.Tensor], AxisGroup]:
+    def _skip(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # drop this step's gradients: nothing is applied
+
+    def _expert_gradients(self) -> tuple[list[torch.Tensor], AxisGroup]:
         """Gradients of the experts this rank holds, and the ep group that holds the other experts."""
         grads = [self.dp.gradient_of(p) for p in self.dp.params if is_expert_parameter(p)]
-        return [g for g in grads if g is not None], self.experts.ep
+        return [g for g in grads if g is not None], self.experts.group
 
-    def gradients_counted_elsewhere(self) -> list[torch.Tensor]:
+    def _counted_elsewhere(self) -> list[torch.Tensor]:
         """Gradients another rank of those groups holds too, so a norm counts them once: the last
         stage's tied embedding, and tp-replicated weights (norms) on tp ranks other than 0."""
         out = self.pipeline.copies_counted_elsewhere()
@@ -67,45 +128,58 @@ class Parallelized:
             out += [self.dp.gradient_of(p) for p in self.dp.params if not hasattr(p, "tp_dim")]
         return out
 
+    def _nonfinite_parameters(self) -> list[str]:
+        """Which gradients are NaN/Inf, gathered from every rank (they hold different parts)."""
+        local = [name for name, p in self.model.named_parameters()
+                 if (g := self.dp.gradient_of(p)) is not None and not torch.isfinite(g).all()]
+        found: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(found, local)
+        return [f"{n} (rank {r})" for r, part in enumerate(found) for n in part]
 
-def parallelize(model: Transformer, mesh: Mesh, cfg: Config) -> Parallelized:
-    """Apply every dimension of cfg.parallel to `model` in place."""
-    p = cfg.parallel
-    schedule = build_schedule(p.pp_schedule, p.pp, derive(cfg, mesh.world_size).grad_accum, p.virtual_stages)
-    chunks = split_stages(model, schedule, mesh.rank("pp"), p.stage_layers)
-    apply_tensor_parallel(model, mesh, p.sp)
-    experts = apply_expert_parallel(model, mesh, p.ep)  # collective: builds the expert groups
-    cp = apply_context_parallel(model, mesh.group("cp"), p.cp_method)
-    tp = mesh.group("tp")
-    real_vocab = tokenizer_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size
-    apply_recompute(model, cfg.train.recompute)
+    # ---- state: checkpoints and tests -----------------------------------------------------------
+    def model_state_dict(self) -> dict:
+        return self.dp.model_state_dict()
+
+    def load_model_state_dict(self, state: dict) -> None:
+        self.dp.load_model_state_dict(state)
+
+    def optim_state_dict(self) -> dict:
+        return self.dp.optim_state_dict(self.optimizer)
+
+    def load_optim_state_dict(self, state: dict) -> None:
+        self.dp.load_optim_state_dict(self.optimizer, state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """A plain, unsharded copy of the model's state on every rank, keyed as the single-process model.
+
+        Undoes every sharding of the layout: data parallel's (ZeRO-3 gathers its shards), then the
+        pipeline's (each stage contributes its own parameters).
+        """
+        mine = self.dp.full_state_dict()
+        pp = self.mesh.group("pp")
+        if pp.size == 1:
+            return mine
+        parts: list[dict] = [None] * pp.size  # type: ignore[list-item]
+        dist.all_gather_object(parts, mine, group=pp.pg)
+        return {k: v for part in parts for k, v in part.items()}
+
+
+def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> Parallelized:
+    """Apply every dimension of cfg.parallel to `model` in place, in the composition order."""
+    stages = apply_pipeline_parallel(model, mesh, cfg, derived)
+    tp = apply_tensor_parallel(model, mesh, cfg, derived)
+    experts = apply_expert_parallel(model, mesh, cfg, derived)
+    cp = apply_context_parallel(model, mesh, cfg, derived)
+    apply_recompute(model, mesh, cfg, derived)
     if cfg.train.compile:
         # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
         for block in model.layers.values():
             block.compile()
-    tied = None
-    if cfg.model.tie_embeddings:
-        group = tied_embedding_group(mesh, schedule)  # collective: every rank takes part
-        holder = model.tok_embeddings or model.output  # neither on middle stages
-        tied = (holder.weight, group) if holder is not None else None
-    dp = apply_data_parallel(model, mesh, p, cfg.train, experts)
+    dp = apply_data_parallel(model, mesh, cfg, derived)
+    optimizer = build_optimizer(dp.optimizer_params(), cfg.train)
+    init_optimizer_state(optimizer)
+    memory = ModelStateMeter(dp.params, optimizer)
     device = next(model.parameters()).device
-    pipeline = PipelineExecutor(schedule, chunks, mesh.group("pp"), dp, device, tied,
-                                loss_fn=lambda logits, y: vocab_parallel_cross_entropy(logits, y, tp, real_vocab),
-                                seq_divisor=tp.size if p.sp else 1)
-    return Parallelized(model, dp, pipeline, cp, experts, mesh)
-
-
-def full_state_dict(par: Parallelized) -> dict[str, torch.Tensor]:
-    """A plain, unsharded copy of the model's state on every rank, keyed as the single-process model.
-
-    Undoes every sharding of the layout: data parallel's (ZeRO-3 gathers its shards), then the
-    pipeline's (each stage contributes its own parameters).
-    """
-    mine = par.dp.full_state_dict()
-    pp = par.mesh.group("pp")
-    if pp.size == 1:
-        return mine
-    parts: list[dict] = [None] * pp.size  # type: ignore[list-item]
-    dist.all_gather_object(parts, mine, group=pp.pg)
-    return {k: v for part in parts for k, v in part.items()}
+    pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,
+                                after_backward=memory.sample)
+    return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory)

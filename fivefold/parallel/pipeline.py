@@ -7,7 +7,8 @@ each micro-batch's activation (micro_batch, T, dim) to the next stage; backward 
 gradient back. Both use asynchronous isend, and a message's tag names its kind, micro-batch and
 stage, so the order in which two ranks post them does not matter.
 
-`run_schedule()` is the one executor: it runs, action by action, the per-rank lists that
+`apply_pipeline_parallel()` keeps this rank's stages of the model; `PipelineExecutor` is the one
+executor: it runs, action by action, the per-rank lists that
 `schedules.py` builds (and `simulate()` times and draws), so what is planned, drawn and executed
 cannot drift apart. Split backward (zero-bubble schedules): "I" computes only the gradient of the
 stage input, which the previous stage is waiting for; "W" later computes only the weight
@@ -23,25 +24,24 @@ add, whose backward saves nothing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin
+from fivefold.config import Config
 from fivefold.mesh import Mesh
+from fivefold.model import Transformer, cross_entropy_sum
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
-from fivefold.parallel.data import DataParallel
-from fivefold.parallel.schedules import Schedule
+from fivefold.parallel.ddp import DataParallel
+from fivefold.parallel.schedules import Schedule, build_schedule
 from fivefold.parallel.split_backward import SplitBackward
-from fivefold.parallel.timing import TIMER, Flight
+from fivefold.validate import Derived
 
 
 def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] = ()) -> list[list[str]]:
@@ -66,13 +66,9 @@ class StageChunk:
         return self.model.tok_embeddings(x) if self.first else x
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim)."""
-        cos, sin = rope_cos_sin(positions, self.model.head_dim, self.model.cfg.rope_theta)
-        for name in self.layers:
-            h = self.model.layers[name](h, cos, sin)
-        if self.last:
-            h = self.model.output(self.model.norm(h))  # (B, T, V)
-        return h
+        """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim): the
+        model's own forward over this stage's layers."""
+        return self.model(h, positions, layers=self.layers, embed=False, head=self.last)  # (B, T, dim) or (B, T, V)
 
 
 def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
@@ -110,6 +106,38 @@ def split_stages(model: Transformer, schedule: Schedule, pp_rank: int,
 
 
 @dataclass
+class PipelineStages:
+    """What apply_pipeline_parallel leaves: the schedule, this rank's chunks, and the groups."""
+
+    schedule: Schedule
+    chunks: dict[int, StageChunk]  # stage -> chunk, for the stages this rank holds
+    group: AxisGroup  # the pp axis
+    tied_group: AxisGroup | None = None  # first and last stage's ranks, with tied embeddings
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The embedding matrix the first and last stage share, where this rank holds one of them
+        (read when the executor is built: after every dimension has replaced what it replaces)."""
+        if self.tied_group is None:
+            return None
+        model = next(iter(self.chunks.values())).model
+        holder = model.tok_embeddings or model.output  # neither on middle stages
+        return holder.weight if holder is not None else None
+
+
+def apply_pipeline_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> PipelineStages:
+    """Keep this rank's stages of `model` (deleting the other layers) under the configured schedule.
+
+    At pp = 1 the one stage holds everything and its schedule is gradient accumulation over the
+    step's micro-batches. Collective with tied embeddings (the tied group spans the world).
+    """
+    p = cfg.parallel
+    schedule = build_schedule(p.pp_schedule, p.pp, derived.grad_accum, p.virtual_stages)
+    chunks = split_stages(model, schedule, mesh.rank("pp"), p.stage_layers)
+    tied = tied_embedding_group(mesh, schedule) if cfg.model.tie_embeddings else None
+    return PipelineStages(schedule, chunks, mesh.group("pp"), tied)
+
+
+@dataclass
 class _Slot:
     """What one (micro-batch, stage) keeps between its forward and its backward."""
 
@@ -144,7 +172,7 @@ def _values_unused(out: torch.Tensor) -> bool:
 
 
 class _Sends:
-    """Outstanding isends. When one completes, the stage output it carried (if any) is freed.
+    """Outstanding sends. When one completes, the stage output it carried (if any) is freed.
 
     Completion is observed by a helper thread that waits on each send in turn (the wait releases
     the GIL): gloo's Work.is_completed() reports False until someone waits (measured, torch 2.13),
@@ -157,25 +185,20 @@ class _Sends:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None  # started by the first send: pp = 1 sends nothing
 
-    def add(self, work: dist.Work, free: torch.Tensor | None, flight: Flight | None = None,
-            named: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
-        """named(): the context that names a failure of this send (comms.named_errors)."""
+    def add(self, pending: comms.Pending, free: torch.Tensor | None) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self._drain, daemon=True)
             self.thread.start()
-        self.queue.put((work, free, flight, named))
+        self.queue.put((pending, free))
 
     def _drain(self) -> None:
         while (item := self.queue.get()) is not None:
-            work, t, flight, named = item
+            pending, t = item
             try:
-                with named():
-                    work.wait()
+                pending.wait()  # names a failure (comms); counts no exposed time on this thread
             except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the executor's thread
                 self.error = self.error or e
                 continue
-            if flight is not None:  # sends are waited in order: a later one may have finished earlier
-                flight.done()
             if t is not None:
                 self.stats.freed_bytes += t.untyped_storage().nbytes()
                 t.untyped_storage().resize_(0)  # shape and autograd node stay; the values are gone
@@ -191,21 +214,27 @@ class _Sends:
 
 
 class PipelineExecutor:
-    """Runs one rank's action list of a schedule over its stage chunks."""
+    """Runs one rank's action list of a schedule over its stage chunks.
 
-    def __init__(self, schedule: Schedule, chunks: dict[int, StageChunk], group: AxisGroup, dp: DataParallel,
-                 device: torch.device, tied: tuple[nn.Parameter, AxisGroup] | None = None,
+    after_backward: called after each action that accumulates gradients (B, W), e.g. to sample
+    the model state's memory.
+    """
+
+    def __init__(self, stages: PipelineStages, dp: DataParallel, device: torch.device, dim: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-                 seq_divisor: int = 1):
-        self.schedule, self.chunks, self.group, self.dp = schedule, chunks, group, dp
+                 seq_divisor: int = 1, after_backward: Callable[[], None] = lambda: None):
+        self.schedule, self.chunks, self.group, self.dp = stages.schedule, stages.chunks, stages.group, dp
         self.loss_fn = loss_fn  # sum of token losses from the last stage's output (vocab-parallel under tp)
         self.seq_divisor = seq_divisor  # activations between stages hold T / seq_divisor tokens (sp)
-        self.tied = tied  # the embedding matrix shared by the first and last stage, and their group
         self.device = device  # where received activations and gradients are put
-        self.rank = group.rank
-        self.n_stages = schedule.num_stages
-        self.has_last_stage = self.n_stages - 1 in chunks
-        actions = schedule.actions[self.rank]
+        self.after_backward = after_backward
+        self.rank = self.group.rank
+        self.n_stages = self.schedule.num_stages
+        self.has_last_stage = self.n_stages - 1 in self.chunks
+        self.dim = dim  # activations between stages are (micro_batch, T / seq_divisor, dim)
+        weight = stages.tied_weight()
+        self.tied = (weight, stages.tied_group) if weight is not None else None
+        actions = self.schedule.actions[self.rank]
         # Data parallel may start reducing on the rank's last backward: every gradient is final then.
         self.last_backward = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))
 
@@ -214,9 +243,6 @@ class PipelineExecutor:
         if self.tied is None or 0 in self.chunks:
             return []
         return [self.dp.gradient_of(self.tied[0])]
-
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group.pg, self.schedule.stage_to_rank(stage))
 
     def _tag(self, kind: int, mb: int, stage: int) -> int:
         return (kind * self.schedule.microbatches + mb) * self.n_stages + stage
@@ -227,15 +253,10 @@ class PipelineExecutor:
         if self.schedule.stage_to_rank(to_stage) == self.rank:
             local[key] = t  # both stages live here (V layout): hand over in memory, nothing to free
             return
-        self.group.stats.record(self.group.label, "send", t.numel() * t.element_size(), self.group.size)
         t = t.contiguous()
         name = f"send {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} to stage {to_stage}"
-        flight = TIMER.flight(self.group.label, name)
-        nbytes = t.numel() * t.element_size()
-        named = functools.partial(comms.named_errors, name, self.group, nbytes)
-        with TIMER.blocked(self.group.label, name), named():
-            work = dist.isend(t, self._peer(to_stage), group=self.group.pg, tag=self._tag(*key))
-        sends.add(work, t if free else None, flight, named)
+        pending = comms.send(t, self.schedule.stage_to_rank(to_stage), self.group, name, self._tag(*key))
+        sends.add(pending, t if free else None)
 
     def _recv(self, shape: torch.Size, dtype: torch.dtype, from_stage: int, key: tuple[int, int, int],
               local: dict) -> torch.Tensor:
@@ -245,8 +266,7 @@ class PipelineExecutor:
         # The stage has nothing to do until this arrives: the pipeline bubble. The wait also holds
         # the transfer itself, small on CPU with these activations; on a slow link it is pp time.
         name = f"recv {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} from stage {from_stage}"
-        with TIMER.span("bubble", self.group.label, name), comms.named_errors(name, self.group, buf.nbytes):
-            dist.irecv(buf, self._peer(from_stage), group=self.group.pg, tag=self._tag(*key)).wait()
+        comms.recv(buf, self.schedule.stage_to_rank(from_stage), self.group, name, self._tag(*key), part="bubble")
         return buf
 
     def _params(self, chunk: StageChunk) -> list[nn.Parameter]:
@@ -255,7 +275,7 @@ class PipelineExecutor:
         mods += [chunk.model.norm, chunk.model.output] if chunk.last else []
         return [p for m in mods for p in m.parameters() if p.requires_grad]
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int, dim: int,
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None,
             positions: torch.Tensor | None = None) -> PipelineStats:
         """Run this rank's actions for one step; gradients accumulate as in one process.
@@ -274,7 +294,7 @@ class PipelineExecutor:
         for index, action in enumerate(self.schedule.actions[self.rank]):
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
             x, y = micro_batches[mb]
-            shape, final = (x.shape[0], x.shape[1] // self.seq_divisor, dim), index == self.last_backward
+            shape, final = (x.shape[0], x.shape[1] // self.seq_divisor, self.dim), index == self.last_backward
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             # Inputs first, then the clock: a timeline shows compute, and waiting shows as gaps.
@@ -285,7 +305,7 @@ class PipelineExecutor:
             elif action.kind in ("B", "I"):
                 grad = None  # the last stage starts backward from its loss
             began = clock() if clock else 0.0
-            with TIMER.span("compute", "compute", str(action)):  # minus the collectives inside
+            with self.group.timer.span("compute", "compute", str(action)):  # minus the collectives inside
                 if action.kind == "F":
                     slot = slots.setdefault((mb, s), _Slot())
                     with autocast():
@@ -302,6 +322,7 @@ class PipelineExecutor:
                 elif action.kind == "B":
                     slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
                     self.dp.backward(slot.out, grad, last_micro_batch=final)
+                    self.after_backward()
                     if s > 0:
                         self._send(slot.inp.grad, s - 1, (GRAD, mb, s), local, sends)
                 elif action.kind == "I":  # input gradient only; W finishes this backward later
@@ -314,12 +335,13 @@ class PipelineExecutor:
                     slot = slots.pop((mb, s))
                     with self.dp.reducing(last_micro_batch=final):
                         slot.split.weight_grad()
+                    self.after_backward()
             if clock:
                 stats.timeline.append((began, clock(), str(action)))
             stats.peak_held_bytes = max(stats.peak_held_bytes, _held_bytes(slots))
         # A pipeline of one stage sends nothing: joining the helper thread is no pp time.
         pp = self.group.size > 1
-        with TIMER.blocked(self.group.label, "sends in flight") if pp else contextlib.nullcontext():
+        with self.group.timer.blocked(self.group.label, "sends in flight") if pp else contextlib.nullcontext():
             sends.finish()  # every activation and gradient has left before its buffer is reused
         if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
             param, group = self.tied
@@ -327,7 +349,7 @@ class PipelineExecutor:
         return stats
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], dim: int,
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                      autocast=contextlib.nullcontext, positions: torch.Tensor | None = None) -> float:
         """Sum of token losses over the micro-batches (last stage only), for evaluation."""
         ACT, total, local, sends = 0, 0.0, {}, _Sends(PipelineStats())
@@ -337,7 +359,7 @@ class PipelineExecutor:
                 positions = torch.arange(x.shape[1], device=x.device)
             for s in sorted(self.chunks):  # each micro-batch through the stages in order: no deadlock
                 if s > 0:  # from the previous stage: another rank, or this one (then `local` has it)
-                    shape = (x.shape[0], x.shape[1] // self.seq_divisor, dim)
+                    shape = (x.shape[0], x.shape[1] // self.seq_divisor, self.dim)
                     h = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local)
                 with autocast():
                     h = self.chunks[s](self.chunks[s].embed(h), positions)

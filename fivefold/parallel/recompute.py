@@ -15,30 +15,31 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fivefold.config import Config
+from fivefold.mesh import Mesh
 from fivefold.model import Transformer
-from fivefold.parallel.timing import TIMER
+from fivefold.parallel.timing import StepTimer
+from fivefold.validate import Derived
 
 
-def _timed_recompute():
-    """checkpoint()'s contexts: none around the forward, the step timer's "recompute" part around
-    the forward it runs again inside backward (its collectives still count to their axes)."""
-    return contextlib.nullcontext(), TIMER.span("recompute")
-
-
-def _recomputed(fn, *args):
+def _recomputed(timer: StepTimer, fn, *args):
     if torch.compiler.is_compiling():  # traced contexts must be TorchDispatchModes: left in compute
         return checkpoint(fn, *args, use_reentrant=False)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_timed_recompute)
+    # checkpoint()'s contexts: none around the forward, the step timer's "recompute" part around
+    # the forward it runs again inside backward (its collectives still count to their axes).
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=lambda: (contextlib.nullcontext(), timer.span("recompute")))
 
 
-def apply_recompute(model: Transformer, mode: Literal["none", "selective", "full"]) -> None:
+def apply_recompute(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> None:
+    """Wrap each block (full) or its attention core (selective) in activation checkpointing."""
+    mode = cfg.train.recompute
     for block in model.layers.values():
         if mode == "full":
-            block.forward = partial(_recomputed, partial(type(block).forward, block))
+            block.forward = partial(_recomputed, mesh.timer, partial(type(block).forward, block))
         elif mode == "selective":
-            block.attn.core = partial(_recomputed, block.attn.core)
+            block.attn.core = partial(_recomputed, mesh.timer, block.attn.core)

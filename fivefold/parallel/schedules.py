@@ -1,43 +1,16 @@
-"""Pipeline-parallel schedules as plain data, plus a simulator that times them.
+"""Pipeline-parallel schedules as plain data: for every rank, the ordered list of what it computes.
 
-What a schedule is
-------------------
-Pipeline parallelism cuts the model's layers into *stages* and gives each rank
-(GPU) one or more of them. A batch is split into ``m`` micro-batches; every
-micro-batch must go forward through stage 0, 1, ..., S-1 and then backward
-through S-1, ..., 0. A *schedule* is nothing more than, for every rank, the
-ordered list of what it computes: "forward of micro-batch 3 on stage 1", then
-"backward of micro-batch 0 on stage 1", and so on. The schedules differ only
-in that order (and in how layers are placed on ranks), yet that order decides
-both how long the step takes and how many activations each rank must keep.
+A batch is split into m micro-batches; each goes forward through stages 0..S-1 and backward back
+down. A schedule is, per rank, the order of those actions ("F3s1": forward of micro-batch 3 on
+stage 1; "B" a full backward; zero-bubble schedules split it into "I", the input gradient the
+upstream rank waits for, and "W", the weight gradients nobody waits for) plus where each stage
+lives. The order decides the step time (the pipeline bubble: GPipe and 1F1B idle (p-1)/m of their
+compute) and how many activations a rank holds.
 
-The two bubble figures
-----------------------
-While a rank waits for its neighbour it sits idle: the pipeline *bubble*.
-The literature quotes it two ways, and we always report both:
-
-* ``bubble_ratio = idle / compute`` -- idle time relative to the useful work.
-  GPipe and 1F1B give ``(p-1)/m`` (Narayanan et al. 2021 write it this way);
-  interleaving with ``v`` chunks per rank divides it by ``v``.
-* ``bubble_fraction = idle / (p * makespan)`` -- the share of wall-clock time
-  the GPUs are idle: ``(p-1)/(m+p-1)`` for GPipe and 1F1B.
-
-For p = 8, m = 32 that is 21.9 % and 17.9 %: the same bubble, two denominators.
-
-Why schedules are data
-----------------------
-The generators below return lists of :class:`Action`; they never touch a GPU or
-``torch.distributed``. The same lists are consumed by the runtime executor
-(which turns each action into compute + send/recv), by the planner (which
-calls ``simulate()`` (``simulate.py``) to compare schedules under measured costs) and by the
-pictures in ``fivefold.viz.schedule``. One source of truth means the picture
-you look at is exactly what the executor will run, and a schedule can be tested
-for deadlocks and memory without a cluster.
-
-Backward kinds: "B" is a full backward. Zero-bubble schedules (Qi et al. 2023)
-split it into "I" (gradient w.r.t. the stage input, which the upstream rank is
-waiting for) and "W" (gradient w.r.t. the weights, which nobody waits for, so
-it can be moved into otherwise idle slots).
+The generators below never touch torch. The same lists are run by the executor (pipeline.py),
+timed by `simulate()` (simulate.py, which also proves they cannot deadlock), priced by the planner
+and drawn by `fivefold viz schedule`: one source of truth. The bubble formulas, each schedule's
+memory and why zero-bubble and V schedules work are derived in docs/pipeline-schedules.md.
 """
 
 from __future__ import annotations

@@ -17,21 +17,23 @@ Collectives per transformer block, forward (backward has the conjugates):
 
 Every layer is built from the full layer and keeps its slice, so every layout starts from the
 same weights. Each sharded weight records the dim it is split along (`tp_dim`), so checkpoints
-can describe it as a DTensor Shard(tp_dim) on the tp axis.
+can describe it as a DTensor Shard(tp_dim) on the tp axis (state_dict.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
+from fivefold.config import Config
 from fivefold.mesh import Mesh
 from fivefold.model import FeedForward, Transformer
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
+from fivefold.validate import Derived
 
 
 def _shard(weight: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
@@ -162,11 +164,31 @@ TP_PLAN: dict[str, type[nn.Module]] = {
 }
 
 
-def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: bool) -> None:
+@dataclass(frozen=True)
+class TensorParallel:
+    """What the rest of the step needs from tensor parallel: the loss over vocabulary-sharded logits,
+    and how many tokens of a sequence an activation between pipeline stages holds."""
+
+    group: AxisGroup
+    sequence_parallel: bool
+    vocab_limit: int  # token ids from here on are padding (the vocabulary was padded to divide by tp)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Sum of token losses from (B, T, V/tp) logits (a plain cross-entropy at tp = 1)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_limit)
+
+    @property
+    def seq_divisor(self) -> int:
+        """Activations outside tp regions hold T / seq_divisor tokens (T / tp with sp)."""
+        return self.group.size if self.sequence_parallel else 1
+
+
+def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> TensorParallel:
     """Swap the model's layers for their tensor-parallel versions in place (no-op at tp = 1)."""
-    group = mesh.group("tp")
+    group, sequence_parallel = mesh.group("tp"), cfg.parallel.sp
+    state = TensorParallel(group, sequence_parallel, derived.vocab_limit)
     if group.size == 1:
-        return
+        return state
     for block in model.layers.values():
         # An MoE block's experts are not split by tp (expert parallel shards them instead): each
         # tp rank routes the same tokens through whole experts (validate() refuses sp with MoE).
@@ -189,55 +211,10 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, sequence_parallel: boo
         # normalises its own T/tp tokens). Without sp the block norms' inputs are identical.
         if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and "norm" in name):
             p.register_hook(lambda g: _summed_over(g, group))
+    return state
 
 
 def _summed_over(grad: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     grad = grad.clone()
     comms.all_reduce(grad, group)
     return grad
-
-
-# ---- state: tp shards as DTensors for checkpoints, or gathered whole for tests and export ------------
-def _tp_dims(model: nn.Module) -> dict[str, int]:
-    return {name: p.tp_dim for name, p in model.named_parameters() if hasattr(p, "tp_dim")}
-
-
-def tp_shards_as_dtensors(state: dict, model: nn.Module, mesh: Mesh, prefix: str = "") -> dict:
-    """Wrap each tp-sharded tensor of `state` as a DTensor Shard(tp_dim) on the tp axis."""
-    return shards_as_dtensors(state, _tp_dims(model), mesh.device_mesh["tp"], prefix)
-
-
-def shards_as_dtensors(state: dict, dims: dict[str, int], device_mesh: DeviceMesh, prefix: str = "") -> dict:
-    """Wrap each tensor of `state` whose key is prefix + a parameter name in `dims` [+ "." + suffix]
-    as a DTensor Shard(dim) on the 1-D `device_mesh`, so a checkpoint records the whole shape."""
-    if not dims:
-        return state
-    out = {}
-    for key, value in state.items():
-        name = key[len(prefix):]
-        param = next((n for n in (name, name.rsplit(".", 1)[0]) if n in dims), None)
-        if param is None or not torch.is_tensor(value) or value.ndim == 0:
-            out[key] = value
-            continue
-        shape = list(value.shape)
-        shape[dims[param]] *= device_mesh.size()
-        out[key] = DTensor.from_local(value, device_mesh, [Shard(dims[param])], run_check=False, shape=torch.Size(shape),
-                                      stride=torch.empty(shape, device="meta").stride())
-    return out
-
-
-def dtensors_as_local(state: dict) -> dict:
-    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
-
-
-@torch.no_grad()
-def gather_tp_shards(state: dict[str, torch.Tensor], model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
-    """Whole tensors from each rank's tp slices (concatenated along the dim they were split on)."""
-    group, dims = mesh.group("tp"), _tp_dims(model)
-    out = dict(state)
-    for name, dim in dims.items():
-        local = state[name].movedim(dim, 0).contiguous()  # the flat all-gather concatenates dim 0
-        full = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
-        comms.all_gather(full, local, group)
-        out[name] = full.movedim(0, dim)
-    return out

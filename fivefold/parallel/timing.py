@@ -10,7 +10,7 @@ wall time minus the spans opened inside it. So the parts of a step never overlap
   asynchronous collective runs and this thread computes, it is hidden and not counted. The tp, cp
   and ep collectives run inside forward and backward: nested in compute, so subtracted from it;
 - bubble: a pipeline stage waiting to receive an activation or gradient (nothing else to do);
-- optimizer, data: the loop's own spans (train/loop.py);
+- optimizer, data: the loop's own spans (train/step.py);
 - unattributed: the step's wall time minus all of the above, reported as its own part.
 
 Wall clock (perf_counter) on the calling thread: exact on CPU, where work runs on the thread that
@@ -79,7 +79,8 @@ class Flight:
 
 
 class StepTimer:
-    """This rank's step-time recorder; `TIMER` is the one the training code reports to.
+    """This rank's step-time recorder. The Mesh owns one and every AxisGroup carries it, so the code
+    that does the work (collectives, pipeline actions, recomputation) reports to its own mesh's timer.
 
     Outside a step (evaluation, checkpoints, tests that run the parallel code alone) every span
     is a no-op, and so is a span opened on another thread: the parts are the step thread's time.
@@ -126,6 +127,3 @@ class StepTimer:
         if self.events is None or not self.active:
             return None
         return Flight(self.events, axis, name)
-
-
-TIMER = StepTimer()

@@ -3,7 +3,12 @@
 What is sharded: with `zero = 1` the optimizer state (fp32 master weights and both AdamW moments),
 with `zero = 2` also the gradients, each over `dp_shard`; with dp_replicate > 1 (HSDP) and with
 context parallel the shards are replicated, and their gradients summed, over those ranks too.
-Collectives and their bytes are listed in `data.py` (Rajbhandari et al. 2020, "ZeRO").
+Collectives per optimizer step, with N ranks, G gradient bytes, P parameter bytes, M micro-batches
+(Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"):
+- ZeRO-1: one reduce-scatter per bucket on the last micro-batch, AdamW on this rank's shard, one
+  all-gather of the updated parameters: (N-1)/N x G + (N-1)/N x P.
+- ZeRO-2: a reduce-scatter per bucket on *every* micro-batch (the full gradient is freed as soon
+  as its bucket is reduced, never kept across micro-batches), then as ZeRO-1: (M+1)(N-1)/N x G.
 
 Shards: each parameter is split along dim 0 like torch.chunk: rank r owns rows [r c, (r+1) c)
 with c = ceil(rows / N), so every shard is a DTensor Shard(0) on the dp_shard mesh and
@@ -18,26 +23,28 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from fivefold.config import ParallelConfig, TrainConfig
+from fivefold.config import ParallelConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
-from fivefold.parallel.data import Bucket, DataParallel
+from fivefold.parallel.ddp import Bucket, DataParallel
+from fivefold.parallel.state_dict import zero_shard_as_dtensor
 
 
 class ZeroDataParallel(DataParallel):
     """ZeRO stage 1 or 2 over dp_shard (replicated over dp_replicate): sharded optimizer state."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig):
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig):
         self.stage = parallel.zero
         self.shard_group = mesh.group("dp_shard")
         # Ranks holding the same shard, whose gradients add up: HSDP replicas and context-parallel
         # ranks (other tokens of the same samples). Their traffic is gradient reduction: "dp".
         self.replica_groups = [mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp")]
-        super().__init__(model, mesh, parallel, train)
+        super().__init__(model, mesh, parallel)
+        self._make_shards()
 
-    def _build_optimizer(self, train: TrainConfig) -> torch.optim.Optimizer:
+    def _make_shards(self) -> None:
         n = self.shard_group.size
         self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.rows = {}  # id(param) -> rows each rank owns (c)
@@ -55,13 +62,9 @@ class ZeroDataParallel(DataParallel):
                 self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
                 self._copy_master_rows(p)
                 b.shard_numel.append(master.numel())
-        decay = [self.shards[id(p)] for p in self.params if p.ndim >= 2]
-        no_decay = [self.shards[id(p)] for p in self.params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, foreach=False)
-        for s in self.shards.values():  # the state AdamW would create at its first step, made now for checkpoints
-            opt.state[s] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(s), "exp_avg_sq": torch.zeros_like(s)}
-        return opt
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [self.shards[id(p)] for p in self.params]  # the fp32 masters, in parameter order
 
     @torch.no_grad()
     def _copy_master_rows(self, p: nn.Parameter) -> None:
@@ -107,12 +110,6 @@ class ZeroDataParallel(DataParallel):
             p.grad = None
         b.work = b.flat = b.out = None
 
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        return super()._optimizer_tensors() + list(self.shards.values())  # the fp32 masters
-
-    def _extra_grads(self) -> list[torch.Tensor]:
-        return [s.grad for s in self.shards.values()]
-
     def gradients(self) -> list[torch.Tensor]:
         return [s.grad for s in self.shards.values() if s.grad is not None]
 
@@ -124,17 +121,15 @@ class ZeroDataParallel(DataParallel):
         return self.shards[id(p)].grad
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on this rank's rows, then all-gather every parameter's rows from all ranks."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def after_step(self) -> None:
+        """All-gather every parameter's rows, updated by the optimizer on each rank's shard."""
         n = self.shard_group.size
         for b in self.buckets:
             local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
             full = local.new_empty(n * local.numel())  # (N sum(shard numel),) rank-major
             comms.all_gather(full, local, self.shard_group)
             per_rank = full.view(n, -1)
-            for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1)):
+            for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True):
                 self._write_rows(p, chunk, p)
 
     def _write_rows(self, p: nn.Parameter, per_rank: torch.Tensor, target: torch.Tensor) -> None:
@@ -142,19 +137,9 @@ class ZeroDataParallel(DataParallel):
         rows = target.movedim(self.zero_dims[id(p)], 0)
         rows.copy_(per_rank.reshape(self.shard_group.size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
 
-    # ---- checkpoints: every shard as a DTensor, so a later layout can reshard it ------------------
     def _dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
-        """This rank's rows as a DTensor of the whole matrix: Shard(zero dim) over dp_shard,
-        replicated over dp_replicate, and Shard(tp_dim) over tp for a tensor-parallel slice."""
-        zd, r, c = self.zero_dims[id(p)], self.shard_group.rank, self.rows[id(p)]
-        valid = max(0, min(c, p.shape[zd] - r * c))
-        shape, placements = list(p.shape), [Replicate(), Shard(zd), Replicate()]
-        if hasattr(p, "tp_dim"):
-            shape[p.tp_dim] *= self.mesh.size("tp")
-            placements[2] = Shard(p.tp_dim)
-        mesh = self.mesh.device_mesh["dp_replicate", "dp_shard", "tp"]
-        return DTensor.from_local(local[:valid].movedim(0, zd), mesh, placements, run_check=False,
-                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        """This rank's rows of p as a DTensor of the whole matrix, so a later layout can reshard it."""
+        return zero_shard_as_dtensor(p, local, self.zero_dims[id(p)], self.rows[id(p)], self.mesh)
 
     # ---- state ----------------------------------------------------------------------------------
     # The same keys as DDP's flattened optimizer state ("state.<param>.exp_avg", ...), each moment a
@@ -166,21 +151,21 @@ class ZeroDataParallel(DataParallel):
         for p in self.params:
             self._copy_master_rows(p)
 
-    def optim_state_dict(self) -> dict:
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         out = {}
         for p in self.params:
             s, name = self.shards[id(p)], self.names[id(p)]
-            state = self.optimizer.state[s]
+            state = optimizer.state[s]
             out[f"state.{name}.exp_avg"] = self._dtensor(p, state["exp_avg"])
             out[f"state.{name}.exp_avg_sq"] = self._dtensor(p, state["exp_avg_sq"])
             out[f"state.{name}.step"] = state["step"]
         return out
 
     @torch.no_grad()
-    def load_optim_state_dict(self, state: dict) -> None:
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         for p in self.params:
             s, name, zd = self.shards[id(p)], self.names[id(p)], self.zero_dims[id(p)]
-            mine = self.optimizer.state[s]
+            mine = optimizer.state[s]
             for key in ("exp_avg", "exp_avg_sq"):
                 rows = state[f"state.{name}.{key}"].to_local().movedim(zd, 0)
                 mine[key][: rows.shape[0]] = rows

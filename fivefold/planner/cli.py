@@ -184,7 +184,7 @@ def _search(args, cfg, hw, b: BytesPerParam) -> int:
 def _layer_parts(args: argparse.Namespace, rest: list[str]) -> tuple:
     """The distinct parts the --layers configs run on --nproc ranks; every config checked first."""
     from fivefold.config import load_config
-    from fivefold.planner.calibrate_layers import config_parts
+    from fivefold.planner.calibration.layers import config_parts
     from fivefold.validate import validate
 
     if rest and not args.layers:
@@ -202,13 +202,14 @@ def _layer_parts(args: argparse.Namespace, rest: list[str]) -> tuple:
 def run(args: argparse.Namespace, rest: list[str]) -> int:
     """Entry point for both commands (cli.main dispatches here)."""
     if args.command == "calibrate":
-        from fivefold.planner.calibrate import calibrate
+        from fivefold.planner.calibration.measure import calibrate
 
         hw = calibrate(args.nproc, args.quick, name=Path(args.out).stem, parts=_layer_parts(args, rest))
         Path(args.out).write_text(profile_toml(hw))
+        timed = hw.pricer.profile.layer_times
         print(f"wrote {args.out}: peak {hw.peak_flops / 1e9:.1f} GFLOP/s, copy {hw.hbm_bw / 1e9:.1f} GB/s, "
               f"collectives alpha {hw.intra_latency * 1e6:.0f} us, beta {hw.intra_bw / 1e9:.2f} GB/s"
-              + (f", {len(hw.layer_times)} model parts timed" if hw.layer_times else ""))
+              + (f", {len(timed)} model parts timed" if timed else ""))
         return 0
     from fivefold.planner.estimate import estimate
     from fivefold.validate import validate

@@ -4,22 +4,22 @@ Bytes use the same `comms.wire_bytes()` the running code counts with (bandwidth-
 all-reduce 2(N-1)/N x S, all-gather / reduce-scatter / all-to-all (N-1)/N x S, send S), so a
 prediction and a measurement are the same quantity. Per step, with M micro-batches per rank:
 
-- dp (gradient reduction over dp x cp; Rajbhandari et al. 2020; lecture notes 000_*):
+- dp (gradient reduction over dp x cp; Rajbhandari et al. 2020, "ZeRO", sec. 7):
   DDP: all-reduce of the gradients once (on the last micro-batch); ZeRO-1: reduce-scatter of the
   gradients + all-gather of the weights (same bytes as DDP); ZeRO-2: a reduce-scatter on every
   micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
-  the gradients per micro-batch (3 x params: 1.5x DDP at M = 1).
+  the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1).
 - tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
   two all-reduces in forward (attention, MLP) and two in backward, each of the (b, s/cp, d)
-  activation: 8 b s d (t-1)/t element-bytes per block (000_*); with sp an all-gather plus a
+  activation: 8 b s d (t-1)/t element-bytes per block; with sp an all-gather plus a
   reduce-scatter replace each all-reduce at the same bytes. Full recompute runs forward again
   (+2 per block). The vocabulary-parallel embedding and head add one each, and the loss three
   small ones of (b, s/cp) fp32 values (the max, the sum of exponentials, the target logit).
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
   (b s d elements, / t with sp), 2 M per chunk not at the model's ends.
 - cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops,
-  once in forward and K, V plus dK, dV in backward: 3 (C-1) x the K/V block; Ulysses:
-  four all-to-alls forward (q, k, v, out) and four backward.
+  once in forward and K, V plus dK, dV in backward: 3 (C-1) x the K/V block; Ulysses
+  (Jacobs et al. 2023): four all-to-alls forward (q, k, v, out) and four backward.
 - ep (GShard, Lepikhin et al. 2020): per MoE block and micro-batch, dispatch and combine in
   forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d).
 
@@ -36,7 +36,10 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config
 from fivefold.parallel.comms import wire_bytes
-from fivefold.planner.hardware import Hardware
+from fivefold.planner.datasheet import GB, Hardware
+from fivefold.planner.layout import axis_spans_nodes
+from fivefold.planner.pricing import ChunkWork, Row
+from fivefold.validate import Derived
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 LOSS_ALL_REDUCES = 3  # per micro-batch, inside parallel/tensor.py's _VocabParallelCrossEntropy
@@ -128,3 +131,32 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
     copies = b * local_seq * m.top_k * m.dim * act_bytes
     out["ep"].add("all_to_all", copies, p.ep, micro * moe_blocks * 2 * (fwd_passes + 1))
     return out
+
+
+def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param_b: float,
+                 act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row]]:
+    """Every axis's traffic of the busiest rank for one step (dp, tp, pp, cp, ep), timed on the links
+    its groups use, and one explain row per axis that sends anything. grad_b, param_b: bytes of one
+    gradient and one weight element on the wire."""
+    cfg, share, p = work.cfg, work.share, work.cfg.parallel
+    micro, n_shard, grad_ranks = d.grad_accum, d.dp_shard, d.dp * p.cp
+    traffic = {"dp": dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, share.params * grad_b,
+                                share.params * param_b, micro)}
+    pp_ends = int(share.first) + int(share.last) if p.pp > 1 else 0
+    traffic.update(activation_traffic(cfg, len(share.blocks), work.moe_blocks, work.chunks, share.first, share.last,
+                                      d.local_seq_len, micro, act_bytes, pp_ends))
+    rows = []
+    for axis, tr in traffic.items():
+        tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, axis)
+        tr.time_s = time_of(tr, hw)
+        where = "across nodes" if tr.inter_node else "inside a node"
+        if tr.bytes:
+            steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
+                               for op, k in tr.op_steps.items())
+            alpha_source = ("collective_alpha" if hw.collective_alpha
+                            else "inter_latency" if tr.inter_node else "intra_latency")
+            rows.append((f"{axis} traffic", f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: {steps} + "
+                         f"bytes / {link(hw, tr.inter_node)[0] / GB:.2f} GB/s = {tr.time_s * 1e3:.2f} ms",
+                         "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994); alpha: "
+                         + hw.sources.get(alpha_source, "profile")))
+    return traffic, rows

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fivefold.config import Config
 from fivefold.planner.counts import ModelCounts
-from fivefold.validate import derive
+from fivefold.validate import Derived
 
 # --layout keys -> config keys (everything else is refused with the list of valid keys)
 LAYOUT_KEYS = {
@@ -97,16 +97,16 @@ def rank_shares(cfg: Config, counts: ModelCounts) -> list[RankShare]:
     return shares
 
 
-def axis_spans_nodes(cfg: Config, world_size: int, gpus_per_node: int, axis: str) -> bool:
+def axis_spans_nodes(cfg: Config, d: Derived, gpus_per_node: int, axis: str) -> bool:
     """Whether a group of `axis` crosses a node boundary.
 
     Ranks are laid out as the mesh lays them (fivefold/mesh.py), outermost first
     (pp, dp_replicate, dp_shard, cp, tp): a group of axis X is `size` ranks `stride` apart, where
     stride is the product of the degrees inside X. It stays in a node when size x stride ranks fit
     in one (and nodes hold a multiple of that). The "dp" axis means the gradient view dp x cp; ep
-    groups are taken inside dp x cp, next to tp.
+    groups are taken inside dp x cp, next to tp. `d` is derive(cfg, world_size), as the estimate has it.
     """
-    p, d = cfg.parallel, derive(cfg, world_size)
+    p = cfg.parallel
     inner = {"tp": 1, "cp": p.tp, "ep": p.tp, "dp": p.tp, "pp": p.tp * p.cp * d.dp}[axis]
     size = {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": d.dp * p.cp, "pp": p.pp}[axis]
     span = inner * size

@@ -1,8 +1,9 @@
 """Memory of one rank: model state (parameters, gradients, optimizer state), activations, buffers.
 
-Model state follows the ZeRO paper's accounting (Rajbhandari et al. 2020, sec. 3; lecture notes
-000_*: "2 + 2 + 4 + 4 + 4 = 16 bytes per parameter"): with N = dp_shard ranks and b_p, b_g, b_o
-bytes per parameter for the weight, its gradient and its optimizer state,
+Model state follows the ZeRO paper's accounting (Rajbhandari et al. 2020, sec. 3.1: mixed-precision
+Adam keeps 2 + 2 + 12 = 16 bytes per parameter, a bf16 weight and gradient and fp32 master weight,
+momentum and variance): with N = dp_shard ranks and b_p, b_g, b_o bytes per parameter for the
+weight, its gradient and its optimizer state (sec. 5),
 
     DDP     (b_p + b_g + b_o) P           ZeRO-2   (b_p + (b_g + b_o) / N) P
     ZeRO-1  (b_p + b_g + b_o / N) P       ZeRO-3   (b_p + b_g + b_o) P / N
@@ -28,7 +29,7 @@ class BytesPerParam:
 
     param: float = 2.0  # bf16 weight
     grad: float = 2.0  # bf16 gradient
-    optimizer: float = 12.0  # fp32 master weight + two fp32 Adam moments (8 in the lecture's 12-byte table)
+    optimizer: float = 12.0  # fp32 master weight + two fp32 Adam moments (8 without the master copy)
 
     @classmethod
     def parse(cls, text: str) -> "BytesPerParam":
@@ -95,7 +96,8 @@ def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int
     """Communication staging (order of magnitude, not a byte count):
 
     dp: two gradient buckets in flight (parallel.bucket_mb each: one reducing while the next
-    fills, data.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and prefetched, fsdp.py);
+    fills, data.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and
+    prefetched, fsdp.py);
     pp: one activation sent and one received per micro-batch; tp with sp: one gathered input.
     """
     p, t, d = cfg.parallel, cfg.train, cfg.model.dim

@@ -1,25 +1,27 @@
 """Search layouts: enumerate, keep what validate() accepts and what fits, rank by step time.
 
-Choosing a layout automatically is an open problem (talk summary 001_*); this is the plain
-version: every combination of degrees (tp inside a node, pp dividing the layers, cp for long
+Choosing a layout automatically is a research problem of its own (Alpa, Zheng et al. 2022, and
+Galvatron, Miao et al. 2022, search with profiled costs and dynamic programming); this is the
+plain version: every combination of degrees (tp inside a node, pp dividing the layers, cp for long
 sequences, ep for MoE), ZeRO stage, sequence parallel, pipeline schedule, micro-batch size and
 recompute, each checked by the same `validate()` that guards `fivefold train`, each estimated by
 `estimate()`, the ones over memory dropped, the rest sorted by predicted step time. Every
-rejection is counted under its reason, so "nothing fits" says why.
+rejection is counted under its reason, so "nothing fits" says why. All the estimates of a search
+share one Memo, so each pipeline shape is simulated, and each model part traced, once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, replace
+from fivefold.planner.datasheet import Hardware
 from fivefold.planner.estimate import Estimate, estimate
-from fivefold.planner.hardware import Hardware
 from fivefold.planner.memory import BytesPerParam
+from fivefold.planner.pricing import Memo
 from fivefold.validate import validate
 
 
@@ -71,11 +73,11 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
 def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
            keep: int = 10) -> SearchResult:
     """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`."""
-    result = SearchResult(ranked=[])
+    result, memo = SearchResult(ranked=[]), Memo()
     checked: dict[Config, list[str]] = {}
-    # One pricing for every candidate: a profile's layer times cover only the shapes they were taken
-    # at, and a CPU prices parts higher timed whole than op by op, which would rank against them.
-    hw = dataclasses.replace(hw, layer_times=())
+    # One pricing for every candidate (a measured profile's drops its layer times: they cover only
+    # the shapes they were taken at; MeasuredPricer.for_search says why)
+    hw = dataclasses.replace(hw, pricer=hw.pricer.for_search())
     for cfg in candidates(base, world, hw.gpus_per_node):
         result.tried += 1
         # validate() builds the pipeline schedule, the slow part of a search; train.recompute
@@ -88,7 +90,7 @@ def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = Non
         if errors:
             result.rejected[_reason(errors[0])] += 1
             continue
-        est = estimate(cfg, world, hw, b, act_bytes)
+        est = estimate(cfg, world, hw, b, act_bytes, memo=memo)
         if not est.fits:
             result.rejected["does not fit in memory"] += 1
             continue

@@ -6,7 +6,8 @@ own data-parallel code holds them (fp32 weights and gradients, AdamW moments, Ze
 shards: memory.fivefold_state_bytes), activation bytes, wire bytes per axis per step (the same
 comms.wire_bytes() accounting the counters use) and, given a hardware profile, the step time:
 with one from `fivefold calibrate` on the machine that trains, the op-by-op price of the model's
-own code (estimate.py), which benchmarks/planner_selfcheck.py compares with the measured median.
+own code (its pricer, calibration/pricer.py), which benchmarks/planner_selfcheck.py compares with
+the measured median.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.config import Config
-from fivefold.planner.hardware import Hardware, get_hardware
+from fivefold.planner.datasheet import Hardware, get_hardware
 from fivefold.planner.estimate import estimate
 
 

@@ -28,9 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fivefold.parallel.data import DataParallel
+from fivefold.parallel.parallelize import Parallelized
 from fivefold.train.run_dir import PREFIX, checkpoint_dir, complete_checkpoints, latest_checkpoint
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; the previous complete one is untouched."""
@@ -76,7 +77,7 @@ class CheckpointWriter:
         self.published = threading.Event()
         self.error: BaseException | None = None  # publishing failed on the writer's thread
 
-    def save(self, step: int, dp: DataParallel, state: dict[str, Any]) -> Path:
+    def save(self, step: int, par: Parallelized, state: dict[str, Any]) -> Path:
         """Collective over the world: every rank calls it with the same step."""
         self.wait()
         rank = dist.get_rank()
@@ -87,7 +88,7 @@ class CheckpointWriter:
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
         error = _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
-        tensors = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
+        tensors = {"model": par.model_state_dict(), "optim": par.optim_state_dict()}
         publish = lambda: self._publish(tmp, final, {"step": step, **state})  # noqa: E731
         if self.group is None:
             # Collective: called on every rank, even one whose own file failed, or the others would hang.
@@ -198,10 +199,10 @@ def _first_failure(e: CheckpointException) -> str:
     return str(e).splitlines()[0][:200]
 
 
-def load_checkpoint(path: Path, dp: DataParallel) -> dict[str, Any]:
+def load_checkpoint(path: Path, par: Parallelized) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
-    target = {"model": dp.model_state_dict(), "optim": dp.optim_state_dict()}
+    target = {"model": par.model_state_dict(), "optim": par.optim_state_dict()}
     check_compatible(target, path)
     # In place, each rank reading the pieces it owns; nothing in the files can run code (safe_load.py).
     try:
@@ -210,8 +211,8 @@ def load_checkpoint(path: Path, dp: DataParallel) -> dict[str, Any]:
         raise CheckpointMismatchError(
             f"{path}: reading its tensors failed ({_first_failure(e)}); a data file is truncated or corrupt. "
             f"The run stops here, before any step: delete {path} to resume from the checkpoint before it") from None
-    dp.load_model_state_dict(target["model"])
-    dp.load_optim_state_dict(target["optim"])
+    par.load_model_state_dict(target["model"])
+    par.load_optim_state_dict(target["optim"])
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():  # absent when resuming with more ranks than wrote the checkpoint
         torch.set_rng_state(torch.load(rng, weights_only=True))

@@ -1,6 +1,11 @@
-"""The metrics log (one JSON object per step) and the progress display, both on rank 0 only.
+"""The metrics schema, its readers and the progress display, all on rank 0 only.
 
-Keys of a step's object in `metrics.jsonl` (later features add keys; none is ever renamed):
+Rank 0 writes one record per step, and one per event, through the sinks of `run.sinks`
+(train/sinks.py): metrics.jsonl always (one JSON object a line), TensorBoard and W&B when chosen.
+Every record carries `step`; an event record also carries `event`, a step record never does, so
+`read_metrics()` returns the steps and `read_events()` the events of the same file.
+
+Keys of a step record (later features add keys; none is ever renamed):
 
 | key | meaning |
 | --- | --- |
@@ -18,13 +23,23 @@ Keys of a step's object in `metrics.jsonl` (later features add keys; none is eve
 | val_loss | mean validation token loss (only on steps that evaluate) |
 | loss_scale, skipped | fp16 only: the loss scale after the step, and whether an overflow skipped it |
 | predicted | the planner's prediction for this layout (planner/selfcheck.py): model_state_bytes, activation_bytes, buffer_bytes, comm_wire_bytes per axis, step_time_s and its parts time_split (with `run.hardware`, else null) |
-| step_breakdown | {part: seconds} of the step, the mean over ranks of each rank's own measurement (parallel/timing.py); the parts add up to the ranks' mean step time: compute (F/B/I/W actions, timed directly), recompute (the forward run again in backward), bubble (a pipeline stage waiting to receive), exposed_dp/tp/pp/cp/ep (the thread blocked in that axis's collectives; asynchronous ones hidden behind compute are not counted), exposed_log (the metrics' own reductions: loss, expert loads), optimizer (unscale, clip, step), data (batch slicing and tensors), unattributed (the rest). A part no rank spent time in is left out; compute and unattributed are always there |
-| step_breakdown_max | the same parts, each the max over ranks (the slowest rank for that part; they do not add up) |
+| step_breakdown | logging steps only (every `train.log_every` steps and the last): {part: seconds} of the step, the mean over ranks of each rank's own measurement (parallel/timing.py); the parts add up to the ranks' mean step time: compute (F/B/I/W actions, timed directly), recompute (the forward run again in backward), bubble (a pipeline stage waiting to receive), exposed_dp/tp/pp/cp/ep (the thread blocked in that axis's collectives; asynchronous ones hidden behind compute are not counted), exposed_log (the metrics' own reductions: loss, expert loads), optimizer (unscale, clip, step), data (batch slicing and tensors), unattributed (the rest). A part no rank spent time in is left out; compute and unattributed are always there |
+| step_breakdown_max | logging steps only: the same parts, each the max over ranks (the slowest rank for that part; they do not add up) |
 | pipeline_timeline | pp > 1, every `train.log_every` steps: per pipeline rank (of rank 0's pipeline), its actions as [start_s, end_s, "F3s1"], seconds from the step's first action |
 | expert_load | MoE only: {block: copies the router sent to each expert during the step, all ranks} |
 | expert_max_over_mean | MoE only: {block: busiest expert's load / mean load} (1.0 = balanced) |
 | expert_dropped | MoE only: {block: copies dropped over capacity (moe_capacity_factor)} |
-"""
+
+Keys of an event record (kinds in sinks.EVENT_KINDS; a new kind or field gets its row here):
+
+| key | meaning |
+| --- | --- |
+| step | steps done when it happened (0 before the first step) |
+| event | the kind: "start" (a fresh run begins), "resume" (this job continues from the checkpoint of step `step`), "restart" (the launcher restarted the workers after a failure), "layout" (the mesh this job trains on, at every start and resume) |
+| checkpoint | resume: the checkpoint's path |
+| restarts | restart: restarts so far (TORCHELASTIC_RESTART_COUNT) |
+| world_size, dp, tp, pp, cp, ep | layout: processes and parallel degrees (a job resuming on fewer processes shows the change) |
+"""  # noqa: E501 - a markdown table row is one line, however long
 
 from __future__ import annotations
 
@@ -35,31 +50,23 @@ from typing import Any
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from fivefold.train.sinks import complete_lines
 
-class MetricsLog:
-    """Appends one JSON line per step; on resume, drops lines past the checkpoint's step first."""
 
-    def __init__(self, path: Path, resume_step: int | None):
-        self.path = path
-        if resume_step is not None and path.is_file():
-            text = path.read_text()
-            lines = text.splitlines()[: None if text.endswith("\n") else -1]  # a crash mid-write cut the last one
-            keep = [line for line in lines if line and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in keep))
-        elif resume_step is None:
-            path.write_text("")
-        self._file = path.open("a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # a crash must not lose the steps already done
-
-    def close(self) -> None:
-        self._file.close()
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSONL metrics file, steps and events in the order written (a last line cut
+    by a crash, or still being written, is left out)."""
+    return [json.loads(line) for line in complete_lines(path)]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    """The step records of a JSONL metrics file (events left out)."""
+    return [r for r in read_records(path) if "event" not in r]
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The event records of a JSONL metrics file: {"step": N, "event": kind, ...fields}."""
+    return [r for r in read_records(path) if "event" in r]
 
 
 class ProgressDisplay:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -12,16 +13,26 @@ from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; norms and biases (1-D parameters) get no weight decay, as in GPT-3 and Llama."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over a module's parameters or the given tensors (ZeRO steps fp32 shards); norms and
+    biases (1-D tensors) get no weight decay, as in GPT-3 and Llama."""
+    tensors = [p for p in params.parameters() if p.requires_grad] if isinstance(params, nn.Module) else list(params)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in tensors if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in tensors if p.ndim < 2], "weight_decay": 0.0},
     ]
     # foreach=False keeps the per-parameter arithmetic identical for 1 and N ranks.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
+    """The state AdamW would create at its first step, made now, so a checkpoint of any step has
+    every entry and a resumed optimizer has somewhere to load into (AdamW starts the same way)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -42,3 +42,4 @@ def check_run_dir(cfg: Config) -> list[str]:
         return [f"run directory '{run_dir}' already holds checkpoints; pass --resume to continue it, "
                 f"or choose another --run.name"]
     return []
+

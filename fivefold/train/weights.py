@@ -5,12 +5,12 @@ The source is a directory of safetensors: a seed checkpoint (`fivefold init`, `f
 through the name and layout mapping of `fivefold/hf.py`). Either way it is a WeightSource: names,
 whole shapes, and `read(name, index)` returning one box of a tensor in fivefold's layout.
 
-Which box a rank needs comes from the layout itself: `dp.model_state_dict()` describes every
+Which box a rank needs comes from the layout itself: `par.model_state_dict()` describes every
 entry this rank holds, a plain tensor (the whole thing: pp stages simply lack other stages' names)
 or a DTensor whose global shape and placements say how tp, ep and ZeRO-3 cut it. DTensor's own
 `compute_local_shape_and_global_offset` turns that into offsets and lengths, the source reads that
 box and nothing else (safetensors maps the file and copies the slice), and
-`dp.load_model_state_dict` puts the values in place. No rank reads or holds more than its share.
+`par.load_model_state_dict` puts the values in place. No rank reads or holds more than its share.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fivefold.train.safetensors_io import SafetensorsDir
 from fivefold.validate import padded_vocab
 
 if TYPE_CHECKING:
-    from fivefold.parallel.data import DataParallel
+    from fivefold.parallel.parallelize import Parallelized
 
 FIELD = "checkpoint.init_from"
 SEED_CONFIG = "fivefold.toml"  # beside a seed checkpoint's weights: the config it was made with
@@ -139,17 +139,16 @@ def local_box(value: torch.Tensor) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def load_weights(path: Path, dp: DataParallel, field: str = FIELD) -> None:
+def load_weights(path: Path, par: Parallelized, field: str = FIELD) -> None:
     """Put the weights in `path` into this rank's part of the model, under any layout.
 
-    `dp`: the data-parallel wrapper of a parallelized model (DataParallel, ZeRO or FSDP). Not a
-    collective: each rank reads its own slices. Raises WeightsMismatchError, before anything is
+    `par`: a parallelized model (parallel/parallelize.py). Not a collective: each rank reads its own slices. Raises WeightsMismatchError, before anything is
     read, if any tensor is missing or has another whole shape.
     """
     source, _ = open_weights(path, field)
-    state = dp.model_state_dict()
-    tied = dp.model.cfg.tie_embeddings
-    buffers = {k for k, _ in dp.model.named_buffers()}
+    state = par.model_state_dict()
+    tied = par.model.cfg.tie_embeddings
+    buffers = {k for k, _ in par.model.named_buffers()}
     problems = fit_problems(source, {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}, buffers, tied)
     if problems:
         raise WeightsMismatchError(f"{path} does not fit this model:\n  {_summary(problems)}")
@@ -161,4 +160,4 @@ def load_weights(path: Path, dp: DataParallel, field: str = FIELD) -> None:
         # In place: the state's tensors are the parameters (or ZeRO-3's shards) themselves, or copies
         # that load_model_state_dict below puts back; either way nothing larger than a slice is made.
         local.copy_(source.read(found, local_box(value)))
-    dp.load_model_state_dict(state)
+    par.load_model_state_dict(state)

@@ -86,7 +86,7 @@ def page() -> Page:
               '</div></div>'
               '<svg id="overlap" width="1040" height="180" role="img" aria-label="backward and all-reduce"></svg>'
               '<p id="link"></p>'),
-        notes=("<p>From <code>estimate()</code> (<code>fivefold/planner/estimate.py</code>, its data-parallel "
+        notes=("<p>From <code>estimate()</code> (<code>fivefold/planner/terms.py</code>, its data-parallel "
                "exposure): a ring all-reduce costs 2(N-1) link latencies plus 2(N-1)/N of the bytes over the "
                "link's bandwidth (NVLink inside a node, the NIC across nodes); the exposed time is "
                "<code>BucketOverlap.exposed_s</code> = max(all-reduce - backward, min(one bucket, all-reduce)). "

@@ -30,7 +30,7 @@ def calls_per_sample(fn: Callable[[], object], min_s: float = SAMPLE_S) -> int:
 
 def sample_turns(fns: dict[str, Callable[[], object]], samples: int, min_s: float = SAMPLE_S) -> dict[str, float]:
     """Median seconds per call of each function; the functions take turns, one sample each per turn,
-    so that a change of load hits them alike (what calibrate_host's differences need)."""
+    so that a change of load hits them alike (what host.py's differences need)."""
     calls = {k: calls_per_sample(fn, min_s) for k, fn in fns.items()}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(samples):

@@ -4,7 +4,7 @@ Everything is measured the way training runs: on `nproc` forked ranks at once, e
 thread count a training worker uses (`threads`: the cores shared out over the ranks, 1 when the
 ranks outnumber the cores), so the ranks contend for cores, caches and memory as they will; the
 ranks start each measurement together. Every timing is a median over samples about as long as a
-training step (timing.py: short ones would miss the preemptions a step pays for on a shared
+training step (sampling.py: short ones would miss the preemptions a step pays for on a shared
 machine). The compute measurements run in rounds, every one of them once a round, and each figure
 is the median over the rounds and then over the ranks: a neighbour's burst of load spoils one round
 of each figure, not every round of one.
@@ -22,20 +22,20 @@ What is measured, and what it becomes in the profile (every value's [sources] en
 - fivefold's own optimizer step (train/optim.py: AdamW foreach=False, gradient clipping,
   zero_grad) on many small and on a few large tensors -> optimizer_s_per_tensor and
   optimizer_s_per_element (two equations, two unknowns);
-- Python's fixed costs beyond the ops (calibrate_host.py): an nn.Module call, a custom autograd
+- Python's fixed costs beyond the ops (host.py): an nn.Module call, a custom autograd
   Function, a gradient hook, the loop's model-state sampling per parameter, a helper thread ->
   module_call_s, function_s, hook_s, tensor_query_s, thread_s;
 - with `--layers CONFIG`, the model's own blocks, embedding and head + loss, each built alone at
-  the shapes the config's ranks compute, forward and backward (calibrate_layers.py) -> layer_times;
+  the shapes the config's ranks compute, forward and backward (layers.py) -> layer_times;
 - the same compute started together on every rank, timed at lengths of 1 to 256 ms: how long the
-  slowest rank keeps a collective waiting (calibrate_sync.py) -> noise_curve;
+  slowest rank keeps a collective waiting (noise.py) -> noise_curve;
 - a large copy -> hbm_bw (bytes read + written per second);
-- every collective the parallel code uses (calibrate_comm.py), each after a burst of compute as
+- every collective the parallel code uses (collectives.py), each after a burst of compute as
   training issues it -> intra_bw (beta of the alpha-beta fit, bw_efficiency = 1 since beta is
   already achieved), intra_latency (its alpha) and collective_alpha (alpha per collective); local
   ranks share one "node", so the inter-node figures are set to the same values.
 Nothing is fitted to a training run: the planner's step time on this machine is then a
-prediction from these primitives (opcount.py prices the model's own ops with them, overheads.py
+prediction from these primitives (pricer.py prices the model's own ops with them, overheads.py
 the Python around them), and the self-check compares it with what `fivefold train` measures.
 """
 
@@ -44,13 +44,19 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import Callable
 
 import torch
 
-from fivefold.planner.calibrate_comm import alpha_per_op, collective_timings, fit_alpha_beta
-from fivefold.planner.calibrate_host import host_costs
-from fivefold.planner.hardware import Hardware
-from fivefold.planner.timing import SAMPLE_S, sample_time
+from fivefold.planner.calibration.collectives import alpha_per_op, collective_timings, fit_alpha_beta
+from fivefold.planner.calibration.host import host_costs
+from fivefold.planner.calibration.layers import time_parts
+from fivefold.planner.calibration.noise import noise_curve
+from fivefold.planner.calibration.opcount import trace
+from fivefold.planner.calibration.pricer import MeasuredPricer
+from fivefold.planner.calibration.profile import MeasuredProfile
+from fivefold.planner.calibration.sampling import SAMPLE_S, sample_time
+from fivefold.planner.datasheet import Hardware
 from fivefold.progress import progress_bar
 
 HOST = ("module_call_s", "function_s", "hook_s", "tensor_query_s", "thread_s")
@@ -79,29 +85,32 @@ def matmul_sweep(sizes: tuple[int, ...] = (128, 256, 512, 1024), dtype: torch.dt
     goes; the same matmul repeated on two warm operands runs faster than any step does.
 
     The rate is that of the time beyond the chain's fixed costs (its ops and views, counted by
-    opcount.trace, at op_s and view_s), which opcount.tally_time adds back per op; sizes whose
+    opcount.trace, at op_s and view_s), which profile.tally_time adds back per op; sizes whose
     time is all fixed cost get no point."""
-    from fivefold.planner.opcount import trace
-
     out = {}
     for n in sizes:
         layers = max(1, min(8, int(3e7 // (2 * n**3))))
-        weights = [torch.randn(n, n, dtype=dtype, requires_grad=True) for _ in range(layers)]
-        x0 = torch.randn(n, n, dtype=dtype, requires_grad=True)
-
-        def chain():
-            x = x0
-            for w in weights:
-                x = torch.nn.functional.linear(x, w)
-            x.backward(torch.ones_like(x))
-            for t in (x0, *weights):
-                t.grad = None
-
+        chain = _linear_chain(torch.randn(n, n, dtype=dtype, requires_grad=True),
+                              [torch.randn(n, n, dtype=dtype, requires_grad=True) for _ in range(layers)])
         tally = trace(chain)
         work = sample_time(chain, repeats, min_s) - tally.ops * op_s - tally.views * view_s
         if work > 0:
             out[n] = 2 * n**3 * 3 * layers / work
     return out
+
+
+def _linear_chain(x0: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
+    """x0 through linear layers of `weights`, forward and backward, gradients dropped after."""
+
+    def chain() -> None:
+        x = x0
+        for w in weights:
+            x = torch.nn.functional.linear(x, w)
+        x.backward(torch.ones_like(x))
+        for t in (x0, *weights):
+            t.grad = None
+
+    return chain
 
 
 def copy_bandwidth(nbytes: int = 64_000_000, repeats: int = 3) -> float:
@@ -126,8 +135,6 @@ def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 1
     Returns {"op_overhead_s", "view_overhead_s", "elementwise_curve": ((bytes per op, bytes/s), ...)}:
     the curve's rate is that of the time beyond the tiny chain's (the fixed cost).
     """
-    from fivefold.planner.opcount import trace
-
     def per_op(numel: int) -> float:
         w = torch.randn(numel, requires_grad=True)
         length = links if numel <= 65_536 else len(_MIX) * 2  # a long chain of MB-sized ops takes seconds
@@ -179,7 +186,7 @@ def optimizer_costs(repeats: int = 5, min_s: float = SAMPLE_S) -> tuple[float, f
         opt = build_optimizer(params, TrainConfig())
 
         def step():
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):  # one gradient per parameter
                 p.grad = g.clone()
             clip_grad_norm([p.grad for p in params], 1.0)
             opt.step()
@@ -209,30 +216,28 @@ def _median_of(values: list):
 
 def _compute_worker(rank: int, world: int, threads: int, quick: bool, parts: tuple = ()) -> dict:
     """Every compute measurement, on each of `world` ranks at once (each with `threads` threads);
-    `parts` (opcount.Part): the model's own parts to time whole (calibrate_layers.py)."""
+    `parts` (opcount.Part): the model's own parts to time whole (layers.py)."""
     import torch.distributed as dist
-
-    from fivefold.planner.calibrate_layers import time_parts
-    from fivefold.planner.calibrate_sync import noise_curve
 
     torch.set_num_threads(threads)
     sizes = (16, 32, 64, 128, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
     rounds, samples, min_s = (1, 3, SAMPLE_S / 5) if quick else (3, 5, SAMPLE_S)
     ops, opt, host, mm, layers, noise = [], [], [], [], [], []
     for _ in range(rounds):
-        for measure, into in ((lambda: op_costs(repeats=samples, min_s=min_s), ops),
-                              (lambda: optimizer_costs(samples, min_s), opt),
-                              (lambda: host_costs(samples, min_s), host),
-                              (lambda: matmul_sweep(sizes, repeats=3, min_s=min_s, op_s=ops[-1]["op_overhead_s"],
-                                                    view_s=ops[-1]["view_overhead_s"]), mm),
-                              (lambda: time_parts(list(parts), samples, min_s), layers),
-                              (lambda: noise_curve(budget_s=0.5 if quick else 2.0), noise)):
-            dist.barrier()
-            into.append(measure())
+        for take, into in ((lambda: op_costs(repeats=samples, min_s=min_s), ops),
+                           (lambda: optimizer_costs(samples, min_s), opt),
+                           (lambda: host_costs(samples, min_s), host),
+                           (lambda: matmul_sweep(sizes, repeats=3, min_s=min_s, op_s=ops[-1]["op_overhead_s"],
+                                                 view_s=ops[-1]["view_overhead_s"]), mm),
+                           (lambda: time_parts(list(parts), samples, min_s), layers),
+                           (lambda: noise_curve(budget_s=0.5 if quick else 2.0), noise)):
+            dist.barrier()  # every rank starts each measurement together, as training's ranks run
+            into.append(take())
     for o in ops:  # by size, so that sessions, ranks and rounds merge point by point
         o["elementwise_curve"] = dict(o["elementwise_curve"])
     return {**_median_of(ops), **_median_of(host), "optimizer": _median_of(opt), "matmul": _median_of(mm),
-            "layers": _median_of(layers), "noise": _median_of(noise), "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
+            "layers": _median_of(layers), "noise": _median_of(noise),
+            "copy": copy_bandwidth(8_000_000 if quick else 64_000_000)}
 
 
 def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, progress: bool = False,
@@ -240,7 +245,7 @@ def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, pro
     """One session of every measurement on nproc forked ranks (each figure the median over the
     ranks): {"compute": {...}, "collectives": {(op, tensor bytes): seconds}}. calibrate() makes a
     profile of one session; profile() of several, taken at different times (medians of each).
-    parts: opcount.Part to time whole (calibrate_layers.config_parts of the configs to plan)."""
+    parts: opcount.Part to time whole (layers.config_parts of the configs to plan)."""
     from fivefold.testing import run_workers
 
     threads = threads or threads_per_rank(nproc)
@@ -249,7 +254,8 @@ def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, pro
         compute = _median_of(run_workers(_compute_worker, nproc, threads, quick, tuple(parts), timeout=600.0))
         advance()
         rows = collective_timings(nproc, (4_096, 65_536, 1_048_576) if quick else (16_384, 262_144, 4_194_304),
-                                  repeats=((3, 4), (3, 2), (2, 1)) if quick else ((9, 16), (5, 4), (3, 1)), threads=threads)
+                                  repeats=((3, 4), (3, 2), (2, 1)) if quick else ((9, 16), (5, 4), (3, 1)),
+                                  threads=threads)
         advance()
     return {"compute": compute, "collectives": {(op, nbytes): t for op, nbytes, t in rows}}
 
@@ -308,25 +314,26 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
                          "backward, per module",
         "function_s": f"{host}: the same multiplies as a custom autograd.Function, less the bare chain, per Function",
         "hook_s": f"{host}: a sum of 100 leaves each with a post-accumulate-grad hook, less none, per hook",
-        "tensor_query_s": f"{host}: DataParallel.model_state_bytes on 100 parameters (gradient and AdamW state "
+        "tensor_query_s": f"{host}: state_memory.model_state_bytes on 100 parameters (gradient and AdamW state "
                           "each), per parameter",
         "thread_s": f"{host}: a thread draining a queue, started and joined (pipeline._Sends' pattern)",
     }
-    sources["noise_curve"] = (f"{host}: the same compute (0.1 ms units of small linear layers and tanh, forward and "
-                              "backward) started at a barrier on every rank, per length d: the slowest rank's lead over "
-                              "the mean, trimmed mean, over E[max of the ranks' standard normals] (calibrate_sync.py)")
+    sources["noise_curve"] = (f"{host}: the same compute (0.1 ms units of small linear layers and tanh, forward "
+                              "and backward) started at a barrier on every rank, per length d: the slowest rank's "
+                              "lead over the mean, trimmed mean, over E[max of the ranks' standard normals] "
+                              "(calibration/noise.py)")
     layers = c.get("layers") or {}
     if layers:
         sources["layer_times"] = (f"{host}: fivefold's own blocks, embedding and head + loss, each built alone at a "
-                                  "rank's shapes and run forward and backward on real tensors (calibrate_layers.py)")
+                                  "rank's shapes and run forward and backward on real tensors (calibration/layers.py)")
+    measured = MeasuredProfile(
+        threads=threads, op_overhead_s=c["op_overhead_s"], view_overhead_s=c["view_overhead_s"],
+        matmul_curve=tuple((2.0 * n**3, r) for n, r in rates.items()),
+        elementwise_curve=tuple(c["elementwise_curve"].items()), optimizer_s_per_tensor=per_tensor,
+        optimizer_s_per_element=per_element, layer_times=tuple((k, f, b) for k, (f, b) in sorted(layers.items())),
+        noise_curve=tuple(sorted(c.get("noise", {}).items())), **{k: c[k] for k in HOST})
     return Hardware(name=name, peak_flops=peak, memory_bytes=float(mem), hbm_bw=c["copy"], intra_bw=beta,
                     inter_bw=beta, pcie_bw=c["copy"], gpus_per_node=os.cpu_count() or 1,
                     compute_efficiency=statistics.median(rates.values()) / peak, bw_efficiency=1.0,
-                    intra_latency=alpha, inter_latency=alpha, threads=threads,
-                    op_overhead_s=c["op_overhead_s"], view_overhead_s=c["view_overhead_s"],
-                    matmul_curve=tuple((2.0 * n**3, r) for n, r in rates.items()),
-                    elementwise_curve=tuple(c["elementwise_curve"].items()), optimizer_s_per_tensor=per_tensor,
-                    optimizer_s_per_element=per_element, collective_alpha=per_op,
-                    layer_times=tuple((k, f, b) for k, (f, b) in sorted(layers.items())),
-                    noise_curve=tuple(sorted(c.get("noise", {}).items())),
-                    sources=sources, **{k: c[k] for k in HOST})
+                    intra_latency=alpha, inter_latency=alpha, collective_alpha=per_op, sources=sources,
+                    pricer=MeasuredPricer(measured))

@@ -1,17 +1,17 @@
 """`fivefold calibrate`, Python's share of a step: the fixed costs that are no aten op.
 
 A CPU rank runs every line of a step itself, and a tiny model's step is mostly fixed costs: besides
-the ops (calibrate.op_costs), each nn.Module call, each custom autograd.Function (tensor parallel's
+the ops (measure.op_costs), each nn.Module call, each custom autograd.Function (tensor parallel's
 collectives, the vocabulary-parallel loss), each Python hook on a gradient (data parallel's bucket
 hook), the loop's model-state sampling after each micro-batch and the pipeline's send thread cost
 time that no op count sees. Each is measured as the difference between two chains that run the
 same ops, one with the thing and one without, taken in turns so that both see the same load
-(timing.sample_turns):
+(sampling.sample_turns):
 
 - module_call_s: 100 multiplies, each inside an nn.Module's forward, against the bare multiplies;
 - function_s: the same multiplies as an autograd.Function (forward and backward in Python);
 - hook_s: a sum of 100 leaf tensors, each with a post-accumulate-grad hook, against none;
-- tensor_query_s: DataParallel.model_state_bytes on 100 parameters (each with a gradient and
+- tensor_query_s: state_memory.model_state_bytes on 100 parameters (each with a gradient and
   AdamW's three state tensors), per parameter;
 - thread_s: a helper thread draining a queue, started and joined, as the pipeline's sends do.
 """
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import queue
 import threading
-import types
 
 import torch
 from torch import nn
 
-from fivefold.planner.timing import SAMPLE_S, sample_turns
+from fivefold.planner.calibration.sampling import SAMPLE_S, sample_turns
 
 LINKS = 100
 
@@ -90,13 +89,14 @@ def host_costs(repeats: int = 9, min_s: float = SAMPLE_S) -> dict[str, float]:
 
 
 def _state_sampler(count: int):
-    """DataParallel.model_state_bytes (what train/loop.py samples after each micro-batch) on
-    `count` parameters, each with a gradient and AdamW's step, exp_avg and exp_avg_sq."""
-    from fivefold.parallel.data import DataParallel
+    """state_memory.model_state_bytes (what the pipeline samples after each micro-batch's backward)
+    on `count` parameters, each with a gradient and AdamW's step, exp_avg and exp_avg_sq."""
+    from fivefold.parallel.state_memory import model_state_bytes
+    from fivefold.train.optim import init_optimizer_state
 
     params = [nn.Parameter(torch.randn(64)) for _ in range(count)]
     for p in params:
         p.grad = torch.zeros_like(p)
-    state = [t for p in params for t in (torch.zeros(()), torch.zeros_like(p), torch.zeros_like(p))]
-    holder = types.SimpleNamespace(params=params, _extra_grads=lambda: [], _optimizer_tensors=lambda: state)
-    return lambda: DataParallel.model_state_bytes(holder)
+    optimizer = torch.optim.AdamW(params)
+    init_optimizer_state(optimizer)
+    return lambda: model_state_bytes(params, optimizer)

@@ -1,36 +1,32 @@
 """What one micro-batch dispatches: the aten ops of fivefold's own model code, counted, not guessed.
 
-On a GPU a small model's step is bound by FLOPs (kernels queue asynchronously behind a few
-microseconds of launch), but on a CPU every op is paid in full by the one thread that dispatches
-it: a tiny model's step is hundreds of small ops per block, forward and backward, each costing a
-fixed dispatch-and-autograd overhead that FLOPs do not see. So the planner, given a profile that
-measured those costs (`fivefold calibrate`), prices a micro-batch op by op:
-
-    time = sum over ops of (overhead + work),  work = FLOPs / matmul rate(size) for matmuls and
-                                               attention, bytes / copy rate(size) for the rest;
-    views (view, t, transpose, detach, ...) move no data and cost `view_overhead_s` alone.
-
-The op list comes from running `model.Block` (and the embedding, final norm, head and loss) forward
-and backward once under a `TorchDispatchMode`, on FakeTensors of the rank's true shapes (the tensor
-parallel slice: heads and FFN width / tp), so nothing is allocated and the CPU kernels are the ones
-selected. The same trace counts the nn.Module calls and the custom autograd Functions, which
-overheads.py prices. Results are cached per shape: a search traces each shape once.
+On a CPU every op is paid in full by the one thread that dispatches it, so a measured profile
+prices a micro-batch op by op (profile.tally_time, pricer.py); this module counts the ops. The op
+list comes from running `model.Block` (and the embedding, final norm, head and loss) forward and
+backward once under a `TorchDispatchMode`, on FakeTensors of the rank's true shapes (the tensor
+parallel slice: heads and FFN width / tp), so nothing is allocated and the CPU kernels are the
+ones selected. The same trace counts the nn.Module calls and the custom autograd Functions, which
+overheads.py prices. Nothing here is cached: the pricer keeps each part's tally in the caller's
+Memo, so a search traces each shape once.
 
 Known gap: on the 2-core test machine, a tiny block (64 tokens of width 64) runs 1.4-1.5x its
 op price: its matmuls cost 1.7x what the same calls cost replayed alone, its reductions 2-5x. Blocks
 small enough to be all fixed cost, and the debug model's, come within 15%. What an op costs depends
 on the ops around it (caches, the allocator), which no generic chain reproduces; a profile can time
-the parts themselves instead (`Part`, calibrate_layers.py), and the planner then uses those times.
+the parts themselves instead (`Part`, layers.py), and the pricer then uses those times.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from fivefold.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where it runs: loading a profile should not import it
+    import torch
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "_scaled_mm"}
 ATTENTION_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -103,7 +99,7 @@ def _record(tally: OpTally, func, args, kwargs, out) -> None:
                                        + _tensor_bytes(out))
 
 
-def trace(fn) -> OpTally:
+def trace(fn: Callable[[], object]) -> OpTally:
     """Run fn() (forward and backward) and tally every aten op it dispatches and module it calls."""
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -129,7 +125,7 @@ def trace(fn) -> OpTally:
     return tally
 
 
-def python_functions(out) -> int:
+def python_functions(out: torch.Tensor) -> int:
     """Custom autograd.Functions in the graph that produced `out` (each node once)."""
     import torch
 
@@ -154,7 +150,7 @@ def _rank_model(m: ModelConfig, tp: int) -> ModelConfig:
 @dataclass(frozen=True)
 class Part:
     """A piece of one rank's micro-batch that is priced as a whole, op by op, or timed as a whole by
-    `fivefold calibrate --layers` (calibrate_layers.py): a block, the embedding, or the final norm,
+    `fivefold calibrate --layers` (layers.py): a block, the embedding, or the final norm,
     head and loss, at the shapes one rank computes (heads, FFN width and vocabulary / tp)."""
 
     kind: str  # "block", "embedding" or "head"
@@ -180,7 +176,7 @@ class Part:
         qk = " qk_norm" if m.qk_norm else ""
         return f"block dim={m.dim} heads={rm.n_heads}/{rm.n_kv_heads} head_dim={rm.head_dim} {ffn}{qk} {tail}"
 
-    def build(self):
+    def build(self) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(forward, parameters, inputs): a closure running the part's forward on fresh inputs and
         initialised weights (real tensors, or FakeTensors under FakeTensorMode), returning the
         tensor to run backward from. The code training runs: under tp the vocabulary-parallel
@@ -229,7 +225,6 @@ def _fwd_bwd(forward) -> tuple[OpTally, OpTally]:
     return fwd, bwd
 
 
-@functools.lru_cache(maxsize=512)
 def part_tally(part: Part) -> tuple[OpTally, OpTally]:
     """Forward and backward tallies of one part, on FakeTensors: no memory, CPU kernels.
 
@@ -247,11 +242,11 @@ def part_tally(part: Part) -> tuple[OpTally, OpTally]:
     try:
         with FakeTensorMode():
             return run()
-    except Exception:  # data-dependent ops (MoE): real tensors, if they fit in a few hundred MB
+    except Exception as err:  # data-dependent ops (MoE): real tensors, if they fit in a few hundred MB
         m = part.model
         moe = m.n_experts * 3 * m.dim * (m.moe_ffn_dim or m.ffn_dim)
         if part.kind != "block" or part.batch * part.seq * max(m.dim, m.ffn_dim) * 32 + moe * 4 > 4e8:
-            raise ValueError("this block's ops depend on its values and it is too large to run for real")
+            raise ValueError("this block's ops depend on its values and it is too large to run for real") from err
         return run()
 
 
@@ -277,54 +272,3 @@ def ends_tally(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first:
     if first and last and m.tie_embeddings:
         fwd.params -= 1
     return fwd, bwd
-
-
-def _interp(points: tuple[tuple[float, float], ...], x: float) -> float:
-    """y at x, linear in log x between measured points, held flat beyond them."""
-    if not points:
-        return 0.0
-    pts = sorted(points)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    if x >= pts[-1][0]:
-        return pts[-1][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1:
-            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return y0 + w * (y1 - y0)
-    return pts[-1][1]
-
-
-def matmul_rate(hw, flops: float) -> float:
-    """Achieved FLOP/s of one matmul of `flops` FLOPs: the profile's measured curve, else peak x efficiency."""
-    if hw.matmul_curve:
-        return _interp(hw.matmul_curve, flops)
-    return hw.peak_flops * hw.compute_efficiency
-
-
-def elementwise_rate(hw, nbytes: float) -> float:
-    """Bytes/s one elementwise op moves at this size: the measured curve, else the copy bandwidth."""
-    if hw.elementwise_curve:
-        return _interp(hw.elementwise_curve, nbytes)
-    return hw.hbm_bw
-
-
-def noise_wait(hw, n: int, compute_s: float) -> float:
-    """Seconds a collective of n ranks waits for the slowest after compute_s of compute since their
-    last one: E[max of n standard normals] x the profile's noise scale at that length (0 without a
-    measured noise_curve: a catalog GPU)."""
-    from fivefold.planner.calibrate_sync import expected_max_normal
-
-    if n <= 1 or compute_s <= 0 or not hw.noise_curve:
-        return 0.0
-    return expected_max_normal(n) * _interp(hw.noise_curve, compute_s)
-
-
-def tally_time(t: OpTally, hw) -> dict[str, float]:
-    """Seconds of the tally on `hw`: {"overhead", "matmul", "attention", "elementwise", "total"}."""
-    overhead = t.ops * hw.op_overhead_s + t.views * hw.view_overhead_s
-    matmul = sum(f / matmul_rate(hw, f) for f in t.matmul_flops)
-    attention = sum(f / matmul_rate(hw, per_head) for f, per_head in t.attention)
-    elementwise = sum(b / elementwise_rate(hw, b) for b in t.elementwise_bytes)
-    return {"overhead": overhead, "matmul": matmul, "attention": attention, "elementwise": elementwise,
-            "total": overhead + matmul + attention + elementwise}

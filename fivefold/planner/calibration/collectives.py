@@ -3,7 +3,7 @@ forked gloo ranks as training issues it, and fitted to the planner's alpha-beta 
 
 Each collective is issued right after a burst of compute on every rank, as in training (one called
 back to back with the last finds the transport threads awake; one called after compute pays to
-wake them). A sample is the mean over several such calls, as a step pays for many (timing.py), and
+wake them). A sample is the mean over several such calls, as a step pays for many (sampling.py), and
 the collectives take turns from sample to sample, so that a neighbour's burst of load on this
 shared machine spoils one sample of each rather than every sample of one; the smallest size, where
 latency dominates, gets the most samples. A send is timed as half of a ping-pong, since what
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -33,6 +34,20 @@ def _burst(x: torch.Tensor, ops: int = 100) -> None:
     """About a millisecond of small ops: the compute a training step runs between collectives."""
     for _ in range(ops):
         x = x * 1.0001
+
+
+def _collectives(full: torch.Tensor, part: torch.Tensor, ping_pong: Callable[[torch.Tensor], None],
+                 ) -> dict[str, Callable[[], object]]:
+    """Each collective of OPS on this size's tensors (full: the whole, part: one rank's 1/world)."""
+    import torch.distributed as dist
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
+        "send": lambda: ping_pong(full),
+    }
 
 
 def _collective_worker(rank: int, world: int, sizes: tuple[int, ...], repeats: tuple[tuple[int, int], ...],
@@ -51,16 +66,9 @@ def _collective_worker(rank: int, world: int, sizes: tuple[int, ...], repeats: t
             dist.recv(t, 0)
             dist.send(t, 0)
 
-    for nbytes, (samples, calls) in zip(sizes, repeats):
+    for nbytes, (samples, calls) in zip(sizes, repeats, strict=True):  # one (samples, calls) per size
         n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by world
-        full, part = torch.ones(n), torch.ones(n // world)
-        ops = {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-            "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
-            "send": lambda: ping_pong(full),
-        }
+        ops = _collectives(torch.ones(n), torch.ones(n // world), ping_pong)
         times: dict[str, list[float]] = {op: [] for op in ops}
         for fn in ops.values():
             fn()  # warm-up
@@ -68,7 +76,7 @@ def _collective_worker(rank: int, world: int, sizes: tuple[int, ...], repeats: t
             for op, fn in ops.items():
                 dist.barrier()
                 spent = 0.0
-                for _ in range(calls):  # a sample as long as a training step's share (timing.py)
+                for _ in range(calls):  # a sample as long as a training step's share (sampling.py)
                     _burst(filler)  # as in training: compute, then the collective
                     start = time.perf_counter()
                     fn()
@@ -93,8 +101,11 @@ def fit_alpha_beta(rows: list[tuple[str, int, float]], n: int) -> tuple[float, f
     """Least squares of t = steps x alpha + wire / beta over every (op, size) timing -> (alpha, beta)."""
     xs = [(ring_steps(op, n), wire_bytes(op, nbytes, n), t) for op, nbytes, t in rows]
     # normal equations for two unknowns a = alpha, c = 1/beta
-    s11 = sum(s * s for s, _, _ in xs); s12 = sum(s * w for s, w, _ in xs); s22 = sum(w * w for _, w, _ in xs)
-    r1 = sum(s * t for s, _, t in xs); r2 = sum(w * t for _, w, t in xs)
+    s11 = sum(s * s for s, _, _ in xs)
+    s12 = sum(s * w for s, w, _ in xs)
+    s22 = sum(w * w for _, w, _ in xs)
+    r1 = sum(s * t for s, _, t in xs)
+    r2 = sum(w * t for _, w, t in xs)
     det = s11 * s22 - s12 * s12
     alpha, inv_beta = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
     if inv_beta <= 0:  # latency-dominated sizes: bandwidth from the largest transfer alone

@@ -1,35 +1,20 @@
 """Ring reduce-scatter, all-gather and all-reduce, built from point-to-point send and recv.
 
+(Ring *attention*, which passes K/V blocks around a ring, is context parallel: context.py.)
+
 The library collectives (`dist.all_reduce` on NCCL or gloo) already run a ring or something
-better; this module writes the ring out step by step so it can be read, replayed and checked. It
-is the algorithm the course texts teach and that `comms.wire_bytes` charges for.
+better; this module writes the ring out step by step so it can be read, replayed and checked, and
+it is the algorithm `comms.wire_bytes` charges for. Each of N ranks sends 2(N-1) chunks of S/N
+bytes, 2(N-1)/N x S in all, which no all-reduce can beat (Patarasuk and Yuan 2009); the price is
+2(N-1) sequential steps of latency. The derivation, the lower bound and a worked example are in
+docs/ring-all-reduce.md (`parallel.dp_collective = "ring"` runs DDP's reduction through it).
 
-Why the ring is bandwidth-optimal
----------------------------------
-N ranks each hold a tensor of S bytes and all want the sum. Cut every tensor into N chunks of
-S/N bytes and arrange the ranks in a ring: rank r only ever sends to r+1 and receives from r-1.
-- Reduce-scatter, N-1 steps: at each step every rank sends one chunk (a partial sum) to its next
-  neighbour, which adds its own contribution and passes it on the step after. A chunk visits all
-  N ranks in N-1 hops, so at the end each rank holds one chunk summed over all N ranks.
-- All-gather, N-1 steps: the completed chunks circulate the same way, overwriting instead of
-  adding, until every rank holds all N of them.
-Each rank sends 2(N-1) chunks of S/N bytes, i.e. 2(N-1)/N x S, which stays below 2S whatever N
-is: adding ranks does not add traffic per rank. No algorithm can do better: every rank must send
-at least (N-1)/N x S so the others can see its contribution, and receive as much to learn theirs
-(Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
-Compare the naive "everyone sends to rank 0, rank 0 sends back": rank 0 receives (N-1) x S.
-
-The price is latency: 2(N-1) steps run one after another, each paying the link's start-up time,
-so for small tensors or many ranks a tree (log N steps) wins. That is why NCCL picks between
-ring and tree by size, and why gradients are bucketed before they are reduced.
-
-Chunk convention (checked by tests/test_ring.py)
-------------------------------------------------
-Chunk c is elements [c*S/N, (c+1)*S/N) of the flat tensor. Rank r sends to (r+1) mod N and
-receives from (r-1) mod N. At reduce-scatter step s (0-based) rank r sends chunk (r-s-1) mod N
-and receives chunk (r-s-2) mod N, so after its last receive (s = N-2) rank r holds chunk r,
-reduced: the same layout as `dist.reduce_scatter_tensor`. At all-gather step s rank r sends chunk
-(r-s) mod N (its own completed chunk first) and receives chunk (r-s-1) mod N.
+Chunk convention (checked by tests/test_ring.py): chunk c is elements [c S/N, (c+1) S/N) of the
+flat tensor. Rank r sends to (r+1) mod N and receives from (r-1) mod N. At reduce-scatter step s
+(0-based) rank r sends chunk (r-s-1) mod N and receives chunk (r-s-2) mod N, so after its last
+receive (s = N-2) rank r holds chunk r, reduced: the same layout as `dist.reduce_scatter_tensor`.
+At all-gather step s rank r sends chunk (r-s) mod N (its own completed chunk first) and receives
+chunk (r-s-1) mod N.
 
 The schedules are pure data (no torch), so a web explainer can replay them; the executors below
 compute each step with the same helpers, so what is drawn and what runs cannot drift apart.
@@ -40,10 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from fivefold.parallel.comms import AxisGroup, named_errors
-from fivefold.parallel.timing import TIMER
+from fivefold.parallel import comms
+from fivefold.parallel.comms import AxisGroup
 
 
 @dataclass(frozen=True)
@@ -90,20 +74,9 @@ def ring_all_reduce_schedule(n: int) -> list[list[RingStep]]:
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, step: RingStep, group: AxisGroup) -> None:
-    """One ring step: post the send and the receive together, then wait for both.
-
-    Posting them in one batch matters: if every rank did a blocking send first, all N would wait
-    for a receiver that is itself stuck sending, and the ring would deadlock.
-    """
-    # P2P ops address peers by global rank, the schedule by rank within the group.
-    to = dist.get_global_rank(group.pg, step.send_to)
-    frm = dist.get_global_rank(group.pg, step.recv_from)
-    ops = [dist.P2POp(dist.isend, send, to, group=group.pg), dist.P2POp(dist.irecv, recv, frm, group=group.pg)]
-    with TIMER.blocked(group.label, "ring step"), named_errors("ring step", group, send.numel() * send.element_size()):
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    # Counted per step as a send of one chunk, so the totals are what this rank put on the wire.
-    group.stats.record(group.label, "send", send.numel() * send.element_size(), group.size)
+    """One ring step: post the send and the receive together (comms.exchange), then wait for both.
+    Counted as a send of one chunk, so the totals are what this rank put on the wire."""
+    comms.exchange(send, recv, step.send_to, step.recv_from, group, "ring step").wait()
 
 
 def _check_divisible(numel: int, n: int, what: str) -> None:

@@ -1,0 +1,38 @@
+"""The model section of the configuration (`[model]`): the shape of the network, nothing about how it
+is split. Its own module so that the presets (presets.py) and the whole schema (config.py) can
+both use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = ""  # name from fivefold.presets; its shape is the base that other model keys override
+    dim: int = 64  # hidden size d_model
+    n_layers: int = 8  # transformer blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention when < n_heads)
+    head_dim: int = 0  # per-head width; 0 = dim // n_heads
+    ffn_dim: int = 128  # SwiGLU hidden width of dense blocks
+    vocab_size: int = 0  # 0 = the tokenizer's vocabulary padded to data.vocab_multiple
+    tie_embeddings: bool = False  # output head shares the token embedding matrix
+    qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    init_std: float = 0.02  # std of the normal init; residual output projections get std/sqrt(2 n_layers)
+    # Mixture of experts (n_experts = 0 means a dense model).
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 2  # experts each token is routed to
+    moe_ffn_dim: int = 0  # hidden width of one expert; 0 = ffn_dim
+    n_shared_experts: int = 0  # always-on experts of width moe_ffn_dim each (DeepSeek, Qwen2-MoE)
+    first_dense_layers: int = 0  # leading blocks that keep a dense FFN (DeepSeek-V3: 3)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # routing probabilities
+    norm_topk: bool = True  # renormalise the top-k scores to sum to 1
+    # Load balancing (DeepSeek-V3 sec. 2.1.2): either or both.
+    moe_bias_update: float = 0.0  # aux-loss-free: per-expert routing bias step u after each step (DeepSeek-V3: 0.001); 0 = off
+    moe_aux_loss: float = 0.0  # weight alpha of the sequence-wise balance loss (DeepSeek-V3: 0.0001); 0 = off
+    moe_capacity_factor: float = 0.0  # 0 = dropless; else an expert takes at most cf x (tokens x top_k / n_experts) copies per rank, overflow dropped and counted

@@ -1,0 +1,37 @@
+"""Data parallel: the batch split over dp ranks, and with ZeRO the model state too.
+
+Which implementation a layout gets, by `parallel.zero` (Rajbhandari et al. 2020, "ZeRO"):
+
+| zero | module | sharded over dp_shard | traffic per rank per step (N ranks, M micro-batches) |
+| --- | --- | --- | --- |
+| 0 | ddp.py (DDP) | nothing | 2(N-1)/N x G, one all-reduce per bucket on the last micro-batch |
+| 1 | zero.py | optimizer state | (N-1)/N x G + (N-1)/N x P |
+| 2 | zero.py | + gradients | (M+1)(N-1)/N x G |
+| 3 | fsdp.py | + parameters | 3M(N-1)/N x P |
+
+G: gradient bytes, P: parameter bytes. With dp_replicate > 1 the shards are replicated across
+dp_replicate (HSDP). Every one of them reduces gradients over the grad view (dp x cp), expert
+gradients over expert_dp, and is a no-op reduction over one rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fivefold.config import Config
+from fivefold.mesh import Mesh
+from fivefold.parallel.ddp import DataParallel
+from fivefold.parallel.fsdp import FullyShardedDataParallel
+from fivefold.parallel.zero import ZeroDataParallel
+from fivefold.validate import Derived
+
+
+def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: Derived) -> DataParallel:
+    """Wrap `model` (this rank's part of it, after every other dimension) for gradient reduction:
+    DDP for zero = 0, ZeRO-1/2, or FSDP for zero = 3 (validate() refuses ZeRO with ep > 1)."""
+    p = cfg.parallel
+    if p.zero == 3:
+        return FullyShardedDataParallel(model, mesh, p)
+    if p.zero in (1, 2):
+        return ZeroDataParallel(model, mesh, p)
+    return DataParallel(model, mesh, p)

@@ -1,0 +1,53 @@
+"""How many bytes of model state this rank holds: parameters, gradients and optimizer state.
+
+Counted from the storages themselves, each storage once (views and tied weights share one), so a
+freed storage (ZeRO-3 resizes a parameter's storage to zero between uses; a pipeline frees a stage
+output once sent) counts nothing. The optimizer's share is its state (AdamW's moments) plus the
+tensors it steps that are not the model's parameters (ZeRO's fp32 master shards), and their
+gradients count as gradients. The metrics log reports the largest sample of a step; the planner's
+memory model (planner/memory.py) predicts the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """{params, grads, optimizer, total} bytes held now for the model's `params` and `optimizer`."""
+    seen: set[int] = set()
+
+    def size(tensors: list[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or t.untyped_storage().nbytes() == 0 or t.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+        return total
+
+    model = {id(p) for p in params}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    masters = [p for p in stepped if id(p) not in model]  # ZeRO's shards: optimizer state, not weights
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    out = {"params": size(list(params)),
+           "grads": size([p.grad for p in params] + [p.grad for p in masters]),
+           "optimizer": size(state + masters)}
+    return {**out, "total": sum(out.values())}
+
+
+class ModelStateMeter:
+    """The largest model_state_bytes() sampled (after each micro-batch's backward) since the last pop."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer):
+        self.params, self.optimizer = params, optimizer
+        self._peak: dict[str, int] = {}
+
+    def sample(self) -> None:
+        now = model_state_bytes(self.params, self.optimizer)
+        if now["total"] > self._peak.get("total", -1):
+            self._peak = now
+
+    def pop_peak(self) -> dict[str, int]:
+        peak, self._peak = self._peak, {}
+        return peak

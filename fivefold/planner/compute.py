@@ -1,0 +1,47 @@
+"""The compute of one micro-batch on one pipeline chunk, in FLOPs, on the busiest rank.
+
+Forward FLOPs of a block are 2 per multiply-add of each matmul weight a token goes through
+(counts.BlockParams.active_matmul: attention projections, a dense SwiGLU or the router, shared and
+top_k routed experts) plus the causal attention core, 2 s H hd per token (QK^T and PV, 2 FLOPs
+per multiply-add, halved for the mask). Tensor parallel cuts attention and dense MLPs by tp;
+routed experts, shared experts and the router run whole on every tp rank. The last stage adds
+the head's V x d matmul (cut by tp over the vocabulary). The hardware's pricer then turns this work
+into seconds (datasheet.ComputePricer).
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Config
+from fivefold.planner.counts import ModelCounts
+from fivefold.planner.layout import RankShare
+from fivefold.planner.pricing import ChunkWork
+from fivefold.validate import Derived
+
+
+def chunks_per_rank(cfg: Config) -> int:
+    """Model chunks one pipeline rank runs: its virtual stages, two for the V-shaped schedules."""
+    p = cfg.parallel
+    return p.virtual_stages if p.pp_schedule not in ("zb_v", "dualpipe_v") else 2
+
+
+def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare]) -> ChunkWork:
+    """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch * d.local_seq_len  # tokens of one micro-batch on one rank
+    attn_fwd_per_block = 2 * t.seq_len * m.n_heads * d.head_dim / p.tp  # causal: half of 4 s H hd
+    fwd_flops, moe_blocks = [], []
+    for s in shares:
+        flops = 0.0
+        for blk in s.blocks:
+            bp = counts.blocks[blk]
+            # tp cuts attention and dense MLPs; routed/shared experts and the router run whole
+            flops += 2 * bp.tp_split / p.tp + 2 * (bp.active_matmul - bp.tp_split) + attn_fwd_per_block
+        if s.last:
+            flops += 2 * counts.embedding / p.tp  # the head's V x d matmul
+        fwd_flops.append(flops * tokens)
+        moe_blocks.append(sum(1 for blk in s.blocks if counts.blocks[blk].experts))
+    worst = max(range(len(shares)), key=lambda r: fwd_flops[r])
+    share = shares[worst]
+    return ChunkWork(cfg=cfg, share=share, chunks=chunks_per_rank(cfg), vocab=d.vocab_size, local_seq=d.local_seq_len,
+                     moe_blocks=moe_blocks[worst], forward_flops=fwd_flops[worst],
+                     attention_forward_flops=attn_fwd_per_block * tokens * len(share.blocks))

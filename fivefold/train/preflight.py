@@ -1,0 +1,28 @@
+"""The checks of a run made before any process starts (and without torch unless init_from is set).
+
+`fivefold train` runs them on the launching node for every node's processes; `train()` called as
+a library runs them itself. A typo fails in under a second: the config's checks (validate.py) and
+the run directory's (run_dir.py) import no torch; only `checkpoint.init_from`, whose weights'
+headers are read against the model, does.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Config
+from fivefold.train import sinks
+from fivefold.train.run_dir import check_run_dir
+from fivefold.validate import validate
+
+
+def preflight(cfg: Config, world_size: int) -> list[str]:
+    """Every problem of a run of `cfg` on `world_size` processes: the config, the run directory,
+    the metric sinks' credentials, and the weights `checkpoint.init_from` names, each as one line naming
+    the field and the fix."""
+    errors = validate(cfg, world_size) + check_run_dir(cfg)
+    if not errors:
+        errors += sinks.preflight(cfg)  # online W&B without credentials (imports wandb only then)
+    if cfg.checkpoint.init_from:
+        from fivefold.train.weights import check_init_from
+
+        errors += check_init_from(cfg)
+    return errors

@@ -1,0 +1,136 @@
+"""One training step, the same code for 1 and N ranks:
+
+    data (this rank's slice of the global batch)
+      -> pipeline executor: forward and backward of every micro-batch (parallel/pipeline.py),
+         with tp/cp/ep collectives inside the layers and dp buckets reduced during the last backward
+      -> optimizer step: unscale, clip, AdamW, ZeRO's gather (Parallelized.optimizer_step)
+      -> MoE balancing (train/moe_balance.py), then the logged loss reduced over the ranks.
+
+Loss weighting (Li et al. 2020 discuss why averaging per-rank means is wrong with uneven batches):
+averaging each rank's mean loss gives a rank with padding or fewer tokens the same weight as a
+full one. Here every rank divides its *sum* of token losses by the step's *global* token count
+(all micro-batches, all ranks; known locally because batches are a pure function of the loader
+position), and gradients are *summed* over the grad view. The result is the gradient of the mean
+over every token of the global batch, identical to one process running the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fivefold.config import Config
+from fivefold.mesh import Mesh
+from fivefold.parallel import comms
+from fivefold.parallel.parallelize import NonFiniteGradient, Parallelized
+from fivefold.train.data import IGNORE, GlobalBatches, PackedDataset, rank_slice
+from fivefold.train.moe_balance import MoEBalancing
+from fivefold.train.optim import lr_at
+from fivefold.train.precision import LossScaler, autocast
+from fivefold.validate import Derived
+
+
+@dataclass
+class Run:
+    """Everything the steps of a run share, built once by loop.setup()."""
+
+    cfg: Config
+    derived: Derived
+    mesh: Mesh
+    par: Parallelized
+    train_set: PackedDataset
+    val_set: PackedDataset | None
+    loader: GlobalBatches
+    scaler: LossScaler
+    balancing: MoEBalancing
+    device: torch.device
+
+    def autocast(self):
+        return autocast(self.cfg.train, self.mesh.device_type)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum a last-stage value over the pipeline, then over the grad view (charged to "log")."""
+        comms.all_reduce(loss, self.mesh.group("pp"), label="log")
+        comms.all_reduce(loss, self.mesh.group("grad"), label="log")
+        return loss
+
+
+@dataclass
+class StepRecord:
+    """What one step produced: the metrics line (keys: train/metrics.py) and this rank's own timing."""
+
+    metrics: dict  # the same on every rank, except model_state_bytes (this rank's)
+    wall_s: float  # this rank's step time
+    parts: dict[str, float]  # this rank's step time by part (parallel/timing.py)
+    began: float  # perf_counter at the start
+    events: list | None  # the timer's spans, when the step was traced
+    timeline: list[tuple[float, float, str]]  # pp > 1: this rank's pipeline actions (start, end, name)
+    samples: list[int] = field(default_factory=list)  # this rank's sample indices
+    notes: list[str] = field(default_factory=list)  # lines to print (a skipped step)
+
+
+def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
+    """Optimizer step `step` (0-based) of the run; collective over every rank."""
+    mesh, par, t = run.mesh, run.par, run.cfg.train
+    timer = mesh.timer
+    began = timer.begin_step(trace=trace)
+    mesh.stats.reset()
+    lr = lr_at(step, t)
+    with timer.span("data"):
+        epoch, first = run.loader.state.epoch, run.loader.state.cursor
+        indices = run.loader.next_indices()
+        batch = rank_slice(run.train_set, indices, t.global_batch, run.derived.dp, mesh.rank("batch"), t.micro_batch)
+        micro = par.local_micro_batches(batch.micro_batches, run.device)
+        positions = par.positions(t.seq_len, run.device)
+    run.balancing.before(run.scaler.scale)
+    stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, positions=positions,
+                             clock=time.perf_counter if mesh.size("pp") > 1 else None)
+    with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
+        try:
+            outcome = par.optimizer_step(lr, run.scaler, t.grad_clip, stop_on_nonfinite=t.nonfinite == "stop")
+        except NonFiniteGradient as e:
+            raise FloatingPointError(nonfinite_message(step + 1, stats.loss, e.names)) from None
+        moe = run.balancing.after(outcome.applied)
+    comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
+    loss = run.reduce_loss(torch.tensor(stats.loss, dtype=torch.float64, device=run.device))  # last stage's, else 0
+    wall, parts = timer.end_step()
+    metrics = {"step": step + 1, "epoch": epoch, "loss": float(loss), "lr": lr, "grad_norm": outcome.grad_norm,
+               "tokens": batch.global_tokens, "samples": [first, first + len(indices)], "step_time_s": wall,
+               "tokens_per_s": batch.global_tokens / wall, "comm": comm,
+               "model_state_bytes": par.memory.pop_peak()}
+    if run.scaler.enabled:
+        metrics.update(loss_scale=run.scaler.scale, skipped=not outcome.applied)
+    metrics.update(moe)
+    notes = [] if outcome.applied or outcome.overflow else [
+        f"step {step + 1}: gradient norm {outcome.grad_norm}; step skipped (train.nonfinite = 'skip')"]
+    return StepRecord(metrics, wall, parts, began, timer.events, stats.timeline,
+                      samples=[int(i) for i in batch.indices], notes=notes)
+
+
+def nonfinite_message(step: int, loss: float, names: list[str]) -> str:
+    return (f"step {step}: the gradient is not finite (first: {names[0] if names else '?'}; {len(names)} parameters "
+            f"in all; this rank's loss share {loss}). Lower train.lr, raise train.warmup_steps or set "
+            f"train.grad_clip; train.nonfinite = 'skip' skips such steps instead; resume from the last checkpoint "
+            f"with --resume")
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean token loss over the first eval_batches global batches of the validation set."""
+    cfg, par, t = run.cfg, run.par, run.cfg.train
+    batches = GlobalBatches(run.val_set, t.global_batch, t.seed, shuffle=False)
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)  # (loss sum, tokens)
+    for _ in range(t.eval_batches):
+        indices = batches.next_indices()
+        batch = rank_slice(run.val_set, indices, t.global_batch, run.derived.dp, run.mesh.rank("batch"), t.micro_batch)
+        micro = par.local_micro_batches(batch.micro_batches, run.device)
+        total[0] += par.pipeline.forward_only(micro, autocast=run.autocast,
+                                              positions=par.positions(cfg.train.seq_len, run.device))
+        if par.pipeline.has_last_stage:  # where the loss is; the sum over dp ranks is the global count
+            total[1] += sum(int((y != IGNORE).sum()) for _, y in micro)
+        if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches
+            break
+    run.reduce_loss(total)
+    return float(total[0] / total[1])

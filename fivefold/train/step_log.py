@@ -1,0 +1,105 @@
+"""What a run reports of each step: the metrics record to the sinks, the progress display, the
+step-time table beside the planner's prediction, and Chrome traces of a few steps.
+
+Every rank calls `log()` for every step, because logging steps (`train.log_every`, and the last)
+gather every rank's step-time parts (and with pp > 1 the pipeline's timeline); only rank 0 writes
+and prints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fivefold.mesh import AXES
+from fivefold.parallel.comms import AxisGroup
+from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
+from fivefold.train.metrics import ProgressDisplay
+from fivefold.train.run_dir import run_dir_of
+from fivefold.train.sinks import open_sinks
+from fivefold.train.step import Run, StepRecord
+from fivefold.viz.trace import RankTrace
+
+
+class StepLog:
+    def __init__(self, run: Run, start: int, end: int, resumed_from: Path | None, prediction: dict | None,
+                 progress: bool):
+        cfg, mesh = run.cfg, run.mesh
+        self.run, self.end, self.prediction = run, end, prediction
+        self.rank = dist.get_rank()
+        self.run_dir = run_dir_of(cfg)
+        self.sinks = None
+        if self.rank == 0:  # before the progress bar: W&B prints a few lines as it starts
+            self.sinks = open_sinks(cfg, self.run_dir, start if resumed_from is not None else None)
+            self._events(start, resumed_from)
+        self.display = ProgressDisplay(cfg.train.steps, start, enabled=self.rank == 0, bar=progress)
+        self.window = BreakdownWindow()
+        self.world = AxisGroup("world", "log", None, dist.get_world_size(), self.rank, mesh.stats,
+                               cfg.parallel.collective_timeout_s, mesh.timer)
+        self.trace = None
+        if cfg.run.trace:  # from the job's second step (the first warms up), or its first if it is shorter
+            first = start + (2 if end - start > cfg.run.trace_steps else 1)
+            self.trace = RankTrace(self.rank, first, min(end, first + cfg.run.trace_steps - 1))
+
+    def _events(self, start: int, resumed_from: Path | None) -> None:
+        """The run's start as event records: a fresh start or a resume, a restart by the launcher
+        after a failure, and the layout it runs under (which a resume may have changed)."""
+        if resumed_from is None:
+            self.sinks.event(start, "start")
+        else:
+            self.sinks.event(start, "resume", checkpoint=str(resumed_from))
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts:
+            self.sinks.event(start, "restart", restarts=restarts)
+        self.sinks.event(start, "layout", world_size=dist.get_world_size(), ep=self.run.cfg.parallel.ep,
+                         **self.run.mesh.degrees)
+
+    def traces(self, step: int) -> bool:
+        """Is 1-based `step` traced?"""
+        return self.trace is not None and self.trace.covers(step)
+
+    def log_step(self, record: StepRecord, val_loss: float | None) -> dict:
+        """Report one step; collective on logging steps. Returns the metrics line as written."""
+        m = {**record.metrics, "predicted": self.prediction}
+        done, t = m["step"], self.run.cfg.train
+        if self.traces(done):
+            self.trace.add(done, record.began, record.wall_s, record.events)
+            if done == self.trace.last:
+                self.trace.write(self.run_dir)
+        self.window.add(done, record.wall_s, record.parts)
+        printed = done % t.log_every == 0 or done == self.end
+        table = None
+        if printed:  # every rank's parts, gathered outside the step's timed window
+            step_parts, window_parts, first = self.window.gather(self.world, self.run.device)
+            m.update(log_entries(step_parts))
+            if self.rank == 0:
+                table = breakdown_table(window_parts, first, done, self.prediction)
+            if self.run.mesh.size("pp") > 1:  # a few hundred actions per step
+                timeline = pipeline_timeline(record.timeline, self.run.mesh.group("pp"))
+                if timeline is not None:
+                    m["pipeline_timeline"] = timeline
+        if val_loss is not None:
+            m["val_loss"] = val_loss
+        if self.sinks is not None:
+            self.sinks.write(m)
+        for note in record.notes:
+            self.display.print(note)
+        self.display.update(done, m["loss"], m["tokens_per_s"])
+        if printed:
+            val = f"  val {val_loss:.4f}" if val_loss is not None else ""
+            self.display.print(f"step {done:>6}  loss {m['loss']:.4f}{val}  lr {m['lr']:.2e}  "
+                               f"grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s")
+            if table is not None:
+                self.display.print(table)
+        return m
+
+    def print(self, text: str) -> None:
+        self.display.print(text)
+
+    def close(self, failed: bool = False) -> None:
+        """failed: the run stops on an error (W&B marks the run crashed)."""
+        self.display.close()
+        if self.sinks is not None:
+            self.sinks.close(failed)
