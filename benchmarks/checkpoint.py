@@ -61,8 +61,12 @@ def _rank_bytes(folder: Path, rank: int) -> int:
 
 def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.nn.parallel import DistributedDataParallel
 
     from fivefold.mesh import Mesh
@@ -88,8 +92,10 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     for p in ddp.parameters():  # Adam's moments exist after a first step
         p.grad = torch.zeros_like(p)
     opt.step()
-    times: dict[str, list[float]] = {k: [] for k in ("save", "load", "async_blocking", "async_total", "torch_save", "torch_load")}
-    for i in range(rounds):
+    times: dict[str, list[float]] = {
+        k: [] for k in ("save", "load", "async_blocking", "async_total", "torch_save", "torch_load")}
+
+    def one_round(i: int) -> None:
         run, theirs = root / f"ff{i}", root / f"torch{i}"
         writer = CheckpointWriter(run, keep=1)
         times["save"].append(_timed(lambda: writer.save(1, par, {"loader": {}})))
@@ -112,6 +118,9 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
             set_optimizer_state_dict(ddp, opt, target["optim"])
 
         times["torch_load"].append(_timed(torch_load))
+
+    for i in range(rounds):
+        one_round(i)
     written = latest_checkpoint(root / "ff0")
     return {"times": {k: statistics.median(v) for k, v in times.items()},
             "bytes": _rank_bytes(written, rank), "torch_bytes": _rank_bytes(root / "torch0", rank),
@@ -134,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
             t = out[0]["times"]
             record = {"model": preset, "params": out[0]["params"], "zero": zero, "ranks": 2,
                       "seconds": {k: round(v, 4) for k, v in t.items()},
-                      "bytes_per_rank": [r["bytes"] for r in out], "torch_bytes_per_rank": [r["torch_bytes"] for r in out],
+                      "bytes_per_rank": [r["bytes"] for r in out],
+                      "torch_bytes_per_rank": [r["torch_bytes"] for r in out],
                       "save_ratio_fivefold_over_torch": round(t["save"] / t["torch_save"], 2),
                       "load_ratio_fivefold_over_torch": round(t["load"] / t["torch_load"], 2),
                       "async_blocking_over_blocking_save": round(t["async_blocking"] / t["save"], 2)}

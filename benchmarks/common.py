@@ -121,7 +121,7 @@ def alternate(sides: Sequence[Any], batches: Sequence[tuple[torch.Tensor, torch.
 
 def slowest_rank(results: list[list[dict]], kinds: Sequence[str]) -> dict[str, dict]:
     """The ranks' `alternate` results ([rank][side]) per side: a step takes as long as its slowest rank."""
-    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results))],
+    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results), strict=True)],
                    "losses": results[0][i]["losses"]}
             for i, kind in enumerate(kinds)}
 

@@ -75,7 +75,8 @@ def _axis(step: dict, axis: str, key: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser(__doc__, str(ROOT / "configs" / "tiny.toml"), COMPARISONS, steps=6, rounds=2, unit="comparison")
+    parser = make_parser(__doc__, str(ROOT / "configs" / "tiny.toml"), COMPARISONS, steps=6, rounds=2,
+                         unit="comparison")
     parser.add_argument("--nproc", type=int, default=2, help="ranks: cp (or dp and ep) degree")
     args, overrides = parse(parser, argv)
     began, summary = time.perf_counter(), {"summary": True, "nproc": args.nproc}
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                       "step_time_s": {s: round(t[s], 4) for s in sides},
                       "tokens_per_s": {s: round(tps[s], 1) for s in sides},
                       f"{axis}_calls_per_step": {s: _axis(steps[s][0], axis, "calls") for s in sides},
-                      f"{axis}_wire_bytes_per_step_per_rank": {s: _axis(steps[s][0], axis, "wire_bytes") for s in sides},
+                      f"{axis}_wire_bytes_per_step_per_rank": {s: _axis(steps[s][0], axis, "wire_bytes")
+                                                               for s in sides},
                       "loss_first_step": [first[a], first[b]],
                       "loss_check": "ok" if abs(first[a] - first[b]) <= 1e-5 else "MISMATCH"}
             if name == "cp":

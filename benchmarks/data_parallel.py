@@ -83,9 +83,21 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
-from benchmarks.common import (alternate, comparison_record, finish_summary, log, make_parser,  # noqa: E402
-                               measure_peak, median, memory_fields, memory_over_ranks, parse, prewarm, report,
-                               slowest_rank)
+from benchmarks.common import (  # noqa: E402
+    alternate,
+    comparison_record,
+    finish_summary,
+    log,
+    make_parser,
+    measure_peak,
+    median,
+    memory_fields,
+    memory_over_ranks,
+    parse,
+    prewarm,
+    report,
+    slowest_rank,
+)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402

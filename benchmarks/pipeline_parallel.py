@@ -12,12 +12,12 @@ CPU, fp32), the same model, initial weights and micro-batches:
 The model is fivefold's Transformer (`build_model`, seeded) from configs/tiny.toml with dim 128,
 ffn 384, 8 layers, seq 128; a step is global batch 16 in m = 8 micro-batches of 2. fivefold runs it
 the way train/step.py does: `parallelize()` (apply_pipeline_parallel + PipelineExecutor),
-`pipeline.run()`, `optimizer_step()` (the global-norm clip over the pp group, AdamW). The torch side builds, on each rank, one
-nn.Module per stage around the very same modules (embedding on the first stage, its blocks, final
-norm + head on the last; RoPE tables computed in forward as fivefold's StageChunk does), a
-`PipelineStage` with static example shapes (so no metadata travels at run time), and the schedule
-with `loss_fn` = fivefold's `cross_entropy_sum` / global token count and `scale_grads=False`
-(the loss is already divided by the step's token count, as fivefold's). It calls
+`pipeline.run()`, `optimizer_step()` (the global-norm clip over the pp group, AdamW). The torch side
+builds, on each rank, one nn.Module per stage around the very same modules (embedding on the first
+stage, its blocks, final norm + head on the last; RoPE tables computed in forward as fivefold's
+StageChunk does), a `PipelineStage` with static example shapes (so no metadata travels at run time),
+and the schedule with `loss_fn` = fivefold's `cross_entropy_sum` / global token count and
+`scale_grads=False` (the loss is already divided by the step's token count, as fivefold's). It calls
 `schedule.step(x, target=y, losses=..., return_outputs=False)` (x on the rank of the first stage,
 target and losses on the rank of the last; fivefold keeps no logits either), clips with torch's
 `get_total_norm` (the squared norm all-reduced over the pp group) and `clip_grads_with_norm_`, and
@@ -75,12 +75,25 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B  # noqa: E402
 
-from benchmarks.common import (alternate, comparison_record, finish_summary, log, make_parser,  # noqa: E402
-                               measure_peak, median, memory_fields, memory_over_ranks, memory_runs, parse,
-                               prewarm, report, slowest_rank, timed_rounds)
+from benchmarks.common import (  # noqa: E402
+    alternate,
+    comparison_record,
+    finish_summary,
+    log,
+    make_parser,
+    measure_peak,
+    median,
+    memory_fields,
+    memory_over_ranks,
+    memory_runs,
+    parse,
+    prewarm,
+    report,
+    slowest_rank,
+    timed_rounds,
+)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin  # noqa: E402
@@ -157,7 +170,7 @@ class FivefoldSide:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
         t, par = self.cfg.train, self.par
-        micro = list(zip(x.split(t.micro_batch), y.split(t.micro_batch)))  # m micro-batches, in order
+        micro = list(zip(x.split(t.micro_batch), y.split(t.micro_batch), strict=True))  # m micro-batches, in order
         stats = par.pipeline.run(micro, x.numel(), clock=clock)
         par.optimizer_step(t.lr, self.scaler, t.grad_clip, stop_on_nonfinite=True)
         if clock:
@@ -185,7 +198,7 @@ class TorchSide:
         self.first, self.last = 0 in mine, n_stages - 1 in mine
         mb, T, vocab = t.micro_batch, t.seq_len, derive(cfg, world).vocab_size
         stages = []
-        for s, module in zip(mine, self.modules):
+        for s, module in zip(mine, self.modules, strict=True):
             # Static example shapes: non-first inputs and every output need requires_grad (docs/torch-cpu-notes.md).
             inp = (torch.zeros(mb, T, dtype=torch.long) if s == 0
                    else torch.zeros(mb, T, m.dim, requires_grad=True))
@@ -269,11 +282,12 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
     for i, (x, y) in enumerate(_batches(cfg, warmup + steps)):
         _timed_step(side, x, y, clock=time.perf_counter if i >= warmup else None)
     parts = {"compute": [], "wait_inputs": [], "other": [], "step": []}
-    for (began, ended), timeline in zip(side.step_spans, side.timelines):
+    for (began, ended), timeline in zip(side.step_spans, side.timelines, strict=True):
         compute = sum(e - s for s, e, _ in timeline)
         # Before each action: the gap since the previous one ended (or since the step began) is
         # the wait for its input (a recv); after the last action: final send waits, clip, AdamW.
-        waits = sum(s - prev for (s, _, _), prev in zip(timeline, [began] + [e for _, e, _ in timeline[:-1]]))
+        waits = sum(s - prev for (s, _, _), prev in zip(timeline, [began] + [e for _, e, _ in timeline[:-1]],
+                                                        strict=True))
         parts["compute"].append(compute)
         parts["wait_inputs"].append(waits)
         parts["other"].append(ended - timeline[-1][1])

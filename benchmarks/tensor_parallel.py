@@ -95,12 +95,32 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (  # noqa: E402
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
-from benchmarks.common import (alternate, comparison_record, finish_summary, log, make_parser,  # noqa: E402
-                               measure_peak, median, memory_fields, memory_over_ranks, memory_runs, parse,
-                               prewarm, report, slowest_rank, timed_rounds)
+from benchmarks.common import (  # noqa: E402
+    alternate,
+    comparison_record,
+    finish_summary,
+    log,
+    make_parser,
+    measure_peak,
+    median,
+    memory_fields,
+    memory_over_ranks,
+    memory_runs,
+    parse,
+    prewarm,
+    report,
+    slowest_rank,
+    timed_rounds,
+)
 from benchmarks.pipeline_parallel import _batches  # noqa: E402  (global batches, the same on every rank)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
@@ -159,7 +179,8 @@ def torch_tp_plan(model: torch.nn.Module, mesh, sp: bool) -> None:
     for block in model.layers.values():
         plan = {
             # The region's input becomes Replicate once (an all-gather under sp), for all its Colwise layers.
-            "attn": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attn": PrepareModuleInput(input_layouts=(seq, None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=seq),
             "ffn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
@@ -214,7 +235,8 @@ def clip_torch(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tenso
     plain tensors, and torch's foreach norm refuses a mix): the total norm of each kind with
     `get_total_norm` (a DTensor norm made whole with full_tensor(), as torchtitan does), then
     `clip_grads_with_norm_` on each kind with the combined norm."""
-    kinds = [[p for p in params if p.grad is not None and isinstance(p.grad, DTensor) == is_dt] for is_dt in (True, False)]
+    kinds = [[p for p in params if p.grad is not None and isinstance(p.grad, DTensor) == is_dt]
+             for is_dt in (True, False)]
     norms = []
     for ps in kinds:
         if ps:

@@ -22,12 +22,14 @@ from fivefold.validate import Derived, derive
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a model", description="Train; any --section.key=value overrides the config.")
+    p = sub.add_parser("train", help="train a model",
+                       description="Train; any --section.key=value overrides the config.")
     p.add_argument("config", nargs="?", default=None, help="TOML file (see configs/); defaults apply without one")
     p.add_argument("--nproc", type=int, default=None, help="worker processes on this node (default: 1, or torchrun's)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="when a worker fails, restart every worker (all nodes) up to this many times, from the last checkpoint")
+                   help="when a worker fails, restart every worker (all nodes) up to this many times, "
+                        "from the last checkpoint")
     p.add_argument("--deepspeed", metavar="JSON", default=None,
                    help="a DeepSpeed config: its keys with a fivefold meaning apply between the TOML and the overrides")
     p.add_argument("--no-progress", action="store_true", help="print lines only, no progress bar")

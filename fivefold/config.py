@@ -5,8 +5,9 @@ Precedence, lowest first: field defaults < `model.preset` < the TOML file < `--s
 `fivefold.validate`) checks types, ranges and the arithmetic between sections. Both collect
 every problem before anything starts, so a user fixes a config in one round.
 
-Every parallel degree of every later feature is already in the schema; a degree whose feature is
-not built yet is rejected by `validate()` with "not available yet", never silently ignored.
+The model section lives in model_config.py (the presets build on it); the others are here. A
+combination of settings fivefold cannot run yet is refused by `validate()` with "not available
+yet", never silently ignored.
 """
 
 from __future__ import annotations

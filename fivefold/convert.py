@@ -28,7 +28,7 @@ from fivefold.model import Transformer
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.train.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
 from fivefold.train.seed import write_seed_config
-from fivefold.train.weights import SEED_CONFIG, WeightSource, WeightsMismatchError, fit_problems, source_name
+from fivefold.train.weights import SEED_CONFIG, WeightsMismatchError, WeightSource, fit_problems, source_name
 from fivefold.validate import padded_vocab
 
 HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
@@ -102,10 +102,11 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
     tensors = []
     for name, shape in _params(m).items():
         if is_stacked(name):  # one expert at a time: HF holds each expert apart
-            produce = lambda n=name, s=shape: (source.read(n, (slice(e, e + 1), slice(0, s[1]), slice(0, s[2])))
-                                               for e in range(s[0]))
+            def produce(n=name, s=shape):
+                return (source.read(n, (slice(e, e + 1), slice(0, s[1]), slice(0, s[2]))) for e in range(s[0]))
         else:
-            produce = lambda n=name: source.read(n)
+            def produce(n=name):
+                return source.read(n)
         tensors.append((name, source.dtype(name), shape, produce))
     files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt", "fivefold": "converted from " + str(src)})
     (out / HF_BASE).write_text(json.dumps(source.hf_config, indent=2) + "\n")
@@ -156,7 +157,8 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
         for e, hf in enumerate(hf_names(name, m.n_experts)):
             if is_stacked(name):  # expert e of (E, in, out) is HF's (out, in) weight, transposed
                 box = (slice(e, e + 1), slice(0, shape[1]), slice(0, shape[2]))
-                produce = lambda n=found, b=box, t=to: source.read(n, b)[0].T.contiguous().to(t)
+                def produce(n=found, b=box, t=to):
+                    return source.read(n, b)[0].T.contiguous().to(t)
                 tensors.append((hf, to, (shape[2], shape[1]), produce))
             else:
                 tensors.append((hf, to, shape, lambda n=found, t=to: source.read(n).to(t)))

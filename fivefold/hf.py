@@ -122,7 +122,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         n_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", heads),
         head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,  # 0: fivefold's "dim // n_heads"
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=theta, init_std=hf.get("initializer_range", 0.02), **moe)
 
 
@@ -204,6 +205,7 @@ class HFSource:
         experts, rows, cols = index or tuple(slice(0, n) for n in self.shape(name))
         if min(s.stop - s.start for s in (experts, rows, cols)) <= 0:  # an empty shard (ZeRO-3 with E < dp)
             return torch.empty([max(0, s.stop - s.start) for s in (experts, rows, cols)], dtype=self.dtype(name))
-        boxes = [self.files.read(parts[e], (cols, rows)) for e in range(experts.start, experts.stop)]  # (cols, rows) each
+        boxes = [self.files.read(parts[e], (cols, rows))  # (cols, rows) each
+                 for e in range(experts.start, experts.stop)]
         return torch.stack([box.T for box in boxes])  # (E', rows, cols)
 

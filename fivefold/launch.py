@@ -227,9 +227,9 @@ def _create_handler(params):
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         except (RuntimeError, TimeoutError) as e:
-            raise LaunchError(f"no rendezvous at {params.endpoint} within {timeout_s} s (--rdzv-timeout): start node-rank "
-                              f"0 on that host, check this node can reach it (firewall, address), or raise "
-                              f"--rdzv-timeout ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            raise LaunchError(f"no rendezvous at {params.endpoint} within {timeout_s} s (--rdzv-timeout): "
+                              f"start node-rank 0 on that host, check this node can reach it (firewall, address), "
+                              f"or raise --rdzv-timeout ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     store.set(f"{ARRIVED}{node_rank}", "1")
     handler = _handler_class().from_backend(
         params.run_id, store, C10dRendezvousBackend(store, params.run_id), params.min_nodes, params.max_nodes,

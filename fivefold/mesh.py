@@ -147,10 +147,11 @@ class Mesh:
         me = dist.get_rank()
         mine = None
         for ranks in partition:
-            pg = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
+            pg = dist.new_group(ranks,
+                                timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
             if me in ranks:
-                mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me), stats=self.stats,
-                                 timeout_s=self.timeout_s, timer=self.timer)
+                mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me),
+                                 stats=self.stats, timeout_s=self.timeout_s, timer=self.timer)
         if mine is None:
             raise ValueError(f"rank {me} is in no part of {partition}")
         return mine

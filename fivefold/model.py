@@ -134,7 +134,8 @@ def sort_by_expert(experts_idx: torch.Tensor, n_experts: int) -> tuple[torch.Ten
     return order[int(counts[0]):], counts[1:]
 
 
-def local_dispatch(x: torch.Tensor, weights: torch.Tensor, experts_idx: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+def local_dispatch(x: torch.Tensor, weights: torch.Tensor, experts_idx: torch.Tensor,
+                   experts: GroupedExperts) -> torch.Tensor:
     """Send each token's copies to its experts and sum the weighted results, all in this process.
 
     x (N, dim), weights and experts_idx (N, k) -> (N, dim); an index of -1 is a dropped copy. Expert
@@ -238,7 +239,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.moe_ffn_dim or cfg.ffn_dim
-        self.n_experts, self.top_k, self.score, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.router_score, cfg.norm_topk
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.score, self.norm_topk = cfg.router_score, cfg.norm_topk
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
@@ -281,7 +283,8 @@ class MoE(nn.Module):
             if self.aux_weight > 0:
                 aux = sequence_balance_loss(scores.view(B, T, -1), idx.view(B, T, -1), self.sequence_reduce).sum()
         if self.capacity_factor > 0:
-            idx = drop_over_capacity(idx, self.n_experts, math.ceil(self.capacity_factor * idx.numel() / self.n_experts))
+            idx = drop_over_capacity(idx, self.n_experts,
+                                     math.ceil(self.capacity_factor * idx.numel() / self.n_experts))
         out = self.dispatch(flat, weights, idx, self.experts)
         if self.shared is not None:
             out = out + self.shared(flat)

@@ -33,6 +33,9 @@ class ModelConfig:
     router_score: Literal["softmax", "sigmoid"] = "softmax"  # routing probabilities
     norm_topk: bool = True  # renormalise the top-k scores to sum to 1
     # Load balancing (DeepSeek-V3 sec. 2.1.2): either or both.
-    moe_bias_update: float = 0.0  # aux-loss-free: per-expert routing bias step u after each step (DeepSeek-V3: 0.001); 0 = off
+    # aux-loss-free: per-expert routing bias step u after each step (DeepSeek-V3: 0.001); 0 = off
+    moe_bias_update: float = 0.0
     moe_aux_loss: float = 0.0  # weight alpha of the sequence-wise balance loss (DeepSeek-V3: 0.0001); 0 = off
-    moe_capacity_factor: float = 0.0  # 0 = dropless; else an expert takes at most cf x (tokens x top_k / n_experts) copies per rank, overflow dropped and counted
+    # 0 = dropless; else an expert takes at most cf x (tokens x top_k / n_experts) copies per rank,
+    # overflow dropped and counted
+    moe_capacity_factor: float = 0.0

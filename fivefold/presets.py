@@ -15,7 +15,8 @@ _QWEN3 = dict(head_dim=128, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e
 PRESETS: dict[str, ModelConfig] = {
     # Test and demo sizes: every count divisible by 4, so tp/pp/cp/ep up to 4 (and 8 for layers) fit.
     "tiny": ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=128),
-    "tiny-moe": ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=128, n_experts=4, top_k=2, moe_ffn_dim=64),
+    "tiny-moe": ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=128, n_experts=4, top_k=2,
+                            moe_ffn_dim=64),
     "debug": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384),
     # Llama 3 (Meta, "The Llama 3 Herd of Models", 2024).
     "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3),
@@ -37,9 +38,9 @@ PRESETS: dict[str, ModelConfig] = {
     # plus 1 shared, top-8, sigmoid scores). Attention is plain multi-head, 128 heads of 128, at
     # 4 x 7168 x 16384 = 469.8M parameters per layer where MLA's low-rank projections hold ~187.2M:
     # +17.2B over 61 layers, so this preset counts 688.3B against the published 671B (+2.6%).
-    "deepseek-v3": ModelConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128, ffn_dim=18432, vocab_size=129280,
-                               rope_theta=10000.0, norm_eps=1e-6, n_experts=256, top_k=8, moe_ffn_dim=2048,
-                               n_shared_experts=1, first_dense_layers=3, router_score="sigmoid"),
+    "deepseek-v3": ModelConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=128, ffn_dim=18432,
+                               vocab_size=129280, rope_theta=10000.0, norm_eps=1e-6, n_experts=256, top_k=8,
+                               moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=3, router_score="sigmoid"),
 }
 
 # Totals as published (model cards / Hugging Face safetensors metadata).

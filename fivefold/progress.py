@@ -11,8 +11,7 @@ import contextlib
 from typing import Callable, Iterator
 
 from rich.console import Console
-from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 @contextlib.contextmanager

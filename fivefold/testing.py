@@ -14,11 +14,11 @@ which is what lets the suite run dozens of multi-process cases. Three details ma
 from __future__ import annotations
 
 import multiprocessing as mp
-from datetime import timedelta
 import os
 import pickle
 import time
 import traceback
+from datetime import timedelta
 from multiprocessing import connection as mp_connection
 from typing import Any, Callable
 
@@ -70,7 +70,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
         conn.send(store.port)
     results: list[Any] = [None] * world_size
     errors: list[str] = []
-    pending = dict(zip(conns, range(world_size)))
+    pending = dict(zip(conns, range(world_size), strict=True))
     deadline = time.monotonic() + timeout
     try:
         while pending:

@@ -13,15 +13,11 @@ import math
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fivefold.config import SECTIONS, Config
 from fivefold.parallel.schedules import build_schedule
 from fivefold.train.sinks import SINK_PACKAGES
-
-# Features whose config keys exist but whose code has not landed. Each issue that builds one
-# removes its line here; until then a non-default value is an error, never a silent no-op.
-NOT_AVAILABLE: dict[str, tuple[Any, str]] = {}
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,8 @@ def _type_errors(cfg: Config) -> list[str]:
                 errors.append(f"{name} = {value!r}: must be a string")
             elif typing.get_origin(hint) is tuple:
                 kind = typing.get_args(hint)[0]
-                if not isinstance(value, tuple) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                if not isinstance(value, tuple) or not all(isinstance(v, kind) and not isinstance(v, bool)
+                                                           for v in value):
                     errors.append(f"{name} = {value!r}: must be a list of {kind.__name__}s")
     return errors
 
@@ -139,13 +136,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     errors = _type_errors(cfg)
     if errors:  # arithmetic on wrongly typed values would only add noise
         return errors
-    unavailable = []
-    for key, (default, what) in NOT_AVAILABLE.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != default:
-            unavailable.append(f"{key} = {value!r}: {what} is not available yet in fivefold; set {key} = {default!r}")
-    return unavailable + _check_values(cfg, world_size)
+    return _check_values(cfg, world_size)
 
 
 def _check_values(cfg: Config, world_size: int) -> list[str]:
@@ -211,7 +202,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"data.bpe_vocab = {d.bpe_vocab}: a byte-level BPE needs at least 260 tokens (256 bytes + specials)")
     for path in d.paths:
         if not Path(path).exists():
-            err(f"data.paths: '{path}' does not exist; give existing text files or folders, or [] for the standard library")
+            err(f"data.paths: '{path}' does not exist; give existing text files or folders, or [] for the "
+                "standard library")
     if cfg.run.hardware and not Path(cfg.run.hardware).is_file():
         err(f"run.hardware = '{cfg.run.hardware}' does not exist; write one with `fivefold calibrate --out "
             f"{cfg.run.hardware}` or leave it empty")
@@ -249,7 +241,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if p.sp and p.tp == 1:
         err("parallel.sp = true needs parallel.tp > 1 (it splits the sequence over the tp ranks)")
     if p.dp_collective == "ring" and p.zero:
-        err(f"parallel.dp_collective = 'ring' is DDP's all-reduce; with parallel.zero = {p.zero} set dp_collective = 'builtin'")
+        err(f"parallel.dp_collective = 'ring' is DDP's all-reduce; with parallel.zero = {p.zero} set "
+            "dp_collective = 'builtin'")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
     if p.collective_timeout_s <= 0:
@@ -283,7 +276,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer} tokenizer's "
             f"{tokenizer_vocab(cfg)} tokens; set model.vocab_size = 0 to take the tokenizer's (padded)")
     if vocab % p.tp:
-        err(f"vocabulary {vocab} is not divisible by parallel.tp = {p.tp}; set data.vocab_multiple to a multiple of {p.tp}")
+        err(f"vocabulary {vocab} is not divisible by parallel.tp = {p.tp}; set data.vocab_multiple to a "
+            f"multiple of {p.tp}")
     if m.n_experts:
         if not 1 <= m.top_k <= m.n_experts:
             err(f"model.top_k = {m.top_k}: must be between 1 and model.n_experts = {m.n_experts}")
@@ -301,7 +295,8 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     elif p.ep > 1:
         err(f"parallel.ep = {p.ep} needs an MoE model; set model.n_experts > 0 or parallel.ep = 1")
     if dp and (dp * p.cp) % p.ep:
-        err(f"parallel.ep = {p.ep} does not divide dp x cp = {dp * p.cp}; experts are sharded inside the data-parallel ranks")
+        err(f"parallel.ep = {p.ep} does not divide dp x cp = {dp * p.cp}; experts are sharded inside the "
+            "data-parallel ranks")
 
     # Batch and sequence arithmetic.
     if dp and t.global_batch % (dp * t.micro_batch):

@@ -31,7 +31,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, dp, write):
     shutil.rmtree(run_dir / "checkpoints" / "step_00000006")
     # A fresh run refuses to overwrite it (cli.py checks this before any process starts).
     assert "already holds checkpoints; pass --resume" in check_run_dir(cfg)[0]
-    resumed = tiny_config(tmp_path, *ARGS, "--checkpoint.resume=true", f"--checkpoint.async_save={str(write == 'async').lower()}")
+    resumed = tiny_config(tmp_path, *ARGS, "--checkpoint.resume=true",
+                          f"--checkpoint.async_save={str(write == 'async').lower()}")
     start2, losses2, samples2 = run_workers(_train, dp, resumed)[0]
     assert start2 == 3
     # Bit-exact on CPU: same weights, optimizer moments, step count, data position and lr.
@@ -78,7 +79,7 @@ def _save_async_then_change_the_weights(rank, world, cfg, root):
             v.add_(1.0)
     writer.wait()
     load_checkpoint(latest_checkpoint(root), par)
-    return all(torch.equal(a, b) for a, b in zip(before, local()))
+    return all(torch.equal(a, b) for a, b in zip(before, local(), strict=True))
 
 
 def test_async_save_writes_the_state_of_its_step_not_later_changes(tmp_path):

@@ -41,8 +41,8 @@ def test_bad_config_fails_before_any_process_starts(tmp_path, capsys):
     assert "train.lr = -1: must be > 0" in out.stderr
     assert time.monotonic() - began < 30
     # In this process too: the check runs before any process group exists.
-    code = main(["train", "configs/tiny.toml", "--nproc", "64", "--deepspeed", str(ROOT / "tests/data/ds_seed_004.json"),
-                 f"--run.out_dir={tmp_path}"])
+    code = main(["train", "configs/tiny.toml", "--nproc", "64",
+                 "--deepspeed", str(ROOT / "tests/data/ds_seed_004.json"), f"--run.out_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and not dist.is_initialized()
     assert "zero_optimization.stage   -> parallel.zero = 2" in err  # the mapping is printed

@@ -6,7 +6,7 @@ import pytest
 from helpers import ROOT, tiny_config
 
 from fivefold.config import Config, ConfigError, load_config, parse_overrides, replace, to_toml
-from fivefold.validate import NOT_AVAILABLE, derive, validate
+from fivefold.validate import derive, validate
 
 
 def errors_of(world: int, *overrides: str) -> list[str]:
@@ -83,15 +83,6 @@ def test_degrees_must_multiply_to_the_world():
     assert errors_of(4) == []  # dp = 0 fills the world
 
 
-def test_not_yet_built_dimensions_are_refused_not_ignored():
-    for key, (default, _) in NOT_AVAILABLE.items():
-        value = {int: 2, bool: True, str: "ring"}[type(default)]
-        if key == "train.recompute":
-            value = "full"
-        errors = errors_of(8, f"--{key}={value!r}".replace("'", '"') if isinstance(value, str) else f"--{key}={str(value).lower()}")
-        one_error(errors, key, "not available yet")
-
-
 def test_shape_divisibility_messages_name_field_and_fix():
     errors = errors_of(3, "--parallel.tp=3", "--parallel.dp=1")
     msg = one_error(errors, "model.n_heads = 4", "parallel.tp = 3")
@@ -112,7 +103,8 @@ def test_batch_and_sequence_arithmetic():
     msg = one_error(errors_of(4, "--parallel.cp=4", "--parallel.dp=1", "--parallel.cp_method=ulysses",
                               "--model.n_kv_heads=2"), "cp_method = 'ulysses'")
     assert "4 query and 2 key/value heads" in msg and "cp in {1, 2}" in msg
-    msg = one_error(errors_of(2, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1", "--train.seq_len=33"), "seq_len = 33")
+    msg = one_error(errors_of(2, "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1", "--train.seq_len=33"),
+                    "seq_len = 33")
     assert "divisible by 2" in msg
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--train.global_batch=2", "--train.micro_batch=2"),
               "micro-batches per step is fewer than parallel.pp = 2")
@@ -157,7 +149,8 @@ def test_pipeline_options():
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.pp_schedule=dualpipe_v"),
               "virtual_stages = 2")
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.pp_schedule=dualpipe_v",
-                        "--parallel.virtual_stages=2", "--train.micro_batch=4"), "dualpipe_v needs microbatches >= 2*pp")
+                        "--parallel.virtual_stages=2", "--train.micro_batch=4"),
+              "dualpipe_v needs microbatches >= 2*pp")
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.dp=1", "--parallel.virtual_stages=2"), "1f1b")
     one_error(errors_of(4, "--parallel.pp=2", "--parallel.zero=2"), "parallel.zero = 2")
     assert errors_of(4, "--parallel.pp=2", "--parallel.zero=1") == []

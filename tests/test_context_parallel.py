@@ -85,7 +85,7 @@ def test_cp1_is_local_attention_without_communication(method):
     cp = ContextParallel(group, method)
     q, k, v, dout = _qkv(4, 2)
     assert torch.equal(cp.positions(T), torch.arange(T)) and torch.equal(cp.shard(q), q)
-    for ours, ref in zip(_grads(cp.core, q, k, v, dout), _grads(causal_attention, q, k, v, dout)):
+    for ours, ref in zip(_grads(cp.core, q, k, v, dout), _grads(causal_attention, q, k, v, dout), strict=True):
         torch.testing.assert_close(ours, ref, **TOL)
     assert group.stats.snapshot() == {}
 
@@ -131,7 +131,7 @@ def _attention_worker(rank, world, cp):
         out.backward(dout[:, mine])
         results[name] = {
             "pairs": list(zip(["output", "dq", "dk", "dv"], [out.detach(), q_l.grad, k_l.grad, v_l.grad],
-                              [x[:, mine] for x in ref])),
+                              [x[:, mine] for x in ref], strict=True)),
             "non_causal": non_causal[:, mine],
             "forward": forward_stats.get("cp"), "total": mesh.stats.snapshot().get("cp"),
         }
@@ -205,7 +205,7 @@ def _model_worker(rank, world, method):
     logits = model(cp.shard(inputs), positions=cp.positions(T))  # (B, T/cp, V)
     (cross_entropy_sum(logits, cp.shard(targets)) / targets.numel()).backward()  # global token count
     pairs = [("logits", logits.detach(), cp.shard(logits_ref.detach()))]
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
         comms.all_reduce(p.grad, mesh.group("cp"))  # cp ranks hold parts of the same samples: sum
         pairs.append((name, p.grad, p_ref.grad))
     return pairs

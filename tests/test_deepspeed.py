@@ -196,7 +196,8 @@ def test_optimizer():
     assert m.errors == [] and parsed(m).train.weight_decay == 0.01
     assert "L2" in lines(m)["optimizer.params.weight_decay"] and m.ignored == ["optimizer.params.torch_adam"]
     m = map_deepspeed({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.01}}}, 1)
-    assert m.errors == [] and "decoupled, as DeepSpeed" in lines(m)["optimizer.params.weight_decay"]  # adam_w_mode defaults to true
+    # adam_w_mode defaults to true
+    assert m.errors == [] and "decoupled, as DeepSpeed" in lines(m)["optimizer.params.weight_decay"]
     one_error(map_deepspeed({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, 1), "betas")
 
 

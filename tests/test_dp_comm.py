@@ -183,7 +183,8 @@ def test_bf16_reduction_halves_the_bytes(tmp_path, zero):
     run_workers(_train, n, cfg)
     P = count_parameters(build_model(cfg, 320))
     G_bf16 = 2 * P  # gradients travel as bf16; parameters (ZeRO's all-gather) stay fp32
-    expected = 2 * (n - 1) / n * G_bf16 if zero == 0 else (n - 1) / n * (G_bf16 + 4 * P) + comms.wire_bytes("all_reduce", 8, n)
+    expected = (2 * (n - 1) / n * G_bf16 if zero == 0
+                else (n - 1) / n * (G_bf16 + 4 * P) + comms.wire_bytes("all_reduce", 8, n))
     for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):
         assert record["comm"]["dp"]["wire_bytes"] == expected
 
@@ -295,11 +296,11 @@ def test_a_parameter_without_gradient_on_one_rank(tmp_path, zero):
         (model(x) if rank == 0 else model[1](model[0](x))).sum().backward()
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
-    expected = [a + b for a, b in zip(local(0), local(1))]
+    expected = [a + b for a, b in zip(local(0), local(1), strict=True)]
     assert expected[-1].abs().sum() > 0  # the last layer did get gradient on rank 0
     for rank, rank_grads in enumerate(grads):
         # ZeRO: rank r holds rows [2r, 2r + 2) of each parameter, in bucket (reverse) order.
         want = [e.chunk(2)[rank] for e in reversed(expected)] if zero else expected
         assert len(rank_grads) == len(want)
-        for g, e in zip(rank_grads, want):
+        for g, e in zip(rank_grads, want, strict=True):
             torch.testing.assert_close(g, e, rtol=0, atol=0)

@@ -29,7 +29,8 @@ DIM, HIDDEN = 16, 32
 
 
 def moe_config(**changes):
-    base = dict(dim=DIM, n_heads=2, n_kv_heads=2, ffn_dim=HIDDEN, moe_ffn_dim=HIDDEN, n_experts=8, top_k=2, vocab_size=64)
+    base = dict(dim=DIM, n_heads=2, n_kv_heads=2, ffn_dim=HIDDEN, moe_ffn_dim=HIDDEN, n_experts=8, top_k=2,
+                vocab_size=64)
     return dataclasses.replace(PRESETS["tiny"], **{**base, **changes})
 
 
@@ -67,7 +68,8 @@ def test_partitions_carve_ep_groups_out_of_each_grad_view():
 
 def _groups(rank, world):
     out = []
-    for degrees, ep in (({"dp_shard": 2, "cp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2), ({"dp_shard": 4}, 1), ({"dp_shard": 4}, 4)):
+    for degrees, ep in (({"dp_shard": 2, "cp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2), ({"dp_shard": 4}, 1),
+                        ({"dp_shard": 4}, 4)):
         mesh = _mesh(ep, **degrees)
         ep_group, replicas = mesh.group("ep"), mesh.group("expert_dp")
         members = []
@@ -185,7 +187,7 @@ def _context_parallel(rank, world):
 
 def test_balance_loss_over_context_parallel_ranks_matches_whole_sequences():
     for rank, pairs in enumerate(run_workers(_context_parallel, 2)):
-        for name, (ours, ref) in zip(["router grad", "x grad", "balance loss"], pairs):
+        for name, (ours, ref) in zip(["router grad", "x grad", "balance loss"], pairs, strict=True):
             # Whole-sequence counts come from a cp all-reduce; partial sums differ only by rounding.
             torch.testing.assert_close(ours, ref.to(ours.dtype), atol=2e-6, rtol=1e-5, msg=f"rank {rank}: {name}")
 
@@ -202,7 +204,7 @@ def test_dispatch_on_one_rank_is_the_local_dispatch():
         out = dispatch(x, weights.detach(), idx, moe.experts)
         (out * g).sum().backward()
         outs.append((out.detach(), moe.experts.down.grad.clone()))
-    for ours, ref in zip(*outs):
+    for ours, ref in zip(*outs, strict=True):
         assert torch.equal(ours, ref)  # the same rows through the same matmuls
     assert one.stats.snapshot() == {}  # a group of one sends nothing
 
@@ -231,7 +233,8 @@ def _crafted(rank, world, routes):
     (out * g_all[rank]).sum().backward()
     grads = [p.grad for p in (mine.gate, mine.up, mine.down)]
     refs = [p.grad.chunk(2)[rank] for p in (full.gate, full.up, full.down)]
-    return [(out, ref.view(2, 3, DIM)[rank]), (x.grad, x_ref.grad[rank]), (w.grad, w_ref.grad[rank]), *zip(grads, refs)]
+    return [(out, ref.view(2, 3, DIM)[rank]), (x.grad, x_ref.grad[rank]), (w.grad, w_ref.grad[rank]),
+            *zip(grads, refs, strict=True)]
 
 
 @pytest.mark.parametrize("case", sorted(CRAFTED))
@@ -275,7 +278,7 @@ def test_bias_updates_even_out_a_skewed_router():
         moe.router.weight[0] += 0.2  # every token leans to expert 0
     x = torch.randn(1, 512, DIM) + 0.5
     gate = []  # max / mean load per step
-    for step in range(40):
+    for _ in range(40):
         moe(x).sum().backward()
         stats = expert_stats(moe)
         gate.append(stats.max_over_mean()[""])
@@ -431,7 +434,8 @@ def test_checkpoint_resumes_from_expert_parallel_without_it(tmp_path):
     args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2")
     losses = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, "--parallel.ep=2"))[0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
-    resumed = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, "--parallel.ep=1", "--checkpoint.resume=true"))[0]
+    resumed = run_workers(_train_losses, 2,
+                          tiny_config(tmp_path, *args, "--parallel.ep=1", "--checkpoint.resume=true"))[0]
     # The same sums in another order (1e-5, as everywhere).
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
 

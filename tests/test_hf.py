@@ -122,7 +122,8 @@ def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
     assert before.names() == after.names()
     for name in before.names():
         assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
-    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((m["hf"] / "config.json").read_text())
+    assert (json.loads((tmp_path / "back" / "config.json").read_text())
+            == json.loads((m["hf"] / "config.json").read_text()))
 
 
 @pytest.mark.parametrize("layout,kind", [("tp2", "llama"), ("dp2-ep2", "mixtral")])
@@ -139,7 +140,8 @@ def test_run_checkpoint_to_hf_is_exact(tmp_path, models, layout, kind):
     assert before.names() == after.names()
     for name in before.names():
         assert torch.equal(before.read(name), after.read(name)), name
-    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((m["hf"] / "config.json").read_text())
+    assert (json.loads((tmp_path / "back" / "config.json").read_text())
+            == json.loads((m["hf"] / "config.json").read_text()))
     hf = hf_class(kind, "ForCausalLM").from_pretrained(tmp_path / "back").eval()  # transformers itself reads it back
     with torch.no_grad():
         torch.testing.assert_close(hf(m["x"]).logits, m["logits"], rtol=0, atol=0)

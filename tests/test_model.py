@@ -93,7 +93,7 @@ def test_moe_dispatch_equals_per_token_loop(score):
     weights, idx = moe.route(flat)
     ref = torch.stack([
         sum(w * ((torch.nn.functional.silu(t @ moe.experts.gate[e]) * (t @ moe.experts.up[e])) @ moe.experts.down[e])
-            for w, e in zip(weights[i], idx[i].tolist()))
+            for w, e in zip(weights[i], idx[i].tolist(), strict=True))
         for i, t in enumerate(flat)
     ]) + moe.shared(flat)
     torch.testing.assert_close(out.reshape(-1, 64), ref, atol=1e-5, rtol=1e-5)

@@ -116,7 +116,8 @@ def set_controls(driver, **values) -> None:
 def numbers(driver) -> dict[str, tuple[float, str]]:
     """Every element with an id and a data-value: (exact value, shown text)."""
     found = driver.execute_script(
-        "return Array.from(document.querySelectorAll('[id][data-value]')).map(e => [e.id, e.dataset.value, e.textContent])")
+        "return Array.from(document.querySelectorAll('[id][data-value]'))"
+        ".map(e => [e.id, e.dataset.value, e.textContent])")
     return {i: (json.loads(v), text) for i, v, text in found}
 
 

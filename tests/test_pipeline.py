@@ -68,7 +68,8 @@ def test_tied_embeddings_stay_in_sync_across_stages(tmp_path, tied_reference, la
     for losses, _, state in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         # The first stage's copy (tok_embeddings) and the last stage's (output) are one matrix again.
-        torch.testing.assert_close(state["tok_embeddings.weight"], ref_state["tok_embeddings.weight"], rtol=0, atol=1e-4)
+        torch.testing.assert_close(state["tok_embeddings.weight"], ref_state["tok_embeddings.weight"],
+                                   rtol=0, atol=1e-4)
         assert torch.equal(state["tok_embeddings.weight"], state["output.weight"])
 
 
@@ -82,9 +83,9 @@ def test_pipeline_resume_is_exact(tmp_path, schedule):
 
     from fivefold.train.checkpoint import complete_checkpoints
 
-    args = (*EQUIVALENCE, "--train.steps=4", "--checkpoint.every=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}",
-            "--train.micro_batch=2", "--train.eval_every=2", "--data.val_fraction=0.3", "--data.max_bytes=20000",
-            "--checkpoint.keep=2")
+    args = (*EQUIVALENCE, "--train.steps=4", "--checkpoint.every=2", "--parallel.pp=2",
+            f"--parallel.pp_schedule={schedule}", "--train.micro_batch=2", "--train.eval_every=2",
+            "--data.val_fraction=0.3", "--data.max_bytes=20000", "--checkpoint.keep=2")
     losses = run_workers(_train, 2, tiny_config(tmp_path, *args))[0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])  # each stage wrote only its own layers
     resumed = run_workers(_train, 2, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0]

@@ -19,7 +19,7 @@ from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.simulate import Costs, simulate
 from fivefold.testing import run_workers
 
-F, I, W = 0.04, 0.04, 0.04  # seconds
+T_F, T_I, T_W = 0.04, 0.04, 0.04  # seconds
 
 
 def _sleeper(forward: float, backward: float):
@@ -36,7 +36,7 @@ def _sleeper(forward: float, backward: float):
     return Sleep.apply
 
 
-_on_input_path, _on_weight_path = _sleeper(F, I), _sleeper(0.0, W)
+_on_input_path, _on_weight_path = _sleeper(T_F, T_I), _sleeper(0.0, T_W)
 
 
 class _SleepChunk:
@@ -83,7 +83,7 @@ def test_measured_idle_time_matches_the_simulator(name, m, v):
     timelines = run_workers(_measure, 2, name, m, v)
     start = min(t[0][0] for t in timelines)
     makespan = max(t[-1][1] for t in timelines) - start
-    sim = simulate(build_schedule(name, 2, m, v), Costs(f=F, b=I + W, i=I, w=W))
+    sim = simulate(build_schedule(name, 2, m, v), Costs(f=T_F, b=T_I + T_W, i=T_I, w=T_W))
     for rank, timeline in enumerate(timelines):
         busy = sum(end - began for began, end, _ in timeline)
         measured = (makespan - busy) / makespan  # idle share of this rank

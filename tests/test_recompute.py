@@ -23,7 +23,8 @@ def _train(rank, world, cfg):
 @pytest.mark.parametrize("extra", [(), ("--parallel.tp=2", "--parallel.sp=true")], ids=["tp1", "tp2-sp"])
 def test_recompute_modes_give_identical_training(tmp_path, extra):
     world = 2 if extra else 1
-    runs = {mode: run_workers(_train, world, tiny_config(tmp_path / mode, *ARGS, *extra, f"--train.recompute={mode}"))[0]
+    runs = {mode: run_workers(_train, world,
+                              tiny_config(tmp_path / mode, *ARGS, *extra, f"--train.recompute={mode}"))[0]
             for mode in ("none", "selective", "full")}
     for mode in ("selective", "full"):  # the same operations again: bit for bit on CPU
         assert runs[mode].losses == runs["none"].losses, mode

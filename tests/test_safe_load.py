@@ -59,7 +59,8 @@ def test_another_model_shape_or_a_corrupt_checkpoint_is_named(tmp_path):
     names the checkpoint and the fix, before any step runs."""
     args = (*EQUIVALENCE, "--train.steps=1")
     run_workers(_train, 1, tiny_config(tmp_path, *args))
-    with pytest.raises(Exception, match=r"model.tok_embeddings.weight: checkpoint \(320, 64\), this model \(320, 128\)"):
+    with pytest.raises(Exception,
+                       match=r"model.tok_embeddings.weight: checkpoint \(320, 64\), this model \(320, 128\)"):
         run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true",
                                            "--model.dim=128"))
     from fivefold.train.checkpoint import latest_checkpoint

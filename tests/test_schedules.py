@@ -130,7 +130,7 @@ def _check_timeline(s: Schedule, costs: Costs) -> None:
     start, end = {}, {}
     for rank, events in enumerate(r.timeline):
         assert [a for _, _, a in events] == s.actions[rank], "timeline must follow list order"
-        for (s0, e0, _), (s1, _, _) in zip(events, events[1:]):
+        for (_, e0, _), (s1, _, _) in zip(events, events[1:], strict=False):
             assert e0 <= s1 + 1e-9, "a rank runs one action at a time"
         for t0, t1, a in events:
             start[a.kind, a.microbatch, a.stage], end[a.kind, a.microbatch, a.stage] = t0, t1

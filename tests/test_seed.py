@@ -58,7 +58,8 @@ def test_every_layout_loads_the_identical_weights(tmp_path, layout):
     cfg = tiny_config(tmp_path, *MOE, "--train.micro_batch=1", *extra)  # train.seed 0: other initial weights
     assert validate(cfg, world) == []
     for state in run_workers(_load_and_gather, world, cfg, tmp_path / "seed"):
-        assert state.keys() == seed.names() | {f"layers.{i}.ffn.expert_bias" for i in range(4)} | ({"output.weight"} if tied else set())
+        assert state.keys() == (seed.names() | {f"layers.{i}.ffn.expert_bias" for i in range(4)}
+                                | ({"output.weight"} if tied else set()))
         for name in seed.names():
             assert torch.equal(state[name], seed.read(name)), name  # copied, never computed: exact
         if tied:
@@ -95,7 +96,8 @@ def test_init_from_is_checked_before_any_process_starts(tmp_path, capsys):
     wrong = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={tmp_path / 'seed'}", "--model.dim=32",
                                         "--model.rope_theta=500000"))[0]
     assert "tok_embeddings.weight: weights (320, 64), this model (320, 32)" in wrong and "rope_theta" in wrong
-    code = main(["train", "configs/tiny.toml", f"--run.out_dir={tmp_path}", f"--checkpoint.init_from={tmp_path / 'nothing'}"])
+    code = main(["train", "configs/tiny.toml", f"--run.out_dir={tmp_path}",
+                 f"--checkpoint.init_from={tmp_path / 'nothing'}"])
     assert code == 2 and "checkpoint.init_from" in capsys.readouterr().err
 
 

@@ -276,3 +276,39 @@ def test_wandb_online_without_credentials_fails_at_once_without_a_prompt(tmp_pat
     with pytest.raises(RuntimeError, match="set run.wandb_mode = 'offline'"):
         open_sinks(cfg, tmp_path, None)
     assert not [c for c in child_processes() if "wandb" in c] and wandb_home == []  # nothing started
+
+
+def _train(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    return train(cfg, progress=False).losses
+
+
+def test_a_training_run_writes_its_steps_and_events_to_every_sink(tmp_path):
+    """The training loop's own records through JSONL and TensorBoard: the same losses in both, the
+    start and layout events first, and the resumed job's resume event (its steps replace those after
+    the checkpoint)."""
+    pytest.importorskip("tensorboard")
+    from helpers import tiny_config
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fivefold.testing import run_workers
+
+    args = ("--run.sinks=['jsonl', 'tensorboard']", "--train.steps=4", "--checkpoint.every=2",
+            "--data.max_bytes=4000", "--data.val_fraction=0", "--parallel.tp=2")
+    losses = run_workers(_train, 2, tiny_config(tmp_path, *args))[0]
+    resumed = run_workers(_train, 2, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0]
+    assert resumed == []  # the run had ended at step 4: nothing left to do, and nothing is lost
+    run_dir = tmp_path / "tiny"
+    steps = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["loss"] for r in steps] == losses and [r["step"] for r in steps] == [1, 2, 3, 4]
+    events = read_events(run_dir / "metrics.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("start", 0), ("layout", 0), ("resume", 4), ("layout", 4)]
+    assert {k: events[1][k] for k in ("world_size", "tp", "dp_shard", "pp")} == {"world_size": 2, "tp": 2,
+                                                                                 "dp_shard": 1, "pp": 1}
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = acc.Scalars("loss")
+    assert [e.step for e in scalars] == [1, 2, 3, 4]
+    assert [e.value for e in scalars] == pytest.approx(losses, rel=1e-6)  # TensorBoard keeps float32
+    assert {"comm/tp/wire_bytes", "step_breakdown/compute", "model_state_bytes/total"} <= set(acc.Tags()["scalars"])

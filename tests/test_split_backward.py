@@ -61,7 +61,7 @@ def test_i_then_w_equals_one_backward(first):
     torch.testing.assert_close(inp_grad, ref[0], rtol=0, atol=0)
     with _CountMatmuls() as w_count:
         split.weight_grad()
-    for p, r in zip(params, ref[1:]):  # the same kernels on the same operands: bit-identical
+    for p, r in zip(params, ref[1:], strict=True):  # the same kernels on the same operands: bit-identical
         torch.testing.assert_close(p.grad, r, rtol=0, atol=0)
     # Each linear layer's backward is two matmuls (dx and dW): I does one, W the other. Attention's
     # own matmuls (scores and values) have no weights, so they all belong to I.
@@ -92,7 +92,7 @@ def test_moe_stage_accumulates_each_weight_once():
     torch.testing.assert_close(split.input_grad(grad), ref[0], rtol=0, atol=0)
     split.weight_grad()
     assert set(accumulations.values()) == {1}
-    for p, r in zip(params, ref[1:]):
+    for p, r in zip(params, ref[1:], strict=True):
         torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-7)
 
 

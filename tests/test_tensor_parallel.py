@@ -42,7 +42,7 @@ def _linear_pair(rank, world, sp):
 @pytest.mark.parametrize("world,sp", [(2, False), (4, False), (2, True), (4, True)])
 def test_column_and_row_parallel_match_the_unsharded_layers(world, sp):
     for pairs in run_workers(_linear_pair, world, sp):
-        for name, (ours, ref) in zip(["output", "input grad", "column grad", "row grad"], pairs):
+        for name, (ours, ref) in zip(["output", "input grad", "column grad", "row grad"], pairs, strict=True):
             torch.testing.assert_close(ours.detach(), ref.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 

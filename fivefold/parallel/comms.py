@@ -75,7 +75,8 @@ class CommStats:
         c.wire_bytes += wire_bytes(op, nbytes, n) if wire is None else wire
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        return {k: {"calls": v.calls, "bytes": v.bytes, "wire_bytes": v.wire_bytes} for k, v in sorted(self.axes.items())}
+        return {k: {"calls": v.calls, "bytes": v.bytes, "wire_bytes": v.wire_bytes}
+                for k, v in sorted(self.axes.items())}
 
     def reset(self) -> None:
         self.axes.clear()
@@ -210,7 +211,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         return None
     group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
     return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
-                  lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op))
+                  lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg,
+                                                     async_op=async_op))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,

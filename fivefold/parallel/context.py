@@ -164,7 +164,8 @@ class _RingAttention(torch.autograd.Function):
                         outs[i], lses[i] = out, lse
                     else:  # online softmax: rescale both partial results to the merged normaliser
                         merged = torch.logaddexp(lses[i], lse)
-                        outs[i] = outs[i] * torch.exp(lses[i] - merged)[..., None] + out * torch.exp(lse - merged)[..., None]
+                        outs[i] = (outs[i] * torch.exp(lses[i] - merged)[..., None]
+                                   + out * torch.exp(lse - merged)[..., None])
                         lses[i] = merged
             if step < n - 1:
                 _wait(hop)
@@ -198,7 +199,8 @@ class _RingAttention(torch.autograd.Function):
                 hop = _exchange(kv, kv_next, group, _TAG_KV)
             kc = kv[0].float().transpose(1, 2).chunk(nq, dim=2)  # (B, K, c, D) each
             vc = kv[1].float().transpose(1, 2).chunk(nq, dim=2)
-            dkv = torch.zeros(2, *kc[0].shape[:2], kv.shape[2], D, device=q.device)  # (2, B, K, T/cp, D) fp32: this rank's share
+            dkv = torch.zeros(2, *kc[0].shape[:2], kv.shape[2], D,
+                              device=q.device)  # (2, B, K, T/cp, D) fp32: this rank's share
             dk, dv = dkv[0].chunk(nq, dim=2), dkv[1].chunk(nq, dim=2)  # views, accumulated in place
             for i, a in enumerate(q_ids):
                 for j, b in enumerate(_chunk_ids(n, src, layout)):

@@ -149,7 +149,7 @@ class DataParallel:
     def _finish(self, b: Bucket) -> None:
         if b.work is not None:
             b.work.wait()
-        for p, chunk in zip(b.params, b.flat.split([p.numel() for p in b.params])):
+        for p, chunk in zip(b.params, b.flat.split([p.numel() for p in b.params]), strict=True):
             p.grad.copy_(chunk.view_as(p))
         b.work = b.flat = None
 

@@ -58,7 +58,7 @@ class FullyShardedDataParallel(ZeroDataParallel):
         self.reshard_after_forward = parallel.reshard_after_forward
         self.units = [Unit(mods, [p for m in mods for p in m.parameters() if p.requires_grad])
                       for mods in sharding_units(model)]
-        for a, b in zip(self.units, self.units[1:]):
+        for a, b in zip(self.units, self.units[1:], strict=False):
             a.next, b.prev = b, a
         self.max_gathered = 0  # most units holding full parameters at once, prefetches included
         super().__init__(model, mesh, parallel)  # makes the fp32 shards from the full weights
@@ -98,7 +98,7 @@ class FullyShardedDataParallel(ZeroDataParallel):
         if work is not None:
             work.wait()
         n = self.shard_group.size
-        for p, chunk in zip(unit.params, full.view(n, -1).split(unit.bucket.shard_numel, dim=1)):
+        for p, chunk in zip(unit.params, full.view(n, -1).split(unit.bucket.shard_numel, dim=1), strict=True):
             p.untyped_storage().resize_(p.numel() * p.element_size())
             # Through .data: a refill is not a modification autograd must see (the values are the
             # ones forward used), and bumping p's version would fail the saved-tensor check.

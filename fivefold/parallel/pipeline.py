@@ -49,7 +49,7 @@ def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] = ()) -> 
     which also computes the head and loss), else balanced by count (validate() checks both)."""
     counts = counts or (n_layers // n_stages,) * n_stages
     starts = [sum(counts[:s]) for s in range(n_stages)]
-    return [[str(i) for i in range(start, start + n)] for start, n in zip(starts, counts)]
+    return [[str(i) for i in range(start, start + n)] for start, n in zip(starts, counts, strict=True)]
 
 
 @dataclass

@@ -160,26 +160,29 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     rank peaks at p micro-batches: the same maximum as 1F1B (rank 0's p).
     """
     _check_pm(p, m)
-    acts = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        seq = [Action("F", i, r) for i in range(warm)]
-        pending: deque[int] = deque()
-
-        def backward(i: int) -> None:
-            seq.append(Action("I", i, r))
-            pending.append(i)
-            if len(pending) > r:  # keep r weight-grads in hand to fill the tail
-                seq.append(Action("W", pending.popleft(), r))
-
-        for i in range(m - warm):
-            seq.append(Action("F", warm + i, r))
-            backward(i)
-        for i in range(m - warm, m):
-            backward(i)
-        seq += [Action("W", i, r) for i in pending]
-        acts.append(seq)
+    acts = [_zb_h1_rank(p, m, r) for r in range(p)]
     return Schedule("zb_h1", p, m, 1, acts)
+
+
+def _zb_h1_rank(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's actions in `zero_bubble_h1`."""
+    warm = min(p - 1 - r, m)
+    seq = [Action("F", i, r) for i in range(warm)]
+    pending: deque[int] = deque()
+
+    def backward(i: int) -> None:
+        seq.append(Action("I", i, r))
+        pending.append(i)
+        if len(pending) > r:  # keep r weight-grads in hand to fill the tail
+            seq.append(Action("W", pending.popleft(), r))
+
+    for i in range(m - warm):
+        seq.append(Action("F", warm + i, r))
+        backward(i)
+    for i in range(m - warm, m):
+        backward(i)
+    seq += [Action("W", i, r) for i in pending]
+    return seq
 
 
 def dualpipe_v(p: int, m: int) -> Schedule:
@@ -199,55 +202,65 @@ def dualpipe_v(p: int, m: int) -> Schedule:
     if m < 2 * p:
         raise ValueError(f"dualpipe_v needs microbatches >= 2*pp (one per stage); "
                          f"got m={m}, p={p}. Use m >= {2 * p}.")
-    acts = []
-    for r in range(p):
-        c0, c1 = r, 2 * p - 1 - r
-        seq: list[Action] = []
-        nxt = dict.fromkeys([("F", c0), ("F", c1), ("B", c0), ("B", c1)], 0)  # next mb
-        w_queue: deque[Action] = deque()
-
-        def fwd(s: int) -> None:
-            seq.append(Action("F", nxt["F", s], s))
-            nxt["F", s] += 1
-
-        def bwd(s: int, split: bool) -> None:
-            mb = nxt["B", s]
-            nxt["B", s] += 1
-            if split:  # input grad now, weight grad queued for a gap later
-                seq.append(Action("I", mb, s))
-                w_queue.append(Action("W", mb, s))
-            else:
-                seq.append(Action("B", mb, s))
-
-        def weight() -> None:
-            if w_queue:
-                seq.append(w_queue.popleft())
-
-        for _ in range(2 * (p - r - 1)):        # 1: fill the way down
-            fwd(c0)
-        for _ in range(r + 1):                  # 2: reach the bottom of the V
-            fwd(c0); fwd(c1)
-        for _ in range(p - r - 1):              # 3: first backwards, split
-            bwd(c1, True); weight(); fwd(c1)
-        for _ in range(m - 2 * p + r + 1):      # 4: steady, F of one chunk + B of the other
-            fwd(c0); bwd(c1, False)
-            fwd(c1); bwd(c0, False)
-        for _ in range(p - r - 1):              # 5: chunk 0 forwards are done
-            bwd(c1, False)
-            fwd(c1); bwd(c0, False)
-        split = False
-        for i in range(r + 1):                  # 6: drain; 2nd half switches to I+W
-            half = i == (r + 1) // 2            # (odd ranks switch one chunk earlier)
-            split = split or (half and r % 2 == 1)
-            bwd(c1, split)
-            split = split or half
-            bwd(c0, split)
-        for _ in range(p - r - 1):              # 7: fill gaps with deferred W's
-            weight(); bwd(c0, split)
-        while w_queue:                          # 8: the rest of the W's
-            weight()
-        acts.append(seq)
+    acts = [_dualpipe_v_rank(p, m, r) for r in range(p)]
     return Schedule("dualpipe_v", p, m, 2, acts, layout="v")
+
+
+def _dualpipe_v_rank(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's actions in `dualpipe_v`."""
+    c0, c1 = r, 2 * p - 1 - r
+    seq: list[Action] = []
+    nxt = dict.fromkeys([("F", c0), ("F", c1), ("B", c0), ("B", c1)], 0)  # next mb
+    w_queue: deque[Action] = deque()
+
+    def fwd(s: int) -> None:
+        seq.append(Action("F", nxt["F", s], s))
+        nxt["F", s] += 1
+
+    def bwd(s: int, split: bool) -> None:
+        mb = nxt["B", s]
+        nxt["B", s] += 1
+        if split:  # input grad now, weight grad queued for a gap later
+            seq.append(Action("I", mb, s))
+            w_queue.append(Action("W", mb, s))
+        else:
+            seq.append(Action("B", mb, s))
+
+    def weight() -> None:
+        if w_queue:
+            seq.append(w_queue.popleft())
+
+    for _ in range(2 * (p - r - 1)):        # 1: fill the way down
+        fwd(c0)
+    for _ in range(r + 1):                  # 2: reach the bottom of the V
+        fwd(c0)
+        fwd(c1)
+    for _ in range(p - r - 1):              # 3: first backwards, split
+        bwd(c1, True)
+        weight()
+        fwd(c1)
+    for _ in range(m - 2 * p + r + 1):      # 4: steady, F of one chunk + B of the other
+        fwd(c0)
+        bwd(c1, False)
+        fwd(c1)
+        bwd(c0, False)
+    for _ in range(p - r - 1):              # 5: chunk 0 forwards are done
+        bwd(c1, False)
+        fwd(c1)
+        bwd(c0, False)
+    split = False
+    for i in range(r + 1):                  # 6: drain; 2nd half switches to I+W
+        half = i == (r + 1) // 2            # (odd ranks switch one chunk earlier)
+        split = split or (half and r % 2 == 1)
+        bwd(c1, split)
+        split = split or half
+        bwd(c0, split)
+    for _ in range(p - r - 1):              # 7: fill gaps with deferred W's
+        weight()
+        bwd(c0, split)
+    while w_queue:                          # 8: the rest of the W's
+        weight()
+    return seq
 
 
 def zero_bubble_v(p: int, m: int) -> Schedule:
@@ -265,41 +278,50 @@ def zero_bubble_v(p: int, m: int) -> Schedule:
     _check_pm(p, m)
     if m < 2 * p:
         raise ValueError(f"zb_v needs microbatches >= 2*pp; got m={m}, p={p}. Use m >= {2 * p}.")
-    acts = []
-    for r in range(p):
-        c0, c1 = r, 2 * p - 1 - r
-        seq: list[Action] = []
-        nxt = dict.fromkeys([("F", c0), ("F", c1), ("I", c0), ("I", c1)], 0)  # next micro-batch
-        held: dict[int, deque[Action]] = {c0: deque(), c1: deque()}  # W's waiting in the cool-down
-
-        def run(kind: str, s: int) -> None:
-            seq.append(Action(kind, nxt[kind, s] if kind != "W" else nxt["I", s] - 1, s))
-            if kind != "W":
-                nxt[kind, s] += 1
-
-        for _ in range(2 * (p - r) - 1):          # warm-up: the way down
-            run("F", c0)
-        for _ in range(r):                        # both chunks, until the bottom of the V is full
-            run("F", c1); run("F", c0)
-        for _ in range(p - r):                    # the first backwards come back up
-            run("F", c1); run("I", c1); run("W", c1)
-        while nxt["F", c1] < m:                   # steady: F, I, W of each chunk in turn
-            if nxt["F", c0] < m:
-                run("F", c0)
-            run("I", c0); run("W", c0)
-            run("F", c1); run("I", c1); run("W", c1)
-        done = 0                                  # cool-down: I's first, W's held back
-        while nxt["I", c0] < m or nxt["I", c1] < m:
-            for s in (c0, c1):
-                if nxt["I", s] < m:
-                    run("I", s)
-                    held[s].append(Action("W", nxt["I", s] - 1, s))
-                    done += 1
-                    if s == c0 and done >= 2 * r + 1:
-                        seq.append(held[c0].popleft())
-        seq += [*held[c1], *held[c0]]
-        acts.append(seq)
+    acts = [_zb_v_rank(p, m, r) for r in range(p)]
     return Schedule("zb_v", p, m, 2, acts, layout="v")
+
+
+def _zb_v_rank(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's actions in `zero_bubble_v`."""
+    c0, c1 = r, 2 * p - 1 - r
+    seq: list[Action] = []
+    nxt = dict.fromkeys([("F", c0), ("F", c1), ("I", c0), ("I", c1)], 0)  # next micro-batch
+    held: dict[int, deque[Action]] = {c0: deque(), c1: deque()}  # W's waiting in the cool-down
+
+    def run(kind: str, s: int) -> None:
+        seq.append(Action(kind, nxt[kind, s] if kind != "W" else nxt["I", s] - 1, s))
+        if kind != "W":
+            nxt[kind, s] += 1
+
+    for _ in range(2 * (p - r) - 1):          # warm-up: the way down
+        run("F", c0)
+    for _ in range(r):                        # both chunks, until the bottom of the V is full
+        run("F", c1)
+        run("F", c0)
+    for _ in range(p - r):                    # the first backwards come back up
+        run("F", c1)
+        run("I", c1)
+        run("W", c1)
+    while nxt["F", c1] < m:                   # steady: F, I, W of each chunk in turn
+        if nxt["F", c0] < m:
+            run("F", c0)
+        run("I", c0)
+        run("W", c0)
+        run("F", c1)
+        run("I", c1)
+        run("W", c1)
+    done = 0                                  # cool-down: I's first, W's held back
+    while nxt["I", c0] < m or nxt["I", c1] < m:
+        for s in (c0, c1):
+            if nxt["I", s] < m:
+                run("I", s)
+                held[s].append(Action("W", nxt["I", s] - 1, s))
+                done += 1
+                if s == c0 and done >= 2 * r + 1:
+                    seq.append(held[c0].popleft())
+    seq += [*held[c1], *held[c0]]
+    return seq
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {

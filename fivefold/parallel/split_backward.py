@@ -23,7 +23,8 @@ How this is done with autograd alone, on the graph the forward recorded:
 A W call must not reach its parameters through its node's input-path children too: it would
 then also compute (again) a contribution that another frontier node below owns. That happens only
 when one weight is used in a chain (w applied twice in a row), and is refused; a weight used side
-by side (each expert's slice of a stacked expert tensor) is fine: each node adds its own part. On the first stage the "input" is the embedding output: I propagates
+by side (each expert's slice of a stacked expert tensor) is fine: each node adds its own part.
+On the first stage the "input" is the embedding output: I propagates
 through the blocks down to it, and W also runs the embedding's backward from the kept gradient.
 """
 
@@ -89,7 +90,7 @@ class SplitBackward:
                 groups.remove(g)
                 merged = (merged[0] + g[0], merged[1] | g[1], merged[2] | g[2])
             groups.append(merged)
-        for nodes, params, on_input_paths in groups:
+        for _nodes, params, on_input_paths in groups:
             if params & on_input_paths:
                 raise RuntimeError("split backward: a weight is applied twice in a chain in one stage (tied "
                                    "embeddings on one stage?); use a schedule without split backward (1f1b)")

@@ -136,7 +136,8 @@ def gather_tp_shards(state: dict[str, torch.Tensor], model: nn.Module, mesh: Mes
 
 
 @torch.no_grad()
-def gather_expert_shards(tensors: dict[str, torch.Tensor], model: nn.Module, group: AxisGroup) -> dict[str, torch.Tensor]:
+def gather_expert_shards(tensors: dict[str, torch.Tensor], model: nn.Module,
+                         group: AxisGroup) -> dict[str, torch.Tensor]:
     """Whole (E, ...) tensors from each ep rank's expert slices, for the keys naming expert
     parameters (values: the parameters, their gradients, ...); other entries pass through."""
     sharded_names = {name for name, p in model.named_parameters() if is_expert_parameter(p)}

@@ -103,7 +103,7 @@ class ZeroDataParallel(DataParallel):
             b.work.wait()
         for group in self.replica_groups:  # replicas of a shard agree
             comms.all_reduce(b.out, group)
-        for p, rows in zip(b.params, b.out.split(b.shard_numel)):
+        for p, rows in zip(b.params, b.out.split(b.shard_numel), strict=True):
             shard = self.shards[id(p)]
             rows = rows.view_as(shard).float()
             shard.grad = rows if shard.grad is None else shard.grad.add_(rows)

@@ -176,7 +176,8 @@ def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
         saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     except (OSError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointMismatchError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e}); the "
-                                      f"checkpoint is incomplete or corrupt: delete it to resume from an earlier one") from None
+                                      f"checkpoint is incomplete or corrupt: delete it to resume from an earlier "
+                                      "one") from None
     problems = []
     for section, entries in target.items():
         for key, value in entries.items():
@@ -189,7 +190,8 @@ def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
                 problems.append(f"{fqn}: checkpoint {tuple(found.size)}, this model {tuple(value.shape)}")
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise CheckpointMismatchError(f"{path} does not fit this model (was it written with another model config?):\n  {shown}")
+        raise CheckpointMismatchError(f"{path} does not fit this model (was it written with another model "
+                                      f"config?):\n  {shown}")
 
 
 def _first_failure(e: CheckpointException) -> str:

@@ -155,7 +155,8 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
     device = device_for(device_type)
     par = parallelize(build_model(cfg, derived.vocab_size).to(device), mesh, cfg, derived)
     train_set, val_set = build_datasets(cfg, run_dir)
-    run = Run(cfg, derived, mesh, par, train_set, val_set, GlobalBatches(train_set, cfg.train.global_batch, cfg.train.seed),
+    run = Run(cfg, derived, mesh, par, train_set, val_set,
+              GlobalBatches(train_set, cfg.train.global_batch, cfg.train.seed),
               LossScaler(cfg.train), MoEBalancing(par.model, mesh, cfg), device)
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:

@@ -47,9 +47,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console, RenderableType
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
 from fivefold.train.sinks import complete_lines
 
 
@@ -67,33 +64,3 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def read_events(path: Path) -> list[dict[str, Any]]:
     """The event records of a JSONL metrics file: {"step": N, "event": kind, ...fields}."""
     return [r for r in read_records(path) if "event" in r]
-
-
-class ProgressDisplay:
-    """A rich progress bar with step, loss, tokens/s and ETA, plus a printed line every few steps."""
-
-    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True):
-        self.enabled = enabled
-        self.bar = enabled and bar
-        self.console = Console(stderr=True)
-        if not self.bar:
-            return
-        self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeRemainingColumn(), console=self.console,
-        )
-        self.task = self.progress.add_task("train", total=total, completed=start, loss="-", tps="-")
-        self.progress.start()
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.bar:
-            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
-
-    def print(self, text: RenderableType) -> None:
-        if self.enabled:
-            self.console.print(text, highlight=False)
-
-    def close(self) -> None:
-        if self.bar:
-            self.progress.stop()

@@ -195,7 +195,7 @@ def write_sharded(out: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ..
     out.mkdir(parents=True, exist_ok=True)
     total = sum(torch.Size(shape).numel() * dtype.itemsize for _, dtype, shape, _ in tensors)
     with progress_bar(f"writing {out}", total, progress) as advance:
-        for file, shard in zip(names, shards):
+        for file, shard in zip(names, shards, strict=True):
             writer = SafetensorsWriter(out / file, {name: (dtype, shape) for name, dtype, shape, _ in shard}, metadata)
             for name, dtype, shape, produce in shard:
                 value = produce()
@@ -205,6 +205,6 @@ def write_sharded(out: Path, tensors: list[tuple[str, torch.dtype, tuple[int, ..
             writer.close()
     if n > 1:
         index = {"metadata": {"total_size": total},
-                 "weight_map": {name: file for file, shard in zip(names, shards) for name, *_ in shard}}
+                 "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name, *_ in shard}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return [out / f for f in names]

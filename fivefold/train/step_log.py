@@ -1,5 +1,6 @@
-"""What a run reports of each step: the metrics record to the sinks, the progress display, the
-step-time table beside the planner's prediction, and Chrome traces of a few steps.
+"""What a run reports of each step: the metrics record to the sinks (train/sinks.py; its keys are in
+train/metrics.py), the progress display, the step-time table beside the planner's prediction, and
+Chrome traces of a few steps.
 
 Every rank calls `log()` for every step, because logging steps (`train.log_every`, and the last)
 gather every rank's step-time parts (and with pp > 1 the pipeline's timeline); only rank 0 writes
@@ -12,15 +13,45 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
+from rich.console import Console, RenderableType
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from fivefold.mesh import AXES
 from fivefold.parallel.comms import AxisGroup
 from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
-from fivefold.train.metrics import ProgressDisplay
 from fivefold.train.run_dir import run_dir_of
 from fivefold.train.sinks import open_sinks
 from fivefold.train.step import Run, StepRecord
 from fivefold.viz.trace import RankTrace
+
+
+class ProgressDisplay:
+    """A rich progress bar with step, loss, tokens/s and ETA, plus a printed line every few steps."""
+
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True):
+        self.enabled = enabled
+        self.bar = enabled and bar
+        self.console = Console(stderr=True)
+        if not self.bar:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeRemainingColumn(), console=self.console,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, loss="-", tps="-")
+        self.progress.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar:
+            self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+
+    def print(self, text: RenderableType) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if self.bar:
+            self.progress.stop()
 
 
 class StepLog:

@@ -135,15 +135,15 @@ def local_box(value: torch.Tensor) -> tuple[slice, ...]:
     if tuple(shape) != tuple(value.to_local().shape):  # the layout and its DTensor description disagree
         raise RuntimeError(f"local shard {tuple(value.to_local().shape)} is not what its DTensor describes "
                            f"({tuple(shape)} at {tuple(offset)}): a sharding its placements do not express")
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 @torch.no_grad()
 def load_weights(path: Path, par: Parallelized, field: str = FIELD) -> None:
     """Put the weights in `path` into this rank's part of the model, under any layout.
 
-    `par`: a parallelized model (parallel/parallelize.py). Not a collective: each rank reads its own slices. Raises WeightsMismatchError, before anything is
-    read, if any tensor is missing or has another whole shape.
+    `par`: a parallelized model (parallel/parallelize.py). Not a collective: each rank reads its own slices.
+    Raises WeightsMismatchError, before anything is read, if any tensor is missing or has another whole shape.
     """
     source, _ = open_weights(path, field)
     state = par.model_state_dict()

@@ -69,7 +69,7 @@ class Page:
         """Every combination of the keyed controls' positions."""
         keyed = [c for c in self.controls if c.keyed]
         for combo in itertools.product(*(c.values for c in keyed)):
-            yield {c.name: v for c, v in zip(keyed, combo)}
+            yield {c.name: v for c, v in zip(keyed, combo, strict=True)}
 
     def count(self) -> int:
         return math.prod(len(c.values) for c in self.controls if c.keyed)

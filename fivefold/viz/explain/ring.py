@@ -106,8 +106,9 @@ def page() -> Page:
               'this step</span><span><span class="swatch" style="background:var(--hl)"></span>chunk received '
               'this step</span><span><b>bold</b>: holds all n ranks\' contributions</span>'
               '<span>small text: the ranks summed in it</span></div>'),
-        notes=("<p>The schedule is <code>ring_all_reduce_schedule(n)</code> in <code>fivefold/parallel/ring_collectives.py"
-               "</code>, the one its send/recv executor runs: at reduce-scatter step s rank r sends chunk "
+        notes=("<p>The schedule is <code>ring_all_reduce_schedule(n)</code> in "
+               "<code>fivefold/parallel/ring_collectives.py</code>, the one its send/recv executor runs: "
+               "at reduce-scatter step s rank r sends chunk "
                "(r-s-1) mod n and receives chunk (r-s-2) mod n; at all-gather step s it sends (r-s) mod n. "
                "The final figure is <code>comms.wire_bytes(\"all_reduce\", S, n)</code>: 2(n-1)/n of S, below "
                "2S however many ranks there are.</p>"))

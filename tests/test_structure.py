@@ -1,0 +1,116 @@
+"""The shape of the code: no import cycles, one entry point per dimension, no global step timer."""
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "fivefold"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """fivefold module -> the fivefold modules it imports anywhere in its body (inside functions and
+    under TYPE_CHECKING too: a cycle hidden in a function is still a cycle)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("fivefold"):
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    part = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        part.append(top)
+                        if top == node:
+                            break
+                    if len(part) > 1:
+                        found.append(sorted(part))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_imports_alone():
+    """Each module imports in a fresh interpreter (an order-dependent import would hide a cycle)."""
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)"
+    modules = sorted(m for m in import_graph() if m != "fivefold.__main__")
+    subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("module,entry", [
+    ("fivefold.parallel.pipeline", "apply_pipeline_parallel"),
+    ("fivefold.parallel.tensor", "apply_tensor_parallel"),
+    ("fivefold.parallel.expert", "apply_expert_parallel"),
+    ("fivefold.parallel.context", "apply_context_parallel"),
+    ("fivefold.parallel.recompute", "apply_recompute"),
+    ("fivefold.parallel.data_parallel", "apply_data_parallel"),
+])
+def test_every_dimension_has_the_same_entry_shape(module, entry):
+    import importlib
+
+    fn = getattr(importlib.import_module(module), entry)
+    assert list(inspect.signature(fn).parameters) == ["model", "mesh", "cfg", "derived"]
+
+
+def test_no_module_level_step_timer():
+    """The step timer is the mesh's (every AxisGroup carries it), not a module global."""
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                called = ast.unparse(node.value.func)
+                assert called not in ("StepTimer", "CommStats"), f"{path}:{node.lineno}: a module-level {called}"
