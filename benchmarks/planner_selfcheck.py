@@ -54,11 +54,12 @@ NPROC = 2
 
 def _worker(rank: int, world: int, cfg) -> list[float]:
     from fivefold.train.loop import train
+    from fivefold.train.metrics import read_metrics
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only this script's JSON lines
         result = train(cfg, progress=False)
-    lines = (result.run_dir / cfg.run.metrics_file).read_text().splitlines() if rank == 0 else []
-    return [json.loads(line)["step_time_s"] for line in lines]
+    steps = read_metrics(result.run_dir / cfg.run.metrics_file) if rank == 0 else []  # events left out
+    return [r["step_time_s"] for r in steps]
 
 
 def _config(model: str, layout: str, args, overrides: list[str], out: Path, hardware: str | None):

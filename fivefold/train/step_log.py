@@ -2,7 +2,7 @@
 train/metrics.py), the progress display, the step-time table beside the planner's prediction, and
 Chrome traces of a few steps.
 
-Every rank calls `log()` for every step, because logging steps (`train.log_every`, and the last)
+Every rank calls `StepLog.log_step()` for every step, because logging steps (`train.log_every`, and the last)
 gather every rank's step-time parts (and with pp > 1 the pipeline's timeline); only rank 0 writes
 and prints.
 """
@@ -55,6 +55,8 @@ class ProgressDisplay:
 
 
 class StepLog:
+    """One run's reporting, from its first step (or the one it resumed at) to `end`."""
+
     def __init__(self, run: Run, start: int, end: int, resumed_from: Path | None, prediction: dict | None,
                  progress: bool):
         cfg, mesh = run.cfg, run.mesh
@@ -67,6 +69,7 @@ class StepLog:
             self._events(start, resumed_from)
         self.display = ProgressDisplay(cfg.train.steps, start, enabled=self.rank == 0, bar=progress)
         self.window = BreakdownWindow()
+        # Every rank of the job (pg None: torch's default group), for the breakdown's gather.
         self.world = AxisGroup("world", "log", None, dist.get_world_size(), self.rank, mesh.stats,
                                cfg.parallel.collective_timeout_s, mesh.timer)
         self.trace = None
