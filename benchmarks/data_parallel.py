@@ -104,7 +104,7 @@ from fivefold.model import cross_entropy_sum  # noqa: E402
 from fivefold.parallel.data_parallel import apply_data_parallel  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer, clip_grad_norm, init_optimizer_state  # noqa: E402
+from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from fivefold.validate import derive  # noqa: E402
 
 torch.set_num_threads(1)
@@ -151,7 +151,6 @@ class Side:
             self.dp = apply_data_parallel(self.model, meshes["fivefold"], cfg, derived)
             self.dp.overlap = kind != "fivefold_ddp_no_overlap"
             self.opt = build_optimizer(self.dp.optimizer_params(), t)  # as parallelize() builds it
-            init_optimizer_state(self.opt)
             self.loss_weight = 1.0  # the global loss is the sum of the ranks' losses
             return
         if kind == "torch_ddp":

@@ -2,7 +2,7 @@
 
     fivefold train configs/debug.toml --nproc 2 --train.steps=500
     fivefold train CONFIG --nproc 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   (on each node)
-    torchrun --nproc-per-node 8 -m fivefold train configs/llama3_8b.toml
+    torchrun --nproc-per-node 8 -m fivefold train configs/tiny.toml --train.global_batch=16
 
 `train` checks the whole configuration for the number of processes it will run on before any
 process starts, then either trains in this process (under torchrun, or alone) or starts `--nproc`

@@ -209,3 +209,6 @@ class HFSource:
                  for e in range(experts.start, experts.stop)]
         return torch.stack([box.T for box in boxes])  # (E', rows, cols)
 
+    def read_into(self, name: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
+        out.copy_(self.read(name, index))
+

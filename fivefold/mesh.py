@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fivefold.config import Config
 from fivefold.parallel.comms import AxisGroup, CommStats
-from fivefold.parallel.timing import StepTimer
+from fivefold.parallel.timing import CudaClock, StepTimer, WallClock
 from fivefold.validate import Derived
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -79,7 +79,7 @@ class Mesh:
         self.device_type = device_type
         self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
         self.stats = CommStats()
-        self.timer = StepTimer()
+        self.timer = StepTimer(CudaClock() if device_type == "cuda" else WallClock())  # step time, by part
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
         self._groups: dict[str, AxisGroup] = {}
         for axis in AXES:
@@ -127,6 +127,11 @@ class Mesh:
             name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
             rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s, timer=self.timer,
         )
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device: where its tensors of the model live."""
+        return device_for(self.device_type)
 
     def group(self, name: str) -> AxisGroup:
         if name not in self._groups:

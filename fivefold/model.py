@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import ModelConfig
+from fivefold.model_config import ModelConfig
+from fivefold.seeded_init import init_tensor
 
 
 class RMSNorm(nn.Module):
@@ -324,11 +325,11 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Every parameter by init_parameter(), in named_parameters() order from one generator."""
+    def init_weights(self, seed: int = 0) -> None:
+        """Every parameter's seeded initial values (seeded_init.py): the same numbers any layout's
+        ranks draw for their slices, here drawn whole."""
         for name, p in self.named_parameters():
-            init_parameter(name, p, self.cfg, generator)
+            init_tensor(name, p, self.cfg, seed)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
                 embed: bool = True, head: bool = True) -> torch.Tensor:
@@ -350,21 +351,6 @@ class Transformer(nn.Module):
         if head and self.output is not None:
             h = self.output(h)  # (B, T, V)
         return h
-
-
-@torch.no_grad()
-def init_parameter(name: str, p: torch.Tensor, cfg: ModelConfig, generator: torch.Generator | None = None) -> None:
-    """Normal(0, init_std) for matrices; residual output projections scaled by 1/sqrt(2 L) (GPT-2).
-
-    One parameter at a time, so the seed checkpoint writer (train/seed.py) can materialise and
-    initialise each tensor alone and still draw exactly the numbers init_weights() draws.
-    """
-    if p.ndim == 1:
-        p.fill_(1.0)  # norm weights
-    else:
-        residual_out = name.endswith(("wo.weight", "down.weight", ".experts.down"))
-        std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if residual_out else cfg.init_std
-        p.normal_(0.0, std, generator=generator)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -222,3 +222,36 @@ def test_the_window_keeps_this_ranks_steps_until_a_logging_step_gathers_them():
     assert float(mean[0, -1]) == 20e-3  # the window's mean wall time
     window.add(5, 1e-3, {**dict.fromkeys(PARTS, 0.0), "unattributed": 1e-3})
     assert window.gather(alone, torch.device("cpu"))[2] == 5  # the next window starts after the gather
+
+
+def test_parts_come_from_the_clocks_marks_read_at_the_end_of_the_step():
+    """The timer records marks and works out the parts once, at the end of the step: the CUDA
+    clock's events can only be read then. A clock of scripted times checks the arithmetic."""
+    from fivefold.parallel.timing import StepTimer
+
+    class Scripted:
+        def __init__(self, times):
+            self.times, self.read = iter(times), 0
+
+        def mark(self):
+            return next(self.times)
+
+        def seconds(self, marks):
+            self.read += 1
+            return [m - marks[0] for m in marks]
+
+    # step 0..10: compute 1..9 holds a tp collective 2..5 and a recompute 6..8 with a dp wait 6.5..7
+    clock = Scripted([0.0, 1.0, 2.0, 5.0, 6.0, 6.5, 7.0, 8.0, 9.0, 10.0])
+    timer = StepTimer(clock)
+    timer.begin_step(trace=True)
+    with timer.span("compute", "compute", "F0s0"):
+        with timer.blocked("tp", "all_reduce"):
+            pass
+        with timer.span("recompute"):
+            with timer.blocked("dp", "all_reduce wait"):
+                pass
+    wall, parts = timer.end_step()
+    assert clock.read == 1 and wall == 10.0  # read once, at the end
+    assert (parts["compute"], parts["exposed_tp"], parts["recompute"], parts["exposed_dp"]) == (3.0, 3.0, 1.5, 0.5)
+    assert parts["unattributed"] == 2.0 and sum(parts.values()) == wall
+    assert sorted(name for _, name, _, _ in timer.events) == ["F0s0", "all_reduce", "all_reduce wait", "recompute"]

@@ -192,7 +192,7 @@ def _model_worker(rank, world, method):
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
     torch.manual_seed(0)
     ref = Transformer(cfg)
-    ref.init_weights(torch.Generator().manual_seed(0))
+    ref.init_weights(0)
     ids = torch.randint(0, 64, (B, T + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = ids[:, :-1], ids[:, 1:]  # shifted on the full sequence, then sharded
     logits_ref = ref(inputs)

@@ -353,7 +353,7 @@ def _count_each_token_once(rank, world):
     grads = {}
     for mode in ("none", "full"):
         m = Transformer(cfg)
-        m.init_weights(torch.Generator().manual_seed(0))
+        m.init_weights(0)
         run_cfg = replace(Config(), train={"recompute": mode})
         apply_recompute(m, _mesh(), run_cfg, derive(run_cfg, 1))
         cross_entropy_sum(m(x), x).backward()

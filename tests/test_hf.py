@@ -52,7 +52,7 @@ def models(tmp_path_factory):
 def _logits(rank, world, cfg, sources, x, save_to=None):
     """Load each weights directory in turn into this rank's part of the layout and run x; the
     last rank returns the whole logits of each. `save_to`: also write a run checkpoint of it."""
-    par = parallelized(cfg, world, cfg.model.vocab_size)
+    par = parallelized(cfg, world)
     mesh = par.mesh
     stride = world // mesh.size("pp")  # pp is the outermost mesh axis: stages are this many ranks apart
     out = []

@@ -2,14 +2,26 @@
 
 Same data as test_data_parallel.py: the 5th step is an epoch's uneven last batch, so some
 micro-batches are pure padding, which the pipeline must carry without changing the result.
+
+Every pipeline message here carries tag 0: gloo then matches the messages between two ranks by
+the order they are posted, as NCCL does (it ignores tags), so these runs check that each rank
+sends in the order its neighbour receives (fivefold/parallel/messages.py), not only that tags match.
 """
 
 import pytest
 import torch
 from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
+from fivefold.parallel.pipeline import PipelineExecutor
 from fivefold.testing import run_workers
 from fivefold.train.loop import train
+from fivefold.train.metrics import read_metrics
+
+
+@pytest.fixture(autouse=True)
+def tags_as_nccl(monkeypatch):
+    """Tag 0 on every pipeline message (the workers are forked after this, so they inherit it)."""
+    monkeypatch.setattr(PipelineExecutor, "_tag", lambda self, message: 0)
 
 LAYOUTS = {  # name: (ranks, overrides)
     "gpipe-pp2": (2, ("--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--train.micro_batch=2")),
@@ -27,6 +39,8 @@ LAYOUTS = {  # name: (ranks, overrides)
                      "--train.micro_batch=2")),
     "dualpipe_v-pp4": (4, ("--parallel.pp=4", "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
                            "--train.micro_batch=1")),
+    "zb_v-pp4": (4, ("--parallel.pp=4", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
+                     "--train.micro_batch=1")),
     "1f1b-pp2-dp2": (4, ("--parallel.pp=2", "--train.micro_batch=2")),
     "1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1")),
     "1f1b-pp2-layers-5-3": (2, ("--parallel.pp=2", "--parallel.stage_layers=[5, 3]", "--train.micro_batch=2")),
@@ -90,3 +104,28 @@ def test_pipeline_resume_is_exact(tmp_path, schedule):
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])  # each stage wrote only its own layers
     resumed = run_workers(_train, 2, tiny_config(tmp_path, *args, "--checkpoint.resume=true"))[0]
     assert resumed == losses[2:]
+
+
+def test_activations_travel_in_the_compute_dtype(tmp_path):
+    """Under bf16 autocast the activations and gradients between stages travel in bf16: half the
+    pipeline bytes of fp32, as the planner prices them (act_bytes); the loss stays close."""
+    from fivefold.planner.selfcheck import predict_for_config
+
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        args = ("--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0", "--parallel.pp=2",
+                "--train.micro_batch=2", f"--train.dtype={dtype}")
+        cfg = tiny_config(tmp_path / dtype, *args)
+        losses = run_workers(_train, 2, cfg)[0]
+        records = read_metrics(tmp_path / dtype / "tiny" / "metrics.jsonl")
+        runs[dtype] = losses, [r["comm"]["pp"]["bytes"] for r in records], predict_for_config(cfg, 2)
+    (fp32_losses, fp32_bytes, fp32_plan), (bf16_losses, bf16_bytes, bf16_plan) = runs["fp32"], runs["bf16"]
+    # Per step, each rank sends one (2, 32, 64) message per micro-batch (4 of them), and adds the
+    # 8 bytes of the gradient norm's fp64 sum of squares (all-reduced over the stages).
+    messages = 4 * 2 * 32 * 64 * 4
+    assert fp32_bytes == [messages + 8] * 2
+    assert bf16_bytes == [messages // 2 + 8] * 2
+    assert fp32_plan["comm_wire_bytes"]["pp"] == messages  # the planner prices the messages
+    assert bf16_plan["comm_wire_bytes"]["pp"] == messages // 2
+    # bf16 rounding of the matmuls and of the one boundary: a few parts in a thousand.
+    torch.testing.assert_close(torch.tensor(bf16_losses), torch.tensor(fp32_losses), rtol=2e-2, atol=0)

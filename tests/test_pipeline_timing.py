@@ -22,6 +22,12 @@ from fivefold.testing import run_workers
 T_F, T_I, T_W = 0.04, 0.04, 0.04  # seconds
 
 
+@pytest.fixture(autouse=True)
+def tags_as_nccl(monkeypatch):
+    """Tag 0 on every pipeline message: gloo matches by posting order, as NCCL (test_pipeline.py)."""
+    monkeypatch.setattr(PipelineExecutor, "_tag", lambda self, message: 0)
+
+
 def _sleeper(forward: float, backward: float):
     class Sleep(torch.autograd.Function):
         @staticmethod

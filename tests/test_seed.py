@@ -67,6 +67,33 @@ def test_every_layout_loads_the_identical_weights(tmp_path, layout):
         assert not state["layers.0.ffn.expert_bias"].any()
 
 
+def _initial_state(rank, world, cfg):
+    return parallelized(cfg, world).full_state_dict()
+
+
+INIT_LAYOUTS = {  # world, overrides: every way a rank's slice of a tensor is cut
+    "tp2-sp": (2, ("--parallel.tp=2", "--parallel.sp=true")),
+    "pp2-tied": (2, ("--parallel.pp=2", TIED)),
+    "dp2-zero3": (2, ("--parallel.zero=3",)),
+    "dp2-ep2-moe": (2, (*MOE, "--parallel.ep=2")),
+    "dp2-tp2-zero3": (4, ("--parallel.tp=2", "--parallel.zero=3")),
+    "dp2-tp2-zero1": (4, ("--parallel.tp=2", "--parallel.zero=1")),
+}
+
+
+@pytest.mark.parametrize("layout", INIT_LAYOUTS)
+def test_every_layout_starts_from_the_weights_one_process_has(tmp_path, layout):
+    """Built on the meta device, each rank draws only the row blocks of its own slices: gathered,
+    they are the one-process model's seeded init, bit for bit (no arithmetic, only copies)."""
+    world, extra = INIT_LAYOUTS[layout]
+    cfg = tiny_config(tmp_path, "--train.seed=5", "--train.micro_batch=1", *extra)
+    reference = build_model(cfg, 320).state_dict()
+    for state in run_workers(_initial_state, world, cfg):
+        assert state.keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(state[name], value), name
+
+
 def _first_loss(rank, world, cfg):
     from fivefold.train.loop import train
 

@@ -19,7 +19,7 @@ and its bytes, instead of the backend's anonymous message; async handles do the 
 Point-to-point messages (pipeline activations and gradients, ring-attention K/V blocks, the steps
 of our own ring all-reduce) go through here too: `send`, `recv` and `exchange` address peers by
 their rank in the group, count what they send as "send" on the group's axis, and name a failure
-like a collective does.
+like a collective does; `batch` posts several sends and receives at once (the pipeline's).
 
 The time the calling thread is blocked in a collective or a message (a synchronous call, an async
 launch, a `wait()`) is reported to the group's `timer` (timing.py) as that axis's exposed
@@ -149,9 +149,12 @@ class Pending:
         self._works, self._describe, self._group, self._label, self._op = works, describe, group, label, op
         self._flight = flight  # traced, and the work has no future: its span ends when waited on
 
-    def wait(self) -> None:
+    def wait(self, part: str | None = None) -> None:
+        """Block until done; the time waited counts to `part` when given ("bubble": a pipeline stage
+        with nothing else to do), else to the axis's exposed time."""
+        timer, name = self._group.timer, f"{self._op} wait"
         try:
-            with self._group.timer.blocked(self._label, f"{self._op} wait"):
+            with timer.span(part, self._label, name) if part else timer.blocked(self._label, name):
                 for work in self._works:
                     work.wait()
         except RuntimeError as e:
@@ -280,6 +283,43 @@ def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to: int, frm: int, 
     ops = [dist.P2POp(dist.isend, send_buf, group.global_rank(to), group=group.pg, tag=tag),
            dist.P2POp(dist.irecv, recv_buf, group.global_rank(frm), group=group.pg, tag=tag)]
     return _issue("send", group, nbytes, group.label, True, lambda: dist.batch_isend_irecv(ops), name)
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One send or receive of a `batch`: the tensor, the peer's group rank, the tag (gloo matches by
+    it, NCCL ignores it) and a name for errors and traces."""
+
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+    name: str = "message"
+
+
+def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pending], list[Pending]]:
+    """Post `sends` and `recvs` as one batch; one handle per send and per receive, in order.
+
+    NCCL runs a batch as one group whose operations progress together (two ranks that each send to
+    the other cannot both block in the send) and matches the messages between two ranks by the
+    order they are posted. Where the backend returns one work for the whole batch (NCCL), every
+    handle waits for all of it; gloo returns one per operation.
+    """
+    if not sends and not recvs:
+        return [], []
+    ops = [dist.P2POp(op, m.tensor, group.global_rank(m.peer), group=group.pg, tag=m.tag)
+           for op, ms in ((dist.isend, sends), (dist.irecv, recvs)) for m in ms]
+    for m in sends:
+        group.stats.record(group.label, "send", _nbytes(m.tensor), group.size)
+    first = (sends or recvs)[0]
+    try:
+        with group.timer.blocked(group.label, first.name):  # the launch; the transfers run in the background
+            works = dist.batch_isend_irecv(ops)
+    except RuntimeError as e:
+        raise _named(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e
+    handles = [Pending(list(works) if len(works) != len(ops) else [works[k]],
+                       lambda e, m=m: _named(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
+                       m.name, group.timer.flight(group.label, m.name)) for k, m in enumerate([*sends, *recvs])]
+    return handles[:len(sends)], handles[len(sends):]
 
 
 # ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----

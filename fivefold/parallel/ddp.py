@@ -35,6 +35,7 @@ from torch import nn
 from fivefold.config import ParallelConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms, state_dict
+from fivefold.parallel.materialize import materialize
 from fivefold.parallel.ring_collectives import ring_all_reduce
 from fivefold.parallel.state_dict import is_expert_parameter
 
@@ -71,6 +72,7 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig):
         self.model, self.mesh = model, mesh
+        materialize(model, mesh.device)  # a model built on the meta device: this rank's tensors, empty
         self.group = mesh.group("grad")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(parallel)

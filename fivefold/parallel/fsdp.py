@@ -32,6 +32,7 @@ from fivefold.config import ParallelConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.ddp import Bucket
+from fivefold.parallel.materialize import freed, materialize
 from fivefold.parallel.state_dict import gather_tp_shards
 from fivefold.parallel.zero import ZeroDataParallel
 
@@ -55,6 +56,8 @@ def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
 
 class FullyShardedDataParallel(ZeroDataParallel):
     def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig):
+        # Built on the meta device, the full parameters never hold storage: only the shards do.
+        materialize(model, mesh.device, freed)
         self.reshard_after_forward = parallel.reshard_after_forward
         self.units = [Unit(mods, [p for m in mods for p in m.parameters() if p.requires_grad])
                       for mods in sharding_units(model)]

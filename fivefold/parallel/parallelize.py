@@ -38,6 +38,7 @@ from fivefold.parallel.state_dict import is_expert_parameter
 from fivefold.parallel.state_memory import ModelStateMeter
 from fivefold.parallel.tensor import apply_tensor_parallel
 from fivefold.train.optim import build_optimizer, clip_grad_norm, init_optimizer_state, set_lr
+from fivefold.train.precision import compute_dtype
 from fivefold.validate import Derived
 
 
@@ -144,6 +145,9 @@ class Parallelized:
         self.dp.load_model_state_dict(state)
 
     def optim_state_dict(self) -> dict:
+        """Every moment of every tensor the optimizer steps (created now if no step has yet: a
+        checkpoint being loaded needs them as its targets)."""
+        init_optimizer_state(self.optimizer)
         return self.dp.optim_state_dict(self.optimizer)
 
     def load_optim_state_dict(self, state: dict) -> None:
@@ -176,10 +180,10 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
         for block in model.layers.values():
             block.compile()
     dp = apply_data_parallel(model, mesh, cfg, derived)
-    optimizer = build_optimizer(dp.optimizer_params(), cfg.train)
-    init_optimizer_state(optimizer)
+    optimizer = build_optimizer(dp.optimizer_params(), cfg.train)  # its state comes with its first step
     memory = ModelStateMeter(dp.params, optimizer)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,
-                                after_backward=memory.sample)
+                                after_backward=memory.sample,
+                                act_dtype=compute_dtype(cfg.train, mesh.device_type))  # what travels between stages
     return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory)

@@ -4,8 +4,11 @@ What is sharded: the layers, over the `pp` axis. A rank keeps only the blocks of
 owns (one stage, or v chunks for interleaved and V schedules); the first stage also keeps the
 embedding, the last the final norm, head and loss. Collectives: point-to-point only. Forward sends
 each micro-batch's activation (micro_batch, T, dim) to the next stage; backward sends its
-gradient back. Both use asynchronous isend, and a message's tag names its kind, micro-batch and
-stage, so the order in which two ranks post them does not matter.
+gradient back, both in the compute dtype (`act_dtype`: bf16 under bf16 autocast halves the bytes);
+the receiver computes on the fp32 residual stream, as one process does. Each rank posts its
+messages in the batches `messages.py` plans from the schedule: between two ranks every message is
+sent and received in one order, as NCCL (which ignores tags) requires, and the plan is proven not
+to deadlock. Tags (kind, micro-batch, stage) stay, for gloo; correctness does not depend on them.
 
 `apply_pipeline_parallel()` keeps this rank's stages of the model; `PipelineExecutor` is the one
 executor: it runs, action by action, the per-rank lists that
@@ -25,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,7 +40,9 @@ from fivefold.model import Transformer, cross_entropy_sum
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.ddp import DataParallel
-from fivefold.parallel.schedules import Schedule, build_schedule
+from fivefold.parallel.messages import Batch, Message, check_plans, forward_schedule, message_plans
+from fivefold.parallel.pipeline_p2p import Mailbox, Sends
+from fivefold.parallel.schedules import Action, Schedule, build_schedule
 from fivefold.parallel.split_backward import SplitBackward
 from fivefold.validate import Derived
 
@@ -159,7 +162,7 @@ def _held_bytes(slots: dict[tuple[int, int], _Slot]) -> int:
 
 @dataclass
 class PipelineStats:
-    loss: float = 0.0  # this rank's sum of micro-batch losses (last stage only)
+    loss: float = 0.0  # this rank's sum of micro-batch losses (last stage only), read from the device once
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, action)
     peak_held_bytes: int = 0  # most bytes of stage inputs and outputs kept for backward at once
     freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
@@ -171,63 +174,27 @@ def _values_unused(out: torch.Tensor) -> bool:
     return type(out.grad_fn).__name__ in ("AddBackward0", "ToCopyBackward0")
 
 
-class _Sends:
-    """Outstanding sends. When one completes, the stage output it carried (if any) is freed.
-
-    Completion is observed by a helper thread that waits on each send in turn (the wait releases
-    the GIL): gloo's Work.is_completed() reports False until someone waits (measured, torch 2.13),
-    so polling from the executor would free nothing before the end of the step.
-    """
-
-    def __init__(self, stats: PipelineStats):
-        self.stats = stats
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None  # started by the first send: pp = 1 sends nothing
-
-    def add(self, pending: comms.Pending, free: torch.Tensor | None) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._drain, daemon=True)
-            self.thread.start()
-        self.queue.put((pending, free))
-
-    def _drain(self) -> None:
-        while (item := self.queue.get()) is not None:
-            pending, t = item
-            try:
-                pending.wait()  # names a failure (comms); counts no exposed time on this thread
-            except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the executor's thread
-                self.error = self.error or e
-                continue
-            if t is not None:
-                self.stats.freed_bytes += t.untyped_storage().nbytes()
-                t.untyped_storage().resize_(0)  # shape and autograd node stay; the values are gone
-
-    def finish(self) -> None:
-        """Wait until every send has completed."""
-        if self.thread is None:
-            return
-        self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 class PipelineExecutor:
     """Runs one rank's action list of a schedule over its stage chunks.
 
-    after_backward: called after each action that accumulates gradients (B, W), e.g. to sample
-    the model state's memory.
+    act_dtype: the dtype activations and gradients travel in between ranks (the compute dtype:
+    `train.precision.compute_dtype`). after_backward: called after each action that accumulates
+    gradients (B, W), e.g. to sample the model state's memory.
     """
 
     def __init__(self, stages: PipelineStages, dp: DataParallel, device: torch.device, dim: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-                 seq_divisor: int = 1, after_backward: Callable[[], None] = lambda: None):
+                 seq_divisor: int = 1, after_backward: Callable[[], None] = lambda: None,
+                 act_dtype: torch.dtype = torch.float32):
         self.schedule, self.chunks, self.group, self.dp = stages.schedule, stages.chunks, stages.group, dp
         self.loss_fn = loss_fn  # sum of token losses from the last stage's output (vocab-parallel under tp)
         self.seq_divisor = seq_divisor  # activations between stages hold T / seq_divisor tokens (sp)
         self.device = device  # where received activations and gradients are put
         self.after_backward = after_backward
+        self.act_dtype = act_dtype
+        # A received activation joins the residual stream in the dtype it has in one process: fp32
+        # (the weights are fp32 master weights and autocast casts only inside the matmuls).
+        self.hidden_dtype = torch.float32
         self.rank = self.group.rank
         self.n_stages = self.schedule.num_stages
         self.has_last_stage = self.n_stages - 1 in self.chunks
@@ -237,6 +204,10 @@ class PipelineExecutor:
         actions = self.schedule.actions[self.rank]
         # Data parallel may start reducing on the rank's last backward: every gradient is final then.
         self.last_backward = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))
+        # What to post before each action, proven to match and complete (a fraction of a second
+        # for the largest schedules): a schedule whose messages would hang on NCCL stops here.
+        self.plan = check_plans(self.schedule)[self.rank]
+        self.forward_plans: dict[int, tuple[Schedule, list[Batch]]] = {}  # micro-batches -> forward_only's
 
     def copies_counted_elsewhere(self) -> list[torch.Tensor]:
         """Gradients another rank holds too (the last stage's tied embedding copy): count them once."""
@@ -244,36 +215,24 @@ class PipelineExecutor:
             return []
         return [self.dp.gradient_of(self.tied[0])]
 
-    def _tag(self, kind: int, mb: int, stage: int) -> int:
-        return (kind * self.schedule.microbatches + mb) * self.n_stages + stage
-
-    def _send(self, t: torch.Tensor, to_stage: int, key: tuple[int, int, int], local: dict, sends: _Sends,
-              free: bool = False) -> None:
-        """Send `t` to the rank of `to_stage`; with `free`, release its storage once it has left."""
-        if self.schedule.stage_to_rank(to_stage) == self.rank:
-            local[key] = t  # both stages live here (V layout): hand over in memory, nothing to free
-            return
-        t = t.contiguous()
-        name = f"send {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} to stage {to_stage}"
-        pending = comms.send(t, self.schedule.stage_to_rank(to_stage), self.group, name, self._tag(*key))
-        sends.add(pending, t if free else None)
-
-    def _recv(self, shape: torch.Size, dtype: torch.dtype, from_stage: int, key: tuple[int, int, int],
-              local: dict) -> torch.Tensor:
-        if key in local:
-            return local.pop(key)
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        # The stage has nothing to do until this arrives: the pipeline bubble. The wait also holds
-        # the transfer itself, small on CPU with these activations; on a slow link it is pp time.
-        name = f"recv {'activation' if key[0] == 0 else 'gradient'} mb {key[1]} from stage {from_stage}"
-        comms.recv(buf, self.schedule.stage_to_rank(from_stage), self.group, name, self._tag(*key), part="bubble")
-        return buf
+    def _tag(self, msg: Message) -> int:
+        """Names the message on gloo, which matches by tag; NCCL matches by order (messages.py)."""
+        kind = 0 if msg.kind == "activation" else 1
+        return (kind * self.schedule.microbatches + msg.microbatch) * self.n_stages + msg.stage
 
     def _params(self, chunk: StageChunk) -> list[nn.Parameter]:
         mods = [chunk.model.layers[n] for n in chunk.layers]
         mods += [chunk.model.tok_embeddings] if chunk.first else []
         mods += [chunk.model.norm, chunk.model.output] if chunk.last else []
         return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    def _mailbox(self, schedule: Schedule, plan: list[Batch], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 sends: Sends) -> Mailbox:
+        """This run's messages; what travels for micro-batch mb is (B, T / seq_divisor, dim)."""
+        def shape(mb: int) -> tuple[int, ...]:
+            x = micro_batches[mb][0]
+            return x.shape[0], x.shape[1] // self.seq_divisor, self.dim
+        return Mailbox(schedule, plan, self.group, shape, self.act_dtype, self.device, self._tag, sends)
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None,
@@ -285,23 +244,26 @@ class PipelineExecutor:
         micro-batch losses (non-zero on the last stage only), each already divided by the step's
         global token count.
         """
-        ACT, GRAD = 0, 1
         slots: dict[tuple[int, int], _Slot] = {}
-        local: dict = {}
         stats = PipelineStats()
-        sends = _Sends(stats)
+        sends = Sends()
+        mail = self._mailbox(self.schedule, self.plan, micro_batches, sends)
+        # Summed on the device, read once at the end: a float() per micro-batch would wait for the
+        # device each time. fp64, as the Python float sum it replaces.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         last = self.n_stages - 1
         for index, action in enumerate(self.schedule.actions[self.rank]):
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
             x, y = micro_batches[mb]
-            shape, final = (x.shape[0], x.shape[1] // self.seq_divisor, self.dim), index == self.last_backward
+            final = index == self.last_backward
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
+            mail.post(index)  # what the plan posts here: sends produced so far, receives due by now
             # Inputs first, then the clock: a timeline shows compute, and waiting shows as gaps.
             if action.kind == "F" and s > 0:
-                x = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local).requires_grad_()
+                x = mail.take(action).to(self.hidden_dtype).requires_grad_()
             elif action.kind in ("B", "I") and s < last:
-                grad = self._recv(shape, torch.float32, s + 1, (GRAD, mb, s + 1), local)
+                grad = mail.take(action)
             elif action.kind in ("B", "I"):
                 grad = None  # the last stage starts backward from its loss
             began = clock() if clock else 0.0
@@ -313,24 +275,25 @@ class PipelineExecutor:
                         out = chunk(slot.inp, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
                     if s == last:
                         out = self.loss_fn(out, y) / global_tokens  # the loss: backward starts here
-                        stats.loss += float(out.detach())
+                        loss_sum += out.detach()
                         out = out * loss_scale
                     else:
-                        out = out.float()  # activations travel in fp32 (autocast may have produced bf16)
-                        self._send(out.detach(), s + 1, (ACT, mb, s), local, sends, free=_values_unused(out))
+                        if mail.travels(action):  # in the compute dtype (autocast may have left fp32)
+                            out = out.to(self.act_dtype)
+                        mail.put(action, out.detach(), free=_values_unused(out))
                     slot.out = out
                 elif action.kind == "B":
                     slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
                     self.dp.backward(slot.out, grad, last_micro_batch=final)
                     self.after_backward()
                     if s > 0:
-                        self._send(slot.inp.grad, s - 1, (GRAD, mb, s), local, sends)
+                        mail.put(action, self._outgoing_grad(action, slot.inp.grad, mail))
                 elif action.kind == "I":  # input gradient only; W finishes this backward later
                     slot = slots[(mb, s)]
                     slot.split = SplitBackward(slot.out, slot.inp, self._params(chunk))
                     inp_grad = slot.split.input_grad(grad)
                     if s > 0:
-                        self._send(inp_grad, s - 1, (GRAD, mb, s), local, sends)
+                        mail.put(action, self._outgoing_grad(action, inp_grad, mail))
                 else:  # "W": the weight gradients of a split backward
                     slot = slots.pop((mb, s))
                     with self.dp.reducing(last_micro_batch=final):
@@ -339,34 +302,47 @@ class PipelineExecutor:
             if clock:
                 stats.timeline.append((began, clock(), str(action)))
             stats.peak_held_bytes = max(stats.peak_held_bytes, _held_bytes(slots))
+        mail.post(len(self.plan) - 1)  # what the last actions produced
         # A pipeline of one stage sends nothing: joining the helper thread is no pp time.
         pp = self.group.size > 1
         with self.group.timer.blocked(self.group.label, "sends in flight") if pp else contextlib.nullcontext():
             sends.finish()  # every activation and gradient has left before its buffer is reused
+        stats.freed_bytes = sends.freed_bytes
         if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
             param, group = self.tied
             comms.all_reduce(self.dp.gradient_of(param), group)
+        stats.loss = float(loss_sum)
         return stats
+
+    def _outgoing_grad(self, action: Action, grad: torch.Tensor, mail: Mailbox) -> torch.Tensor:
+        """The gradient of the stage input, cast to the compute dtype if it goes to another rank."""
+        return grad.to(self.act_dtype) if mail.travels(action) else grad
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                      autocast=contextlib.nullcontext, positions: torch.Tensor | None = None) -> float:
         """Sum of token losses over the micro-batches (last stage only), for evaluation."""
-        ACT, total, local, sends = 0, 0.0, {}, _Sends(PipelineStats())
-        for mb, (x, y) in enumerate(micro_batches):
-            h = x
+        m = len(micro_batches)
+        if m not in self.forward_plans:  # each micro-batch through the stages in order
+            schedule, ends = forward_schedule(self.schedule, m)
+            self.forward_plans[m] = schedule, check_plans(schedule, message_plans(schedule, ends))[self.rank]
+        schedule, plan = self.forward_plans[m]
+        sends = Sends()
+        mail = self._mailbox(schedule, plan, micro_batches, sends)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, at the end
+        for index, action in enumerate(schedule.actions[self.rank]):
+            mb, s = action.microbatch, action.stage
+            x, y = micro_batches[mb]
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
-            for s in sorted(self.chunks):  # each micro-batch through the stages in order: no deadlock
-                if s > 0:  # from the previous stage: another rank, or this one (then `local` has it)
-                    shape = (x.shape[0], x.shape[1] // self.seq_divisor, self.dim)
-                    h = self._recv(shape, torch.float32, s - 1, (ACT, mb, s - 1), local)
-                with autocast():
-                    h = self.chunks[s](self.chunks[s].embed(h), positions)
-                if s == self.n_stages - 1:
-                    total += float(self.loss_fn(h, y))
-                else:
-                    h = h.float()
-                    self._send(h, s + 1, (ACT, mb, s), local, sends)
+            mail.post(index)
+            h = mail.take(action).to(self.hidden_dtype) if s > 0 else x
+            with autocast():
+                h = self.chunks[s](self.chunks[s].embed(h), positions)
+            if s == self.n_stages - 1:
+                total += self.loss_fn(h, y)
+            else:
+                mail.put(action, h.to(self.act_dtype) if mail.travels(action) else h)
+        mail.post(len(plan) - 1)
         sends.finish()
-        return total
+        return float(total)

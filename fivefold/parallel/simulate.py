@@ -5,7 +5,7 @@ exist. That is enough to prove a schedule has no deadlock and that every micro-b
 precedes its backward on every stage, and to report makespan, idle time per rank, both bubble
 figures (see `schedules.py`) and peak activations in flight. The planner, the explainers and the
 pictures all time schedules with this one function; the executor's measured timeline is tested
-against it.
+against it, and its messages are posted in the order of this timeline (`messages.py`).
 """
 
 from __future__ import annotations

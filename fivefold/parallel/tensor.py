@@ -33,6 +33,7 @@ from fivefold.mesh import Mesh
 from fivefold.model import FeedForward, Transformer
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.materialize import materialize_parameter
 from fivefold.validate import Derived
 
 
@@ -205,12 +206,13 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
     if model.output is not None:  # logits stay vocabulary-sharded, for vocab_parallel_cross_entropy
         model.output = ColumnParallelLinear(model.output, group, sequence_parallel, enter_region=True)
-    for name, p in model.named_parameters():
+    for name, _ in list(model.named_parameters()):
         # Replicated weights that saw different data on each tp rank need the others' gradients:
         # QK-norm weights (each rank normalises its own heads) and, with sp, every norm (each rank
-        # normalises its own T/tp tokens). Without sp the block norms' inputs are identical.
+        # normalises its own T/tp tokens). Without sp the block norms' inputs are identical. The
+        # hook lives on the tensor, so a meta one gets its (small) storage first.
         if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and "norm" in name):
-            p.register_hook(lambda g: _summed_over(g, group))
+            materialize_parameter(model, name, mesh.device).register_hook(lambda g: _summed_over(g, group))
     return state
 
 

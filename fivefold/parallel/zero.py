@@ -55,12 +55,13 @@ class ZeroDataParallel(DataParallel):
                 # A tensor-parallel slice split along dim 0 is split by ZeRO along dim 1, so the two
                 # splits are along different dims and the shard is a plain DTensor on (dp, tp).
                 zd = self.zero_dims[id(p)] = 1 if getattr(p, "tp_dim", None) == 0 and p.ndim > 1 else 0
-                rows = p.detach().movedim(zd, 0)
-                c = -(-rows.shape[0] // n)
+                rows = [p.shape[zd], *(d for i, d in enumerate(p.shape) if i != zd)]  # shape, split dim first
+                c = -(-rows[0] // n)
                 self.rows[id(p)] = c
-                master = torch.zeros((c, *rows.shape[1:]), dtype=torch.float32, device=p.device)
+                master = torch.zeros((c, *rows[1:]), dtype=torch.float32, device=p.device)
                 self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
-                self._copy_master_rows(p)
+                if p.untyped_storage().nbytes():  # ZeRO-3 from the meta device: the shard is filled on load
+                    self._copy_master_rows(p)
                 b.shard_numel.append(master.numel())
 
     def optimizer_params(self) -> list[torch.Tensor]:

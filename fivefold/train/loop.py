@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, to_toml
-from fivefold.mesh import Mesh, device_for
+from fivefold.mesh import Mesh
 from fivefold.model import Transformer
-from fivefold.parallel.parallelize import parallelize
+from fivefold.parallel.parallelize import Parallelized, parallelize
+from fivefold.seeded_init import SeededInit
 from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
 from fivefold.train.data import (
     BPETokenizer,
@@ -41,7 +42,7 @@ from fivefold.train.preflight import preflight
 from fivefold.train.run_dir import latest_checkpoint, run_dir_of
 from fivefold.train.step import Run, StepRecord, evaluate, train_step
 from fivefold.train.step_log import StepLog
-from fivefold.train.weights import load_weights
+from fivefold.train.weights import fill_weights, load_weights
 from fivefold.validate import Derived, derive
 
 
@@ -86,10 +87,17 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> bool:
     return True
 
 
+def meta_model(cfg: Config, vocab_size: int) -> Transformer:
+    """The whole model on the meta device: names and shapes, no memory (what training builds)."""
+    with torch.device("meta"):
+        return Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
 def build_model(cfg: Config, vocab_size: int) -> Transformer:
-    """The full model with its initial weights, identical on every rank (seeded generator on CPU)."""
+    """The whole model in this process's memory with its seeded initial weights (the values every
+    layout's ranks draw for their slices; seeded_init.py): for tests and benchmarks' peers."""
     model = Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
-    model.init_weights(torch.Generator().manual_seed(cfg.train.seed))
+    model.init_weights(cfg.train.seed)
     return model
 
 
@@ -142,22 +150,33 @@ def train(cfg: Config, derived: Derived | None = None, *, progress: bool = True,
             dist.destroy_process_group()
 
 
+def parallel_model(cfg: Config, derived: Derived, mesh: Mesh) -> tuple[Parallelized, SeededInit]:
+    """This rank's part of the model, built on the meta device and parallelized there, its tensors
+    allocated but without values; and the seeded initialisation that can give them their values."""
+    model = meta_model(cfg, derived.vocab_size)
+    seeded = SeededInit(model, model.cfg, cfg.train.seed)  # the whole model's names, before stages drop some
+    return parallelize(model, mesh, cfg, derived), seeded
+
+
 def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Path | None]:
-    """The run's mesh, parallelized model, data and loss scaler, restored from its latest checkpoint
-    (with checkpoint.resume) or started from checkpoint.init_from; returns (run, start step, the
-    checkpoint resumed from)."""
+    """The run's mesh, parallelized model, data and loss scaler; returns (run, start step, the
+    checkpoint resumed from).
+
+    The model is built on the meta device and parallelized there, so a rank allocates only what it
+    holds (parallel/materialize.py); its values then come from one source: the run's latest
+    checkpoint (with checkpoint.resume), checkpoint.init_from, or the seeded initialisation.
+    """
     run_dir = run_dir_of(cfg)
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
     dist.barrier()
     mesh = Mesh.from_config(cfg, derived, device_type)
-    device = device_for(device_type)
-    par = parallelize(build_model(cfg, derived.vocab_size).to(device), mesh, cfg, derived)
+    par, seeded = parallel_model(cfg, derived, mesh)
     train_set, val_set = build_datasets(cfg, run_dir)
     run = Run(cfg, derived, mesh, par, train_set, val_set,
               GlobalBatches(train_set, cfg.train.global_batch, cfg.train.seed),
-              LossScaler(cfg.train), MoEBalancing(par.model, mesh, cfg), device)
+              LossScaler(cfg.train), MoEBalancing(par.model, mesh, cfg), mesh.device)
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:
         state = load_checkpoint(latest, par)
@@ -166,6 +185,8 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
         return run, state["step"], latest
     if cfg.checkpoint.init_from:  # a fresh run from given weights: each rank reads only its slices
         load_weights(Path(cfg.checkpoint.init_from), par)
+    else:  # the seeded initialisation: each rank draws only the row blocks of its slices
+        fill_weights(seeded, par, f"the seeded initialisation of {cfg.run.name or 'this run'}")
     return run, 0, None
 
 

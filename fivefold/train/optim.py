@@ -27,12 +27,14 @@ def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: TrainConfig
 
 @torch.no_grad()
 def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
-    """The state AdamW would create at its first step, made now, so a checkpoint of any step has
-    every entry and a resumed optimizer has somewhere to load into (AdamW starts the same way)."""
+    """The state AdamW creates at its first step, made now for the tensors that have none: what a
+    checkpoint describes and a resumed optimizer loads into (AdamW continues from it exactly as it
+    would have started). Not done before it is needed: at startup it would be 2x the shards."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+            if not optimizer.state.get(p):
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

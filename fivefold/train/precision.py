@@ -49,7 +49,7 @@ class LossScaler:
         """
         if not self.enabled:
             return True
-        bad = torch.zeros(())
+        bad = torch.zeros((), device=grads[0].device if grads else None)  # beside the gradients: no copies
         for g in grads:
             g.mul_(1.0 / self.scale)
             bad += (~torch.isfinite(g)).any().float()

@@ -165,6 +165,9 @@ class SafetensorsDir:
             return torch.empty([max(0, n) for n in shape], dtype=_torch_dtype(part.get_dtype()))
         return part[index]
 
+    def read_into(self, name: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
+        out.copy_(self.read(name, index))
+
     def _slice(self, name: str) -> Any:
         if name not in self.file_of:
             raise KeyError(f"{self.path}: no tensor '{name}'")

@@ -1,11 +1,11 @@
 """Seed checkpoints: a model's initial weights written by one process, one tensor at a time.
 
 At scale no process can build the whole model to initialise it. Here the model is built on the
-meta device (shapes, no memory), and each parameter in turn is materialised, initialised by
-`model.init_parameter` with the one seeded generator in `named_parameters()` order, streamed into
-a safetensors file and dropped. So the peak memory is the largest single tensor, and the numbers
-are bit-identical to `build_model()`'s in-memory init with the same `train.seed` (same generator,
-same draws in the same order, same shapes).
+meta device (shapes, no memory), and each parameter in turn is materialised, given its seeded
+initial values (seeded_init.py: a pure function of train.seed, its name and its row blocks),
+streamed into a safetensors file and dropped. So the peak memory is the largest single tensor, and
+the numbers are bit-identical to what a training run of any layout starts from with the same
+`train.seed`.
 
 A seed directory holds `model.safetensors` (fivefold's names; a tied head is saved once, as
 `tok_embeddings.weight`) and `fivefold.toml`, the resolved config with `checkpoint.init_from`
@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from fivefold.config import Config, replace, to_toml
-from fivefold.model import Transformer, init_parameter
+from fivefold.model import Transformer
 from fivefold.progress import progress_bar
+from fivefold.seeded_init import init_tensor
 from fivefold.train.safetensors_io import SafetensorsWriter
 from fivefold.train.weights import SEED_CONFIG
 from fivefold.validate import padded_vocab
@@ -43,15 +44,14 @@ def write_seed_checkpoint(cfg: Config, out: Path, progress: bool = True) -> Path
     model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg))
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    params = list(model.named_parameters())  # init_weights()'s order; a tied matrix appears once
+    params = list(model.named_parameters())  # a tied matrix appears once
     out.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(out / WEIGHTS, {name: (torch.float32, tuple(p.shape)) for name, p in params},
                                metadata={"format": "pt", "fivefold": "seed", "seed": str(cfg.train.seed)})
-    generator = torch.Generator().manual_seed(cfg.train.seed)
     with progress_bar(f"initialising {out / WEIGHTS}", sum(p.numel() for _, p in params), progress) as advance:
         for name, p in params:
             value = torch.empty(p.shape, dtype=torch.float32)  # this tensor only, for as long as it is written
-            init_parameter(name, value, model_cfg, generator)
+            init_tensor(name, value, model_cfg, cfg.train.seed)
             writer.write(name, value)
             del value
             advance(p.numel())

@@ -44,6 +44,7 @@ class WeightSource(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...
     def dtype(self, name: str) -> torch.dtype: ...
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor: ...
+    def read_into(self, name: str, index: tuple[slice, ...], out: torch.Tensor) -> None: ...  # read, into out
 
 
 class WeightsMismatchError(ValueError):
@@ -138,20 +139,26 @@ def local_box(value: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-@torch.no_grad()
 def load_weights(path: Path, par: Parallelized, field: str = FIELD) -> None:
     """Put the weights in `path` into this rank's part of the model, under any layout.
 
     `par`: a parallelized model (parallel/parallelize.py). Not a collective: each rank reads its own slices.
     Raises WeightsMismatchError, before anything is read, if any tensor is missing or has another whole shape.
     """
-    source, _ = open_weights(path, field)
+    fill_weights(open_weights(path, field)[0], par, str(path))
+
+
+@torch.no_grad()
+def fill_weights(source: WeightSource, par: Parallelized, what: str = "the weights") -> None:
+    """Write `source`'s values into every tensor of this rank's part of the model: the boxes its
+    layout holds (tp, ep and ZeRO-3 slices, its stages' layers), each read alone. How a run starts
+    from init_from weights and from the seeded initialisation alike (seeded_init.SeededInit)."""
     state = par.model_state_dict()
     tied = par.model.cfg.tie_embeddings
     buffers = {k for k, _ in par.model.named_buffers()}
     problems = fit_problems(source, {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}, buffers, tied)
     if problems:
-        raise WeightsMismatchError(f"{path} does not fit this model:\n  {_summary(problems)}")
+        raise WeightsMismatchError(f"{what} does not fit this model:\n  {_summary(problems)}")
     for name, value in state.items():
         found = source_name(name, source, tied)
         if found is None:
@@ -159,5 +166,5 @@ def load_weights(path: Path, par: Parallelized, field: str = FIELD) -> None:
         local = value.to_local() if isinstance(value, DTensor) else value
         # In place: the state's tensors are the parameters (or ZeRO-3's shards) themselves, or copies
         # that load_model_state_dict below puts back; either way nothing larger than a slice is made.
-        local.copy_(source.read(found, local_box(value)))
+        source.read_into(found, local_box(value), local)
     par.load_model_state_dict(state)

@@ -316,7 +316,7 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
         "hook_s": f"{host}: a sum of 100 leaves each with a post-accumulate-grad hook, less none, per hook",
         "tensor_query_s": f"{host}: state_memory.model_state_bytes on 100 parameters (gradient and AdamW state "
                           "each), per parameter",
-        "thread_s": f"{host}: a thread draining a queue, started and joined (pipeline._Sends' pattern)",
+        "thread_s": f"{host}: a thread draining a queue, started and joined (pipeline_p2p.Sends' pattern)",
     }
     sources["noise_curve"] = (f"{host}: the same compute (0.1 ms units of small linear layers and tanh, forward "
                               "and backward) started at a barrier on every rank, per length d: the slowest rank's "

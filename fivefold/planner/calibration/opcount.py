@@ -186,16 +186,17 @@ class Part:
         import torch
         from torch import nn
 
-        from fivefold.model import Block, RMSNorm, init_parameter, rope_cos_sin
+        from fivefold.model import Block, RMSNorm, rope_cos_sin
         from fivefold.parallel.comms import AxisGroup, CommStats
         from fivefold.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
+        from fivefold.seeded_init import init_tensor
 
         m, b, s = self.model, self.batch, self.seq
         if self.kind == "block":
             rm = dataclasses.replace(_rank_model(m, self.tp), first_dense_layers=m.first_dense_layers)
             block = Block(rm, self.layer, rm.head_dim)
             for name, p in block.named_parameters():
-                init_parameter(name, p, rm)
+                init_tensor(name, p, rm, seed=0)  # the block's own seeded init: routing, hence ops, are fixed
             x = torch.randn(b, s, m.dim, requires_grad=True)
             cos, sin = rope_cos_sin(torch.arange(s), rm.head_dim, m.rope_theta)
             return (lambda: block(x, cos, sin)), list(block.parameters()), [x]
