@@ -35,6 +35,14 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="print lines only, no progress bar")
     p.add_argument("--trace", action="store_true",
                    help="write a Chrome trace per rank of a few steps (run.trace_steps) to RUN_DIR/trace/")
+    dry = p.add_argument_group("dry run", "build what every rank of --world ranks would hold, on the meta device "
+                               "with a fake process group, beside the planner's prediction (train/dry_run.py)")
+    dry.add_argument("--dry-run", action="store_true", help="build and count, train nothing (no device, no peers)")
+    dry.add_argument("--world", type=int, default=None, metavar="N", help="ranks of the job the dry run builds")
+    dry.add_argument("--gpu", default=None, metavar="NAME", help="its device: a catalog GPU (h100, a100-80gb, ...)")
+    dry.add_argument("--device-memory", default=None, metavar="SIZE", help="or its memory: 80GB (GB = 1e9), 96GiB")
+    dry.add_argument("--all-positions", action="store_true",
+                     help="build every (pp, tp, ep, dp_shard) position apart, not one rank per pipeline rank")
     add_launch_arguments(p)
 
 
@@ -63,6 +71,10 @@ def _worker(cfg: Config, derived: Derived, progress: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.dry_run:
+        from fivefold.train.dry_run_cli import run as dry_run
+
+        return dry_run(args, overrides)
     from fivefold.launch import check_writable, launch, spec_from_args
     from fivefold.train.preflight import preflight
     from fivefold.train.run_dir import run_dir_of

@@ -70,13 +70,14 @@ class Mesh:
     """
 
     def __init__(self, degrees: dict[str, int], device_type: str = "cpu", timeout_s: float | None = None,
-                 ep: int = 1):
+                 ep: int = 1, device: torch.device | None = None):
         missing = [a for a in AXES if a not in degrees]
         if missing:
             raise ValueError(f"Mesh needs a degree for every axis {AXES}; missing {missing}")
         self.degrees = {a: degrees[a] for a in AXES}
         self.world_size = math.prod(self.degrees.values())
         self.device_type = device_type
+        self._device = device  # None: this process's device of device_type (device_for); the dry run's "meta"
         self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
         self.stats = CommStats()
         self.timer = StepTimer(CudaClock() if device_type == "cuda" else WallClock())  # step time, by part
@@ -91,10 +92,11 @@ class Mesh:
         self.ep_device_mesh = self._add_expert_views(ep)
 
     @classmethod
-    def from_config(cls, cfg: Config, derived: Derived, device_type: str = "cpu") -> "Mesh":
+    def from_config(cls, cfg: Config, derived: Derived, device_type: str = "cpu",
+                    device: torch.device | None = None) -> "Mesh":
         p = cfg.parallel
         return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": derived.dp_shard, "cp": p.cp, "tp": p.tp},
-                   device_type, p.collective_timeout_s, ep=p.ep)
+                   device_type, p.collective_timeout_s, ep=p.ep, device=device)
 
     def _add_expert_views(self, ep: int) -> DeviceMesh | None:
         """The "ep" and "expert_dp" views; returns the ep group as a 1-D DeviceMesh (ep > 1), on which
@@ -121,7 +123,8 @@ class Mesh:
 
     def _add(self, name: str, sub: DeviceMesh) -> None:
         pg = sub.get_group()
-        if self.timeout_s is not None:  # DeviceMesh makes its groups with torch's default timeout
+        # DeviceMesh makes its groups with torch's default timeout; the dry run's fake backend has none
+        if self.timeout_s is not None and dist.get_backend(pg) != "fake":
             pg.set_timeout(timedelta(seconds=self.timeout_s))
         self._groups[name] = AxisGroup(
             name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
@@ -130,8 +133,8 @@ class Mesh:
 
     @property
     def device(self) -> torch.device:
-        """This process's device: where its tensors of the model live."""
-        return device_for(self.device_type)
+        """This process's device: where its tensors of the model live (the meta device in a dry run)."""
+        return self._device if self._device is not None else device_for(self.device_type)
 
     def group(self, name: str) -> AxisGroup:
         if name not in self._groups:

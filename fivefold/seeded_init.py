@@ -49,8 +49,9 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 
 def _draw(seed: int, name: str, block: int, rows: int, length: int, std: float) -> torch.Tensor:
+    """Block `block` of parameter `name`: (rows, length) fp32 on the CPU, its own generator."""
     generator = torch.Generator().manual_seed(block_seed(seed, name, block))
-    return torch.empty(rows, length).normal_(0.0, std, generator=generator)  # (rows, length) on CPU
+    return torch.empty(rows, length).normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()
@@ -76,9 +77,16 @@ def init_box(name: str, shape: tuple[int, ...], box: tuple[slice, ...], cfg: Mod
     per_block, std, n_rows = block_rows(shape), init_std(name, cfg), math.prod(lead)
     # The box's rows are ascending, so those of one block are a contiguous run of `rows`; blocks that
     # hold none of them (a slice of an inner dim skips some) are never drawn.
+    # A block the box holds whole (all its rows, every column) is drawn straight into place when the
+    # box is fp32 on the CPU: the same numbers as a fresh tensor's (contiguous), and no copy at all.
+    in_place = box[-1] == slice(0, length) and out.dtype == torch.float32 and out.device.type == "cpu"
     for b in torch.unique_consecutive(rows // per_block).tolist():
         lo, hi = b * per_block, min((b + 1) * per_block, n_rows)
         start, end = torch.searchsorted(rows, torch.tensor([lo, hi])).tolist()
+        if in_place and end - start == hi - lo:  # sorted and distinct: the rows are exactly lo..hi-1
+            generator = torch.Generator().manual_seed(block_seed(seed, name, b))
+            flat[start:end].normal_(0.0, std, generator=generator)
+            continue
         values = _draw(seed, name, b, hi - lo, length, std)  # (block rows, length)
         flat[start:end] = values[rows[start:end] - lo][:, box[-1]]
     return out

@@ -116,8 +116,9 @@ class DataParallel:
         yield
         if self._reducing:
             self._launch_ready(force=True)  # buckets with a parameter that got no gradient here
-            for b in self.buckets:
-                self._finish(b)
+            for b in self.buckets[-2:]:  # the last two are still in flight (_launch_ready)
+                if b.flat is not None:
+                    self._finish(b)
             self._reducing = False
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -134,6 +135,11 @@ class DataParallel:
                     p.grad = torch.zeros_like(p)
             self._launch(b)
             self._next += 1
+            # At most two buckets in flight: one reducing while the next fills (the planner's
+            # buffer model). Finishing the one before frees its send buffer and reduced copy now,
+            # not at the end of backward (on NCCL its wait only orders the streams).
+            if self._next >= 2:
+                self._finish(self.buckets[self._next - 2])
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:

@@ -20,6 +20,13 @@ from torch import nn
 # Attributes the parallel code sets on the tensors it slices (the dim they were split along): a
 # replacement carries them over.
 _MARKS = ("tp_dim", "ep_dim")
+# Set on every tensor made here: on the meta device (the dry run, dry_run.py) a made parameter is
+# still meta, and must not be made again (hooks and ZeRO-3's units hold the tensor itself).
+_MADE = "_materialized"
+
+
+def _unmade(p: torch.Tensor | None) -> bool:
+    return p is not None and p.is_meta and not getattr(p, _MADE, False)
 
 
 def _empty(p: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -37,6 +44,7 @@ def freed(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _replacement(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     new = nn.Parameter(data, requires_grad=p.requires_grad)
+    setattr(new, _MADE, True)
     for mark in _MARKS:
         if hasattr(p, mark):
             setattr(new, mark, getattr(p, mark))
@@ -51,7 +59,7 @@ def materialize(module: nn.Module, device: torch.device,
     made: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
-            if p is not None and p.is_meta:
+            if _unmade(p):
                 if id(p) not in made:
                     made[id(p)] = _replacement(p, make(p, device))
                 sub._parameters[name] = made[id(p)]
@@ -66,6 +74,6 @@ def materialize_parameter(module: nn.Module, name: str, device: torch.device) ->
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
     p = owner._parameters[leaf]
-    if p.is_meta:
+    if _unmade(p):
         owner._parameters[leaf] = _replacement(p, _empty(p, device))
     return owner._parameters[leaf]

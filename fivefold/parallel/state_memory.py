@@ -1,6 +1,7 @@
 """How many bytes of model state this rank holds: parameters, gradients and optimizer state.
 
-Counted from the storages themselves, each storage once (views and tied weights share one), so a
+Counted from the storages themselves, each storage once (views and tied weights share one), on any
+device, the meta device included (what the dry run builds has shapes and no memory), so a
 freed storage (ZeRO-3 resizes a parameter's storage to zero between uses; a pipeline frees a stage
 output once sent) counts nothing. The optimizer's share is its state (AdamW's moments) plus the
 tensors it steps that are not the model's parameters (ZeRO's fp32 master shards), and their
@@ -20,10 +21,13 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
     def size(tensors: list[torch.Tensor | None]) -> int:
         total = 0
         for t in tensors:
-            if t is None or t.untyped_storage().nbytes() == 0 or t.untyped_storage().data_ptr() in seen:
+            storage = t.untyped_storage() if t is not None else None
+            # A storage is told apart by its identity (_cdata: the one StorageImpl its views share),
+            # not its address: meta storages (the dry run, train/dry_run.py) all have address 0.
+            if storage is None or storage.nbytes() == 0 or storage._cdata in seen:
                 continue
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
+            seen.add(storage._cdata)
+            total += storage.nbytes()
         return total
 
     model = {id(p) for p in params}

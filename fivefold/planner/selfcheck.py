@@ -15,8 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.config import Config
+from fivefold.parallel.schedules import build_schedule
+from fivefold.parallel.simulate import simulate
+from fivefold.planner.counts import model_counts
 from fivefold.planner.datasheet import Hardware, get_hardware
 from fivefold.planner.estimate import estimate
+from fivefold.planner.layout import rank_shares
+from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, fivefold_state_bytes
+from fivefold.validate import derive
 
 
 def activation_element_bytes(cfg: Config, device_type: str = "cpu") -> int:
@@ -51,3 +57,26 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
         "time_split": est.time_split if hardware is not None else None,  # the step time's parts (estimate.py)
         "hardware": hardware.name if hardware is not None else None,
     }
+
+
+def memory_per_pipeline_rank(cfg: Config, world_size: int, device_type: str = "cpu") -> list[dict[str, float]]:
+    """predict_for_config's memory for every pipeline rank, not only the fullest: one dict per pp
+    rank of {params, grads, optimizer, activations, buffers, total} bytes, from the terms
+    terms.rank_memory adds with implementation=True (memory.fivefold_state_bytes, activation_bytes
+    and buffer_bytes of layout.rank_shares; the activations in flight are simulate()'s, which depend
+    on each rank's action order only, not on timing). Every tp, ep and dp rank of one pipeline rank
+    holds the same, and the largest total is predict_for_config's (the dry run, train/dry_run.py,
+    prints these beside what it builds)."""
+    p, d = cfg.parallel, derive(cfg, world_size)
+    act_bytes = activation_element_bytes(cfg, device_type)
+    inflight = simulate(build_schedule(p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages)).peak_inflight
+    out = []
+    for r, share in enumerate(rank_shares(cfg, model_counts(cfg.model, d.vocab_size))):
+        state = fivefold_state_bytes(cfg, share.params, d.dp_shard, d.grad_accum)
+        mem = {k: state[k] for k in ("params", "grads", "optimizer")}
+        acts = activation_bytes(cfg, share, inflight[r], d.local_seq_len, d.vocab_size, act_bytes)
+        mem["activations"] = acts["total"]
+        mem["buffers"] = buffer_bytes(cfg, share, BytesPerParam(), d.local_seq_len, act_bytes, d.dp * p.cp)["total"]
+        mem["total"] = sum(mem.values())
+        out.append(mem)
+    return out

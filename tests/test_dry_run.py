@@ -1,0 +1,244 @@
+"""The dry run (train/dry_run.py): every position of a layout built at the real scale on the meta
+device with a fake process group, its model state counted from the storages, beside the planner."""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import ROOT, tiny_config
+
+from fivefold.cli import main
+from fivefold.config import load_config
+from fivefold.mesh import Mesh
+from fivefold.planner.selfcheck import memory_per_pipeline_rank, predict_for_config
+from fivefold.testing import run_workers
+from fivefold.train.dry_run import STATE, build, coordinates, dry_run, positions
+from fivefold.train.dry_run_cli import parse_size
+from fivefold.train.loop import train
+from fivefold.train.metrics import read_metrics
+from fivefold.validate import derive, validate
+
+STAGES_405B = "[" + ",".join(["7"] + ["8"] * 14 + ["7"]) + "]"  # 126 layers
+# Published layouts (Llama 3 paper, table 4: tp8 x pp16 for 405B; Mixtral 8x22B with ep8), 8,192 tokens a
+# sequence, one sequence a micro-batch; the global batch sets only the micro-batches per step.
+PUBLISHED = {
+    "llama3-70b-64": (64, "llama3-70b", ["--parallel.tp=8", "--parallel.zero=3", "--parallel.sp=true",
+                                         "--train.global_batch=512"]),
+    "llama3-70b-512": (512, "llama3-70b", ["--parallel.tp=8", "--parallel.pp=8", "--parallel.zero=1",
+                                           "--parallel.sp=true", "--train.global_batch=512"]),
+    "llama3-405b-1024": (1024, "llama3-405b", ["--parallel.tp=8", "--parallel.pp=16", "--parallel.zero=1",
+                                               f"--parallel.stage_layers={STAGES_405B}", "--parallel.sp=true",
+                                               "--train.global_batch=2048", "--train.recompute=full"]),
+    "mixtral-8x22b-256": (256, "mixtral-8x22b", ["--parallel.tp=4", "--parallel.pp=4", "--parallel.ep=8",
+                                                 "--parallel.zero=0", "--train.global_batch=512",
+                                                 "--train.recompute=full"]),
+}
+H100 = 80e9
+
+
+def published(name):
+    world, preset, overrides = PUBLISHED[name]
+    cfg = load_config(None, [f"--model.preset={preset}", "--train.seq_len=8192", "--train.micro_batch=1",
+                             *overrides])
+    assert validate(cfg, world) == []
+    return cfg, derive(cfg, world)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_scale_built_equals_predicted_per_position(name):
+    """Every position's built parameters, gradients and optimizer state within 1% of the planner's
+    (measured: within 3e-7; what differs is AdamW's 4-byte step counter per tensor, which the
+    planner does not count)."""
+    cfg, derived = published(name)
+    began = time.perf_counter()
+    reports = dry_run(cfg, derived, H100, progress=False)
+    seconds = time.perf_counter() - began
+    assert [r.position.pp for r in reports] == list(range(cfg.parallel.pp))  # one per pipeline rank
+    assert sum(r.position.ranks for r in reports) == derived.world_size
+    for r in reports:
+        for part in (*STATE, "total"):
+            assert abs(r.difference(part)) < 0.01, (r.position.name, part, r.built, r.predicted)
+        assert r.built["grads"] > 0 and r.built["optimizer"] > 0
+    if cfg.parallel.zero == 3:
+        assert all(r.built["params"] == 0 for r in reports)  # ZeRO-3: only the shards hold storage
+    # The per-rank prediction is the planner's own: its fullest rank is predict_for_config's.
+    whole = predict_for_config(cfg, derived.world_size, None, "cuda")
+    fullest = max(memory_per_pipeline_rank(cfg, derived.world_size, "cuda"), key=lambda m: m["total"])
+    assert fullest["total"] == (whole["model_state_bytes"]["total"] + whole["activation_bytes"]
+                                + whole["buffer_bytes"])
+    assert all(r.fits for r in reports), [r.overflow() for r in reports if not r.fits]
+    assert seconds < 30, f"{name}: {seconds:.1f} s"  # measured 0.3-2.4 s here
+
+
+def test_positions_of_a_large_layout():
+    cfg, derived = published("mixtral-8x22b-256")
+    collapsed = positions(cfg, derived)
+    assert [(p.pp, p.rank, p.ranks) for p in collapsed] == [(s, 64 * s, 64) for s in range(4)]
+    every = positions(cfg, derived, every=True)
+    assert len(every) == 4 * 4 * 8 and {p.ranks for p in every} == {2}  # pp x tp x ep, 2 dp ranks each
+    assert {(p.pp, p.tp, p.ep) for p in every} == {(s, t, e) for s in range(4) for t in range(4) for e in range(8)}
+
+
+def _mesh_places(world, cfg):
+    """Every rank's place on each axis as the real Mesh has it, built in a fake world."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    derived, places = derive(cfg, world), []
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = Mesh.from_config(cfg, derived, "cpu", device=torch.device("meta"))
+            places.append({axis: mesh.rank(axis) for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")})
+        finally:
+            dist.destroy_process_group()
+    return places
+
+
+def test_coordinates_are_the_meshs(tmp_path):
+    cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--parallel.pp=2", "--parallel.tp=2", "--parallel.cp=2",
+                      "--parallel.dp_replicate=2", "--parallel.ep=4", "--train.global_batch=16", "--train.seq_len=64")
+    world = 32  # pp 2 x dp_replicate 2 x dp_shard 2 x cp 2 x tp 2; ep 4 over dp x cp = 8
+    assert validate(cfg, world) == []
+    degrees = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert [coordinates(r, degrees, 4) for r in range(world)] == _mesh_places(world, cfg)
+
+
+@pytest.mark.parametrize("layout,world", [
+    # ZeRO over 3 ranks: 64-wide rows do not divide by 3, so every shard is padded to 22 rows
+    (["--parallel.zero=3", "--parallel.tp=2", "--train.global_batch=12"], 6),
+    (["--parallel.zero=1", "--parallel.tp=2", "--parallel.pp=2", "--train.global_batch=12"], 12),
+    (["--parallel.zero=2", "--parallel.dp_replicate=2", "--train.global_batch=12"], 6),
+    (["--model.preset=tiny-moe", "--parallel.tp=2", "--parallel.pp=2", "--parallel.ep=2"], 8),
+])
+def test_every_position_holds_what_its_pipeline_rank_holds(tmp_path, layout, world):
+    """Why one rank per pipeline rank is enough: built apart, every (pp, tp, ep, dp_shard) position
+    holds the same bytes as the first rank of its pipeline rank."""
+    cfg = tiny_config(tmp_path, *layout)
+    assert validate(cfg, world) == []
+    derived = derive(cfg, world)
+    one = {r.position.pp: r.built for r in dry_run(cfg, derived, H100, progress=False)}
+    every = dry_run(cfg, derived, H100, every=True, progress=False)
+    assert len(every) > len(one)
+    for r in every:
+        assert r.built == one[r.position.pp], r.position.name
+
+
+def _train(rank, world, cfg):
+    train(cfg, progress=False)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallel.zero=1"],  # 2 micro-batches a step: full gradients held between them
+    ["--parallel.zero=1", "--train.micro_batch=4"],  # one micro-batch: only the shards' gradients
+    ["--parallel.zero=3"],
+    ["--parallel.tp=2"],
+])
+def test_built_bytes_equal_what_a_real_run_holds(tmp_path, layout):
+    """The dry run's count for rank 0 is what 2 real gloo ranks of the same layout report in their
+    metrics (model_state_bytes, step 2: AdamW's state exists), to the byte: both count storages."""
+    cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0", *layout)
+    run_workers(_train, 2, cfg)
+    measured = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[1]["model_state_bytes"]
+    assert build(cfg, derive(cfg, 2), rank=0) == measured
+
+
+def test_the_count_tells_storages_apart_on_the_meta_device_too():
+    """model_state_bytes counts each storage once by its identity: meta storages, which the dry run
+    counts and which all sit at address 0, give what real ones give."""
+    from fivefold.parallel.state_memory import model_state_bytes
+    from fivefold.train.optim import build_optimizer, init_optimizer_state
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml")
+    counts = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
+        model[1].weight = model[0].weight  # tied: one storage, counted once
+        opt = build_optimizer(model, cfg.train)
+        init_optimizer_state(opt)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        counts.append(model_state_bytes(list(model.parameters()), opt))
+    real, meta = counts
+    assert real["params"] == (32 + 8) * 4  # the tied matrix once, the bias
+    assert real["optimizer"] == 2 * (32 + 8) * 4 + 2 * 4  # two moments each, two step counters
+    assert meta == real
+
+
+def test_cli_end_to_end(capsys):
+    code = main(["train", str(ROOT / "configs" / "tiny.toml"), "--dry-run", "--world", "8", "--gpu", "h100",
+                 "--parallel.pp=2", "--parallel.tp=2", "--parallel.zero=1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tiny on 8 ranks (pp 2 x dp 2 x tp 2; zero 1; 2 micro-batches per step), 2 positions" in out
+    assert "capacity h100: 80.00 GB per device" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("pp ")]
+    assert [row[:4] for row in rows] == [["pp", "0", "0", "4"], ["pp", "1", "4", "4"]]  # position, rank, ranks
+    assert all(row[-1] == "yes" for row in rows) and "every position fits" in out
+
+
+def test_a_progress_bar_when_there_are_many_positions(capsys):
+    args = ["train", str(ROOT / "configs" / "tiny.toml"), "--dry-run", "--world", "8", "--gpu", "h100",
+            "--parallel.pp=2", "--parallel.tp=2", "--parallel.zero=1"]
+    assert main([*args, "--all-positions"]) == 0  # 8 positions: pp x tp x dp_shard
+    captured = capsys.readouterr()
+    assert "dry run: building positions" in captured.err and "pp 1 tp 1 dp_shard 1" in captured.out
+    assert main(args) == 0  # 2 positions
+    assert "building positions" not in capsys.readouterr().err
+
+
+def test_a_position_that_does_not_fit_is_named_with_its_part_and_excess(capsys):
+    code = main(["train", str(ROOT / "configs" / "tiny.toml"), "--dry-run", "--world", "2", "--parallel.pp=2",
+                 "--device-memory", "1MB", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "2 of 2 positions do not fit" in out
+    # pp 0 holds 4 blocks and the embedding, 184,832 fp32 weights (739.33 kB), and as much in
+    # gradients: with the gradients the sum passes 1 MB
+    line = next(line for line in out.splitlines() if line.startswith("  - pp 0 "))
+    m = re.fullmatch(r"  - pp 0 \(rank 0\) does not fit: it needs ([\d.]+) MB of 1.00 MB, ([\d.]+) MB over; it "
+                     r"overflows at the gradients \(built\): parameters 739.33 kB \+ gradients 739.33 kB = 1.48 MB "
+                     r"> 1.00 MB", line)
+    assert m, line
+    assert float(m.group(1)) - 1 == pytest.approx(float(m.group(2)), abs=0.01)
+
+
+def test_a_refused_layout_prints_validates_messages(capsys):
+    code = main(["train", str(ROOT / "configs" / "tiny.toml"), "--dry-run", "--world", "3", "--parallel.dp=2",
+                 "--train.stpes=1", "--gpu", "h100"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "unknown key 'train.stpes': did you mean 'steps'?" in err
+    assert "parallel.dp x pp x cp x tp = 2 x 1 x 1 x 1 = 2 but 3 processes were launched" in err
+
+
+def test_a_refused_layout_fails_before_torch_is_imported():
+    check = ("import sys; from fivefold.cli import main; code = main(sys.argv[1:]); "
+             "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", check, "train", "configs/tiny.toml", "--dry-run", "--world=3",
+                          "--parallel.dp=2", "--gpu=h100"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout.strip() == "no torch", (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "h100"], "--dry-run needs --world N"),
+    (["--world", "2"], "--dry-run needs the memory of one device"),
+    (["--world", "2", "--gpu", "h1000"], "unknown GPU 'h1000'"),
+    (["--world", "2", "--device-memory", "80 gigs"], "--device-memory '80 gigs': give a positive size"),
+    (["--world", "2", "--nproc", "2", "--gpu", "h100"], "give the job's size with --world, not --nproc"),
+])
+def test_bad_dry_run_arguments(capsys, args, message):
+    assert main(["train", str(ROOT / "configs" / "tiny.toml"), "--dry-run", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_size():
+    assert parse_size("80GB") == 80e9 and parse_size("141 GB") == 141e9 and parse_size("96GiB") == 96 * 2**30
+    assert parse_size("1.5e9") == 1.5e9 and parse_size("500kB") == 5e5
+    for bad in ("-1GB", "80 XB", "", "GB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
