@@ -206,12 +206,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                    async_op: bool = False) -> Pending | None:
     """Sum `input` (N x output.numel(), rank-major) over the group; rank r keeps chunk r in `output`.
 
-    Counted by the full input size, as the ring moves (N-1)/N of it. On gloo the async form
-    blocks for most of its time (docs/torch-cpu-notes.md): expect no overlap there.
+    Counted by the full input size, as the ring moves (N-1)/N of it. On CPU tensors (gloo) it is
+    always synchronous: gloo's async form blocks for most of its time anyway (docs/torch-cpu-notes.md)
+    and keeps a copy of the whole input alive until it is waited on, a bucket's size more at the peak
+    of a ZeRO backward (measured: benchmarks/startup_memory.py); the sync form frees it at once.
     """
     if group.size == 1:
         output.copy_(input)
         return None
+    async_op = async_op and input.device.type != "cpu"
     group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
     return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
                   lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg,

@@ -116,9 +116,8 @@ class DataParallel:
         yield
         if self._reducing:
             self._launch_ready(force=True)  # buckets with a parameter that got no gradient here
-            for b in self.buckets[-2:]:  # the last two are still in flight (_launch_ready)
-                if b.flat is not None:
-                    self._finish(b)
+            if self.buckets:
+                self._finish(self.buckets[-1])  # the others were finished as the next one launched
             self._reducing = False
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -133,13 +132,16 @@ class DataParallel:
             for p in b.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            # One bucket reduces while the next fills (the planner's buffer model: two buckets). The
+            # one in flight is finished before this one's buffer is made, so its send buffer and
+            # reduced copy are freed now, not at the end of backward (on NCCL its wait only orders
+            # the streams; it had the whole filling of this bucket to complete).
+            if self._next >= 1:
+                self._finish(self.buckets[self._next - 1])
             self._launch(b)
+            if b.work is None:  # it completed in the call (synchronous): its buffers go now
+                self._finish(b)
             self._next += 1
-            # At most two buckets in flight: one reducing while the next fills (the planner's
-            # buffer model). Finishing the one before frees its send buffer and reduced copy now,
-            # not at the end of backward (on NCCL its wait only orders the streams).
-            if self._next >= 2:
-                self._finish(self.buckets[self._next - 2])
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
@@ -155,6 +157,8 @@ class DataParallel:
 
     @torch.no_grad()
     def _finish(self, b: Bucket) -> None:
+        if b.flat is None:  # finished already
+            return
         if b.work is not None:
             b.work.wait()
         for p, chunk in zip(b.params, b.flat.split([p.numel() for p in b.params]), strict=True):

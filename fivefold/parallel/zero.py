@@ -92,14 +92,17 @@ class ZeroDataParallel(DataParallel):
         chunks = [self._padded_rows(p.grad.movedim(self.zero_dims[id(p)], 0), self.rows[id(p)]).reshape(n, -1)
                   for p in b.params]  # (N, c row numel) each
         b.flat = torch.cat(chunks, dim=1).reshape(-1).to(self.reduce_dtype)  # rank-major: (N sum(shard numel),)
-        b.out = b.flat.new_empty(sum(b.shard_numel))
-        b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
+        del chunks
         if self.stage >= 2:
             for p in b.params:
                 p.grad = None  # the full gradient is not kept: its rows live on in b.flat until reduced
+        b.out = b.flat.new_empty(sum(b.shard_numel))
+        b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
 
     @torch.no_grad()
     def _finish(self, b: Bucket) -> None:
+        if b.flat is None:  # finished already
+            return
         if b.work is not None:
             b.work.wait()
         for group in self.replica_groups:  # replicas of a shard agree
