@@ -15,9 +15,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The debug model on this Python's standard library, 2 local processes, a fresh run directory each time.
+# The debug model on this Python's standard library, 2 local processes, a fresh run directory each time
+# (runs/, debug.toml's run.out_dir default); then a few seconds of text from its last checkpoint.
 demo: $(STAMP)
-	$(VENV)/bin/fivefold train configs/debug.toml --nproc 2 --run.name=debug-$$(date +%Y%m%d-%H%M%S)
+	name=debug-$$(date +%Y%m%d-%H%M%S) && \
+	$(VENV)/bin/fivefold train configs/debug.toml --nproc 2 --run.name=$$name && \
+	echo "--- fivefold sample runs/$$name --prompt 'def ' --max-new-tokens 120" && \
+	$(VENV)/bin/fivefold sample runs/$$name --prompt "def " --max-new-tokens 120
 
 # Browser tests (tests/test_pages.py) need Debian's chromium + chromium-driver, installed if missing
 # in the background while pip installs and the other tests run (about a minute of downloads); the

@@ -70,6 +70,25 @@ def _worker(cfg: Config, derived: Derived, progress: bool) -> None:
     train(cfg, derived, progress=progress)
 
 
+def _prepare_text(cfg: Config, progress: bool) -> None:
+    """Text given to train is tokenized here, once, with every core, before any worker starts (later
+    runs on the same inputs reuse the cache: fivefold/data/resolve.py)."""
+    from fivefold.data.resolve import data_kind, ensure_prepared
+    from fivefold.data.sources import DataError, Skipped
+
+    if data_kind(cfg.data) != "text" or (_under_torchrun() and os.environ.get("RANK", "0") != "0"):
+        return  # under torchrun, rank 0 prepares and the others wait (train/loop.py build_datasets)
+    from fivefold.data.prepare import read_manifest
+
+    try:
+        folder = ensure_prepared(cfg, workers=min(os.cpu_count() or 1, 8), progress=progress)
+    except DataError as e:
+        raise ConfigError([str(e)]) from None
+    skipped = read_manifest(folder)["skipped_binary"]
+    if skipped:
+        print(f"fivefold: warning: {Skipped(skipped).warning()}", file=sys.stderr)
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.dry_run:
         from fivefold.train.dry_run_cli import run as dry_run
@@ -100,6 +119,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # Checked once, here: every worker receives this resolved config and its derived numbers.
     derived = derive(cfg, spec.world_size)
     progress = not args.no_progress
+    _prepare_text(cfg, progress)
     if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
         _worker(cfg, derived, progress)
         return 0
@@ -135,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.viz.cli import run as run_pages
 
     add_page_parsers(sub)  # explain, report
+    from fivefold.data.cli import add_prepare_parser, run_prepare
+
+    add_prepare_parser(sub)
+    from fivefold.sample_cli import add_sample_parser, run_sample
+
+    add_sample_parser(sub)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -153,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_schedule_viz(args)
         if args.command in ("explain", "report"):
             return run_pages(args)
+        if args.command == "prepare":
+            return run_prepare(args)
+        if args.command == "sample":
+            return run_sample(args)
     except (ConfigError, LaunchError) as e:
         print(f"fivefold: {e}", file=sys.stderr)
         return 2

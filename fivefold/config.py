@@ -85,12 +85,28 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...] = ()  # text files or folders; empty = this Python's standard library sources
-    tokenizer: Literal["byte", "bpe"] = "byte"  # bytes 0..255 + end-of-document, or a BPE trained here
+    # What to train on (fivefold/data/): text files or folders, .jsonl / .jsonl.gz, .parquet (prepared once
+    # into cache_dir, then reused), prepared datasets (`fivefold prepare`), nanoGPT .bin files of token ids
+    # (bin_dtype, eod_id), Megatron-LM .bin/.idx pairs; empty = this Python's standard library sources
+    paths: tuple[str, ...] = ()
+    # "byte" (bytes 0..255 + end-of-document), "bpe" (a byte-level BPE trained here on the text), or a
+    # Hugging Face tokenizer: a tokenizer.json, or a directory as transformers saves one (its end-of-document
+    # token from tokenizer_config.json). "" = the data's own: a prepared dataset's, else "byte"; a tokenizer
+    # given beside a prepared dataset must be the one it was prepared with (checked by hash).
+    tokenizer: str = ""
     bpe_vocab: int = 4096  # BPE vocabulary size (special tokens included)
     vocab_multiple: int = 64  # pad the vocabulary to a multiple of this (tp degrees divide it)
     max_bytes: int = 8_000_000  # read at most this much text (files in sorted order); 0 = no cap
     val_fraction: float = 0.05  # share of documents held out for validation
+    text_field: str = "text"  # the field holding the text in .jsonl and .parquet records
+    bin_dtype: Literal["uint16", "uint32", "int32"] = "uint16"  # token ids in a nanoGPT .bin
+    eod_id: int = -1  # end-of-document id in nanoGPT .bin / Megatron-LM files (-1: not given)
+    # [[path, weight], ...]: prepared datasets drawn by weight (each global batch by the weights, in a fixed
+    # order); replaces paths. The position is saved in checkpoints.
+    mixture: tuple[tuple[str, float], ...] = ()
+    document_mask: bool = False  # each token attends only to earlier tokens of its own document
+    reset_positions: bool = False  # RoPE positions restart at 0 at each document (Megatron-LM's reset_position_ids)
+    cache_dir: str = ""  # where text given to train is prepared (once, then reused); "" = <run.out_dir>/.prepared
 
 
 @dataclass(frozen=True)
@@ -188,7 +204,7 @@ def _merge_section(section: str, base: dict[str, Any], raw: Any, errors: list[st
         if key not in names:
             errors.append(f"unknown key '{section}.{key}': {_suggest(key, names)}")
         elif isinstance(value, list):
-            base[key] = tuple(value)
+            base[key] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         else:
             base[key] = value
 

@@ -5,7 +5,8 @@
     fivefold convert runs/x/checkpoints/step_00000300 hf/x --to hf  # run checkpoint -> Hugging Face
 
 A seed directory (`init`, `convert --to fivefold`) holds safetensors in fivefold's names and
-layouts plus `fivefold.toml`, the config that trains from it (`checkpoint.init_from`). `--to hf`
+layouts plus `fivefold.toml`, the config that trains from it (`checkpoint.init_from`); converted
+from HF, also the model's tokenizer files (`data.tokenizer` names the directory). `--to hf`
 reads a run checkpoint (torch.distributed.checkpoint, through `train/safe_load.py`: data only) or a
 seed directory and writes config.json + safetensors, sharded with an index past --max-shard-size.
 Every step holds one tensor (an MoE block's stacked experts: one expert of it when reading HF).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from fivefold.train.weights import SEED_CONFIG, WeightsMismatchError, WeightSour
 from fivefold.validate import padded_vocab
 
 HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
+# What of a Hugging Face directory makes its tokenizer (tokenizer.json is required; the rest when present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 class DCPSource:
@@ -84,7 +88,7 @@ def _params(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in Transformer(m).named_parameters()}
 
 
-def _check_fit(source: WeightSource, m: ModelConfig, what: str) -> None:
+def check_fit(source: WeightSource, m: ModelConfig, what: str) -> None:
     """Every tensor of model m in `source` with its shape, else one error listing what is not."""
     with torch.device("meta"):
         model = Transformer(m)
@@ -94,11 +98,24 @@ def _check_fit(source: WeightSource, m: ModelConfig, what: str) -> None:
         raise WeightsMismatchError(f"{what} does not fit its model config:\n  " + "\n  ".join(problems[:10]))
 
 
+def copy_hf_tokenizer(src: Path, out: Path) -> bool:
+    """Copy the tokenizer of Hugging Face directory `src` into `out`; False when it has no
+    tokenizer.json (a SentencePiece-only tokenizer.model is not something fivefold reads)."""
+    if not (src / "tokenizer.json").is_file():
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return True
+
+
 def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
-    """A Hugging Face Llama/Mixtral directory -> a seed directory (weights in their own dtype)."""
+    """A Hugging Face Llama/Mixtral directory -> a seed directory (weights in their own dtype, and
+    the tokenizer files beside them when it has a tokenizer.json)."""
     source = HFSource(src)
     m = source.model_cfg
-    _check_fit(source, m, str(src))
+    check_fit(source, m, str(src))
     tensors = []
     for name, shape in _params(m).items():
         if is_stacked(name):  # one expert at a time: HF holds each expert apart
@@ -110,7 +127,10 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
         tensors.append((name, source.dtype(name), shape, produce))
     files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt", "fivefold": "converted from " + str(src)})
     (out / HF_BASE).write_text(json.dumps(source.hf_config, indent=2) + "\n")
-    write_seed_config(replace(Config(model=m), run={"name": out.name}), out)
+    # Training on the converted model must feed it the ids it was trained with, not bytes. The path is
+    # written as `out` was given, as checkpoint.init_from is (write_seed_config): relative to the cwd.
+    data = {"tokenizer": str(out)} if copy_hf_tokenizer(src, out) else {}
+    write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data), out)
     return files
 
 
@@ -149,7 +169,7 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
             problems.append(f"{name} is not zero (model.moe_bias_update): Mixtral's router has no bias")
     if problems:
         raise HFFormatError(f"{src}: the model has what Llama/Mixtral cannot express:\n  " + "\n  ".join(problems))
-    _check_fit(source, m, str(src))
+    check_fit(source, m, str(src))
     tensors = []
     for name, shape in _params(m).items():
         found = source_name(name, source, m.tie_embeddings)

@@ -11,7 +11,9 @@ What the parallel code relies on (and why this file imports nothing from torch.d
 - head counts are read from shapes (view(B, T, -1, head_dim)), so a tensor-parallel rank holding
   H/tp heads needs no change here;
 - the attention core and the MoE dispatch are attributes holding callables; context parallel swaps
-  in ring attention, expert parallel swaps in an all-to-all dispatch.
+  in ring attention, expert parallel swaps in an all-to-all dispatch;
+- a document mask (documents.py) is an argument of forward, handed through every block to its
+  attention core: the modules keep no per-batch state.
 
 Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim, E experts, V vocabulary.
 """
@@ -51,19 +53,30 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+D/2}) of x (B, T, H, D) by the angles in cos/sin (T, D) or (B, T, D)."""
+    """Rotate pairs (x_i, x_{i+D/2}) of x (B, T, H, D) by the angles in cos/sin (T, D), or (B, T, D) when
+    each row has its own positions (data.reset_positions)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D) or (B, T, 1, D): broadcast over heads
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Local attention core: q (B, T, H, D), k/v (B, T, K, D) -> (B, T, H, D)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Local attention core: q (B, T, H, D), k/v (B, T, K, D) -> (B, T, H, D).
+
+    mask: None for plain causal attention, or a boolean (B, 1, T, T), True where query i may attend
+    key j, causality included (documents.py's document mask). SDPA takes it on CPU forward and
+    backward; FlexAttention would skip the masked blocks but has no CPU backward in torch 2.13.
+    """
     if k.shape[2] != q.shape[2]:  # grouped-query: each K/V head serves H/K query heads
         k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
         v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.transpose(1, 2)  # (B, T, H, D)
 
 
@@ -77,9 +90,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
         self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
+        # (q, k, v) -> out, and (q, k, v, mask) -> out when a document mask is given; context
+        # parallel's cores take the first form only (validate() refuses cp > 1 with a mask).
+        self.core: Callable[..., torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
@@ -87,7 +103,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)  # (B, T, H, D)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, D)
         return self.wo(out.reshape(B, T, -1))  # (B, T, dim)
 
 
@@ -304,8 +320,9 @@ class Block(nn.Module):
         moe = cfg.n_experts > 0 and layer >= cfg.first_dense_layers
         self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, dim)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, dim)
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -332,20 +349,23 @@ class Transformer(nn.Module):
             init_tensor(name, p, self.cfg, seed)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
-                embed: bool = True, head: bool = True) -> torch.Tensor:
+                embed: bool = True, head: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or a part of that for one pipeline stage.
 
+        positions: RoPE positions (T,), or (B, T) per row (documents restarting at 0); default 0..T-1.
         layers: the names of the blocks to run, in order (default: every block this model holds);
         embed=False: x is already hidden states (B, T, dim); head=False: return the last block's
         output (B, T, dim) without the final norm and head. An absent embedding, norm or head (a
-        pipeline stage deleted it) is passed through.
+        pipeline stage deleted it) is passed through. mask: None (causal), or a boolean (B, 1, T, T)
+        that every block's attention core applies (documents.py), passed as an argument so the
+        blocks hold no per-batch state.
         """
         h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta)  # (T, D)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta)  # (T, D) or (B, T, D)
         for name in self.layers if layers is None else layers:
-            h = self.layers[name](h, cos, sin)
+            h = self.layers[name](h, cos, sin, mask)
         if head and self.norm is not None:
             h = self.norm(h)
         if head and self.output is not None:

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 from fivefold.config import SECTIONS, Config
+from fivefold.data.resolve import data_errors, data_vocab
+from fivefold.data.sources import DataError, path_kind
+from fivefold.data.tokenizer import TokenizerError
 from fivefold.parallel.schedules import build_schedule
 from fivefold.train.sinks import SINK_PACKAGES
 
@@ -34,8 +37,14 @@ class Derived:
 
 
 def tokenizer_vocab(cfg: Config) -> int:
-    """Vocabulary of the configured tokenizer before padding: 256 bytes + end-of-document, or BPE's."""
-    return 257 if cfg.data.tokenizer == "byte" else cfg.data.bpe_vocab
+    """Vocabulary of the data's tokenizer before padding (fivefold/data/resolve.py): bytes + end-of-document,
+    the BPE's, a Hugging Face tokenizer's or a prepared dataset's; pre-tokenized files without a
+    tokenizer: model.vocab_size."""
+    try:
+        vocab = data_vocab(cfg)
+    except (DataError, TokenizerError, OSError):  # reported by validate(); derive() needs a number
+        vocab = None
+    return vocab or cfg.model.vocab_size or 257
 
 
 def padded_vocab(cfg: Config) -> int:
@@ -90,8 +99,8 @@ def _type_errors(cfg: Config) -> list[str]:
                 errors.append(f"{name} = {value!r}: must be a number")
             elif hint is str and not isinstance(value, str):
                 errors.append(f"{name} = {value!r}: must be a string")
-            elif typing.get_origin(hint) is tuple:
-                kind = typing.get_args(hint)[0]
+            elif typing.get_origin(hint) is tuple and typing.get_origin(typing.get_args(hint)[0]) is None:
+                kind = typing.get_args(hint)[0]  # (data.mixture's pairs are checked with the data)
                 if not isinstance(value, tuple) or not all(isinstance(v, kind) and not isinstance(v, bool)
                                                            for v in value):
                     errors.append(f"{name} = {value!r}: must be a list of {kind.__name__}s")
@@ -200,10 +209,12 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"data.val_fraction = {d.val_fraction}: must be within [0, 1)")
     if d.tokenizer == "bpe" and d.bpe_vocab < 260:
         err(f"data.bpe_vocab = {d.bpe_vocab}: a byte-level BPE needs at least 260 tokens (256 bytes + specials)")
-    for path in d.paths:
-        if not Path(path).exists():
-            err(f"data.paths: '{path}' does not exist; give existing text files or folders, or [] for the "
-                "standard library")
+    missing = [path for path in d.paths if not Path(path).exists() and path_kind(path) != "megatron"]
+    for path in missing:
+        err(f"data.paths: '{path}' does not exist; give existing text files or folders, prepared datasets or "
+            "token files, or [] for the standard library")
+    if not missing:
+        errors += data_errors(cfg)
     if cfg.run.hardware and not Path(cfg.run.hardware).is_file():
         err(f"run.hardware = '{cfg.run.hardware}' does not exist; write one with `fivefold calibrate --out "
             f"{cfg.run.hardware}` or leave it empty")
@@ -273,7 +284,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             f"{{{_divisors_near(m.n_layers, m.n_layers)}}}")
     vocab = padded_vocab(cfg)
     if m.vocab_size and m.vocab_size < tokenizer_vocab(cfg):
-        err(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer} tokenizer's "
+        err(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer or 'data'}'s tokenizer's "
             f"{tokenizer_vocab(cfg)} tokens; set model.vocab_size = 0 to take the tokenizer's (padded)")
     if vocab % p.tp:
         err(f"vocabulary {vocab} is not divisible by parallel.tp = {p.tp}; set data.vocab_multiple to a "
@@ -316,6 +327,10 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
                 f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "
                 f"{{{_divisors_near(math.gcd(heads, kv), 64)}}}")
+    for name in ("document_mask", "reset_positions"):  # documents.py: masks and positions of whole rows only
+        if p.cp > 1 and getattr(d, name):
+            err(f"data.{name} with parallel.cp = {p.cp}: not built yet for ring attention / Ulysses; set "
+                f"parallel.cp = 1 or data.{name} = false")
     if dp and t.global_batch % (dp * t.micro_batch) == 0:
         micro = t.global_batch // (dp * t.micro_batch)
         if p.pp > 1 and micro < p.pp:

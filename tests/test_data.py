@@ -3,78 +3,74 @@
 import numpy as np
 import pytest
 
-from fivefold.config import DataConfig
-from fivefold.train.data import (
-    IGNORE,
-    BPETokenizer,
-    ByteTokenizer,
-    GlobalBatches,
-    PackedDataset,
-    rank_slice,
-    read_documents,
-    split_documents,
-    stdlib_sources,
-)
+from fivefold.data.prepare import encode_documents, in_validation
+from fivefold.data.sources import Skipped, documents, input_files, stdlib_sources
+from fivefold.data.tokenizer import ByteTokenizer, train_bpe
+from fivefold.data.tokens import in_memory_stream
+from fivefold.train.data import IGNORE, GlobalBatches, PackedDataset, epoch_order, rank_slice
 
 
-def docs_of(*texts: str) -> list[tuple[str, bytes]]:
-    return [(f"doc{i}", t.encode()) for i, t in enumerate(texts)]
+def packed(texts: list[bytes], seq_len: int) -> PackedDataset:
+    """Documents packed as prepare.py packs them, in memory."""
+    tok = ByteTokenizer()
+    return PackedDataset(in_memory_stream(np.concatenate(encode_documents(tok, texts)), tok.eod), seq_len)
 
 
 def test_default_corpus_is_the_standard_library():
     files = stdlib_sources()
     assert len(files) > 300 and any(f.name == "argparse.py" for f in files)
     assert not any("site-packages" in f.parts for f in files)
-    docs = read_documents(DataConfig(max_bytes=50_000))
-    assert sum(len(c) for _, c in docs) == 50_000  # capped exactly, in sorted file order
+    docs = list(documents(input_files([]), max_bytes=50_000))
+    assert sum(len(d.text) for d in docs) == 50_000  # capped exactly, in sorted file order
 
 
-def test_user_folder_skips_binary_files(tmp_path):
+def test_user_folder_skips_binary_files_and_names_them(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
-    (tmp_path / "b.bin").write_bytes(b"\0\1\2")
+    (tmp_path / "b.dat").write_bytes(b"\0\1\2")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.md").write_text("world")
-    docs = read_documents(DataConfig(paths=(str(tmp_path),)))
-    assert [c for _, c in docs] == [b"hello", b"world"]
+    skipped = Skipped()
+    docs = list(documents(input_files([str(tmp_path)]), skipped=skipped))
+    assert [d.text for d in docs] == [b"hello", b"world"]
+    assert skipped.files == [str(tmp_path / "b.dat")] and "b.dat" in skipped.warning()
 
 
 def test_validation_split_is_by_document_and_stable():
-    docs = [(f"file{i}.py", b"x") for i in range(1000)]
-    train, val = split_documents(docs, 0.1)
-    assert 60 < len(val) < 140 and len(train) + len(val) == 1000
-    assert split_documents(docs[::-1], 0.1)[1] == val[::-1]  # membership depends on the name only
+    names = [f"file{i}.py" for i in range(1000)]
+    val = [n for n in names if in_validation(n, 0.1)]
+    assert 60 < len(val) < 140
+    assert [n for n in names[::-1] if in_validation(n, 0.1)] == val[::-1]  # membership depends on the name only
 
 
 def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     text = "déjà vu → ok"
-    assert tok.decode(list(tok.encode(text.encode()))) == text
+    assert tok.decode(tok.encode(text.encode())) == tok.decode(tok.encode(text)) == text
 
 
 def test_bpe_tokenizer_trains_here_and_round_trips():
-    docs = docs_of(*["def function(argument):\n    return argument + 1\n"] * 50)
-    tok = BPETokenizer.train(docs, 300)
+    tok = train_bpe(["def function(argument):\n    return argument + 1\n"] * 50, 300)
     text = "def function(x):\n    return x\n"
-    ids = tok.encode(text.encode())
+    ids = tok.encode(text)
     assert tok.decode(list(ids)) == text
     assert len(ids) < len(text)  # merges were learned
     assert tok.vocab_size <= 300 and tok.eod == 0
 
 
 def test_packing_keeps_every_token_and_pads_the_tail():
-    ds = PackedDataset(docs_of("abcdef", "ghij"), ByteTokenizer(), seq_len=4)
+    ds = packed([b"abcdef", b"ghij"], seq_len=4)
     # tokens: a b c d e f EOD g h i j EOD = 12 tokens -> 11 (input, target) pairs -> samples of 4, 4, 3
-    assert len(ds) == 3 and list(ds.n_targets) == [4, 4, 3]
+    assert len(ds) == 3 and [ds.targets_in([i]) for i in range(3)] == [4, 4, 3]
     x, y = ds.sample(0)
     assert bytes(x.tolist()) == b"abcd" and bytes(y.tolist()) == b"bcde"
     x, y = ds.sample(2)
     assert list(y) == [ord("i"), ord("j"), 256, IGNORE]
     targets = np.concatenate([ds.sample(i)[1] for i in range(3)])
-    assert (targets != IGNORE).sum() == ds.n_targets.sum() == 11
+    assert (targets != IGNORE).sum() == ds.targets_in([0, 1, 2]) == 11
 
 
 def make_dataset(n_tokens: int, seq_len: int = 8) -> PackedDataset:
-    return PackedDataset([("d", bytes(range(65, 91)) * (n_tokens // 26))], ByteTokenizer(), seq_len)
+    return packed([bytes(range(65, 91)) * (n_tokens // 26)], seq_len)
 
 
 def test_epoch_sees_every_sample_once_including_the_uneven_last_batch():
@@ -110,4 +106,12 @@ def test_rank_slices_partition_the_global_batch(dp, micro):
     assert sorted(np.concatenate([p.indices for p in parts]).tolist()) == sorted(indices.tolist())
     assert all(len(p.micro_batches) == 8 // dp // micro for p in parts)
     tokens = sum(int((y != IGNORE).sum()) for p in parts for _, y in p.micro_batches)
-    assert all(p.global_tokens == tokens == int(ds.n_targets[indices].sum()) for p in parts)
+    assert all(p.global_tokens == tokens == ds.targets_in(indices) for p in parts)
+
+
+def test_epoch_order_is_built_once_and_memory_mapped(tmp_path):
+    order = epoch_order(1000, seed=4, epoch=2, folder=tmp_path)
+    assert isinstance(order, np.memmap) and order.dtype == np.uint32
+    assert np.array_equal(order, np.random.default_rng([4, 2]).permutation(1000))  # the in-memory order, unchanged
+    assert [p.name for p in tmp_path.iterdir()] == ["order-n1000-seed4-epoch2.npy"]
+    assert np.array_equal(epoch_order(1000, 4, 2, tmp_path), order)  # read back, not rebuilt

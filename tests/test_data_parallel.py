@@ -11,14 +11,12 @@ import torch
 from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
 from fivefold.testing import run_workers
-from fivefold.train.data import GlobalBatches
 from fivefold.train.loop import build_datasets
 
 
 def test_the_data_ends_on_an_uneven_batch(tmp_path):
     cfg = tiny_config(tmp_path, *EQUIVALENCE)
-    train_set, _ = build_datasets(cfg, tmp_path)
-    loader = GlobalBatches(train_set, cfg.train.global_batch, cfg.train.seed)
+    _, _, loader = build_datasets(cfg, tmp_path)
     assert [len(loader.next_indices()) for _ in range(5)] == [8, 8, 8, 8, 3]
 
 

@@ -139,7 +139,7 @@ def _torch_oracle(rank, world, cfg, kind):
     from torch.nn.parallel import DistributedDataParallel
 
     from fivefold.model import cross_entropy_sum
-    from fivefold.train.data import GlobalBatches, rank_slice
+    from fivefold.train.data import rank_slice
     from fivefold.train.loop import build_datasets
     from fivefold.train.optim import build_optimizer, lr_at, set_lr
 
@@ -152,8 +152,7 @@ def _torch_oracle(rank, world, cfg, kind):
             fully_shard(block)
         wrapped = fully_shard(model)
     opt = build_optimizer(wrapped, t)
-    train_set, _ = build_datasets(cfg, __import__("pathlib").Path(cfg.run.out_dir))
-    loader = GlobalBatches(train_set, t.global_batch, t.seed)
+    train_set, _, loader = build_datasets(cfg, __import__("pathlib").Path(cfg.run.out_dir))
     losses = []
     for step in range(t.steps):
         set_lr(opt, lr_at(step, t))

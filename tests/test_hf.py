@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -162,3 +163,31 @@ def test_what_fivefold_cannot_represent_is_refused(tmp_path, models):
     mismatch = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={models['llama']['hf']}"))[0]
     assert "model.rope_theta = 10000.0, this run has 10000.0" not in mismatch  # only real differences
     assert "layers.0.ffn.gate.weight: weights (96, 64), this model (128, 64)" in mismatch
+
+
+def test_convert_copies_the_tokenizer_and_names_it(tmp_path, models, capsys):
+    """An HF directory with a tokenizer: the seed directory gets its files and data.tokenizer names it,
+    so training and sampling on the converted model use the model's own ids."""
+    from test_sample import SPECIAL_EOS, tiny_bpe
+
+    from fivefold.cli import main
+    from fivefold.config import load_config
+    from fivefold.data.tokenizer import load_tokenizer
+
+    assert not (models["llama"]["seed"] / "tokenizer.json").exists()  # none in the HF directory: none copied
+    hf = tmp_path / "hf"
+    shutil.copytree(models["llama"]["hf"], hf)
+    tiny_bpe(hf)
+    (hf / "generation_config.json").write_text('{"eos_token_id": 0}')
+    hf_to_fivefold(hf, tmp_path / "seed", max_shard_bytes=10**9)
+    seed = tmp_path / "seed"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (seed / name).read_bytes() == (hf / name).read_bytes(), name
+    cfg = load_config(seed / "fivefold.toml")
+    assert cfg.data.tokenizer == str(seed) and cfg.checkpoint.init_from == str(seed)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    assert tok.eod == tok.tok.token_to_id(SPECIAL_EOS)  # found through the copied tokenizer_config.json
+    assert validate(cfg, 1) == []  # `fivefold train SEED/fivefold.toml` accepts it
+    shutil.rmtree(hf)  # the seed directory stands alone
+    assert main(["sample", str(seed), "--prompt", "def f(x):", "--max-new-tokens", "5", "--ignore-eod"]) == 0
+    assert capsys.readouterr().out.startswith("def f(x):")

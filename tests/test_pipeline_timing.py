@@ -56,7 +56,7 @@ class _SleepChunk:
     def embed(self, x):
         return x.float().unsqueeze(-1).expand(*x.shape, 8) * self.e if self.first else x  # (B, T, 8)
 
-    def __call__(self, h, positions):
+    def __call__(self, h, positions, mask=None):
         return h + _on_input_path(h) * _on_weight_path(self.w)  # ends in a residual add, as a block does
 
 

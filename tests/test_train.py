@@ -61,7 +61,9 @@ def test_bpe_tokenizer_is_trained_once_and_shared(tmp_path):
     cfg = tiny_config(tmp_path, "--data.tokenizer=bpe", "--data.bpe_vocab=400", "--data.max_bytes=30000",
                       "--train.steps=2")
     losses = run_workers(_train, 2, cfg)
-    assert (tmp_path / "tiny" / "tokenizer.json").is_file()
+    tokenizer = tmp_path / "tiny" / "tokenizer" / "tokenizer.json"  # prepared once, copied into the run
+    assert tokenizer.is_file() and tokenizer.read_bytes() == next((tmp_path / ".prepared").glob(
+        "*/tokenizer/tokenizer.json")).read_bytes()
     assert losses[0] == losses[1]  # both ranks used the same tokenizer and batches
     assert losses[0][0][0] == pytest.approx(math.log(448), abs=0.3)  # vocabulary padded to 448
 

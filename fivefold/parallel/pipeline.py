@@ -9,6 +9,8 @@ the receiver computes on the fp32 residual stream, as one process does. Each ran
 messages in the batches `messages.py` plans from the schedule: between two ranks every message is
 sent and received in one order, as NCCL (which ignores tags) requires, and the plan is proven not
 to deadlock. Tags (kind, micro-batch, stage) stay, for gloo; correctness does not depend on them.
+With a document mask or per-document positions (documents.py) every stage builds them from the
+micro-batch's token ids, which each rank holds: nothing more travels.
 
 `apply_pipeline_parallel()` keeps this rank's stages of the model; `PipelineExecutor` is the one
 executor: it runs, action by action, the per-rank lists that
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
+from fivefold.documents import Documents
 from fivefold.mesh import Mesh
 from fivefold.model import Transformer, cross_entropy_sum
 from fivefold.parallel import comms
@@ -68,10 +71,11 @@ class StageChunk:
         """The stage input: token ids (B, T) -> embeddings (B, T, dim) on the first stage, else x."""
         return self.model.tok_embeddings(x) if self.first else x
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim): the
-        model's own forward over this stage's layers."""
-        return self.model(h, positions, layers=self.layers, embed=False, head=self.last)  # (B, T, dim) or (B, T, V)
+        model's own forward over this stage's layers (positions (T,) or (B, T); mask: documents.py's)."""
+        return self.model(h, positions, layers=self.layers, embed=False, head=self.last,
+                          mask=mask)  # (B, T, dim) or (B, T, V)
 
 
 def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
@@ -168,6 +172,14 @@ class PipelineStats:
     freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
 
 
+def _attention_inputs(tokens: torch.Tensor, positions: torch.Tensor,
+                      documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE positions and attention mask of one micro-batch on any stage. Built from its token ids
+    (B, T), which every stage holds (a later stage's input is an activation, but micro_batches keep
+    the ids): no message carries a mask. Both options off: the row positions and no mask."""
+    return (positions, None) if documents is None else documents.inputs(tokens, positions)
+
+
 def _values_unused(out: torch.Tensor) -> bool:
     """Does backward need `out`'s node only, not its values? True after a residual add (a block's
     last op) or a dtype cast; anything else (a compiled block, say) keeps its storage."""
@@ -236,13 +248,14 @@ class PipelineExecutor:
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None,
-            positions: torch.Tensor | None = None) -> PipelineStats:
+            positions: torch.Tensor | None = None, documents: Documents | None = None) -> PipelineStats:
         """Run this rank's actions for one step; gradients accumulate as in one process.
 
         `micro_batches` hold this rank's tokens (B, T_local); `positions` (T_local,) are their
-        true positions (context parallel), 0..T_local-1 when not given. Returns this rank's sum of
-        micro-batch losses (non-zero on the last stage only), each already divided by the step's
-        global token count.
+        true positions (context parallel), 0..T_local-1 when not given. `documents`: keep packed
+        documents apart (document mask, per-document positions), None for plain causal attention.
+        Returns this rank's sum of micro-batch losses (non-zero on the last stage only), each
+        already divided by the step's global token count.
         """
         slots: dict[tuple[int, int], _Slot] = {}
         stats = PipelineStats()
@@ -270,9 +283,10 @@ class PipelineExecutor:
             with self.group.timer.span("compute", "compute", str(action)):  # minus the collectives inside
                 if action.kind == "F":
                     slot = slots.setdefault((mb, s), _Slot())
+                    pos, mask = _attention_inputs(micro_batches[mb][0], positions, documents)
                     with autocast():
                         slot.inp = chunk.embed(x)  # the received activation, or the first stage's embeddings
-                        out = chunk(slot.inp, positions)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
+                        out = chunk(slot.inp, pos, mask)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
                     if s == last:
                         out = self.loss_fn(out, y) / global_tokens  # the loss: backward starts here
                         loss_sum += out.detach()
@@ -320,7 +334,8 @@ class PipelineExecutor:
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     autocast=contextlib.nullcontext, positions: torch.Tensor | None = None) -> float:
+                     autocast=contextlib.nullcontext, positions: torch.Tensor | None = None,
+                     documents: Documents | None = None) -> float:
         """Sum of token losses over the micro-batches (last stage only), for evaluation."""
         m = len(micro_batches)
         if m not in self.forward_plans:  # each micro-batch through the stages in order
@@ -337,8 +352,9 @@ class PipelineExecutor:
                 positions = torch.arange(x.shape[1], device=x.device)
             mail.post(index)
             h = mail.take(action).to(self.hidden_dtype) if s > 0 else x
+            pos, mask = _attention_inputs(x, positions, documents)
             with autocast():
-                h = self.chunks[s](self.chunks[s].embed(h), positions)
+                h = self.chunks[s](self.chunks[s].embed(h), pos, mask)
             if s == self.n_stages - 1:
                 total += self.loss_fn(h, y)
             else:

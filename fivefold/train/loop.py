@@ -28,14 +28,7 @@ from fivefold.model import Transformer
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.seeded_init import SeededInit
 from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
-from fivefold.train.data import (
-    BPETokenizer,
-    ByteTokenizer,
-    GlobalBatches,
-    PackedDataset,
-    read_documents,
-    split_documents,
-)
+from fivefold.train.data import GlobalBatches
 from fivefold.train.moe_balance import MoEBalancing
 from fivefold.train.precision import LossScaler
 from fivefold.train.preflight import preflight
@@ -101,21 +94,31 @@ def build_model(cfg: Config, vocab_size: int) -> Transformer:
     return model
 
 
-def build_datasets(cfg: Config, run_dir: Path) -> tuple[PackedDataset, PackedDataset | None]:
-    """Tokenized train and validation sets; a BPE tokenizer is trained once by rank 0 and shared."""
-    docs = read_documents(cfg.data)
-    train_docs, val_docs = split_documents(docs, cfg.data.val_fraction)
-    if cfg.data.tokenizer == "byte":
-        tokenizer = ByteTokenizer()
+def build_datasets(cfg: Config, run_dir: Path):
+    """The train and validation sets, memory-mapped, and the run's loader over them. Text inputs are
+    prepared once into the cache (by `fivefold train` before the workers start; here by rank 0 when
+    the job was started another way); the tokenizer's files are copied into the run directory
+    (RUN_DIR/tokenizer: what `fivefold sample` decodes with)."""
+    from fivefold.data.mixture import MixedBatches
+    from fivefold.data.resolve import data_kind, ensure_prepared, open_datasets, order_folder
+    from fivefold.data.tokenizer import load_tokenizer, save_tokenizer
+
+    joined = dist.is_initialized()  # (tests call this outside a job too)
+    first = not joined or dist.get_rank() == 0
+    if data_kind(cfg.data) == "text":
+        if first:
+            ensure_prepared(cfg)
+        if joined:
+            dist.barrier()
+    train_set, val_set, tokenizer = open_datasets(cfg)
+    if first and tokenizer is not None and not (run_dir / "tokenizer").is_dir():
+        save_tokenizer(load_tokenizer(tokenizer), run_dir / "tokenizer")
+    t, orders = cfg.train, order_folder(cfg)
+    if cfg.data.mixture:
+        loader = MixedBatches(train_set, [float(w) for _, w in cfg.data.mixture], t.global_batch, t.seed, orders)
     else:
-        path = run_dir / "tokenizer.json"
-        if dist.get_rank() == 0 and not path.is_file():
-            BPETokenizer.train(train_docs, cfg.data.bpe_vocab).save(path)
-        dist.barrier()
-        tokenizer = BPETokenizer.load(path)
-    train_set = PackedDataset(train_docs, tokenizer, cfg.train.seq_len)
-    val_set = PackedDataset(val_docs, tokenizer, cfg.train.seq_len) if val_docs else None
-    return train_set, val_set
+        loader = GlobalBatches(train_set, t.global_batch, t.seed, order_dir=orders)
+    return train_set, val_set, loader
 
 
 def predicted(cfg: Config, world: int, device_type: str) -> dict:
@@ -173,10 +176,9 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
     dist.barrier()
     mesh = Mesh.from_config(cfg, derived, device_type)
     par, seeded = parallel_model(cfg, derived, mesh)
-    train_set, val_set = build_datasets(cfg, run_dir)
-    run = Run(cfg, derived, mesh, par, train_set, val_set,
-              GlobalBatches(train_set, cfg.train.global_batch, cfg.train.seed),
-              LossScaler(cfg.train), MoEBalancing(par.model, mesh, cfg), mesh.device)
+    train_set, val_set, loader = build_datasets(cfg, run_dir)
+    run = Run(cfg, derived, mesh, par, train_set, val_set, loader, LossScaler(cfg.train),
+              MoEBalancing(par.model, mesh, cfg), mesh.device)
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:
         state = load_checkpoint(latest, par)

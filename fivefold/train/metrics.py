@@ -16,6 +16,7 @@ Keys of a step record (later features add keys; none is ever renamed):
 | grad_norm | global L2 norm of the summed gradient, before clipping |
 | tokens | target tokens in the global batch (padding excluded) |
 | samples | [start, end): the positions in epoch `epoch`'s seeded sample order (train/data.py) that made the global batch; consecutive steps continue where the last ended (a new epoch starts at 0), so a gap or an overlap is a lost or repeated sample |
+| source_tokens | data.mixture only: {source: target tokens of the global batch it gave} (the folder names; they add up to `tokens`); `samples` then counts the mixed stream's samples (epoch stays 0) |
 | step_time_s | wall-clock seconds of the step on rank 0, data to optimizer |
 | tokens_per_s | tokens / step_time_s, for the whole job |
 | comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comms.py during the step |

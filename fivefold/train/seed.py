@@ -10,6 +10,9 @@ the numbers are bit-identical to what a training run of any layout starts from w
 A seed directory holds `model.safetensors` (fivefold's names; a tied head is saved once, as
 `tok_embeddings.weight`) and `fivefold.toml`, the resolved config with `checkpoint.init_from`
 pointing at the directory: `fivefold train DIR/fivefold.toml` starts from it under any layout.
+When the config names a tokenizer file or directory (not "byte", "bpe" that a run trains, or "", the
+data's own),
+its files are copied in too and `data.tokenizer` points at the directory, as for a converted model.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import Config, replace, to_toml
+from fivefold.data.tokenizer import load_tokenizer, save_tokenizer
 from fivefold.model import Transformer
 from fivefold.progress import progress_bar
 from fivefold.seeded_init import init_tensor
@@ -37,6 +41,15 @@ def write_seed_config(cfg: Config, out: Path) -> Path:
     return path
 
 
+def copy_tokenizer(cfg: Config, out: Path) -> Config:
+    """Copy the tokenizer cfg names into `out` (its tokenizer.json + tokenizer_config.json, read and
+    checked first); return cfg with data.tokenizer = out. "byte", "bpe" and "" have no files to copy."""
+    if cfg.data.tokenizer in ("", "byte", "bpe"):
+        return cfg
+    save_tokenizer(load_tokenizer(cfg.data.tokenizer), out)
+    return replace(cfg, data={"tokenizer": str(out)})
+
+
 @torch.no_grad()
 def write_seed_checkpoint(cfg: Config, out: Path, progress: bool = True) -> Path:
     """Write cfg's initial weights into out/model.safetensors (and out/fivefold.toml); return the
@@ -46,6 +59,7 @@ def write_seed_checkpoint(cfg: Config, out: Path, progress: bool = True) -> Path
         model = Transformer(model_cfg)
     params = list(model.named_parameters())  # a tied matrix appears once
     out.mkdir(parents=True, exist_ok=True)
+    seed_cfg = copy_tokenizer(cfg, out)  # first: a tokenizer that cannot be read fails before the weights
     writer = SafetensorsWriter(out / WEIGHTS, {name: (torch.float32, tuple(p.shape)) for name, p in params},
                                metadata={"format": "pt", "fivefold": "seed", "seed": str(cfg.train.seed)})
     with progress_bar(f"initialising {out / WEIGHTS}", sum(p.numel() for _, p in params), progress) as advance:
@@ -56,5 +70,5 @@ def write_seed_checkpoint(cfg: Config, out: Path, progress: bool = True) -> Path
             del value
             advance(p.numel())
     writer.close()
-    write_seed_config(cfg, out)
+    write_seed_config(seed_cfg, out)
     return out / WEIGHTS

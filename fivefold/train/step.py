@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fivefold.config import Config
+from fivefold.documents import Documents
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.parallelize import NonFiniteGradient, Parallelized
@@ -84,9 +85,10 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         batch = rank_slice(run.train_set, indices, t.global_batch, run.derived.dp, mesh.rank("batch"), t.micro_batch)
         micro = par.local_micro_batches(batch.micro_batches, run.device)
         positions = par.positions(t.seq_len, run.device)
+        documents = Documents.from_config(run.cfg.data, run.train_set.eod)  # None: plain causal attention
     run.balancing.before(run.scaler.scale)
     stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, positions=positions,
-                             clock=time.perf_counter if mesh.size("pp") > 1 else None)
+                             clock=time.perf_counter if mesh.size("pp") > 1 else None, documents=documents)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
         try:
             outcome = par.optimizer_step(lr, run.scaler, t.grad_clip, stop_on_nonfinite=t.nonfinite == "stop")
@@ -103,6 +105,8 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     if run.scaler.enabled:
         metrics.update(loss_scale=run.scaler.scale, skipped=not outcome.applied)
     metrics.update(moe)
+    if hasattr(run.train_set, "tokens_by_source"):  # a mixture: what each source gave this step
+        metrics["source_tokens"] = run.train_set.tokens_by_source(indices)
     notes = [] if outcome.applied or outcome.overflow else [
         f"step {step + 1}: gradient norm {outcome.grad_norm}; step skipped (train.nonfinite = 'skip')"]
     return StepRecord(metrics, wall, parts, began, timer.events, stats.timeline,
@@ -121,13 +125,15 @@ def evaluate(run: Run) -> float:
     """Mean token loss over the first eval_batches global batches of the validation set."""
     cfg, par, t = run.cfg, run.par, run.cfg.train
     batches = GlobalBatches(run.val_set, t.global_batch, t.seed, shuffle=False)
+    documents = Documents.from_config(cfg.data, run.val_set.eod)
     total = torch.zeros(2, dtype=torch.float64, device=run.device)  # (loss sum, tokens)
     for _ in range(t.eval_batches):
         indices = batches.next_indices()
         batch = rank_slice(run.val_set, indices, t.global_batch, run.derived.dp, run.mesh.rank("batch"), t.micro_batch)
         micro = par.local_micro_batches(batch.micro_batches, run.device)
         total[0] += par.pipeline.forward_only(micro, autocast=run.autocast,
-                                              positions=par.positions(cfg.train.seq_len, run.device))
+                                              positions=par.positions(cfg.train.seq_len, run.device),
+                                              documents=documents)
         if par.pipeline.has_last_stage:  # where the loss is; the sum over dp ranks is the global count
             total[1] += sum(int((y != IGNORE).sum()) for _, y in micro)
         if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches
