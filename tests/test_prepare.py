@@ -12,7 +12,7 @@ from fivefold.cli import main
 from fivefold.data import prepare as prepare_module
 from fivefold.data.mixture import MixedBatches, MixtureDataset
 from fivefold.data.prepare import encode_documents, prepare, read_manifest, token_dtype
-from fivefold.data.resolve import cache_folder, open_datasets
+from fivefold.data.resolve import cache_folder, ensure_prepared, open_datasets
 from fivefold.data.sources import DataError, documents, input_files
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 from fivefold.data.tokens import PackedDataset, in_memory_stream
@@ -236,5 +236,12 @@ def test_bad_inputs_are_named_before_any_process_starts(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-2])
     errors = validate(tiny_config(tmp_path, f"--data.paths=['{ds}']"), 1)
     assert any(f"{shard}: missing or truncated" in e for e in errors)
+    # A folder with no text fails in the launcher, before any worker starts, naming what it skipped.
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "x.dat").write_bytes(b"\0" * 10)
+    empty = tiny_config(tmp_path, f"--data.paths=['{tmp_path / 'binary'}']")
+    assert validate(empty, 1) == []
+    with pytest.raises(DataError, match=r"holds no text \(1 binary files skipped\)"):
+        ensure_prepared(empty)
     # The CLI turns them into one line and exit code 2.
     assert main(["prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o3"), "--no-progress"]) == 2

@@ -64,8 +64,12 @@ def ensure_prepared(cfg: Config, workers: int = 1, progress: bool = False) -> Pa
 
     d = cfg.data
     folder = cache_folder(cfg)
-    prepare(list(d.paths), d.tokenizer or "byte", folder, text_field=d.text_field, val_fraction=d.val_fraction,
-            max_bytes=d.max_bytes, bpe_vocab=d.bpe_vocab, workers=workers, progress=progress)
+    m = prepare(list(d.paths), d.tokenizer or "byte", folder, text_field=d.text_field, val_fraction=d.val_fraction,
+                max_bytes=d.max_bytes, bpe_vocab=d.bpe_vocab, workers=workers, progress=progress)
+    if not any(split["documents"] for split in m["splits"].values()):
+        skipped = f" ({len(m['skipped_binary'])} binary files skipped)" if m["skipped_binary"] else ""
+        raise DataError(f"data.paths = {list(d.paths)} holds no text{skipped}; give text files or folders, .jsonl "
+                        f"or .parquet, or a prepared dataset")
     return folder
 
 
