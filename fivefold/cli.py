@@ -65,9 +65,23 @@ def _deepspeed_layer(path: str, nproc: int) -> tuple[list[str], list[str]]:
 
 def _worker(cfg: Config, derived: Derived, progress: bool) -> None:
     """Entry point of each launched process: the config checked by the launcher, its own rank."""
+    from fivefold.launch import die_with_parent
     from fivefold.train.loop import train
 
+    die_with_parent()
+
     train(cfg, derived, progress=progress)
+
+
+def _warn_oversubscribed(cfg: Config, nproc: int) -> None:
+    """More CPU workers than cores on this node: each still runs, but they take turns on the cores."""
+    cores = os.cpu_count() or 1
+    if nproc > cores and cfg.train.device != "cuda":
+        from fivefold.train.loop import resolve_device_type
+
+        if resolve_device_type(cfg) == "cpu":
+            print(f"fivefold: warning: {nproc} processes on {cores} CPU cores: they will take turns on the cores "
+                  f"(each step about {nproc / cores:.0f}x slower than with {cores}); lower --nproc", file=sys.stderr)
 
 
 def _prepare_text(cfg: Config, progress: bool) -> None:
@@ -98,6 +112,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.train.preflight import preflight
     from fivefold.train.run_dir import run_dir_of
 
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError([f"--nproc = {args.nproc}: must be at least 1"])
     nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
     if args.nproc and _under_torchrun():
         raise ConfigError(["--nproc starts local processes; under torchrun use torchrun's --nproc-per-node instead"])
@@ -118,10 +134,16 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(errors)
     # Checked once, here: every worker receives this resolved config and its derived numbers.
     derived = derive(cfg, spec.world_size)
+    _warn_oversubscribed(cfg, nproc)
     progress = not args.no_progress
     _prepare_text(cfg, progress)
     if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
-        _worker(cfg, derived, progress)
+        if _under_torchrun():  # a worker of torchrun's agent: it ends with the agent
+            _worker(cfg, derived, progress)
+        else:  # this process is the job: it lives as long as the user's shell wants
+            from fivefold.train.loop import train
+
+            train(cfg, derived, progress=progress)
         return 0
     # Restarted workers continue from the last checkpoint; any checkpoint they find was written by
     # this job, since a fresh run into a folder holding checkpoints was refused above.

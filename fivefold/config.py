@@ -241,9 +241,12 @@ def read_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError([f"config file '{path}' does not exist (see configs/ for examples)"])
         try:
-            layers.append(tomllib.loads(path.read_text()))
+            layers.append(tomllib.loads(path.read_text(encoding="utf-8")))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
+        except UnicodeDecodeError:
+            raise ConfigError([f"{path}: not a text file (not UTF-8); give a TOML config such as "
+                               f"configs/tiny.toml"]) from None
         name = path.stem
     cli, errors = parse_overrides(overrides or [])
     layers.append(cli)

@@ -238,6 +238,27 @@ def _create_handler(params):
     return handler
 
 
+LAUNCHER_PID = "FIVEFOLD_LAUNCHER_PID"  # the environment variable forkserver_guard.py reads
+
+
+def die_with_parent() -> None:
+    """This process ends when its parent does: on Linux the kernel sends it SIGTERM then (prctl
+    PR_SET_PDEATHSIG). A launched worker's parent is the launcher's forkserver, which does the same
+    with the launcher (fivefold/forkserver_guard.py), or torchrun's agent; so a SIGKILLed launcher
+    leaves no worker behind holding ports and writing its run directory. A parent already gone
+    before the call (pid 1 adopted this process) ends it at once."""
+    import ctypes
+    import signal
+    import sys
+
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if parent == 1 or os.getppid() != parent:
+        raise SystemExit("fivefold: the launcher of this process is gone; stopping")
+
+
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> None:
     """Run entrypoint(*args) in spec.nproc local workers, restarting them all up to max_restarts times."""
     from torch.distributed.elastic.rendezvous import RendezvousError, rendezvous_handler_registry
@@ -256,7 +277,9 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     # Workers are forked by a server process that has imported torch and fivefold once, so a restart
     # starts them in a fraction of a second instead of every worker importing again (seconds each).
     # It forks from its single thread: no lock held by this process's store threads is copied.
-    multiprocessing.set_forkserver_preload(["fivefold.train.loop", "torch._dynamo"])
+    # The guard makes the forkserver end with this launcher (a SIGKILL here leaves it otherwise).
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    multiprocessing.set_forkserver_preload(["fivefold.forkserver_guard", "fivefold.train.loop", "torch._dynamo"])
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id="fivefold",
         rdzv_backend=BACKEND, rdzv_endpoint=endpoint, max_restarts=spec.max_restarts, monitor_interval=0.5,

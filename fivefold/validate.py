@@ -97,6 +97,8 @@ def _type_errors(cfg: Config) -> list[str]:
                 errors.append(f"{name} = {value!r}: must be an integer")
             elif hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 errors.append(f"{name} = {value!r}: must be a number")
+            elif hint is float and not math.isfinite(value):  # nan compares false with every bound below
+                errors.append(f"{name} = {value!r}: must be a finite number")
             elif hint is str and not isinstance(value, str):
                 errors.append(f"{name} = {value!r}: must be a string")
             elif typing.get_origin(hint) is tuple and typing.get_origin(typing.get_args(hint)[0]) is None:
@@ -183,9 +185,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"train.lr = {t.lr}: must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
         err(f"train.min_lr_ratio = {t.min_lr_ratio}: must be within [0, 1]")
-    if t.stop_after > t.steps:
+    if t.stop_after > t.steps >= 1:  # (a train.steps < 1 is reported above, once)
         err(f"train.stop_after = {t.stop_after} exceeds train.steps = {t.steps}; lower it (0 = run to the end)")
-    if t.warmup_steps > t.steps:
+    if t.warmup_steps > t.steps >= 1:
         err(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}; lower warmup_steps")
     if not 0 < t.decay_fraction <= 1:
         err(f"train.decay_fraction = {t.decay_fraction}: must be within (0, 1]")
@@ -312,9 +314,12 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     # Batch and sequence arithmetic.
     if dp and t.global_batch % (dp * t.micro_batch):
         k = dp * t.micro_batch
+        # Only hints that can fix it: a micro_batch can only help when dp divides the global batch.
+        other = (f"a micro_batch in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp)}}}"
+                 if t.global_batch % dp == 0 else
+                 f"a dp (processes / (pp x cp x tp)) in {{{_divisors_near(t.global_batch, t.global_batch)}}}")
         err(f"train.global_batch = {t.global_batch} is not divisible by dp x train.micro_batch = {dp} x "
-            f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or a micro_batch "
-            f"in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp) if t.global_batch % dp == 0 else 1}}}")
+            f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or {other}")
     ring = p.cp > 1 and p.cp_method == "ring"
     seq_multiple = (2 * p.cp if ring else p.cp) * (p.tp if p.sp else 1)
     if t.seq_len % seq_multiple:

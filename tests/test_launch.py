@@ -118,6 +118,36 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, refere
     assert (tmp_path / "tiny" / "config.toml").is_file() and f"outputs in {tmp_path / 'tiny'}" in log.read_text()
 
 
+def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
+    """SIGKILL the launcher mid-run: its workers end within seconds (launch.die_with_parent), not
+    after finishing the run on their own."""
+    job, log = start(tmp_path, "--nproc", "2", "--train.steps=100000")
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    try:
+        while not (metrics.is_file() and read_metrics(metrics)):
+            assert job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.01)
+        workers = worker_pids(job.pid)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(Path(f"/proc/{w}").exists() and "Z" not in _state(w) for w in workers):
+            assert time.monotonic() < deadline, f"workers {workers} outlived their launcher"
+            time.sleep(0.05)
+    finally:
+        job.kill()
+        for w in worker_pids(job.pid) if job.poll() is None else []:
+            os.kill(w, signal.SIGKILL)
+    assert len(workers) == 2
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "Z"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

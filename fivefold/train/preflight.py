@@ -3,14 +3,15 @@
 `fivefold train` runs them on the launching node for every node's processes; `train()` called as
 a library runs them itself. A typo fails in under a second: the config's checks (validate.py) and
 the run directory's (run_dir.py) import no torch; only `checkpoint.init_from`, whose weights'
-headers are read against the model, does.
+headers are read against the model, and a resume, whose checkpoint's files are checked
+(checkpoint_files.py), do.
 """
 
 from __future__ import annotations
 
 from fivefold.config import Config
 from fivefold.train import sinks
-from fivefold.train.run_dir import check_run_dir
+from fivefold.train.run_dir import check_run_dir, latest_checkpoint, run_dir_of
 from fivefold.validate import validate
 
 
@@ -25,4 +26,9 @@ def preflight(cfg: Config, world_size: int) -> list[str]:
         from fivefold.train.weights import check_init_from
 
         errors += check_init_from(cfg)
+    latest = latest_checkpoint(run_dir_of(cfg)) if cfg.checkpoint.resume and not errors else None
+    if latest is not None:  # what the resume will read: each damaged file named now, not inside a rank
+        from fivefold.train.checkpoint_files import checkpoint_errors
+
+        errors += checkpoint_errors(latest)
     return errors

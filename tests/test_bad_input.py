@@ -1,0 +1,92 @@
+"""Damaged files and values validate() used to accept: each named in one line before a worker starts."""
+
+import pickle
+import shutil
+
+import pytest
+import torch
+from helpers import EQUIVALENCE, tiny_config
+
+from fivefold.cli import main
+from fivefold.config import ConfigError, load_config
+from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.checkpoint_files import checkpoint_errors
+from fivefold.train.loop import train
+from fivefold.train.preflight import preflight
+from fivefold.validate import validate
+
+
+class Gadget:  # not a tensor: weights_only refuses to build it, and nothing in it runs
+    pass
+
+
+def test_each_damaged_checkpoint_file_is_named_before_the_resume(tmp_path):
+    train(tiny_config(tmp_path, *EQUIVALENCE, "--train.steps=1"), progress=False)
+    good = latest_checkpoint(tmp_path / "tiny")
+    assert checkpoint_errors(good) == []
+    resume = tiny_config(tmp_path, *EQUIVALENCE, "--train.steps=2", "--checkpoint.resume=true")
+
+    def damaged(how) -> list[str]:
+        shutil.copytree(good, tmp_path / "good", dirs_exist_ok=True)
+        how(good)
+        errors = preflight(resume, 1)
+        shutil.rmtree(good)
+        shutil.copytree(tmp_path / "good", good)
+        return errors
+
+    errors = damaged(lambda c: (c / "state.json").write_text("{ step: 1"))
+    assert len(errors) == 1 and errors[0].startswith(f"{good / 'state.json'}: not the state fivefold wrote")
+    assert f"delete {good}" in errors[0]
+
+    errors = damaged(lambda c: (c / "rng" / "rank0.pt").write_bytes(pickle.dumps(Gadget())))
+    assert len(errors) == 1 and errors[0].startswith(f"{good / 'rng' / 'rank0.pt'}: not an RNG state")
+    errors = damaged(lambda c: torch.save({"a": 1}, c / "rng" / "rank0.pt"))
+    assert len(errors) == 1 and "holds dict, not a uint8 RNG state" in errors[0]
+    data = next(good.glob("*.distcp"))
+    errors = damaged(lambda c: data.write_bytes(data.read_bytes()[:100]))
+    assert len(errors) == 1 and errors[0].startswith(f"{data}: 100 bytes where its index needs")
+    # Through the command line: one line, exit code 2, nothing trained.
+    (good / "state.json").write_text("garbage")
+    code = main(["train", "configs/tiny.toml", *EQUIVALENCE, f"--run.out_dir={tmp_path}", "--train.steps=2",
+                 "--resume", "--no-progress"])
+    assert code == 2 and latest_checkpoint(tmp_path / "tiny") == good
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused(tmp_path, value):
+    errors = validate(tiny_config(tmp_path, f"--train.lr={value}"), 1)
+    assert errors == [f"train.lr = {float(value)!r}: must be a finite number"]
+
+
+def test_only_hints_that_can_fix_it(tmp_path):
+    cfg = tiny_config(tmp_path, "--train.global_batch=16", "--train.micro_batch=1")
+    (error,) = [e for e in validate(cfg, 9) if "global_batch" in e]
+    assert "a micro_batch" not in error and "a dp (processes / (pp x cp x tp)) in {1, 2, 4, 8, 16}" in error
+    (error,) = [e for e in validate(tiny_config(tmp_path, "--train.global_batch=12", "--train.micro_batch=4"), 2)
+                if "global_batch" in e]
+    assert "a micro_batch in {1, 2, 3, 6}" in error
+
+
+def test_a_bad_size_is_reported_once(tmp_path):
+    assert validate(tiny_config(tmp_path, "--train.steps=-5"), 1) == ["train.steps = -5: must be at least 1"]
+
+
+def test_a_binary_config_and_nproc_zero_are_one_line(tmp_path, capsys):
+    config = tmp_path / "x.toml"
+    config.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match=r"x.toml: not a text file \(not UTF-8\)"):
+        load_config(config)
+    assert main(["train", str(config)]) == 2
+    assert main(["train", "configs/tiny.toml", "--nproc", "0", f"--run.out_dir={tmp_path}"]) == 2
+    assert "--nproc = 0: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_more_processes_than_cores_warns(tmp_path, capsys, monkeypatch):
+    import fivefold.cli as cli
+
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 1)
+    cli._warn_oversubscribed(tiny_config(tmp_path, "--train.device=cpu"), 2)
+    assert "2 processes on 1 CPU cores" in capsys.readouterr().err
+    cli._warn_oversubscribed(tiny_config(tmp_path, "--train.device=cpu"), 1)
+    assert capsys.readouterr().err == ""
