@@ -90,3 +90,40 @@ def test_more_processes_than_cores_warns(tmp_path, capsys, monkeypatch):
     assert "2 processes on 1 CPU cores" in capsys.readouterr().err
     cli._warn_oversubscribed(tiny_config(tmp_path, "--train.device=cpu"), 1)
     assert capsys.readouterr().err == ""
+
+
+def test_a_full_disk_leaves_no_half_line_in_the_metrics_log(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from fivefold.train import sinks
+
+    sink = sinks.JsonlSink(tmp_path / "metrics.jsonl", None)
+    sink.write({"step": 1, "loss": 1.0})
+    real = os.write
+
+    def half_then_full(fd, data):  # the kernel takes part of the line, then the disk is full
+        if len(data) > 8:
+            return real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sinks.os, "write", half_then_full)
+    with pytest.raises(sinks.MetricsWriteError, match=r"metrics.jsonl: no space left writing the step record"):
+        sink.write({"step": 2, "loss": 0.5})
+    monkeypatch.setattr(sinks.os, "write", real)
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_torch_zip_writer_error_on_a_full_disk_reads_as_no_space(tmp_path, monkeypatch):
+    import errno
+    import shutil as shutil_module
+
+    from fivefold.train import checkpoint
+
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374")
+    assert checkpoint._os_error(error, tmp_path / "gone") is None  # plenty of space here: not a full disk
+    usage = shutil_module.disk_usage(tmp_path)._replace(free=4096)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage)
+    cause = checkpoint._os_error(error, tmp_path / "gone")
+    assert cause.errno == errno.ENOSPC and cause.filename == str(tmp_path) and "4,096 bytes free" in cause.strerror

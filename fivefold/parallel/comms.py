@@ -119,9 +119,11 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
         what = "lost the connection to a peer"
     else:
         return error
-    axis = group.name if label == group.label else f"{group.name}, counted as {label}"
+    # The user's words first: the axis the traffic is charged to (`dp`), and the internal view's name
+    # (`grad`: dp x cp for the gradients) only when it differs.
+    axis = f"'{label}'" if group.name == label else f"'{label}' (its '{group.name}' group)"
     return CollectiveError(
-        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on axis '{axis}' (rank {group.rank} of {group.size} "
+        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on axis {axis} (rank {group.rank} of {group.size} "
         f"there) {what}. Another rank of that group most likely died (look for the first error in the other "
         f"ranks' output) or took another code path and never made this call (a rank-dependent branch, "
         f"an exception caught on one rank). Backend: {text.splitlines()[0] if text else type(error).__name__}")

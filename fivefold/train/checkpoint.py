@@ -13,6 +13,7 @@ mid-write leaves a temporary folder that is never picked up, and the previous ch
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import pickle
@@ -46,12 +47,25 @@ def _attempt(write: Callable[[], object]) -> BaseException | None:
     return None
 
 
-def _os_error(error: BaseException | None) -> OSError | None:
-    """The OSError behind a write error: itself, or the first one DCP gathered from the ranks."""
+LOW_SPACE = 64 << 20  # bytes free below which a write error without an errno is taken for a full disk
+
+
+def _os_error(error: BaseException | None, folder: Path | None = None) -> OSError | None:
+    """The OSError behind a write error: itself, or the first one DCP gathered from the ranks. torch's
+    zip writer (torch.save) reports a full disk without an errno ("[enforce fail at inline_container.cc]
+    unexpected pos"): such an error, on a disk with almost no space left, counts as ENOSPC."""
     if isinstance(error, OSError):
         return error
     if isinstance(error, CheckpointException):
-        return next((e for e, _ in error.failures.values() if isinstance(e, OSError)), None)
+        found = next((e for e, _ in error.failures.values() if isinstance(e, OSError)), None)
+        if found is not None:
+            return found
+    if error is not None and folder is not None:
+        with contextlib.suppress(OSError):
+            where = next(p for p in (folder, *folder.parents) if p.exists())
+            free = shutil.disk_usage(where).free
+            if free < LOW_SPACE:
+                return OSError(errno.ENOSPC, f"No space left on device ({free:,} bytes free)", str(where))
     return None
 
 
@@ -114,7 +128,7 @@ class CheckpointWriter:
         """Rank 0 removes the partial folder (it was never visible as a checkpoint); the error says why."""
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = _os_error(error)
+        cause = _os_error(error, tmp)
         reason = cause and (f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror)
         previous = latest_checkpoint(self.run_dir)
         kept = (f"the previous checkpoint '{previous}' is intact and --resume continues from it" if previous

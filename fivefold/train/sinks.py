@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,14 +72,30 @@ class JsonlSink:
             path.write_text("".join(line + "\n" for line in keep))
         elif resume_step is None:
             path.write_text("")
-        self._file = path.open("a")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # a crash must not lose the steps already done
+        """One whole line or none: written unbuffered (a crash loses no step already done), and a
+        write that fails part-way (a full disk) is cut back to the last complete line."""
+        data = (json.dumps(record) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            reason = "no space left" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else e.strerror
+            raise MetricsWriteError(f"{self.path}: {reason} writing the step record ({e.strerror}); free space "
+                                    f"there or set --run.out_dir to a disk with room, then --resume") from None
 
     def close(self, failed: bool = False) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+
+class MetricsWriteError(OSError):
+    """The metrics log could not take a record; the message names the file and the fix."""
 
 
 def complete_lines(path: Path) -> list[str]:
