@@ -9,8 +9,11 @@ train/seed.py, imported only when a command runs: `fivefold --help` stays free o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from fivefold.config import ConfigError, ParallelConfig, read_config
@@ -42,6 +45,27 @@ def _fresh(out: Path) -> None:
         raise FileExistsError(f"{out} exists and is not an empty directory: choose another output or delete it")
 
 
+@contextlib.contextmanager
+def _written_whole(out: Path) -> Iterator[Path]:
+    """The output is written into a hidden sibling folder and renamed to `out` only when complete,
+    so a failure, or a kill, never leaves a partial file where a complete one belongs. The paths
+    its TOML files give for the folder (init_from, data.tokenizer) are rewritten to `out`'s."""
+    _fresh(out)
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for toml in tmp.glob("*.toml"):
+        toml.write_text(toml.read_text().replace(str(tmp), str(out)))
+    if out.exists():
+        out.rmdir()  # empty (_fresh): the complete folder takes its place
+    tmp.rename(out)
+
+
 def _init(args: argparse.Namespace, rest: list[str]) -> None:
     from fivefold.train.seed import write_seed_checkpoint
     from fivefold.train.weights import SEED_CONFIG
@@ -53,9 +77,9 @@ def _init(args: argparse.Namespace, rest: list[str]) -> None:
     if errors:
         raise ConfigError(errors)
     out = Path(args.out) if args.out else Path(cfg.run.out_dir) / (cfg.run.name or "run") / "seed"
-    _fresh(out)
-    path = write_seed_checkpoint(cfg, out)
-    print(f"wrote {path}; train from it (any layout): fivefold train {out / SEED_CONFIG}")
+    with _written_whole(out) as tmp:
+        path = write_seed_checkpoint(cfg, tmp)
+    print(f"wrote {out / path.name}; train from it (any layout): fivefold train {out / SEED_CONFIG}")
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -65,15 +89,17 @@ def _convert(args: argparse.Namespace) -> None:
     from fivefold.train.weights import SEED_CONFIG
 
     src, out, size = Path(args.src), Path(args.out), parse_size(args.max_shard_size)
-    _fresh(out)
-    if args.to == "fivefold":
-        files = hf_to_fivefold(src, out, size)
-        print(f"wrote {len(files)} safetensors file(s) to {out}; train from them: fivefold train {out / SEED_CONFIG}")
-        return
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype] if args.dtype else None
-    files = fivefold_to_hf(src, out, Path(args.config) if args.config else None,
-                           Path(args.hf_config) if args.hf_config else None, dtype, size)
-    print(f"wrote {out / 'config.json'} and {len(files)} safetensors file(s)")
+    with _written_whole(out) as tmp:
+        if args.to == "fivefold":
+            files = hf_to_fivefold(src, tmp, size)
+        else:
+            files = fivefold_to_hf(src, tmp, Path(args.config) if args.config else None,
+                                   Path(args.hf_config) if args.hf_config else None, dtype, size)
+    if args.to == "fivefold":
+        print(f"wrote {len(files)} safetensors file(s) to {out}; train from them: fivefold train {out / SEED_CONFIG}")
+    else:
+        print(f"wrote {out / 'config.json'} and {len(files)} safetensors file(s)")
 
 
 def run(args: argparse.Namespace, rest: list[str]) -> int:

@@ -127,3 +127,40 @@ def test_torch_zip_writer_error_on_a_full_disk_reads_as_no_space(tmp_path, monke
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage)
     cause = checkpoint._os_error(error, tmp_path / "gone")
     assert cause.errno == errno.ENOSPC and cause.filename == str(tmp_path) and "4,096 bytes free" in cause.strerror
+
+
+@pytest.mark.parametrize("damage", ["garbage", "huge_length", "bad_offsets", "truncated"])
+def test_a_damaged_safetensors_header_is_named_before_any_process(tmp_path, damage):
+    import struct
+
+    from fivefold.train.weights import check_init_from
+
+    seed = tmp_path / "seed"
+    assert main(["init", "configs/tiny.toml", "--out", str(seed)]) == 0
+    file = seed / "model.safetensors"
+    data = file.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = data[8 : 8 + n]
+    shifted = header.replace(b'"data_offsets":[0,', b'"data_offsets":[9,')  # offsets past the data
+    file.write_bytes({"garbage": b"\x13\x37" * 100,
+                      "huge_length": struct.pack("<Q", 1 << 60) + data[8:],
+                      "bad_offsets": data[:8] + shifted + data[8 + n:],
+                      "truncated": data[: len(data) // 2]}[damage])
+    (error,) = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={seed}"))
+    assert f"{file}: not a readable safetensors file" in error and "\n" not in error
+
+
+def test_a_failed_convert_leaves_no_partial_output(tmp_path, monkeypatch):
+    from fivefold import convert
+
+    seed = tmp_path / "seed"
+    assert main(["init", "configs/tiny.toml", "--out", str(seed)]) == 0
+
+    def dies(src, out, *args):  # a file half written, then the disk is full
+        (out / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert, "fivefold_to_hf", dies)
+    out = tmp_path / "hf"
+    assert main(["convert", str(seed), "--to", "hf", "--out", str(out)]) == 2
+    assert not out.exists() and not any(p.name.startswith(".hf") for p in tmp_path.iterdir())

@@ -128,13 +128,24 @@ def find_safetensors(path: Path, field: str = "") -> list[Path]:
                            f"or `fivefold convert`, or a Hugging Face model directory")
 
 
+def _open(file: Path):
+    """safe_open naming the file when its header is damaged (garbage, a huge length, bad offsets, a
+    file cut short: the safetensors package reports those without the path)."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # SafetensorError, from Rust; OSError for an unreadable file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WeightsFileError(f"{file}: not a readable safetensors file ({reason}); it is damaged or cut short: "
+                               f"write it again (`fivefold init`, `fivefold convert`) or copy it anew") from None
+
+
 class SafetensorsDir:
     """Every tensor of a directory of safetensors files, readable slice by slice."""
 
     def __init__(self, path: Path, field: str = ""):
         self.path = path
         files = find_safetensors(path, field)
-        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._handles = {f: _open(f) for f in files}
         self.file_of: dict[str, Path] = {}
         for f, handle in self._handles.items():
             for name in handle.keys():
