@@ -111,6 +111,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.launch import check_writable, launch, spec_from_args
     from fivefold.train.preflight import preflight
     from fivefold.train.run_dir import run_dir_of
+    from fivefold.train.run_lock import RunLock
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError([f"--nproc = {args.nproc}: must be at least 1"])
@@ -136,21 +137,32 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     derived = derive(cfg, spec.world_size)
     _warn_oversubscribed(cfg, nproc)
     progress = not args.no_progress
-    _prepare_text(cfg, progress)
-    if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
-        if _under_torchrun():  # a worker of torchrun's agent: it ends with the agent
-            _worker(cfg, derived, progress)
-        else:  # this process is the job: it lives as long as the user's shell wants
-            from fivefold.train.loop import train
+    # One job per run directory: node 0's launcher holds the lock for the whole job (rank 0 under torchrun).
+    holds = os.environ.get("RANK", "0") == "0" if _under_torchrun() else spec.node_rank == 0
+    lock = RunLock(run_dir_of(cfg)) if holds else None
+    if lock is not None:
+        lock.acquire()
+        if lock.took_over:
+            print(f"fivefold: {lock.took_over}", file=sys.stderr)
+    try:
+        _prepare_text(cfg, progress)
+        if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
+            if _under_torchrun():  # a worker of torchrun's agent: it ends with the agent
+                _worker(cfg, derived, progress)
+            else:  # this process is the job: it lives as long as the user's shell wants
+                from fivefold.train.loop import train
 
-            train(cfg, derived, progress=progress)
+                train(cfg, derived, progress=progress)
+            return 0
+        # Restarted workers continue from the last checkpoint; any checkpoint they find was written by
+        # this job, since a fresh run into a folder holding checkpoints was refused above.
+        if spec.max_restarts:
+            cfg = replace(cfg, checkpoint={"resume": True})
+        launch(spec, _worker, (cfg, derived, progress))
         return 0
-    # Restarted workers continue from the last checkpoint; any checkpoint they find was written by
-    # this job, since a fresh run into a folder holding checkpoints was refused above.
-    if spec.max_restarts:
-        cfg = replace(cfg, checkpoint={"resume": True})
-    launch(spec, _worker, (cfg, derived, progress))
-    return 0
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

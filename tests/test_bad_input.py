@@ -1,5 +1,6 @@
 """Damaged files and values validate() used to accept: each named in one line before a worker starts."""
 
+import os
 import pickle
 import shutil
 
@@ -164,3 +165,33 @@ def test_a_failed_convert_leaves_no_partial_output(tmp_path, monkeypatch):
     out = tmp_path / "hf"
     assert main(["convert", str(seed), "--to", "hf", "--out", str(out)]) == 2
     assert not out.exists() and not any(p.name.startswith(".hf") for p in tmp_path.iterdir())
+
+
+def test_a_stale_or_dead_lock_is_taken_over_and_a_live_one_refuses(tmp_path, capsys):
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from fivefold.train.run_lock import STALE_S, RunLock
+
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    lock = run_dir / ".lock"
+    args = ["train", "configs/tiny.toml", *EQUIVALENCE, f"--run.out_dir={tmp_path}", "--train.steps=1",
+            "--no-progress"]
+    here = socket.gethostname()
+    lock.write_text(json.dumps({"host": here, "pid": os.getppid(), "heartbeat": time.time()}))  # alive
+    assert main(args) == 2 and f"in use by the job of pid {os.getppid()} on host {here}" in capsys.readouterr().err
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(json.dumps({"host": here, "pid": int(gone.stdout), "heartbeat": time.time()}))
+    assert main(args) == 0
+    assert "took over the stale lock" in capsys.readouterr().err and not lock.exists()  # released at the end
+    old = time.time() - STALE_S - 1  # another host: only the heartbeat tells
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": old}))
+    held = RunLock(run_dir)
+    held.acquire()
+    assert "no heartbeat for" in held.took_over and json.loads(lock.read_text())["pid"] == os.getpid()
+    held.release()
+    assert not lock.exists()

@@ -120,7 +120,7 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, refere
 
 def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
     """SIGKILL the launcher mid-run: its workers end within seconds (launch.die_with_parent), not
-    after finishing the run on their own."""
+    after finishing the run on their own; while it ran, a second job on its directory was refused."""
     job, log = start(tmp_path, "--nproc", "2", "--train.steps=100000")
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     try:
@@ -128,6 +128,10 @@ def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
             assert job.poll() is None, log.read_text()[-3000:]
             time.sleep(0.01)
         workers = worker_pids(job.pid)
+        # One job per run directory: a second one is refused while the first runs, naming its pid.
+        second = subprocess.run([sys.executable, "-m", "fivefold", "train", CONFIG, f"--run.out_dir={tmp_path}", *RUN,
+                                 "--resume", "--no-progress"], cwd=ROOT, capture_output=True, text=True)
+        assert second.returncode == 2 and f"in use by the job of pid {job.pid}" in second.stderr, second.stderr
         os.kill(job.pid, signal.SIGKILL)
         job.wait(timeout=30)
         deadline = time.monotonic() + 20
