@@ -195,3 +195,12 @@ def test_a_stale_or_dead_lock_is_taken_over_and_a_live_one_refuses(tmp_path, cap
     assert "no heartbeat for" in held.took_over and json.loads(lock.read_text())["pid"] == os.getpid()
     held.release()
     assert not lock.exists()
+
+
+def test_a_partial_checkpoint_folder_of_a_dead_job_is_removed_at_the_next_start(tmp_path):
+    train(tiny_config(tmp_path, *EQUIVALENCE, "--train.steps=1"), progress=False)
+    partial = tmp_path / "tiny" / "checkpoints" / ".tmp_step_00000007"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    train(tiny_config(tmp_path, *EQUIVALENCE, "--train.steps=2", "--checkpoint.resume=true"), progress=False)
+    assert not partial.exists() and latest_checkpoint(tmp_path / "tiny").name == "step_00000002"

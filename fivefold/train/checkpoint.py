@@ -84,6 +84,9 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: Path, keep: int, async_save: bool = False):
         self.run_dir, self.keep = run_dir, keep
+        if dist.get_rank() == 0:  # partial folders of a job that died mid-write: never visible, now gone
+            for partial in checkpoint_dir(run_dir).glob(f".tmp_{PREFIX}*"):
+                shutil.rmtree(partial, ignore_errors=True)
         # Collective: every rank builds the writer at the same point of the run.
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.pending: Future | None = None
