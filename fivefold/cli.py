@@ -67,10 +67,11 @@ def _worker(cfg: Config, derived: Derived, progress: bool) -> None:
     """Entry point of each launched process: the config checked by the launcher, its own rank."""
     from fivefold.launch import die_with_parent
     from fivefold.train.loop import train
+    from fivefold.worker_report import reporting
 
     die_with_parent()
-
-    train(cfg, derived, progress=progress)
+    with reporting():  # how this rank ended, for the launcher's summary
+        train(cfg, derived, progress=progress)
 
 
 def _warn_oversubscribed(cfg: Config, nproc: int) -> None:
@@ -90,8 +91,8 @@ def _prepare_text(cfg: Config, progress: bool) -> None:
     from fivefold.data.resolve import data_kind, ensure_prepared
     from fivefold.data.sources import DataError, Skipped
 
-    if data_kind(cfg.data) != "text" or (_under_torchrun() and os.environ.get("RANK", "0") != "0"):
-        return  # under torchrun, rank 0 prepares and the others wait (train/loop.py build_datasets)
+    if data_kind(cfg.data) != "text":
+        return
     from fivefold.data.prepare import read_manifest
 
     try:
@@ -145,7 +146,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         if lock.took_over:
             print(f"fivefold: {lock.took_over}", file=sys.stderr)
     try:
-        _prepare_text(cfg, progress)
+        if holds:  # node 0 (rank 0 under torchrun) prepares text; the other nodes read its cache
+            _prepare_text(cfg, progress)
         if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
             if _under_torchrun():  # a worker of torchrun's agent: it ends with the agent
                 _worker(cfg, derived, progress)

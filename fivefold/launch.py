@@ -24,6 +24,7 @@ import errno
 import ipaddress
 import multiprocessing
 import os
+import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -287,7 +288,25 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
         rdzv_configs={"node_rank": spec.node_rank, "join_timeout": spec.rdzv_timeout_s, "listen_fd": fd},
         local_addr=host if is_loopback(host) else None,  # what the workers connect to
     )
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from fivefold.worker_report import WORKER_DIR, culprit_summary
+
+    given = os.environ.get(WORKER_DIR)  # (a test may name the folder, to read the reports itself)
+    reports = Path(given) if given else Path(tempfile.mkdtemp(prefix="fivefold-workers-"))
+    reports.mkdir(parents=True, exist_ok=True)
+    os.environ[WORKER_DIR] = str(reports)  # before the forkserver starts: the workers inherit it
     try:
         elastic_launch(config, entrypoint)(*args)
     except RendezvousError as e:
         raise LaunchError(str(e)) from None
+    except ChildFailedError as e:  # torch names the first failure it saw; the reports name the cause
+        summary = culprit_summary(reports)
+        if summary is None:
+            raise
+        raise LaunchError(f"{summary}\n(torch's report above lists the failures in the order it saw them; "
+                          f"the first cause is what to fix)") from e
+    finally:
+        if not given:
+            shutil.rmtree(reports, ignore_errors=True)
+            del os.environ[WORKER_DIR]  # (a later launch from this process makes its own)

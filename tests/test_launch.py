@@ -5,6 +5,7 @@ and the forkserver its workers come from import torch), so the launched cases sh
 """
 
 import ipaddress
+import json
 import os
 import re
 import signal
@@ -41,12 +42,12 @@ def reference(tmp_path_factory):
     return read_metrics(out / "tiny" / "metrics.jsonl")
 
 
-def start(out: Path, *args: str, log: str = "job.log") -> tuple[subprocess.Popen, Path]:
+def start(out: Path, *args: str, log: str = "job.log", env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     """`fivefold train` on the tiny config as a process of its own; its output goes to a file."""
     path = out / log
     cmd = [sys.executable, "-m", "fivefold", "train", CONFIG, f"--run.out_dir={out}", *RUN, "--no-progress", *args]
     with path.open("w") as f:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000"}  # COLUMNS: rich wraps no line
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "1000", **(env or {})}  # COLUMNS: no wrapping
         job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=f)
     return job, path
 
@@ -143,6 +144,28 @@ def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
         for w in worker_pids(job.pid) if job.poll() is None else []:
             os.kill(w, signal.SIGKILL)
     assert len(workers) == 2
+
+
+def test_a_killed_rank_is_named_first(tmp_path):
+    """kill -9 of one worker: the launcher's summary names that rank and pid as the cause, and the
+    survivor that lost its peer as a consequence (worker_report.py), not the other way round."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    job, log = start(tmp_path, "--nproc", "2", "--train.steps=100000", env={"FIVEFOLD_WORKER_DIR": str(reports)})
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    try:
+        while not (metrics.is_file() and read_metrics(metrics)):
+            assert job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.01)
+        ranks = {r: json.loads((reports / f"attempt0-rank{r}.json").read_text())["pid"] for r in (0, 1)}
+        os.kill(ranks[1], signal.SIGKILL)
+        assert job.wait(timeout=120) == 2
+    finally:
+        job.kill()
+    text = log.read_text()
+    first = text.index(f"rank 1 (pid {ranks[1]}) died without an error")
+    assert text.index("the job failed; first cause:") < first < text.index(f"rank 0 (pid {ranks[0]}) failed as a "
+                                                                           f"consequence: rank 0: all_reduce")
 
 
 def _state(pid: int) -> str:

@@ -123,7 +123,7 @@ def shard_done(out: Path, name: str, itemsize: int) -> tuple[int, int] | None:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
     os.replace(tmp, path)
 

@@ -44,6 +44,7 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.took_over: str | None = None  # what a stale lock said, when this one replaced it
+        self._made = False
 
     def _write(self, started: float) -> None:
         tmp = self.path.with_name(f"{LOCK}.{self.pid}.tmp")
@@ -60,6 +61,7 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise ConfigError naming the job that holds it."""
+        self._made = not self.path.parent.exists()  # a job that never started leaves no folder behind
         self.path.parent.mkdir(parents=True, exist_ok=True)
         held = self._holder()
         if held is not None and not (held.get("host") == self.host and held.get("pid") == self.pid):
@@ -92,3 +94,5 @@ class RunLock:
         held = self._holder()
         if held is not None and held.get("host") == self.host and held.get("pid") == self.pid:
             self.path.unlink(missing_ok=True)
+        if self._made and not any(self.path.parent.iterdir()):
+            self.path.parent.rmdir()
