@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from benchmarks.common import log, ratio  # noqa: E402
-from fivefold.data.prepare import MANIFEST, _manifest, shard_name, write_shard  # noqa: E402
+from fivefold.data.prepare import MANIFEST, build_manifest, shard_name, write_shard  # noqa: E402
 from fivefold.data.sources import Skipped  # noqa: E402
 from fivefold.data.tokenizer import ByteTokenizer, save_tokenizer, train_bpe  # noqa: E402
 
@@ -135,7 +135,7 @@ def synthetic_prepared(folder: Path, nbytes: float, shard_tokens: int = 64 << 20
         counts[("train", index)] = write_shard(folder, shard_name("train", index), docs, np.dtype(np.uint16))
         left, index = left - n, index + 1
     request = {"sources": [], "tokenizer": "byte", "synthetic": True}
-    (folder / MANIFEST).write_text(json.dumps(_manifest(request, tok, np.dtype(np.uint16), counts, Skipped())))
+    (folder / MANIFEST).write_text(json.dumps(build_manifest(request, tok, np.dtype(np.uint16), counts, Skipped())))
 
 
 def startup(folder: Path, out_dir: Path) -> dict:

@@ -114,9 +114,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.train.run_dir import run_dir_of
     from fivefold.train.run_lock import RunLock
 
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError([f"--nproc = {args.nproc}: must be at least 1"])
-    nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
+    nproc = args.nproc if args.nproc is not None else (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
     if args.nproc and _under_torchrun():
         raise ConfigError(["--nproc starts local processes; under torchrun use torchrun's --nproc-per-node instead"])
     if nproc < 1:

@@ -209,7 +209,7 @@ def prepare(inputs: list[str] | tuple[str, ...], tokenizer: str, out: Path, *, t
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process
             with multiprocessing.get_context("fork").Pool(workers) as pool:
                 _collect(pool.imap_unordered(work, todo()), counts, bar)
-    manifest = _manifest(request, tok, dtype, counts, skipped)
+    manifest = build_manifest(request, tok, dtype, counts, skipped)
     _write_json(out / MANIFEST, manifest)
     (out / STATE).unlink()
     return manifest
@@ -221,7 +221,8 @@ def _collect(results, counts: dict, bar) -> None:
         bar.advance(nbytes, tokens)
 
 
-def _manifest(request: dict, tok: Tokenizer, dtype: np.dtype, counts: dict, skipped: Skipped) -> dict:
+def build_manifest(request: dict, tok: Tokenizer, dtype: np.dtype, counts: dict, skipped: Skipped) -> dict:
+    """The manifest of a dataset whose shards are written: counts maps (split, index) to (tokens, documents)."""
     from fivefold.data.tokenizer import files_hash
 
     splits = {}

@@ -132,8 +132,8 @@ def data_errors(cfg: Config) -> list[str]:
             if not cfg.model.vocab_size and d.tokenizer in ("", "bpe"):
                 errors.append(f"data.paths: {kind} token files carry no vocabulary; set model.vocab_size, or "
                               f"data.tokenizer to the tokenizer that made them")
-        else:
-            input_files(d.paths)
+        # Text: validate() has checked that each path exists; what the files hold is found when they are
+        # prepared (before any worker starts). No directory walk here: the planner validates many layouts.
     except (DataError, TokenizerError) as e:
         errors.append(str(e))
     return errors

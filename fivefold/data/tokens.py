@@ -28,12 +28,18 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 
 
 class TokenStream:
-    """Token files read as one sequence of ids; `eod` ends each document."""
+    """Arrays of token ids (memory maps of token files, or arrays in memory) read as one sequence;
+    `eod` ends each document."""
 
-    def __init__(self, files: list[tuple[Path, int]], dtype: np.dtype, eod: int):
-        self.maps = [np.memmap(f, dtype=dtype, mode="r", shape=(n,)) for f, n in files if n]
+    def __init__(self, parts: list[np.ndarray], eod: int):
+        self.maps = [p for p in parts if len(p)]
         self.starts = np.concatenate([[0], np.cumsum([len(m) for m in self.maps])]).astype(np.int64)
         self.n_tokens, self.eod = int(self.starts[-1]), eod
+
+    @classmethod
+    def of_files(cls, files: list[tuple[Path, int]], dtype: np.dtype, eod: int) -> TokenStream:
+        """(file, token count) pairs, each mapped, nothing read."""
+        return cls([np.memmap(f, dtype=dtype, mode="r", shape=(n,)) for f, n in files if n], eod)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) as int64, across file boundaries."""
@@ -57,7 +63,7 @@ def _sized(path: Path, itemsize: int) -> int:
 
 def prepared_stream(folder: Path, manifest: dict, split: str) -> TokenStream:
     files = [(folder / s["file"], s["tokens"]) for s in manifest["splits"][split]["shards"]]
-    return TokenStream(files, np.dtype(manifest["dtype"]), manifest["tokenizer"]["eod"])
+    return TokenStream.of_files(files, np.dtype(manifest["dtype"]), manifest["tokenizer"]["eod"])
 
 
 def read_megatron_index(path: Path) -> tuple[np.dtype, int, int]:
@@ -95,7 +101,7 @@ def open_token_files(d: DataConfig, split: str) -> TokenStream | None:
                 if p is None or not p.is_file():
                     return None
             files.append((p, _sized(p, dtype.itemsize)))
-    return TokenStream(files, dtype, d.eod_id)
+    return TokenStream.of_files(files, dtype, d.eod_id)
 
 
 class PackedDataset:
@@ -131,7 +137,4 @@ class PackedDataset:
 
 def in_memory_stream(ids: np.ndarray, eod: int) -> TokenStream:
     """A stream over ids already in memory (tests, and tiny corpora)."""
-    stream = TokenStream([], np.dtype(np.int64), eod)
-    stream.maps, stream.n_tokens = [np.asarray(ids)], len(ids)
-    stream.starts = np.array([0, len(ids)], dtype=np.int64)
-    return stream
+    return TokenStream([np.asarray(ids)], eod)
