@@ -31,7 +31,11 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient bucket cap in MB (10^6 bytes) for DDP/ZeRO
     overlap_comm: bool = True  # start a bucket's collective during backward, as soon as it is complete
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients travel in (bf16 halves the bytes)
-    reshard_after_forward: bool = True  # zero=3: free gathered parameters after forward, gather again for backward
+    # zero=3: true frees a unit's gathered parameters after its forward and again after its backward,
+    # gathering them around every use; false keeps them gathered from their first forward to their
+    # chunk's last backward of the step, reduce-scattering the gradients once; auto: true, but false
+    # with pipelines (pp > 1), as torchtitan composes FSDP with pipelining
+    reshard_after_forward: Literal["auto", True, False] = "auto"
     dp_collective: Literal["builtin", "ring"] = "builtin"  # gradient all-reduce: backend's or ours from send/recv
     tp: int = 1  # tensor-parallel degree
     sp: bool = False  # sequence parallel inside tp regions

@@ -110,10 +110,16 @@ class Mesh:
         else:
             self._groups["expert_dp"] = self._carve(replica_parts, "expert_dp", "dp")
         if ep == 1:
+            self.expert_device_mesh = None
             return None
-        # Every rank is in exactly one ep group, so the groups stacked are a mesh of the whole world,
-        # and its "ep" dim is this rank's group.
-        return DeviceMesh(self.device_type, torch.tensor(ep_parts), mesh_dim_names=("ep_groups", "ep"))["ep"]
+        # Every rank is in exactly one ep group, so the groups stacked are a mesh of the whole world:
+        # (place, expert_dp, ep), one (expert_dp, ep) plane per (pp, tp) place. Its "ep" dim is this
+        # rank's ep group (checkpoints shard experts on it) and (expert_dp, ep) is where ZeRO's expert
+        # shards live (parallel/zero.py).
+        grid = torch.tensor(ep_parts).reshape(len(ep_parts) // len(replica_parts[0]), len(replica_parts[0]), ep)
+        planes = DeviceMesh(self.device_type, grid, mesh_dim_names=("expert_place", "expert_dp", "ep"))
+        self.expert_device_mesh = planes["expert_dp", "ep"]
+        return planes["ep"]
 
     def _carve(self, parts: list[list[int]], name: str, label: str) -> AxisGroup:
         """This rank's group among equal-sized `parts`; a part of one needs no process group."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from fivefold.config import SECTIONS, Config
+from fivefold.config import SECTIONS, Config, ParallelConfig
 from fivefold.data.resolve import data_errors, data_vocab
 from fivefold.data.sources import DataError, path_kind
 from fivefold.data.tokenizer import TokenizerError
@@ -34,6 +34,7 @@ class Derived:
     vocab_size: int  # model vocabulary after padding
     vocab_limit: int  # token ids from here on are padding: the loss gives them no probability
     head_dim: int
+    reshard_after_forward: bool  # zero=3: parallel.reshard_after_forward with "auto" resolved
 
 
 def tokenizer_vocab(cfg: Config) -> int:
@@ -62,6 +63,12 @@ def _dp(cfg: Config, world_size: int) -> int:
     return world_size // rest if rest > 0 and world_size % rest == 0 else 0
 
 
+def reshard_after_forward(p: ParallelConfig) -> bool:
+    """parallel.reshard_after_forward with "auto" resolved: reshard without pipelines, keep gathered
+    with them (a pipeline's next forward of the same chunk follows soon; fsdp.py)."""
+    return p.pp == 1 if p.reshard_after_forward == "auto" else p.reshard_after_forward
+
+
 def derive(cfg: Config, world_size: int) -> Derived:
     """Dependent numbers of a config that validate() accepted."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
@@ -76,6 +83,7 @@ def derive(cfg: Config, world_size: int) -> Derived:
         vocab_size=padded_vocab(cfg),
         vocab_limit=m.vocab_size or tokenizer_vocab(cfg),
         head_dim=m.head_dim or m.dim // m.n_heads,
+        reshard_after_forward=reshard_after_forward(p),
     )
 
 
@@ -237,20 +245,15 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {_divisors_near(dp, dp)}")
     if p.zero not in (0, 1, 2, 3):
         err(f"parallel.zero = {p.zero}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
-    if p.zero == 3 and m.tie_embeddings:
-        err("parallel.zero = 3 with model.tie_embeddings = true: the shared matrix would belong to two FSDP "
-            "units; untie the embeddings or use zero = 1 or 2")
-    if p.zero == 3 and t.compile:
-        err("parallel.zero = 3 with train.compile = true: FSDP's gather/free hooks run around each block, "
-            "which compiled blocks do not support yet; set train.compile = false or use zero = 1 or 2")
+    elif p.dp_replicate > 1 and p.zero == 0:
+        err(f"parallel.dp_replicate = {p.dp_replicate} with parallel.zero = 0: DDP already replicates the whole "
+            f"model over every dp rank, so replica groups change nothing; set zero = 1, 2 or 3 (HSDP: ZeRO shards "
+            f"over dp / dp_replicate ranks, replicated dp_replicate times) or dp_replicate = 1")
     if p.tp > 1 and m.tie_embeddings:
         err(f"parallel.tp = {p.tp} with model.tie_embeddings is not available yet; use tp = 1 or untied embeddings")
     if p.sp and m.n_experts:
         err("parallel.sp = true with an MoE model is not available yet (each tp rank would route other "
             "tokens); set parallel.sp = false: experts are replicated over tp and sharded by parallel.ep")
-    if p.ep > 1 and p.zero:
-        err(f"parallel.ep = {p.ep} with parallel.zero = {p.zero} is not available yet (expert shards would "
-            f"need their own ZeRO groups); use zero = 0 with expert parallel")
     if p.sp and p.tp == 1:
         err("parallel.sp = true needs parallel.tp > 1 (it splits the sequence over the tp ranks)")
     if p.dp_collective == "ring" and p.zero:
@@ -349,10 +352,6 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
                     f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
     if p.pp_schedule in ("dualpipe_v", "zb_v") and p.virtual_stages != 2:
         err(f"parallel.pp_schedule = '{p.pp_schedule}' runs 2 stages per rank; set parallel.virtual_stages = 2")
-    if p.pp > 1 and p.zero >= 2:
-        err(f"parallel.pp = {p.pp} with parallel.zero = {p.zero}: reducing gradients on every micro-batch "
-            f"across interleaved stage backwards is not available yet; use zero = 0 or 1 with pipelines")
-
 
     return errors
 

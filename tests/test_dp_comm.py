@@ -45,7 +45,8 @@ def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro, keep):
         0: 2 * (n - 1) / n * G,  # all-reduce
         1: (n - 1) / n * G + (n - 1) / n * P,  # reduce-scatter + all-gather
         2: m * (n - 1) / n * G + (n - 1) / n * P,  # a reduce-scatter per micro-batch + all-gather
-        3: (2 if keep else 3) * m * (n - 1) / n * P,  # per micro-batch: gather, gather again, reduce-scatter
+        3: (2 if keep else 3 * m) * (n - 1) / n * P,  # per micro-batch: gather, gather again, reduce-scatter;
+        # kept gathered: one gather and one reduce-scatter per step
     }[zero]
     if zero:
         expected += comms.wire_bytes("all_reduce", 8, n)  # the fp64 sum of squares for the norm
@@ -54,6 +55,31 @@ def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro, keep):
         assert set(record["comm"]) == {"dp"}  # the loss reduction is charged to "log", not here
     if (zero == 2 and m == 2) or (zero == 3 and m == 1 and not keep):  # 1.5x DDP's bytes
         assert expected - comms.wire_bytes("all_reduce", 8, n) == 1.5 * 2 * (n - 1) / n * G
+
+
+@pytest.mark.parametrize("zero,schedule,keep", [
+    (2, "interleaved_1f1b", False), (3, "interleaved_1f1b", True), (3, "dualpipe_v", False)])
+def test_counted_bytes_with_pipelines_equal_the_theory(tmp_path, zero, schedule, keep):
+    """pp2 x dp2: each chunk's gradients reduce at its own backwards, and ZeRO-3 kept gathered
+    moves its rank's parameters once per step whatever the micro-batch count (4 here)."""
+    from fivefold.parallel.pipeline import split_stages
+    from fivefold.parallel.schedules import build_schedule
+
+    cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", "--train.micro_batch=1", "--parallel.pp=2",
+                      f"--parallel.pp_schedule={schedule}", "--parallel.virtual_stages=2",
+                      f"--parallel.reshard_after_forward={str(not keep).lower()}")
+    run_workers(_train, 4, cfg)
+    n, m = 2, 4  # dp ranks; micro-batches per step: 8 samples / (dp 2 x micro-batch 1)
+    model = build_model(cfg, 320)
+    split_stages(model, build_schedule(schedule, 2, m, 2), pp_rank=0)  # rank 0's chunks: what it reduces
+    G = P = count_parameters(model) * 4
+    expected = {
+        2: m * (n - 1) / n * G + (n - 1) / n * P,  # a reduce-scatter per chunk backward + all-gather
+        3: ((n - 1) / n * (P + G) if keep  # one gather and one reduce-scatter per step
+            else 3 * m * (n - 1) / n * P),  # gathers for F and for I/B, reduce-scatter at B/W
+    }[zero] + comms.wire_bytes("all_reduce", 8, n)  # the norm's fp64 sum of squares
+    for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):  # rank 0's counters
+        assert record["comm"]["dp"]["wire_bytes"] == expected
 
 
 class _Link:

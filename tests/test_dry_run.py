@@ -36,6 +36,14 @@ PUBLISHED = {
     "mixtral-8x22b-256": (256, "mixtral-8x22b", ["--parallel.tp=4", "--parallel.pp=4", "--parallel.ep=8",
                                                  "--parallel.zero=0", "--train.global_batch=512",
                                                  "--train.recompute=full"]),
+    # The source texts' recipes (../shared/seeds): 3D parallel TP2 x PP4 x DP8 with ZeRO-2 (004), and
+    # ZeRO-3 beside TP and PP for a 70B model on 64 GPUs (002; its TP8 x PP8 x CP4 cannot be 64 GPUs,
+    # so here dp 2 x pp 4 keeps ZeRO-3 something to shard over).
+    "3d-llama3-8b-zero2-64": (64, "llama3-8b", ["--parallel.tp=2", "--parallel.pp=4", "--parallel.zero=2",
+                                                "--parallel.sp=true", "--train.global_batch=512"]),
+    "llama3-70b-zero3-tp-pp-64": (64, "llama3-70b", ["--parallel.tp=8", "--parallel.pp=4", "--parallel.zero=3",
+                                                     "--parallel.sp=true", "--train.global_batch=512",
+                                                     "--train.recompute=full"]),
 }
 H100 = 80e9
 
@@ -100,7 +108,8 @@ def _mesh_places(world, cfg):
 
 def test_coordinates_are_the_meshs(tmp_path):
     cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--parallel.pp=2", "--parallel.tp=2", "--parallel.cp=2",
-                      "--parallel.dp_replicate=2", "--parallel.ep=4", "--train.global_batch=16", "--train.seq_len=64")
+                      "--parallel.dp_replicate=2", "--parallel.zero=1", "--parallel.ep=4", "--train.global_batch=16",
+                      "--train.seq_len=64")
     world = 32  # pp 2 x dp_replicate 2 x dp_shard 2 x cp 2 x tp 2; ep 4 over dp x cp = 8
     assert validate(cfg, world) == []
     degrees = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2}

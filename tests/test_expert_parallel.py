@@ -389,6 +389,15 @@ MOE_TRAINING = {  # name: (ranks, overrides), all against one process with the s
     "dp2-zero3": (2, ("--parallel.zero=3",)),  # MoE under FSDP: the routing bias is a buffer it must keep
     "pp2-ep2-zb_h1": (4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=zb_h1",
                           "--train.micro_batch=2")),
+    # ZeRO with experts: expert state sharded over expert_dp (2 ranks hold each half of the experts).
+    "dp4-ep2-zero1": (4, ("--parallel.ep=2", "--parallel.zero=1", "--train.micro_batch=1")),
+    "hsdp2x2-ep2-zero2": (4, ("--parallel.ep=2", "--parallel.zero=2", "--parallel.dp_replicate=2",
+                              "--train.micro_batch=1")),
+    "dp4-ep2-zero3": (4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1")),
+    # DeepSeek-V3's recipe scaled down: ZeRO-1 + EP + PP (its DualPipe as DualPipeV).
+    "pp2-ep2-zero1-dualpipe_v": (4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=1",
+                                     "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
+                                     "--train.micro_batch=1")),
 }
 
 
@@ -421,21 +430,28 @@ def _train_losses(rank, world, cfg):
     return train(cfg, progress=False).losses
 
 
-def test_checkpoint_resumes_from_expert_parallel_without_it(tmp_path):
-    """Each ep rank writes its experts as shards of one (E, ...) tensor, so a run saved at ep2
-    resumes at ep1 (the loader reads all E experts from the two ranks' shards); the routing bias
-    (a buffer, moved every step) is saved and restored with the weights."""
+@pytest.mark.parametrize("before,after", [
+    ((2, "--parallel.ep=2", "--parallel.zero=0"), (2, "--parallel.ep=1", "--parallel.zero=0")),
+    # ZeRO-3's expert shards (Shard(1) over expert_dp x Shard(0) over ep) into ZeRO-1 at ep 4.
+    ((4, "--parallel.ep=2", "--parallel.zero=3"), (4, "--parallel.ep=4", "--parallel.zero=1")),
+], ids=["ep2-to-ep1", "ep2-zero3-to-ep4-zero1"])
+def test_checkpoint_resumes_under_another_expert_layout(tmp_path, before, after):
+    """Each ep rank writes its experts as shards of one (E, ...) tensor (with ZeRO, shards of
+    those), so a run saved at one ep and ZeRO stage resumes at another (the loader reads the
+    experts it needs from the saved ranks' shards); the routing bias (a buffer, moved every step)
+    is saved and restored with the weights."""
     import shutil
 
     from helpers import EQUIVALENCE, tiny_config
 
     from fivefold.train.checkpoint import complete_checkpoints
 
-    args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2")
-    losses = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, "--parallel.ep=2"))[0]
+    args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2",
+            "--train.micro_batch=1")
+    losses = run_workers(_train_losses, before[0], tiny_config(tmp_path, *args, *before[1:]))[0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
-    resumed = run_workers(_train_losses, 2,
-                          tiny_config(tmp_path, *args, "--parallel.ep=1", "--checkpoint.resume=true"))[0]
+    resumed = run_workers(_train_losses, after[0],
+                          tiny_config(tmp_path, *args, *after[1:], "--checkpoint.resume=true"))[0]
     # The same sums in another order (1e-5, as everywhere).
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
 

@@ -44,12 +44,34 @@ LAYOUTS = {  # name: (ranks, overrides)
     "1f1b-pp2-dp2": (4, ("--parallel.pp=2", "--train.micro_batch=2")),
     "1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1")),
     "1f1b-pp2-layers-5-3": (2, ("--parallel.pp=2", "--parallel.stage_layers=[5, 3]", "--train.micro_batch=2")),
+    # ZeRO-2 reduce-scatters each chunk's gradients on every backward (B or W) of that chunk.
+    "1f1b-pp2-dp2-zero2": (4, ("--parallel.pp=2", "--parallel.zero=2", "--train.micro_batch=1")),
+    "interleaved-pp2-v2-dp2-zero2": (4, ("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
+                                         "--parallel.virtual_stages=2", "--parallel.zero=2", "--train.micro_batch=1")),
+    # ZeRO-3 with pipelines keeps a chunk gathered through the step and reduce-scatters at its last
+    # backward (the default); resharding gathers around every F, B, I and W instead.
+    "zb_h1-pp2-dp2-zero3": (4, ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1", "--parallel.zero=3",
+                                "--train.micro_batch=1")),
+    "interleaved-pp2-v2-dp2-zero3": (4, ("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
+                                         "--parallel.virtual_stages=2", "--parallel.zero=3", "--train.micro_batch=1")),
+    # The source texts' 3D recipe scaled down (TP x PP x DP with ZeRO-2), and ZeRO-3 beside TP and PP.
+    "3d-tp2-sp-pp2-dp2-zero2": (8, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2", "--parallel.zero=2",
+                                    "--train.micro_batch=1")),
+    "tp2-pp2-dp2-zero3-zb_h1": (8, ("--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=3",
+                                    "--parallel.pp_schedule=zb_h1", "--train.micro_batch=1")),
+    "dualpipe_v-pp2-dp2-zero3-reshard": (4, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
+                                             "--parallel.virtual_stages=2", "--parallel.zero=3",
+                                             "--parallel.reshard_after_forward=true", "--train.micro_batch=1")),
 }
 TIED = {
     "tied-1f1b-pp2": (2, ("--parallel.pp=2", "--train.micro_batch=2")),
     "tied-1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=2")),
     "tied-dualpipe_v-pp2": (2, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
                                 "--train.micro_batch=2")),
+    # One FSDP unit holds the shared matrix (embedding and head); on the V layout it spans two chunks.
+    "tied-zero3-dp2": (2, ("--parallel.zero=3", "--train.micro_batch=2")),
+    "tied-dualpipe_v-pp2-dp2-zero3": (4, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
+                                          "--parallel.virtual_stages=2", "--parallel.zero=3", "--train.micro_batch=1")),
 }
 
 

@@ -2,15 +2,19 @@
 
 What is sharded over dp_shard (replicated over dp_replicate for HSDP): parameters, gradients and
 optimizer state. Units: the embedding, each transformer block, and the head (final norm + output).
-Per micro-batch, with N ranks and P parameter bytes:
-- forward: a unit's parameters are all-gathered before it runs and freed after (unless
-  `parallel.reshard_after_forward = false`, which keeps them until its backward);
-- backward: gathered again before the unit's backward, freed after it, and its gradients
-  reduce-scattered at once, so the full gradient never outlives its unit;
-- the next unit's all-gather is issued asynchronously while the current one computes (prefetch):
-  at most two units are gathered at a time.
-Traffic: 3 M (N-1)/N x P (two all-gathers and one reduce-scatter per micro-batch), 1.5x DDP's at
-M = 1. The optimizer steps the fp32 shards and no all-gather follows: the next forward gathers.
+With N ranks, P parameter bytes and M micro-batches, two modes (`parallel.reshard_after_forward`):
+- resharding (the default without pipelines), per micro-batch: a unit's parameters are
+  all-gathered before its forward and freed after it, gathered again before its backward, freed
+  after it, and its gradients reduce-scattered at once, so the full gradient never outlives its
+  unit. Traffic 3 M (N-1)/N x P, 1.5x DDP's at M = 1.
+- kept gathered (the default with pipelines, as torchtitan composes FSDP2 with pipelining): a
+  unit is gathered at its first forward of the step and kept until its chunk's last backward,
+  where its gradients, accumulated unsharded, are reduce-scattered once. Traffic 2 (N-1)/N x P
+  whatever M is; in memory the step holds this rank's stages whole, as ZeRO-1 would. With a
+  pipeline, gathering around every F, B (and the zero-bubble I and W) would multiply the traffic
+  by the micro-batch count for little memory: the next micro-batch's forward follows soon.
+The next unit's all-gather is issued asynchronously while the current one computes (prefetch).
+The optimizer steps the fp32 shards and no all-gather follows: the next forward gathers.
 (Rajbhandari et al. 2020, ZeRO stage 3; Zhao et al. 2023, "PyTorch FSDP".)
 
 How a parameter is freed: its storage is resized to zero and back (the tensor object, which
@@ -33,7 +37,7 @@ from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.ddp import Bucket
 from fivefold.parallel.materialize import freed, materialize
-from fivefold.parallel.state_dict import gather_tp_shards
+from fivefold.parallel.state_dict import gather_expert_shards, gather_tp_shards, is_expert_parameter
 from fivefold.parallel.zero import ZeroDataParallel
 
 
@@ -42,52 +46,73 @@ class Unit:
     modules: list[nn.Module]  # run in this order in forward
     params: list[nn.Parameter]
     gathered: bool = True  # full parameters materialised (true at construction)
-    pending: tuple | None = None  # (work, flat buffer) of an all-gather in flight
-    bucket: Bucket | None = None
+    pending: list | None = None  # (work, flat buffer, bucket) of each all-gather in flight
+    buckets: list[Bucket] = field(default_factory=list)  # its experts' (ep > 1: over expert_dp), then the rest
     prev: "Unit | None" = field(default=None, repr=False)  # neighbours in forward order, for prefetch
     next: "Unit | None" = field(default=None, repr=False)
 
 
 def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
-    """Module groups in forward order: embedding, each block, then final norm + head."""
-    groups = [[model.tok_embeddings]] + [[block] for block in model.layers.values()] + [[model.norm, model.output]]
+    """Module groups in forward order: embedding, each block, then final norm + head. A head that
+    shares the embedding's matrix (tied embeddings, both on this rank) joins the embedding's unit:
+    one parameter belongs to one unit, which then stays gathered from the embedding's forward to
+    the head's (as an FSDP2 root unit holding both does)."""
+    emb, head = model.tok_embeddings, model.output
+    tied = emb is not None and head is not None and head.weight is emb.weight
+    ends = [[emb, model.norm, head]] if tied else [[emb]]
+    groups = ends + [[block] for block in model.layers.values()] + ([] if tied else [[model.norm, head]])
     return [[m for m in g if m is not None] for g in groups if any(m is not None for m in g)]
 
 
 class FullyShardedDataParallel(ZeroDataParallel):
-    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig):
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig,
+                 chunks: list[list[nn.Module]] | None = None, reshard_after_forward: bool = True):
         # Built on the meta device, the full parameters never hold storage: only the shards do.
         materialize(model, mesh.device, freed)
-        self.reshard_after_forward = parallel.reshard_after_forward
-        self.units = [Unit(mods, [p for m in mods for p in m.parameters() if p.requires_grad])
+        self.reshard_after_forward = reshard_after_forward  # validate.derive() resolves "auto"
+        self.units = [Unit(mods, list(dict.fromkeys(p for m in mods for p in m.parameters() if p.requires_grad)))
                       for mods in sharding_units(model)]
         for a, b in zip(self.units, self.units[1:], strict=False):
             a.next, b.prev = b, a
+        if len(self.units) > 1 and model.output is not None and model.output in self.units[0].modules:
+            self.units[0].prev = self.units[-1]  # the tied head's unit runs first in backward, then the last block
         self.max_gathered = 0  # most units holding full parameters at once, prefetches included
-        super().__init__(model, mesh, parallel)  # makes the fp32 shards from the full weights
+        super().__init__(model, mesh, parallel, chunks)  # makes the fp32 shards from the full weights
         for unit in self.units:
             self._free(unit)
             unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
             unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
     def _make_buckets(self, parallel: ParallelConfig) -> list[Bucket]:
-        # One bucket per unit, in backward order: a unit's gradients leave as soon as it is done.
+        # One bucket per unit and group, in backward order: a unit's gradients leave as soon as it is
+        # done, or (kept gathered) at the last backward of its chunk, the last of its parameters'
+        # chunks. Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own.
+        experts = self.mesh.group("expert_dp")
         for unit in self.units:
-            unit.bucket = Bucket(unit.params)
-        return [u.bucket for u in reversed(self.units)]
+            chunks = [self.chunk_of[id(p)] for p in unit.params if id(p) in self.chunk_of]
+            chunk = max(chunks) if chunks else None
+            expert = [p for p in unit.params if is_expert_parameter(p)]
+            dense = [p for p in unit.params if not is_expert_parameter(p)]
+            unit.buckets = ([Bucket(expert, experts, chunk)] if expert else []) + ([Bucket(dense, None, chunk)]
+                                                                                   if dense else [])
+        return [b for u in reversed(self.units) for b in u.buckets]
 
     def _reduces_on(self, last_micro_batch: bool) -> bool:
-        return True  # every micro-batch: the full gradient is not kept
+        # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
+        # chunk's last backward; the full gradients accumulate until then.
+        return self.reshard_after_forward or last_micro_batch
 
     # ---- gather and free ------------------------------------------------------------------------
     @torch.no_grad()
     def _issue_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.pending is not None:
             return
-        local = torch.cat([self.shards[id(p)].reshape(-1) for p in unit.params]).to(unit.params[0].dtype)
-        full = local.new_empty(self.shard_group.size * local.numel())  # (N sum(shard numel),) rank-major
-        work = comms.all_gather(full, local, self.shard_group, async_op=True)
-        unit.pending = (work, full)
+        unit.pending = []
+        for b in unit.buckets:
+            group = self._bucket_group(b)
+            local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
+            full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
+            unit.pending.append((comms.all_gather(full, local, group, async_op=True), full, b))
         in_use = sum(u.gathered or u.pending is not None for u in self.units)
         self.max_gathered = max(self.max_gathered, in_use)
 
@@ -97,19 +122,21 @@ class FullyShardedDataParallel(ZeroDataParallel):
         if unit.gathered:
             return
         self._issue_gather(unit)
-        work, full = unit.pending
-        if work is not None:
-            work.wait()
-        n = self.shard_group.size
-        for p, chunk in zip(unit.params, full.view(n, -1).split(unit.bucket.shard_numel, dim=1), strict=True):
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-            # Through .data: a refill is not a modification autograd must see (the values are the
-            # ones forward used), and bumping p's version would fail the saved-tensor check.
-            self._write_rows(p, chunk, p.data)
+        for work, full, b in unit.pending:
+            if work is not None:
+                work.wait()
+            n = self._bucket_group(b).size
+            for p, chunk in zip(b.params, full.view(n, -1).split(b.shard_numel, dim=1), strict=True):
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                # Through .data: a refill is not a modification autograd must see (the values are the
+                # ones forward used), and bumping p's version would fail the saved-tensor check.
+                self._write_rows(p, chunk, p.data)
         unit.pending, unit.gathered = None, True
 
-    def _free(self, unit: Unit) -> None:
-        for p in unit.params:
+    def _free(self, unit: Unit, params: list[nn.Parameter] | None = None) -> None:
+        """Free the unit's full parameters (`params`: only those; the unit counts as freed, so its
+        next use gathers it whole)."""
+        for p in unit.params if params is None else params:
             p.untyped_storage().resize_(0)
         unit.gathered = False
 
@@ -134,15 +161,16 @@ class FullyShardedDataParallel(ZeroDataParallel):
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
         super()._launch(b)  # reduce-scatter the unit's gradients (and drop the full ones)
-        unit = next(u for u in self.units if u.bucket is b)
-        self._free(unit)
+        unit = next(u for u in self.units if any(b is mine for mine in u.buckets))
+        self._free(unit, b.params)  # the unit's other bucket may still be computing with its weights
 
     @contextlib.contextmanager
-    def reducing(self, last_micro_batch: bool) -> Iterator[None]:
-        with super().reducing(last_micro_batch):
+    def reducing(self, last_micro_batch: bool, chunk: int | None = None) -> Iterator[None]:
+        with super().reducing(last_micro_batch, chunk):
+            reduced = {id(b) for b in self._armed}
             yield
-        for unit in self.units:  # a unit whose output needed no gradient is still gathered
-            if unit.gathered:
+        for unit in self.units:  # a unit whose output needed no gradient may still be gathered
+            if unit.gathered and any(id(b) in reduced for b in unit.buckets):
                 self._free(unit)
 
     def after_step(self) -> None:
@@ -154,12 +182,18 @@ class FullyShardedDataParallel(ZeroDataParallel):
     # ---- state ----------------------------------------------------------------------------------
     def _buffers(self) -> dict[str, torch.Tensor]:
         """The model's persistent buffers (an MoE's routing bias): replicated, saved as they are."""
-        params = set(self.names.values())
+        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
         return {k: v for k, v in self.model.state_dict().items() if k not in params}
+
+    def _aliases(self) -> dict[str, str]:
+        """Second names of shared parameters (a tied head's "output.weight") -> their first name.
+        The state lists both, as the replicated model's does, so checkpoints move between them."""
+        return {name: self.names[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
+                if self.names.get(id(p), name) != name}
 
     def model_state_dict(self) -> dict:
         shards = {self.names[id(p)]: self._dtensor(p, self.shards[id(p)].detach()) for p in self.params}
-        return {**shards, **self._buffers()}
+        return {**shards, **{alias: shards[name] for alias, name in self._aliases().items()}, **self._buffers()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict) -> None:
@@ -176,5 +210,6 @@ class FullyShardedDataParallel(ZeroDataParallel):
             self._gather(unit)
             out.update({self.names[id(p)]: p.detach().clone() for p in unit.params})
             self._free(unit)
+        out.update({alias: out[name] for alias, name in self._aliases().items()})
         out.update({k: v.detach().clone() for k, v in self._buffers().items()})
-        return gather_tp_shards(out, self.model, self.mesh)
+        return gather_expert_shards(gather_tp_shards(out, self.model, self.mesh), self.model, self.mesh.group("ep"))

@@ -94,13 +94,16 @@ class Parallelized:
         when `stop_on_nonfinite`. Collective: the norm and the overflow check reduce over the groups
         the gradients are split across."""
         set_lr(self.optimizer, lr)
-        split_over = [*self.dp.norm_groups, self.mesh.group("pp"), self.mesh.group("tp")]
-        if not scaler.unscale(self.dp.gradients(), split_over):  # fp16 overflow: the scale halves
-            self._skip()
+        both = [self.mesh.group("pp"), self.mesh.group("tp")]  # what dense and expert gradients are split over
+        # Expert gradients (ep > 1) are split over ep, and with ZeRO their shards over expert_dp.
+        expert_groups = [*self.dp.expert_norm_groups, self.experts.group] if self.experts.group.size > 1 else []
+        # The verdict travels over every group any gradient is split over, so every rank agrees.
+        if not scaler.unscale(self.dp.gradients(), [*expert_groups, *self.dp.norm_groups, *both]):
+            self._skip()  # fp16 overflow: the scale halves
             scaler.update(False)
             return StepOutcome(float("inf"), applied=False, overflow=True)
-        grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, split_over, self._counted_elsewhere(),
-                                   self._expert_gradients())
+        grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, both, self._counted_elsewhere(),
+                                   (self._expert_gradients(), expert_groups, self.dp.norm_groups))
         finite = math.isfinite(grad_norm)  # every rank sees the same global norm
         if finite:
             self.optimizer.step()
@@ -116,10 +119,10 @@ class Parallelized:
     def _skip(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # drop this step's gradients: nothing is applied
 
-    def _expert_gradients(self) -> tuple[list[torch.Tensor], AxisGroup]:
-        """Gradients of the experts this rank holds, and the ep group that holds the other experts."""
+    def _expert_gradients(self) -> list[torch.Tensor]:
+        """Gradients of the experts this rank holds (the ep group holds the other experts)."""
         grads = [self.dp.gradient_of(p) for p in self.dp.params if is_expert_parameter(p)]
-        return [g for g in grads if g is not None], self.experts.group
+        return [g for g in grads if g is not None]
 
     def _counted_elsewhere(self) -> list[torch.Tensor]:
         """Gradients another rank of those groups holds too, so a norm counts them once: the last
@@ -179,7 +182,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
         # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
         for block in model.layers.values():
             block.compile()
-    dp = apply_data_parallel(model, mesh, cfg, derived)
+    dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
     optimizer = build_optimizer(dp.optimizer_params(), cfg.train)  # its state comes with its first step
     memory = ModelStateMeter(dp.params, optimizer)
     device = next(model.parameters()).device

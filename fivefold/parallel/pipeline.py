@@ -17,8 +17,8 @@ executor: it runs, action by action, the per-rank lists that
 `schedules.py` builds (and `simulate()` times and draws), so what is planned, drawn and executed
 cannot drift apart. Split backward (zero-bubble schedules): "I" computes only the gradient of the
 stage input, which the previous stage is waiting for; "W" later computes only the weight
-gradients (`split_backward.py`). Data parallel starts reducing on the rank's last backward (B or
-W), when every gradient of the step is final.
+gradients (`split_backward.py`). Data parallel reduces each chunk's gradients at the chunk's last
+backward (B or W) of the step, when they are final.
 
 Memory: once a stage output has been sent, its storage is freed (Megatron-LM's "deallocate
 output tensor", Narayanan et al. 2021): the next stage holds the data now, and backward needs
@@ -71,6 +71,13 @@ class StageChunk:
         """The stage input: token ids (B, T) -> embeddings (B, T, dim) on the first stage, else x."""
         return self.model.tok_embeddings(x) if self.first else x
 
+    def modules(self) -> list[nn.Module]:
+        """What this chunk computes with: its blocks, the embedding if first, norm and head if last
+        (read now: tensor and expert parallel replace some of these modules)."""
+        mods = [self.model.layers[n] for n in self.layers]
+        mods += [self.model.tok_embeddings] if self.first else []
+        return mods + ([self.model.norm, self.model.output] if self.last else [])
+
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim): the
         model's own forward over this stage's layers (positions (T,) or (B, T); mask: documents.py's)."""
@@ -120,6 +127,17 @@ class PipelineStages:
     chunks: dict[int, StageChunk]  # stage -> chunk, for the stages this rank holds
     group: AxisGroup  # the pp axis
     tied_group: AxisGroup | None = None  # first and last stage's ranks, with tied embeddings
+
+    def reduction_order(self) -> list[int]:
+        """This rank's stages in the order of their last backward (B or W) of the step: the order
+        their gradients become final, in which data parallel reduces them (ddp.py, "Chunks")."""
+        actions = self.schedule.actions[self.group.rank]
+        last = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+        return sorted(self.chunks, key=last.__getitem__)
+
+    def reduction_chunks(self) -> list[list[nn.Module]]:
+        """The modules of each of this rank's chunks, in reduction order (what data parallel buckets by)."""
+        return [self.chunks[s].modules() for s in self.reduction_order()]
 
     def tied_weight(self) -> nn.Parameter | None:
         """The embedding matrix the first and last stage share, where this rank holds one of them
@@ -214,8 +232,10 @@ class PipelineExecutor:
         weight = stages.tied_weight()
         self.tied = (weight, stages.tied_group) if weight is not None else None
         actions = self.schedule.actions[self.rank]
-        # Data parallel may start reducing on the rank's last backward: every gradient is final then.
-        self.last_backward = max(i for i, a in enumerate(actions) if a.kind in ("B", "W"))
+        # Data parallel reduces a chunk's gradients at its last backward (B or W) of the step, when
+        # they are final; `chunk_of` names the chunk as data parallel's buckets do (reduction order).
+        self.chunk_of = {s: i for i, s in enumerate(stages.reduction_order())}
+        self.last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
         # What to post before each action, proven to match and complete (a fraction of a second
         # for the largest schedules): a schedule whose messages would hang on NCCL stops here.
         self.plan = check_plans(self.schedule)[self.rank]
@@ -233,10 +253,7 @@ class PipelineExecutor:
         return (kind * self.schedule.microbatches + msg.microbatch) * self.n_stages + msg.stage
 
     def _params(self, chunk: StageChunk) -> list[nn.Parameter]:
-        mods = [chunk.model.layers[n] for n in chunk.layers]
-        mods += [chunk.model.tok_embeddings] if chunk.first else []
-        mods += [chunk.model.norm, chunk.model.output] if chunk.last else []
-        return [p for m in mods for p in m.parameters() if p.requires_grad]
+        return [p for m in chunk.modules() for p in m.parameters() if p.requires_grad]
 
     def _mailbox(self, schedule: Schedule, plan: list[Batch], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                  sends: Sends) -> Mailbox:
@@ -268,7 +285,7 @@ class PipelineExecutor:
         for index, action in enumerate(self.schedule.actions[self.rank]):
             mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
             x, y = micro_batches[mb]
-            final = index == self.last_backward
+            final = index == self.last_backward[s]  # this chunk's last backward: its gradients are final
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             mail.post(index)  # what the plan posts here: sends produced so far, receives due by now
@@ -298,7 +315,7 @@ class PipelineExecutor:
                     slot.out = out
                 elif action.kind == "B":
                     slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
-                    self.dp.backward(slot.out, grad, last_micro_batch=final)
+                    self.dp.backward(slot.out, grad, last_micro_batch=final, chunk=self.chunk_of[s])
                     self.after_backward()
                     if s > 0:
                         mail.put(action, self._outgoing_grad(action, slot.inp.grad, mail))
@@ -310,7 +327,7 @@ class PipelineExecutor:
                         mail.put(action, self._outgoing_grad(action, inp_grad, mail))
                 else:  # "W": the weight gradients of a split backward
                     slot = slots.pop((mb, s))
-                    with self.dp.reducing(last_micro_batch=final):
+                    with self.dp.reducing(last_micro_batch=final, chunk=self.chunk_of[s]):
                         slot.split.weight_grad()
                     self.after_backward()
             if clock:

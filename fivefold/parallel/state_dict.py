@@ -97,6 +97,18 @@ def zero_shard_as_dtensor(p: nn.Parameter, local: torch.Tensor, zero_dim: int, r
                   shape)
 
 
+def expert_zero_shard_as_dtensor(p: nn.Parameter, local: torch.Tensor, zero_dim: int, rows: int, mesh: Mesh) -> DTensor:
+    """A ZeRO shard of an expert parameter (this ep rank's experts (E/ep, ...), rows [r c, (r+1) c)
+    of `zero_dim` on expert_dp rank r, split dim first, padded to c) as a DTensor of the whole
+    (E, ...) tensor: Shard(zero_dim) over expert_dp, Shard(ep_dim) over ep."""
+    r = mesh.rank("expert_dp")
+    valid = max(0, min(rows, p.shape[zero_dim] - r * rows))
+    shape = list(p.shape)
+    shape[p.ep_dim] *= mesh.size("ep")
+    return _whole(local[:valid].movedim(0, zero_dim), mesh.expert_device_mesh, [Shard(zero_dim), Shard(p.ep_dim)],
+                  shape)
+
+
 # ---- the replicated model's state (DDP), through torch's state-dict helpers ----------------------
 def model_state_dict(model: nn.Module, mesh: Mesh) -> dict:
     return sharded(get_model_state_dict(model), model, mesh)

@@ -15,6 +15,12 @@ with c = ceil(rows / N), so every shard is a DTensor Shard(0) on the dp_shard me
 checkpoints can reshard it (`optim_state_dict`). For the collectives a bucket lays its parameters
 out rank-major (rank 0's rows of every parameter, then rank 1's, ...) with each parameter padded
 to N c rows, so one reduce-scatter hands each rank exactly its rows.
+
+Experts (ep > 1): an expert's gradient is summed over the ranks holding the same experts, the
+expert_dp view (ddp.py), so that is the group its state is sharded over: each (E/ep, ...) slice is
+split along dim 1 (dim 0, E/ep, is often smaller than expert_dp) over expert_dp, with no replica
+reduction after it, and its shards are DTensors on the (expert_dp, ep) mesh: Shard(1) and
+Shard(0), so a checkpoint reshards to another ep and ZeRO stage as well.
 """
 
 from __future__ import annotations
@@ -29,23 +35,28 @@ from fivefold.config import ParallelConfig
 from fivefold.mesh import Mesh
 from fivefold.parallel import comms
 from fivefold.parallel.ddp import Bucket, DataParallel
-from fivefold.parallel.state_dict import zero_shard_as_dtensor
+from fivefold.parallel.state_dict import expert_zero_shard_as_dtensor, is_expert_parameter, zero_shard_as_dtensor
 
 
 class ZeroDataParallel(DataParallel):
     """ZeRO stage 1 or 2 over dp_shard (replicated over dp_replicate): sharded optimizer state."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig):
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig,
+                 chunks: list[list[nn.Module]] | None = None):
         self.stage = parallel.zero
         self.shard_group = mesh.group("dp_shard")
+        self.expert_shard_group = mesh.group("expert_dp")  # used only with ep > 1: experts are dense at ep = 1
         # Ranks holding the same shard, whose gradients add up: HSDP replicas and context-parallel
         # ranks (other tokens of the same samples). Their traffic is gradient reduction: "dp".
         self.replica_groups = [mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp")]
-        super().__init__(model, mesh, parallel)
+        super().__init__(model, mesh, parallel, chunks)
         self._make_shards()
 
+    def group_of(self, p: nn.Parameter) -> comms.AxisGroup:
+        """The ranks p's state is sharded over: expert_dp for an expert, dp_shard for the rest."""
+        return self.expert_shard_group if is_expert_parameter(p) else self.shard_group
+
     def _make_shards(self) -> None:
-        n = self.shard_group.size
         self.names = {id(p): name for name, p in self.model.named_parameters()}
         self.rows = {}  # id(param) -> rows each rank owns (c)
         self.zero_dims = {}  # id(param) -> the dim ZeRO splits (its "rows")
@@ -53,10 +64,12 @@ class ZeroDataParallel(DataParallel):
         for b in self.buckets:
             for p in b.params:
                 # A tensor-parallel slice split along dim 0 is split by ZeRO along dim 1, so the two
-                # splits are along different dims and the shard is a plain DTensor on (dp, tp).
-                zd = self.zero_dims[id(p)] = 1 if getattr(p, "tp_dim", None) == 0 and p.ndim > 1 else 0
+                # splits are along different dims and the shard is a plain DTensor on (dp, tp); an
+                # expert slice, split along dim 0 by ep, likewise.
+                split_dim0 = getattr(p, "tp_dim", None) == 0 or is_expert_parameter(p)
+                zd = self.zero_dims[id(p)] = 1 if split_dim0 and p.ndim > 1 else 0
                 rows = [p.shape[zd], *(d for i, d in enumerate(p.shape) if i != zd)]  # shape, split dim first
-                c = -(-rows[0] // n)
+                c = -(-rows[0] // self.group_of(p).size)
                 self.rows[id(p)] = c
                 master = torch.zeros((c, *rows[1:]), dtype=torch.float32, device=p.device)
                 self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
@@ -70,7 +83,7 @@ class ZeroDataParallel(DataParallel):
     @torch.no_grad()
     def _copy_master_rows(self, p: nn.Parameter) -> None:
         """This rank's rows of the full parameter p into its fp32 master shard."""
-        zd, c, r = self.zero_dims[id(p)], self.rows[id(p)], self.shard_group.rank
+        zd, c, r = self.zero_dims[id(p)], self.rows[id(p)], self.group_of(p).rank
         rows = p.detach().movedim(zd, 0)
         valid = max(0, min(c, rows.shape[0] - r * c))
         self.shards[id(p)][:valid] = rows[r * c : r * c + valid]
@@ -81,15 +94,20 @@ class ZeroDataParallel(DataParallel):
     def _needs_reduction(self) -> bool:
         return True  # even alone, gradients must move into the fp32 shards the optimizer steps
 
-    def _padded_rows(self, t: torch.Tensor, c: int) -> torch.Tensor:
-        """t (rows, ...) -> (N c, ...) with zero rows appended."""
-        pad = self.shard_group.size * c - t.shape[0]
+    def _bucket_group(self, b: Bucket) -> comms.AxisGroup:
+        return self.group_of(b.params[0])  # a bucket holds experts only or none (ddp.make_buckets)
+
+    @staticmethod
+    def _padded_rows(t: torch.Tensor, c: int, n: int) -> torch.Tensor:
+        """t (rows, ...) -> (n c, ...) with zero rows appended."""
+        pad = n * c - t.shape[0]
         return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
 
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
-        n = self.shard_group.size
-        chunks = [self._padded_rows(p.grad.movedim(self.zero_dims[id(p)], 0), self.rows[id(p)]).reshape(n, -1)
+        group = self._bucket_group(b)
+        n = group.size
+        chunks = [self._padded_rows(p.grad.movedim(self.zero_dims[id(p)], 0), self.rows[id(p)], n).reshape(n, -1)
                   for p in b.params]  # (N, c row numel) each
         b.flat = torch.cat(chunks, dim=1).reshape(-1).to(self.reduce_dtype)  # rank-major: (N sum(shard numel),)
         del chunks
@@ -97,7 +115,7 @@ class ZeroDataParallel(DataParallel):
             for p in b.params:
                 p.grad = None  # the full gradient is not kept: its rows live on in b.flat until reduced
         b.out = b.flat.new_empty(sum(b.shard_numel))
-        b.work = comms.reduce_scatter(b.out, b.flat, self.shard_group, async_op=True)
+        b.work = comms.reduce_scatter(b.out, b.flat, group, async_op=True)
 
     @torch.no_grad()
     def _finish(self, b: Bucket) -> None:
@@ -105,8 +123,9 @@ class ZeroDataParallel(DataParallel):
             return
         if b.work is not None:
             b.work.wait()
-        for group in self.replica_groups:  # replicas of a shard agree
-            comms.all_reduce(b.out, group)
+        if b.group is None:  # dense rows: replicas of a shard agree (expert_dp spans those ranks already)
+            for group in self.replica_groups:
+                comms.all_reduce(b.out, group)
         for p, rows in zip(b.params, b.out.split(b.shard_numel), strict=True):
             shard = self.shards[id(p)]
             rows = rows.view_as(shard).float()
@@ -121,29 +140,34 @@ class ZeroDataParallel(DataParallel):
     def norm_groups(self) -> list[comms.AxisGroup]:
         return [self.shard_group]
 
+    @property
+    def expert_norm_groups(self) -> list[comms.AxisGroup]:
+        return [self.expert_shard_group]
+
     def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
         return self.shards[id(p)].grad
 
     @torch.no_grad()
     def after_step(self) -> None:
         """All-gather every parameter's rows, updated by the optimizer on each rank's shard."""
-        n = self.shard_group.size
         for b in self.buckets:
+            group = self._bucket_group(b)
             local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
-            full = local.new_empty(n * local.numel())  # (N sum(shard numel),) rank-major
-            comms.all_gather(full, local, self.shard_group)
-            per_rank = full.view(n, -1)
+            full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
+            comms.all_gather(full, local, group)
+            per_rank = full.view(group.size, -1)
             for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True):
                 self._write_rows(p, chunk, p)
 
     def _write_rows(self, p: nn.Parameter, per_rank: torch.Tensor, target: torch.Tensor) -> None:
         """Write every rank's rows of p (N, c row numel), gathered, into `target` (p or p.data)."""
         rows = target.movedim(self.zero_dims[id(p)], 0)
-        rows.copy_(per_rank.reshape(self.shard_group.size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
+        rows.copy_(per_rank.reshape(self.group_of(p).size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
 
     def _dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
         """This rank's rows of p as a DTensor of the whole matrix, so a later layout can reshard it."""
-        return zero_shard_as_dtensor(p, local, self.zero_dims[id(p)], self.rows[id(p)], self.mesh)
+        as_dtensor = expert_zero_shard_as_dtensor if is_expert_parameter(p) else zero_shard_as_dtensor
+        return as_dtensor(p, local, self.zero_dims[id(p)], self.rows[id(p)], self.mesh)
 
     # ---- state ----------------------------------------------------------------------------------
     # The same keys as DDP's flattened optimizer state ("state.<param>.exp_avg", ...), each moment a
@@ -172,5 +196,9 @@ class ZeroDataParallel(DataParallel):
             mine = optimizer.state[s]
             for key in ("exp_avg", "exp_avg_sq"):
                 rows = state[f"state.{name}.{key}"].to_local().movedim(zd, 0)
-                mine[key][: rows.shape[0]] = rows
+                target = mine[key][: rows.shape[0]]
+                # A checkpoint is read into the views optim_state_dict() made of these moments: then
+                # the rows are already in place (strides of a size-1 dim may differ; the memory does not).
+                if (rows.data_ptr(), rows.shape) != (target.data_ptr(), target.shape):
+                    target.copy_(rows)
             mine["step"].copy_(state[f"state.{name}.step"])

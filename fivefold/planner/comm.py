@@ -84,17 +84,24 @@ def time_of(t: AxisTraffic, hw: Hardware) -> float:
     return sum(steps * link(hw, t.inter_node, op)[1] for op, steps in t.op_steps.items()) + t.bytes / bw
 
 
-def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int) -> AxisTraffic:
-    """Gradient reduction of one rank's `grad_bytes` (and weight gathers of `param_bytes`) over n."""
-    t = AxisTraffic()
+def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int,
+               reshard_after_forward: bool = True, into: AxisTraffic | None = None) -> AxisTraffic:
+    """Gradient reduction of one rank's `grad_bytes` (and weight gathers of `param_bytes`) over n,
+    added to `into` if given. ZeRO-2 reduce-scatters on every backward of each chunk (B or W);
+    ZeRO-3 resharding gathers for every forward and backward, kept gathered once per step
+    (parallel/fsdp.py)."""
+    t = into if into is not None else AxisTraffic()
     if zero == 0:
         t.add("all_reduce", grad_bytes, n)
     elif zero in (1, 2):
         t.add("reduce_scatter", grad_bytes, n, micro if zero == 2 else 1)
         t.add("all_gather", param_bytes, n)
-    else:
+    elif reshard_after_forward:
         t.add("all_gather", param_bytes, n, 2 * micro)
         t.add("reduce_scatter", grad_bytes, n, micro)
+    else:
+        t.add("all_gather", param_bytes, n)
+        t.add("reduce_scatter", grad_bytes, n)
     return t
 
 
@@ -140,8 +147,14 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
     gradient and one weight element on the wire."""
     cfg, share, p = work.cfg, work.share, work.cfg.parallel
     micro, n_shard, grad_ranks = d.grad_accum, d.dp_shard, d.dp * p.cp
-    traffic = {"dp": dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, share.params * grad_b,
-                                share.params * param_b, micro)}
+    # Dense gradients over the grad view (ZeRO: shards over dp_shard); routed experts (ep > 1) over
+    # the ranks holding the same experts, expert_dp, where ZeRO shards them too (parallel/zero.py).
+    expert = share.expert_params if p.ep > 1 else 0
+    dense = share.params - expert
+    dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense * param_b, micro,
+                    d.reshard_after_forward)
+    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * param_b, micro, d.reshard_after_forward, dp)
+    traffic = {"dp": dp}
     pp_ends = int(share.first) + int(share.last) if p.pp > 1 else 0
     traffic.update(activation_traffic(cfg, len(share.blocks), work.moe_blocks, work.chunks, share.first, share.last,
                                       d.local_seq_len, micro, act_bytes, pp_ends))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from fivefold.config import Config
 from fivefold.planner.activations import block_activation_bytes
 from fivefold.planner.layout import RankShare
+from fivefold.validate import Derived, reshard_after_forward
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,19 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
     return {**out, "total": sum(out.values())}
 
 
+def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam,
+                     implementation: bool) -> dict[str, float]:
+    """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`):
+    its dense parameters sharded over dp_shard and, with ZeRO and ep > 1, its experts over the
+    ranks holding the same experts (expert_dp = dp x cp / ep), as parallel/zero.py shards them."""
+    p = cfg.parallel
+    expert = share.expert_params if p.ep > 1 and p.zero else 0
+    parts = [(share.params - expert, d.dp_shard), (expert, d.dp * p.cp // p.ep)]
+    states = [fivefold_state_bytes(cfg, n_params, n, d.grad_accum) if implementation
+              else model_state_bytes(n_params, b, p.zero, n) for n_params, n in parts]
+    return {k: sum(st[k] for st in states) for k in states[0]}
+
+
 def activation_bytes(cfg: Config, share: RankShare, inflight_chunks: int, local_seq: int, vocab: int,
                      act_bytes: int) -> dict[str, float]:
     """Bytes kept for backward on one pipeline rank at its peak.
@@ -97,12 +111,13 @@ def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int
 
     dp: two gradient buckets in flight (parallel.bucket_mb each: one reducing while the next
     fills, data.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and
-    prefetched, fsdp.py);
+    prefetched, fsdp.py), or kept gathered (the default with pipelines) the rank's whole stages and
+    their unsharded gradients during the step;
     pp: one activation sent and one received per micro-batch; tp with sp: one gathered input.
     """
     p, t, d = cfg.parallel, cfg.train, cfg.model.dim
     dp = (0.0 if grad_ranks <= 1 else min(2 * p.bucket_mb * 1e6, share.params * b.grad) if p.zero < 3
-          else 2 * share.largest_unit * b.param)
+          else 2 * share.largest_unit * b.param if reshard_after_forward(p) else share.params * (b.param + b.grad))
     out = {"dp": dp,
            "pp": 2 * t.micro_batch * local_seq * d * act_bytes / (p.tp if p.sp else 1) if p.pp > 1 else 0.0,
            "tp": t.micro_batch * local_seq * d * act_bytes if p.tp > 1 and p.sp else 0.0}

@@ -21,7 +21,7 @@ from fivefold.planner.counts import model_counts
 from fivefold.planner.datasheet import Hardware, get_hardware
 from fivefold.planner.estimate import estimate
 from fivefold.planner.layout import rank_shares
-from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, fivefold_state_bytes
+from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, rank_state_bytes
 from fivefold.validate import derive
 
 
@@ -72,7 +72,7 @@ def memory_per_pipeline_rank(cfg: Config, world_size: int, device_type: str = "c
     inflight = simulate(build_schedule(p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages)).peak_inflight
     out = []
     for r, share in enumerate(rank_shares(cfg, model_counts(cfg.model, d.vocab_size))):
-        state = fivefold_state_bytes(cfg, share.params, d.dp_shard, d.grad_accum)
+        state = rank_state_bytes(cfg, d, share, BytesPerParam(), implementation=True)
         mem = {k: state[k] for k in ("params", "grads", "optimizer")}
         acts = activation_bytes(cfg, share, inflight[r], d.local_seq_len, d.vocab_size, act_bytes)
         mem["activations"] = acts["total"]

@@ -20,13 +20,7 @@ from fivefold.parallel.simulate import Costs, SimResult, simulate
 from fivefold.planner.comm import AxisTraffic, link
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare
-from fivefold.planner.memory import (
-    BytesPerParam,
-    activation_bytes,
-    buffer_bytes,
-    fivefold_state_bytes,
-    model_state_bytes,
-)
+from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, rank_state_bytes
 from fivefold.planner.pricing import ChunkWork, Memo, Priced, Row
 from fivefold.validate import Derived
 
@@ -190,8 +184,7 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
     p, n_shard, grad_ranks = cfg.parallel, d.dp_shard, d.dp * cfg.parallel.cp
     memory: dict[str, float] = {}
     for r, s in enumerate(shares):
-        state = (fivefold_state_bytes(cfg, s.params, n_shard, d.grad_accum) if implementation
-                 else model_state_bytes(s.params, b, p.zero, n_shard))
+        state = rank_state_bytes(cfg, d, s, b, implementation)
         acts = activation_bytes(cfg, s, peak_inflight[r], d.local_seq_len, d.vocab_size, act_bytes)
         bufs = buffer_bytes(cfg, s, b, d.local_seq_len, act_bytes, grad_ranks)
         mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],

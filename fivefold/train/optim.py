@@ -67,25 +67,29 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = (),
                    counted_elsewhere: list[torch.Tensor] = (),
-                   split_further: tuple[list[torch.Tensor], AxisGroup] | None = None) -> float:
+                   split_further: tuple[list[torch.Tensor], list[AxisGroup], list[AxisGroup]] | None = None) -> float:
     """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
 
     With plain data parallel every rank holds the whole summed gradient, so the local norm is the
     global one. Gradients split over ranks (ZeRO shards, pipeline stages) pass the groups they are
     split over: the partial sums of squares are added over them before the square root, so each
     element counts exactly once; `counted_elsewhere` are copies another rank already counts (a tied
-    embedding on the last pipeline stage): they are scaled but not counted. `split_further`: some of
-    `grads` that are also split over one more group (experts over ep), summed over it first.
+    embedding on the last pipeline stage): they are scaled but not counted. `split_further`:
+    (some of `grads`, the groups they alone are split over, the groups only the others are split
+    over): experts over ep (and with ZeRO their shards over expert_dp) while the dense gradients'
+    ZeRO shards are over dp_shard; `groups` are then the ones both are split over (pp, tp).
     """
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
-    further, further_group = split_further or ([], None)
+    further, further_groups, dense_groups = split_further or ([], [], [])
     sq_further = torch.zeros_like(sq)
     for g in grads:
         if not any(g is other for other in counted_elsewhere):
             is_further = any(g is other for other in further)
             (sq_further if is_further else sq).add_(g.double().pow(2).sum())
-    if further_group is not None:
-        comms.all_reduce(sq_further, further_group)
+    for group in dense_groups:
+        comms.all_reduce(sq, group)
+    for group in further_groups:
+        comms.all_reduce(sq_further, group)
     sq += sq_further
     for group in groups:
         comms.all_reduce(sq, group)
