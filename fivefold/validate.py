@@ -243,11 +243,6 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if p.zero == 3 and t.compile:
         err("parallel.zero = 3 with train.compile = true: FSDP's gather/free hooks run around each block, "
             "which compiled blocks do not support yet; set train.compile = false or use zero = 1 or 2")
-    if p.tp > 1 and m.tie_embeddings:
-        err(f"parallel.tp = {p.tp} with model.tie_embeddings is not available yet; use tp = 1 or untied embeddings")
-    if p.sp and m.n_experts:
-        err("parallel.sp = true with an MoE model is not available yet (each tp rank would route other "
-            "tokens); set parallel.sp = false: experts are replicated over tp and sharded by parallel.ep")
     if p.ep > 1 and p.zero:
         err(f"parallel.ep = {p.ep} with parallel.zero = {p.zero} is not available yet (expert shards would "
             f"need their own ZeRO groups); use zero = 0 with expert parallel")
