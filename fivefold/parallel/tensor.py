@@ -4,8 +4,9 @@ What is sharded over `tp`: the weight matrices. Attention is split by heads (que
 key/value heads alike, so grouped-query attention keeps its grouping on every rank) and SwiGLU by
 its hidden units: the first matrix of each pair is column-parallel (output features split), the
 second row-parallel (input features split), so the activation between them never needs
-communication. The embedding and the output head are split along the vocabulary, and the loss is
-computed from vocabulary-sharded logits without ever forming the full (B, T, V) tensor.
+communication. The embedding and the output head are split along the vocabulary (the same rows of
+one matrix when they are tied), and the loss is computed from vocabulary-sharded logits without
+ever forming the full (B, T, V) tensor.
 
 Collectives per transformer block, forward (backward has the conjugates):
 - without sp: one all-reduce after attention's row-parallel wo and one after the MLP's down;
