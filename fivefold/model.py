@@ -176,8 +176,9 @@ def sequence_balance_loss(scores: torch.Tensor, idx: torch.Tensor,
     f counts the experts actually selected (with the balancing bias, when there is one: the load
     that must be balanced; equal to the paper's TopK(s) when the bias is zero) and carries no
     gradient; P does. `reduce` sums per-sequence counts (S, E) over ranks that hold other tokens of
-    the same sequences (context parallel); each rank then returns its tokens' share of L, and the
-    shares add up to the whole sequence's loss. T is the whole sequence's length, read from the counts.
+    the same sequences (context parallel; sequence parallel's tp ranks); each rank then returns its
+    tokens' share of L, and the shares add up to the whole sequence's loss. T is the whole
+    sequence's length, read from the counts.
     """
     n_seq, _, n_experts = scores.shape
     k = idx.shape[-1]
@@ -265,7 +266,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=cfg.moe_bias_update > 0)
         self.aux_weight, self.capacity_factor = cfg.moe_aux_loss, cfg.moe_capacity_factor
         self.step_sequences, self.loss_scale = 0, 1.0
-        # Sums per-sequence expert counts over the ranks sharing those sequences (context parallel).
+        # Sums per-sequence expert counts over the ranks sharing those sequences (context parallel,
+        # and tensor parallel's ranks under sequence parallel).
         self.sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("step_load", torch.zeros(cfg.n_experts, dtype=torch.long), persistent=False)
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)

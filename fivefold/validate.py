@@ -249,11 +249,6 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.dp_replicate = {p.dp_replicate} with parallel.zero = 0: DDP already replicates the whole "
             f"model over every dp rank, so replica groups change nothing; set zero = 1, 2 or 3 (HSDP: ZeRO shards "
             f"over dp / dp_replicate ranks, replicated dp_replicate times) or dp_replicate = 1")
-    if p.tp > 1 and m.tie_embeddings:
-        err(f"parallel.tp = {p.tp} with model.tie_embeddings is not available yet; use tp = 1 or untied embeddings")
-    if p.sp and m.n_experts:
-        err("parallel.sp = true with an MoE model is not available yet (each tp rank would route other "
-            "tokens); set parallel.sp = false: experts are replicated over tp and sharded by parallel.ep")
     if p.sp and p.tp == 1:
         err("parallel.sp = true needs parallel.tp > 1 (it splits the sequence over the tp ranks)")
     if p.dp_collective == "ring" and p.zero:

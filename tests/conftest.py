@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch._dynamo  # noqa: E402,F401
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
-from helpers import EQUIVALENCE, tiny_config, train_and_gather  # noqa: E402
+from helpers import EQUIVALENCE, TIED_ARGS, tiny_config, train_and_gather  # noqa: E402
 
 import fivefold.train.loop  # noqa: E402,F401
 from fivefold.testing import run_workers  # noqa: E402
@@ -25,4 +25,11 @@ from fivefold.testing import run_workers  # noqa: E402
 def reference(tmp_path_factory):
     """The single-process run every layout must reproduce: each global batch in one micro-batch."""
     cfg = tiny_config(tmp_path_factory.mktemp("ref"), *EQUIVALENCE, "--train.micro_batch=8")
+    return run_workers(train_and_gather, 1, cfg)[0]
+
+
+@pytest.fixture(scope="session")
+def tied_reference(tmp_path_factory):
+    """The same with tied embeddings (helpers.TIED_ARGS): for pipeline and tensor parallel."""
+    cfg = tiny_config(tmp_path_factory.mktemp("tied"), *TIED_ARGS, "--train.micro_batch=8")
     return run_workers(train_and_gather, 1, cfg)[0]

@@ -27,6 +27,13 @@ EQUIVALENCE = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.step
                "--train.eps=1e-6")
 
 
+# Tied embeddings (the `tied_reference` fixture, tests/conftest.py). lr 1e-3: at lr 1e-2, one process
+# with 4 micro-batches already differs from one with a single micro-batch by 2.5e-5 in the step-5
+# loss (AdamW amplifying fp32 summation order in the doubly-fed matrix); at 1e-3 every layout, one
+# process included, stays within 7e-8.
+TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
+
+
 def train_and_gather(rank: int, world: int, cfg: Config):
     """Worker: train, then return the losses, gradient norms and the gathered final model."""
     from fivefold.train.loop import train

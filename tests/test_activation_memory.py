@@ -67,3 +67,16 @@ def test_block_activation_formula_within_10_percent(tmp_path, tp, sp, recompute,
     rope_table = 2 * T * 16 * 4  # cos and sin (T, head_dim): one table for all blocks, not in the formula
     for block_bytes in measured:
         assert block_bytes - rope_table == pytest.approx(predicted, rel=0.10), (block_bytes, predicted)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_moe_block_activation_formula_within_10_percent(tmp_path, sp):
+    """Experts are not split by tp: without sp every tp rank keeps every token's routed copies, with
+    sp only its own T/tp tokens' (measured within 1%: the 10% bound is the dense test's)."""
+    cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--model.n_layers=2", "--model.n_shared_experts=1")
+    measured, _ = run_workers(_saved_per_block, 2, cfg, sp, "none")[0]
+    m = dataclasses.replace(cfg.model, vocab_size=320)
+    predicted = block_activation_bytes(m, B, T, 2, sp, "none")
+    rope_table = 2 * T * (m.head_dim or m.dim // m.n_heads) * 4
+    for block_bytes in measured:
+        assert block_bytes - rope_table == pytest.approx(predicted, rel=0.10), (block_bytes, predicted)

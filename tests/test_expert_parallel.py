@@ -386,6 +386,9 @@ MOE_TRAINING = {  # name: (ranks, overrides), all against one process with the s
     "ep2": (2, ("--parallel.ep=2",)),
     "ep4": (4, ("--parallel.ep=4", "--train.micro_batch=1")),
     "tp2-ep2": (4, ("--parallel.tp=2", "--parallel.ep=2")),
+    # sp: each tp rank routes its own half of every sequence (gradients, counts and balance loss summed over tp)
+    "tp2-sp": (2, ("--parallel.tp=2", "--parallel.sp=true")),
+    "tp2-sp-ep2": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2")),
     "dp2-zero3": (2, ("--parallel.zero=3",)),  # MoE under FSDP: the routing bias is a buffer it must keep
     "pp2-ep2-zb_h1": (4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=zb_h1",
                           "--train.micro_batch=2")),

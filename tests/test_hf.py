@@ -77,9 +77,8 @@ def _logits(rank, world, cfg, sources, x, save_to=None):
 
 
 LAYOUTS = {"single": (1, {}), "tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2}), "dp2-ep2": (2, {"ep": 2})}
-# ep needs experts; validate() refuses tp with tied embeddings.
-CASES = [(layout, kind) for layout in LAYOUTS for kind in KINDS
-         if (layout != "dp2-ep2" or kind == "mixtral") and (layout != "tp2" or kind != "llama-tied")]
+# ep needs experts.
+CASES = [(layout, kind) for layout in LAYOUTS for kind in KINDS if layout != "dp2-ep2" or kind == "mixtral"]
 
 
 @pytest.mark.parametrize("layout,kind", CASES)

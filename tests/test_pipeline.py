@@ -10,7 +10,7 @@ sends in the order its neighbour receives (fivefold/parallel/messages.py), not o
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
+from helpers import EQUIVALENCE, TIED_ARGS, assert_reproduces, tiny_config, train_and_gather
 
 from fivefold.parallel.pipeline import PipelineExecutor
 from fivefold.testing import run_workers
@@ -82,18 +82,6 @@ def test_pipeline_reproduces_single_process(tmp_path, reference, layout):
     # Same tolerances and reasons as test_data_parallel.py: fp32 summation order, amplified by AdamW.
     for result in results:  # every rank reports the same loss and gathered model
         assert_reproduces(result, reference)
-
-
-# lr 1e-3: with tied embeddings at lr 1e-2, one process with 4 micro-batches already differs from
-# one with a single micro-batch by 2.5e-5 in the step-5 loss (AdamW amplifying fp32 summation order
-# in the doubly-fed matrix); at 1e-3 every layout, one process included, stays within 7e-8.
-TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
-
-
-@pytest.fixture(scope="module")
-def tied_reference(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("tied"), *TIED_ARGS, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
 
 
 @pytest.mark.parametrize("layout", TIED)

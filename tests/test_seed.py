@@ -38,7 +38,7 @@ def _load_and_gather(rank, world, cfg, seed_dir):
     return par.full_state_dict()
 
 
-LAYOUTS = {  # world, overrides; tied embeddings where validate() allows them (not with tp or ZeRO-3)
+LAYOUTS = {  # world, overrides; tied embeddings where validate() allows them (not with ZeRO-3)
     "single-tied": (1, (TIED,)),
     "tp2": (2, ("--parallel.tp=2",)),
     "pp2-tied": (2, ("--parallel.pp=2", TIED)),

@@ -21,14 +21,23 @@ What travels, per MoE block and micro-batch (all-to-alls inside the ep group, ch
             like a combine (an all-to-all's adjoint is the all-to-all with the splits swapped).
 Only rows that leave the rank count as wire bytes: a copy routed to a local expert costs nothing.
 
+With sequence parallel (`parallel.sp`), as in Megatron-LM, the MoE block's input stays split along
+the sequence: each tp rank routes its own T/tp tokens (through its own ep group: ep groups are
+carved at each tp place), so the MoE's compute is split over tp instead of repeated on every tp
+rank. Its weights (router, routed and shared experts) are still whole on every tp rank, but each
+rank's gradient now covers only its tokens: they are marked `tp_partial` and summed over tp once
+per step (`sum_partial_gradients`, before clipping), and the per-sequence counts of the balance
+loss are summed over tp as over cp (the tp ranks hold other tokens of the same sequences).
+
 Load balancing (the routing bias update, the balance loss's scale, the routing statistics) is a
-training concern: train/moe_balance.py. Capacity dropping (GShard, Switch) and the balance loss
-itself live in the model (fivefold/model.py).
+training concern: train/moe_balance.py (with sp it sums the counts over tp too). Capacity dropping
+(GShard, Switch) and the balance loss itself live in the model (fivefold/model.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -102,34 +111,58 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
         setattr(experts, name, part)
 
 
-def _summed_over(group: AxisGroup):
+def _summed_over(groups: list[AxisGroup]):
     def reduce(t: torch.Tensor) -> torch.Tensor:
-        comms.all_reduce(t, group)
+        for group in groups:
+            comms.all_reduce(t, group)
         return t
     return reduce
 
 
+def is_tp_partial(p: torch.Tensor) -> bool:
+    """Replicated over tp, but fed only this tp rank's tokens (an MoE weight under sp): its
+    gradient is this rank's share, summed over tp by `sum_partial_gradients`."""
+    return getattr(p, "tp_partial", False)
+
+
 @dataclass(frozen=True)
 class ExpertParallel:
-    """The group one MoE block's experts are split over (size 1 without expert parallel)."""
+    """The group one MoE block's experts are split over (size 1 without expert parallel), and the
+    tp group MoE gradients are summed over under sequence parallel."""
 
     group: AxisGroup
+    token_group: AxisGroup  # tp: each rank routes its own T/tp tokens (sp); only tp_partial gradients use it
+
+    def sum_partial_gradients(self, params: list[nn.Parameter],
+                              gradient_of: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Sum the tp_partial gradients over tp, in place, once per step after backward (data
+        parallel has summed them over the grad view already: the sums commute). `gradient_of`:
+        the gradient the optimizer applies (ZeRO: this rank's rows, the same rows on every tp rank).
+        Collective over tp; nothing without sp."""
+        for p in params:
+            if is_tp_partial(p):
+                comms.all_reduce(gradient_of(p), self.token_group)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: Derived) -> ExpertParallel:
     """Shard every MoE block's experts over the mesh's ep group and install the all-to-all dispatch.
 
-    A no-op for the experts at ep = 1; with context parallel the balance loss still learns to sum
-    its counts over cp (its sequences are split there).
+    A no-op for the experts at ep = 1; with context parallel (and sequence parallel) the balance loss
+    still learns to sum its counts over cp (and tp): its sequences are split there. With sp every
+    MoE parameter is marked tp_partial (after the experts are sliced, so the mark is on the kept tensors).
     """
-    group, cp = mesh.group("ep"), mesh.group("cp")
+    group, tp = mesh.group("ep"), mesh.group("tp")
+    token_split = cfg.parallel.sp and tp.size > 1
+    sequence_split = [g for g in (mesh.group("cp"), tp if token_split else None) if g is not None and g.size > 1]
     for moe in moe_blocks(model).values():
-        if cp.size > 1:
-            moe.sequence_reduce = _summed_over(cp)
-        if group.size == 1:
-            continue
-        if moe.n_experts % group.size:
-            raise ValueError(f"{moe.n_experts} experts do not split over ep = {group.size}")
-        shard_experts(moe.experts, group)
-        moe.dispatch = ExpertParallelDispatch(group, moe.n_experts)
-    return ExpertParallel(group)
+        if sequence_split:
+            moe.sequence_reduce = _summed_over(sequence_split)
+        if group.size > 1:
+            if moe.n_experts % group.size:
+                raise ValueError(f"{moe.n_experts} experts do not split over ep = {group.size}")
+            shard_experts(moe.experts, group)
+            moe.dispatch = ExpertParallelDispatch(group, moe.n_experts)
+        if token_split:
+            for p in moe.parameters():
+                p.tp_partial = True
+    return ExpertParallel(group, tp)

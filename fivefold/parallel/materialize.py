@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-# Attributes the parallel code sets on the tensors it slices (the dim they were split along): a
-# replacement carries them over.
-_MARKS = ("tp_dim", "ep_dim")
+# Attributes the parallel code sets on the tensors it slices (the dim they were split along) or
+# whose gradients it completes (tp_partial, expert.py): a replacement carries them over.
+_MARKS = ("tp_dim", "ep_dim", "tp_partial")
 # Set on every tensor made here: on the meta device (the dry run, dry_run.py) a made parameter is
 # still meta, and must not be made again (hooks and ZeRO-3's units hold the tensor itself).
 _MADE = "_materialized"

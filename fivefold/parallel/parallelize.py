@@ -73,7 +73,7 @@ class Parallelized:
     pipeline: PipelineExecutor  # runs the step's micro-batches (one stage when pp = 1)
     dp: DataParallel  # reduces (ZeRO: shards) the gradients
     cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
-    experts: ExpertParallel  # the group experts are split over (of size 1 without ep)
+    experts: ExpertParallel  # the group experts are split over (of size 1 without ep); sp's MoE gradient sum
     optimizer: torch.optim.Optimizer  # AdamW over dp.optimizer_params()
     memory: ModelStateMeter  # this rank's model-state bytes, sampled after every backward
 
@@ -94,6 +94,7 @@ class Parallelized:
         when `stop_on_nonfinite`. Collective: the norm and the overflow check reduce over the groups
         the gradients are split across."""
         set_lr(self.optimizer, lr)
+        self.experts.sum_partial_gradients(self.dp.params, self.dp.gradient_of)  # sp: MoE shares over tp
         both = [self.mesh.group("pp"), self.mesh.group("tp")]  # what dense and expert gradients are split over
         # Expert gradients (ep > 1) are split over ep, and with ZeRO their shards over expert_dp.
         expert_groups = [*self.dp.expert_norm_groups, self.experts.group] if self.experts.group.size > 1 else []

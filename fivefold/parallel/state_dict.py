@@ -40,8 +40,9 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def tp_dims(model: nn.Module) -> dict[str, int]:
-    """Parameter name -> the dim tensor parallel split it along."""
-    return {name: p.tp_dim for name, p in model.named_parameters() if hasattr(p, "tp_dim")}
+    """Parameter name -> the dim tensor parallel split it along; a tied matrix under each of its
+    names (the state dict holds both, output.weight and tok_embeddings.weight)."""
+    return {name: p.tp_dim for name, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "tp_dim")}
 
 
 def is_expert_parameter(p: torch.Tensor) -> bool:

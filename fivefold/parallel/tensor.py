@@ -4,8 +4,9 @@ What is sharded over `tp`: the weight matrices. Attention is split by heads (que
 key/value heads alike, so grouped-query attention keeps its grouping on every rank) and SwiGLU by
 its hidden units: the first matrix of each pair is column-parallel (output features split), the
 second row-parallel (input features split), so the activation between them never needs
-communication. The embedding and the output head are split along the vocabulary, and the loss is
-computed from vocabulary-sharded logits without ever forming the full (B, T, V) tensor.
+communication. The embedding and the output head are split along the vocabulary (the same rows of
+one matrix when they are tied), and the loss is computed from vocabulary-sharded logits without
+ever forming the full (B, T, V) tensor.
 
 Collectives per transformer block, forward (backward has the conjugates):
 - without sp: one all-reduce after attention's row-parallel wo and one after the MLP's down;
@@ -191,8 +192,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
     if group.size == 1:
         return state
     for block in model.layers.values():
-        # An MoE block's experts are not split by tp (expert parallel shards them instead): each
-        # tp rank routes the same tokens through whole experts (validate() refuses sp with MoE).
+        # An MoE block's experts are not split by tp (expert parallel shards them instead): without
+        # sp each tp rank routes the same tokens through whole experts; with sp, its own T/tp tokens
+        # (expert.py then sums the MoE's gradients and balance counts over tp).
         regions = [block.attn] + ([block.ffn] if isinstance(block.ffn, FeedForward) else [])
         for name, cls in TP_PLAN.items():
             parent_name, child = name.split(".")
@@ -206,6 +208,12 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
     if model.output is not None:  # logits stay vocabulary-sharded, for vocab_parallel_cross_entropy
         model.output = ColumnParallelLinear(model.output, group, sequence_parallel, enter_region=True)
+        if model.cfg.tie_embeddings and model.tok_embeddings is not None:
+            # Both are split along the vocabulary into the same rows: rank r's embedding rows are its
+            # head's output features, so the tie holds slice by slice and needs no communication.
+            # (On separate pipeline stages each keeps its slice; tied_embedding_group sums their
+            # gradients between the ranks at the same tp place.)
+            model.output.weight = model.tok_embeddings.weight
     for name, _ in list(model.named_parameters()):
         # Replicated weights that saw different data on each tp rank need the others' gradients:
         # QK-norm weights (each rank normalises its own heads) and, with sp, every norm (each rank

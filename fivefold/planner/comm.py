@@ -10,18 +10,20 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
   the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1).
 - tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
-  two all-reduces in forward (attention, MLP) and two in backward, each of the (b, s/cp, d)
-  activation: 8 b s d (t-1)/t element-bytes per block; with sp an all-gather plus a
-  reduce-scatter replace each all-reduce at the same bytes. Full recompute runs forward again
-  (+2 per block). The vocabulary-parallel embedding and head add one each, and the loss three
-  small ones of (b, s/cp) fp32 values (the max, the sum of exponentials, the target logit).
+  two all-reduces in forward (attention, MLP; an MoE block's experts are not tp-split: attention
+  only) and two in backward, each of the (b, s/cp, d) activation: 8 b s d (t-1)/t element-bytes
+  per dense block; with sp an all-gather plus a reduce-scatter replace each all-reduce at the same
+  bytes, and the MoE blocks' gradients (each tp rank routed its own tokens) are all-reduced once a
+  step. Full recompute runs forward again (+1 per region). The vocabulary-parallel embedding and
+  head add one each, and the loss three small ones of (b, s/cp) fp32 values (the max, the sum of
+  exponentials, the target logit).
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
   (b s d elements, / t with sp), 2 M per chunk not at the model's ends.
 - cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops,
   once in forward and K, V plus dK, dV in backward: 3 (C-1) x the K/V block; Ulysses
   (Jacobs et al. 2023): four all-to-alls forward (q, k, v, out) and four backward.
 - ep (GShard, Lepikhin et al. 2020): per MoE block and micro-batch, dispatch and combine in
-  forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d).
+  forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d, / t with sp).
 
 Time by an alpha-beta model (Hockney 1994; Thakur et al. 2005 for the collective step counts):
 t = steps x alpha + wire bytes / (bandwidth x efficiency), the link being the node's interconnect
@@ -36,8 +38,9 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config
 from fivefold.parallel.comms import wire_bytes
+from fivefold.planner.counts import block_params
 from fivefold.planner.datasheet import GB, Hardware
-from fivefold.planner.layout import axis_spans_nodes
+from fivefold.planner.layout import RankShare, axis_spans_nodes
 from fivefold.planner.pricing import ChunkWork, Row
 from fivefold.validate import Derived
 
@@ -116,9 +119,12 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
     b = t.micro_batch
     act = b * local_seq * m.dim * act_bytes  # one (b, s/cp, d) activation
     out = {axis: AxisTraffic() for axis in ("tp", "pp", "cp", "ep")}
-    # tp: 4 per block (2 fwd + 2 bwd), +2 with full recompute; embedding fwd, head bwd.
-    per_block = 4 + (2 if t.recompute == "full" else 0)
-    out["tp"].add("all_reduce", act, p.tp, micro * (per_block * blocks + int(first) + int(last)))
+    # tp: 2 per tp region (1 fwd + 1 bwd), +1 with full recompute; attention is a region in every
+    # block, the MLP only in dense blocks (an MoE block's experts are not split by tp: without sp
+    # every tp rank routes the same tokens, with sp its own, neither talks over tp); embedding fwd, head bwd.
+    per_region = 2 + (1 if t.recompute == "full" else 0)
+    regions = 2 * blocks - moe_blocks
+    out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last)))
     if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
         out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
     # pp: activation out and gradient back at each boundary this rank's chunks touch.
@@ -134,10 +140,18 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
     elif p.cp > 1:
         qkvo = 2 * b * local_seq * (m.n_heads // p.tp) * hd * act_bytes + kv  # q, out, k, v
         out["cp"].add("all_to_all", qkvo / 4, p.cp, micro * blocks * 4 * (fwd_passes + 1))
-    # ep: dispatch + combine, forward and backward, of the top_k copies of each token.
-    copies = b * local_seq * m.top_k * m.dim * act_bytes
+    # ep: dispatch + combine, forward and backward, of the top_k copies of each token (with sp, of
+    # this tp rank's T/tp tokens: each routes its own).
+    copies = b * local_seq * m.top_k * m.dim * act_bytes / (p.tp if p.sp else 1)
     out["ep"].add("all_to_all", copies, p.ep, micro * moe_blocks * 2 * (fwd_passes + 1))
     return out
+
+
+def moe_partial_params(cfg: Config, share: RankShare) -> int:
+    """Parameters of the rank's MoE blocks that sp leaves whole but fed T/tp tokens (router, shared
+    and its routed experts; parallel/expert.py's tp_partial), the norms with them (a few x dim)."""
+    m, ep = cfg.model, cfg.parallel.ep
+    return sum(bp.replicated + bp.experts // ep for bp in (block_params(m, b) for b in share.blocks) if bp.experts)
 
 
 def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param_b: float,
@@ -158,6 +172,8 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
     pp_ends = int(share.first) + int(share.last) if p.pp > 1 else 0
     traffic.update(activation_traffic(cfg, len(share.blocks), work.moe_blocks, work.chunks, share.first, share.last,
                                       d.local_seq_len, micro, act_bytes, pp_ends))
+    if p.sp and work.moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
+        traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
     rows = []
     for axis, tr in traffic.items():
         tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, axis)

@@ -34,8 +34,10 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
         flops = 0.0
         for blk in s.blocks:
             bp = counts.blocks[blk]
-            # tp cuts attention and dense MLPs; routed/shared experts and the router run whole
-            flops += 2 * bp.tp_split / p.tp + 2 * (bp.active_matmul - bp.tp_split) + attn_fwd_per_block
+            # tp cuts attention and dense MLPs; routed/shared experts and the router run whole, on
+            # every token without sp, on this tp rank's T/tp tokens with sp (parallel/expert.py)
+            whole = (bp.active_matmul - bp.tp_split) / (p.tp if p.sp else 1)
+            flops += 2 * bp.tp_split / p.tp + 2 * whole + attn_fwd_per_block
         if s.last:
             flops += 2 * counts.embedding / p.tp  # the head's V x d matmul
         fwd_flops.append(flops * tokens)

@@ -55,7 +55,7 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
         dp = world // (tp * pp * cp)
         eps = [k for k in _divisors(dp * cp, 256) if m.n_experts % k == 0] if moe else [1]
         zeros = (0,) if dp == 1 else (0, 1, 2, 3)  # ZeRO over one rank is DDP
-        sps = (False, True) if tp > 1 and not moe else (False,)
+        sps = (False, True) if tp > 1 else (False,)
         for ep, zero, sp, mb, rc in itertools.product(eps, zeros, sps, (1, 2, 4), ("none", "selective", "full")):
             micro = t.global_batch // max(1, dp * mb)
             # ZB-V's lists grow as p x m and it is slow to build: tried for up to 64 micro-batches

@@ -4,7 +4,8 @@
   so the balance loss it injects in backward is alpha x its mean over the global batch
   (`set_balance_loss_scale`);
 - after the optimizer step: the step's per-expert loads, drops and balance loss per block, summed
-  over the grad view in one all-reduce (`expert_stats`; counted in backward, so neither evaluation
+  over the grad view in one all-reduce (and over tp with sequence parallel, where each tp rank
+  routed its own tokens) (`expert_stats`; counted in backward, so neither evaluation
   nor recomputed forwards count), then the auxiliary-loss-free bias update
   b_e += u x sign(mean load - load_e), the same on every replica (`update_expert_bias`), then the
   counters start again (`reset_expert_counts`).
@@ -43,22 +44,23 @@ class ExpertStats:
 
 def set_balance_loss_scale(model: nn.Module, sequences: int, loss_scale: float = 1.0) -> None:
     """Before each step: `sequences` = the step's global batch (sequences over all micro-batches
-    and dp ranks; cp ranks share theirs), `loss_scale` = the fp16 loss scale (1 otherwise). The
+    and dp ranks; cp ranks, and tp ranks under sp, share theirs), `loss_scale` = the fp16 loss scale (1 otherwise). The
     balance loss's gradient is then alpha x loss_scale x d(mean over sequences)/d(scores)."""
     for moe in moe_blocks(model).values():
         moe.step_sequences, moe.loss_scale = sequences, loss_scale
 
 
-def expert_stats(model: nn.Module, group: AxisGroup | None = None, label: str | None = None) -> ExpertStats:
-    """The step's loads, drops and balance loss per MoE block, summed over `group` (the grad
-    view) in one all-reduce. Collective over `group`; `label` charges it elsewhere ("log")."""
+def expert_stats(model: nn.Module, *groups: AxisGroup, label: str | None = None) -> ExpertStats:
+    """The step's loads, drops and balance loss per MoE block, summed over `groups` (the grad
+    view; and tp under sp, whose ranks route other tokens) in one all-reduce each. Collective over
+    `groups`; `label` charges it elsewhere ("log")."""
     blocks = moe_blocks(model)
     if not blocks:
         return ExpertStats()
     rows = [torch.cat([m.step_load.double(), m.step_dropped.double().view(1), m.step_balance_loss.view(1)])
             for m in blocks.values()]
     total = torch.stack(rows)  # (blocks, E + 2), float64: integer counts stay exact below 2**53
-    if group is not None:
+    for group in groups:
         comms.all_reduce(total, group, label=label)
     stats = ExpertStats()
     for (name, moe), row in zip(blocks.items(), total.tolist(), strict=True):
@@ -72,8 +74,8 @@ def expert_stats(model: nn.Module, group: AxisGroup | None = None, label: str | 
 def update_expert_bias(model: nn.Module, stats: ExpertStats, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free update after an optimizer step: b_e += u sign(mean - load_e).
 
-    `stats` must be summed over the grad view (expert_stats with mesh.group("grad")), so every
-    replica moves its bias identically. A block that saw no tokens stays where it is (sign(0) = 0).
+    `stats` must be summed over the grad view (expert_stats with mesh.group("grad"), and tp under
+    sp), so every replica moves its bias identically. A block that saw no tokens stays where it is (sign(0) = 0).
     """
     for name, moe in moe_blocks(model).items():
         load = torch.tensor(stats.load[name], dtype=torch.float32, device=moe.expert_bias.device)  # (E,)
@@ -93,6 +95,8 @@ class MoEBalancing:
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         self.model, self.mesh = model, mesh
+        # Ranks that routed other tokens: the grad view, and with sp the tp ranks (parallel/expert.py).
+        self.groups = [mesh.group("grad")] + ([mesh.group("tp")] if cfg.parallel.sp else [])
         self.sequences, self.rate = cfg.train.global_batch, cfg.model.moe_bias_update
         self.enabled = cfg.model.n_experts > 0
 
@@ -102,7 +106,7 @@ class MoEBalancing:
     def after(self, applied: bool) -> dict:
         """Read, apply and reset the step's routing; returns its metrics for the step record (MoE only).
         Collective over the grad view (and, with several stages holding MoE blocks, over pp)."""
-        routing = expert_stats(self.model, self.mesh.group("grad"), label="log")  # summed over the grad view
+        routing = expert_stats(self.model, *self.groups, label="log")  # summed over every token of the step
         if applied and self.rate:
             update_expert_bias(self.model, routing, self.rate)
         reset_expert_counts(self.model)
