@@ -98,6 +98,8 @@ from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
+from fivefold.parallel.pipeline import stage_layers  # noqa: E402
+from fivefold.parallel.stage_split import stage_split  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
 from fivefold.train.optim import build_optimizer  # noqa: E402
@@ -190,10 +192,9 @@ class TorchSide:
         cls, v = SCHEDULES[name]
         n_stages = world * v
         model = build_model(cfg, derive(cfg, world).vocab_size)
-        per = m.n_layers // n_stages
+        layers = stage_layers(stage_split(cfg, derive(cfg, world).vocab_size))  # fivefold's blocks per stage
         mine = [s for s in range(n_stages) if s % world == self.rank]  # torch's placement: stage s on rank s % pp
-        self.modules = [TorchStage(model, [str(i) for i in range(s * per, (s + 1) * per)], s == 0, s == n_stages - 1)
-                        for s in mine]
+        self.modules = [TorchStage(model, layers[s], s == 0, s == n_stages - 1) for s in mine]
         del model  # what no stage of this rank uses is freed with it
         self.first, self.last = 0 in mine, n_stages - 1 in mine
         mb, T, vocab = t.micro_batch, t.seq_len, derive(cfg, world).vocab_size

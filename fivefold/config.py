@@ -42,7 +42,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
-    stage_layers: tuple[int, ...] = ()  # blocks of each pipeline stage, pp x virtual_stages entries; () = balanced
+    # blocks of each pipeline stage, pp x virtual_stages entries; () = the same in each stage, or, when
+    # pp x virtual_stages does not divide n_layers, balanced by the planner's costs (parallel/stage_split.py)
+    stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context-parallel degree (sequence of one sample split over cp ranks)
     cp_method: Literal["ring", "ulysses"] = "ring"
     ep: int = 1  # expert-parallel degree; divides dp x cp

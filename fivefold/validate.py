@@ -278,10 +278,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         if len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers or min(p.stage_layers) < 1:
             err(f"parallel.stage_layers = {list(p.stage_layers)}: needs pp x virtual_stages = {stages} entries, "
                 f"each at least 1, adding up to model.n_layers = {m.n_layers} (or [] for a balanced split)")
-    elif m.n_layers % stages:
-        err(f"model.n_layers = {m.n_layers} is not divisible by parallel.pp x virtual_stages = {stages}; "
-            f"use n_layers = {_multiples_near(m.n_layers, stages)} or pp x virtual_stages in "
-            f"{{{_divisors_near(m.n_layers, m.n_layers)}}}")
+    elif m.n_layers < stages:  # any other count splits: unevenly, balanced by parallel/stage_split.py
+        err(f"model.n_layers = {m.n_layers} is fewer than parallel.pp x virtual_stages = {stages} stages of at "
+            f"least one block each; lower pp or virtual_stages to at most {m.n_layers} stages, or raise n_layers")
     vocab = padded_vocab(cfg)
     if m.vocab_size and m.vocab_size < tokenizer_vocab(cfg):
         err(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer or 'data'}'s tokenizer's "

@@ -89,10 +89,9 @@ def test_shape_divisibility_messages_name_field_and_fix():
     assert "use tp in {1, 2, 4}" in msg
     one_error(errors, "model.n_kv_heads = 4", "parallel.tp = 3")
     one_error(errors, "model.ffn_dim = 128", "parallel.tp = 3")
-    msg = one_error(errors_of(3, "--parallel.pp=3", "--parallel.dp=1"), "model.n_layers = 8", "pp x virtual_stages = 3")
-    assert "n_layers = 6 or 9" in msg
-    msg = one_error(errors_of(4, "--parallel.pp=2", "--parallel.virtual_stages=3", "--parallel.dp=2"), "n_layers = 8")
-    assert "pp x virtual_stages = 6" in msg
+    assert errors_of(3, "--parallel.pp=3", "--parallel.dp=1") == []  # 8 layers in 3 stages: balanced by cost
+    msg = one_error(errors_of(3, "--parallel.pp=3", "--parallel.dp=1", "--model.n_layers=2"), "model.n_layers = 2")
+    assert "fewer than parallel.pp x virtual_stages = 3 stages" in msg and "lower pp or virtual_stages" in msg
 
 
 def test_batch_and_sequence_arithmetic():
@@ -159,7 +158,7 @@ def test_pipeline_options():
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.stage_layers=[8]"), "needs pp x virtual_stages = 2 entries")
     one_error(errors_of(2, "--parallel.pp=2", "--parallel.stage_layers=['a', 'b']"), "must be a list of ints")
     assert errors_of(3, "--parallel.pp=3", "--parallel.stage_layers=[3, 3, 2]", "--train.global_batch=6",
-                     "--train.micro_batch=2") == []  # 8 layers do not divide by 3: explicit counts do
+                     "--train.micro_batch=2") == []  # explicit counts, where 8 layers do not divide by 3
 
 
 def test_tensor_parallel_options():

@@ -22,16 +22,17 @@ from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
 from fivefold.validate import derive, validate
 
-STAGES_405B = "[" + ",".join(["7"] + ["8"] * 14 + ["7"]) + "]"  # 126 layers
 # Published layouts (Llama 3 paper, table 4: tp8 x pp16 for 405B; Mixtral 8x22B with ep8), 8,192 tokens a
-# sequence, one sequence a micro-batch; the global batch sets only the micro-batches per step.
+# sequence, one sequence a micro-batch; the global batch sets only the micro-batches per step. 405B's
+# 126 layers over 16 stages split by themselves (parallel/stage_split.py: 7, 8 x 14, 7), so its
+# built-against-predicted check also says that the runtime and the planner hold the same blocks.
 PUBLISHED = {
     "llama3-70b-64": (64, "llama3-70b", ["--parallel.tp=8", "--parallel.zero=3", "--parallel.sp=true",
                                          "--train.global_batch=512"]),
     "llama3-70b-512": (512, "llama3-70b", ["--parallel.tp=8", "--parallel.pp=8", "--parallel.zero=1",
                                            "--parallel.sp=true", "--train.global_batch=512"]),
     "llama3-405b-1024": (1024, "llama3-405b", ["--parallel.tp=8", "--parallel.pp=16", "--parallel.zero=1",
-                                               f"--parallel.stage_layers={STAGES_405B}", "--parallel.sp=true",
+                                               "--parallel.sp=true",
                                                "--train.global_batch=2048", "--train.recompute=full"]),
     "mixtral-8x22b-256": (256, "mixtral-8x22b", ["--parallel.tp=4", "--parallel.pp=4", "--parallel.ep=8",
                                                  "--parallel.zero=0", "--train.global_batch=512",

@@ -13,9 +13,13 @@ import torch
 from helpers import EQUIVALENCE, TIED_ARGS, assert_reproduces, tiny_config, train_and_gather
 
 from fivefold.parallel.pipeline import PipelineExecutor
+from fivefold.planner.counts import model_counts
+from fivefold.planner.layout import stage_sizes
 from fivefold.testing import run_workers
 from fivefold.train.loop import train
-from fivefold.train.metrics import read_metrics
+from fivefold.train.metrics import read_events, read_metrics
+from fivefold.train.run_dir import run_dir_of
+from fivefold.validate import derive
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +66,11 @@ LAYOUTS = {  # name: (ranks, overrides)
     "dualpipe_v-pp2-dp2-zero3-reshard": (4, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
                                              "--parallel.virtual_stages=2", "--parallel.zero=3",
                                              "--parallel.reshard_after_forward=true", "--train.micro_batch=1")),
+    # 8 layers in 6 stages, no stage_layers: the split balanced by cost (test_stage_split.py has the arithmetic)
+    "interleaved-pp2-v3-uneven": (2, ("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
+                                      "--parallel.virtual_stages=3", "--train.micro_batch=2")),
 }
+UNEVEN = {"interleaved-pp2-v3-uneven": [1, 2, 2, 1, 1, 1]}  # layout: the automatic split
 TIED = {
     "tied-1f1b-pp2": (2, ("--parallel.pp=2", "--train.micro_batch=2")),
     "tied-1f1b-pp2-dp2-zero1": (4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=2")),
@@ -75,13 +83,37 @@ TIED = {
 }
 
 
+def train_gather_and_split(rank: int, world: int, cfg):
+    """Worker: train_and_gather, and the blocks of each stage this rank's runtime kept."""
+    import fivefold.parallel.pipeline as pipeline
+
+    kept, split_stages = {}, pipeline.split_stages
+
+    def recording(*args, **kwargs):  # in this forked worker only
+        chunks = split_stages(*args, **kwargs)
+        kept.update({s: len(c.layers) for s, c in chunks.items()})
+        return chunks
+
+    pipeline.split_stages = recording
+    return (*train_and_gather(rank, world, cfg), kept)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pipeline_reproduces_single_process(tmp_path, reference, layout):
     world, extra = LAYOUTS[layout]
-    results = run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *extra))
+    cfg = tiny_config(tmp_path, *EQUIVALENCE, *extra)
+    results = run_workers(train_gather_and_split, world, cfg)
     # Same tolerances and reasons as test_data_parallel.py: fp32 summation order, amplified by AdamW.
-    for result in results:  # every rank reports the same loss and gathered model
+    for *result, _ in results:  # every rank reports the same loss and gathered model
         assert_reproduces(result, reference)
+    # The runtime's stages are the planner's, and for an uneven model the ones chosen by hand
+    runtime = {s: n for *_, kept in results for s, n in kept.items()}
+    planned = stage_sizes(cfg, model_counts(cfg.model, derive(cfg, world).vocab_size))
+    assert [runtime[s] for s in sorted(runtime)] == planned
+    if layout in UNEVEN:
+        assert planned == UNEVEN[layout]
+        layout_event = next(e for e in read_events(run_dir_of(cfg) / cfg.run.metrics_file) if e["event"] == "layout")
+        assert layout_event["stage_layers"] == UNEVEN[layout]  # saved with the run
 
 
 @pytest.mark.parametrize("layout", TIED)

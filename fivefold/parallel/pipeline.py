@@ -2,9 +2,10 @@
 
 What is sharded: the layers, over the `pp` axis. A rank keeps only the blocks of the stages it
 owns (one stage, or v chunks for interleaved and V schedules); the first stage also keeps the
-embedding, the last the final norm, head and loss. Collectives: point-to-point only. Forward sends
-each micro-batch's activation (micro_batch, T, dim) to the next stage; backward sends its
-gradient back, both in the compute dtype (`act_dtype`: bf16 under bf16 autocast halves the bytes);
+embedding, the last the final norm, head and loss; how many blocks each stage holds is
+stage_split.py's, the split the planner and the dry run use too. Collectives: point-to-point
+only. Forward sends each micro-batch's activation (micro_batch, T, dim) to the next stage;
+backward sends its gradient back, both in the compute dtype (`act_dtype`: bf16 under bf16 autocast halves the bytes);
 the receiver computes on the fp32 residual stream, as one process does. Each rank posts its
 messages in the batches `messages.py` plans from the schedule: between two ranks every message is
 sent and received in one order, as NCCL (which ignores tags) requires, and the plan is proven not
@@ -47,15 +48,14 @@ from fivefold.parallel.messages import Batch, Message, check_plans, forward_sche
 from fivefold.parallel.pipeline_p2p import Mailbox, Sends
 from fivefold.parallel.schedules import Action, Schedule, build_schedule
 from fivefold.parallel.split_backward import SplitBackward
+from fivefold.parallel.stage_split import stage_split
 from fivefold.validate import Derived
 
 
-def stage_layers(n_layers: int, n_stages: int, counts: tuple[int, ...] = ()) -> list[list[str]]:
-    """Block names of each stage: `counts` blocks each when given (e.g. fewer on the last stage,
-    which also computes the head and loss), else balanced by count (validate() checks both)."""
-    counts = counts or (n_layers // n_stages,) * n_stages
-    starts = [sum(counts[:s]) for s in range(n_stages)]
-    return [[str(i) for i in range(start, start + n)] for start, n in zip(starts, counts, strict=True)]
+def stage_layers(sizes: tuple[int, ...]) -> list[list[str]]:
+    """Block names of each stage, in model order, from its block count (stage_split.stage_split)."""
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    return [[str(i) for i in range(start, start + n)] for start, n in zip(starts, sizes, strict=True)]
 
 
 @dataclass
@@ -102,11 +102,13 @@ def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
     return mesh.subgroups(parts, "pp")
 
 
-def split_stages(model: Transformer, schedule: Schedule, pp_rank: int,
-                 counts: tuple[int, ...] = ()) -> dict[int, StageChunk]:
-    """Keep in `model` only what this rank's stages use (deleting the rest); return its chunks."""
+def split_stages(model: Transformer, schedule: Schedule, pp_rank: int, sizes: tuple[int, ...]) -> dict[int, StageChunk]:
+    """Keep in `model` only what this rank's stages use (deleting the rest); return its chunks.
+    `sizes`: the blocks of each stage (stage_split.stage_split), one entry per schedule stage."""
     n_stages = schedule.num_stages
-    layers = stage_layers(len(model.layers), n_stages, counts)
+    if len(sizes) != n_stages or sum(sizes) != len(model.layers):
+        raise ValueError(f"stage sizes {list(sizes)} do not split {len(model.layers)} blocks into {n_stages} stages")
+    layers = stage_layers(sizes)
     mine = [s for s in range(n_stages) if schedule.stage_to_rank(s) == pp_rank]
     keep = {name for s in mine for name in layers[s]}
     for name in list(model.layers):
@@ -152,12 +154,13 @@ class PipelineStages:
 def apply_pipeline_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> PipelineStages:
     """Keep this rank's stages of `model` (deleting the other layers) under the configured schedule.
 
-    At pp = 1 the one stage holds everything and its schedule is gradient accumulation over the
+    The blocks per stage are stage_split()'s, the split the planner and the dry run use too. At pp = 1
+    the one stage holds everything and its schedule is gradient accumulation over the
     step's micro-batches. Collective with tied embeddings (the tied group spans the world).
     """
     p = cfg.parallel
     schedule = build_schedule(p.pp_schedule, p.pp, derived.grad_accum, p.virtual_stages)
-    chunks = split_stages(model, schedule, mesh.rank("pp"), p.stage_layers)
+    chunks = split_stages(model, schedule, mesh.rank("pp"), stage_split(cfg, derived.vocab_size))
     tied = tied_embedding_group(mesh, schedule) if cfg.model.tie_embeddings else None
     return PipelineStages(schedule, chunks, mesh.group("pp"), tied)
 

@@ -1,6 +1,7 @@
 """The compute of one micro-batch on one pipeline chunk, in FLOPs, on the busiest rank.
 
-Forward FLOPs of a block are 2 per multiply-add of each matmul weight a token goes through
+Forward FLOPs of a block (counts.block_forward_flops, which the pipeline's stage split balances
+too) are 2 per multiply-add of each matmul weight a token goes through
 (counts.BlockParams.active_matmul: attention projections, a dense SwiGLU or the router, shared and
 top_k routed experts) plus the causal attention core, 2 s H hd per token (QK^T and PV, 2 FLOPs
 per multiply-add, halved for the mask). Tensor parallel cuts attention and dense MLPs by tp;
@@ -12,7 +13,7 @@ into seconds (datasheet.ComputePricer).
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.planner.counts import ModelCounts
+from fivefold.planner.counts import ModelCounts, block_forward_flops, head_forward_flops
 from fivefold.planner.layout import RankShare
 from fivefold.planner.pricing import ChunkWork
 from fivefold.validate import Derived
@@ -31,16 +32,10 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     attn_fwd_per_block = 2 * t.seq_len * m.n_heads * d.head_dim / p.tp  # causal: half of 4 s H hd
     fwd_flops, moe_blocks = [], []
     for s in shares:
-        flops = 0.0
-        for blk in s.blocks:
-            bp = counts.blocks[blk]
-            # tp cuts attention and dense MLPs; routed/shared experts and the router run whole, on
-            # every token without sp, on this tp rank's T/tp tokens with sp (parallel/expert.py)
-            whole = (bp.active_matmul - bp.tp_split) / (p.tp if p.sp else 1)
-            flops += 2 * bp.tp_split / p.tp + 2 * whole + attn_fwd_per_block
+        flops = sum(block_forward_flops(m, counts.blocks[blk], t.seq_len, p.tp, p.sp) for blk in s.blocks)
         if s.last:
-            flops += 2 * counts.embedding / p.tp  # the head's V x d matmul
-        fwd_flops.append(flops * tokens)
+            flops += head_forward_flops(counts, p.tp)
+        fwd_flops.append(float(flops * tokens))
         moe_blocks.append(sum(1 for blk in s.blocks if counts.blocks[blk].experts))
     worst = max(range(len(shares)), key=lambda r: fwd_flops[r])
     share = shares[worst]

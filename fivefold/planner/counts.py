@@ -67,6 +67,29 @@ def block_params(m: ModelConfig, layer: int) -> BlockParams:
     return BlockParams(tp_split=attn + ffn, replicated=norms, experts=0, active_matmul=attn + ffn)
 
 
+def block_rank_params(bp: BlockParams, tp: int, ep: int) -> int:
+    """Parameters of one block on one rank: the tp-split part / tp, the replicated part whole, the
+    routed experts / ep."""
+    return bp.tp_split // tp + bp.replicated + bp.experts // ep
+
+
+def block_forward_flops(m: ModelConfig, bp: BlockParams, seq_len: int, tp: int, sp: bool = False) -> int:
+    """Forward FLOPs of one block per token on one tp rank: 2 per multiply-add of the matmul weights
+    a token goes through (tp cuts attention and dense MLPs; the router, shared and routed experts run
+    whole, on every token without sp, on this tp rank's T/tp tokens with sp: parallel/expert.py) plus
+    the causal attention core, 2 s H hd (QK^T and PV, halved for the mask). Integers: validate()
+    makes heads, key/value heads and ffn_dim divisible by tp."""
+    attention_core = 2 * seq_len * m.n_heads * head_dim(m)
+    whole = 2 * (bp.active_matmul - bp.tp_split)
+    return (2 * bp.tp_split + attention_core) // tp + (whole // tp if sp else whole)
+
+
+def head_forward_flops(counts: ModelCounts, tp: int) -> int:
+    """Forward FLOPs per token of the head's V x d matmul on one tp rank (tied or not: the same
+    matrix size; the vocabulary is divisible by tp). The embedding is a lookup: no FLOPs."""
+    return 2 * counts.embedding // tp
+
+
 def model_counts(m: ModelConfig, vocab_size: int | None = None) -> ModelCounts:
     """Counts for a model whose vocabulary is `vocab_size` (default: m.vocab_size)."""
     v = vocab_size or m.vocab_size

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fivefold.config import Config
+from fivefold.parallel.stage_split import is_automatic_and_uneven, split_note
 from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, step_traffic
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.counts import ModelCounts, flops_per_token, model_counts
 from fivefold.planner.datasheet import GB, Hardware
-from fivefold.planner.layout import rank_shares
+from fivefold.planner.layout import rank_shares, stage_sizes
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.pricing import HostWork, Memo, Row
 from fivefold.planner.terms import (
@@ -108,7 +109,8 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     b, memo, pricer = b or BytesPerParam(), memo or Memo(), hw.pricer
     d = derive(cfg, world_size)
     counts = model_counts(cfg.model, d.vocab_size)
-    shares = rank_shares(cfg, counts)
+    sizes = stage_sizes(cfg, counts)
+    shares = rank_shares(cfg, counts, sizes)
     grad_b, param_b = wire_element_bytes(cfg, b, implementation)
     p, M = cfg.parallel, d.grad_accum
 
@@ -138,7 +140,9 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
              "step_sync": sync.seconds, "host": units * (host.forward_s + host.backward_s) + host.step_s}
     model_flops = flops_per_token(cfg.model, cfg.train.seq_len, d.vocab_size)["total"] * d.tokens_per_step
     mfu = model_flops / (step * world_size * hw.peak_flops)
-    explain = [_params_row(counts), *chunk.explain, *traffic_rows, *host.explain, *path.explain, *pipe.explain,
+    stages = [("pipeline stages", split_note(cfg, tuple(sizes)).partition(": ")[2],
+               "parallel/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
+    explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *host.explain, *path.explain, *pipe.explain,
                *dp.explain, *opt.explain, *sync.explain, *mem.explain,
                _step_row(step_terms, step, model_flops, mfu, world_size, hw)]
     return Estimate(world_size=world_size, memory=mem.memory, comm=traffic, bubble_ratio=pipe.sim.bubble_ratio,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import Config
-from fivefold.planner.counts import ModelCounts
+from fivefold.parallel.stage_split import split_of_counts
+from fivefold.planner.counts import ModelCounts, block_rank_params
 from fivefold.validate import Derived
 
 # --layout keys -> config keys (everything else is refused with the list of valid keys)
@@ -38,13 +39,9 @@ def layout_overrides(text: str) -> list[str]:
     return out
 
 
-def stage_sizes(cfg: Config) -> list[int]:
-    """Blocks in each (virtual) stage, in model order: parallel.stage_layers or a balanced split."""
-    p, n_layers = cfg.parallel, cfg.model.n_layers
-    stages = p.pp * p.virtual_stages
-    if p.stage_layers:
-        return list(p.stage_layers)
-    return [n_layers // stages + (1 if s < n_layers % stages else 0) for s in range(stages)]
+def stage_sizes(cfg: Config, counts: ModelCounts) -> list[int]:
+    """Blocks in each (virtual) stage, in model order: the runtime's split (parallel/stage_split.py)."""
+    return list(split_of_counts(cfg, counts))
 
 
 def stage_to_rank(cfg: Config, stage: int) -> int:
@@ -69,11 +66,11 @@ class RankShare:
     largest_unit: int  # ZeRO-3 gathers a unit (one block, the embedding or the head) at a time
 
 
-def rank_shares(cfg: Config, counts: ModelCounts) -> list[RankShare]:
-    """One entry per pipeline rank."""
+def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None) -> list[RankShare]:
+    """One entry per pipeline rank; `sizes`: stage_sizes(cfg, counts), if the caller has them."""
     p = cfg.parallel
     tp, ep = p.tp, p.ep
-    sizes = stage_sizes(cfg)
+    sizes = sizes or stage_sizes(cfg, counts)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
     shares = []
     for r in range(p.pp):
@@ -83,9 +80,8 @@ def rank_shares(cfg: Config, counts: ModelCounts) -> list[RankShare]:
         units = []
         expert = 0
         for b in blocks:
-            bp = counts.blocks[b]
-            units.append(bp.tp_split // tp + bp.replicated + bp.experts // ep)
-            expert += bp.experts // ep
+            units.append(block_rank_params(counts.blocks[b], tp, ep))
+            expert += counts.blocks[b].experts // ep
         if first:
             units.append(counts.embedding // tp)
         if last:  # a tied head on another rank than the embedding keeps its own copy of the matrix

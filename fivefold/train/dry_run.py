@@ -53,6 +53,7 @@ import torch.distributed as dist
 from fivefold.config import Config
 from fivefold.mesh import AXES, Mesh
 from fivefold.parallel.ddp import DataParallel
+from fivefold.parallel.stage_split import split_note, stage_split
 from fivefold.parallel.state_memory import model_state_bytes
 from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.planner.selfcheck import memory_per_pipeline_rank
@@ -231,6 +232,7 @@ def format_report(cfg: Config, derived: Derived, reports: list[PositionReport], 
         f"{derived.grad_accum} micro-batches per step), {len(reports)} positions",
         "built: the storages parallelize() and AdamW leave, fp32 under any train.dtype; pred: the planner",
         f"capacity {capacity_name}: {size(capacity)} per device; fits: built state + acts* + bufs* (*: predicted)",
+        *filter(None, [split_note(cfg, stage_split(cfg, derived.vocab_size))]),  # the runtime's split, as built
         "",
     ]
     unit, div = unit_for(max(r.need for r in reports))

@@ -26,6 +26,7 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.mesh import Mesh
 from fivefold.model import Transformer
 from fivefold.parallel.parallelize import Parallelized, parallelize
+from fivefold.parallel.stage_split import split_note, stage_split
 from fivefold.seeded_init import SeededInit
 from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
 from fivefold.train.data import GlobalBatches
@@ -200,6 +201,9 @@ def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, retu
     log = StepLog(run, start, end, resumed_from, prediction, progress)
     if resumed_from is not None:
         log.print(f"resumed from {resumed_from} at step {start}")
+    note = split_note(cfg, stage_split(cfg, derived.vocab_size))
+    if note:  # an automatic uneven split is said (and saved in the layout event, step_log.py)
+        log.print(note)
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     result = TrainResult(run_dir=log.run_dir, start_step=start)
     try:

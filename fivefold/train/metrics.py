@@ -40,6 +40,7 @@ Keys of an event record (kinds in sinks.EVENT_KINDS; a new kind or field gets it
 | checkpoint | resume: the checkpoint's path |
 | restarts | restart: restarts so far (TORCHELASTIC_RESTART_COUNT) |
 | world_size, dp, tp, pp, cp, ep | layout: processes and parallel degrees (a job resuming on fewer processes shows the change) |
+| stage_layers | layout: blocks of each pipeline (virtual) stage in model order, as parallel/stage_split.py chose them (parallel.stage_layers when given) |
 """  # noqa: E501 - a markdown table row is one line, however long
 
 from __future__ import annotations

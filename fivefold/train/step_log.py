@@ -17,6 +17,7 @@ from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.stage_split import stage_split
 from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
 from fivefold.train.run_dir import run_dir_of
 from fivefold.train.sinks import open_sinks
@@ -87,8 +88,9 @@ class StepLog:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts:
             self.sinks.event(start, "restart", restarts=restarts)
-        self.sinks.event(start, "layout", world_size=dist.get_world_size(), ep=self.run.cfg.parallel.ep,
-                         **self.run.mesh.degrees)
+        cfg = self.run.cfg
+        self.sinks.event(start, "layout", world_size=dist.get_world_size(), ep=cfg.parallel.ep,
+                         **self.run.mesh.degrees, stage_layers=list(stage_split(cfg, self.run.derived.vocab_size)))
 
     def traces(self, step: int) -> bool:
         """Is 1-based `step` traced?"""
