@@ -160,8 +160,11 @@ def comparison_record(head: dict, a: list[dict], b: list[dict], memory: dict, st
     t_b = median([x for r in b for x in r["times"]])
     first_diff = abs(a[0]["losses"][0] - b[0]["losses"][0])
     rounds_of = lambda xs: [round(median(x["times"]), 4) for x in xs]  # noqa: E731
+    # The spread: each round's ratio of its two medians (the sides alternated step by step within it).
+    per_round = [ratio(median(x["times"]), median(y["times"])) for x, y in zip(a, b, strict=True)]
     return {
         **head, f"{la}_step_s": round(t_a, 4), f"{lb}_step_s": round(t_b, 4), ratio_key: ratio(t_a, t_b),
+        f"{ratio_key}_per_round": per_round, f"{ratio_key}_min_max": [min(per_round), max(per_round)],
         **memory,
         f"{la}_round_medians_s": rounds_of(a), f"{lb}_round_medians_s": rounds_of(b),
         "steps": steps, "rounds": rounds,
@@ -181,6 +184,10 @@ def report(name: str, record: dict, summary: dict, ratios: dict[str, str] | None
     """Log a record's loss check, print the record, and copy its ratios (summary key -> record key;
     by default step time and peak memory) and loss check into the summary."""
     first = record["loss_first_step"]
+    spread = next((k for k in record if k.endswith("_min_max")), None)
+    if spread is not None:
+        log(f"{name}: {spread.removesuffix('_min_max')} {record[spread.removesuffix('_min_max')]} (median), "
+            f"per round {record[spread.removesuffix('_min_max') + '_per_round']}")
     log(f"loss check {name}: first-step losses {labels[0]}{first[0]:.8f} vs {labels[1]}{first[1]:.8f}, "
         f"|diff| {record['loss_first_step_abs_diff']:.2e} -> {record['loss_check']}")
     print(json.dumps(record), flush=True)
