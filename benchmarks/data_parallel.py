@@ -150,7 +150,7 @@ class Side:
     """One configuration on this rank: its own model (the same initial weights), wrapper, optimizer."""
 
     def __init__(self, kind: str, cfg: Config, world: int, meshes: dict):
-        self.kind, self.times, self.losses = kind, [], []
+        self.kind, self.times, self.cpu_times, self.losses = kind, [], [], []
         t = self.train = cfg.train
         self.local_tokens = t.micro_batch * t.seq_len
         self.global_tokens = self.local_tokens * world
@@ -198,9 +198,10 @@ class Side:
         return loss
 
     def timed_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        began = time.perf_counter()
+        cpu, began = time.process_time(), time.perf_counter()
         loss = self.step(x, y)
         self.times.append(time.perf_counter() - began)
+        self.cpu_times.append(time.process_time() - cpu)  # the process's CPU seconds: work, not waits
         total = loss.detach().double() * self.loss_weight  # outside the timed region
         dist.all_reduce(total)
         self.losses.append(float(total))

@@ -193,6 +193,7 @@ class FivefoldSide:
         self.par = parallelize(build_model(cfg, derived.vocab_size), mesh, cfg, derived)
         self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.losses: list[float] = []
         self.timelines: list[list[tuple[float, float, str]]] = []
         self.step_spans: list[tuple[float, float]] = []
@@ -250,6 +251,7 @@ class TorchSide:
         self.params = [p for p in holder.parameters() if p.requires_grad]
         self.opt = build_optimizer(holder, t)
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
@@ -271,10 +273,11 @@ def _make_side(kind: str, cfg: Config, world: int, name: str, mesh: Mesh):
 
 
 def _timed_step(side, x: torch.Tensor, y: torch.Tensor, clock=None) -> None:
-    began = time.perf_counter()
+    cpu, began = time.process_time(), time.perf_counter()
     loss = side.step(x, y, clock)
     ended = time.perf_counter()
     side.times.append(ended - began)
+    side.cpu_times.append(time.process_time() - cpu)  # every thread of the process: gloo's, the send waiter
     if clock:
         side.step_spans.append((began, ended))
     total = torch.tensor(loss, dtype=torch.float64)  # outside the timed region; lines the ranks up
@@ -384,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
             out["fivefold_profile_per_rank"] = profiles[name]
         report(name, out, summary, {f"{name}_ratio_step_time": "ratio_step_time",
                                     f"{name}_ratio_step_time_min_max": "ratio_step_time_min_max",
+                                    f"{name}_ratio_step_time_paired_median": "ratio_step_time_paired_median",
+                                    f"{name}_ratio_cpu_time": "ratio_cpu_time",
                                     f"{name}_ratio_peak_memory": "ratio_peak_memory"})
     if world == TARGET_NPROC:
         finish_summary(summary, TARGETS, began)
