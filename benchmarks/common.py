@@ -116,14 +116,28 @@ def alternate(sides: Sequence[Any], batches: Sequence[tuple[torch.Tensor, torch.
     for i, (x, y) in enumerate(batches[warmup:]):
         for side in sides if i % 2 == 0 else sides[::-1]:
             timed_step(side, x, y)
-    return [{"times": s.times[warmup:], "losses": s.losses} for s in sides]
+    # cpu_times: where a side records them (the process's CPU seconds per step)
+    return [{"times": s.times[warmup:], "losses": s.losses,
+             **({"cpu_times": s.cpu_times[warmup:]} if hasattr(s, "cpu_times") else {})} for s in sides]
 
 
 def slowest_rank(results: list[list[dict]], kinds: Sequence[str]) -> dict[str, dict]:
     """The ranks' `alternate` results ([rank][side]) per side: a step takes as long as its slowest rank."""
-    return {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results), strict=True)],
-                   "losses": results[0][i]["losses"]}
-            for i, kind in enumerate(kinds)}
+    out = {kind: {"times": [max(ts) for ts in zip(*(r[i]["times"] for r in results), strict=True)],
+                  "losses": results[0][i]["losses"]}
+           for i, kind in enumerate(kinds)}
+    for i, kind in enumerate(kinds):  # CPU time is work: the ranks' sum
+        if "cpu_times" in results[0][i]:
+            out[kind]["cpu_times"] = [sum(ts) for ts in zip(*(r[i]["cpu_times"] for r in results), strict=True)]
+    return out
+
+
+def quartiles(xs: Sequence[float]) -> list[float]:
+    """The first and third quartile (the interquartile range's ends)."""
+    if len(xs) < 2:
+        return [round(xs[0], 4)] * 2 if xs else [float("nan")] * 2
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [round(q[0], 4), round(q[2], 4)]
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -160,9 +174,19 @@ def comparison_record(head: dict, a: list[dict], b: list[dict], memory: dict, st
     t_b = median([x for r in b for x in r["times"]])
     first_diff = abs(a[0]["losses"][0] - b[0]["losses"][0])
     rounds_of = lambda xs: [round(median(x["times"]), 4) for x in xs]  # noqa: E731
+    # The spread: each round's ratio of its two medians (the sides alternated step by step within it).
+    per_round = [ratio(median(x["times"]), median(y["times"])) for x, y in zip(a, b, strict=True)]
+    # And step by step: the sides' i-th steps ran back to back, so their ratio sees one load.
+    paired = [ta / tb for x, y in zip(a, b, strict=True) for ta, tb in zip(x["times"], y["times"], strict=True)]
+    cpu = {}
+    if "cpu_times" in a[0] and "cpu_times" in b[0]:  # CPU seconds of all ranks per step: the work, not the waits
+        c_a, c_b = (median([c for r in side for c in r["cpu_times"]]) for side in (a, b))
+        cpu = {f"{la}_cpu_s": round(c_a, 4), f"{lb}_cpu_s": round(c_b, 4), "ratio_cpu_time": ratio(c_a, c_b)}
     return {
         **head, f"{la}_step_s": round(t_a, 4), f"{lb}_step_s": round(t_b, 4), ratio_key: ratio(t_a, t_b),
-        **memory,
+        f"{ratio_key}_per_round": per_round, f"{ratio_key}_min_max": [min(per_round), max(per_round)],
+        f"{ratio_key}_paired_median": round(median(paired), 4), f"{ratio_key}_paired_iqr": quartiles(paired),
+        **cpu, **memory,
         f"{la}_round_medians_s": rounds_of(a), f"{lb}_round_medians_s": rounds_of(b),
         "steps": steps, "rounds": rounds,
         "loss_first_step": [a[0]["losses"][0], b[0]["losses"][0]],
@@ -181,6 +205,12 @@ def report(name: str, record: dict, summary: dict, ratios: dict[str, str] | None
     """Log a record's loss check, print the record, and copy its ratios (summary key -> record key;
     by default step time and peak memory) and loss check into the summary."""
     first = record["loss_first_step"]
+    spread = next((k for k in record if k.endswith("_min_max")), None)
+    if spread is not None:
+        key = spread.removesuffix("_min_max")
+        log(f"{name}: {key} {record[key]} (medians' ratio), per round {record[key + '_per_round']}, step by step "
+            f"median {record[key + '_paired_median']} IQR {record[key + '_paired_iqr']}"
+            + (f", CPU time {record['ratio_cpu_time']}" if "ratio_cpu_time" in record else ""))
     log(f"loss check {name}: first-step losses {labels[0]}{first[0]:.8f} vs {labels[1]}{first[1]:.8f}, "
         f"|diff| {record['loss_first_step_abs_diff']:.2e} -> {record['loss_check']}")
     print(json.dumps(record), flush=True)

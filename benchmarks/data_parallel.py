@@ -5,14 +5,20 @@ Run: `.venv/bin/python benchmarks/data_parallel.py [--steps N] [--rounds R] [--q
 
 What is compared, each on the same number of ranks (2 by default, gloo, CPU, fp32):
 1. `ddp`:   torch `DistributedDataParallel`          vs fivefold DDP (`parallel.zero = 0`);
-2. `zero3`: torch FSDP2 `fully_shard` (every block,   vs fivefold ZeRO-3 (`parallel.zero = 3`);
+2. `zero1`: torch `ZeroRedundancyOptimizer` (AdamW,   vs fivefold ZeRO-1 (`parallel.zero = 1`);
+            same groups) over a `DistributedDataParallel` model
+3. `zero3`: torch FSDP2 `fully_shard` (every block,   vs fivefold ZeRO-3 (`parallel.zero = 3`);
             then the root; reshard_after_forward=True)
-3. `overlap`: fivefold DDP with `wrapper.overlap = True` vs `False` (bucket collectives started
+4. `overlap`: fivefold DDP with `wrapper.overlap = True` vs `False` (bucket collectives started
    during backward, or all of them after it).
 Every run builds the same model with the same initial weights (`build_model`, seeded) and trains
 it on the same batches (random token ids from a generator seeded per step; rank r takes rows
 [r B, (r+1) B) of each global batch), with AdamW from `build_optimizer` on both sides and
-gradient clipping at `train.grad_clip`. Bucket caps are matched: fivefold `parallel.bucket_mb`
+gradient clipping at `train.grad_clip`. ZeroRedundancyOptimizer takes `build_optimizer`'s two
+parameter groups and hyper-parameters; it shards whole parameters over the ranks (fivefold ZeRO-1
+shards every parameter's rows), steps its shard and broadcasts the updated parameters (fivefold:
+one all-gather per bucket). Its gradients are DDP's all-reduced ones, clipped on every rank with
+torch's `clip_grad_norm_` before its step. Bucket caps are matched: fivefold `parallel.bucket_mb`
 (10^6 bytes) and torch DDP `bucket_cap_mb` (MiB) are set to the same number of bytes.
 
 Loss scaling: fivefold sums gradients over ranks and divides each rank's summed token loss by the
@@ -80,6 +86,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
@@ -112,10 +119,13 @@ torch.set_num_threads(1)
 # name -> (fivefold side, torch side); "overlap" compares two fivefold runs.
 COMPARISONS = {
     "ddp": ("fivefold_ddp", "torch_ddp"),
+    "zero1": ("fivefold_zero1", "torch_ddp_zero1"),
     "zero3": ("fivefold_zero3", "torch_fsdp2"),
     "overlap": ("fivefold_ddp_overlap", "fivefold_ddp_no_overlap"),
 }
-TARGETS = {"ddp_ratio_step_time": 1.10, "zero3_ratio_step_time": 1.15}  # fivefold / torch, from the issue
+# fivefold / torch, from the issue; none for zero1
+TARGETS = {"ddp_ratio_step_time": 1.10, "zero3_ratio_step_time": 1.15}
+ZERO = {"fivefold_zero1": 1, "fivefold_zero3": 3}  # fivefold side -> parallel.zero (others: 0)
 
 
 def clip_fivefold(dp, max_norm: float) -> float:
@@ -140,20 +150,20 @@ class Side:
     """One configuration on this rank: its own model (the same initial weights), wrapper, optimizer."""
 
     def __init__(self, kind: str, cfg: Config, world: int, meshes: dict):
-        self.kind, self.times, self.losses = kind, [], []
+        self.kind, self.times, self.cpu_times, self.losses = kind, [], [], []
         t = self.train = cfg.train
         self.local_tokens = t.micro_batch * t.seq_len
         self.global_tokens = self.local_tokens * world
         derived = derive(cfg, world)
         self.model = build_model(cfg, derived.vocab_size)
         if kind.startswith("fivefold"):
-            cfg = replace(cfg, parallel={"zero": 3 if kind == "fivefold_zero3" else 0})
+            cfg = replace(cfg, parallel={"zero": ZERO.get(kind, 0)})
             self.dp = apply_data_parallel(self.model, meshes["fivefold"], cfg, derived)
             self.dp.overlap = kind != "fivefold_ddp_no_overlap"
             self.opt = build_optimizer(self.dp.optimizer_params(), t)  # as parallelize() builds it
             self.loss_weight = 1.0  # the global loss is the sum of the ranks' losses
             return
-        if kind == "torch_ddp":
+        if kind in ("torch_ddp", "torch_ddp_zero1"):
             cap_mib = cfg.parallel.bucket_mb * 1e6 / 2**20  # the same bytes as fivefold's bucket_mb
             self.net = DistributedDataParallel(self.model, bucket_cap_mb=cap_mib)
         elif kind == "torch_fsdp2":
@@ -163,6 +173,10 @@ class Side:
         else:
             raise ValueError(kind)
         self.opt = build_optimizer(self.model, t)  # after fully_shard: it steps the DTensor shards
+        if kind == "torch_ddp_zero1":  # build_optimizer's groups and hyper-parameters, the state sharded
+            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in self.opt.param_groups]
+            self.opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=t.lr,
+                                               betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
 
@@ -184,9 +198,10 @@ class Side:
         return loss
 
     def timed_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        began = time.perf_counter()
+        cpu, began = time.process_time(), time.perf_counter()
         loss = self.step(x, y)
         self.times.append(time.perf_counter() - began)
+        self.cpu_times.append(time.process_time() - cpu)  # the process's CPU seconds: work, not waits
         total = loss.detach().double() * self.loss_weight  # outside the timed region
         dist.all_reduce(total)
         self.losses.append(float(total))

@@ -8,7 +8,16 @@ CPU, fp32), the same model, initial weights and micro-batches:
 1. `gpipe`:            fivefold "gpipe"            vs torch `ScheduleGPipe`;
 2. `1f1b`:             fivefold "1f1b"             vs torch `Schedule1F1B`;
 3. `interleaved_1f1b`: fivefold "interleaved_1f1b" vs torch `ScheduleInterleaved1F1B`, both with
-                       2 stages per rank (stage s on rank s % pp).
+                       2 stages per rank (stage s on rank s % pp);
+4. `zb_h1`:            fivefold "zb_h1"            vs torch `ScheduleInterleavedZeroBubble` with one
+                       stage per rank, which is ZB-H1: the same per-rank order of F, I, W (fivefold
+                       has no interleaved zero-bubble schedule with more stages per rank);
+5. `zb_v`:             fivefold "zb_v"             vs torch `ScheduleZBVZeroBubble` (V placement:
+                       rank r holds stages r and 2pp-1-r, on both sides);
+6. `dualpipe_v`:       fivefold "dualpipe_v"       vs torch `ScheduleDualPipeV` (V placement; torch
+                       runs each overlapped F + B pair one after the other, as fivefold lists it).
+Each pair's per-rank action order is the same (tests/test_schedules.py compares them with torch's
+`pipeline_order`), so the two sides do the same work in the same order.
 The model is fivefold's Transformer (`build_model`, seeded) from configs/tiny.toml with dim 128,
 ffn 384, 8 layers, seq 128; a step is global batch 16 in m = 8 micro-batches of 2. fivefold runs it
 the way train/step.py does: `parallelize()` (apply_pipeline_parallel + PipelineExecutor),
@@ -25,7 +34,7 @@ steps its own AdamW. Both optimizers come from `build_optimizer` (AdamW, foreach
 
 Loss check: the sum over micro-batches of the first step's loss (divided by the global token
 count) must agree within 1e-5 absolute (`loss_check`); it is the same forward on the same weights
-and data, so only summation order could differ (in practice it is bit-identical).
+and data, so only summation order could differ (measured: 1.8e-7, the same on every schedule).
 
 How time is measured: a step is the whole pipeline (all forwards and backwards with their
 send/recv) + gradient clipping + the AdamW step, i.e. the optimizer is inside the timed region on
@@ -36,7 +45,9 @@ with its own model copy, stages and optimizer), and the sides alternate step by 
 ...), with a loss all-reduce (untimed) between steps that lines the ranks up; which side is built
 and stepped first flips from round to round. Each side first runs `--warmup` untimed steps
 (torch's one-off stage initialisation and P2P warm-up, allocator warm-up). The reported step
-time is the median over all timed steps of all rounds; per-round medians are listed too.
+time is the median over all timed steps of all rounds (5 rounds by default); the spread is each
+round's ratio of its two medians (`ratio_step_time_per_round`) and their min and max
+(`ratio_step_time_min_max`), with each side's per-round medians.
 
 How memory is measured: as data_parallel.py does, with the same helpers (common.py): one extra
 untimed run per side and schedule (3 steps, fresh workers, that side alone) with glibc told to
@@ -56,7 +67,7 @@ and even they move by a few percent between invocations. With `--nproc 4` (pp = 
 are oversubscribed: the numbers are reported with no target. Output: progress and checks on
 stderr; on stdout one JSON object per schedule, and last a summary object whose measured ratios
 have "ratio" in their keys (targets from the issue, at 2 processes, printed beside them, not
-asserted).
+asserted: step time and peak memory each <= 1.0 of torch's, on every schedule).
 """
 
 from __future__ import annotations
@@ -75,7 +86,16 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     alternate,
@@ -99,6 +119,7 @@ from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.parallel.pipeline import stage_layers  # noqa: E402
+from fivefold.parallel.schedules import build_schedule  # noqa: E402
 from fivefold.parallel.stage_split import stage_split  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
@@ -108,13 +129,21 @@ from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 torch.set_num_threads(1)
 
-# name -> (torch schedule class, stages per rank); fivefold's schedule has the same name.
+# fivefold schedule name -> (torch schedule class, stages per rank). Each pair runs the same
+# per-rank action order (tests/test_schedules.py checks it against torch's pipeline_order):
+# ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1, fivefold's "zb_h1" (fivefold has
+# no interleaved zero-bubble schedule with v > 1); DualPipeV's overlapped F + B pairs run one after
+# the other in torch too (no overlap on one CPU thread), as fivefold lists them.
 SCHEDULES = {
     "gpipe": (ScheduleGPipe, 1),
     "1f1b": (Schedule1F1B, 1),
     "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
+    "zb_h1": (ScheduleInterleavedZeroBubble, 1),
+    "zb_v": (ScheduleZBVZeroBubble, 2),
+    "dualpipe_v": (ScheduleDualPipeV, 2),
 }
-TARGETS = {f"{name}_ratio_step_time": 1.10 for name in SCHEDULES}  # fivefold / torch at 2 processes, from the issue
+# fivefold / torch at 2 processes, from the issue: no slower and no larger than torch on any schedule
+TARGETS = {f"{name}_ratio_{what}": 1.0 for name in SCHEDULES for what in ("step_time", "peak_memory")}
 TARGET_NPROC = 2
 
 
@@ -166,6 +195,7 @@ class FivefoldSide:
         self.par = parallelize(build_model(cfg, derived.vocab_size), mesh, cfg, derived)
         self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.losses: list[float] = []
         self.timelines: list[list[tuple[float, float, str]]] = []
         self.step_spans: list[tuple[float, float]] = []
@@ -193,7 +223,9 @@ class TorchSide:
         n_stages = world * v
         model = build_model(cfg, derive(cfg, world).vocab_size)
         layers = stage_layers(stage_split(cfg, derive(cfg, world).vocab_size))  # fivefold's blocks per stage
-        mine = [s for s in range(n_stages) if s % world == self.rank]  # torch's placement: stage s on rank s % pp
+        # fivefold's placement, which is torch's: stage s on rank s % pp ("loop"), or r and 2pp-1-r ("v")
+        to_rank = build_schedule(name, world, t.global_batch // t.micro_batch, v).stage_to_rank
+        mine = [s for s in range(n_stages) if to_rank(s) == self.rank]
         self.modules = [TorchStage(model, layers[s], s == 0, s == n_stages - 1) for s in mine]
         del model  # what no stage of this rank uses is freed with it
         self.first, self.last = 0 in mine, n_stages - 1 in mine
@@ -214,12 +246,13 @@ class TorchSide:
             return cross_entropy_sum(logits[..., :real], target) / global_tokens
 
         n_micro = t.global_batch // t.micro_batch
-        self.schedule = (cls(stages, n_micro, loss_fn=loss_fn, scale_grads=False) if v > 1
-                         else cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False))
+        self.schedule = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0], n_micro,
+                            loss_fn=loss_fn, scale_grads=False)
         holder = nn.ModuleList(self.modules)
         self.params = [p for p in holder.parameters() if p.requires_grad]
         self.opt = build_optimizer(holder, t)
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
@@ -241,10 +274,11 @@ def _make_side(kind: str, cfg: Config, world: int, name: str, mesh: Mesh):
 
 
 def _timed_step(side, x: torch.Tensor, y: torch.Tensor, clock=None) -> None:
-    began = time.perf_counter()
+    cpu, began = time.process_time(), time.perf_counter()
     loss = side.step(x, y, clock)
     ended = time.perf_counter()
     side.times.append(ended - began)
+    side.cpu_times.append(time.process_time() - cpu)  # every thread of the process: gloo's, the send waiter
     if clock:
         side.step_spans.append((began, ended))
     total = torch.tensor(loss, dtype=torch.float64)  # outside the timed region; lines the ranks up
@@ -314,7 +348,7 @@ def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], step
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser(__doc__, str(ROOT / "configs" / "tiny.toml"), SCHEDULES, steps=6, rounds=2, unit="schedule")
+    parser = make_parser(__doc__, str(ROOT / "configs" / "tiny.toml"), SCHEDULES, steps=6, rounds=5, unit="schedule")
     parser.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages (pp); targets apply at 2")
     parser.add_argument("--profile", action="store_true",
                         help="also time fivefold's executor actions (compute vs input waits) per schedule")
@@ -352,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
         out = summarize(name, runs[name], mem[name], args.steps, args.rounds)
         if name in profiles:
             out["fivefold_profile_per_rank"] = profiles[name]
-        report(name, out, summary)
+        report(name, out, summary, {f"{name}_ratio_step_time": "ratio_step_time",
+                                    f"{name}_ratio_step_time_min_max": "ratio_step_time_min_max",
+                                    f"{name}_ratio_step_time_paired_median": "ratio_step_time_paired_median",
+                                    f"{name}_ratio_cpu_time": "ratio_cpu_time",
+                                    f"{name}_ratio_peak_memory": "ratio_peak_memory"})
     if world == TARGET_NPROC:
         finish_summary(summary, TARGETS, began)
     else:

@@ -237,9 +237,10 @@ class _FakeStage:
         self.stage_index_to_group_rank: dict[int, int] = {}
 
 
-def _torch_order(cls, p: int, m: int, v_layout: bool) -> list[list[Action]]:
-    # Rank 0's two stages; every rank's order is computed in the constructor.
-    stages = [_FakeStage(0, 2 * p, p), _FakeStage(2 * p - 1 if v_layout else p, 2 * p, p)]
+def _torch_order(cls, p: int, m: int, v_layout: bool, per_rank: int = 2) -> list[list[Action]]:
+    # Rank 0's stages (two, or one); every rank's order is computed in the constructor.
+    stages = ([_FakeStage(0, 2 * p, p), _FakeStage(2 * p - 1 if v_layout else p, 2 * p, p)] if per_rank == 2
+              else [_FakeStage(0, p, p)])
     sched = cls(stages, m, loss_fn=lambda out, target: out)
     order = []
     for rank in range(p):
@@ -258,14 +259,18 @@ def _torch_order(cls, p: int, m: int, v_layout: bool) -> list[list[Action]]:
 @pytest.mark.parametrize("m_per_p", [2, 3])
 def test_against_pytorch_pipelining_orders(p, m_per_p):
     """PyTorch's pipeline_order, obtained without a process group, equals ours per rank:
-    ScheduleInterleaved1F1B (v=2) == interleaved_1f1b, ScheduleZBVZeroBubble == zero_bubble_v,
-    and ScheduleDualPipeV == dualpipe_v once each OVERLAP_F_B is flattened to its F then its B.
+    ScheduleInterleaved1F1B (v=2) == interleaved_1f1b, ScheduleInterleavedZeroBubble with one stage
+    per rank == zero_bubble_h1, ScheduleZBVZeroBubble == zero_bubble_v, and ScheduleDualPipeV ==
+    dualpipe_v once each OVERLAP_F_B is flattened to its F then its B (benchmarks/pipeline_parallel.py
+    compares each pair's speed on this ground).
     (ZB-V and DualPipeV share the V placement but not the order: under unit costs ZB-V peaks at
     2p chunk activations per rank, DualPipeV at 2p + 1.)
     """
     sched_mod = pytest.importorskip("torch.distributed.pipelining.schedules")
     m = m_per_p * p
     assert _torch_order(sched_mod.ScheduleInterleaved1F1B, p, m, False) == interleaved_1f1b(p, m, 2).actions
+    zb1p = _torch_order(sched_mod.ScheduleInterleavedZeroBubble, p, m, False, per_rank=1)
+    assert zb1p == zero_bubble_h1(p, m).actions
     assert _torch_order(sched_mod.ScheduleZBVZeroBubble, p, m, True) == zero_bubble_v(p, m).actions
     assert _torch_order(sched_mod.ScheduleDualPipeV, p, m, True) == dualpipe_v(p, m).actions
     unit = Costs(f=1, b=2, i=1, w=1)
