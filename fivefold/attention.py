@@ -117,6 +117,7 @@ class LatentAttention(nn.Module):
       [c_kv, k_r] = x W_kva                          (Ckv + Dr);    k_r <- RoPE(k_r), one for all heads
       [k_n, v] = RMSNorm(c_kv) W_kvb  per head       (H, Dn + Dv)
       k = [k_n, k_r],  out = softmax(q k^T / sqrt(Dn + Dr)) v,  then W_o
+    (v is padded with zeros to Dn + Dr for the core and its output cut back to Dv: see forward.)
 
     The down-projections (wq_a, wkv_a) and their norms act on every token whole; everything after
     them is per head. `enter_heads` marks that boundary: it takes the tensors the per-head part
@@ -161,9 +162,12 @@ class LatentAttention(nn.Module):
         q = torch.cat([q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin)], dim=-1)
         kv = self.wkv_b(c_kv).view(B, T, -1, self.nope + self.v_dim)  # (B, T, H, Dn + Dv)
         k = torch.cat([kv[..., :self.nope], k_rope.expand(-1, -1, kv.shape[2], -1)], dim=-1)  # (B, T, H, Dn + Dr)
-        v = kv[..., self.nope:]  # (B, T, H, Dv)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, Dv)
-        return self.wo(out.reshape(B, T, -1))  # (B, T, dim)
+        # Values padded with zeros to the query/key width: fused kernels (flash attention on CPU and
+        # GPU) and context parallel's cores take equal widths; without it SDPA falls back to its
+        # math path, which keeps the (T, T) probabilities. The zero columns come out zero and are cut.
+        v = F.pad(kv[..., self.nope:], (0, self.nope + self.rope - self.v_dim))  # (B, T, H, Dn + Dr)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, Dn + Dr)
+        return self.wo(out[..., :self.v_dim].reshape(B, T, -1))  # (B, T, dim)
 
 
 def attention(cfg: ModelConfig, head_dim: int) -> nn.Module:

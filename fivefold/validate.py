@@ -143,18 +143,16 @@ def _sink_errors(cfg: Config) -> list[str]:
 
 
 def _latent_attention_errors(cfg: Config) -> list[str]:
-    """Multi-head latent attention (model.kv_lora_rank > 0): its head widths, and what it cannot run with."""
-    m, p = cfg.model, cfg.parallel
+    """Multi-head latent attention (model.kv_lora_rank > 0): its head widths."""
+    m = cfg.model
     errors = []
     if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
         errors.append(f"model.qk_rope_head_dim = {m.qk_rope_head_dim}: latent attention needs an even RoPE width "
                       f"of at least 2 (RoPE rotates pairs; DeepSeek-V3: 64)")
-    if m.v_head_dim < 1:
-        errors.append(f"model.v_head_dim = {m.v_head_dim}: latent attention needs a value width of at least 1 "
-                      f"(DeepSeek-V3: 128)")
-    if p.cp > 1:
-        errors.append(f"parallel.cp = {p.cp} with latent attention (model.kv_lora_rank > 0): ring attention and "
-                      f"Ulysses take equal key and value head widths, MLA's differ; set parallel.cp = 1")
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if not 1 <= m.v_head_dim <= qk:  # values are padded to the query/key width for the attention core
+        errors.append(f"model.v_head_dim = {m.v_head_dim}: latent attention needs a value width between 1 and "
+                      f"qk_nope_head_dim + qk_rope_head_dim = {qk} (DeepSeek-V3: 128 of 192)")
     return errors
 
 
@@ -373,9 +371,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         why = "2 x cp zig-zag chunks" if ring else "cp shards"
         err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} ({why}"
             f"{', x tp with sp' if p.sp else ''}); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
-    if p.cp > 1 and p.cp_method == "ulysses" and not m.kv_lora_rank and m.n_heads % p.tp == 0 \
-            and m.n_kv_heads % p.tp == 0:
-        heads, kv = m.n_heads // p.tp, m.n_kv_heads // p.tp
+    kv_heads = m.n_heads if m.kv_lora_rank else m.n_kv_heads  # latent attention: every head has its k, v
+    if p.cp > 1 and p.cp_method == "ulysses" and m.n_heads % p.tp == 0 and kv_heads % p.tp == 0:
+        heads, kv = m.n_heads // p.tp, kv_heads // p.tp
         if heads % p.cp or kv % p.cp:
             err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
                 f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "

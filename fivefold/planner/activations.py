@@ -20,6 +20,23 @@ dk = K x head_dim, f = ffn width, t = tp:
     the rsqrt per head (H, K)
   SwiGLU (split over tp): gate output, its silu, up output, their product        4f
 
+Multi-head latent attention (attention.py LatentAttention; DeepSeek-V2 sec. 2.1), listed the same
+way, with rq/rkv the query/key-value latents, R the shared RoPE width, n/v the per-head widths
+without RoPE and of values:
+  down-projections (replicated; T/tp tokens with sp, where they read the local norm output, so
+  the attention norm's output is split too): the query latent's norm (input rq, rsqrt, value
+  before the weight rq) and the key-value one (wkv_a's whole output rkv + R, which the norm's
+  input is a view of, rsqrt, value before the weight rkv)                  2rq + 2rkv + R + 2
+  what the up-projections read (replicated, never split: gathered with sp): the latents rq + rkv,
+  at tp > 1 the one concatenation tensor parallel enters its region with, rq + rkv + R (with
+  q_lora_rank = 0, x instead of the query latent: d, already counted at tp = 1)
+  per head (split over tp): the kernel's q, k and v, H (n + R) each (new tensors: the nope and
+  roped parts joined; v padded with zeros to the q/k width, so the fused kernel runs); the
+  kernel's output H (n + R) and log-sum-exp H; the output cut to H v, copied by the out
+  projection's reshape, H v
+  (DeepSeek-V2's cache-free training keeps the same per-head tensors as multi-head attention with
+  heads of n + R; only the projections differ)
+
 Recompute: "full" keeps only each block's input (d, split with sp); "selective" recomputes the
 attention kernel, which then keeps no log-sum-exp, and keeps GQA's unrepeated k/v (the recompute
 repeats them again). Weights are not activations and are not counted.
@@ -38,6 +55,8 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
     dq, dk = H * hd, K * hd
     if recompute == "full":
         return d / tp if sp else d
+    if m.kv_lora_rank:
+        return _latent_block_elements(m, tp, sp, recompute)
     replicated = 6 * d + 2
     if sp:  # norms and residuals hold T/tp tokens; the projections keep the gathered inputs
         replicated = (4 * d + 2) / tp + 2 * d
@@ -49,6 +68,23 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         attention += 2 * dq + H + 2 * dk + K
     ffn = 4 * (m.ffn_dim if not m.n_experts else m.moe_ffn_dim or m.ffn_dim)
     return replicated + (attention + ffn) / tp
+
+
+def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str) -> float:
+    """block_activation_elements_per_token for a latent-attention block (the module docstring's list)."""
+    d, H, R = m.dim, m.n_heads, m.qk_rope_head_dim
+    n, v, rq, rkv = m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    down = (2 * rq + 1 if rq else 0) + 2 * rkv + R + 1
+    latents = (rq or (d if tp > 1 else 0)) + rkv + (R if tp > 1 else 0)
+    norms = 6 * d + 2  # both block norms and their outputs, as for grouped-query attention
+    if sp:  # the MLP's projections keep their gathered input instead of the norm's output
+        norms = (5 * d + 2) / tp + d
+    replicated = norms + (down / tp if sp else down) + latents
+    heads = 3 * H * (n + R) + H * v  # q, k, padded v; the cut output the out projection reads
+    if recompute != "selective":  # the kernel's own output and log-sum-exp, which recompute rebuilds
+        heads += H * (n + R) + H
+    ffn = 4 * (m.ffn_dim if not m.n_experts else m.moe_ffn_dim or m.ffn_dim)
+    return replicated + (heads + ffn) / tp
 
 
 def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,
