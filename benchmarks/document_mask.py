@@ -48,9 +48,9 @@ import torch  # noqa: E402
 
 import fivefold.train.loop  # noqa: E402,F401  (imported once here: the forked workers inherit it)
 from benchmarks.common import finish_summary, log, make_parser, median, parse, ratio  # noqa: E402
+from fivefold.attention import causal_attention  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
 from fivefold.documents import Documents  # noqa: E402
-from fivefold.model import causal_attention  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 
 COMPARISONS = {"single": 1, "dp2": 2}  # name: ranks (data parallel)

@@ -114,9 +114,10 @@ from benchmarks.common import (  # noqa: E402
     slowest_rank,
     timed_rounds,
 )
+from fivefold.attention import rope_cos_sin  # noqa: E402
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.model import Transformer, cross_entropy_sum, rope_cos_sin  # noqa: E402
+from fivefold.model import Transformer, cross_entropy_sum  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.parallel.pipeline import stage_layers  # noqa: E402
 from fivefold.parallel.schedules import build_schedule  # noqa: E402

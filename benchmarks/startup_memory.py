@@ -98,8 +98,9 @@ import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked worker
 import fivefold.train.loop as loop  # noqa: E402
 from benchmarks.common import log, malloc_returns_memory, prewarm, ratio, status_mb  # noqa: E402
 from benchmarks.tensor_parallel import clip_torch, torch_tp_plan  # noqa: E402
+from fivefold.attention import RMSNorm  # noqa: E402
 from fivefold.config import Config, ConfigError, load_config  # noqa: E402
-from fivefold.model import RMSNorm, cross_entropy_sum  # noqa: E402
+from fivefold.model import cross_entropy_sum  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.planner.counts import model_counts  # noqa: E402
 from fivefold.planner.selfcheck import predict_for_config  # noqa: E402

@@ -134,7 +134,10 @@ def export_problems(m: ModelConfig) -> list[str]:
               (m.n_shared_experts > 0, "model.n_shared_experts > 0 (Mixtral has no shared experts)"),
               (moe and m.first_dense_layers > 0, "model.first_dense_layers > 0 (every Mixtral block is MoE)"),
               (moe and m.router_score != "softmax", "model.router_score = 'sigmoid' (Mixtral's router is a softmax)"),
-              (moe and not m.norm_topk, "model.norm_topk = false (Mixtral renormalises its top-k weights)")]
+              (moe and not m.norm_topk, "model.norm_topk = false (Mixtral renormalises its top-k weights)"),
+              (m.kv_lora_rank > 0, "model.kv_lora_rank > 0 (latent attention: DeepSeek-V3 conversion is not built)"),
+              (moe and m.n_expert_groups > 1, "model.n_expert_groups > 1 (Mixtral routes without groups)"),
+              (moe and m.moe_routed_scale != 1, "model.moe_routed_scale != 1 (Mixtral does not scale its experts)")]
     return [what for bad, what in checks if bad]
 
 

@@ -1,8 +1,9 @@
 """A Llama-style decoder (dense and mixture-of-experts) in one file, free of any parallelism.
 
 Pre-norm blocks: h = x + Attention(RMSNorm(x)); out = h + FFN(RMSNorm(h)), where FFN is SwiGLU or
-a top-k routed mixture of SwiGLU experts. Attention is grouped-query with RoPE applied at explicit
-token positions, so context parallel can hand each rank its true positions.
+a top-k routed mixture of SwiGLU experts (optionally group-limited, DeepSeek-V3). Attention
+(attention.py) is grouped-query, or multi-head latent when model.kv_lora_rank > 0, with RoPE
+applied at explicit token positions, so context parallel can hand each rank its true positions.
 
 What the parallel code relies on (and why this file imports nothing from torch.distributed):
 - blocks live in an nn.ModuleDict keyed "0".."L-1": a pipeline stage deletes the ones it does not
@@ -11,7 +12,8 @@ What the parallel code relies on (and why this file imports nothing from torch.d
 - head counts are read from shapes (view(B, T, -1, head_dim)), so a tensor-parallel rank holding
   H/tp heads needs no change here;
 - the attention core and the MoE dispatch are attributes holding callables; context parallel swaps
-  in ring attention, expert parallel swaps in an all-to-all dispatch;
+  in ring attention, expert parallel swaps in an all-to-all dispatch (latent attention has one
+  more, `enter_heads`, where tensor parallel's region begins);
 - a document mask (documents.py) is an argument of forward, handed through every block to its
   attention core: the modules keep no per-batch state.
 
@@ -27,84 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.attention import RMSNorm, attention, rope_cos_sin
 from fivefold.model_config import ModelConfig
 from fivefold.seeded_init import init_tensor
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: under bf16 the mean of squares loses too many digits.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's rotation angles: (..., T) -> (..., T, D)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (..., T, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (..., T, D): the "rotate half" layout Hugging Face uses
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+D/2}) of x (B, T, H, D) by the angles in cos/sin (T, D), or (B, T, D) when
-    each row has its own positions (data.reset_positions)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D) or (B, T, 1, D): broadcast over heads
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Local attention core: q (B, T, H, D), k/v (B, T, K, D) -> (B, T, H, D).
-
-    mask: None for plain causal attention, or a boolean (B, 1, T, T), True where query i may attend
-    key j, causality included (documents.py's document mask). SDPA takes it on CPU forward and
-    backward; FlexAttention would skip the masked blocks but has no CPU backward in torch 2.13.
-    """
-    if k.shape[2] != q.shape[2]:  # grouped-query: each K/V head serves H/K query heads
-        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.transpose(1, 2)  # (B, T, H, D)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, head_dim: int):
-        super().__init__()
-        self.head_dim = head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
-        self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        # (q, k, v) -> out, and (q, k, v, mask) -> out when a document mask is given; context
-        # parallel's cores take the first form only (validate() refuses cp > 1 with a mask).
-        self.core: Callable[..., torch.Tensor] = causal_attention
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, D)
-        return self.wo(out.reshape(B, T, -1))  # (B, T, dim)
 
 
 class FeedForward(nn.Module):
@@ -239,6 +166,9 @@ class _StepTally(torch.autograd.Function):
 class MoE(nn.Module):
     """Top-k routed experts plus optional always-on shared experts (Shazeer 2017; DeepSeekMoE 2024).
 
+    Routing (model_config.py): softmax or sigmoid scores, optionally group-limited (`select`), the
+    top-k weights renormalised (norm_topk) and multiplied by moe_routed_scale (DeepSeek-V3: 2.5,
+    the routed experts' output only; the shared experts' is not scaled).
     Load balancing (all off by default, then the math is the plain top-k MoE):
     - `expert_bias` (E,): added to the scores to choose the top-k, never to the gate weights
       (DeepSeek-V3 sec. 2.1.2, auxiliary-loss-free); the training loop moves it after each step
@@ -259,6 +189,7 @@ class MoE(nn.Module):
         hidden = cfg.moe_ffn_dim or cfg.ffn_dim
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.score, self.norm_topk = cfg.router_score, cfg.norm_topk
+        self.n_groups, self.topk_groups, self.routed_scale = cfg.n_expert_groups, cfg.topk_groups, cfg.moe_routed_scale
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
@@ -279,12 +210,23 @@ class MoE(nn.Module):
         return logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
 
     def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """scores (N, E) -> top-k gate weights (N, k) and expert indices (N, k)."""
-        idx = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # the bias only chooses
+        """scores (N, E) -> top-k gate weights (N, k) and expert indices (N, k).
+
+        Group-limited (DeepSeek-V3 sec. 2.1.2, "node-limited routing"; DeepSeek-V2 sec. 2.2.2): the
+        E experts form G groups of E/G; a group's score is the sum of its two highest (biased)
+        scores, each token keeps its topk_groups best groups and picks its top-k experts in them.
+        """
+        biased = scores + self.expert_bias  # (N, E): the bias only chooses
+        if self.n_groups > 1:
+            grouped = biased.view(biased.shape[0], self.n_groups, -1)  # (N, G, E/G)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices  # (N, topk_groups)
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)  # (N, E)
+        idx = biased.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, idx)  # (N, k) unbiased
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights, idx
+        return weights * self.routed_scale, idx
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, dim) -> top-k weights (N, k) and expert indices (N, k)."""
@@ -317,7 +259,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, head_dim: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, head_dim)
+        self.attn = attention(cfg, head_dim)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         moe = cfg.n_experts > 0 and layer >= cfg.first_dense_layers
         self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
@@ -337,6 +279,7 @@ class Transformer(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be resolved (> 0) before building the model")
         self.cfg = cfg
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+        self.rope_dim = cfg.qk_rope_head_dim if cfg.kv_lora_rank else self.head_dim  # MLA ropes a part only
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.head_dim) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -365,7 +308,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta)  # (T, D) or (B, T, D)
+        cos, sin = rope_cos_sin(positions, self.rope_dim, self.cfg.rope_theta)  # (T, D) or (B, T, D)
         for name in self.layers if layers is None else layers:
             h = self.layers[name](h, cos, sin, mask)
         if head and self.norm is not None:

@@ -23,6 +23,13 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base frequency
+    # Multi-head latent attention (DeepSeek-V2 sec. 2.1, DeepSeek-V3 sec. 2.1.1); on when kv_lora_rank > 0,
+    # then n_kv_heads and head_dim are unused. Widths are per token (latents) or per head.
+    kv_lora_rank: int = 0  # width of the joint key/value latent (DeepSeek-V3: 512); 0 = grouped-query attention
+    q_lora_rank: int = 0  # width of the query latent (DeepSeek-V3: 1536); 0 = queries projected from x directly
+    qk_nope_head_dim: int = 0  # per-head query/key width without RoPE (DeepSeek-V3: 128)
+    qk_rope_head_dim: int = 0  # per-head query/key width with RoPE, its key shared by all heads (DeepSeek-V3: 64)
+    v_head_dim: int = 0  # per-head value width (DeepSeek-V3: 128)
     init_std: float = 0.02  # std of the normal init; residual output projections get std/sqrt(2 n_layers)
     # Mixture of experts (n_experts = 0 means a dense model).
     n_experts: int = 0  # routed experts per MoE block
@@ -32,6 +39,11 @@ class ModelConfig:
     first_dense_layers: int = 0  # leading blocks that keep a dense FFN (DeepSeek-V3: 3)
     router_score: Literal["softmax", "sigmoid"] = "softmax"  # routing probabilities
     norm_topk: bool = True  # renormalise the top-k scores to sum to 1
+    # Group-limited routing (DeepSeek-V3 sec. 2.1.2): experts in n_expert_groups equal groups, a group
+    # scored by the sum of its top-2 scores; each token picks top_k experts within its topk_groups best groups.
+    n_expert_groups: int = 0  # expert groups (DeepSeek-V3: 8); 0 or 1 = no group limit
+    topk_groups: int = 0  # groups each token may use (DeepSeek-V3: 4); used when n_expert_groups > 1
+    moe_routed_scale: float = 1.0  # factor on the routed experts' weights (DeepSeek-V3: 2.5); 1 = none
     # Load balancing (DeepSeek-V3 sec. 2.1.2): either or both.
     # aux-loss-free: per-expert routing bias step u after each step (DeepSeek-V3: 0.001); 0 = off
     moe_bias_update: float = 0.0

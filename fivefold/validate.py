@@ -150,6 +150,37 @@ def _sink_errors(cfg: Config) -> list[str]:
     return errors
 
 
+def _latent_attention_errors(cfg: Config) -> list[str]:
+    """Multi-head latent attention (model.kv_lora_rank > 0): its head widths."""
+    m = cfg.model
+    errors = []
+    if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
+        errors.append(f"model.qk_rope_head_dim = {m.qk_rope_head_dim}: latent attention needs an even RoPE width "
+                      f"of at least 2 (RoPE rotates pairs; DeepSeek-V3: 64)")
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if not 1 <= m.v_head_dim <= qk:  # values are padded to the query/key width for the attention core
+        errors.append(f"model.v_head_dim = {m.v_head_dim}: latent attention needs a value width between 1 and "
+                      f"qk_nope_head_dim + qk_rope_head_dim = {qk} (DeepSeek-V3: 128 of 192)")
+    return errors
+
+
+def _expert_group_errors(cfg: Config) -> list[str]:
+    """Group-limited routing (model.n_expert_groups > 1): groups of equal size, at least 2 experts
+    each (a group is scored by its top 2), enough experts in the chosen groups for top_k."""
+    m = cfg.model
+    groups, chosen = m.n_expert_groups, m.topk_groups
+    if m.n_experts % groups or m.n_experts // groups < 2:
+        return [f"model.n_expert_groups = {groups} must divide model.n_experts = {m.n_experts} into groups of at "
+                f"least 2 (a group's score is its top-2 sum); use one of "
+                f"{{{_divisors_near(m.n_experts, m.n_experts // 2)}}}"]
+    if not 1 <= chosen <= groups:
+        return [f"model.topk_groups = {chosen}: must be between 1 and model.n_expert_groups = {groups}"]
+    if m.top_k > chosen * (m.n_experts // groups):
+        return [f"model.top_k = {m.top_k} exceeds the {chosen * (m.n_experts // groups)} experts of "
+                f"model.topk_groups = {chosen} groups; raise topk_groups or lower top_k"]
+    return []
+
+
 def validate(cfg: Config, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` processes, one message each (empty = valid)."""
     errors = _type_errors(cfg)
@@ -179,6 +210,10 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         "parallel.dp": p.dp, "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
         "model.n_experts": m.n_experts, "model.moe_ffn_dim": m.moe_ffn_dim,
         "model.n_shared_experts": m.n_shared_experts, "model.first_dense_layers": m.first_dense_layers,
+        "model.kv_lora_rank": m.kv_lora_rank, "model.q_lora_rank": m.q_lora_rank,
+        "model.qk_nope_head_dim": m.qk_nope_head_dim, "model.qk_rope_head_dim": m.qk_rope_head_dim,
+        "model.v_head_dim": m.v_head_dim, "model.n_expert_groups": m.n_expert_groups,
+        "model.topk_groups": m.topk_groups,
         "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
@@ -260,16 +295,22 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
 
     # Model shape.
-    if m.head_dim == 0 and m.dim % m.n_heads:
-        err(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
-            f"use n_heads in {{{_divisors_near(m.dim, 128)}}} or set model.head_dim")
-    head_dim = m.head_dim or m.dim // m.n_heads
-    if head_dim % 2:
-        err(f"head dimension {head_dim} is odd; RoPE rotates pairs, so choose an even model.head_dim")
-    if m.n_heads % m.n_kv_heads:
-        err(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
-            f"use n_kv_heads in {{{_divisors_near(m.n_heads, m.n_heads)}}}")
-    for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim)):
+    if m.kv_lora_rank:  # latent attention: head_dim and n_kv_heads are unused
+        errors += _latent_attention_errors(cfg)
+    else:
+        if m.head_dim == 0 and m.dim % m.n_heads:
+            err(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
+                f"use n_heads in {{{_divisors_near(m.dim, 128)}}} or set model.head_dim")
+        head_dim = m.head_dim or m.dim // m.n_heads
+        if head_dim % 2:
+            err(f"head dimension {head_dim} is odd; RoPE rotates pairs, so choose an even model.head_dim")
+        if m.n_heads % m.n_kv_heads:
+            err(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
+                f"use n_kv_heads in {{{_divisors_near(m.n_heads, m.n_heads)}}}")
+    split_by_tp = [("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim)]
+    if not m.kv_lora_rank:
+        split_by_tp.insert(1, ("model.n_kv_heads", m.n_kv_heads))
+    for key, value in split_by_tp:
         if value % p.tp:
             err(f"{key} = {value} is not divisible by parallel.tp = {p.tp}; use tp in "
                 f"{{{_divisors_near(value, 64)}}} or {key} = {_multiples_near(value, p.tp)}")
@@ -300,6 +341,10 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         if m.moe_capacity_factor and m.moe_capacity_factor < 1:
             err(f"model.moe_capacity_factor = {m.moe_capacity_factor}: must be 0 (dropless) or at least 1 "
                 f"(1.25 is common); below 1 even a perfectly balanced router drops tokens")
+        if m.moe_routed_scale <= 0:
+            err(f"model.moe_routed_scale = {m.moe_routed_scale}: must be > 0 (1 = unscaled; DeepSeek-V3: 2.5)")
+        if m.n_expert_groups > 1:
+            errors += _expert_group_errors(cfg)
         if m.first_dense_layers >= m.n_layers:
             err(f"model.first_dense_layers = {m.first_dense_layers} leaves no MoE block of {m.n_layers}; lower it")
     elif p.ep > 1:
@@ -323,8 +368,9 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         why = "2 x cp zig-zag chunks" if ring else "cp shards"
         err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} ({why}"
             f"{', x tp with sp' if p.sp else ''}); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
-    if p.cp > 1 and p.cp_method == "ulysses" and m.n_heads % p.tp == 0 and m.n_kv_heads % p.tp == 0:
-        heads, kv = m.n_heads // p.tp, m.n_kv_heads // p.tp
+    kv_heads = m.n_heads if m.kv_lora_rank else m.n_kv_heads  # latent attention: every head has its k, v
+    if p.cp > 1 and p.cp_method == "ulysses" and m.n_heads % p.tp == 0 and kv_heads % p.tp == 0:
+        heads, kv = m.n_heads // p.tp, kv_heads // p.tp
         if heads % p.cp or kv % p.cp:
             err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
                 f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "

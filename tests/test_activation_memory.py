@@ -55,16 +55,20 @@ CASES = [(1, False, "none"), (2, False, "none"), (4, False, "none"), (2, True, "
          (1, False, "selective"), (2, True, "selective"), (1, False, "full"), (2, True, "full")]
 
 
-@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+ATTENTION = {"mha": (), "gqa": ("--model.n_kv_heads=2",),
+             "mla": ("--model.preset=tiny-mla", "--model.n_experts=0")}  # latent attention, dense blocks
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("tp,sp,recompute", CASES)
-def test_block_activation_formula_within_10_percent(tmp_path, tp, sp, recompute, gqa):
-    if gqa and tp == 4:
+def test_block_activation_formula_within_10_percent(tmp_path, tp, sp, recompute, attention):
+    if attention == "gqa" and tp == 4:
         pytest.skip("2 key/value heads do not split over tp = 4")
-    extra = ("--model.n_kv_heads=2",) if gqa else ()
-    cfg = tiny_config(tmp_path, *extra, "--model.n_layers=2")
+    cfg = tiny_config(tmp_path, *ATTENTION[attention], "--model.n_layers=2")
     measured, _ = run_workers(_saved_per_block, tp, cfg, sp, recompute)[0]
     predicted = block_activation_bytes(dataclasses.replace(cfg.model, vocab_size=320), B, T, tp, sp, recompute)
-    rope_table = 2 * T * 16 * 4  # cos and sin (T, head_dim): one table for all blocks, not in the formula
+    rope_width = cfg.model.qk_rope_head_dim if cfg.model.kv_lora_rank else 16
+    rope_table = 2 * T * rope_width * 4  # cos and sin (T, rope width): one table for all blocks, not in the formula
     for block_bytes in measured:
         assert block_bytes - rope_table == pytest.approx(predicted, rel=0.10), (block_bytes, predicted)
 

@@ -161,6 +161,18 @@ def test_pipeline_options():
                      "--train.micro_batch=2") == []  # explicit counts, where 8 layers do not divide by 3
 
 
+def test_latent_attention_and_expert_group_options():
+    mla = "--model.preset=tiny-mla"
+    assert errors_of(8, mla, "--parallel.tp=2", "--parallel.ep=2", "--parallel.cp=2") == []
+    one_error(errors_of(1, mla, "--model.v_head_dim=32"), "model.v_head_dim = 32", "= 24")
+    one_error(errors_of(1, mla, "--model.qk_rope_head_dim=7"), "model.qk_rope_head_dim = 7")
+    one_error(errors_of(1, mla, "--model.n_expert_groups=3"), "model.n_expert_groups = 3", "{1, 2, 4}")
+    one_error(errors_of(1, mla, "--model.topk_groups=5"), "model.topk_groups = 5")
+    one_error(errors_of(1, mla, "--model.topk_groups=1", "--model.top_k=3"), "model.top_k = 3", "raise topk_groups")
+    one_error(errors_of(1, mla, "--model.moe_routed_scale=0"), "model.moe_routed_scale = 0")
+    assert errors_of(1, mla, "--model.n_kv_heads=3") == []  # unused by latent attention
+
+
 def test_tensor_parallel_options():
     one_error(errors_of(2, "--parallel.sp=true"), "parallel.sp = true needs parallel.tp > 1")
     assert errors_of(2, "--parallel.tp=2", "--model.preset=tiny-moe") == []  # experts replicated over tp

@@ -18,9 +18,10 @@ import functools
 import pytest
 import torch
 
+from fivefold.attention import causal_attention
 from fivefold.config import Config, ModelConfig, replace
 from fivefold.mesh import Mesh
-from fivefold.model import Transformer, causal_attention, cross_entropy_sum
+from fivefold.model import Transformer, cross_entropy_sum
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup, CommStats
 from fivefold.parallel.context import (

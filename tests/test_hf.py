@@ -190,3 +190,14 @@ def test_convert_copies_the_tokenizer_and_names_it(tmp_path, models, capsys):
     shutil.rmtree(hf)  # the seed directory stands alone
     assert main(["sample", str(seed), "--prompt", "def f(x):", "--max-new-tokens", "5", "--ignore-eod"]) == 0
     assert capsys.readouterr().out.startswith("def f(x):")
+
+
+def test_latent_attention_and_grouped_routing_are_refused_for_llama_and_mixtral():
+    """A DeepSeek-V3-style model has no Llama/Mixtral config.json: exporting it would drop what it computes."""
+    from fivefold.hf import export_problems
+    from fivefold.presets import PRESETS
+
+    problems = export_problems(PRESETS["tiny-mla"])
+    assert any("kv_lora_rank" in p for p in problems) and any("n_expert_groups" in p for p in problems)
+    assert any("moe_routed_scale" in p for p in problems)
+    assert export_problems(PRESETS["tiny-moe"]) == []

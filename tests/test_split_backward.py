@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fivefold.attention import rope_cos_sin
 from fivefold.config import ModelConfig
-from fivefold.model import Transformer, rope_cos_sin
+from fivefold.model import Transformer
 from fivefold.parallel.split_backward import SplitBackward
 
 

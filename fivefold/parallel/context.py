@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fivefold.attention import causal_attention
 from fivefold.config import Config
 from fivefold.mesh import Mesh
-from fivefold.model import causal_attention
 from fivefold.parallel import comms
 from fivefold.parallel.comms import AxisGroup
 from fivefold.validate import Derived

@@ -1,7 +1,9 @@
 """Tensor parallel (Megatron-LM, Shoeybi et al. 2019) with sequence parallel (Korthikanti et al. 2022).
 
 What is sharded over `tp`: the weight matrices. Attention is split by heads (query heads and
-key/value heads alike, so grouped-query attention keeps its grouping on every rank) and SwiGLU by
+key/value heads alike, so grouped-query attention keeps its grouping on every rank; latent
+attention's per-head up-projections wq_b/wkv_b and wo, its down-projections wq_a/wkv_a and their
+norms replicated, the region entered after them, at `LatentAttention.enter_heads`) and SwiGLU by
 its hidden units: the first matrix of each pair is column-parallel (output features split), the
 second row-parallel (input features split), so the activation between them never needs
 communication. The embedding and the output head are split along the vocabulary (the same rows of
@@ -24,11 +26,13 @@ can describe it as a DTensor Shard(tp_dim) on the tp axis (state_dict.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.attention import LatentAttention
 from fivefold.config import Config
 from fivefold.mesh import Mesh
 from fivefold.model import FeedForward, Transformer
@@ -161,6 +165,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 # embedding and head; everything else (norms, router) is replicated.
 TP_PLAN: dict[str, type[nn.Module]] = {
     "attn.wq": ColumnParallelLinear, "attn.wk": ColumnParallelLinear, "attn.wv": ColumnParallelLinear,
+    "attn.wq_b": ColumnParallelLinear, "attn.wkv_b": ColumnParallelLinear,  # latent attention's up-projections
     "attn.wo": RowParallelLinear,
     "ffn.gate": ColumnParallelLinear, "ffn.up": ColumnParallelLinear, "ffn.down": RowParallelLinear,
 }
@@ -199,9 +204,12 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
         for name, cls in TP_PLAN.items():
             parent_name, child = name.split(".")
             parent = getattr(block, parent_name)
-            if parent in regions:
+            if parent in regions and isinstance(getattr(parent, child, None), nn.Linear):  # MLA has no wk, wv
                 setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
         for region in regions:  # one entry per region, before its column-parallel layers
+            if isinstance(region, LatentAttention):  # after the replicated down-projections instead
+                region.enter_heads = partial(_enter_heads, group=group, sequence_parallel=sequence_parallel)
+                continue
             region.register_forward_pre_hook(
                 lambda mod, args: (enter_tensor_parallel_region(args[0], group, sequence_parallel), *args[1:]))
     if model.tok_embeddings is not None:
@@ -217,11 +225,25 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
     for name, _ in list(model.named_parameters()):
         # Replicated weights that saw different data on each tp rank need the others' gradients:
         # QK-norm weights (each rank normalises its own heads) and, with sp, every norm (each rank
-        # normalises its own T/tp tokens). Without sp the block norms' inputs are identical. The
-        # hook lives on the tensor, so a meta one gets its (small) storage first.
-        if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and "norm" in name):
+        # normalises its own T/tp tokens; so do latent attention's down-projections, which run before
+        # the region's entry). Without sp the block norms' inputs are identical. The hook lives on
+        # the tensor, so a meta one gets its (small) storage first.
+        seq_local = "norm" in name or name.endswith(("attn.wq_a.weight", "attn.wkv_a.weight"))
+        if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and seq_local):
             materialize_parameter(model, name, mesh.device).register_hook(lambda g: _summed_over(g, group))
     return state
+
+
+def _enter_heads(*latents: torch.Tensor, group: AxisGroup, sequence_parallel: bool) -> tuple[torch.Tensor, ...]:
+    """LatentAttention.enter_heads under tp: the tensors its per-head layers read, (B, T, w_i) each
+    (T/tp with sp), enter the region in one collective. Forward: identity, or an all-gather of the
+    sequence; backward: the sum over tp of each rank's heads' gradients (all-reduce, or
+    reduce-scatter with sp), so the replicated down-projections and their norms get the whole
+    gradient. Entering here rather than at x moves the latents (DeepSeek-V3: 1536 + 512 + 64 per
+    token) instead of x (7168)."""
+    widths = [t.shape[-1] for t in latents]
+    joined = enter_tensor_parallel_region(torch.cat(latents, dim=-1), group, sequence_parallel)  # (B, T, sum w)
+    return tuple(joined.split(widths, dim=-1))
 
 
 def _summed_over(grad: torch.Tensor, group: AxisGroup) -> torch.Tensor:

@@ -27,6 +27,23 @@ dk = K x head_dim, f = ffn width, t = tp:
                                                                  2E + 4 + k (4h + 3d) + 4 n_shared h
     (measured on tiny-moe, tp 1 and 2, with and without sp: within 1%)
 
+Multi-head latent attention (attention.py LatentAttention; DeepSeek-V2 sec. 2.1), listed the same
+way, with rq/rkv the query/key-value latents, R the shared RoPE width, n/v the per-head widths
+without RoPE and of values:
+  down-projections (replicated; T/tp tokens with sp, where they read the local norm output, so
+  the attention norm's output is split too): the query latent's norm (input rq, rsqrt, value
+  before the weight rq) and the key-value one (wkv_a's whole output rkv + R, which the norm's
+  input is a view of, rsqrt, value before the weight rkv)                  2rq + 2rkv + R + 2
+  what the up-projections read (replicated, never split: gathered with sp): the latents rq + rkv,
+  at tp > 1 the one concatenation tensor parallel enters its region with, rq + rkv + R (with
+  q_lora_rank = 0, x instead of the query latent: d, already counted at tp = 1)
+  per head (split over tp): the kernel's q, k and v, H (n + R) each (new tensors: the nope and
+  roped parts joined; v padded with zeros to the q/k width, so the fused kernel runs); the
+  kernel's output H (n + R) and log-sum-exp H; the output cut to H v, copied by the out
+  projection's reshape, H v
+  (DeepSeek-V2's cache-free training keeps the same per-head tensors as multi-head attention with
+  heads of n + R; only the projections differ)
+
 Recompute: "full" keeps only each block's input (d, split with sp); "selective" recomputes the
 attention kernel, which then keeps no log-sum-exp, and keeps GQA's unrepeated k/v (the recompute
 repeats them again). Weights are not activations and are not counted.
@@ -45,6 +62,8 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
     dq, dk = H * hd, K * hd
     if recompute == "full":
         return d / tp if sp else d
+    if m.kv_lora_rank:
+        return _latent_block_elements(m, tp, sp, recompute)
     moe = m.n_experts > 0
     replicated = 6 * d + 2
     if sp:  # norms and residuals hold T/tp tokens; the projections keep the gathered inputs
@@ -57,11 +76,33 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         attention = dq + 2 * dk + dq
     if m.qk_norm:
         attention += 2 * dq + H + 2 * dk + K
-    if not moe:
-        return replicated + (attention + 4 * m.ffn_dim) / tp
+    return replicated + attention / tp + _ffn_elements(m, tp, sp)
+
+
+def _ffn_elements(m: ModelConfig, tp: int, sp: bool) -> float:
+    """The MLP's part (the module docstring's list): a dense SwiGLU split over tp, or an MoE block's
+    router and experts, whole on every token without sp and on this tp rank's T/tp tokens with sp."""
+    if not m.n_experts:
+        return 4 * m.ffn_dim / tp
     h = m.moe_ffn_dim or m.ffn_dim
-    experts = 2 * m.n_experts + 4 + m.top_k * (4 * h + 3 * d) + 4 * m.n_shared_experts * h
-    return replicated + attention / tp + experts / (tp if sp else 1)
+    experts = 2 * m.n_experts + 4 + m.top_k * (4 * h + 3 * m.dim) + 4 * m.n_shared_experts * h
+    return experts / (tp if sp else 1)
+
+
+def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str) -> float:
+    """block_activation_elements_per_token for a latent-attention block (the module docstring's list)."""
+    d, H, R = m.dim, m.n_heads, m.qk_rope_head_dim
+    n, v, rq, rkv = m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    down = (2 * rq + 1 if rq else 0) + 2 * rkv + R + 1
+    latents = (rq or (d if tp > 1 else 0)) + rkv + (R if tp > 1 else 0)
+    norms = 6 * d + 2  # both block norms and their outputs, as for grouped-query attention
+    if sp:  # the MLP's projections keep their gathered input instead of the norm's output
+        norms = (5 * d + 2) / tp + d
+    replicated = norms + (down / tp if sp else down) + latents
+    heads = 3 * H * (n + R) + H * v  # q, k, padded v; the cut output the out projection reads
+    if recompute != "selective":  # the kernel's own output and log-sum-exp, which recompute rebuilds
+        heads += H * (n + R) + H
+    return replicated + heads / tp + _ffn_elements(m, tp, sp)
 
 
 def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,

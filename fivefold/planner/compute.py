@@ -3,9 +3,10 @@
 Forward FLOPs of a block (counts.block_forward_flops, which the pipeline's stage split balances
 too) are 2 per multiply-add of each matmul weight a token goes through
 (counts.BlockParams.active_matmul: attention projections, a dense SwiGLU or the router, shared and
-top_k routed experts) plus the causal attention core, 2 s H hd per token (QK^T and PV, 2 FLOPs
-per multiply-add, halved for the mask). Tensor parallel cuts attention and dense MLPs by tp;
-routed experts, shared experts and the router run whole on every tp rank. The last stage adds
+top_k routed experts) plus the causal attention core, s H (Dqk + Dv) per token (QK^T and PV, 2
+FLOPs per multiply-add, halved for the mask; 2 s H hd when both widths are head_dim, MLA's
+differ). Tensor parallel cuts attention's per-head part and dense MLPs by tp; MLA's
+down-projections, routed and shared experts and the router run whole on every tp rank. The last stage adds
 the head's V x d matmul (cut by tp over the vocabulary). The hardware's pricer then turns this work
 into seconds (datasheet.ComputePricer).
 """
@@ -13,7 +14,7 @@ into seconds (datasheet.ComputePricer).
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.planner.counts import ModelCounts, block_forward_flops, head_forward_flops
+from fivefold.planner.counts import ModelCounts, attention_head_dims, block_forward_flops, head_forward_flops
 from fivefold.planner.layout import RankShare
 from fivefold.planner.pricing import ChunkWork
 from fivefold.validate import Derived
@@ -29,7 +30,7 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * d.local_seq_len  # tokens of one micro-batch on one rank
-    attn_fwd_per_block = 2 * t.seq_len * m.n_heads * d.head_dim / p.tp  # causal: half of 4 s H hd
+    attn_fwd_per_block = t.seq_len * m.n_heads * sum(attention_head_dims(m)) / p.tp  # causal: half of 2 s H (Dqk + Dv)
     fwd_flops, moe_blocks = [], []
     for s in shares:
         flops = sum(block_forward_flops(m, counts.blocks[blk], t.seq_len, p.tp, p.sp) for blk in s.blocks)

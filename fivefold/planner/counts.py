@@ -18,9 +18,10 @@ class BlockParams:
     """Parameters of one transformer block, by how the parallel code treats them."""
 
     tp_split: int  # attention projections and a dense SwiGLU: cut by tp (parallel/tensor.py TP_PLAN)
-    replicated: int  # norms, QK-norm, router and shared experts: whole on every tp rank
+    replicated: int  # norms, QK-norm, MLA's down-projections, router and shared experts: whole on every tp rank
     experts: int  # routed experts: cut by ep, replicated over tp (README, expert parallel)
     active_matmul: int  # matmul weights one token goes through (top_k of the routed experts)
+    routed_active: int = 0  # of `experts`, the top_k ones one token goes through
 
     @property
     def total(self) -> int:
@@ -43,6 +44,12 @@ class ModelCounts:
         return sum(b.experts for b in self.blocks)
 
     @property
+    def active(self) -> int:
+        """Parameters one token activates: all but the routed experts it is not sent to (the
+        published "activated parameters" of an MoE model)."""
+        return self.total - sum(b.experts - b.routed_active for b in self.blocks)
+
+    @property
     def active_matmul(self) -> int:
         """Matmul parameters one token uses: blocks (top-k experts only) and the output head."""
         return sum(b.active_matmul for b in self.blocks) + self.embedding  # the head is V x d either way
@@ -52,19 +59,45 @@ def head_dim(m: ModelConfig) -> int:
     return m.head_dim or m.dim // m.n_heads
 
 
+def attention_head_dims(m: ModelConfig) -> tuple[int, int]:
+    """Per-head widths of (query/key, value): head_dim twice, or MLA's (Dn + Dr, Dv)."""
+    if m.kv_lora_rank:
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return head_dim(m), head_dim(m)
+
+
+def attention_params(m: ModelConfig) -> tuple[int, int, int]:
+    """One block's attention (attention.py): (tp-split matmul, replicated matmul, norm) parameters.
+
+    Grouped-query: wq, wk, wv, wo split by heads; QK-norm weights. Latent (MLA): the per-head
+    up-projections wq_b (or wq) and wkv_b and the output wo split; the down-projections wq_a and
+    wkv_a replicated, as are their norms (parallel/tensor.py).
+    """
+    d, H = m.dim, m.n_heads
+    if not m.kv_lora_rank:
+        hd = head_dim(m)
+        return d * H * hd + 2 * d * m.n_kv_heads * hd + H * hd * d, 0, (2 * hd if m.qk_norm else 0)
+    qk, v, rq, rkv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    split = (rq or d) * H * qk + rkv * H * (m.qk_nope_head_dim + v) + H * v * d  # wq_b (or wq), wkv_b, wo
+    down = d * rq + d * (rkv + m.qk_rope_head_dim)  # wq_a, wkv_a
+    return split, down, rq + rkv  # q_a_norm, kv_a_norm
+
+
 def block_params(m: ModelConfig, layer: int) -> BlockParams:
-    """model.Block: attn_norm, Attention (wq wk wv wo, optional q/k norm), ffn_norm, FeedForward or MoE."""
-    d, hd = m.dim, head_dim(m)
-    attn = d * m.n_heads * hd + 2 * d * m.n_kv_heads * hd + m.n_heads * hd * d  # wq, wk, wv, wo
-    norms = 2 * d + (2 * hd if m.qk_norm else 0)  # attn_norm, ffn_norm, q_norm, k_norm
+    """model.Block: attn_norm, attention (attention_params), ffn_norm, FeedForward or MoE."""
+    d = m.dim
+    attn, down, attn_norms = attention_params(m)
+    replicated = 2 * d + attn_norms + down  # attn_norm, ffn_norm, attention's norms and down-projections
+    attn_matmul = attn + down
     if m.n_experts and layer >= m.first_dense_layers:
         h = m.moe_ffn_dim or m.ffn_dim
         router, experts = d * m.n_experts, 3 * m.n_experts * d * h  # gate, up, down per expert
         shared = 3 * d * h * m.n_shared_experts  # one SwiGLU of width h x n_shared
-        active = attn + router + shared + 3 * d * h * m.top_k
-        return BlockParams(tp_split=attn, replicated=norms + router + shared, experts=experts, active_matmul=active)
+        active = attn_matmul + router + shared + 3 * d * h * m.top_k
+        return BlockParams(tp_split=attn, replicated=replicated + router + shared, experts=experts,
+                           active_matmul=active, routed_active=3 * d * h * m.top_k)
     ffn = 3 * d * m.ffn_dim  # gate, up, down
-    return BlockParams(tp_split=attn + ffn, replicated=norms, experts=0, active_matmul=attn + ffn)
+    return BlockParams(tp_split=attn + ffn, replicated=replicated, experts=0, active_matmul=attn_matmul + ffn)
 
 
 def block_rank_params(bp: BlockParams, tp: int, ep: int) -> int:
@@ -77,9 +110,10 @@ def block_forward_flops(m: ModelConfig, bp: BlockParams, seq_len: int, tp: int, 
     """Forward FLOPs of one block per token on one tp rank: 2 per multiply-add of the matmul weights
     a token goes through (tp cuts attention and dense MLPs; the router, shared and routed experts run
     whole, on every token without sp, on this tp rank's T/tp tokens with sp: parallel/expert.py) plus
-    the causal attention core, 2 s H hd (QK^T and PV, halved for the mask). Integers: validate()
-    makes heads, key/value heads and ffn_dim divisible by tp."""
-    attention_core = 2 * seq_len * m.n_heads * head_dim(m)
+    the causal attention core, s H (Dqk + Dv) (QK^T and PV, 2 per multiply-add, halved for the
+    mask; 2 s H hd when both widths are head_dim, MLA's differ). Integers: validate() makes heads,
+    key/value heads and ffn_dim divisible by tp."""
+    attention_core = seq_len * m.n_heads * sum(attention_head_dims(m))
     whole = 2 * (bp.active_matmul - bp.tp_split)
     return (2 * bp.tp_split + attention_core) // tp + (whole // tp if sp else whole)
 
@@ -117,13 +151,15 @@ def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None)
 
     - matmuls: 6 x active matmul parameters (2 per multiply-add forward, twice that backward;
       Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6N), head included;
-    - attention scores and the weighted sum: 2 matmuls of s x head_dim per head, 2 FLOPs each,
-      x3 for backward, halved for the causal mask a fused kernel skips: 6 x L x s x H x hd
-      (PaLM, Chowdhery et al. 2022, App. B counts 12 L H Q T without the causal halving).
+    - attention scores and the weighted sum: per head a matmul of s x Dqk (QK^T) and one of s x Dv
+      (PV), 2 FLOPs per multiply-add, x3 for backward, halved for the causal mask a fused kernel
+      skips: 3 x L x s x H x (Dqk + Dv), which is 6 L s H hd when Dqk = Dv = hd (PaLM, Chowdhery
+      et al. 2022, App. B counts 12 L H Q T without the causal halving). MLA: Dqk = Dn + Dr, Dv;
+      its down- and up-projections are matmul parameters like any other.
     Returns {"matmul", "attention", "total", "attention_forward"} (the last is the share that
     selective recompute runs again).
     """
     c = model_counts(m, vocab_size)
     matmul = 6.0 * c.active_matmul
-    attention = 6.0 * m.n_layers * seq_len * m.n_heads * head_dim(m)
+    attention = 3.0 * m.n_layers * seq_len * m.n_heads * sum(attention_head_dims(m))
     return {"matmul": matmul, "attention": attention, "total": matmul + attention, "attention_forward": attention / 3}

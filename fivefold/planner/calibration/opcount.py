@@ -173,7 +173,12 @@ class Part:
                    f"score={m.router_score} aux={m.moe_aux_loss:g} cf={m.moe_capacity_factor:g}")
         else:
             ffn = f"ffn={rm.ffn_dim}"
+            if m.n_expert_groups > 1:
+                ffn += f" groups={m.topk_groups}/{m.n_expert_groups}"
         qk = " qk_norm" if m.qk_norm else ""
+        if m.kv_lora_rank:  # latent attention: its widths instead of head_dim (n_kv_heads is unused)
+            return (f"block dim={m.dim} heads={rm.n_heads} mla={m.q_lora_rank}/{m.kv_lora_rank} "
+                    f"qk={m.qk_nope_head_dim}+{m.qk_rope_head_dim} v={m.v_head_dim} {ffn} {tail}")
         return f"block dim={m.dim} heads={rm.n_heads}/{rm.n_kv_heads} head_dim={rm.head_dim} {ffn}{qk} {tail}"
 
     def build(self) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -186,7 +191,8 @@ class Part:
         import torch
         from torch import nn
 
-        from fivefold.model import Block, RMSNorm, rope_cos_sin
+        from fivefold.attention import RMSNorm, rope_cos_sin
+        from fivefold.model import Block
         from fivefold.parallel.comms import AxisGroup, CommStats
         from fivefold.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
         from fivefold.seeded_init import init_tensor
@@ -198,7 +204,8 @@ class Part:
             for name, p in block.named_parameters():
                 init_tensor(name, p, rm, seed=0)  # the block's own seeded init: routing, hence ops, are fixed
             x = torch.randn(b, s, m.dim, requires_grad=True)
-            cos, sin = rope_cos_sin(torch.arange(s), rm.head_dim, m.rope_theta)
+            rope_dim = rm.qk_rope_head_dim if rm.kv_lora_rank else rm.head_dim  # MLA ropes a part of each head
+            cos, sin = rope_cos_sin(torch.arange(s), rope_dim, m.rope_theta)
             return (lambda: block(x, cos, sin)), list(block.parameters()), [x]
         v = max(1, self.vocab // self.tp)  # the vocabulary is split over tp
         alone = AxisGroup("tp", "tp", None, 1, 0, CommStats())
