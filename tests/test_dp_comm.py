@@ -12,6 +12,7 @@ from fivefold.mesh import Mesh
 from fivefold.model import count_parameters
 from fivefold.parallel import comms
 from fivefold.parallel.data_parallel import apply_data_parallel
+from fivefold.planner.comm import dp_traffic
 from fivefold.testing import run_workers
 from fivefold.train.checkpoint import complete_checkpoints
 from fivefold.train.loop import build_model, train
@@ -71,7 +72,7 @@ def test_counted_bytes_with_pipelines_equal_the_theory(tmp_path, zero, schedule,
     run_workers(_train, 4, cfg)
     n, m = 2, 4  # dp ranks; micro-batches per step: 8 samples / (dp 2 x micro-batch 1)
     model = build_model(cfg, 320)
-    split_stages(model, build_schedule(schedule, 2, m, 2), pp_rank=0)  # rank 0's chunks: what it reduces
+    split_stages(model, build_schedule(schedule, 2, m, 2), 0, (2, 2, 2, 2))  # rank 0's chunks: what it reduces
     G = P = count_parameters(model) * 4
     expected = {
         2: m * (n - 1) / n * G + (n - 1) / n * P,  # a reduce-scatter per chunk backward + all-gather
@@ -80,6 +81,8 @@ def test_counted_bytes_with_pipelines_equal_the_theory(tmp_path, zero, schedule,
     }[zero] + comms.wire_bytes("all_reduce", 8, n)  # the norm's fp64 sum of squares
     for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):  # rank 0's counters
         assert record["comm"]["dp"]["wire_bytes"] == expected
+    # The planner prices the same bytes for this rank (planner/comm.py).
+    assert dp_traffic(zero, n, G, P, m, not keep).bytes + comms.wire_bytes("all_reduce", 8, n) == expected
 
 
 class _Link:

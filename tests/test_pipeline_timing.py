@@ -61,11 +61,11 @@ class _SleepChunk:
 
 
 class _PlainBackward:
-    def backward(self, out, grad=None, *, last_micro_batch, inputs=None):
+    def backward(self, out, grad=None, *, last_micro_batch, inputs=None, chunk=None):
         torch.autograd.backward(out, grad, inputs=inputs)
 
     @contextlib.contextmanager
-    def reducing(self, last_micro_batch):
+    def reducing(self, last_micro_batch, chunk=None):
         yield
 
 
