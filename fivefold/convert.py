@@ -24,8 +24,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fivefold import hf_deepseek
 from fivefold.config import Config, ConfigError, ModelConfig, load_config, replace
-from fivefold.hf import HFFormatError, HFSource, export_problems, hf_config, hf_names, is_stacked, model_config_from_hf
+from fivefold.hf import (
+    HFFormatError,
+    HFSource,
+    export_problems,
+    hf_config,
+    hf_names,
+    hf_rows,
+    is_stacked,
+    kind_of,
+    model_config_from_hf,
+)
 from fivefold.model import Transformer
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.train.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
@@ -82,10 +93,14 @@ def parse_size(text: str) -> int:
     raise ValueError(f"--max-shard-size '{text}': write bytes or a size such as 5GB or 500MB")
 
 
-def _params(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of model m, a tied matrix once (as the checkpoints hold it)."""
+def _tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of what a checkpoint of model m holds: its parameters, a tied matrix once, then its
+    saved buffers (MoE routing biases when model.moe_bias_update > 0)."""
     with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in Transformer(m).named_parameters()}
+        model = Transformer(m)
+    saved = model.state_dict().keys()
+    out = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return out | {name: tuple(b.shape) for name, b in model.named_buffers() if name in saved}
 
 
 def check_fit(source: WeightSource, m: ModelConfig, what: str) -> None:
@@ -111,13 +126,15 @@ def copy_hf_tokenizer(src: Path, out: Path) -> bool:
 
 
 def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
-    """A Hugging Face Llama/Mixtral directory -> a seed directory (weights in their own dtype, and
-    the tokenizer files beside them when it has a tokenizer.json)."""
+    """A Hugging Face Llama/Mixtral/DeepSeek-V3 directory -> a seed directory (weights in their own
+    dtype, and the tokenizer files beside them when it has a tokenizer.json)."""
     source = HFSource(src)
     m = source.model_cfg
     check_fit(source, m, str(src))
     tensors = []
-    for name, shape in _params(m).items():
+    for name, shape in _tensors(m).items():
+        if name not in source.names():  # a buffer the checkpoint lacks (check_fit): the model's own zeros
+            continue
         if is_stacked(name):  # one expert at a time: HF holds each expert apart
             def produce(n=name, s=shape):
                 return (source.read(n, (slice(e, e + 1), slice(0, s[1]), slice(0, s[2]))) for e in range(s[0]))
@@ -163,26 +180,40 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
         base = json.loads(hf_base.read_text())
     if base is not None:
         model_config_from_hf(base, str(hf_base or "the HF config it came from"))  # refuses options we do not write
+    kind = kind_of(m)
     problems = export_problems(m)
     for name in sorted(source.names()):
-        if name.endswith(".expert_bias") and source.read(name).any():
+        if kind != "deepseek_v3" and name.endswith(".expert_bias") and source.read(name).any():
             problems.append(f"{name} is not zero (model.moe_bias_update): Mixtral's router has no bias")
     if problems:
-        raise HFFormatError(f"{src}: the model has what Llama/Mixtral cannot express:\n  " + "\n  ".join(problems))
+        raise HFFormatError(f"{src}: the model has what HF's {kind} cannot express:\n  " + "\n  ".join(problems))
     check_fit(source, m, str(src))
+    config = hf_config(m, dtype or source.dtype("tok_embeddings.weight"), base)
+    # DeepSeek-V3 checkpoints always hold the routing bias: written as zeros where the model keeps none.
+    biased = dataclasses.replace(m, moe_bias_update=hf_deepseek.BIAS_UPDATE) if kind == "deepseek_v3" else m
     tensors = []
-    for name, shape in _params(m).items():
+    for name, shape in _tensors(biased).items():
         found = source_name(name, source, m.tie_embeddings)
+        if name.endswith(".expert_bias"):
+            if kind == "deepseek_v3":  # fp32 whatever `dtype`, as transformers keeps it
+                def produce(n=found, s=shape):
+                    return torch.zeros(s) if n is None else source.read(n).float()
+                tensors.append((hf_names(name, m)[0], torch.float32, shape, produce))
+            continue  # Mixtral has no bias (a non-zero one is refused above)
         to = dtype or source.dtype(found)
-        for e, hf in enumerate(hf_names(name, m.n_experts)):
+        for e, hf in enumerate(hf_names(name, m)):
             if is_stacked(name):  # expert e of (E, in, out) is HF's (out, in) weight, transposed
                 box = (slice(e, e + 1), slice(0, shape[1]), slice(0, shape[2]))
                 def produce(n=found, b=box, t=to):
                     return source.read(n, b)[0].T.contiguous().to(t)
                 tensors.append((hf, to, (shape[2], shape[1]), produce))
             else:
-                tensors.append((hf, to, shape, lambda n=found, t=to: source.read(n).to(t)))
+                rows = hf_rows(name, m, config)
+                back = None if rows is None else torch.argsort(rows)  # hf = fivefold[back]
+                def produce(n=found, t=to, back=back):
+                    value = source.read(n)
+                    return (value if back is None else value[back]).to(t)
+                tensors.append((hf, to, shape, produce))
     files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt"})
-    written = dtype or source.dtype("tok_embeddings.weight")
-    (out / "config.json").write_text(json.dumps(hf_config(m, written, base), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return files

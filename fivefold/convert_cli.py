@@ -28,8 +28,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None, help="TOML file (see configs/)")
     p.add_argument("--out", default=None, help="directory to write (default: RUN_DIR/seed)")
     p = sub.add_parser("convert", help="convert weights: Hugging Face <-> fivefold",
-                       description="Hugging Face Llama/Mixtral directory -> seed directory (--to fivefold), or "
-                                   "run checkpoint / seed directory -> Hugging Face directory (--to hf).")
+                       description="Hugging Face Llama/Mixtral/DeepSeek-V3 directory -> seed directory "
+                                   "(--to fivefold), or run checkpoint / seed directory -> Hugging Face directory "
+                                   "(--to hf).")
     p.add_argument("src", help="--to fivefold: an HF directory; --to hf: checkpoints/step_X or a seed directory")
     p.add_argument("out", help="directory to write (new or empty)")
     p.add_argument("--to", choices=["fivefold", "hf"], required=True)

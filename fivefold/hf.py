@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Mixtral checkpoints in and out: config, names and layouts.
+"""Hugging Face Llama, Mixtral and DeepSeek-V3 checkpoints in and out: config, names and layouts.
 
 What differs between a Hugging Face (HF) directory and fivefold, and what is done about it:
 - config.json <-> ModelConfig (`model_config_from_hf`, `hf_config`). An option fivefold does not
@@ -18,6 +18,9 @@ What differs between a Hugging Face (HF) directory and fivefold, and what is don
   The router `block_sparse_moe.gate` is `ffn.router`: softmax, top-k, renormalised, as fivefold's
   MoE with router_score = "softmax" and norm_topk = true.
 - Tied embeddings: HF saves no `lm_head.weight`; fivefold saves `tok_embeddings.weight` once.
+- DeepSeek-V3 (latent attention, group-limited sigmoid routing, shared experts): its names, its
+  interleaved RoPE rows and what else differs are in hf_deepseek.py; a model with
+  model.kv_lora_rank > 0 is written as DeepSeek-V3.
 Weights are read only from safetensors (`train/safetensors_io.py`).
 """
 
@@ -30,11 +33,13 @@ from typing import Any
 
 import torch
 
+from fivefold import hf_deepseek
 from fivefold.config import ModelConfig
 from fivefold.model import Transformer
 from fivefold.train.safetensors_io import SafetensorsDir
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
+                 hf_deepseek.ARCHITECTURE: "deepseek_v3"}
 DENSE = {  # per block: fivefold name -> HF name
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
@@ -44,11 +49,16 @@ DENSE = {  # per block: fivefold name -> HF name
 }
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
-EXPERTS = {"ffn.experts.gate": "w1", "ffn.experts.up": "w3", "ffn.experts.down": "w2"}
+EXPERTS = {"ffn.experts.gate": "block_sparse_moe.experts.{e}.w1.weight",
+           "ffn.experts.up": "block_sparse_moe.experts.{e}.w3.weight",
+           "ffn.experts.down": "block_sparse_moe.experts.{e}.w2.weight"}
+BLOCKS = {"llama": (DENSE, EXPERTS), "mixtral": (DENSE, EXPERTS),  # per architecture: block and expert names
+          "deepseek_v3": (hf_deepseek.BLOCK, hf_deepseek.EXPERTS)}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # What transformers assumes for keys a config.json leaves out (LlamaConfig / MixtralConfig defaults).
 DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-            "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8}}
+            "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8},
+            "deepseek_v3": hf_deepseek.DEFAULTS}
 
 
 class HFFormatError(ValueError):
@@ -56,22 +66,37 @@ class HFFormatError(ValueError):
 
 
 # ---- names -------------------------------------------------------------------------------------
-def hf_names(name: str, n_experts: int) -> list[str]:
+def kind_of(m: ModelConfig) -> str:
+    """The HF architecture a fivefold model is written as: DeepSeek-V3 with latent attention, else
+    Mixtral with experts, else Llama."""
+    return "deepseek_v3" if m.kv_lora_rank else "mixtral" if m.n_experts else "llama"
+
+
+def hf_names(name: str, m: ModelConfig) -> list[str]:
     """The HF tensors behind one fivefold tensor: one, or for stacked experts one per expert."""
     if name in TOP:
         return [TOP[name]]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m is None or (m.group(2) not in DENSE and m.group(2) not in EXPERTS):
+    block, experts = BLOCKS[kind_of(m)]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if match is None or (match.group(2) not in block and match.group(2) not in experts):
         raise KeyError(f"'{name}' has no Hugging Face counterpart")
-    layer, rest = m.groups()
-    if rest in DENSE:
-        return [f"model.layers.{layer}.{DENSE[rest]}"]
-    return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{EXPERTS[rest]}.weight" for e in range(n_experts)]
+    layer, rest = match.groups()
+    if rest in block:
+        return [f"model.layers.{layer}.{block[rest]}"]
+    return [f"model.layers.{layer}.{experts[rest].format(e=e)}" for e in range(m.n_experts)]
 
 
 def is_stacked(name: str) -> bool:
     """Experts stacked into one (E, in, out) tensor: HF saves one matrix per expert."""
     return name.split(".")[-2] == "experts"
+
+
+def hf_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:
+    """The HF row behind each row of fivefold's tensor `name` (fivefold = hf[rows]) where the two
+    orders differ (DeepSeek-V3's interleaved RoPE rows), else None. `hf`: the model's config.json."""
+    if kind_of(m) != "deepseek_v3" or not hf.get("rope_interleave", hf_deepseek.DEFAULTS["rope_interleave"]):
+        return None
+    return hf_deepseek.rope_rows(name, m)
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -86,14 +111,17 @@ def _rope_theta(hf: dict, default: float, problems: list[str]) -> float:
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    """fivefold's ModelConfig for a Llama or Mixtral config.json; HFFormatError listing every option
-    fivefold lacks."""
+    """fivefold's ModelConfig for a Llama, Mixtral or DeepSeek-V3 config.json; HFFormatError listing
+    every option fivefold lacks."""
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise HFFormatError(f"{where}: architectures {archs}: fivefold reads {' and '.join(ARCHITECTURES)} only")
+        names = list(ARCHITECTURES)
+        raise HFFormatError(f"{where}: architectures {archs}: fivefold reads {', '.join(names[:-1])} and "
+                            f"{names[-1]} only")
     kind = ARCHITECTURES[archs[0]]
     required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
     required += ["num_local_experts", "num_experts_per_tok"] if kind == "mixtral" else []
+    required += list(hf_deepseek.REQUIRED) if kind == "deepseek_v3" else []
     missing = [k for k in required if not isinstance(hf.get(k), int)]
     if missing:
         raise HFFormatError(f"{where}: {', '.join(missing)} missing or not an integer")
@@ -110,10 +138,14 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     refuse("sliding_window", None, "fivefold's attention is full causal attention, no sliding window")
     refuse("router_jitter_noise", 0.0, "fivefold's router adds no noise")
     refuse("quantization_config", None, "quantized weights are not read; use the unquantized checkpoint")
+    if kind == "deepseek_v3":
+        problems += hf_deepseek.config_problems(hf)
     defaults = DEFAULTS[kind]
     theta = _rope_theta(hf, defaults["rope_theta"], problems)
     if problems:
         raise HFFormatError(f"{where} ({archs[0]}) uses what fivefold does not implement:\n  " + "\n  ".join(problems))
+    if kind == "deepseek_v3":
+        return hf_deepseek.model_config(hf, theta)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or 0
     moe = dict(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"]) if kind == "mixtral" else {}
@@ -128,32 +160,43 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def export_problems(m: ModelConfig) -> list[str]:
-    """What a fivefold model has that HF's Llama and Mixtral cannot express."""
+    """What a fivefold model has that the HF architecture it is written as (kind_of) cannot express."""
+    if kind_of(m) == "deepseek_v3":
+        return hf_deepseek.export_problems(m)
     moe = m.n_experts > 0
     checks = [(m.qk_norm, "model.qk_norm = true (Llama and Mixtral have no q/k norms)"),
               (m.n_shared_experts > 0, "model.n_shared_experts > 0 (Mixtral has no shared experts)"),
               (moe and m.first_dense_layers > 0, "model.first_dense_layers > 0 (every Mixtral block is MoE)"),
               (moe and m.router_score != "softmax", "model.router_score = 'sigmoid' (Mixtral's router is a softmax)"),
               (moe and not m.norm_topk, "model.norm_topk = false (Mixtral renormalises its top-k weights)"),
-              (m.kv_lora_rank > 0, "model.kv_lora_rank > 0 (latent attention: DeepSeek-V3 conversion is not built)"),
               (moe and m.n_expert_groups > 1, "model.n_expert_groups > 1 (Mixtral routes without groups)"),
               (moe and m.moe_routed_scale != 1, "model.moe_routed_scale != 1 (Mixtral does not scale its experts)")]
-    return [what for bad, what in checks if bad]
+    problems = [what for bad, what in checks if bad]
+    deepseek_only = (m.n_shared_experts, m.first_dense_layers, m.router_score != "softmax", m.n_expert_groups > 1,
+                     m.moe_routed_scale != 1)
+    if moe and any(deepseek_only):
+        problems.append("(DeepSeek-V3 has these MoE options, but fivefold writes it for latent attention only: "
+                        "model.kv_lora_rank > 0)")
+    return problems
 
 
 def hf_config(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
     """config.json for the model `m` (vocab_size resolved) saved in `dtype`. `base`: an HF config
     whose other keys (token ids, context length, ...) are kept; its model keys are replaced."""
-    kind = "mixtral" if m.n_experts else "llama"
+    kind = kind_of(m)
     out = dict(base or {})
-    head_dim = m.head_dim or m.dim // m.n_heads
     out.update(architectures=[next(a for a, k in ARCHITECTURES.items() if k == kind)], model_type=kind,
-               hidden_size=m.dim, intermediate_size=(m.moe_ffn_dim or m.ffn_dim) if m.n_experts else m.ffn_dim,
-               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads,
+               hidden_size=m.dim, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                vocab_size=m.vocab_size, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
                hidden_act="silu", initializer_range=m.init_std)
-    if not (out.get("head_dim") is None and head_dim == m.dim // m.n_heads):  # keep a base's null default
-        out["head_dim"] = head_dim
+    if kind == "deepseek_v3":
+        out.update(hf_deepseek.hf_keys(m, out))
+    else:
+        out.update(intermediate_size=(m.moe_ffn_dim or m.ffn_dim) if m.n_experts else m.ffn_dim,
+                   num_key_value_heads=m.n_kv_heads)
+        head_dim = m.head_dim or m.dim // m.n_heads
+        if not (out.get("head_dim") is None and head_dim == m.dim // m.n_heads):  # keep a base's null default
+            out["head_dim"] = head_dim
     if kind == "mixtral":
         out.update(num_local_experts=m.n_experts, num_experts_per_tok=m.top_k)
     if "rope_parameters" in out:  # transformers 5 style
@@ -184,27 +227,36 @@ class HFSource:
             model = Transformer(self.model_cfg)
         self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         have = self.files.names()
-        self._names = frozenset(k for k in self.shapes if all(n in have for n in hf_names(k, self.model_cfg.n_experts)))
+        self._names = frozenset(k for k in self.shapes if all(n in have for n in hf_names(k, self.model_cfg)))
 
     def names(self) -> frozenset[str]:
         return self._names
 
     def shape(self, name: str) -> tuple[int, ...]:
-        parts = hf_names(name, self.model_cfg.n_experts)
+        parts = hf_names(name, self.model_cfg)
         if not is_stacked(name):
             return self.files.shape(parts[0])
         out_features, in_features = self.files.shape(parts[0])
         return (len(parts), in_features, out_features)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.files.dtype(hf_names(name, self.model_cfg.n_experts)[0])
+        return self.files.dtype(hf_names(name, self.model_cfg)[0])
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A box of fivefold's tensor `name`; for stacked experts (E, in, out), each expert's box
-        is read from HF's (out, in) weight and transposed."""
-        parts = hf_names(name, self.model_cfg.n_experts)
+        is read from HF's (out, in) weight and transposed; for reordered rows (hf_rows), the HF rows
+        spanning the box's are read and picked from."""
+        parts = hf_names(name, self.model_cfg)
         if not is_stacked(name):
-            return self.files.read(parts[0], index)
+            order = hf_rows(name, self.model_cfg, self.hf_config)
+            if order is None:
+                return self.files.read(parts[0], index)
+            rows, *cols = index or tuple(slice(0, n) for n in self.shape(name))
+            wanted = order[rows]  # (R,) HF rows of the box: the reordering stays inside each head
+            if wanted.numel() == 0:
+                return torch.empty(0, *[s.stop - s.start for s in cols], dtype=self.dtype(name))
+            low = int(wanted.min())
+            return self.files.read(parts[0], (slice(low, int(wanted.max()) + 1), *cols))[wanted - low]  # (R, ...)
         experts, rows, cols = index or tuple(slice(0, n) for n in self.shape(name))
         if min(s.stop - s.start for s in (experts, rows, cols)) <= 0:  # an empty shard (ZeRO-3 with E < dp)
             return torch.empty([max(0, s.stop - s.start) for s in (experts, rows, cols)], dtype=self.dtype(name))

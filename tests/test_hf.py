@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Mixtral in and out: same logits in every layout, exact round trips."""
+"""Hugging Face Llama, Mixtral and DeepSeek-V3 in and out: same logits in every layout, exact round trips."""
 
 import dataclasses
 import json
@@ -17,13 +17,22 @@ from fivefold.model import Transformer
 from fivefold.testing import run_workers
 from fivefold.train.safetensors_io import SafetensorsDir
 from fivefold.train.weights import check_init_from, load_weights
-from fivefold.validate import validate
+from fivefold.validate import padded_vocab, validate
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=320, initializer_range=0.2)  # std 0.2, not 0.02: logits of order 1, so errors show
+# DeepSeek-V3 in miniature: a dense block then a MoE block of 8 experts in 4 groups (top-2 within 2),
+# a shared expert, routed scale 2.5, latent attention with a RoPE part of 8 per head.
+DEEPSEEK = dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=12, num_mtp_layers=0)
 KINDS = {"llama": ("Llama", {}),  # transformers' classes by name: importing it costs seconds, so only when used
          "llama-tied": ("Llama", dict(tie_word_embeddings=True)),  # no lm_head.weight saved
-         "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2))}
+         "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+         "deepseek": ("DeepseekV3", DEEPSEEK),
+         # queries straight from x (q_proj), RoPE rows in fivefold's own order
+         "deepseek-plain": ("DeepseekV3", {**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False})}
 
 
 def hf_class(kind: str, what: str):
@@ -40,7 +49,15 @@ def models(tmp_path_factory):
     for kind, (_, extra) in KINDS.items():
         root = tmp_path_factory.mktemp(kind)
         torch.manual_seed(0)
-        hf = hf_class(kind, "ForCausalLM")(hf_class(kind, "Config")(**SHAPE, **extra)).eval()
+        hf = hf_class(kind, "ForCausalLM")(hf_class(kind, "Config")(**{**SHAPE, **extra})).eval()
+        # transformers starts norms at 1 and the routing bias at 0; DeepSeek's get random ones, so that
+        # swapped norms (latent ones included) and a lost bias (std 0.2 changes which experts are picked) show.
+        with torch.no_grad():
+            for name, t in [*hf.named_parameters(), *hf.named_buffers()] if kind.startswith("deepseek") else []:
+                if name.endswith("norm.weight"):
+                    t.normal_(1, 0.2)
+                elif name.endswith("e_score_correction_bias"):
+                    t.normal_(0, 0.2)
         hf.save_pretrained(root / "hf", max_shard_size="40KB")
         x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
         with torch.no_grad():
@@ -77,8 +94,10 @@ def _logits(rank, world, cfg, sources, x, save_to=None):
 
 
 LAYOUTS = {"single": (1, {}), "tp2": (2, {"tp": 2}), "pp2": (2, {"pp": 2}), "dp2-ep2": (2, {"ep": 2})}
-# ep needs experts.
-CASES = [(layout, kind) for layout in LAYOUTS for kind in KINDS if layout != "dp2-ep2" or kind == "mixtral"]
+# ep needs experts; deepseek-plain differs from deepseek in its attention's reading only.
+CASES = [(layout, kind) for layout in LAYOUTS for kind in KINDS
+         if (layout != "dp2-ep2" or kind in ("mixtral", "deepseek"))
+         and (layout == "single" or kind != "deepseek-plain")]
 
 
 @pytest.mark.parametrize("layout,kind", CASES)
@@ -94,9 +113,15 @@ def test_same_logits_as_transformers_in_every_layout(tmp_path, models, layout, k
     for logits in both:
         # One process, pp and ep: the same kernels as transformers on the same rows, measured
         # bit-equal. tp adds each row-parallel product from two halves (an all-reduce), another fp32
-        # rounding: measured 5.5e-6 on logits up to 6.4, bound 2e-5. A wrong mapping (w1 and w3
-        # swapped, a transposed expert, a permuted head) moves them by O(0.1-1).
-        torch.testing.assert_close(logits, m["logits"], rtol=0, atol=2e-5 if layout == "tp2" else 0)
+        # rounding: measured 5.5e-6 on logits up to 6.4, bound 2e-5. DeepSeek-V3 is bit-equal in no
+        # layout: its attention (HF's SDPA call takes values of width 12, fivefold pads them to 24) and
+        # its MoE (the experts added in another order) each differ by one or two fp32 ulps (measured
+        # per module); logits up to 6.5 differ by 6.4e-6 (one process, pp2, ep2) and 7.2e-6 (tp2),
+        # deepseek-plain's up to 8.0 by 6.6e-6; bound 2e-5. A wrong mapping (w1 and w3 swapped, a
+        # transposed expert, a permuted head, RoPE rows in HF's order, a lost routing bias) moves
+        # them by O(0.1-1).
+        exact = layout != "tp2" and not kind.startswith("deepseek")
+        torch.testing.assert_close(logits, m["logits"], rtol=0, atol=0 if exact else 2e-5)
 
 
 def test_a_wrong_rope_permutation_is_caught(models):
@@ -113,6 +138,58 @@ def test_a_wrong_rope_permutation_is_caught(models):
         assert (model(m["x"]) - m["logits"]).abs().max() > 0.1
 
 
+def _seed_model(m) -> Transformer:
+    model = Transformer(HFSource(m["hf"]).model_cfg)
+    seed = SafetensorsDir(m["seed"])
+    model.load_state_dict({n: seed.read(n) for n in seed.names()})
+    return model
+
+
+@pytest.mark.parametrize("tensor", ["wq_b", "wkv_a"])
+def test_deepseek_rope_rows_in_hf_order_are_caught(models, tensor):
+    """HF's DeepSeek-V3 rotates adjacent pairs of the RoPE part (rope_interleave); taken in HF's order,
+    without the [evens, odds] reordering, either the queries' or the shared key's rows must show."""
+    m = models["deepseek"]
+    model = _seed_model(m)
+    hf = SafetensorsDir(m["hf"])
+    weight = getattr(model.layers["0"].attn, tensor).weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(m["x"]), m["logits"], rtol=0, atol=2e-5)  # as in every layout above
+        weight.copy_(hf.read({"wq_b": "model.layers.0.self_attn.q_b_proj.weight",
+                              "wkv_a": "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"}[tensor]))
+        assert (model(m["x"]) - m["logits"]).abs().max() > 0.1
+
+
+def test_deepseek_without_its_routing_bias_is_caught(models):
+    """e_score_correction_bias is expert_bias: a model that dropped it picks other experts."""
+    m = models["deepseek"]
+    model = _seed_model(m)
+    with torch.no_grad():
+        model.layers["1"].ffn.expert_bias.zero_()
+        assert (model(m["x"]) - m["logits"]).abs().max() > 0.1
+
+
+def test_fivefold_model_to_deepseek_for_transformers(tmp_path):
+    """A model fivefold made (no HF config to start from, no routing bias kept): transformers reads
+    the export and computes fivefold's logits."""
+    from fivefold.train.seed import write_seed_checkpoint
+
+    cfg = tiny_config(tmp_path, "--model.preset=tiny-mla", "--model.n_layers=2", "--model.norm_eps=1e-6",
+                      "--model.init_std=0.2")
+    write_seed_checkpoint(cfg, tmp_path / "seed", progress=False)
+    fivefold_to_hf(tmp_path / "seed", tmp_path / "hf")
+    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)))
+    seed = SafetensorsDir(tmp_path / "seed")
+    model.load_state_dict({n: seed.read(n) for n in seed.names()})
+    hf = hf_class("deepseek", "ForCausalLM").from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        # Measured 7.9e-6 on logits up to 7.2; bound as in test_same_logits_as_transformers_in_every_layout.
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=0, atol=2e-5)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rope_interleave"] and config["num_nextn_predict_layers"] == 0
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
     m = models[kind]
@@ -126,9 +203,10 @@ def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
             == json.loads((m["hf"] / "config.json").read_text()))
 
 
-@pytest.mark.parametrize("layout,kind", [("tp2", "llama"), ("dp2-ep2", "mixtral")])
+@pytest.mark.parametrize("layout,kind", [("tp2", "llama"), ("dp2-ep2", "mixtral"), ("tp2", "deepseek")])
 def test_run_checkpoint_to_hf_is_exact(tmp_path, models, layout, kind):
-    """A checkpoint saved as DTensor shards (tp slices, ep expert groups) -> HF, read tensor by tensor."""
+    """A checkpoint saved as DTensor shards (tp slices, ep expert groups) -> HF, read tensor by tensor
+    (DeepSeek-V3: its routing bias kept, its RoPE rows put back in HF's order)."""
     m = models[kind]
     world, parallel = LAYOUTS[layout]
     cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(m["hf"]).model_cfg), parallel=parallel,
@@ -149,7 +227,7 @@ def test_run_checkpoint_to_hf_is_exact(tmp_path, models, layout, kind):
 
 def test_what_fivefold_cannot_represent_is_refused(tmp_path, models):
     config = json.loads((models["llama"]["hf"] / "config.json").read_text())
-    with pytest.raises(HFFormatError, match="MistralForCausalLM.*LlamaForCausalLM and MixtralForCausalLM"):
+    with pytest.raises(HFFormatError, match="MistralForCausalLM.*LlamaForCausalLM, MixtralForCausalLM and Deepseek"):
         model_config_from_hf({**config, "architectures": ["MistralForCausalLM"]})
     scaled = {**config, "attention_bias": True, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
     with pytest.raises(HFFormatError, match="(?s)attention_bias = True.*rope type 'llama3'"):
@@ -192,12 +270,27 @@ def test_convert_copies_the_tokenizer_and_names_it(tmp_path, models, capsys):
     assert capsys.readouterr().out.startswith("def f(x):")
 
 
-def test_latent_attention_and_grouped_routing_are_refused_for_llama_and_mixtral():
-    """A DeepSeek-V3-style model has no Llama/Mixtral config.json: exporting it would drop what it computes."""
+def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
     from fivefold.hf import export_problems
     from fivefold.presets import PRESETS
 
-    problems = export_problems(PRESETS["tiny-mla"])
-    assert any("kv_lora_rank" in p for p in problems) and any("n_expert_groups" in p for p in problems)
-    assert any("moe_routed_scale" in p for p in problems)
+    config = json.loads((models["deepseek"]["hf"] / "config.json").read_text())
+    unsupported = {**config, "rms_norm_eps": 1e-5, "quantization_config": {"quant_method": "fp8"},
+                   "scoring_func": "softmax",
+                   "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}}
+    del unsupported["rope_parameters"]  # DeepSeek's own config.json: the older rope_theta / rope_scaling keys
+    with pytest.raises(HFFormatError, match="(?s)quantization_config.*rms_norm_eps = 1e-05.*latent norms.*"
+                                            "scoring_func = 'softmax'.*rope type 'yarn'"):
+        model_config_from_hf(unsupported)
+    assert export_problems(PRESETS["deepseek-v3"]) == []
+    problems = export_problems(PRESETS["tiny-mla"])  # norm_eps 1e-5: HF's latent norms would use 1e-6
+    assert len(problems) == 1 and "model.norm_eps = 1e-05" in problems[0]
+    grouped = dataclasses.replace(PRESETS["tiny-mla"], kv_lora_rank=0)  # DeepSeek's routing without latent attention
+    problems = export_problems(grouped)
+    assert any("n_expert_groups" in p for p in problems) and "kv_lora_rank > 0" in problems[-1]
     assert export_problems(PRESETS["tiny-moe"]) == []
+    # A run that does not keep the routing bias (moe_bias_update = 0) would load the weights without it.
+    model = {**dataclasses.asdict(HFSource(models["deepseek"]["hf"]).model_cfg), "moe_bias_update": 0.0}
+    error = check_init_from(replace(tiny_config(tmp_path), model=model,
+                                    checkpoint={"init_from": str(models["deepseek"]["hf"])}))
+    assert len(error) == 1 and "layers.1.ffn.expert_bias" in error[0] and "model.moe_bias_update = 0" in error[0]

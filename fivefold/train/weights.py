@@ -36,7 +36,8 @@ FIELD = "checkpoint.init_from"
 SEED_CONFIG = "fivefold.toml"  # beside a seed checkpoint's weights: the config it was made with
 # Model fields that change the computation without changing any tensor's shape: weights made for
 # another value would load without complaint and compute something else.
-SHAPELESS_FIELDS = ("norm_eps", "rope_theta", "qk_norm", "tie_embeddings", "top_k", "router_score", "norm_topk")
+SHAPELESS_FIELDS = ("norm_eps", "rope_theta", "qk_norm", "tie_embeddings", "top_k", "router_score", "norm_topk",
+                    "n_expert_groups", "topk_groups", "moe_routed_scale")
 
 
 class WeightSource(Protocol):
@@ -99,8 +100,9 @@ def _summary(problems: list[str]) -> str:
 
 def check_init_from(cfg: Config) -> list[str]:
     """Problems with cfg.checkpoint.init_from, found before any process starts: the path, its
-    files, every tensor's shape against the model (from the files' headers: no weight is read),
-    and the model fields that shapes cannot show. Empty when unset, fine, or not used (resuming)."""
+    files, every tensor's shape against the model (from the files' headers: no weight is read but
+    the MoE routing biases, E numbers a block), and the model fields that shapes cannot show.
+    Empty when unset, fine, or not used (resuming)."""
     from fivefold.train.run_dir import latest_checkpoint, run_dir_of
 
     if not cfg.checkpoint.init_from or (cfg.checkpoint.resume and latest_checkpoint(run_dir_of(cfg)) is not None):
@@ -120,6 +122,13 @@ def check_init_from(cfg: Config) -> list[str]:
     optional = {k for k, _ in model.named_buffers()}
     problems = config_differences(made_for, model_cfg) if made_for is not None else []
     problems += fit_problems(source, expected, optional, model_cfg.tie_embeddings)
+    # The model keeps (loads) its routing bias only when it updates it: weights routing with one would
+    # otherwise load without it and choose other experts.
+    biased = [n for n in sorted(source.names()) if n.endswith(".expert_bias") and n not in expected
+              and source.read(n).any()]
+    if biased:
+        problems.append(f"{biased[0]} (and {len(biased) - 1} more): the weights route with a bias that "
+                        f"model.moe_bias_update = 0 does not keep; set it > 0 (DeepSeek-V3: 0.001)")
     if not problems:
         return []
     return [f"{FIELD} = '{path}' does not fit this config's model section; set model.* to what the weights were "
