@@ -31,6 +31,8 @@ and the schedule with `loss_fn` = fivefold's `cross_entropy_sum` / global token 
 target and losses on the rank of the last; fivefold keeps no logits either), clips with torch's
 `get_total_norm` (the squared norm all-reduced over the pp group) and `clip_grads_with_norm_`, and
 steps its own AdamW. Both optimizers come from `build_optimizer` (AdamW, foreach=False).
+zero3_pipeline.py reuses both sides at dp = 2 (each dp rank stepping its rows of the global batch;
+TorchSide on the pp group of a (pp, dp) mesh, its stage modules wrapped by FSDP2 in `shard`).
 
 Loss check: the sum over micro-batches of the first step's loss (divided by the global token
 count) must agree within 1e-5 absolute (`loss_check`); it is the same forward on the same weights
@@ -96,6 +98,7 @@ from torch.distributed.pipelining import (  # noqa: E402
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     alternate,
@@ -152,7 +155,7 @@ def schedule_cfg(cfg: Config, name: str) -> Config:
     return replace(cfg, parallel={"pp_schedule": name, "virtual_stages": SCHEDULES[name][1]})
 
 
-def _batches(cfg: Config, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(cfg: Config, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """n global batches (inputs, targets), (global_batch, T) each; the same in every run and rank."""
     t = cfg.train
     out = []
@@ -198,39 +201,52 @@ class FivefoldSide:
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.losses: list[float] = []
+        self.comm: list[dict[str, dict[str, float]]] = []
         self.timelines: list[list[tuple[float, float, str]]] = []
         self.step_spans: list[tuple[float, float]] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
-        t, par = self.cfg.train, self.par
-        micro = list(zip(x.split(t.micro_batch), y.split(t.micro_batch), strict=True))  # m micro-batches, in order
+        t, par, mesh = self.cfg.train, self.par, self.mesh
+        mesh.stats.reset()
+        rows = x.shape[0] // mesh.size("batch")  # this dp rank's rows of the global batch, as rank_slice takes them
+        mine = slice(mesh.rank("batch") * rows, (mesh.rank("batch") + 1) * rows)
+        micro = list(zip(x[mine].split(t.micro_batch), y[mine].split(t.micro_batch), strict=True))  # in order
         stats = par.pipeline.run(micro, x.numel(), clock=clock)
         par.optimizer_step(t.lr, self.scaler, t.grad_clip, stop_on_nonfinite=True)
+        self.comm.append(mesh.stats.snapshot())  # this step's traffic per axis, as train_step's metrics "comm"
         if clock:
             self.timelines.append(stats.timeline)
         return stats.loss  # this rank's sum of micro-batch losses (0 off the last stage)
 
 
 class TorchSide:
-    """torch.distributed.pipelining with the same stages, loss, clipping and AdamW."""
+    """torch.distributed.pipelining with the same stages, loss, clipping and AdamW. `pp_group`: the
+    stages' group (default: every rank, dp = 1); with dp > 1 ranks are pp-major as fivefold's mesh, a
+    subclass's `shard` adds data parallel, which averages over dp (so the loss / this dp rank's tokens)."""
 
     kind = "torch"
 
-    def __init__(self, cfg: Config, world: int, name: str):
+    def __init__(self, cfg: Config, world: int, name: str, pp_group: dist.ProcessGroup | None = None):
         t, m = cfg.train, cfg.model
-        self.cfg, self.rank = cfg, dist.get_rank()
-        self.group = dist.group.WORLD  # pp = world, dp = 1
+        self.cfg = cfg
+        self.group = dist.group.WORLD if pp_group is None else pp_group
+        pp = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)  # this rank's place in the pipeline
+        self.dp, self.dp_rank = world // pp, dist.get_rank() % (world // pp)
         cls, v = SCHEDULES[name]
-        n_stages = world * v
-        model = build_model(cfg, derive(cfg, world).vocab_size)
-        layers = stage_layers(stage_split(cfg, derive(cfg, world).vocab_size))  # fivefold's blocks per stage
+        n_stages, n_micro = pp * v, t.global_batch // (self.dp * t.micro_batch)
+        vocab = derive(cfg, world).vocab_size
+        model = build_model(cfg, vocab)
+        layers = stage_layers(stage_split(cfg, vocab))  # fivefold's blocks per stage
         # fivefold's placement, which is torch's: stage s on rank s % pp ("loop"), or r and 2pp-1-r ("v")
-        to_rank = build_schedule(name, world, t.global_batch // t.micro_batch, v).stage_to_rank
+        to_rank = build_schedule(name, pp, n_micro, v).stage_to_rank
         mine = [s for s in range(n_stages) if to_rank(s) == self.rank]
         self.modules = [TorchStage(model, layers[s], s == 0, s == n_stages - 1) for s in mine]
         del model  # what no stage of this rank uses is freed with it
+        for module in self.modules:
+            self.shard(module)
         self.first, self.last = 0 in mine, n_stages - 1 in mine
-        mb, T, vocab = t.micro_batch, t.seq_len, derive(cfg, world).vocab_size
+        mb, T = t.micro_batch, t.seq_len
         stages = []
         for s, module in zip(mine, self.modules, strict=True):
             # Static example shapes: non-first inputs and every output need requires_grad (docs/torch-cpu-notes.md).
@@ -239,42 +255,49 @@ class TorchSide:
             out = torch.zeros(mb, T, vocab if s == n_stages - 1 else m.dim, requires_grad=True)
             stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"), input_args=(inp,),
                                         output_args=(out,), group=self.group))
-        global_tokens = t.global_batch * T
+        rank_tokens = t.global_batch * T // self.dp  # the tokens of this dp rank's rows, of every micro-batch
 
         real = tokenizer_vocab(cfg)  # fivefold masks the padding ids out of the loss; so does this side
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return cross_entropy_sum(logits[..., :real], target) / global_tokens
+            return cross_entropy_sum(logits[..., :real], target) / rank_tokens
 
-        n_micro = t.global_batch // t.micro_batch
         self.schedule = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0], n_micro,
                             loss_fn=loss_fn, scale_grads=False)
         holder = nn.ModuleList(self.modules)
         self.params = [p for p in holder.parameters() if p.requires_grad]
-        self.opt = build_optimizer(holder, t)
+        self.opt = build_optimizer(holder, t)  # after `shard`: FSDP2 steps the DTensor shards
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.losses: list[float] = []
 
+    def shard(self, module: nn.Module) -> None:
+        """Data parallel for one stage module: none here (dp = 1)."""
+
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
+        rows = x.shape[0] // self.dp  # this dp rank's rows of the global batch, as fivefold takes them
+        x, y = (z[self.dp_rank * rows : (self.dp_rank + 1) * rows] for z in (x, y))
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
         grads = [p.grad for p in self.params if p.grad is not None]
-        sq = torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2  # this rank's part of the global norm
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):  # FSDP2: the shards' norm, reduced over dp
+            norm = norm.full_tensor()
+        sq = norm.double() ** 2  # this rank's part of the global norm
         dist.all_reduce(sq, group=self.group)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, sq.sqrt().float())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return sum(float(loss.detach()) for loss in losses)
+        return sum(float(loss.detach()) for loss in losses) / self.dp  # summed over ranks: the mean over dp
 
 
 def _make_side(kind: str, cfg: Config, world: int, name: str, mesh: Mesh):
     return FivefoldSide(cfg, mesh) if kind == "fivefold" else TorchSide(cfg, world, name)
 
 
-def _timed_step(side, x: torch.Tensor, y: torch.Tensor, clock=None) -> None:
+def timed_step(side, x: torch.Tensor, y: torch.Tensor, clock=None) -> None:
     cpu, began = time.process_time(), time.perf_counter()
     loss = side.step(x, y, clock)
     ended = time.perf_counter()
@@ -294,7 +317,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
     cfg = schedule_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, derive(cfg, world))
     sides = [_make_side(kind, cfg, world, name, mesh) for kind in kinds]
-    return alternate(sides, _batches(cfg, warmup + steps), warmup, _timed_step)
+    return alternate(sides, global_batches(cfg, warmup + steps), warmup, timed_step)
 
 
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
@@ -304,8 +327,8 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
 
     def run() -> FivefoldSide | TorchSide:
         side = _make_side(kind, cfg, world, name, mesh)
-        for x, y in _batches(cfg, steps):
-            _timed_step(side, x, y)
+        for x, y in global_batches(cfg, steps):
+            timed_step(side, x, y)
         return side
 
     return measure_peak(run)
@@ -315,8 +338,8 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
     """fivefold alone with the executor's clock: compute, input waits and the rest, per step."""
     cfg = schedule_cfg(cfg, name)
     side = FivefoldSide(cfg, Mesh.from_config(cfg, derive(cfg, world)))
-    for i, (x, y) in enumerate(_batches(cfg, warmup + steps)):
-        _timed_step(side, x, y, clock=time.perf_counter if i >= warmup else None)
+    for i, (x, y) in enumerate(global_batches(cfg, warmup + steps)):
+        timed_step(side, x, y, clock=time.perf_counter if i >= warmup else None)
     parts = {"compute": [], "wait_inputs": [], "other": [], "step": []}
     for (began, ended), timeline in zip(side.step_spans, side.timelines, strict=True):
         compute = sum(e - s for s, e, _ in timeline)
