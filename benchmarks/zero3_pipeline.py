@@ -75,7 +75,7 @@ from benchmarks.common import (  # noqa: E402
     slowest_rank,
     timed_rounds,
 )
-from benchmarks.pipeline_parallel import (  # noqa: E402
+from benchmarks.pipeline_sides import (  # noqa: E402
     SCHEDULES,
     FivefoldSide,
     TorchSide,

@@ -22,7 +22,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mla": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, kv_lora_rank=32, q_lora_rank=48,
                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_experts=8, top_k=2,
                             moe_ffn_dim=32, n_shared_experts=1, first_dense_layers=1, router_score="sigmoid",
-                            n_expert_groups=4, topk_groups=2, moe_routed_scale=2.5),
+                            n_expert_groups=4, topk_groups=2, moe_routed_scale=2.5,
+                            norm_eps=1e-6),  # DeepSeek-V3's (its latent norms' in Hugging Face): exportable
     "debug": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384),
     # Llama 3 (Meta, "The Llama 3 Herd of Models", 2024).
     "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3),

@@ -283,7 +283,8 @@ def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
                                             "scoring_func = 'softmax'.*rope type 'yarn'"):
         model_config_from_hf(unsupported)
     assert export_problems(PRESETS["deepseek-v3"]) == []
-    problems = export_problems(PRESETS["tiny-mla"])  # norm_eps 1e-5: HF's latent norms would use 1e-6
+    assert export_problems(PRESETS["tiny-mla"]) == []  # its norm_eps is DeepSeek-V3's 1e-6
+    problems = export_problems(dataclasses.replace(PRESETS["tiny-mla"], norm_eps=1e-5))  # HF's latent norms: 1e-6
     assert len(problems) == 1 and "model.norm_eps = 1e-05" in problems[0]
     grouped = dataclasses.replace(PRESETS["tiny-mla"], kv_lora_rank=0)  # DeepSeek's routing without latent attention
     problems = export_problems(grouped)
