@@ -20,6 +20,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from fivefold.config import TrainConfig
+from fivefold.train.gc_policy import collect_between_steps
+
 LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ
 
 
@@ -109,13 +112,17 @@ def memory_over_ranks(results: list[dict]) -> dict:
 def alternate(sides: Sequence[Any], batches: Sequence[tuple[torch.Tensor, torch.Tensor]], warmup: int,
               timed_step: Callable[[Any, torch.Tensor, torch.Tensor], None]) -> list[dict]:
     """Each side's warm-up, then the sides alternating step by step (A B, B A, ...), so that a load
-    change on a shared machine hits both alike. Returns each side's timed steps and all its losses."""
-    for side in sides:
-        for x, y in batches[:warmup]:
-            timed_step(side, x, y)
-    for i, (x, y) in enumerate(batches[warmup:]):
-        for side in sides if i % 2 == 0 else sides[::-1]:
-            timed_step(side, x, y)
+    change on a shared machine hits both alike. Returns each side's timed steps and all its losses.
+    Both sides step under the training loop's garbage-collector policy (train.gc_every, as
+    torchtitan's gc_freq: collections between steps, not inside them; train/gc_policy.py)."""
+    with collect_between_steps(TrainConfig().gc_every) as collector:
+        for side in sides:
+            for x, y in batches[:warmup]:
+                timed_step(side, x, y)
+        for i, (x, y) in enumerate(batches[warmup:]):
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                timed_step(side, x, y)
+            collector.after_step(i + 1)
     # cpu_times: where a side records them (the process's CPU seconds per step)
     return [{"times": s.times[warmup:], "losses": s.losses,
              **({"cpu_times": s.cpu_times[warmup:]} if hasattr(s, "cpu_times") else {})} for s in sides]

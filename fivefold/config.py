@@ -84,6 +84,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf gradient: stop naming the parameter, or skip the step
+    # Python's garbage collector runs between steps, every this many steps, instead of whenever
+    # allocations trigger it inside one (torchtitan's gc_freq, Megatron's --manual-gc-interval);
+    # 0 = Python's automatic collection (train/gc_policy.py)
+    gc_every: int = 50
     eval_every: int = 0  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches per validation pass
     log_every: int = 10  # steps between printed lines (the metrics file gets every step)

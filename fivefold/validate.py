@@ -97,8 +97,10 @@ def _type_errors(cfg: Config) -> list[str]:
             name = f"{section}.{f.name}"
             if typing.get_origin(hint) is Literal:
                 choices = typing.get_args(hint)
-                if value not in choices:
-                    errors.append(f"{name} = {value!r}: must be one of {', '.join(map(repr, choices))}")
+                # (1 == True: an integer must not pass for a bool choice, nor a bool for an int one)
+                if value not in choices or isinstance(value, bool) != isinstance(choices[choices.index(value)], bool):
+                    shown = ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices)  # TOML's
+                    errors.append(f"{name} = {value!r}: must be one of {shown}")
             elif hint is bool and not isinstance(value, bool):
                 errors.append(f"{name} = {value!r}: must be true or false")
             elif hint is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -215,6 +217,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         "model.v_head_dim": m.v_head_dim, "model.n_expert_groups": m.n_expert_groups,
         "model.topk_groups": m.topk_groups,
         "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
+        "train.gc_every": t.gc_every,
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
     }

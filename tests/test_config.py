@@ -128,6 +128,8 @@ def test_derive():
 
 def test_data_parallel_options():
     one_error(errors_of(2, "--parallel.zero=4"), "parallel.zero = 4")
+    for value in ("1", "'yes'"):  # 1 == True in Python, yet not a TOML bool
+        one_error(errors_of(2, f"--parallel.reshard_after_forward={value}"), "must be one of 'auto', true, false")
     assert errors_of(2, "--parallel.zero=3", "--train.compile=true", "--model.tie_embeddings=true") == []
     one_error(errors_of(2, "--parallel.zero=1", "--parallel.dp_collective=ring"), "dp_collective = 'ring'")
     one_error(errors_of(2, "--parallel.bucket_mb=0"), "parallel.bucket_mb = 0", "25")

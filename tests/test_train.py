@@ -141,3 +141,26 @@ def test_a_nonfinite_gradient_stops_with_the_step_and_parameter_or_is_skipped(tm
         assert "train.nonfinite = 'skip'" in message
     losses = run_workers(_train_expecting, 1, tiny_config(tmp_path / "skip", *args, "--train.nonfinite=skip"))[0]
     assert len(losses) == 3  # the run went on; the skipped steps applied nothing
+
+
+def test_the_garbage_collector_runs_between_steps_only():
+    """train.gc_every: automatic collection off inside the loop, a collection every N steps, and
+    Python's own behaviour back afterwards (train/gc_policy.py)."""
+    import gc
+
+    from fivefold.train.gc_policy import collect_between_steps
+
+    runs = []
+    gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "start" else None)
+    try:
+        with collect_between_steps(3) as collector:
+            assert not gc.isenabled()
+            runs.clear()  # the collection before freezing what set-up built
+            for done in range(1, 8):
+                collector.after_step(done)
+            assert runs == [2, 2]  # after steps 3 and 6, full collections
+        assert gc.isenabled()
+        with collect_between_steps(0) as collector:  # 0: untouched
+            assert gc.isenabled()
+    finally:
+        gc.callbacks.pop()

@@ -75,7 +75,7 @@ class Parallelized:
     cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
     experts: ExpertParallel  # the group experts are split over (of size 1 without ep); sp's MoE gradient sum
     optimizer: torch.optim.Optimizer  # AdamW over dp.optimizer_params()
-    memory: ModelStateMeter  # this rank's model-state bytes, sampled after every backward
+    memory: ModelStateMeter  # this rank's model-state bytes, sampled after each chunk's first and last backward
 
     def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

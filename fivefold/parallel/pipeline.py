@@ -211,8 +211,8 @@ class PipelineExecutor:
     """Runs one rank's action list of a schedule over its stage chunks.
 
     act_dtype: the dtype activations and gradients travel in between ranks (the compute dtype:
-    `train.precision.compute_dtype`). after_backward: called after each action that accumulates
-    gradients (B, W), e.g. to sample the model state's memory.
+    `train.precision.compute_dtype`). after_backward: called after the first and the last action
+    of each chunk that accumulates gradients (B, W), e.g. to sample the model state's memory.
     """
 
     def __init__(self, stages: PipelineStages, dp: DataParallel, device: torch.device, dim: int,
@@ -239,6 +239,11 @@ class PipelineExecutor:
         # they are final; `chunk_of` names the chunk as data parallel's buckets do (reduction order).
         self.chunk_of = {s: i for i, s in enumerate(stages.reduction_order())}
         self.last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+        # after_backward (the model-state sample) runs at a chunk's first and last backward only: in
+        # between, each backward leaves the same gradient tensors (accumulated, or reduced and freed
+        # alike), and sampling all of them cost 1.6% of a step (benchmarks/pipeline_parallel.py).
+        firsts = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind in ("B", "W")}
+        self.sampled = {*firsts.values(), *self.last_backward.values()}
         # What to post before each action, proven to match and complete (a fraction of a second
         # for the largest schedules): a schedule whose messages would hang on NCCL stops here.
         self.plan = check_plans(self.schedule)[self.rank]
@@ -319,7 +324,8 @@ class PipelineExecutor:
                 elif action.kind == "B":
                     slot = slots.pop((mb, s))  # this micro-batch's activations on this stage go with it
                     self.dp.backward(slot.out, grad, last_micro_batch=final, chunk=self.chunk_of[s])
-                    self.after_backward()
+                    if index in self.sampled:
+                        self.after_backward()
                     if s > 0:
                         mail.put(action, self._outgoing_grad(action, slot.inp.grad, mail))
                 elif action.kind == "I":  # input gradient only; W finishes this backward later
@@ -332,7 +338,8 @@ class PipelineExecutor:
                     slot = slots.pop((mb, s))
                     with self.dp.reducing(last_micro_batch=final, chunk=self.chunk_of[s]):
                         slot.split.weight_grad()
-                    self.after_backward()
+                    if index in self.sampled:
+                        self.after_backward()
             if clock:
                 stats.timeline.append((began, clock(), str(action)))
             stats.peak_held_bytes = max(stats.peak_held_bytes, _held_bytes(slots))

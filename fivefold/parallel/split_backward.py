@@ -37,27 +37,33 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
-def _children(node: Node) -> list[Node]:
-    return [child for child, _ in node.next_functions if child is not None]
-
-
-def _walk(root: Node, targets: set[Node], params: dict[int, torch.Tensor]) -> dict[Node, tuple[bool, frozenset]]:
+def _walk(root: Node, targets: set[Node],
+          params: dict[int, torch.Tensor]) -> tuple[dict[Node, tuple[bool, frozenset]], dict[Node, list[Node]]]:
     """For every node below `root`: can it reach one of `targets`, and which parameters (ids) lie
-    below it? One iterative post-order pass, each node visited once."""
+    below it? One iterative post-order pass, each node visited once; also returns each node's
+    children. (It runs on every I of every later stage: the sets are shared, not copied, wherever
+    one child alone brings parameters, which is almost everywhere.)"""
+    empty: frozenset = frozenset()
     info: dict[Node, tuple[bool, frozenset]] = {}
+    children: dict[Node, list[Node]] = {}
     stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
-            kids = [info[c] for c in _children(node)]
-            var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-            own = frozenset([id(var)]) if var is not None and id(var) in params else frozenset()
-            info[node] = (node in targets or any(r for r, _ in kids), own.union(*(p for _, p in kids)))
+            kids = [info[c] for c in children[node]]
+            parts = [p for _, p in kids if p]
+            if not children[node]:  # a leaf: AccumulateGrad nodes hold their parameter
+                var = getattr(node, "variable", None)
+                if var is not None and id(var) in params:
+                    parts.append(frozenset((id(var),)))
+            below = empty if not parts else parts[0] if len(parts) == 1 else frozenset().union(*parts)
+            info[node] = (node in targets or any(r for r, _ in kids), below)
         elif node not in info:
-            info[node] = (False, frozenset())  # placeholder; acyclic, so final before it is read
+            info[node] = (False, empty)  # placeholder; acyclic, so final before it is read
+            kids_of = children[node] = [c for c, _ in node.next_functions if c is not None]
             stack.append((node, True))
-            stack += [(c, False) for c in _children(node) if c not in info]
-    return info
+            stack += [(c, False) for c in kids_of if c not in info]
+    return info, children
 
 
 class SplitBackward:
@@ -75,12 +81,12 @@ class SplitBackward:
     def _frontier(self) -> list[tuple[list[Node], list[torch.Tensor]]]:
         """Frontier nodes, grouped by the parameters they share, with those parameters."""
         targets = {get_gradient_edge(self.inp).node}  # where I stops: the received activation's accumulator
-        info = _walk(self.out.grad_fn, targets, self.params)
+        info, children = _walk(self.out.grad_fn, targets, self.params)
         groups: list[tuple[list[Node], set[int], set[int]]] = []  # (nodes, their params, params on their input paths)
         for node, (on_path, _) in info.items():
             if not on_path or node in targets:
                 continue
-            kids = [info[c] for c in _children(node)]
+            kids = [info[c] for c in children[node]]
             mine = set().union(*(p for r, p in kids if not r))  # reached off the input path
             if not mine:
                 continue

@@ -41,7 +41,7 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
 
 
 class ModelStateMeter:
-    """The largest model_state_bytes() sampled (after each micro-batch's backward) since the last pop."""
+    """The largest model_state_bytes() sampled (after a chunk's first and last backward) since the last pop."""
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer):
         self.params, self.optimizer = params, optimizer

@@ -30,6 +30,7 @@ from fivefold.parallel.stage_split import split_note, stage_split
 from fivefold.seeded_init import SeededInit
 from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
 from fivefold.train.data import GlobalBatches
+from fivefold.train.gc_policy import collect_between_steps
 from fivefold.train.moe_balance import MoEBalancing
 from fivefold.train.precision import LossScaler
 from fivefold.train.preflight import preflight
@@ -207,16 +208,20 @@ def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, retu
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     result = TrainResult(run_dir=log.run_dir, start_step=start)
     try:
-        for step in range(start, end):
-            record = train_step(run, step, trace=log.traces(step + 1))
-            done = step + 1
-            evaluating = run.val_set is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.steps)
-            val_loss = evaluate(run) if evaluating else None
-            log.log_step(record, val_loss)
-            result.add(record, val_loss)
-            if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
-                state = {"loader": run.loader.state_dict(), "loss_scaler": run.scaler.state_dict(), "world_size": world}
-                checkpoints.save(done, run.par, state)
+        with collect_between_steps(t.gc_every) as collector:
+            for step in range(start, end):
+                record = train_step(run, step, trace=log.traces(step + 1))
+                done = step + 1
+                collector.after_step(done)  # between steps: no collector pause inside one
+                due = (t.eval_every and done % t.eval_every == 0) or done == t.steps
+                evaluating = run.val_set is not None and due
+                val_loss = evaluate(run) if evaluating else None
+                log.log_step(record, val_loss)
+                result.add(record, val_loss)
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
+                    state = {"loader": run.loader.state_dict(), "loss_scaler": run.scaler.state_dict(),
+                             "world_size": world}
+                    checkpoints.save(done, run.par, state)
         checkpoints.wait()  # an asynchronous write in flight completes before the job ends
         dist.barrier()
     except BaseException:
