@@ -6,8 +6,8 @@ Precedence, lowest first: field defaults < `model.preset` < the TOML file < `--s
 every problem before anything starts, so a user fixes a config in one round.
 
 The model section lives in model_config.py (the presets build on it); the others are here. A
-combination of settings fivefold cannot run yet is refused by `validate()` with "not available
-yet", never silently ignored.
+combination of settings fivefold cannot run yet is refused by `validate()` by name ("not built
+yet"), never silently ignored.
 """
 
 from __future__ import annotations

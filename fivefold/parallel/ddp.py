@@ -50,7 +50,7 @@ from fivefold.parallel.state_dict import is_expert_parameter
 class Bucket:
     params: list[nn.Parameter]
     group: comms.AxisGroup | None = None  # DDP: where its gradients are summed (None: the grad view)
-    chunk: int | None = None  # the pipeline chunk (stage) whose backward produces its gradients
+    chunk: int | None = None  # the pipeline chunk whose backward makes its gradients (its reduction-order index)
     waiting: int = 0  # gradients of this backward not yet accumulated
     armed: bool = False  # reduces in the backward running now
     work: object | None = None  # the in-flight collective

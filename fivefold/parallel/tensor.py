@@ -109,7 +109,7 @@ class VocabParallelEmbedding(nn.Module):
         return comms.reduce_from_tensor_parallel_region(h, self.group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class VocabParallelCrossEntropy(torch.autograd.Function):
     """Sum of token losses from logits split along the vocabulary.
 
     loss_t = log sum_v exp(z_tv) - z_t,target: the max, the sum of exponentials and the target
@@ -163,7 +163,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
         if limit < z.shape[-1]:
             z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= limit, float("-inf"))
         return F.cross_entropy(z.flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, limit)
+    return VocabParallelCrossEntropy.apply(logits, targets, group, limit)
 
 
 # Module name -> how it is split. Attention by heads, SwiGLU by hidden units, vocabulary for

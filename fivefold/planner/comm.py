@@ -45,7 +45,7 @@ from fivefold.planner.pricing import ChunkWork, Row
 from fivefold.validate import Derived
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
-LOSS_ALL_REDUCES = 3  # per micro-batch, inside parallel/tensor.py's _VocabParallelCrossEntropy
+LOSS_ALL_REDUCES = 3  # per micro-batch, inside parallel/tensor.py's VocabParallelCrossEntropy
 
 
 @dataclass

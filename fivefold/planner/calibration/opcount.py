@@ -185,16 +185,20 @@ class Part:
         """(forward, parameters, inputs): a closure running the part's forward on fresh inputs and
         initialised weights (real tensors, or FakeTensors under FakeTensorMode), returning the
         tensor to run backward from. The code training runs: under tp the vocabulary-parallel
-        embedding, and at every tp the vocabulary-parallel loss, divided by the step's tokens and
-        scaled (pipeline.py), over a group of one, so their collectives (priced as tp traffic) drop
-        out and their ops stay."""
+        embedding and loss (at tp = 1 the loss is torch's fused kernel), divided by the step's
+        tokens and scaled (pipeline.py), over a group of one, so their collectives (priced as tp
+        traffic) drop out and their ops stay."""
         import torch
         from torch import nn
 
         from fivefold.attention import RMSNorm, rope_cos_sin
         from fivefold.model import Block
         from fivefold.parallel.comms import AxisGroup, CommStats
-        from fivefold.parallel.tensor import VocabParallelEmbedding, vocab_parallel_cross_entropy
+        from fivefold.parallel.tensor import (
+            VocabParallelCrossEntropy,
+            VocabParallelEmbedding,
+            vocab_parallel_cross_entropy,
+        )
         from fivefold.seeded_init import init_tensor
 
         m, b, s = self.model, self.batch, self.seq
@@ -217,7 +221,10 @@ class Part:
         norm, head = RMSNorm(m.dim, m.norm_eps), nn.Linear(m.dim, v, bias=False)
         x = torch.randn(b, s, m.dim, requires_grad=True)
         targets = torch.randint(0, v, (b, s))
-        loss = lambda: vocab_parallel_cross_entropy(head(norm(x)), targets, alone) / (b * s) * 1.0  # noqa: E731
+        # at tp = 1 the fused kernel training calls; under tp the Function (its collectives over one rank)
+        ce = (lambda z: vocab_parallel_cross_entropy(z, targets, alone)) if self.tp == 1 else (
+            lambda z: VocabParallelCrossEntropy.apply(z, targets, alone, v))
+        loss = lambda: ce(head(norm(x))) / (b * s) * 1.0  # noqa: E731
         return loss, [norm.weight, head.weight], [x]
 
 

@@ -12,9 +12,9 @@ simulation sees them):
   step tally) plus one per tensor-parallel collective (each is the forward or backward half of a
   Function, Megatron-LM's conjugate pairs) x function_s, half in forward, half in backward;
 - gradient hooks: data parallel's post-accumulate-grad hook, one per parameter tensor and backward;
-- model-state sampling: after each backward the loop reads the storage of every parameter, its
-  gradient and its optimizer state (the data-parallel wrapper's model_state_bytes) x tensor_query_s
-  per parameter;
+- model-state sampling: after a chunk's first and last backward of the step the loop reads the
+  storage of every parameter, its gradient and its optimizer state (the data-parallel wrapper's
+  model_state_bytes) x tensor_query_s per parameter;
 - gradient accumulation: every micro-batch but the first adds its gradients into .grad, one op per
   parameter tensor (DDP and ZeRO-1; ZeRO-2/3 reduce each micro-batch's gradient instead);
 per step:
@@ -65,10 +65,12 @@ def host_costs(cfg: Config, profile: MeasuredProfile, hw: Hardware, *, modules: 
         out.explain.append(("gradient hooks", f"{tensors:.0f} parameters x {pr.hook_s * us:.2f} us = {t * 1e3:.3f} ms "
                             "per backward", src("hook_s", "profile")))
     if pr.tensor_query_s:
-        t = rank_tensors * pr.tensor_query_s
+        share = min(micro, 2) / micro  # sampled after a chunk's first and last backward of the step (pipeline.py)
+        t = rank_tensors * pr.tensor_query_s * share
         out.backward_s += t
-        out.explain.append(("model-state sampling", f"{rank_tensors} parameters x {pr.tensor_query_s * us:.2f} us = "
-                            f"{t * 1e3:.3f} ms after each backward", src("tensor_query_s", "profile")))
+        out.explain.append(("model-state sampling", f"{rank_tensors} parameters x {pr.tensor_query_s * us:.2f} us x "
+                            f"{share:.2f} (a chunk's first and last backward of {micro}) = {t * 1e3:.3f} ms per "
+                            "backward", src("tensor_query_s", "profile")))
     if micro > 1 and cfg.parallel.zero < 2 and pr.op_overhead_s:
         size = 4.0 * rank_params / max(rank_tensors, 1)  # one fp32 gradient, on average
         per_add = pr.op_overhead_s + 3 * size / elementwise_rate(pr, hw, 3 * size)  # read both, write one
