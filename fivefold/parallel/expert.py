@@ -138,10 +138,14 @@ class ExpertParallel:
         """Sum the tp_partial gradients over tp, in place, once per step after backward (data
         parallel has summed them over the grad view already: the sums commute). `gradient_of`:
         the gradient the optimizer applies (ZeRO: this rank's rows, the same rows on every tp rank).
-        Collective over tp; nothing without sp."""
-        for p in params:
-            if is_tp_partial(p):
-                comms.all_reduce(gradient_of(p), self.token_group)
+        Collective over tp, one all-reduce of them all (as the planner prices it); nothing without sp."""
+        grads = [gradient_of(p) for p in params if is_tp_partial(p)]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,): the same sums, one collective
+        comms.all_reduce(flat, self.token_group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: Derived) -> ExpertParallel:

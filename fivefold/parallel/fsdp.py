@@ -87,14 +87,14 @@ class FullyShardedDataParallel(ZeroDataParallel):
         # One bucket per unit and group, in backward order: a unit's gradients leave as soon as it is
         # done, or (kept gathered) at the last backward of its chunk, the last of its parameters'
         # chunks. Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own.
-        experts = self.mesh.group("expert_dp")
         for unit in self.units:
             chunks = [self.chunk_of[id(p)] for p in unit.params if id(p) in self.chunk_of]
             chunk = max(chunks) if chunks else None
             expert = [p for p in unit.params if is_expert_parameter(p)]
             dense = [p for p in unit.params if not is_expert_parameter(p)]
-            unit.buckets = ([Bucket(expert, experts, chunk)] if expert else []) + ([Bucket(dense, None, chunk)]
-                                                                                   if dense else [])
+            unit.buckets = ([Bucket(expert, self.expert_shard_group, chunk)] if expert else []) + (
+                [Bucket(dense, None, chunk)] if dense else [])
+        self.unit_of = {id(b): u for u in self.units for b in u.buckets}
         return [b for u in reversed(self.units) for b in u.buckets]
 
     def _reduces_on(self, last_micro_batch: bool) -> bool:
@@ -161,8 +161,7 @@ class FullyShardedDataParallel(ZeroDataParallel):
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
         super()._launch(b)  # reduce-scatter the unit's gradients (and drop the full ones)
-        unit = next(u for u in self.units if any(b is mine for mine in u.buckets))
-        self._free(unit, b.params)  # the unit's other bucket may still be computing with its weights
+        self._free(self.unit_of[id(b)], b.params)  # the unit's other bucket may still be computing with its weights
 
     @contextlib.contextmanager
     def reducing(self, last_micro_batch: bool, chunk: int | None = None) -> Iterator[None]:

@@ -95,7 +95,9 @@ class ZeroDataParallel(DataParallel):
         return True  # even alone, gradients must move into the fp32 shards the optimizer steps
 
     def _bucket_group(self, b: Bucket) -> comms.AxisGroup:
-        return self.group_of(b.params[0])  # a bucket holds experts only or none (ddp.make_buckets)
+        """Where a bucket's state is sharded: its reduction group (expert_dp for experts: ddp.make_buckets
+        keeps them apart), else dp_shard."""
+        return b.group or self.shard_group
 
     @staticmethod
     def _padded_rows(t: torch.Tensor, c: int, n: int) -> torch.Tensor:
