@@ -3,8 +3,9 @@
 CPython collects reference cycles whenever enough objects have been allocated since the last
 collection, and a collection walks every tracked object. A training step allocates many small
 objects (autograd nodes, a zero-bubble schedule's graph walk, messages), so automatic collections
-land inside steps at random: a measured 5% of a ZB-V step on the benchmark model
-(benchmarks/pipeline_parallel.py), and on many ranks the slowest rank's pause is everyone's.
+land inside steps at random: about 5% of a ZB-V step (wall time with collection on and off, under
+cProfile, on benchmarks/pipeline_parallel.py's model), and on many ranks the slowest rank's pause
+is everyone's.
 As torchtitan (`training.gc_freq`) and Megatron-LM (`--manual-gc`) do: collect once after set-up,
 move what set-up built (the model, the data) to the permanent generation so that later
 collections do not walk it (`gc.freeze`), switch automatic collection off, and collect between
