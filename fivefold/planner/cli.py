@@ -23,6 +23,7 @@ from rich.table import Table
 from fivefold.config import ConfigError, read_config, to_toml
 from fivefold.planner.hardware import GB, get_hardware, load_profile, profile_toml
 from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
+from fivefold.planner.options import DEFAULT
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +79,7 @@ def _hardware(args: argparse.Namespace):
 
 
 def _config(args: argparse.Namespace, rest: list[str]):
-    from fivefold.planner.layout import layout_overrides
+    from fivefold.planner.layout import split_layout
 
     path, preset = None, []
     if args.model and Path(args.model).suffix == ".toml":
@@ -97,11 +98,11 @@ def _config(args: argparse.Namespace, rest: list[str]):
         extra.append(f"--train.global_batch={max(1, parse_tokens(args.global_batch_tokens) // seq)}")
     elif args.global_batch:
         extra.append(f"--train.global_batch={args.global_batch}")
-    layout = layout_overrides(args.layout) if args.layout else []
+    layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
     cfg, errors = read_config(path, preset + extra + rest + layout)
     if errors:
         raise ConfigError(errors)
-    return cfg
+    return cfg, options
 
 
 def _fits_table(args: argparse.Namespace, hw, b: BytesPerParam) -> int:
@@ -217,13 +218,13 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     hw, b = _hardware(args), BytesPerParam.parse(args.bytes)
     if args.params is not None:
         return _fits_table(args, hw, b)
-    cfg = _config(args, rest)
+    cfg, options = _config(args, rest)
     if not args.layout:
         return _search(args, cfg, hw, b)
     errors = validate(cfg, args.gpus)
     if errors:
         raise ConfigError(errors)
-    est = estimate(cfg, args.gpus, hw, b, args.act_bytes)
+    est = estimate(cfg, args.gpus, hw, b, args.act_bytes, options=options)
     if args.json:
         print(json.dumps(est.to_json()))
         return 0

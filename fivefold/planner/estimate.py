@@ -42,6 +42,7 @@ from fivefold.planner.counts import ModelCounts, flops_per_token, model_counts
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import rank_shares, stage_sizes
 from fivefold.planner.memory import BytesPerParam
+from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import HostWork, Memo, Row
 from fivefold.planner.terms import (
     BucketOverlap,
@@ -74,6 +75,15 @@ class Estimate:
     time_split: dict[str, float]  # seconds: compute, tp/cp/ep exposed, bubble, dp exposed, optimizer, sync, host
     explain: list[tuple[str, str, str]] = field(default_factory=list)  # (what, arithmetic, source)
     dp_overlap: BucketOverlap | None = None  # DDP, ZeRO-1/2 over more than one rank (per micro-batch for ZeRO-2)
+    options: PlanOptions = DEFAULT  # the conventions and switches it was made under (options.py)
+    hfu: float = 0.0  # hardware FLOPs (recomputation counted) / (step x GPUs x peak)
+    flops: dict[str, float] = field(default_factory=dict)  # model and hardware FLOPs, per token and per step
+    host_memory_bytes: float = 0.0  # host memory per node that offloaded state takes
+
+    @property
+    def not_runnable(self) -> list[str]:
+        """Why `fivefold train` cannot run this estimate's layout as assumed (empty: it can)."""
+        return self.options.not_runnable()
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object (keys fixed by the planner issue)."""
@@ -97,7 +107,7 @@ def wire_element_bytes(cfg: Config, b: BytesPerParam, implementation: bool) -> t
 
 
 def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
-             implementation: bool = False, memo: Memo | None = None) -> Estimate:
+             implementation: bool = False, memo: Memo | None = None, options: PlanOptions = DEFAULT) -> Estimate:
     """Predict one layout. `cfg` must pass validate(cfg, world_size).
 
     b: bytes per parameter (default 2,2,12); act_bytes: bytes per activation element (2 = bf16).
@@ -105,6 +115,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     gradients, memory.fivefold_state_bytes) and gradients travel in parallel.reduce_dtype: the
     self-check against real runs; False is the textbook accounting with `b`. memo: results shared
     with other estimates of the same caller (search() passes one); by default this estimate's own.
+    options: the FLOP convention, overlap switches and options of other trainers (options.py).
     """
     b, memo, pricer = b or BytesPerParam(), memo or Memo(), hw.pricer
     d = derive(cfg, world_size)
@@ -148,7 +159,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     return Estimate(world_size=world_size, memory=mem.memory, comm=traffic, bubble_ratio=pipe.sim.bubble_ratio,
                     bubble_fraction=pipe.sim.bubble_fraction, exposed_dp_s=dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
-                    time_split=split, explain=explain, dp_overlap=dp.overlap)
+                    time_split=split, explain=explain, dp_overlap=dp.overlap, options=options)
 
 
 def _params_row(counts: ModelCounts) -> Row:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fivefold.config import Config
 from fivefold.parallel.stage_split import split_of_counts
 from fivefold.planner.counts import ModelCounts, block_rank_params
+from fivefold.planner.options import DEFAULT, OPTION_KEYS, PlanOptions, parse_option
 from fivefold.validate import Derived
 
 # --layout keys -> config keys (everything else is refused with the list of valid keys)
@@ -21,22 +22,33 @@ LAYOUT_KEYS = {
     "zero": "parallel.zero", "sp": "parallel.sp", "pp_schedule": "parallel.pp_schedule",
     "virtual_stages": "parallel.virtual_stages", "v": "parallel.virtual_stages", "cp_method": "parallel.cp_method",
     "dp_replicate": "parallel.dp_replicate", "recompute": "train.recompute", "micro_batch": "train.micro_batch",
-    "mb": "train.micro_batch",
+    "mb": "train.micro_batch", "dp_overlap": "parallel.overlap_comm",
 }
+
+
+def split_layout(text: str, options: PlanOptions = DEFAULT) -> tuple[list[str], PlanOptions]:
+    """"dp=8,tp=8,sp=true,tp_overlap=on" -> (["--parallel.dp=8", "--parallel.tp=8", "--parallel.sp=true"],
+    options with tp_overlap): the config's keys become overrides, the planner's own (options.py) options."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if sep and key in OPTION_KEYS:
+            options = parse_option(options, key, value)
+            continue
+        if not sep or key not in LAYOUT_KEYS:
+            valid = ", ".join([*LAYOUT_KEYS, *OPTION_KEYS])
+            raise ValueError(f"--layout item '{item}': expected KEY=VALUE with KEY in {valid}")
+        value = value.strip()
+        if key in ("pp_schedule", "recompute", "cp_method"):
+            value = f'"{value}"'
+        out.append(f"--{LAYOUT_KEYS[key]}={value}")
+    return out, options
 
 
 def layout_overrides(text: str) -> list[str]:
     """"dp=8,tp=8,sp=true" -> ["--parallel.dp=8", "--parallel.tp=8", "--parallel.sp=true"]."""
-    out = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in LAYOUT_KEYS:
-            raise ValueError(f"--layout item '{item}': expected KEY=VALUE with KEY in {', '.join(LAYOUT_KEYS)}")
-        value = value.strip()
-        if key.strip() in ("pp_schedule", "recompute", "cp_method"):
-            value = f'"{value}"'
-        out.append(f"--{LAYOUT_KEYS[key.strip()]}={value}")
-    return out
+    return split_layout(text)[0]
 
 
 def stage_sizes(cfg: Config, counts: ModelCounts) -> list[int]:
