@@ -16,6 +16,7 @@ from __future__ import annotations
 from fivefold.config import Config
 from fivefold.planner.counts import ModelCounts, attention_head_dims, block_forward_flops, head_forward_flops
 from fivefold.planner.layout import RankShare
+from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import ChunkWork
 from fivefold.validate import Derived
 
@@ -26,7 +27,8 @@ def chunks_per_rank(cfg: Config) -> int:
     return p.virtual_stages if p.pp_schedule not in ("zb_v", "dualpipe_v") else 2
 
 
-def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare]) -> ChunkWork:
+def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare],
+                  options: PlanOptions = DEFAULT) -> ChunkWork:
     """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * d.local_seq_len  # tokens of one micro-batch on one rank
@@ -42,4 +44,4 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     share = shares[worst]
     return ChunkWork(cfg=cfg, share=share, chunks=chunks_per_rank(cfg), vocab=d.vocab_size, local_seq=d.local_seq_len,
                      moe_blocks=moe_blocks[worst], forward_flops=fwd_flops[worst],
-                     attention_forward_flops=attn_fwd_per_block * tokens * len(share.blocks))
+                     attention_forward_flops=attn_fwd_per_block * tokens * len(share.blocks), options=options)

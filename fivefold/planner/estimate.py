@@ -125,7 +125,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     grad_b, param_b = wire_element_bytes(cfg, b, implementation)
     p, M = cfg.parallel, d.grad_accum
 
-    work = busiest_chunk(cfg, d, counts, shares)
+    work = busiest_chunk(cfg, d, counts, shares, options)
     share, units = work.share, M * work.chunks  # (micro-batch, chunk) pairs of a step
     chunk = pricer.chunk(work, hw, memo)
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)

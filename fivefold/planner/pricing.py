@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, TypeVar
 
 from fivefold.config import Config
 from fivefold.planner.layout import RankShare
+from fivefold.planner.options import DEFAULT, PlanOptions
 
 Row = tuple[str, str, str]  # one line of an estimate's explanation: (what, arithmetic, source)
 T = TypeVar("T")
@@ -55,6 +56,7 @@ class ChunkWork:
     moe_blocks: int  # the rank's blocks with routed experts (each runs ep's all-to-alls)
     forward_flops: float  # forward FLOPs of one micro-batch over all the rank's chunks (tp-split)
     attention_forward_flops: float  # their attention core's share (what selective recompute runs again)
+    options: PlanOptions = DEFAULT  # the estimate's switches (options.py): FP8, expert imbalance, overlap
 
 
 @dataclass(frozen=True)
