@@ -105,6 +105,28 @@ def test_dualpipe_v_beats_1f1b_at_same_work():
         assert dpv.makespan < ref.makespan
 
 
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m_per_p", [2, 3, 5])
+@pytest.mark.parametrize("f, b, w, fb", [(1.0, 2.0, 1.0, 3.0), (1.0, 2.0, 0.5, 3.0), (1.0, 3.0, 1.0, 4.0),
+                                         (1.0, 2.0, 1.0, 2.5), (1.0, 2.0, 0.5, 2.2), (1.0, 2.0, 0.0, 3.0)])
+def test_dualpipe_v_bubble_is_deepseeks_formula_when_pairs_start_together(p, m_per_p, f, b, w, fb):
+    # DeepSeek-V3 technical report (2024), Table 2, and the DualPipe repository's README for DualPipeV:
+    # bubble (PP/2 - 1)(F&B + B - 3W), PP the number of stages. Mapped onto dualpipe_v: PP = 2p stages
+    # on p ranks (rank r holds stages r and 2p-1-r), F, B, W one chunk's times, F&B the overlapped
+    # pair's. The bubble is the rank that waits most (makespan - its busy time, pairs at F&B).
+    res = simulate(dualpipe_v(p, m_per_p * p), Costs(f=f, b=b, w=w, fb=fb))
+    assert max(res.idle) == pytest.approx((2 * p / 2 - 1) * (fb + b - 3 * w), abs=1e-9)
+
+
+def test_dualpipe_v_run_as_fivefold_runs_it_waits_less_than_the_paired_formula():
+    # fivefold's executor runs a pair as F then B: the F may start before the B's gradient has arrived,
+    # which a pair started together cannot. At F = W = B/2 the bubble halves: (p-1) F, not 2 (p-1) F.
+    for p in (2, 4, 8):
+        unpaired = simulate(dualpipe_v(p, 4 * p), Costs(f=1.0, b=2.0))
+        paired = simulate(dualpipe_v(p, 4 * p), Costs(f=1.0, b=2.0, fb=3.0))
+        assert max(unpaired.idle) == pytest.approx(p - 1) and max(paired.idle) == pytest.approx(2 * (p - 1))
+
+
 def test_comm_latency_is_added_on_cross_rank_edges():
     # GPipe: the fill and the drain each cross p-1 links.
     p, m, c = 4, 8, 0.5

@@ -24,6 +24,11 @@ class Costs:
     ``b`` is a full backward. If the split parts are not given, I = W = b/2;
     if only one is given the other is b minus it, so I + W == b either way.
     ``comm`` is added to every dependency that crosses ranks.
+    ``fb``, when given, is DualPipe's F&B: a forward and a backward of two micro-batches run as one
+    overlapped pair (DeepSeek-V3 technical report, 2024, sec. 3.2.1: one's all-to-all hidden under
+    the other's compute). Each F that `dualpipe_v` lists right before a B of its other chunk then
+    runs with that B as one action of this length, started once both have their inputs. None: the
+    pair runs as two actions, F then B, as fivefold's executor runs it.
     """
 
     f: float = 1.0
@@ -31,6 +36,7 @@ class Costs:
     i: float | None = None
     w: float | None = None
     comm: float = 0.0
+    fb: float | None = None
 
     def duration(self, kind: str) -> float:
         if kind in ("F", "B"):
@@ -109,6 +115,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
             return [("I", mb, s)]
         return [("F", mb, s)] + ([("G", mb, s + 1)] if s < last else [])
 
+    pairs = _overlapped_pairs(schedule) if costs.fb is not None else [set() for _ in range(p)]
     ptr, free = [0] * p, [0.0] * p
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     remaining = sum(len(seq) for seq in schedule.actions)
@@ -118,20 +125,24 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
         # and its inputs' finish times, so any visiting order gives the same answer.
         for r, seq in enumerate(schedule.actions):
             while ptr[r] < len(seq):
-                a = seq[ptr[r]]
-                deps = needs(a)
+                unit = seq[ptr[r]:ptr[r] + (2 if ptr[r] in pairs[r] else 1)]  # an action, or an F&B pair
+                deps = [d for a in unit for d in needs(a)]
                 if any(d not in done for d in deps):
                     break  # this rank waits; try the others
                 ready = max((done[d] + (costs.comm if to_rank(d[2]) != r else 0.0)
                              for d in deps), default=0.0)
                 start = max(free[r], ready)
-                free[r] = end = start + costs.duration(a.kind)
-                timeline[r].append((start, end, a))
-                done[a.kind, a.microbatch, a.stage] = end
-                if a.kind in ("B", "I"):
-                    done["G", a.microbatch, a.stage] = end
-                ptr[r] += 1
-                remaining -= 1
+                # a pair's F&B split between its two actions in the ratio of their own lengths
+                scale = costs.fb / (costs.f + costs.b) if len(unit) == 2 else 1.0
+                for a in unit:
+                    free[r] = end = start + scale * costs.duration(a.kind)
+                    timeline[r].append((start, end, a))
+                    done[a.kind, a.microbatch, a.stage] = end
+                    if a.kind in ("B", "I"):
+                        done["G", a.microbatch, a.stage] = end
+                    start = end
+                ptr[r] += len(unit)
+                remaining -= len(unit)
                 progressed = True
         if not progressed:
             blocked = {r: seq[ptr[r]] for r, seq in enumerate(schedule.actions) if ptr[r] < len(seq)}
@@ -152,6 +163,15 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
         peak_inflight=[_peak_inflight(seq) for seq in schedule.actions],
         timeline=timeline,
     )
+
+
+def _overlapped_pairs(schedule: Schedule) -> list[set[int]]:
+    """Per rank, the positions of the F's that run overlapped with the B after them: in
+    `dualpipe_v`, an F directly followed by a B of the rank's other chunk (its steady phases)."""
+    if schedule.name != "dualpipe_v":
+        return [set() for _ in schedule.actions]
+    return [{k for k in range(len(seq) - 1) if seq[k].kind == "F" and seq[k + 1].kind == "B"
+             and seq[k].stage != seq[k + 1].stage} for seq in schedule.actions]
 
 
 def _peak_inflight(seq: list[Action]) -> int:

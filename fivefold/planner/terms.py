@@ -62,17 +62,30 @@ def critical_path(work: ChunkWork, d: Derived, hw: Hardware, traffic: dict[str, 
     return CriticalPath(units, on_path + noise / units, p2p, rows)
 
 
-def simulate_scaled(schedule: str, pp: int, m: int, v: int, f: float, b: float, comm: float, memo: Memo) -> SimResult:
+def simulate_scaled(schedule: str, pp: int, m: int, v: int, f: float, b: float, comm: float, memo: Memo,
+                    fb: float | None = None) -> SimResult:
     """simulate() with f = 1, scaled: every duration scales with f, so the makespan does too and the
     bubble figures and peak in flight do not. The unit run is kept in `memo` by its shape and cost
-    ratios (rounded to 1e-4), so a search simulates each shape once."""
+    ratios (rounded to 1e-4), so a search simulates each shape once. fb: DualPipe's overlapped F&B
+    (simulate.Costs.fb), None to run each pair as F then B."""
     if f <= 0:
-        return simulate(build_schedule(schedule, pp, m, v), Costs(f=f, b=b, comm=comm))
+        return simulate(build_schedule(schedule, pp, m, v), Costs(f=f, b=b, comm=comm, fb=fb))
     b_over_f, comm_over_f = round(b / f, 4), round(comm / f, 4)
-    unit = memo.get(("simulate", schedule, pp, m, v, b_over_f, comm_over_f),
-                    lambda: simulate(build_schedule(schedule, pp, m, v), Costs(f=1.0, b=b_over_f, comm=comm_over_f)))
+    fb_over_f = None if fb is None else round(fb / f, 4)
+    unit = memo.get(("simulate", schedule, pp, m, v, b_over_f, comm_over_f, fb_over_f),
+                    lambda: simulate(build_schedule(schedule, pp, m, v),
+                                     Costs(f=1.0, b=b_over_f, comm=comm_over_f, fb=fb_over_f)))
     return dataclasses.replace(unit, makespan=unit.makespan * f, busy=[x * f for x in unit.busy],
                                idle=[x * f for x in unit.idle], timeline=[])
+
+
+def dualpipe_bubble(p: int, f: float, b: float, fb: float | None = None) -> float:
+    """DeepSeek's DualPipe bubble, (PP/2 - 1)(F&B + B - 3W) (DeepSeek-V3 technical report, 2024,
+    Table 2; the DualPipe repository gives DualPipeV the same), mapped onto fivefold's dualpipe_v:
+    PP is the number of stages, 2p on p ranks (rank r holds stages r and 2p-1-r, one chunk each),
+    F, B and W are one chunk's forward, full backward and weight-gradient times (W = B/2, as
+    simulate's Costs splits a backward by default), and F&B = F + B unless given."""
+    return (p - 1) * ((f + b if fb is None else fb) + b - 3 * (b / 2))
 
 
 @dataclass(frozen=True)
@@ -84,13 +97,22 @@ class Pipeline:
 
 def pipeline(cfg: Config, d: Derived, chunks: int, f_cost: float, b_cost: float, p2p_s: float,
              memo: Memo) -> Pipeline:
-    """The step's compute as the schedule runs it: `simulate(build_schedule(...), Costs(f, b, comm))`."""
+    """The step's compute as the schedule runs it: `simulate(build_schedule(...), Costs(f, b, comm))`.
+    For dualpipe_v, explain also checks the simulator against DeepSeek's bubble formula."""
     p, M = cfg.parallel, d.grad_accum
     sim = simulate_scaled(p.pp_schedule, p.pp, M, p.virtual_stages, f_cost, b_cost, p2p_s, memo)
-    row = ("pipeline", f"{p.pp_schedule} p={p.pp} m={M} v={p.virtual_stages}: makespan {sim.makespan * 1e3:.2f} ms, "
-           f"bubble {sim.bubble_ratio:.1%} of compute, {sim.bubble_fraction:.1%} of time",
-           "parallel/simulate.py on parallel/schedules.py (1F1B: (p-1)/m and (p-1)/(m+p-1), Narayanan 2021)")
-    return Pipeline(sim, M * chunks * (f_cost + b_cost), [row])
+    rows = [("pipeline", f"{p.pp_schedule} p={p.pp} m={M} v={p.virtual_stages}: makespan {sim.makespan * 1e3:.2f} ms, "
+             f"bubble {sim.bubble_ratio:.1%} of compute, {sim.bubble_fraction:.1%} of time",
+             "parallel/simulate.py on parallel/schedules.py (1F1B: (p-1)/m and (p-1)/(m+p-1), Narayanan 2021)")]
+    if p.pp_schedule == "dualpipe_v":
+        paired = simulate_scaled(p.pp_schedule, p.pp, M, 2, f_cost, b_cost, 0.0, memo, fb=f_cost + b_cost)
+        rows.append(("dualpipe_v bubble", f"DeepSeek's (PP/2-1)(F&B+B-3W), PP = {2 * p.pp} stages on {p.pp} ranks, "
+                     f"F&B = F + B, W = B/2: {dualpipe_bubble(p.pp, f_cost, b_cost) * 1e3:.2f} ms; simulate with "
+                     f"each F&B pair started together: {max(paired.idle) * 1e3:.2f} ms; as fivefold runs a pair "
+                     f"(F, then B, the F starting before the B's gradient arrives), without messages: "
+                     f"{max(simulate_scaled(p.pp_schedule, p.pp, M, 2, f_cost, b_cost, 0.0, memo).idle) * 1e3:.2f} ms",
+                     "DeepSeek-V3 technical report (2024), Table 2; github.com/deepseek-ai/DualPipe README"))
+    return Pipeline(sim, M * chunks * (f_cost + b_cost), rows)
 
 
 def bucket_reduce_s(bucket_bytes: float, n: int, bw: float, alpha: float) -> float:
