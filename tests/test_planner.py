@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +157,12 @@ def test_real_recipes_evaluate(name):
     assert 0 < out["mfu"] < 1
     print(f"{name}: {out['memory_gb']['total']:.1f} GB/GPU, fits={out['fits']}, "
           f"validate: {validate(cfg, world)[:1] or 'ok'}")
+
+
+def test_the_planner_imports_no_torch():
+    # `fivefold plan` is arithmetic: importing torch (seconds) would be most of its time.
+    code = "import sys, fivefold.planner.search, fivefold.planner.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

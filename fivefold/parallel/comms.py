@@ -37,21 +37,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.timing import Flight, StepTimer
-
-
-def wire_bytes(op: str, nbytes: int, n: int) -> float:
-    """Bytes one rank sends for collective `op` over n ranks on a tensor of nbytes (the full size)."""
-    if n <= 1:
-        return 0.0
-    factor = {
-        "all_reduce": 2 * (n - 1) / n,
-        "all_gather": (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
-        "all_to_all": (n - 1) / n,
-        "broadcast": 1.0,
-        "send": 1.0,
-    }[op]
-    return factor * nbytes
+from fivefold.parallel.wire import wire_bytes
 
 
 @dataclass

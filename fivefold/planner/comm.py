@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivefold.config import Config
-from fivefold.parallel.comms import wire_bytes
+from fivefold.parallel.wire import wire_bytes
 from fivefold.planner.counts import block_params
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare, axis_spans_nodes

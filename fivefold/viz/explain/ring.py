@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fivefold.parallel.comms import wire_bytes
 from fivefold.parallel.ring_collectives import ring_all_reduce_schedule
+from fivefold.parallel.wire import wire_bytes
 from fivefold.viz.explain.page import Control, Page
 
 RANKS = (2, 3, 4, 5, 6, 8)
