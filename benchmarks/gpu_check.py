@@ -35,7 +35,8 @@ Printed per case (one JSON line each, with each figure's source):
 - tokens/s: the timed steps' tokens over their summed wall time (perf_counter, synchronized);
   fivefold's own `tokens_per_s` metric (its step timer) beside it;
 - MFU: model FLOPs per token (`fivefold.planner.counts.flops_per_token`: 6 x matmul parameters +
-  causal attention) x tokens/s / the GPU's peak dense bf16 FLOP/s from the planner's catalog
+  attention, the causal mask counted in full as PaLM, Megatron-LM and torchtitan count it, so the
+  figure compares with theirs) x tokens/s / the GPU's peak dense bf16 FLOP/s from the planner's catalog
   (`fivefold.planner.datasheet`, matched from `torch.cuda.get_device_name()`; `--peak-tflops`
   for a GPU it does not list, e.g. PCIe and NVL parts, whose peaks differ from the SXM entries);
 - peak memory: `torch.cuda.max_memory_allocated()` over the case (reset before the model is
@@ -324,7 +325,7 @@ def measure(runtime: str, model: str, compile_: bool, args, out_dir: Path, peak:
     peak_bytes = torch.cuda.max_memory_allocated() - base if args.device == "cuda" else None
     timed = slice(args.warmup, None)
     tokens_per_s = sum(res["tokens"][timed]) / sum(res["times"][timed])
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len, vocab)["total"]
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len, vocab, causal="full")["total"]
     pred = predict_for_config(cfg, 1, device_type=args.device)
     predicted = pred["model_state_bytes"]["total"] + pred["activation_bytes"] + pred["buffer_bytes"]
     mfu = fpt * tokens_per_s / peak[0] if peak[0] else None
@@ -348,7 +349,7 @@ def measure(runtime: str, model: str, compile_: bool, args, out_dir: Path, peak:
         rec["fivefold_reported_tokens_per_s_median"] = round(statistics.median(res["reported"][timed]), 1)
     rec["sources"] = {
         "tokens_per_s": "timed steps' tokens / their wall time (perf_counter, device synchronized around each step)",
-        "mfu": f"fivefold.planner.counts.flops_per_token x tokens/s / peak ({peak[1]})",
+        "mfu": f"fivefold.planner.counts.flops_per_token (causal attention in full) x tokens/s / peak ({peak[1]})",
         "peak_memory_gb": ("torch.cuda.max_memory_allocated() minus the allocation before the model was built"
                            if args.device == "cuda" else "none on a CPU"),
         "predicted_memory_gb": "fivefold.planner.selfcheck.predict_for_config(cfg, 1): model state + activations "

@@ -80,7 +80,9 @@ def test_estimate_json_has_exactly_the_issue_keys(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"memory_gb", "comm_bytes_per_step", "bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu",
-                        "fits"}
+                        "hfu", "flops", "fits"}
+    assert set(out["flops"]) == {"model_per_token", "hardware_per_token", "model_per_step", "hardware_per_step"}
+    assert out["hfu"] > out["mfu"]  # selective recompute runs the attention core's forward again
     assert set(out["memory_gb"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert set(out["comm_bytes_per_step"]) == {"dp", "tp", "pp", "cp", "ep"}
     assert set(out["bubble"]) == {"ratio", "fraction"}

@@ -4,26 +4,34 @@
     fivefold plan --model llama3-8b --gpus 8 --gpu a100-80gb --layout dp=8,zero=1 --seq 4096 --global-batch 64 --explain
     fivefold plan --params 7.5e9 --gpus 8 --gpu a100-80gb --bytes 2,2,8        # does a 7.5B model fit?
     fivefold calibrate --out local.toml && fivefold plan ... --hardware local.toml
+    fivefold plan --model deepseek-v3 --gpus 2048 --seq 4096 --tokens-per-s 3.16e6 --token-budget 14.8T  # measured
 
 With --layout one layout is estimated (a rich table, --explain for the arithmetic, --json for one
 object); without it every layout is searched and the fastest that fits is written as a TOML that
 `fivefold train` loads unchanged. Model fields can be overridden like training configs:
---model.n_layers 96 --model.dim 12288.
+--model.n_layers 96 --model.dim 12288. With --step-time, --tokens-per-s or --tflops it searches
+nothing: it restates a measured run as MFU, HFU and, with --token-budget, days and GPU-hours.
+
+Only values the user gave can refuse a --layout: without a batch in sequences of the user's own
+(--global-batch, train.global_batch) it is --global-batch-tokens (default 4M) / seq, rounded to a
+multiple of dp x micro-batch; without a micro-batch of the user's own (--micro-batch, micro_batch in
+--layout, train.micro_batch) the fastest of 1, 2, 4 that validates and fits is taken.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from fivefold.config import ConfigError, read_config, to_toml
+from fivefold.config import ConfigError, to_toml
 from fivefold.planner.hardware import GB, get_hardware, load_profile, profile_toml
 from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
-from fivefold.planner.options import DEFAULT
+from fivefold.planner.request import DEFAULT_BATCH_TOKENS
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +48,20 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's)")
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    p.add_argument("--global-batch-tokens", default=None, help="tokens per step: 4M = 4 x 2^20, 512K, ...")
+    p.add_argument("--global-batch-tokens", default=None,
+                   help=f"tokens per step: 4M = 4 x 2^20, 512K, ... (with --layout or a measured run, default "
+                        f"{DEFAULT_BATCH_TOKENS})")
+    p.add_argument("--causal-flops", choices=("full", "half"), default="full",
+                   help="causal attention in the MFU/HFU numerator: full (PaLM, Megatron) or half (what the "
+                        "kernels run); the step time prices the half either way")
+    measured = p.add_mutually_exclusive_group()
+    measured.add_argument("--step-time", type=float, default=None, metavar="SECONDS",
+                          help="a measured step: report its MFU, HFU, tokens/s (no search)")
+    measured.add_argument("--tokens-per-s", type=float, default=None, metavar="N", help="measured, the whole job's")
+    measured.add_argument("--tflops", type=float, default=None, metavar="X",
+                          help="measured: achieved TFLOP/s per GPU in model FLOPs (under --causal-flops)")
+    p.add_argument("--token-budget", default=None, help="with a measured run: tokens to train, decimal "
+                   "(15T = 15e12, as papers state them): days and GPU-hours")
     p.add_argument("--bytes", default="2,2,12", help="bytes per parameter: weight,gradient,optimizer (2,2,12)")
     p.add_argument("--act-bytes", type=int, default=2, help="bytes per activation element (2 = bf16)")
     p.add_argument("--explain", action="store_true", help="print the arithmetic behind each number")
@@ -62,47 +83,11 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
                         "planner uses those times instead of pricing the parts op by op")
 
 
-def parse_tokens(text: str) -> int:
-    """"4M" -> 4 x 2^20 (binary, as in "4M tokens" = 1024 x 4096), "512K", or a plain number."""
-    text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "B": 2**30}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
 def _hardware(args: argparse.Namespace):
-    import dataclasses
-
     hw = load_profile(args.hardware) if args.hardware else get_hardware(args.gpu)
     if args.gpus_per_node:
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     return hw
-
-
-def _config(args: argparse.Namespace, rest: list[str]):
-    from fivefold.planner.layout import split_layout
-
-    path, preset = None, []
-    if args.model and Path(args.model).suffix == ".toml":
-        path = args.model
-    elif args.model:
-        preset = [f"--model.preset={args.model}"]
-    extra = []
-    if args.seq:
-        extra.append(f"--train.seq_len={args.seq}")
-    if args.micro_batch:
-        extra.append(f"--train.micro_batch={args.micro_batch}")
-    seq = args.seq
-    if args.global_batch_tokens:
-        if not seq:
-            seq = read_config(path, preset + rest)[0].train.seq_len
-        extra.append(f"--train.global_batch={max(1, parse_tokens(args.global_batch_tokens) // seq)}")
-    elif args.global_batch:
-        extra.append(f"--train.global_batch={args.global_batch}")
-    layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
-    cfg, errors = read_config(path, preset + extra + rest + layout)
-    if errors:
-        raise ConfigError(errors)
-    return cfg, options
 
 
 def _fits_table(args: argparse.Namespace, hw, b: BytesPerParam) -> int:
@@ -141,21 +126,21 @@ def _print_estimate(cfg, est, hw, world: int) -> None:
     t.add_row("exposed dp", f"{est.exposed_dp_s * 1e3:.1f} ms")
     t.add_row("step time", f"{est.step_time_s:.3f} s")
     t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}")
-    t.add_row("MFU", f"{est.mfu:.1%}")
+    t.add_row(f"MFU / HFU ({est.options.causal_flops} causal)", f"{est.mfu:.1%} / {est.hfu:.1%}")
     t.add_row("fits", "yes" if est.fits else "NO")
     c.print(t)
 
 
-def _print_explain(est) -> None:
+def _print_explain(rows: list[tuple[str, str, str]]) -> None:
     c = Console()
-    for what, arithmetic, source in est.explain:
+    for what, arithmetic, source in rows:
         c.print(f"[bold]{what}[/bold]: {arithmetic}\n    [dim]source: {source}[/dim]", highlight=False)
 
 
-def _search(args, cfg, hw, b: BytesPerParam) -> int:
+def _search(args, cfg, hw, b: BytesPerParam, options) -> int:
     from fivefold.planner.search import layout_name, search
 
-    res = search(cfg, args.gpus, hw, b, args.act_bytes, keep=args.top)
+    res = search(cfg, args.gpus, hw, b, args.act_bytes, keep=args.top, options=options)
     c = Console(stderr=args.json)
     if not c.is_terminal:  # rich assumes 80 columns when piped; the table needs more
         c.width = 150
@@ -212,24 +197,68 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
               f"collectives alpha {hw.intra_latency * 1e6:.0f} us, beta {hw.intra_bw / 1e9:.2f} GB/s"
               + (f", {len(timed)} model parts timed" if timed else ""))
         return 0
-    from fivefold.planner.estimate import estimate
-    from fivefold.validate import validate
-
     hw, b = _hardware(args), BytesPerParam.parse(args.bytes)
     if args.params is not None:
         return _fits_table(args, hw, b)
-    cfg, options = _config(args, rest)
+    try:  # bad --layout items and measured figures: one line naming the flag, not a traceback
+        return _plan(args, rest, hw, b)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+
+
+def _plan(args: argparse.Namespace, rest: list[str], hw, b: BytesPerParam) -> int:
+    from fivefold.planner.request import estimate_request, read_request
+
+    is_measured = any(v is not None for v in (args.step_time, args.tokens_per_s, args.tflops))
+    if args.token_budget and not is_measured:
+        raise ConfigError(["--token-budget needs a measured run: give --step-time, --tokens-per-s or --tflops"])
+    req = read_request(args, rest, batch_default=bool(args.layout) or is_measured)
+    if is_measured:
+        return _measured(args, req.cfg, req.options.causal_flops, hw)
     if not args.layout:
-        return _search(args, cfg, hw, b)
-    errors = validate(cfg, args.gpus)
-    if errors:
-        raise ConfigError(errors)
-    est = estimate(cfg, args.gpus, hw, b, args.act_bytes, options=options)
+        return _search(args, req.cfg, hw, b, req.options)
+    cfg, est = estimate_request(req, args.gpus, hw, b, args.act_bytes)
     if args.json:
         print(json.dumps(est.to_json()))
         return 0
     _print_estimate(cfg, est, hw, args.gpus)
     if args.explain:
-        _print_explain(est)
+        _print_explain(est.explain)
     return 0
 
+
+def _measured(args: argparse.Namespace, cfg, causal: str, hw) -> int:
+    """A measured run restated (flops.measured): no layout, no search."""
+    from fivefold.planner.flops import convention_row, measured, parse_token_budget, step_flops, utilization_row
+    from fivefold.validate import padded_vocab
+
+    budget = parse_token_budget(args.token_budget) if args.token_budget else None
+    f = step_flops(cfg, padded_vocab(cfg), causal)
+    result = measured(f, args.gpus, hw.peak_flops, step_time_s=args.step_time, tokens_per_s=args.tokens_per_s,
+                   tflops=args.tflops, token_budget=budget)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    explain = [convention_row(f), utilization_row(f, result.step_time_s, args.gpus, hw.peak_flops)]
+    t = Table(title="a measured run")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_row("GPUs", f"{args.gpus} x {hw.name} ({hw.peak_flops / 1e12:.0f} TFLOP/s peak)")
+    t.add_row("tokens/step", f"{f.tokens_per_step:,} (seq {cfg.train.seq_len})")
+    t.add_row("convention", f"causal_flops={causal}, recompute={f.recompute}")
+    t.add_row("step time", f"{result.step_time_s:.3f} s")
+    t.add_row("tokens/s/GPU", f"{result.tokens_per_s_per_gpu:,.0f}")
+    t.add_row("model FLOPs/token", f"{f.model_per_token:.4e}")
+    t.add_row("hardware FLOPs/token", f"{f.hardware_per_token:.4e}")
+    t.add_row("MFU", f"{result.mfu:.1%}")
+    t.add_row("HFU", f"{result.hfu:.1%}")
+    if budget is not None:
+        t.add_row("token budget", f"{budget:.4g}")
+        t.add_row("days", f"{result.days:,.1f}")
+        t.add_row("GPU-hours", f"{result.gpu_hours:,.0f}")
+    Console().print(t)
+    if args.explain:
+        _print_explain(explain)
+    return 0

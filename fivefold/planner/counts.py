@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import ModelConfig
+from fivefold.planner.options import CausalFlops
 
 
 @dataclass(frozen=True)
@@ -146,20 +147,43 @@ def count_on_meta(m: ModelConfig, vocab_size: int | None = None) -> int:
     return count_parameters(model)
 
 
-def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None) -> dict[str, float]:
+def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
+                    causal: CausalFlops = "full") -> dict[str, float]:
     """Training FLOPs per token (forward + backward), model FLOPs only (no recompute).
 
     - matmuls: 6 x active matmul parameters (2 per multiply-add forward, twice that backward;
       Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6N), head included;
     - attention scores and the weighted sum: per head a matmul of s x Dqk (QK^T) and one of s x Dv
-      (PV), 2 FLOPs per multiply-add, x3 for backward, halved for the causal mask a fused kernel
-      skips: 3 x L x s x H x (Dqk + Dv), which is 6 L s H hd when Dqk = Dv = hd (PaLM, Chowdhery
-      et al. 2022, App. B counts 12 L H Q T without the causal halving). MLA: Dqk = Dn + Dr, Dv;
-      its down- and up-projections are matmul parameters like any other.
-    Returns {"matmul", "attention", "total", "attention_forward"} (the last is the share that
-    selective recompute runs again).
+      (PV), 2 FLOPs per multiply-add, x3 for backward: 6 x L x s x H x (Dqk + Dv), which is
+      12 L s H hd when Dqk = Dv = hd, PaLM's 12 L H Q T (Chowdhery et al. 2022, App. B) and the
+      4 s h per layer forward of Megatron-LM (Narayanan et al. 2021, its FLOP count): both count it in
+      full. causal="half" halves it for the masked half a fused kernel skips, which is what the
+      step time prices (compute.py). MLA: Dqk = Dn + Dr, Dv; its down- and up-projections are
+      matmul parameters like any other.
+    Returns {"matmul", "attention", "total", "attention_forward"} (the last, the attention's forward
+    under the same convention, is what selective recompute runs again).
     """
+    if causal not in ("full", "half"):
+        raise ValueError(f"causal = {causal!r}: expected 'full' or 'half'")
     c = model_counts(m, vocab_size)
     matmul = 6.0 * c.active_matmul
-    attention = 3.0 * m.n_layers * seq_len * m.n_heads * sum(attention_head_dims(m))
+    attention = 6.0 * m.n_layers * seq_len * m.n_heads * sum(attention_head_dims(m)) / (2 if causal == "half" else 1)
     return {"matmul": matmul, "attention": attention, "total": matmul + attention, "attention_forward": attention / 3}
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, vocab_size: int | None = None,
+                              causal: CausalFlops = "full") -> float:
+    """FLOPs per token that activation recomputation runs again (parallel/recompute.py), under the
+    same causal convention: "full" one more forward of every block (its matmuls and attention core;
+    the head is not recomputed), "selective" the attention core's forward (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models"), "none" nothing. Model FLOPs +
+    these are the hardware FLOPs of HFU, which that paper reports beside MFU."""
+    f = flops_per_token(m, seq_len, vocab_size, causal)
+    if recompute == "full":
+        blocks = sum(b.active_matmul for b in model_counts(m, vocab_size).blocks)
+        return 2.0 * blocks + f["attention_forward"]
+    if recompute == "selective":
+        return f["attention_forward"]
+    if recompute == "none":
+        return 0.0
+    raise ValueError(f"train.recompute = {recompute!r}: expected none, selective or full")

@@ -26,7 +26,8 @@ source of its formula. The step time is the textbook model, term by term:
 7. the scalar all-reduces of every step (gradient norm, logged loss), latency only.
 
 step = makespan + exposed dp + optimizer + step sync + per-step host time; MFU = model FLOPs /
-(step x GPUs x peak) as in PaLM (Chowdhery et al. 2022, App. B).
+(step x GPUs x peak) as in PaLM (Chowdhery et al. 2022, App. B), HFU the same with recomputation
+counted, causal attention in full or halved as options.causal_flops says (flops.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from fivefold.config import Config
 from fivefold.parallel.stage_split import is_automatic_and_uneven, split_note
 from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, step_traffic
 from fivefold.planner.compute import busiest_chunk
-from fivefold.planner.counts import ModelCounts, flops_per_token, model_counts
+from fivefold.planner.counts import ModelCounts, model_counts
 from fivefold.planner.datasheet import GB, Hardware
+from fivefold.planner.flops import convention_row, step_flops, utilization_row
 from fivefold.planner.layout import rank_shares, stage_sizes
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.options import DEFAULT, PlanOptions
@@ -94,6 +96,8 @@ class Estimate:
             "step_time_s": self.step_time_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
+            "hfu": self.hfu,
+            "flops": self.flops,
             "fits": self.fits,
         }
 
@@ -149,17 +153,19 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     split = {"compute": units * (chunk.forward_s + chunk.backward_s), "tp_cp_ep": units * 2 * path.per_unit_s,
              "bubble": pipe.sim.makespan - pipe.ideal_s, "dp_exposed": dp.exposed_s, "optimizer": opt.seconds,
              "step_sync": sync.seconds, "host": units * (host.forward_s + host.backward_s) + host.step_s}
-    model_flops = flops_per_token(cfg.model, cfg.train.seq_len, d.vocab_size)["total"] * d.tokens_per_step
-    mfu = model_flops / (step * world_size * hw.peak_flops)
+    flops = step_flops(cfg, d.vocab_size, options.causal_flops)
+    mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
     stages = [("pipeline stages", split_note(cfg, tuple(sizes)).partition(": ")[2],
                "parallel/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
     explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *host.explain, *path.explain, *pipe.explain,
                *dp.explain, *opt.explain, *sync.explain, *mem.explain,
-               _step_row(step_terms, step, model_flops, mfu, world_size, hw)]
+               _step_row(step_terms, step), convention_row(flops),
+               utilization_row(flops, step, world_size, hw.peak_flops)]
     return Estimate(world_size=world_size, memory=mem.memory, comm=traffic, bubble_ratio=pipe.sim.bubble_ratio,
                     bubble_fraction=pipe.sim.bubble_fraction, exposed_dp_s=dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
-                    time_split=split, explain=explain, dp_overlap=dp.overlap, options=options)
+                    time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
+                    flops=flops.to_json())
 
 
 def _params_row(counts: ModelCounts) -> Row:
@@ -167,8 +173,6 @@ def _params_row(counts: ModelCounts) -> Row:
             "counts.model_counts: model.py layer by layer (checked on the meta device)")
 
 
-def _step_row(terms: dict[str, float], step: float, model_flops: float, mfu: float, world_size: int,
-              hw: Hardware) -> Row:
+def _step_row(terms: dict[str, float], step: float) -> Row:
     added = " + ".join(f"{seconds * 1e3:.2f} ({what})" for what, seconds in terms.items())
-    return ("step time", f"{added} = {step * 1e3:.2f} ms; MFU {model_flops:.3e} / ({step:.3f} s x {world_size} x "
-            f"{hw.peak_flops:.3e}) = {mfu:.1%}", "MFU as in PaLM (Chowdhery et al. 2022, App. B)")
+    return ("step time", f"{added} = {step * 1e3:.2f} ms", "the terms of the module docstring, in order")

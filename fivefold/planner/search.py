@@ -21,6 +21,7 @@ from fivefold.config import Config, replace
 from fivefold.planner.datasheet import Hardware
 from fivefold.planner.estimate import Estimate, estimate
 from fivefold.planner.memory import BytesPerParam
+from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import Memo
 from fivefold.validate import validate
 
@@ -69,8 +70,8 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
 
 
 def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
-           keep: int = 10) -> SearchResult:
-    """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`."""
+           keep: int = 10, options: PlanOptions = DEFAULT) -> SearchResult:
+    """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`, each estimated under `options`."""
     result, memo = SearchResult(ranked=[]), Memo()
     checked: dict[Config, list[str]] = {}
     # One pricing for every candidate (a measured profile's drops its layer times: they cover only
@@ -88,7 +89,7 @@ def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = Non
         if errors:
             result.rejected[_reason(errors[0])] += 1
             continue
-        est = estimate(cfg, world, hw, b, act_bytes, memo=memo)
+        est = estimate(cfg, world, hw, b, act_bytes, memo=memo, options=options)
         if not est.fits:
             result.rejected["does not fit in memory"] += 1
             continue
