@@ -213,3 +213,29 @@ def test_default_prediction_sits_below_the_flat_sixty_percent():
     chunk = roofline.chunk_price(work, H100, Memo())
     flops = sum(chunk.detail.flops.values())
     assert 0.35 < flops / (chunk.forward_s + chunk.backward_s) / 989e12 < 0.55
+
+
+def test_gpu_calibration_turns_timings_into_the_roofline_constants(tmp_path):
+    """calibration/gpu.py's arithmetic on made-up timings (no GPU here): an 8192^3 matmul taking
+    2 x 8192^3 / (0.7 x 989 TFLOP/s x its quantisation) gives 0.7; an attention kernel at 30% of
+    peak gives 0.3; a copy at 85% of HBM 0.85; the profile reads back and prices with them."""
+    from fivefold.planner.calibration.gpu import HEAD_DIM, HEADS, TOKENS, catalog_key, gpu_constants
+    from fivefold.planner.hardware import load_profile, profile_toml
+
+    q = 8192 * 8192 / (32 * 132 * 128 * 128)
+    flops = TOKENS * 8192 * HEADS * 2 * HEAD_DIM
+    fields = gpu_constants(H100, 8192, 2 * 8192**3 / (0.7 * 989e12 * q), None,
+                           {8192: (flops / (0.3 * 989e12), 2.5 * flops / (0.25 * 989e12))}, 1e9, 1e9 / (0.85 * 3.35e12))
+    assert fields["matmul_efficiency"] == pytest.approx(0.7)
+    assert fields["attention_fwd_curve"] == ((8192.0, pytest.approx(0.3)),)
+    assert fields["attention_bwd_curve"] == ((8192.0, pytest.approx(0.25)),)
+    assert fields["hbm_efficiency"] == pytest.approx(0.85) and "fp8_matmul_efficiency" not in fields
+    measured = dataclasses.replace(H100, name="mine", **fields)
+    path = tmp_path / "mine.toml"
+    path.write_text(profile_toml(measured))
+    assert load_profile(path) == measured
+    work = _work("--model.preset=llama3-8b", "--parallel.dp=8")
+    assert roofline.chunk_price(work, measured, Memo()).forward_s > roofline.chunk_price(work, H100, Memo()).forward_s
+    assert catalog_key("NVIDIA H100 80GB HBM3") == "h100" and catalog_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    with pytest.raises(ValueError, match="not in the planner's catalog"):
+        catalog_key("NVIDIA H100 PCIe")
