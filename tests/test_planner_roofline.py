@@ -108,6 +108,8 @@ def test_elementwise_ops_are_memory_bound():
     price = roofline.price_ops(ops, H100, 2, fp8=False)
     assert price.forward["elementwise"] == pytest.approx(expected / HBM)
     assert price.backward["elementwise"] == pytest.approx(2 * expected / HBM)
+    fused = end_ops(LLAMA8, 128256, _shapes(fused=True), first=False, last=True)  # train.compile
+    assert fused.parts["norms"] == 8192 * 4096 * 2 * 2  # one read and one write of bf16
 
 
 def test_fp8_doubles_the_matmul_part_only():

@@ -65,14 +65,6 @@ class Ops:
     backward_elementwise_bytes: float = 0.0
     parts: dict[str, float] = field(default_factory=dict, compare=False)  # forward elementwise bytes by op
 
-    def __add__(self, o: Ops) -> Ops:
-        parts = dict(self.parts)
-        for k, v in o.parts.items():
-            parts[k] = parts.get(k, 0.0) + v
-        return Ops(self.matmuls + o.matmuls, self.attention_flops + o.attention_flops,
-                   max(self.attention_seq, o.attention_seq), self.elementwise_bytes + o.elementwise_bytes,
-                   self.backward_elementwise_bytes + o.backward_elementwise_bytes, parts)
-
 
 @dataclass(frozen=True)
 class RankShapes:

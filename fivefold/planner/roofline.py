@@ -78,6 +78,9 @@ def matmul_seconds(m: int, n: int, k: int, hw: Hardware, act_bytes: int, fp8: bo
     return max(compute, memory)
 
 
+CLASSES = ("matmul", "attention", "elementwise")
+
+
 @dataclass
 class OpsPrice:
     """Seconds of one part's forward and backward by class of op, and the FLOPs they run."""
@@ -98,8 +101,6 @@ class OpsPrice:
         for k, v in o.parts.items():
             self.parts[k] = self.parts.get(k, 0.0) + v * times
 
-
-CLASSES = ("matmul", "attention", "elementwise")
 
 
 def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
