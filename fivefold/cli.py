@@ -220,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LaunchError) as e:
         print(f"fivefold: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # the planner's bad input (an unknown GPU, an option the GPU lacks): one line
+        if args.command != "plan":
+            raise
+        print(f"fivefold: {e}", file=sys.stderr)
+        return 2
     return 1
 
 

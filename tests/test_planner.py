@@ -106,7 +106,9 @@ def test_explain_names_a_source_for_every_number(capsys):
 def test_catalog_has_sources_for_every_number():
     assert {"a100-40gb", "a100-80gb", "h100", "h200", "b200", "mi300x"} <= set(CATALOG)
     for hw in CATALOG.values():
-        for f in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "compute_efficiency", "bw_efficiency"):
+        for f in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "compute_efficiency", "bw_efficiency",
+                  "sm_count", "matmul_tiles", "matmul_efficiency", "fp8_peak_flops", "fp8_matmul_efficiency",
+                  "attention_fwd_curve", "attention_bwd_curve", "hbm_efficiency"):  # the roofline's too
             assert hw.sources.get(f), (hw.name, f)
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from helpers import tiny_config
 
+from fivefold.planner import roofline
 from fivefold.planner.calibration.opcount import Part, block_tally, ends_tally, part_tally
 from fivefold.planner.calibration.pricer import MeasuredPricer, op_priced
 from fivefold.planner.calibration.profile import MeasuredProfile, tally_time
@@ -120,7 +121,9 @@ def est_vocab(cfg):
     return derive(cfg, 1).vocab_size
 
 
-def test_catalog_gpu_keeps_the_flops_estimate(tmp_path):
+def test_catalog_gpu_keeps_its_data_sheet_price(tmp_path):
+    """A catalog GPU is priced from its data sheet and published kernel measurements (the roofline,
+    roofline.py), never from traced ops; hardware without an SM count keeps the flat FLOP price."""
     cfg = tiny_config(tmp_path)
     d = derive(cfg, 1)
     counts = model_counts(cfg.model, d.vocab_size)
@@ -129,9 +132,12 @@ def test_catalog_gpu_keeps_the_flops_estimate(tmp_path):
     assert isinstance(h100.pricer, DatasheetPricer)  # the catalog prices from its data sheets
     assert op_priced(MeasuredProfile(), work, h100, Memo()) is None  # a profile with no per-op cost: FLOPs
     est = estimate(cfg, 1, h100)
-    eff = h100.peak_flops * h100.compute_efficiency
-    assert est.time_split["compute"] == pytest.approx(4 * 3 * work.forward_flops / eff)  # 4 micro-batches, F + 2F
+    chunk = roofline.chunk_price(work, h100, Memo())
+    assert est.time_split["compute"] == pytest.approx(4 * (chunk.forward_s + chunk.backward_s))  # 4 micro-batches
     assert not any(what == "forward per chunk (ops)" for what, _, _ in est.explain)
+    flat = dataclasses.replace(h100, sm_count=0)
+    eff = flat.peak_flops * flat.compute_efficiency
+    assert estimate(cfg, 1, flat).time_split["compute"] == pytest.approx(4 * 3 * work.forward_flops / eff)  # F + 2F
 
 
 def test_profile_round_trip_with_measured_fields(tmp_path):

@@ -77,6 +77,9 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="local.toml", help="profile to write")
     p.add_argument("--nproc", type=int, default=2, help="local gloo ranks for the collective timings")
     p.add_argument("--quick", action="store_true", help="small sizes, short samples (a few seconds; rough)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: measure this GPU's roofline constants into its catalog entry (GEMM and FP8 GEMM "
+                        "fractions, attention curves, HBM); cpu: the CPU as a training device; auto: cuda if present")
     p.add_argument("--layers", nargs="+", default=[], metavar="CONFIG",
                    help="also time the model's own blocks, embedding and head + loss whole, at the shapes these "
                         "training configs run on --nproc ranks (--section.key=value overrides apply to each); the "
@@ -185,8 +188,32 @@ def _layer_parts(args: argparse.Namespace, rest: list[str]) -> tuple:
     return tuple(parts.values())
 
 
+def _on_cuda(device: str) -> bool:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(["calibrate --device cuda: no CUDA device here; use --device cpu"])
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _calibrate_gpu(args: argparse.Namespace, rest: list[str]) -> int:
+    """This GPU's roofline constants (calibration/gpu.py) written as a profile for --hardware."""
+    from fivefold.planner.calibration.gpu import calibrate_gpu
+
+    if args.layers or rest:
+        raise ConfigError(["calibrate --layers times a CPU's parts: use --device cpu"])
+    hw = calibrate_gpu(args.quick, name=Path(args.out).stem)
+    Path(args.out).write_text(profile_toml(hw))
+    print(f"wrote {args.out}: bf16 GEMM {hw.matmul_efficiency:.1%} of peak, attention "
+          f"{hw.attention_fwd_curve[-1][1]:.1%} forward / {hw.attention_bwd_curve[-1][1]:.1%} backward at "
+          f"{hw.attention_fwd_curve[-1][0]:.0f}, HBM {hw.hbm_efficiency:.1%}")
+    return 0
+
+
 def run(args: argparse.Namespace, rest: list[str]) -> int:
     """Entry point for both commands (cli.main dispatches here)."""
+    if args.command == "calibrate" and _on_cuda(args.device):
+        return _calibrate_gpu(args, rest)
     if args.command == "calibrate":
         from fivefold.planner.calibration.measure import calibrate
 

@@ -28,7 +28,7 @@ def chunks_per_rank(cfg: Config) -> int:
 
 
 def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare],
-                  options: PlanOptions = DEFAULT) -> ChunkWork:
+                  options: PlanOptions = DEFAULT, act_bytes: int = 2) -> ChunkWork:
     """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * d.local_seq_len  # tokens of one micro-batch on one rank
@@ -44,4 +44,5 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     share = shares[worst]
     return ChunkWork(cfg=cfg, share=share, chunks=chunks_per_rank(cfg), vocab=d.vocab_size, local_seq=d.local_seq_len,
                      moe_blocks=moe_blocks[worst], forward_flops=fwd_flops[worst],
-                     attention_forward_flops=attn_fwd_per_block * tokens * len(share.blocks), options=options)
+                     attention_forward_flops=attn_fwd_per_block * tokens * len(share.blocks), options=options,
+                     act_bytes=act_bytes)

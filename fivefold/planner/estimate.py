@@ -4,9 +4,11 @@
 config) and returns an `Estimate` whose `explain` lists every number with its arithmetic and the
 source of its formula. The step time is the textbook model, term by term:
 
-1. compute (compute.py, priced by the hardware's pricer): training FLOPs of one micro-batch on
-   one pipeline chunk (2 per multiply-add of the active matmul weights, tp-split, + the causal
-   attention core) at peak x compute_efficiency; backward = 2 x forward; full recompute adds a
+1. compute (compute.py, priced by the hardware's pricer): one micro-batch on one pipeline chunk,
+   for a catalog GPU op by op (roofline.py: matmuls tile and wave quantised at a measured GEMM
+   fraction of peak, input and weight gradients at their own shapes, the attention core at
+   FlashAttention-2's measured fraction, elementwise kernels at HBM speed), for other hardware its
+   training FLOPs at peak x compute_efficiency with backward = 2 x forward; full recompute adds a
    forward, selective the attention core's forward (Korthikanti et al. 2022). A profile measured
    by `fivefold calibrate` brings its own pricer (calibration/pricer.py: the model's ops counted
    and priced one by one, and the Python around them).
@@ -129,7 +131,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     grad_b, param_b = wire_element_bytes(cfg, b, implementation)
     p, M = cfg.parallel, d.grad_accum
 
-    work = busiest_chunk(cfg, d, counts, shares, options)
+    work = busiest_chunk(cfg, d, counts, shares, options, act_bytes)
     share, units = work.share, M * work.chunks  # (micro-batch, chunk) pairs of a step
     chunk = pricer.chunk(work, hw, memo)
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)

@@ -25,10 +25,13 @@ __all__ = ["ALIASES", "CATALOG", "GB", "TERA", "Hardware", "get_hardware", "load
 
 _CORE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources", "pricer"))
 _FIELDS = [*_CORE_FIELDS, *MEASURED_FIELDS]
-_OPTIONAL = {*ASSUMED, "collective_alpha", *MEASURED_FIELDS}  # absent on a hand-written GPU profile
-_CURVES = ("matmul_curve", "elementwise_curve", "noise_curve")  # [[x, y], ...]
+# absent on a hand-written GPU profile (without the roofline's fields it is priced flat, datasheet.py)
+_ROOFLINE = ("sm_count", "matmul_tiles", "matmul_efficiency", "fp8_peak_flops", "fp8_matmul_efficiency",
+             "attention_fwd_curve", "attention_bwd_curve", "hbm_efficiency")
+_OPTIONAL = {*ASSUMED, "collective_alpha", *_ROOFLINE, *MEASURED_FIELDS}
+_CURVES = ("matmul_curve", "elementwise_curve", "noise_curve", "attention_fwd_curve", "attention_bwd_curve")
 _BY_OP = ("collective_alpha",)  # [[op, value], ...]
-_INTS = ("gpus_per_node", "threads")
+_INTS = ("gpus_per_node", "threads", "sm_count")
 
 
 def load_profile(path: str | Path) -> Hardware:
@@ -46,6 +49,8 @@ def load_profile(path: str | Path) -> Hardware:
     for k in _BY_OP:
         if k in hw:
             hw[k] = tuple((str(op), float(y)) for op, y in hw[k])
+    if "matmul_tiles" in hw:
+        hw["matmul_tiles"] = tuple((int(a), int(b)) for a, b in hw["matmul_tiles"])
     if "layer_times" in hw:
         hw["layer_times"] = tuple((str(k), float(f), float(b)) for k, f, b in hw["layer_times"])
     measured = {k: hw.pop(k) for k in MEASURED_FIELDS if k in hw}
@@ -62,6 +67,8 @@ def load_profile(path: str | Path) -> Hardware:
 def _toml_line(key: str, value: object) -> str:
     if key in _CURVES:
         return f"{key} = [{', '.join(f'[{float(x)!r}, {float(y)!r}]' for x, y in value)}]"
+    if key == "matmul_tiles":
+        return f"{key} = [{', '.join(f'[{int(a)}, {int(b)}]' for a, b in value)}]"
     if key in _BY_OP:
         pairs = ", ".join(f'["{op}", {float(y)!r}]' for op, y in value)
         return f"{key} = [{pairs}]"

@@ -57,6 +57,7 @@ class ChunkWork:
     forward_flops: float  # forward FLOPs of one micro-batch over all the rank's chunks (tp-split)
     attention_forward_flops: float  # their attention core's share (what selective recompute runs again)
     options: PlanOptions = DEFAULT  # the estimate's switches (options.py): FP8, expert imbalance, overlap
+    act_bytes: int = 2  # bytes per activation element (the compute dtype's)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare
 from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, rank_state_bytes
 from fivefold.planner.pricing import ChunkWork, Memo, Priced, Row
+from fivefold.planner.roofline import attention_forward_seconds
 from fivefold.validate import Derived
 
 
@@ -44,7 +45,7 @@ def critical_path(work: ChunkWork, d: Derived, hw: Hardware, traffic: dict[str, 
     cfg = work.cfg
     m, p, t = cfg.model, cfg.parallel, cfg.train
     units = max(1, 2 * d.grad_accum * work.chunks)
-    attention_time = work.attention_forward_flops / work.chunks / (hw.peak_flops * hw.compute_efficiency)
+    attention_time = attention_forward_seconds(work, hw, memo)
     cp_time = traffic["cp"].time_s
     cp_exposed = max(0.0, cp_time / units - attention_time) if p.cp_method == "ring" else cp_time / units
     on_path = (traffic["tp"].time_s + traffic["ep"].time_s) / units + cp_exposed

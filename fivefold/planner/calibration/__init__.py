@@ -6,6 +6,7 @@ loaded by `hardware.load_profile` carries its pricer (`Hardware.pricer`, a `pric
 - measure.py      the calibration runs: op, matmul, elementwise, optimizer and copy timings on
                   forked ranks, collectives, sessions merged into one profile (`calibrate()`)
 - collectives.py  every collective timed on gloo ranks, and the alpha-beta fit
+- gpu.py          on a CUDA GPU: the roofline's constants (GEMM fractions, attention curves, HBM) measured
 - host.py         Python's fixed costs: module calls, autograd Functions, hooks, state sampling, threads
 - layers.py       the model's own parts timed whole at a config's shapes (`--layers`)
 - noise.py        how long a collective waits for its slowest rank (the noise curve)

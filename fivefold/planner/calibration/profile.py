@@ -17,11 +17,11 @@ a calibrated profile fills with measured values too. The fields are the profile 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 from fivefold.planner.calibration.opcount import OpTally
 from fivefold.planner.datasheet import Hardware
+from fivefold.planner.roofline import interpolate
 
 
 @dataclass(frozen=True)
@@ -54,22 +54,6 @@ class MeasuredProfile:
 
 
 MEASURED_FIELDS = tuple(f.name for f in fields(MeasuredProfile))
-
-
-def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
-    """y at x, linear in log x between measured points, held flat beyond them."""
-    if not points:
-        return 0.0
-    pts = sorted(points)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    if x >= pts[-1][0]:
-        return pts[-1][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):  # neighbours: one pair fewer than points
-        if x0 <= x <= x1:
-            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return y0 + w * (y1 - y0)
-    return pts[-1][1]
 
 
 def matmul_rate(profile: MeasuredProfile, hw: Hardware, flops: float) -> float:

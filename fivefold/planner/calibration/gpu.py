@@ -1,0 +1,129 @@
+"""`fivefold calibrate` on a CUDA GPU: the roofline's constants (roofline.py) measured on this GPU.
+
+The catalog prices a GPU's ops from published kernel measurements (datasheet.py). On the GPU
+itself, calibrate times the same kernels with CUDA events and writes a profile that starts from
+the catalog entry of this GPU and replaces those constants with what it measured:
+
+- matmul_efficiency: a bf16 n x n x n torch.matmul's FLOP/s over (peak x its own tile and wave
+  quantisation), so the roofline gives back the measured time at that shape;
+- fp8_matmul_efficiency: the same with torch._scaled_mm on float8_e4m3fn operands, where the GPU
+  has FP8 and this torch offers it (else the catalog's figure stays, and its source says so);
+- attention_fwd_curve, attention_bwd_curve: torch's SDPA, causal, bf16, head dim 128, 16 heads,
+  batch x sequence = 16k tokens (the FlashAttention papers' set-up), forward and backward at
+  each sequence length, FLOPs counted as roofline.py counts them;
+- hbm_efficiency: a large copy's bytes read + written per second over hbm_bw.
+
+Collectives, host overheads and the optimizer are not measured here: the catalog's link figures
+and the data-sheet pricing stand. Not run by the tests (no GPU there); `gpu_constants` turns
+timings into the fields and is tested on made-up timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+from fivefold.planner.datasheet import Hardware, get_hardware
+from fivefold.planner.roofline import FA2_BACKWARD_FLOPS, quantisation
+
+HEADS, HEAD_DIM, TOKENS = 16, 128, 16384  # the FlashAttention papers' benchmark shapes
+
+
+def catalog_key(device_name: str) -> str:
+    """The catalog entry of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100"); ValueError if none."""
+    n = device_name.lower()
+    if ("nvl" in n or "pcie" in n) and ("h100" in n or "h200" in n):
+        key = ""  # other clocks and peaks than the catalog's SXM entries
+    else:
+        key = next((k for k in ("h200", "h100", "b200", "mi300x") if k in n), "")
+        if not key and "a100" in n:
+            key = "a100-40gb" if "40g" in n else "a100-80gb"
+    if not key:
+        raise ValueError(f"calibrate: '{device_name}' is not in the planner's catalog (datasheet.py), whose data "
+                         "sheet gives the peaks the measured fractions are of; run `fivefold calibrate --device cpu`")
+    return key
+
+
+def gpu_constants(hw: Hardware, n: int, gemm_s: float, fp8_s: float | None, attention: dict[int, tuple[float, float]],
+                  copy_bytes: float, copy_s: float) -> dict[str, object]:
+    """The roofline fields from timings: an n^3 bf16 (and FP8) matmul, SDPA forward and backward
+    seconds by sequence length (HEADS heads of HEAD_DIM, TOKENS tokens in all), a copy."""
+    q, _ = quantisation(n, n, hw.matmul_tiles, hw.sm_count)
+    out: dict[str, object] = {"matmul_efficiency": 2.0 * n**3 / gemm_s / (hw.peak_flops * q)}
+    if fp8_s and hw.fp8_peak_flops:
+        out["fp8_matmul_efficiency"] = 2.0 * n**3 / fp8_s / (hw.fp8_peak_flops * q)
+    fwd, bwd = [], []
+    for seq, (f_s, b_s) in sorted(attention.items()):
+        flops = TOKENS * seq * HEADS * 2 * HEAD_DIM  # causal: half of QK^T and PV (roofline.py's count)
+        fwd.append((float(seq), flops / f_s / hw.peak_flops))
+        bwd.append((float(seq), FA2_BACKWARD_FLOPS * flops / b_s / hw.peak_flops))
+    out["attention_fwd_curve"], out["attention_bwd_curve"] = tuple(fwd), tuple(bwd)
+    out["hbm_efficiency"] = copy_bytes / copy_s / hw.hbm_bw
+    return out
+
+
+def _cuda_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of fn() on the current CUDA stream, after a warm-up (CUDA events)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _fp8_seconds(n: int, repeats: int) -> float | None:
+    import torch
+
+    try:
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device="cuda")
+        return _cuda_seconds(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), repeats)
+    except (RuntimeError, TypeError, AttributeError):  # no FP8 on this GPU, or another _scaled_mm signature
+        return None
+
+
+def calibrate_gpu(quick: bool = False, name: str = "local") -> Hardware:
+    """Measure this CUDA GPU's roofline constants (module docstring) into its catalog entry."""
+    import torch
+
+    device = torch.cuda.get_device_name()
+    key = catalog_key(device)
+    hw = get_hardware(key)
+    n, repeats = (4096, 5) if quick else (8192, 20)
+    seqs = (1024, 4096) if quick else (512, 1024, 2048, 4096, 8192, 16384)
+    x, w = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gemm_s = _cuda_seconds(lambda: x @ w, repeats)
+    fp8_s = _fp8_seconds(n, repeats) if hw.fp8_peak_flops else None
+    attention = {}
+    for seq in seqs:
+        q, k, v = (torch.randn(TOKENS // seq, HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        sdpa = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        out = sdpa()
+        grad = torch.randn_like(out)
+        attention[seq] = (_cuda_seconds(sdpa, repeats),
+                          _cuda_seconds(lambda out=out, grad=grad: out.backward(grad, retain_graph=True), repeats))
+    src = torch.empty(1 << 28, device="cuda", dtype=torch.uint8)  # 256 MiB: far beyond L2
+    dst = torch.empty_like(src)
+    copy_s = _cuda_seconds(lambda: dst.copy_(src), repeats)
+    fields = gpu_constants(hw, n, gemm_s, fp8_s, attention, 2.0 * src.numel(), copy_s)
+    where = f"measured by fivefold calibrate on {device} (torch {torch.__version__})"
+    sources = {"matmul_efficiency": f"{where}: bf16 {n}^3 torch.matmul, median of {repeats}, over peak x its "
+                                    "tile/wave quantisation",
+               "attention_fwd_curve": f"{where}: SDPA causal bf16, {HEADS} heads of {HEAD_DIM}, {TOKENS} tokens, "
+                                      f"sequences {', '.join(map(str, seqs))}",
+               "attention_bwd_curve": f"{where}: the same, backward (2.5 x the forward's FLOPs)",
+               "hbm_efficiency": f"{where}: a 256 MiB copy, bytes read + written per second over hbm_bw"}
+    if "fp8_matmul_efficiency" in fields:
+        sources["fp8_matmul_efficiency"] = f"{where}: float8_e4m3fn {n}^3 torch._scaled_mm, as bf16's"
+    return dataclasses.replace(hw, name=name, sources={**hw.sources, **sources}, **fields)

@@ -1,0 +1,243 @@
+"""The catalog GPUs' roofline (planner/roofline.py, planner/ops.py) against hand arithmetic.
+
+Tile and wave quantisation follow NVIDIA's "Matrix Multiplication Background User's Guide" (Deep
+Learning Performance docs), sec. 3.1 (tile quantization: M and N rounded up to whole tiles) and 3.2
+(wave quantization: tiles rounded up to whole waves of one tile per SM). The catalog's constants
+are the published measurements datasheet.py cites: H100 SXM bf16 GEMM 794.5 of 989 TFLOP/s (the MAMF
+table of stas00/ml-engineering), FlashAttention-2 333 TFLOP/s forward (causal) and 318 backward at
+sequence 8192 (Shah et al. 2024, FlashAttention-3, figs. 5-6), HBM at 90% of 3.35 TB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.planner import roofline
+from fivefold.planner.calibration.opcount import block_tally, ends_tally
+from fivefold.planner.compute import busiest_chunk
+from fivefold.planner.counts import model_counts
+from fivefold.planner.estimate import estimate
+from fivefold.planner.hardware import get_hardware
+from fivefold.planner.layout import rank_shares
+from fivefold.planner.ops import Matmul, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.options import DEFAULT, PlanOptions
+from fivefold.planner.pricing import Memo
+from fivefold.presets import PRESETS
+from fivefold.validate import derive
+
+H100 = get_hardware("h100")
+GEMM = 794.5e12  # H100 SXM bf16, the MAMF table
+HBM = 0.9 * 3.35e12  # bytes/s a streaming kernel moves
+LLAMA8 = dataclasses.replace(PRESETS["llama3-8b"], vocab_size=128256)
+MIXTRAL = dataclasses.replace(PRESETS["mixtral-8x7b"], vocab_size=32000)
+
+
+def _shapes(tokens: int = 8192, seq: int = 8192, **over) -> RankShapes:
+    return RankShapes(**{"tokens": tokens, "sp_tokens": tokens, "seq_len": seq, "kernel_seq": seq, **over})
+
+
+def test_tile_quantisation_rounds_m_and_n_up_to_whole_tiles():
+    """Guide sec. 3.1: with 128 x 128 tiles, a 257 x 129 output needs 3 x 2 tiles, of which 257 x 129 /
+    (6 x 128^2) = 34% is work. With one SM (units = 1) every tile is a wave of its own, so wave
+    quantisation adds nothing."""
+    q, tile = roofline.quantisation(257, 129, ((128, 128),), 1)
+    assert tile == (128, 128) and q == pytest.approx(257 * 129 / (3 * 2 * 128 * 128))
+    # M = 384: three 128-row tiles fit exactly; two 256-row tiles would waste a quarter
+    assert roofline.quantisation(384, 128, ((256, 128), (128, 128)), 1) == (1.0, (128, 128))
+    assert roofline.quantisation(384, 128, ((256, 128),), 1)[0] == 0.75
+
+
+def test_wave_quantisation_rounds_tiles_up_to_whole_waves_of_sms():
+    """Guide sec. 3.2, on an A100's 108 SMs with 256 x 128 tiles: 27 x 4 = 108 tiles fill one wave
+    exactly; one more tile column makes 135 tiles, two waves, the second a fifth full: 135 / 216."""
+    tiles = ((256, 128),)
+    assert roofline.quantisation(27 * 256, 4 * 128, tiles, 108)[0] == 1.0
+    assert roofline.quantisation(27 * 256, 5 * 128, tiles, 108)[0] == pytest.approx(135 / 216)
+    assert roofline.quantisation(27 * 256, 8 * 128, tiles, 108)[0] == 1.0  # two full waves
+
+
+def test_a_skinny_matmul_runs_far_below_peak():
+    """16 tokens through a 4096 x 4096 weight on an H100: one row of 32 tiles of 128 x 128, one wave of
+    132 SMs, so 16 x 4096 / (132 x 128 x 128) = 3% of the tile work is useful; compute-bound at
+    2.4% of peak, its operands (33.8 MB at 3.0 TB/s: 11 us) shorter."""
+    q = 16 * 4096 / (132 * 128 * 128)
+    expected = 2 * 16 * 4096 * 4096 / (GEMM * q)
+    assert roofline.matmul_seconds(16, 4096, 4096, H100, 2, fp8=False) == pytest.approx(expected)
+    assert 2 * 16 * 4096**2 / expected / 989e12 == pytest.approx(0.0243, abs=1e-4)
+    big = roofline.matmul_seconds(8192, 8192, 8192, H100, 2, fp8=False)  # 64 x 64 tiles, 31.03 -> 32 waves
+    assert big == pytest.approx(2 * 8192**3 / (GEMM * 8192 * 8192 / (32 * 132 * 128 * 128)))
+
+
+def test_backward_prices_input_and_weight_gradients_at_their_own_shapes():
+    """A 64-token matmul: the forward and the input gradient (64, 4096, 4096) are compute-bound at
+    poor quantisation; the weight gradient (4096, 4096, 64) reduces over the 64 tokens and is bound
+    by writing its 4096 x 4096 result: (2 x 64 x 4096 + 4096^2) x 2 bytes at HBM speed."""
+    ops = Ops(matmuls=(Matmul("w", 64, 4096, 4096),))
+    price = roofline.price_ops(ops, H100, 2, fp8=False)
+    forward = 2 * 64 * 4096 * 4096 / (GEMM * 64 * 4096 / (132 * 128 * 128))  # one wave of 32 tiles
+    wgrad = (2 * 64 * 4096 + 4096 * 4096) * 2 / HBM
+    assert price.forward["matmul"] == pytest.approx(forward)
+    assert price.backward["matmul"] == pytest.approx(forward + wgrad)
+
+
+def test_attention_runs_at_flashattention2s_measured_fraction():
+    """Llama 3 8B, 8192 tokens of an 8192 sequence: the causal kernel runs T x s x H x (D + D) =
+    8192^2 x 32 x 256 FLOPs forward at 333 TFLOP/s, 2.5 x that backward at 318 (FA3 paper, figs. 5-6)."""
+    ops = block_ops(LLAMA8, 0, _shapes())
+    assert ops.attention_flops == 8192 * 8192 * 32 * 256
+    price = roofline.price_ops(ops, H100, 2, fp8=False)
+    assert price.forward["attention"] == pytest.approx(ops.attention_flops / 333e12)
+    assert price.backward["attention"] == pytest.approx(2.5 * ops.attention_flops / 318e12)
+    between = 298 + (math.log(3000) - math.log(2048)) / (math.log(4096) - math.log(2048)) * (319 - 298)
+    assert roofline.interpolate(H100.attention_fwd_curve, 3000) == pytest.approx(between / 989)
+    assert roofline.interpolate(H100.attention_fwd_curve, 100) == pytest.approx(191 / 989)  # flat outside
+
+
+def test_elementwise_ops_are_memory_bound():
+    """The last stage's final norm, loss and the head's weight cast, 8192 tokens, bf16: RMSNorm's six
+    eager kernels move 2 x (2 + 4) + 5 x 4 + 2 x 2 = 36 bytes per element (upcast, square, mean, scale,
+    downcast, weight), the loss 6 + 3 x 4 per fp32 logit (upcast, log-softmax, its gather), the
+    head's fp32 weight 4 + 2 bytes per element cast; all at 90% of 3.35 TB/s."""
+    ops = end_ops(LLAMA8, 128256, _shapes(), first=False, last=True)
+    expected = 8192 * 4096 * 36 + 8192 * 128256 * 18 + 128256 * 4096 * 6
+    assert ops.elementwise_bytes == pytest.approx(expected)
+    price = roofline.price_ops(ops, H100, 2, fp8=False)
+    assert price.forward["elementwise"] == pytest.approx(expected / HBM)
+    assert price.backward["elementwise"] == pytest.approx(2 * expected / HBM)
+    fused = end_ops(LLAMA8, 128256, _shapes(fused=True), first=False, last=True)  # train.compile
+    assert fused.parts["norms"] == 8192 * 4096 * 2 * 2  # one read and one write of bf16
+
+
+def test_fp8_doubles_the_matmul_part_only():
+    """FP8 matmuls at the FP8 dense peak (H100 data sheet: 1,979 TFLOP/s to bf16's 989); with the FP8
+    fraction set to bf16's, every matmul of a Llama 3 8B block (all compute-bound) runs 1979 / 989
+    times faster; attention stays bf16 and the elementwise kernels are untouched."""
+    hw = dataclasses.replace(H100, fp8_matmul_efficiency=H100.matmul_efficiency)
+    ops = block_ops(LLAMA8, 0, _shapes())
+    bf16, fp8 = roofline.price_ops(ops, hw, 2, fp8=False), roofline.price_ops(ops, hw, 2, fp8=True)
+    for phase in ("forward", "backward"):
+        assert getattr(bf16, phase)["matmul"] == pytest.approx(1979 / 989 * getattr(fp8, phase)["matmul"])
+        for cls in ("attention", "elementwise"):
+            assert getattr(bf16, phase)[cls] == getattr(fp8, phase)[cls]
+
+
+def _work(*overrides: str, options: PlanOptions = DEFAULT, world: int = 8):
+    cfg = load_config(None, ["--train.seq_len=8192", "--train.global_batch=8", "--train.micro_batch=1",
+                             *overrides])
+    d = derive(cfg, world)
+    counts = model_counts(cfg.model, d.vocab_size)
+    return busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), options)
+
+
+def test_fp8_on_a_gpu_without_it_names_the_option_and_the_gpu():
+    work = _work("--model.preset=llama3-8b", "--parallel.dp=8", options=PlanOptions(fp8="compute"))
+    with pytest.raises(ValueError, match=r"--layout fp8=compute: a100-80gb has no FP8"):
+        roofline.chunk_price(work, get_hardware("a100"), Memo())
+    assert roofline.chunk_price(work, H100, Memo()).forward_s > 0
+
+
+def test_expert_imbalance_scales_the_routed_experts_only():
+    """Mixtral on ep = 8 ranks, 4096 tokens each: each rank's one local expert gets 4096 x 8 x 2 / 8 =
+    8192 rows; the busiest rank under an imbalance of 1.5 gets 12288. The router, attention and the
+    rest of the block are the same; a capacity factor of 1.25 drops what exceeds 1.25 x the mean."""
+    base, skewed = (block_ops(MIXTRAL, 0, _shapes(4096, ep=8, imbalance=x)) for x in (1.0, 1.5))
+    rows = {mm.name: mm.m for mm in base.matmuls}
+    assert rows["expert gate"] == 8192 and rows["router"] == 4096 and rows["wq"] == 4096
+    for a, b in zip(base.matmuls, skewed.matmuls, strict=True):
+        assert b.m == (12288 if a.name.startswith("expert") else a.m)
+    assert skewed.attention_flops == base.attention_flops
+    for part in ("norms", "rope", "repeat k/v", "residual adds", "router", "weight casts"):
+        assert skewed.parts[part] == base.parts[part]
+    assert skewed.parts["expert swiglu"] == pytest.approx(1.5 * base.parts["expert swiglu"])
+    capped = block_ops(dataclasses.replace(MIXTRAL, moe_capacity_factor=1.25), 0, _shapes(4096, ep=8, imbalance=2))
+    assert {mm.name: mm.m for mm in capped.matmuls}["expert up"] == 10240
+    experts = [roofline.price_ops(Ops(matmuls=tuple(mm for mm in o.matmuls if mm.name.startswith("expert"))),
+                                  H100, 2, fp8=False).forward["matmul"] for o in (base, skewed)]
+    assert experts[1] == pytest.approx(1.5 * experts[0], rel=0.03)  # compute-bound: time follows the rows
+
+
+@pytest.mark.parametrize("name,layer,tp", [("tiny", 0, 1), ("tiny", 0, 2), ("tiny-moe", 0, 1), ("tiny-mla", 0, 1),
+                                           ("tiny-mla", 1, 1)])
+def test_elementwise_bytes_follow_the_model_code(name, layer, tp):
+    """ops.py's elementwise bytes against the aten ops model.Block really dispatches (a CPU trace,
+    calibration/opcount.py, fp32 throughout: act_bytes = 4 removes autocast's casts): forward within
+    7%, backward within 20% (its formula is 2 x forward plus the slices' and the experts' gradients);
+    matmul FLOPs exact; the kernel's attention FLOPs half the trace's (the trace counts the full
+    score matrix, the causal kernel computes half)."""
+    m = dataclasses.replace(PRESETS[name], vocab_size=256)
+    forward, backward = block_tally(m, layer, tp, 2, 32)
+    ops = block_ops(m, layer, _shapes(64, 32, tp=tp, act_bytes=4))
+    assert ops.elementwise_bytes == pytest.approx(sum(forward.elementwise_bytes), rel=0.07)
+    assert ops.backward_elementwise_bytes == pytest.approx(sum(backward.elementwise_bytes), rel=0.2)
+    assert sum(2 * mm.m * mm.n * mm.k * mm.count for mm in ops.matmuls) == pytest.approx(sum(forward.matmul_flops))
+    assert ops.attention_flops == pytest.approx(sum(f for f, _ in forward.attention) / 2)
+
+
+def test_ends_elementwise_bytes_follow_the_model_code():
+    m = dataclasses.replace(PRESETS["tiny"], vocab_size=256)
+    for tp in (1, 2):
+        forward, backward = ends_tally(m, 256, tp, 2, 32, True, True)
+        ops = end_ops(m, 256, _shapes(64, 32, tp=tp, act_bytes=4), True, True)
+        assert ops.elementwise_bytes == pytest.approx(sum(forward.elementwise_bytes), rel=0.2)
+        assert ops.backward_elementwise_bytes == pytest.approx(sum(backward.elementwise_bytes), rel=0.2)
+
+
+def test_recompute_adds_the_forward_or_the_attention_core():
+    """Full recompute runs the forward again before the backward, selective only the attention core's
+    forward (Korthikanti et al. 2022)."""
+    prices = {rc: roofline.chunk_price(_work("--model.preset=llama3-8b", "--parallel.dp=8",
+                                             f"--train.recompute={rc}"), H100, Memo())
+              for rc in ("none", "selective", "full")}
+    none = prices["none"]
+    assert prices["full"].backward_s == pytest.approx(none.backward_s + none.forward_s)
+    assert prices["selective"].backward_s - none.backward_s == pytest.approx(none.detail.forward["attention"])
+
+
+def test_explain_names_each_op_class_its_efficiency_and_source():
+    cfg = load_config(None, ["--model.preset=llama3-8b", "--train.seq_len=8192", "--train.global_batch=8",
+                             "--train.micro_batch=1", "--parallel.dp=8", "--parallel.zero=3"])
+    rows = {what: (arithmetic, source) for what, arithmetic, source in estimate(cfg, 8, H100).explain}
+    assert "80.3%" in rows["compute: matmuls"][0] and "ml-engineering" in rows["compute: matmuls"][1]
+    assert "Matrix Multiplication Background" in rows["compute: matmuls"][1]
+    assert "33.7%" in rows["compute: attention core"][0] and "FlashAttention-3" in rows["compute: attention core"][1]
+    assert "90%" in rows["compute: elementwise"][0] and "STREAM" in rows["compute: elementwise"][1]
+    assert "of the bf16 peak" in rows["forward per chunk"][0]
+
+
+def test_default_prediction_sits_below_the_flat_sixty_percent():
+    """The roofline's Llama 3 8B block on an H100: matmuls near 80% of peak, the attention core near
+    a third, the elementwise kernels bound by HBM, so the chunk runs well below the old flat 60%."""
+    work = _work("--model.preset=llama3-8b", "--parallel.dp=8")
+    chunk = roofline.chunk_price(work, H100, Memo())
+    flops = sum(chunk.detail.flops.values())
+    assert 0.35 < flops / (chunk.forward_s + chunk.backward_s) / 989e12 < 0.55
+
+
+def test_gpu_calibration_turns_timings_into_the_roofline_constants(tmp_path):
+    """calibration/gpu.py's arithmetic on made-up timings (no GPU here): an 8192^3 matmul taking
+    2 x 8192^3 / (0.7 x 989 TFLOP/s x its quantisation) gives 0.7; an attention kernel at 30% of
+    peak gives 0.3; a copy at 85% of HBM 0.85; the profile reads back and prices with them."""
+    from fivefold.planner.calibration.gpu import HEAD_DIM, HEADS, TOKENS, catalog_key, gpu_constants
+    from fivefold.planner.hardware import load_profile, profile_toml
+
+    q = 8192 * 8192 / (32 * 132 * 128 * 128)
+    flops = TOKENS * 8192 * HEADS * 2 * HEAD_DIM
+    fields = gpu_constants(H100, 8192, 2 * 8192**3 / (0.7 * 989e12 * q), None,
+                           {8192: (flops / (0.3 * 989e12), 2.5 * flops / (0.25 * 989e12))}, 1e9, 1e9 / (0.85 * 3.35e12))
+    assert fields["matmul_efficiency"] == pytest.approx(0.7)
+    assert fields["attention_fwd_curve"] == ((8192.0, pytest.approx(0.3)),)
+    assert fields["attention_bwd_curve"] == ((8192.0, pytest.approx(0.25)),)
+    assert fields["hbm_efficiency"] == pytest.approx(0.85) and "fp8_matmul_efficiency" not in fields
+    measured = dataclasses.replace(H100, name="mine", **fields)
+    path = tmp_path / "mine.toml"
+    path.write_text(profile_toml(measured))
+    assert load_profile(path) == measured
+    work = _work("--model.preset=llama3-8b", "--parallel.dp=8")
+    assert roofline.chunk_price(work, measured, Memo()).forward_s > roofline.chunk_price(work, H100, Memo()).forward_s
+    assert catalog_key("NVIDIA H100 80GB HBM3") == "h100" and catalog_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    with pytest.raises(ValueError, match="not in the planner's catalog"):
+        catalog_key("NVIDIA H100 PCIe")
