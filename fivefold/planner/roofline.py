@@ -29,13 +29,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fivefold.planner.ops import Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.pricing import ChunkPrice, ChunkWork, Memo, Row
 
-if TYPE_CHECKING:
-    from fivefold.planner.datasheet import Hardware
+
+class Hardware(Protocol):
+    """The figures of datasheet.Hardware a roofline reads (declared here, so that the catalog can
+    price with this module without the two importing each other)."""
+
+    name: str
+    peak_flops: float
+    fp8_peak_flops: float
+    compute_efficiency: float
+    matmul_efficiency: float
+    fp8_matmul_efficiency: float
+    matmul_tiles: tuple[tuple[int, int], ...]
+    sm_count: int
+    hbm_bw: float
+    hbm_efficiency: float
+    attention_fwd_curve: tuple[tuple[float, float], ...]
+    attention_bwd_curve: tuple[tuple[float, float], ...]
+    sources: dict[str, str]
 
 FA2_BACKWARD_FLOPS = 2.5  # FA2's backward runs 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1.2)
 GUIDE = "NVIDIA Matrix Multiplication Background User's Guide (Deep Learning Performance docs), sec. 3.1-3.2"
