@@ -25,7 +25,8 @@ __all__ = ["ALIASES", "CATALOG", "GB", "TERA", "Hardware", "get_hardware", "load
 
 _CORE_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "sources", "pricer"))
 _FIELDS = [*_CORE_FIELDS, *MEASURED_FIELDS]
-_OPTIONAL = {*ASSUMED, "collective_alpha", *MEASURED_FIELDS}  # absent on a hand-written GPU profile
+# absent on a hand-written GPU profile (the host figures: only offload needs them)
+_OPTIONAL = {*ASSUMED, "collective_alpha", "host_bw", "host_memory_bytes", *MEASURED_FIELDS}
 _CURVES = ("matmul_curve", "elementwise_curve", "noise_curve")  # [[x, y], ...]
 _BY_OP = ("collective_alpha",)  # [[op, value], ...]
 _INTS = ("gpus_per_node", "threads")
