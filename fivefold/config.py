@@ -161,11 +161,12 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)} 
 
 
 class ConfigError(ValueError):
-    """All problems found in a configuration, one per line."""
+    """All problems found in a configuration, one per line (one problem: one line)."""
 
     def __init__(self, errors: list[str]):
         self.errors = errors
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {e}" for e in errors))
+        listed = errors[0] if len(errors) == 1 else "\n" + "\n".join(f"  - {e}" for e in errors)
+        super().__init__(f"invalid configuration: {listed}")
 
 
 def _suggest(word: str, options: list[str]) -> str:

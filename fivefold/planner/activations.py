@@ -47,6 +47,20 @@ without RoPE and of values:
 Recompute: "full" keeps only each block's input (d, split with sp); "selective" recomputes the
 attention kernel, which then keeps no log-sum-exp, and keeps GQA's unrepeated k/v (the recompute
 repeats them again). Weights are not activations and are not counted.
+
+FP8 compute (fp8_matmul_input_elements): Transformer Engine's linear modules cast each linear
+layer's input to FP8 once in forward and keep that FP8 copy for the weight-gradient GEMM, and
+DeepSeek-V3 (2024, sec. 3.3.3, "Low-Precision Storage") caches the Linear inputs in FP8 the same
+way. What moves from the compute dtype to 1 byte: the attention projections' input (the attention
+norm's output, or with sp the gathered input; MLA: that and the latents the up-projections read),
+the gate/up input of a dense MLP (its norm's output or gathered input), every down projection's
+input (the SwiGLU product: dense, each routed copy, the shared experts) and each routed copy's
+gathered input row. What stays: the router's input, read in bf16 (DeepSeek-V3 keeps the gating
+and the head in higher precision), so the shared experts add an FP8 copy of it, and GQA's out
+projection input, which is also the attention kernel's output that the kernel's backward reads in
+bf16: an FP8 copy is added for the out projection (with selective recompute the kernel's output is
+rebuilt, and the kept tensor is the FP8 one alone). Norms, the residual stream, attention's q/k/v
+and the SwiGLU's gate, silu and up values stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -103,6 +117,42 @@ def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str) ->
     if recompute != "selective":  # the kernel's own output and log-sum-exp, which recompute rebuilds
         heads += H * (n + R) + H
     return replicated + heads / tp + _ffn_elements(m, tp, sp)
+
+
+def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False,
+                              recompute: str = "none") -> tuple[float, float]:
+    """(moved, added) elements per token of one block under FP8 compute (the module docstring):
+    `moved` of block_activation_elements_per_token's elements are kept in 1 byte instead of the
+    compute dtype, and `added` FP8 copies (1 byte each) are kept beside them. Routed experts'
+    elements are per mean expert load (routed_expert_elements_per_token scales them)."""
+    if recompute == "full":
+        return 0.0, 0.0  # only each block's input is kept, and no linear layer reads it
+    d, hd, moe = m.dim, m.head_dim or m.dim // m.n_heads, m.n_experts > 0
+    if m.kv_lora_rank:
+        rq, rkv, R, H, v = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads, m.v_head_dim
+        latents = (rq or (d if tp > 1 else 0)) + rkv + (R if tp > 1 else 0)
+        attention, added = (d / tp if sp else d) + latents + H * v / tp, 0.0  # the cut output is wo's own copy
+    else:
+        out_proj = m.n_heads * hd / tp
+        attention = d + (out_proj if recompute == "selective" else 0.0)
+        added = 0.0 if recompute == "selective" else out_proj
+    if not moe:
+        return attention + d + m.ffn_dim / tp, added  # gate/up input, the down projection's input
+    h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
+    shared = m.n_shared_experts * h / split
+    added += d / split if m.n_shared_experts else 0.0
+    return attention + routed_expert_elements_per_token(m, tp, sp, recompute)[1] + shared, added
+
+
+def routed_expert_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = False,
+                                     recompute: str = "none") -> tuple[float, float]:
+    """(elements, fp8 moved): of one MoE block's elements per token, those of its routed copies at
+    the mean expert load, k (4h + 3d) (split over tp with sp), and the k (d + h) of them an FP8
+    recipe keeps in 1 byte; the busiest expert rank holds `expert_imbalance` times these."""
+    if not m.n_experts or recompute == "full":
+        return 0.0, 0.0
+    h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
+    return m.top_k * (4 * h + 3 * m.dim) / split, m.top_k * (m.dim + h) / split
 
 
 def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,

@@ -23,7 +23,11 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   once in forward and K, V plus dK, dV in backward: 3 (C-1) x the K/V block; Ulysses
   (Jacobs et al. 2023): four all-to-alls forward (q, k, v, out) and four backward.
 - ep (GShard, Lepikhin et al. 2020): per MoE block and micro-batch, dispatch and combine in
-  forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d, / t with sp).
+  forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d, / t with sp),
+  x the expert imbalance on the busiest expert rank (activation_traffic).
+
+Reported per axis for the pipeline rank that sends the most (heaviest_senders); the step's time
+terms keep the busiest rank's (the most FLOPs: compute.busiest_chunk), which sets the pace.
 
 Time by an alpha-beta model (Hockney 1994; Thakur et al. 2005 for the collective step counts):
 t = steps x alpha + wire bytes / (bandwidth x efficiency), the link being the node's interconnect
@@ -38,9 +42,11 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Config
 from fivefold.parallel.wire import wire_bytes
-from fivefold.planner.counts import block_params
+from fivefold.planner.counts import ModelCounts, block_params
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare, axis_spans_nodes
+from fivefold.planner.memory import FP8_BYTES, expert_imbalance
+from fivefold.planner.options import PlanOptions
 from fivefold.planner.pricing import ChunkWork, Row
 from fivefold.validate import Derived
 
@@ -109,11 +115,15 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
 
 
 def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, first: bool, last: bool,
-                       local_seq: int, micro: int, act_bytes: int, pp_ends: int) -> dict[str, AxisTraffic]:
+                       local_seq: int, micro: int, act_bytes: int, pp_ends: int,
+                       imbalance: float = 1.0) -> dict[str, AxisTraffic]:
     """tp, pp, cp and ep traffic of one pipeline rank holding `blocks` blocks in `chunks` chunks.
 
     pp_ends: how many of this rank's chunks sit at an end of the model (first or last stage), whose
-    input or output does not travel.
+    input or output does not travel. imbalance: tokens on the busiest expert rank over the mean;
+    that rank receives imbalance x the mean's token copies in each dispatch (and in the combine's
+    backward) and sends as many back in each combine (and in the dispatch's backward), so each of
+    its all-to-alls carries imbalance x the balanced bytes through its link.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     b = t.micro_batch
@@ -142,7 +152,7 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
         out["cp"].add("all_to_all", qkvo / 4, p.cp, micro * blocks * 4 * (fwd_passes + 1))
     # ep: dispatch + combine, forward and backward, of the top_k copies of each token (with sp, of
     # this tp rank's T/tp tokens: each routes its own).
-    copies = b * local_seq * m.top_k * m.dim * act_bytes / (p.tp if p.sp else 1)
+    copies = imbalance * b * local_seq * m.top_k * m.dim * act_bytes / (p.tp if p.sp else 1)
     out["ep"].add("all_to_all", copies, p.ep, micro * moe_blocks * 2 * (fwd_passes + 1))
     return out
 
@@ -154,30 +164,44 @@ def moe_partial_params(cfg: Config, share: RankShare) -> int:
     return sum(bp.replicated + bp.experts // ep for bp in (block_params(m, b) for b in share.blocks) if bp.experts)
 
 
-def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param_b: float,
-                 act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row]]:
-    """Every axis's traffic of the busiest rank for one step (dp, tp, pp, cp, ep), timed on the links
-    its groups use, and one explain row per axis that sends anything. grad_b, param_b: bytes of one
-    gradient and one weight element on the wire."""
-    cfg, share, p = work.cfg, work.share, work.cfg.parallel
+def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, chunks: int, options: PlanOptions, d: Derived,
+                 hw: Hardware, grad_b: float, param_b: float, act_bytes: int) -> dict[str, AxisTraffic]:
+    """Every axis's traffic of one pipeline rank (holding `share`, `moe_blocks` of its blocks with
+    routed experts, in `chunks` chunks) for one step, timed on the links its groups use. grad_b,
+    param_b: bytes of one gradient and one weight element on the wire; FP8 weights gather the
+    blocks' weights in 1 byte (torchtitan's float8 all-gather casts each linear layer's weight
+    shard to float8 before the FSDP all-gather: docs/float8.md), the embedding and head in param_b."""
+    p = cfg.parallel
     micro, n_shard, grad_ranks = d.grad_accum, d.dp_shard, d.dp * p.cp
+    block_b = FP8_BYTES if options.fp8 == "weights" else param_b
     # Dense gradients over the grad view (ZeRO: shards over dp_shard); routed experts (ep > 1) over
     # the ranks holding the same experts, expert_dp, where ZeRO shards them too (parallel/zero.py).
     expert = share.expert_params if p.ep > 1 else 0
     dense = share.params - expert
-    dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense * param_b, micro,
+    dense_weights = (dense - share.vocab_params) * block_b + share.vocab_params * param_b
+    dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense_weights, micro,
                     d.reshard_after_forward)
-    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * param_b, micro, d.reshard_after_forward, dp)
+    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * block_b, micro, d.reshard_after_forward, dp)
     traffic = {"dp": dp}
     pp_ends = int(share.first) + int(share.last) if p.pp > 1 else 0
-    traffic.update(activation_traffic(cfg, len(share.blocks), work.moe_blocks, work.chunks, share.first, share.last,
-                                      d.local_seq_len, micro, act_bytes, pp_ends))
-    if p.sp and work.moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
+    traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, chunks, share.first, share.last,
+                                      d.local_seq_len, micro, act_bytes, pp_ends, expert_imbalance(cfg, options)))
+    if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
-    rows = []
     for axis, tr in traffic.items():
         tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, axis)
         tr.time_s = time_of(tr, hw)
+    return traffic
+
+
+def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param_b: float,
+                 act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row]]:
+    """rank_traffic of the busiest rank (its times are the step's), and one explain row per axis
+    that sends anything."""
+    traffic = rank_traffic(work.cfg, work.share, work.moe_blocks, work.chunks, work.options, d, hw, grad_b, param_b,
+                           act_bytes)
+    rows = []
+    for axis, tr in traffic.items():
         where = "across nodes" if tr.inter_node else "inside a node"
         if tr.bytes:
             steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
@@ -189,3 +213,31 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
                          "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994); alpha: "
                          + hw.sources.get(alpha_source, "profile")))
     return traffic, rows
+
+
+def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCounts, timed: dict[str, AxisTraffic],
+                     d: Derived, hw: Hardware, grad_b: float, param_b: float,
+                     act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row]]:
+    """Per axis, the traffic of the pipeline rank that sends the most (the first of equals, the
+    busiest rank `work.share` if it is one of them), and a row naming it where it is not the
+    busiest rank, whose `timed` traffic the step's time terms keep (its collectives are on the
+    critical path). The first and last stages send one pipeline message per micro-batch and chunk
+    fewer than the middle ones; the last holds the head's and the loss's tp collectives."""
+    cfg, busiest = work.cfg, work.share.pp_rank
+    per_rank = {s.pp_rank: (timed if s.pp_rank == busiest else rank_traffic(
+        cfg, s, sum(1 for b in s.blocks if counts.blocks[b].experts), work.chunks, work.options, d, hw, grad_b,
+        param_b, act_bytes)) for s in shares}
+    out, rows = {}, []
+    for axis in AXES:
+        top = max(per_rank, key=lambda r: (per_rank[r][axis].bytes, r == busiest, -r))
+        out[axis] = per_rank[top][axis]
+        if top != busiest and out[axis].bytes > timed[axis].bytes:
+            rows.append((f"{axis} traffic, heaviest sender",
+                         f"pipeline rank {top} of {cfg.parallel.pp} sends the most: {out[axis].bytes / GB:.3f} GB "
+                         f"(reported); the busiest rank {busiest} sends {timed[axis].bytes / GB:.3f} GB, whose "
+                         f"{timed[axis].time_s * 1e3:.2f} ms are on the step's critical path",
+                         "comm.rank_traffic of every pipeline rank (layout.rank_shares)"))
+    if len(shares) > 1 and not rows:
+        rows.append(("traffic, heaviest sender", f"the busiest pipeline rank {busiest} of {cfg.parallel.pp} sends "
+                     "the most on every axis (reported and timed)", "comm.rank_traffic of every pipeline rank"))
+    return out, rows

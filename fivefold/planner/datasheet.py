@@ -27,6 +27,7 @@ send while it also receives), in bytes/s; GB means 10^9 bytes everywhere in the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,7 +114,7 @@ class Hardware:
     hbm_bw: float  # device memory bandwidth, bytes/s (the optimizer step is bound by it)
     intra_bw: float  # per GPU, per direction, inside a node (NVLink / Infinity Fabric), bytes/s
     inter_bw: float  # per GPU, per direction, across nodes (InfiniBand / RoCE NIC), bytes/s
-    pcie_bw: float  # per GPU, per direction, host link, bytes/s (reported, not used for collectives)
+    pcie_bw: float  # per GPU, per direction, host link, bytes/s (offload's copies; no collective uses it)
     gpus_per_node: int
     compute_efficiency: float = 0.6  # flat fraction of peak_flops on every FLOP, where there is no roofline
     bw_efficiency: float = 0.8  # achievable fraction of a link's bandwidth for a large collective
@@ -131,6 +132,10 @@ class Hardware:
     attention_fwd_curve: tuple[tuple[float, float], ...] = ()  # (sequence length, fraction of peak): FA2 forward
     attention_bwd_curve: tuple[tuple[float, float], ...] = ()  # the same for its backward
     hbm_efficiency: float = 0.0  # achievable fraction of hbm_bw for a streaming kernel
+    # the host, for offload (offload.py): this GPU's share of its node's DRAM bandwidth (bytes/s; the
+    # CPU optimizer step is bound by it) and the node's host memory (bytes); 0: unknown
+    host_bw: float = 0.0
+    host_memory_bytes: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it comes from
     pricer: ComputePricer = DATASHEET  # how compute is priced (a measured profile's own, if any)
 
@@ -195,7 +200,7 @@ _OTHER_FA2 = ("assumption: the H100's FlashAttention-2 fractions of peak (no pub
 # Link figures: vendors quote NVLink as bidirectional totals (A100: 600 GB/s, H100/H200: 900 GB/s,
 # B200: 1.8 TB/s); one direction is half. NIC figures are line rates in Gb/s: 200 Gb/s HDR = 25 GB/s,
 # 400 Gb/s NDR = 50 GB/s per GPU (one NIC per GPU in the reference DGX/HGX nodes).
-CATALOG: dict[str, Hardware] = {
+_DEVICES: dict[str, Hardware] = {
     "a100-40gb": _hw(
         "a100-40gb", "NVIDIA A100 Tensor Core GPU data sheet (SXM4 40GB): 312 TFLOPS bf16, 1,555 GB/s HBM2, "
         "NVLink 600 GB/s, PCIe Gen4 64 GB/s (both directions), no FP8; A100 architecture whitepaper: 108 SMs",
@@ -253,6 +258,26 @@ CATALOG: dict[str, Hardware] = {
         pcie_bw=64 * GB, gpus_per_node=8, sm_count=304, matmul_efficiency=668.4 / 1307.4,
         fp8_peak_flops=2614.9 * TERA, fp8_matmul_efficiency=668.4 / 1307.4, hbm_efficiency=0.9, **H100_FA2),
 }
+# The host side of the same reference nodes (DRAM peak = channels x MT/s x 8 bytes per socket, x 2
+# sockets, shared by the node's 8 GPUs): (host_bw per GPU, host memory per node, source).
+_HOSTS = {
+    "a100-40gb": (51.2 * GB, 1000 * GB, "NVIDIA DGX A100 data sheet (320GB system): 2x AMD EPYC 7742, 1 TB; AMD "
+                  "EPYC 7742: 8 channels DDR4-3200 = 204.8 GB/s per socket; 409.6 GB/s / 8 GPUs"),
+    "a100-80gb": (51.2 * GB, 2000 * GB, "NVIDIA DGX A100 data sheet (640GB system): 2x AMD EPYC 7742, 2 TB; AMD "
+                  "EPYC 7742: 8 channels DDR4-3200 = 204.8 GB/s per socket; 409.6 GB/s / 8 GPUs"),
+    "h100": (76.8 * GB, 2000 * GB, "NVIDIA DGX H100 data sheet: 2x Intel Xeon Platinum 8480C, 2 TB; Intel Xeon "
+             "Platinum 8480+: 8 channels DDR5-4800 = 307.2 GB/s per socket; 614.4 GB/s / 8 GPUs"),
+    "h200": (76.8 * GB, 2000 * GB, "NVIDIA DGX H200 data sheet: 2x Intel Xeon Platinum 8480C, 2 TB; Intel Xeon "
+             "Platinum 8480+: 8 channels DDR5-4800 = 307.2 GB/s per socket; 614.4 GB/s / 8 GPUs"),
+    "b200": (89.6 * GB, 2000 * GB, "NVIDIA DGX B200 data sheet: 2x Intel Xeon Platinum 8570, 2 TB (up to 4 TB); "
+             "Intel Xeon Platinum 8570: 8 channels DDR5-5600 = 358.4 GB/s per socket; 716.8 GB/s / 8 GPUs"),
+    "mi300x": (115.2 * GB, 2000 * GB, "assumption: a 2-socket AMD EPYC 9004 host with 2 TB, as AMD's MI300X "
+               "platform partners ship (12 channels DDR5-4800 = 460.8 GB/s per socket; 921.6 GB/s / 8 GPUs)"),
+}
+CATALOG: dict[str, Hardware] = {
+    name: dataclasses.replace(hw, host_bw=_HOSTS[name][0], host_memory_bytes=_HOSTS[name][1],
+                              sources={**hw.sources, "host_bw": _HOSTS[name][2], "host_memory_bytes": _HOSTS[name][2]})
+    for name, hw in _DEVICES.items()}
 ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100-sxm": "h100",
            "h200-sxm": "h200"}
 

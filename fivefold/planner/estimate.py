@@ -24,7 +24,9 @@ source of its formula. The step time is the textbook model, term by term:
    never less than the last bucket; ZeRO's weight all-gather after the optimizer step is exposed;
    ZeRO-3's per-unit gathers overlap the compute of each micro-batch.
 6. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
-   parameter of its shard at the HBM bandwidth (a measured pricer: fivefold's own step, timed).
+   parameter of its shard at the HBM bandwidth (a measured pricer: fivefold's own step, timed);
+   with offload (options.py, not runnable by fivefold) the host steps it instead, and the host
+   link's copies that the compute does not hide are added (offload.py).
 7. the scalar all-reduces of every step (gradient norm, logged loss), latency only.
 
 step = makespan + exposed dp + optimizer + step sync + per-step host time; MFU = model FLOPs /
@@ -39,13 +41,14 @@ from typing import Any
 
 from fivefold.config import Config
 from fivefold.parallel.stage_split import is_automatic_and_uneven, split_note
-from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, step_traffic
+from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, heaviest_senders, step_traffic
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.counts import ModelCounts, model_counts
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
 from fivefold.planner.layout import rank_shares, stage_sizes
 from fivefold.planner.memory import BytesPerParam
+from fivefold.planner.offload import check_offload, offload_step
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import HostWork, Memo, Row
 from fivefold.planner.terms import (
@@ -68,7 +71,7 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "total"
 class Estimate:
     world_size: int
     memory: dict[str, float]  # bytes on the fullest rank, MEMORY_KEYS
-    comm: dict[str, AxisTraffic]  # per axis, on the busiest rank
+    comm: dict[str, AxisTraffic]  # per axis, of the pipeline rank that sends the most (comm.heaviest_senders)
     bubble_ratio: float  # idle / ideal compute (simulate)
     bubble_fraction: float  # idle / total
     exposed_dp_s: float
@@ -101,6 +104,9 @@ class Estimate:
             "hfu": self.hfu,
             "flops": self.flops,
             "fits": self.fits,
+            "host_memory_gb": self.host_memory_bytes / GB,
+            "runnable": not self.not_runnable,
+            "not_runnable": self.not_runnable,
         }
 
 
@@ -124,6 +130,10 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     options: the FLOP convention, overlap switches and options of other trainers (options.py).
     """
     b, memo, pricer = b or BytesPerParam(), memo or Memo(), hw.pricer
+    check_offload(cfg, options)
+    if options.expert_imbalance < 1:
+        raise ValueError(f"--expert-imbalance {options.expert_imbalance:g}: the busiest expert rank's tokens over "
+                         "the mean are at least 1 (1 = balanced)")
     d = derive(cfg, world_size)
     counts = model_counts(cfg.model, d.vocab_size)
     sizes = stage_sizes(cfg, counts)
@@ -134,7 +144,8 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     work = busiest_chunk(cfg, d, counts, shares, options, act_bytes)
     share, units = work.share, M * work.chunks  # (micro-batch, chunk) pairs of a step
     chunk = pricer.chunk(work, hw, memo)
-    traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)
+    traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)  # the busiest rank's: timed
+    sent, sent_rows = heaviest_senders(work, shares, counts, traffic, d, hw, grad_b, param_b, act_bytes)
     # tp collectives that are autograd Functions of their own (the loss's three sit inside one)
     tp_calls = traffic["tp"].calls - (M * LOSS_ALL_REDUCES if share.last and p.tp > 1 else 0)
     host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
@@ -145,11 +156,14 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     b_cost = chunk.backward_s + path.per_unit_s + host.backward_s
     pipe = pipeline(cfg, d, work.chunks, f_cost, b_cost, path.p2p_s, memo)
     dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, f_cost, b_cost, busy, memo)
-    opt = pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw)
+    opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
+           else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
+                             work.chunks * b_cost))
     sync = step_sync(cfg, d, hw)
-    mem = rank_memory(cfg, d, shares, pipe.sim.peak_inflight, b, act_bytes, implementation, hw)
+    mem = rank_memory(cfg, d, shares, pipe.sim.peak_inflight, b, act_bytes, implementation, hw, options)
 
-    step_terms = {"pipeline": pipe.sim.makespan, "dp": dp.exposed_s, "optimizer": opt.seconds, "sync": sync.seconds,
+    step_terms = {"pipeline": pipe.sim.makespan, "dp": dp.exposed_s,
+                  "optimizer" if options.offload == "none" else "offload": opt.seconds, "sync": sync.seconds,
                   "per-step Python": host.step_s}
     step = pipe.sim.makespan + dp.exposed_s + opt.seconds + sync.seconds + host.step_s
     split = {"compute": units * (chunk.forward_s + chunk.backward_s), "tp_cp_ep": units * 2 * path.per_unit_s,
@@ -159,15 +173,15 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
     stages = [("pipeline stages", split_note(cfg, tuple(sizes)).partition(": ")[2],
                "parallel/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
-    explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *host.explain, *path.explain, *pipe.explain,
-               *dp.explain, *opt.explain, *sync.explain, *mem.explain,
+    explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *sent_rows, *host.explain, *path.explain,
+               *pipe.explain, *dp.explain, *opt.explain, *sync.explain, *mem.explain,
                _step_row(step_terms, step), convention_row(flops),
                utilization_row(flops, step, world_size, hw.peak_flops)]
-    return Estimate(world_size=world_size, memory=mem.memory, comm=traffic, bubble_ratio=pipe.sim.bubble_ratio,
+    return Estimate(world_size=world_size, memory=mem.memory, comm=sent, bubble_ratio=pipe.sim.bubble_ratio,
                     bubble_fraction=pipe.sim.bubble_fraction, exposed_dp_s=dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
                     time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
-                    flops=flops.to_json())
+                    flops=flops.to_json(), host_memory_bytes=mem.host_bytes)
 
 
 def _params_row(counts: ModelCounts) -> Row:

@@ -76,6 +76,7 @@ class RankShare:
     first: bool  # holds the embedding
     last: bool  # holds the final norm, head and loss
     largest_unit: int  # ZeRO-3 gathers a unit (one block, the embedding or the head) at a time
+    vocab_params: int = 0  # the embedding's and head's part of `params` (FP8 recipes keep them in bf16)
 
 
 def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None) -> list[RankShare]:
@@ -90,18 +91,20 @@ def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None
         blocks = [b for s in stages for b in range(starts[s], starts[s] + sizes[s])]
         first, last = 0 in stages, len(sizes) - 1 in stages
         units = []
-        expert = 0
+        expert, vocab = 0, 0
         for b in blocks:
             units.append(block_rank_params(counts.blocks[b], tp, ep))
             expert += counts.blocks[b].experts // ep
         if first:
             units.append(counts.embedding // tp)
+            vocab += units[-1]
         if last:  # a tied head on another rank than the embedding keeps its own copy of the matrix
             tied_copy = counts.embedding if counts.head == 0 and not first else 0
             units.append((counts.head + tied_copy) // tp + counts.final_norm)
+            vocab += (counts.head + tied_copy) // tp
         shares.append(RankShare(pp_rank=r, blocks=blocks, chunk_blocks=max(sizes[s] for s in stages),
                                 params=sum(units), expert_params=expert, first=first, last=last,
-                                largest_unit=max(units) if units else 0))
+                                largest_unit=max(units) if units else 0, vocab_params=vocab))
     return shares
 
 

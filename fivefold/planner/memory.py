@@ -12,16 +12,40 @@ where P is the parameters this rank holds after tp / ep / pp splitting (layout.r
 Activations use the shared per-block formula (activations.py) times the blocks of one stage chunk
 times the chunks a schedule keeps in flight (simulate().peak_inflight), plus the logits of the
 last stage. Buffers are the communication staging the parallel code allocates (below).
+
+Options of other trainers (options.py; both not runnable by fivefold):
+- offload (offload_state): ZeRO-Offload (Ren et al. 2021) keeps the optimizer state, fp32 master
+  included, on the host, with the fp32 gradient partition the CPU's Adam reads; ZeRO-Infinity
+  (Rajbhandari et al. 2021) moves the ZeRO-3 parameter shards there too. Per parameter of the
+  rank's shard the host holds b_o + 4 (+ b_p with parameters): 16 and 18 bytes at 2,2,12, the
+  figures of DeepSpeed's memory estimator (estimate_zero3_model_states_mem_needs, without its 1.5
+  buffer margin). On the device the optimizer state goes, and from ZeRO-2 on the gradient shard
+  (it leaves for the host as it is reduced; its buckets stay in the buffers).
+- fp8 = "weights": the blocks' weights at rest in 1 byte, the fp32 master in the optimizer state
+  as before; the embedding and head stay in bf16 (torchtitan's float8 converts the linear layers
+  but the output head; the embedding is no linear layer). fp8 compute keeps FP8 copies of the
+  linear layers' inputs for backward (activations.fp8_matmul_input_elements).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import Config
-from fivefold.planner.activations import block_activation_bytes
+from fivefold.planner.activations import (
+    block_activation_bytes,
+    fp8_matmul_input_elements,
+    routed_expert_elements_per_token,
+)
 from fivefold.planner.layout import RankShare
+from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.validate import Derived, reshard_after_forward
+
+# The gradient partition on the host is fp32: DeepSpeed's CPU Adam steps fp32 gradients, and its
+# estimator counts 16 bytes per offloaded parameter, 4 (gradient) + 12 (master and two moments)
+HOST_GRAD_BYTES = 4.0
+FP8_BYTES = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,22 @@ def model_state_bytes(params: float, b: BytesPerParam, zero: int, n: int) -> dic
     return {**out, "total": sum(out.values())}
 
 
+def offload_state(state: dict[str, float], params: float, zero: int, n: int, offload: str) -> dict[str, float]:
+    """A rank's model state (model_state_bytes of `params` over n) with `offload` applied: the
+    device part under the same keys and what the host holds under "host" (module docstring)."""
+    if offload == "none":
+        return {**state, "host": 0.0}
+    host = state["optimizer"] + HOST_GRAD_BYTES * params / n + (state["params"] if offload == "params" else 0.0)
+    out = {"params": 0.0 if offload == "params" else state["params"],
+           "grads": state["grads"] if zero < 2 else 0.0, "optimizer": 0.0}
+    return {**out, "total": sum(out.values()), "host": host}
+
+
+def with_fp8_weights(b: BytesPerParam, options: PlanOptions) -> BytesPerParam:
+    """The bytes of a block's parameter under `options`: a 1-byte weight with fp8 = "weights"."""
+    return dataclasses.replace(b, param=FP8_BYTES) if options.fp8 == "weights" else b
+
+
 def largest_fitting_model(memory_bytes: float, b: BytesPerParam, zero: int, n: int) -> float:
     """Parameters whose model state alone fills `memory_bytes` per rank (the "does it fit" table)."""
     return memory_bytes / model_state_bytes(1.0, b, zero, n)["total"]
@@ -76,33 +116,69 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
     return {**out, "total": sum(out.values())}
 
 
-def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam,
-                     implementation: bool) -> dict[str, float]:
-    """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`):
-    its dense parameters sharded over dp_shard and, with ZeRO and ep > 1, its experts over the
-    ranks holding the same experts (expert_dp = dp x cp / ep), as parallel/zero.py shards them."""
+def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, int, bool]]:
+    """(parameters, ranks they are sharded over, in bf16 under FP8 weights) of one pipeline rank:
+    its dense parameters over dp_shard (the embedding and head apart) and, with ZeRO and ep > 1,
+    its experts over the ranks holding the same experts (expert_dp = dp x cp / ep), as
+    parallel/zero.py shards them."""
     p = cfg.parallel
     expert = share.expert_params if p.ep > 1 and p.zero else 0
-    parts = [(share.params - expert, d.dp_shard), (expert, d.dp * p.cp // p.ep)]
-    states = [fivefold_state_bytes(cfg, n_params, n, d.grad_accum) if implementation
-              else model_state_bytes(n_params, b, p.zero, n) for n_params, n in parts]
+    return [(share.params - expert - share.vocab_params, d.dp_shard, False), (share.vocab_params, d.dp_shard, True),
+            (expert, d.dp * p.cp // p.ep, False)]
+
+
+def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
+                     options: PlanOptions = DEFAULT) -> dict[str, float]:
+    """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`,
+    which has neither offload nor FP8) over state_parts, under `options`' offload and FP8 weights;
+    "host" is what offload keeps on the host for this rank."""
+    p = cfg.parallel
+    if implementation and (options.offload != "none" or options.fp8 == "weights"):
+        raise ValueError("fivefold's own state (implementation=True) has no offload or FP8 weights")
+    states = []
+    for n_params, n, vocab in state_parts(cfg, d, share):
+        if implementation:
+            states.append({**fivefold_state_bytes(cfg, n_params, n, d.grad_accum), "host": 0.0})
+            continue
+        state = model_state_bytes(n_params, b if vocab else with_fp8_weights(b, options), p.zero, n)
+        states.append(offload_state(state, n_params, p.zero, n, options.offload))
     return {k: sum(st[k] for st in states) for k in states[0]}
 
 
+
+def expert_imbalance(cfg: Config, options: PlanOptions) -> float:
+    """Tokens on the busiest expert rank over the mean: options.expert_imbalance with ep > 1; 1
+    without expert parallelism, where every rank runs all the experts for its own tokens."""
+    return options.expert_imbalance if cfg.parallel.ep > 1 and cfg.model.n_experts else 1.0
+
+
 def activation_bytes(cfg: Config, share: RankShare, inflight_chunks: int, local_seq: int, vocab: int,
-                     act_bytes: int) -> dict[str, float]:
+                     act_bytes: int, options: PlanOptions = DEFAULT) -> dict[str, float]:
     """Bytes kept for backward on one pipeline rank at its peak.
 
     blocks: block_activation_bytes (activations.py) for one micro-batch of (micro_batch, seq/cp)
     tokens, x the blocks of one chunk, x the chunks in flight (1 without a pipeline: each
     micro-batch's backward runs before the next forward). logits: the last stage keeps its
     (micro_batch, seq/cp, V/tp) logits and their fp32 copy for the loss, one micro-batch at a time.
+    Under FP8 compute the linear layers' inputs are kept in 1 byte (fp8_matmul_input_elements);
+    on the busiest expert rank the routed copies' share is `expert_imbalance` x the mean's
+    ("routed_extra": what the imbalance adds per block and micro-batch).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch * local_seq
     per_block = block_activation_bytes(m, t.micro_batch, local_seq, p.tp, p.sp, t.recompute, act_bytes)
+    routed, routed_fp8 = routed_expert_elements_per_token(m, p.tp, p.sp, t.recompute)
+    routed_bytes = routed * act_bytes
+    if options.fp8 != "none":  # "weights" computes in FP8 too
+        moved, added = fp8_matmul_input_elements(m, p.tp, p.sp, t.recompute)
+        per_block -= tokens * (moved * (act_bytes - FP8_BYTES) - added * FP8_BYTES)
+        routed_bytes -= routed_fp8 * (act_bytes - FP8_BYTES)
+    routed_extra = (expert_imbalance(cfg, options) - 1.0) * routed_bytes * tokens
+    per_block += routed_extra
     blocks = per_block * share.chunk_blocks * inflight_chunks
     logits = t.micro_batch * local_seq * (vocab / p.tp) * (act_bytes + 4) if share.last else 0.0
-    return {"blocks": blocks, "logits": logits, "per_block_microbatch": per_block, "total": blocks + logits}
+    return {"blocks": blocks, "logits": logits, "per_block_microbatch": per_block, "routed_extra": routed_extra,
+            "total": blocks + logits}
 
 
 def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int, act_bytes: int,

@@ -79,7 +79,10 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     elif args.model:
         preset = [f"--model.preset={args.model}"]
     layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
-    options = dataclasses.replace(options, causal_flops=args.causal_flops)
+    if args.expert_imbalance < 1:
+        raise ValueError(f"--expert-imbalance {args.expert_imbalance:g}: the busiest expert rank's tokens over "
+                         "the mean are at least 1 (1 = balanced)")
+    options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=args.expert_imbalance)
     extra = [f"--train.seq_len={args.seq}"] if args.seq else []
     if args.micro_batch:
         extra.append(f"--train.micro_batch={args.micro_batch}")

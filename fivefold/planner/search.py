@@ -8,6 +8,13 @@ recompute, each checked by the same `validate()` that guards `fivefold train`, e
 `estimate()`, the ones over memory dropped, the rest sorted by predicted step time. Every
 rejection is counted under its reason, so "nothing fits" says why. All the estimates of a search
 share one Memo, so each pipeline shape is simulated, and each model part traced, once.
+
+ZeRO-2 and ZeRO-3 with pipelines and ZeRO with experts are among the candidates (fivefold's
+trainer runs them). Options it does not have (offload, FP8: options.py) are priced only when asked
+for (`consider`, the CLI's `--consider offload,fp8`): each valid layout is then estimated again
+under every such variant its ZeRO stage allows (offload=optimizer from ZeRO-1, offload=params with
+ZeRO-3; fp8 compute and weights), and those that fit are kept apart, marked not runnable: shown,
+never the best, never written as the TOML.
 """
 
 from __future__ import annotations
@@ -25,12 +32,36 @@ from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import Memo
 from fivefold.validate import validate
 
+CONSIDER = ("offload", "fp8")  # what `consider` may name: options.py's options of other trainers
+
 
 @dataclass
 class SearchResult:
-    ranked: list[tuple[Config, Estimate]]  # fitting layouts, fastest first
+    ranked: list[tuple[Config, Estimate]]  # fitting layouts fivefold's trainer runs, fastest first
     rejected: Counter = field(default_factory=Counter)  # reason -> count
     tried: int = 0
+    not_runnable: list[tuple[Config, Estimate]] = field(default_factory=list)  # fitting, under `consider`'s options
+
+
+def parse_consider(text: str) -> tuple[str, ...]:
+    """"offload,fp8" -> ("offload", "fp8"); ValueError naming --consider for anything else."""
+    names = tuple(x.strip().lower() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in CONSIDER]
+    if unknown:
+        raise ValueError(f"--consider {text}: expected a comma list of {', '.join(CONSIDER)}")
+    return names
+
+
+def option_variants(cfg: Config, options: PlanOptions, consider: tuple[str, ...],
+                    has_fp8: bool = True) -> list[PlanOptions]:
+    """The variants of `options` that `consider` asks for, cfg's ZeRO stage allows (offload.check_offload)
+    and the GPU can run (FP8 only with FP8 tensor cores), `options` itself left out."""
+    zero = cfg.parallel.zero
+    offloads = ["none"] + ([*(["optimizer"] if zero else []), *(["params"] if zero == 3 else [])]
+                           if "offload" in consider else [])
+    fp8s = ["none"] + (["compute", "weights"] if "fp8" in consider and has_fp8 else [])
+    return [dataclasses.replace(options, offload=o, fp8=f) for o, f in itertools.product(offloads, fp8s)
+            if (o, f) != ("none", "none")]
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -70,8 +101,10 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
 
 
 def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
-           keep: int = 10, options: PlanOptions = DEFAULT) -> SearchResult:
-    """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`, each estimated under `options`."""
+           keep: int = 10, options: PlanOptions = DEFAULT, consider: tuple[str, ...] = ()) -> SearchResult:
+    """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`, each estimated under
+    `options` (the search writes the best, so they should be runnable: any that are not put every
+    candidate among `not_runnable`) and, with `consider`, under its variants too (module docstring)."""
     result, memo = SearchResult(ranked=[]), Memo()
     checked: dict[Config, list[str]] = {}
     # One pricing for every candidate (a measured profile's drops its layer times: they cover only
@@ -92,10 +125,17 @@ def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = Non
         est = estimate(cfg, world, hw, b, act_bytes, memo=memo, options=options)
         if not est.fits:
             result.rejected["does not fit in memory"] += 1
-            continue
-        result.ranked.append((cfg, est))
-    result.ranked.sort(key=lambda ce: ce[1].step_time_s)
-    del result.ranked[keep:]
+        else:
+            (result.not_runnable if est.not_runnable else result.ranked).append((cfg, est))
+        for variant in option_variants(cfg, options, consider, has_fp8=hw.fp8_peak_flops > 0):
+            est = estimate(cfg, world, hw, b, act_bytes, memo=memo, options=variant)
+            if est.fits:
+                result.not_runnable.append((cfg, est))
+            else:
+                result.rejected["does not fit in memory (under --consider's options)"] += 1
+    for ranked in (result.ranked, result.not_runnable):
+        ranked.sort(key=lambda ce: ce[1].step_time_s)
+        del ranked[keep:]
     return result
 
 
@@ -110,3 +150,8 @@ def layout_name(cfg: Config) -> str:
         parts.append({"interleaved_1f1b": "i1f1b"}.get(p.pp_schedule, p.pp_schedule)
                      + (f"v{p.virtual_stages}" if p.pp_schedule == "interleaved_1f1b" else ""))
     return " ".join(parts + [f"mb{t.micro_batch}", {"none": "-", "selective": "sel", "full": "full"}[t.recompute]])
+
+
+def options_name(options: PlanOptions) -> str:
+    """"offload=optimizer fp8=weights": the options of other trainers an estimate assumed ("" for none)."""
+    return " ".join(f"{k}={getattr(options, k)}" for k in CONSIDER if getattr(options, k) != "none")

@@ -41,8 +41,9 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
     "buffer_bytes", "comm_wire_bytes": {dp, tp, pp, cp, ep}, "step_time_s" and its parts
     "time_split" (both None without a `hardware` profile: a catalog GPU's time means nothing for a
     CPU run), "hardware"}.
-    Byte counts are for the fullest rank (rank 0 for dp-only layouts, which is what the
-    metrics log samples).
+    Memory is the fullest pipeline rank's (rank 0 for dp-only layouts, which is what the
+    metrics log samples); wire bytes are, per axis, those of the pipeline rank that sends the most
+    (estimate.comm): with pp > 2 a middle stage's pp bytes, twice what the first stage sends.
     """
     hw = hardware or get_hardware("h100")  # only for bytes: they do not depend on the hardware
     est = estimate(cfg, world_size, hw, act_bytes=activation_element_bytes(cfg, device_type), implementation=True)

@@ -6,7 +6,8 @@
 - dp_exposure: the gradient reduction hidden under the backward bucket by bucket (Li et al. 2020,
   "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"), what is left exposed;
 - step_sync: the scalar all-reduces every step runs (gradient norm, logged loss);
-- rank_memory: the fullest pipeline rank's model state, activations and buffers.
+- rank_memory: the fullest pipeline rank's model state, activations and buffers, and the host
+  memory offload takes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ from fivefold.parallel.simulate import Costs, SimResult, simulate
 from fivefold.planner.comm import AxisTraffic, link
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare
-from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, rank_state_bytes
+from fivefold.planner.memory import (
+    BytesPerParam,
+    activation_bytes,
+    buffer_bytes,
+    expert_imbalance,
+    rank_state_bytes,
+    with_fp8_weights,
+)
+from fivefold.planner.offload import SOURCE as OFFLOAD_SOURCE
+from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import ChunkWork, Memo, Priced, Row
 from fivefold.planner.roofline import attention_forward_seconds
 from fivefold.validate import Derived
@@ -196,33 +206,76 @@ def step_sync(cfg: Config, d: Derived, hw: Hardware) -> Priced:
 @dataclass(frozen=True)
 class RankMemory:
     memory: dict[str, float]  # bytes on the fullest rank: params, grads, optimizer, activations, buffers, total
-    fits: bool
+    fits: bool  # on the device, and in the host's memory where offload puts state there (when the host is known)
     explain: list[Row] = field(default_factory=list)
+    host_bytes: float = 0.0  # host memory per node that offloaded state takes (its ranks x the fullest rank's)
 
 
 def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight: list[int], b: BytesPerParam,
-                act_bytes: int, implementation: bool, hw: Hardware) -> RankMemory:
+                act_bytes: int, implementation: bool, hw: Hardware, options: PlanOptions = DEFAULT) -> RankMemory:
     """The fullest pipeline rank: its model state (ZeRO's accounting, or fivefold's own with
-    `implementation`), activations at the schedule's peak in flight, and communication buffers."""
+    `implementation`; offload and FP8 weights from `options`), activations at the schedule's peak
+    in flight (on the busiest expert rank under options.expert_imbalance), and communication buffers.
+    Pipeline ranks differ in what they keep: 1F1B keeps p - r micro-batches in flight on rank r
+    (Narayanan et al. 2021), so the first stage is usually the fullest, unless the last one's logits
+    or a larger stage outweigh it."""
     p, n_shard, grad_ranks = cfg.parallel, d.dp_shard, d.dp * cfg.parallel.cp
     memory: dict[str, float] = {}
+    totals, host = [], 0.0
     for r, s in enumerate(shares):
-        state = rank_state_bytes(cfg, d, s, b, implementation)
-        acts = activation_bytes(cfg, s, peak_inflight[r], d.local_seq_len, d.vocab_size, act_bytes)
+        state = rank_state_bytes(cfg, d, s, b, implementation, options)
+        acts = activation_bytes(cfg, s, peak_inflight[r], d.local_seq_len, d.vocab_size, act_bytes, options)
         bufs = buffer_bytes(cfg, s, b, d.local_seq_len, act_bytes, grad_ranks)
         mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                "activations": acts["total"], "buffers": bufs["total"]}
         mem["total"] = sum(mem.values())
+        totals.append(mem["total"])
+        host = max(host, state["host"])
         if not memory or mem["total"] > memory["total"]:
             memory, worst_acts, worst_r = mem, acts, r
-    fits = memory["total"] <= hw.memory_bytes
+    ranks_per_node = min(d.world_size, hw.gpus_per_node)
+    host_node = host * ranks_per_node
+    fits_host = not host_node or not hw.host_memory_bytes or host_node <= hw.host_memory_bytes
+    fits = memory["total"] <= hw.memory_bytes and fits_host
+    shown = with_fp8_weights(b, options)
     rows = [("model state", f"{memory['params'] / GB:.2f} + {memory['grads'] / GB:.2f} + "
-             f"{memory['optimizer'] / GB:.2f} GB (bytes {b.param:g},{b.grad:g},{b.optimizer:g}; zero={p.zero} "
+             f"{memory['optimizer'] / GB:.2f} GB (bytes {shown.param:g},{b.grad:g},{b.optimizer:g}; zero={p.zero} "
              f"over {n_shard})", "ZeRO (Rajbhandari et al. 2020, sec. 3.1: 16 bytes/param with mixed-precision Adam)"),
             ("activations", f"{worst_acts['per_block_microbatch'] / GB:.3f} GB/block/micro-batch x "
              f"{shares[worst_r].chunk_blocks} blocks x {peak_inflight[worst_r]} in flight + logits "
              f"{worst_acts['logits'] / GB:.3f} GB",
-             "activations.py (Korthikanti 2022 method); simulate().peak_inflight"),
-            ("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: "
-             f"{'fits' if fits else 'does NOT fit'}", hw.sources.get("memory_bytes", "profile"))]
-    return RankMemory(memory, fits, rows)
+             "activations.py (Korthikanti 2022 method); simulate().peak_inflight")]
+    if p.pp > 1:
+        rows.append(("fullest rank", f"pipeline rank {worst_r} of {p.pp}: {peak_inflight[worst_r]} chunks in flight "
+                     f"(per rank {list(peak_inflight)}) x {shares[worst_r].chunk_blocks} blocks"
+                     + (", the logits" if shares[worst_r].last else "") + "; totals per rank "
+                     + ", ".join(f"{t / GB:.1f}" for t in totals) + " GB",
+                     f"simulate(build_schedule('{p.pp_schedule}', ...)).peak_inflight; layout.rank_shares"))
+    rows += _option_rows(cfg, options, worst_acts, host, host_node, ranks_per_node, hw)
+    rows.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: "
+                 f"{'fits' if memory['total'] <= hw.memory_bytes else 'does NOT fit'}",
+                 hw.sources.get("memory_bytes", "profile")))
+    return RankMemory(memory, fits, rows, host_node)
+
+
+def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host: float, host_node: float,
+                 ranks_per_node: int, hw: Hardware) -> list[Row]:
+    """Explain rows of the memory options of other trainers (memory.py's docstring)."""
+    rows = []
+    imbalance = expert_imbalance(cfg, options)
+    if imbalance != 1.0:
+        rows.append(("busiest expert rank", f"{imbalance:g} x the mean's tokens: its routed copies add "
+                     f"{acts['routed_extra'] / GB:.3f} GB per block and micro-batch, its all-to-alls carry "
+                     f"{imbalance:g} x the balanced bytes", "memory.activation_bytes; comm.activation_traffic"))
+    if options.fp8 != "none":
+        rows.append(("fp8", f"{options.fp8}: the linear layers' inputs kept for backward in 1 byte"
+                     + ("; the blocks' weights in 1 byte at rest and on ZeRO's weight gathers, the fp32 master in "
+                        "the optimizer state" if options.fp8 == "weights" else ""),
+                     "Transformer Engine's FP8 linear layers; DeepSeek-V3 sec. 3.3.3; torchtitan docs/float8.md"))
+    if options.offload != "none":
+        verdict = "fits" if host_node <= hw.host_memory_bytes else "does NOT fit"
+        capacity = f" of {hw.host_memory_bytes / GB:.0f} GB: {verdict}" if hw.host_memory_bytes else " (unknown host)"
+        rows.append(("host memory", f"{ranks_per_node} ranks x {host / GB:.2f} GB (optimizer state + fp32 gradient"
+                     + (" + parameter" if options.offload == "params" else "") + f" shards) = {host_node / GB:.1f} "
+                     f"GB per node{capacity}", f"{OFFLOAD_SOURCE}; host: {hw.sources.get('host_memory_bytes', '-')}"))
+    return rows
