@@ -97,12 +97,14 @@ def test_tp_overlap_against_hand_arithmetic():
     assert off.step_time_s - est.step_time_s == pytest.approx(tp.hidden_s, rel=1e-4)
 
 
-def test_tp_overlap_hides_all_but_one_piece_when_compute_is_rich():
-    cfg = _llama(2, "--parallel.tp=2", "--train.global_batch=2")
+@pytest.mark.parametrize("recompute,per_region", [("none", 2), ("full", 3)])
+def test_tp_overlap_hides_all_but_one_piece_when_compute_is_rich(recompute, per_region):
+    # Full recompute runs each region's forward collective again, during the backward.
+    cfg = _llama(2, "--parallel.tp=2", "--train.global_batch=2", f"--train.recompute=\"{recompute}\"")
     est = estimate(cfg, 2, SLOW_COMPUTE, options=PlanOptions(tp_overlap=True))
     c1 = _ring("all_reduce", 4096 * 4096 * 2, 2, SLOW_COMPUTE)
     loss = _ring("all_reduce", 4096 * 4, 2, SLOW_COMPUTE)
-    overlappable = 2 * (4 * 32 + 1) * c1  # per micro-batch: 4 per block, the head's
+    overlappable = 2 * (2 * per_region * 32 + 1) * c1  # 2 micro-batches: 2 regions per block, the head's
     assert est.overlaps["tp_overlap"].exposed_s == pytest.approx(overlappable / 2 + 2 * (c1 + 3 * loss))
 
 
@@ -138,6 +140,10 @@ def test_zero3_prefetch_resharding_against_hand_arithmetic():
     assert z.exposed_s == pytest.approx(M * (g_emb + g_blk + g_head + r_blk + r_emb))
     assert z.traffic_s == pytest.approx(M * (2 * (g_emb + 32 * g_blk + g_head) + r_emb + 32 * r_blk + r_head))
     assert est.exposed_dp_s == pytest.approx(z.exposed_s)  # no noise on a data sheet
+    # parallel.overlap_comm = false: the buckets reduce after the backward (parallel/ddp.py), all exposed
+    late = estimate(_llama(4, "--parallel.zero=3", "--train.global_batch=8", "--parallel.overlap_comm=false"), 4,
+                    SLOW_COMPUTE).overlaps["zero3_prefetch"]
+    assert late.exposed_s == pytest.approx(M * (g_emb + g_blk + g_head + r_emb + 32 * r_blk + r_head))
     off = estimate(cfg, 4, SLOW_COMPUTE, options=PlanOptions(zero3_prefetch=False))
     assert off.overlaps["zero3_prefetch"].exposed_s == pytest.approx(z.traffic_s)  # every gather and reduce-scatter
     assert off.exposed_dp_s == pytest.approx(z.traffic_s)
@@ -155,8 +161,9 @@ def test_zero3_kept_gathered_is_gathered_and_reduced_once_a_step():
 
 def test_zero3_traffic_is_the_bytes_comm_py_counts():
     hw = dataclasses.replace(H100, intra_latency=0.0)  # per unit the runtime pays more latency terms: not compared
-    for keep in ("true", "false"):
-        cfg = _llama(4, "--parallel.zero=3", "--train.global_batch=8", f"--parallel.reshard_after_forward={keep}")
+    for keep, hsdp in (("true", 1), ("false", 1), ("true", 2)):  # HSDP: sharded over dp_shard = 2 of dp = 4
+        cfg = _llama(4, "--parallel.zero=3", "--train.global_batch=8", f"--parallel.reshard_after_forward={keep}",
+                     f"--parallel.dp_replicate={hsdp}")
         est = estimate(cfg, 4, hw)
         assert est.overlaps["zero3_prefetch"].traffic_s == pytest.approx(est.comm["dp"].time_s)
 
@@ -180,16 +187,20 @@ def test_ep_overlap_leaves_the_unpaired_passes_when_compute_is_rich(tmp_path):
 
 
 def test_ep_overlap_against_hand_arithmetic(tmp_path):
+    # Full recompute: of a micro-batch's all-to-alls a, the forward runs a/3 (dispatch, combine) and
+    # the backward 2a/3 (the recomputed forward's and the backward's); each hides under the other
+    # micro-batch's opposite pass over the MoE blocks (DualPipe's pairs), the unpaired first
+    # forward and last backward excepted.
     hw = dataclasses.replace(H100, peak_flops=5e11, intra_bw=2e9)
-    cfg = _moe(tmp_path, "--train.micro_batch=2")  # 2 micro-batches
+    cfg = _moe(tmp_path, "--train.micro_batch=2", "--train.recompute=\"full\"")  # 2 micro-batches
     d, work, chunk = _chunk(cfg, 2, hw)
     counts = model_counts(cfg.model, d.vocab_size)
     est = estimate(cfg, 2, hw, options=PlanOptions(ep_overlap=True))
     moe = sum(block_forward_flops(cfg.model, counts.blocks[b], 32, 1) for b in range(8)) * 2 * 32
     f, b = chunk.forward_s * moe / work.forward_flops, chunk.backward_s * moe / work.forward_flops
-    a = est.comm["ep"].time_s / 2  # per micro-batch: dispatch + combine forward (half), and backward
-    expected = a + (a / 2 - b if a / 2 > b else 0) + (a / 2 - f if a / 2 > f else 0)
-    assert b > a / 2 > f  # the backward's all-to-alls exceed the forward they hide under, the forward's do not
+    a = est.comm["ep"].time_s / 2
+    assert b > 2 * a / 3 and a / 3 > f  # the backward hides the forward's all-to-alls; the forward does not
+    expected = a + max(0, a / 3 - b) + max(0, 2 * a / 3 - f)
     assert est.overlaps["ep_overlap"].exposed_s == pytest.approx(expected)
 
 

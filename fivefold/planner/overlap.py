@@ -111,7 +111,7 @@ def tp_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPric
     runtime, note = not on, "tp traffic"
     if p.tp <= 1 or not tp.time_s:
         return Hidden("tp_overlap", on, runtime, 0.0, 0.0, "no tp traffic (tp = 1)")
-    if not on:
+    if not on or work.forward_flops <= 0:
         return Hidden("tp_overlap", on, runtime, tp.time_s, tp.time_s, note)
     m, t, M, n = cfg.model, cfg.train, d.grad_accum, p.tp
     tokens = t.micro_batch * d.local_seq_len

@@ -149,8 +149,9 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
         reduce_t /= M if p.zero == 2 else 1
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
         exposed = overlap.exposed_s * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
-    switch = (dp_hidden(work.cfg, n_dp, overlap.reduce_s * (M if p.zero == 2 else 1), overlap.exposed_s
-                        * (M if p.zero == 2 else 1)) if overlap else dp_hidden(work.cfg, n_dp, 0.0, 0.0))
+    per_step = M if p.zero == 2 else 1  # ZeRO-2 reduces every micro-batch
+    switch = dp_hidden(work.cfg, n_dp, overlap.reduce_s * per_step if overlap else 0.0,
+                       overlap.exposed_s * per_step if overlap else 0.0)
     dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else M if p.zero == 2 else 1
     dp_noise = dp_syncs * hw.pricer.noise_wait(n_dp, busy_s / dp_syncs, memo) if dp_syncs else 0.0
     exposed += dp_noise
