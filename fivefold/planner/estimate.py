@@ -14,15 +14,18 @@ source of its formula. The step time is the textbook model, term by term:
    and priced one by one, and the Python around them).
 2. traffic (comm.py): bytes per axis by ring accounting, timed alpha-beta: steps x alpha + wire
    bytes / (bandwidth x efficiency), on the node's links or the NIC.
-3. the critical path (terms.py): tp, cp and ep collectives are added to every forward and
-   backward; ring attention's K/V hops overlap the block's attention, so only what exceeds it is
-   added; with a pricer that knows the machine's noise, each collective also waits for its slowest rank.
+3. the critical path (terms.py): what overlap.py leaves exposed of the tp and ep collectives (all
+   of it by default: fivefold's block; options.tp_overlap, ep_overlap hide them under matmuls or
+   another micro-batch) and the cp ones are added to every forward and backward; ring attention's
+   K/V hops overlap the block's attention, so only what exceeds it is added; with a pricer that
+   knows the machine's noise, each collective also waits for its slowest rank.
 4. the pipeline: `simulate(build_schedule(...), Costs(f, b, comm))`, the very simulator that
    checks the executor's schedules, gives the makespan and both bubble figures.
 5. dp: the gradient reduction overlaps the backward of the last micro-batch bucket by bucket
    (Li et al. 2020, "PyTorch Distributed"), so only what exceeds that backward is exposed, and
    never less than the last bucket; ZeRO's weight all-gather after the optimizer step is exposed;
-   ZeRO-3's per-unit gathers overlap the compute of each micro-batch.
+   ZeRO-3's gathers are prefetched one unit ahead (options.zero3_prefetch), so each pass exposes
+   its first unit's gather and what each later one exceeds the previous unit's compute (overlap.py).
 6. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
    parameter of its shard at the HBM bandwidth (a measured pricer: fivefold's own step, timed);
    with offload (options.py, not runnable by fivefold) the host steps it instead, and the host
@@ -50,6 +53,7 @@ from fivefold.planner.layout import rank_shares, stage_sizes
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.offload import check_offload, offload_step
 from fivefold.planner.options import DEFAULT, PlanOptions
+from fivefold.planner.overlap import Hidden, ep_hidden, tp_hidden, zero3_hidden, zero3_units
 from fivefold.planner.pricing import HostWork, Memo, Row
 from fivefold.planner.terms import (
     BucketOverlap,
@@ -86,6 +90,7 @@ class Estimate:
     hfu: float = 0.0  # hardware FLOPs (recomputation counted) / (step x GPUs x peak)
     flops: dict[str, float] = field(default_factory=dict)  # model and hardware FLOPs, per token and per step
     host_memory_bytes: float = 0.0  # host memory per node that offloaded state takes
+    overlaps: dict[str, Hidden] = field(default_factory=dict)  # overlap.SWITCHES -> traffic and what stays exposed
 
     @property
     def not_runnable(self) -> list[str]:
@@ -151,11 +156,16 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
                        chunk, hw)
     busy = units * (chunk.forward_s + chunk.backward_s + host.forward_s + host.backward_s)  # one rank's compute
-    path = critical_path(work, d, hw, traffic, act_bytes, busy, memo)
+    tp = tp_hidden(work, d, counts, chunk, traffic["tp"], hw, act_bytes, options.tp_overlap)
+    ep = ep_hidden(work, d, counts, chunk, traffic["ep"], options.ep_overlap)
+    path = critical_path(work, d, hw, traffic, act_bytes, busy, memo, tp, ep)
     f_cost = chunk.forward_s + path.per_unit_s + host.forward_s
     b_cost = chunk.backward_s + path.per_unit_s + host.backward_s
     pipe = pipeline(cfg, d, work.chunks, f_cost, b_cost, path.p2p_s, memo)
-    dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, f_cost, b_cost, busy, memo)
+    units3 = zero3_units(cfg, d, counts, work, hw, traffic["dp"].inter_node, grad_b, param_b) if p.zero == 3 else []
+    zero3 = zero3_hidden(cfg, d, units3, work.chunks * f_cost, work.chunks * b_cost, options.zero3_prefetch)
+    dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, b_cost, busy, memo, zero3)
+    overlaps = {h.switch: h for h in (tp, zero3, ep, dp.switch)}
     opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
            else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
                              work.chunks * b_cost))
@@ -174,14 +184,14 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     stages = [("pipeline stages", split_note(cfg, tuple(sizes)).partition(": ")[2],
                "parallel/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
     explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *sent_rows, *host.explain, *path.explain,
-               *pipe.explain, *dp.explain, *opt.explain, *sync.explain, *mem.explain,
-               _step_row(step_terms, step), convention_row(flops),
+               *pipe.explain, *dp.explain, *(h.row for h in overlaps.values()), *opt.explain, *sync.explain,
+               *mem.explain, _step_row(step_terms, step), convention_row(flops),
                utilization_row(flops, step, world_size, hw.peak_flops)]
     return Estimate(world_size=world_size, memory=mem.memory, comm=sent, bubble_ratio=pipe.sim.bubble_ratio,
                     bubble_fraction=pipe.sim.bubble_fraction, exposed_dp_s=dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
                     time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
-                    flops=flops.to_json(), host_memory_bytes=mem.host_bytes)
+                    flops=flops.to_json(), host_memory_bytes=mem.host_bytes, overlaps=overlaps)
 
 
 def _params_row(counts: ModelCounts) -> Row:

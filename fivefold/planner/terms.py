@@ -1,10 +1,11 @@
 """The terms of an estimate after compute and traffic, each its seconds (or bytes) and explain rows.
 
-- critical_path: tp, cp and ep collectives added to every forward and backward, and each one's wait
-  for its slowest rank;
+- critical_path: the tp, cp and ep collectives that overlap.py leaves exposed, added to every forward
+  and backward, and each one's wait for its slowest rank;
 - pipeline: the same simulate() that checks the executor's schedules, on the chunk's costs;
 - dp_exposure: the gradient reduction hidden under the backward bucket by bucket (Li et al. 2020,
-  "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"), what is left exposed;
+  "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"), what is left exposed,
+  and ZeRO-3's gathers as overlap.zero3_hidden prices them;
 - step_sync: the scalar all-reduces every step runs (gradient norm, logged loss);
 - rank_memory: the fullest pipeline rank's model state, activations and buffers, and the host
   memory offload takes.
@@ -31,6 +32,7 @@ from fivefold.planner.memory import (
 )
 from fivefold.planner.offload import SOURCE as OFFLOAD_SOURCE
 from fivefold.planner.options import DEFAULT, PlanOptions
+from fivefold.planner.overlap import Hidden, dp_hidden
 from fivefold.planner.pricing import ChunkWork, Memo, Priced, Row
 from fivefold.planner.roofline import attention_forward_seconds
 from fivefold.validate import Derived
@@ -47,9 +49,10 @@ class CriticalPath:
 
 
 def critical_path(work: ChunkWork, d: Derived, hw: Hardware, traffic: dict[str, AxisTraffic], act_bytes: int,
-                  busy_s: float, memo: Memo) -> CriticalPath:
-    """tp / ep / cp sit on the critical path of every F and B of every chunk (spread evenly); ring
-    attention's K/V hops overlap the block's attention compute, so only what exceeds it is added.
+                  busy_s: float, memo: Memo, tp: Hidden, ep: Hidden) -> CriticalPath:
+    """What tp and ep leave exposed (`tp`, `ep`: overlap.tp_hidden, ep_hidden) and cp sit on the
+    critical path of every F and B of every chunk (spread evenly); ring attention's K/V hops overlap
+    the block's attention compute, so only what exceeds it is added.
     Each of those collectives also waits for its slowest rank after busy_s / collectives of compute
     (the pricer's noise_wait; the pipeline's sends are not charged)."""
     cfg = work.cfg
@@ -58,7 +61,7 @@ def critical_path(work: ChunkWork, d: Derived, hw: Hardware, traffic: dict[str, 
     attention_time = attention_forward_seconds(work, hw, memo)
     cp_time = traffic["cp"].time_s
     cp_exposed = max(0.0, cp_time / units - attention_time) if p.cp_method == "ring" else cp_time / units
-    on_path = (traffic["tp"].time_s + traffic["ep"].time_s) / units + cp_exposed
+    on_path = (tp.exposed_s + ep.exposed_s) / units + cp_exposed
     pp_bw, pp_alpha = link(hw, traffic["pp"].inter_node, "send")
     activation = t.micro_batch * d.local_seq_len * m.dim * act_bytes / (p.tp if p.sp else 1)  # one stage's output
     p2p = pp_alpha + activation / pp_bw if p.pp > 1 else 0.0
@@ -151,15 +154,16 @@ class BucketOverlap:
 class DpExposure:
     exposed_s: float
     overlap: BucketOverlap | None  # DDP, ZeRO-1/2 over more than one rank (per micro-batch for ZeRO-2)
+    switch: Hidden  # parallel.overlap_comm's row (overlap.dp_hidden)
     explain: list[Row] = field(default_factory=list)
 
 
 def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad_b: float, param_b: float,
-                f_cost: float, b_cost: float, busy_s: float, memo: Memo) -> DpExposure:
+                b_cost: float, busy_s: float, memo: Memo, zero3: Hidden) -> DpExposure:
     """The gradient reduction overlaps the backward of the last micro-batch bucket by bucket, so only
     what exceeds that backward is exposed, and never less than the last bucket; ZeRO's weight
-    all-gather after the optimizer step is exposed; ZeRO-3's per-unit gathers overlap the compute of
-    each micro-batch, all but the first unit's. Its collectives wait for the slowest replica too:
+    all-gather after the optimizer step is exposed; ZeRO-3's gathers and reduce-scatters expose what
+    `zero3` (overlap.zero3_hidden) says. Its collectives wait for the slowest replica too:
     once a step (DDP, ZeRO-1), once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
     p, share, chunks, M = work.cfg.parallel, work.share, work.chunks, d.grad_accum
     bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
@@ -172,20 +176,22 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     if n_dp <= 1:
         exposed = 0.0
     elif p.zero == 3:
-        per_micro = (dp.time_s) / max(M, 1)
-        exposed = M * max(0.0, per_micro - chunks * (f_cost + b_cost)) + share.largest_unit * param_b / bw
+        exposed = zero3.exposed_s
     else:
         reduce_t = dp.time_s - (gather if p.zero else 0.0)
         reduce_t /= M if p.zero == 2 else 1
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
         exposed = overlap.exposed_s * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
+    per_step = M if p.zero == 2 else 1  # ZeRO-2 reduces every micro-batch
+    switch = dp_hidden(work.cfg, n_dp, overlap.reduce_s * per_step if overlap else 0.0,
+                       overlap.exposed_s * per_step if overlap else 0.0)
     dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else M if p.zero == 2 else 1
     dp_noise = dp_syncs * hw.pricer.noise_wait(n_dp, busy_s / dp_syncs, memo) if dp_syncs else 0.0
     exposed += dp_noise
     row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, backward window {backward_window * 1e3:.2f} ms, "
            f"{dp_syncs} x waiting for the slowest replica {dp_noise * 1e3:.2f} ms: {exposed * 1e3:.2f} ms exposed",
            "bucket overlap (Li et al. 2020, \"PyTorch Distributed\"); noise: calibration/noise.py")
-    return DpExposure(exposed, overlap, [row])
+    return DpExposure(exposed, overlap, switch, [row])
 
 
 def step_sync(cfg: Config, d: Derived, hw: Hardware) -> Priced:

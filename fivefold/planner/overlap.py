@@ -1,0 +1,276 @@
+"""What each overlap switch of the layout (options.py) hides, and what it leaves on the critical path.
+
+Each switch defaults to what fivefold's runtime does; `--explain` shows its value, whether that is
+the runtime's behaviour, the traffic it governs and how much of it stays exposed (Hidden.row):
+
+- tp_overlap (fivefold: off, parallel/tensor.py's collectives block the compute that needs them).
+  On: each tensor-parallel region's collective is decomposed with the region's matmuls into tp
+  pieces, each piece's communication running under the next piece's matmul (Wang et al. 2022,
+  "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
+  Models"; Megatron-LM / Transformer Engine's userbuffers comm-GEMM overlap), so one piece always
+  stays exposed: per region and pass, max(comm / tp, comm - (tp-1)/tp x matmul) (decomposed_exposure).
+  The embedding's forward all-reduce (a lookup: no matmul), the loss's three scalar all-reduces
+  and sp's once-a-step MoE gradient sum have nothing to hide under and stay exposed.
+- zero3_prefetch (fivefold: on, parallel/fsdp.py issues the next unit's all-gather as the current
+  unit starts). Exposure is modelled unit by unit (prefetch_pass): per micro-batch and pass, the
+  first unit's gather is exposed and each later one exposes what it exceeds the previous unit's
+  compute; the backward's reduce-scatters share that one communication stream. Kept gathered
+  (Derived.reshard_after_forward false, the default with pp > 1) the units are gathered in the
+  first micro-batch's forward only and reduce-scattered in the last one's backward. Off: every
+  gather waits on its own, and a reduce-scatter queued before it on the same stream with it: all exposed.
+- ep_overlap (fivefold: off, parallel/expert.py's all-to-alls block). On: DualPipe's pairing of a
+  forward with another micro-batch's backward (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
+  sec. 3.2.1): each pass's dispatch and combine run under the other pass's compute of the MoE
+  blocks, exposed = max(0, a2a - that compute); the step's first forward and last backward have
+  no partner and stay exposed.
+- dp_overlap = parallel.overlap_comm (a config field, so whatever it says is what fivefold runs):
+  gradient buckets reduce during the backward (terms.BucketOverlap; Li et al. 2020).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import Config
+from fivefold.planner.comm import AxisTraffic, time_of
+from fivefold.planner.counts import ModelCounts, attention_params, block_forward_flops, head_forward_flops
+from fivefold.planner.datasheet import Hardware
+from fivefold.planner.pricing import ChunkPrice, ChunkWork, Row
+from fivefold.validate import Derived
+
+SWITCHES = ("tp_overlap", "zero3_prefetch", "ep_overlap", "dp_overlap")
+# what fivefold's runtime does, in words, for each switch's row
+RUNTIME = {"tp_overlap": "blocking", "zero3_prefetch": "prefetches the next unit", "ep_overlap": "blocking",
+           "dp_overlap": "runs parallel.overlap_comm as set"}
+SOURCES = {
+    "tp_overlap": "Wang et al. 2022 (decomposition); Megatron-LM / Transformer Engine userbuffers comm-GEMM overlap",
+    "zero3_prefetch": "parallel/fsdp.py (one unit ahead); Zhao et al. 2023, \"PyTorch FSDP\" (prefetch)",
+    "ep_overlap": "DeepSeek-V3 Technical Report (DeepSeek-AI 2024), sec. 3.2.1: DualPipe's overlapped chunk pairs",
+    "dp_overlap": "bucket overlap (Li et al. 2020, \"PyTorch Distributed\", sec. 3.2.3); parallel/ddp.py",
+}
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """One overlap switch in one estimate: the traffic it governs and what stays exposed (seconds per step)."""
+
+    switch: str  # one of SWITCHES
+    on: bool
+    runtime: bool  # the value is what fivefold's runtime does
+    traffic_s: float
+    exposed_s: float
+    note: str = ""  # what the traffic is, or why there is none
+
+    @property
+    def hidden_s(self) -> float:
+        return self.traffic_s - self.exposed_s
+
+    @property
+    def row(self) -> Row:
+        name = self.switch.replace("_", " ")
+        runtime = (f"fivefold: {RUNTIME[self.switch]}" if self.runtime
+                   else f"not fivefold's: it {RUNTIME[self.switch].replace('blocking', 'blocks')}")
+        head = f"{'on' if self.on else 'off'} ({runtime}): "
+        if not self.traffic_s:
+            return (name, head + (self.note or "no traffic"), SOURCES[self.switch])
+        what = f"{self.traffic_s * 1e3:.2f} ms of {self.note}"
+        if self.exposed_s >= self.traffic_s * (1 - 1e-12):
+            told = f"{what}, all exposed"
+        else:
+            told = f"{what}, {self.hidden_s * 1e3:.2f} ms hidden, {self.exposed_s * 1e3:.2f} ms exposed"
+        return (name, head + told, SOURCES[self.switch])
+
+
+def decomposed_exposure(comm_s: float, matmul_s: float, pieces: int) -> float:
+    """A collective and the matmul it feeds (or is fed by) cut into `pieces`: each piece's
+    communication runs under the next piece's matmul, the last (or first) one alone (Wang et al.
+    2022, sec. 3; the pipelined comm-GEMM overlap of Transformer Engine): of a timeline
+    mm_1, (mm_2 || c_1), ..., (mm_n || c_(n-1)), c_n what is not matmul is
+    max(comm / n, comm - (n-1)/n x matmul)."""
+    if comm_s <= 0:
+        return 0.0
+    n = max(pieces, 1)
+    return max(comm_s / n, comm_s - (n - 1) / n * matmul_s)
+
+
+def _one(hw: Hardware, inter_node: bool, op: str, nbytes: float, n: int) -> float:
+    """Seconds of one collective, priced as comm.py prices an axis (alpha per step + bytes / bandwidth)."""
+    t = AxisTraffic(inter_node=inter_node)
+    t.add(op, nbytes, n)
+    return time_of(t, hw)
+
+
+def tp_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPrice, tp: AxisTraffic, hw: Hardware,
+              act_bytes: int, on: bool) -> Hidden:
+    """The tp traffic of a step and what stays exposed (module docstring). Per micro-batch, each
+    attention region (every block) and MLP region (dense blocks) has one collective of the
+    (b, s/cp, d) activation in forward and one in backward (+1 there with full recompute), and the
+    head one in backward (comm.activation_traffic); a region's matmul time is the rank's forward
+    (backward) seconds times the region's share of the forward FLOPs."""
+    cfg, p = work.cfg, work.cfg.parallel
+    runtime, note = not on, "tp traffic"
+    if p.tp <= 1 or not tp.time_s:
+        return Hidden("tp_overlap", on, runtime, 0.0, 0.0, "no tp traffic (tp = 1)")
+    if not on or work.forward_flops <= 0:
+        return Hidden("tp_overlap", on, runtime, tp.time_s, tp.time_s, note)
+    m, t, M, n = cfg.model, cfg.train, d.grad_accum, p.tp
+    tokens = t.micro_batch * d.local_seq_len
+    c1 = _one(hw, tp.inter_node, "all_reduce", tokens * m.dim * act_bytes, n)  # one region's collective
+    per_flop_f = work.chunks * chunk.forward_s / work.forward_flops  # the rank's seconds per forward FLOP
+    per_flop_b = work.chunks * chunk.backward_s / work.forward_flops
+    backward_calls = 2 if t.recompute == "full" else 1  # the recomputed forward's collective runs in backward
+    attention_flops = 2 * attention_params(m)[0] // n * tokens  # its tp-split projections (not the core)
+    mlp_flops = 2 * 3 * m.dim * m.ffn_dim // n * tokens
+    blocks = len(work.share.blocks)
+    regions = [(blocks, attention_flops), (blocks - work.moe_blocks, mlp_flops)]
+    exposed = calls = 0.0
+    for count, flops in regions:
+        exposed += count * (decomposed_exposure(c1, flops * per_flop_f, n)
+                            + decomposed_exposure(backward_calls * c1, flops * per_flop_b, n))
+        calls += count * (1 + backward_calls)
+    if work.share.last:  # the vocabulary-parallel head: its input gradient's collective, in backward
+        exposed += decomposed_exposure(c1, head_forward_flops(counts, n) * tokens * per_flop_b, n)
+        calls += 1
+    rest = max(0.0, tp.time_s - M * calls * c1)  # embedding, loss, sp's MoE gradient sum: nothing to hide under
+    return Hidden("tp_overlap", on, runtime, tp.time_s, min(tp.time_s, rest + M * exposed),
+                  note + " (each region's collective and matmuls cut into tp pieces, one exposed)")
+
+
+def _moe_share(work: ChunkWork, counts: ModelCounts) -> float:
+    """The MoE blocks' share of the rank's forward FLOPs."""
+    m, t, p = work.cfg.model, work.cfg.train, work.cfg.parallel
+    tokens = t.micro_batch * work.local_seq
+    moe = sum(block_forward_flops(m, counts.blocks[b], t.seq_len, p.tp, p.sp)
+              for b in work.share.blocks if counts.blocks[b].experts)
+    return min(1.0, moe * tokens / work.forward_flops) if work.forward_flops else 0.0
+
+
+def ep_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPrice, ep: AxisTraffic,
+              on: bool) -> Hidden:
+    """The expert all-to-alls of a step and what stays exposed (module docstring). Per micro-batch
+    and chunk, a forward's dispatch and combine (1 of the fwd_passes + 1 passes comm.py counts)
+    run under another micro-batch's backward of the MoE blocks, the backward's (recompute's
+    included) under another's forward; of the M x chunks passes of each kind one has no partner."""
+    runtime, note = not on, "expert all-to-alls"
+    if not ep.time_s:
+        return Hidden("ep_overlap", on, runtime, 0.0, 0.0, "no expert all-to-alls (ep = 1 or no MoE block here)")
+    if not on:
+        return Hidden("ep_overlap", on, runtime, ep.time_s, ep.time_s, note)
+    passes = d.grad_accum * work.chunks  # (micro-batch, chunk) pairs of the step
+    fwd_passes = 2 if work.cfg.train.recompute == "full" else 1
+    a2a = ep.time_s / passes
+    a2a_f = a2a / (fwd_passes + 1)
+    a2a_b = a2a - a2a_f
+    share = _moe_share(work, counts)
+    f, b = chunk.forward_s * share, chunk.backward_s * share  # the partner's compute of the MoE blocks
+    exposed = a2a + (passes - 1) * (max(0.0, a2a_f - b) + max(0.0, a2a_b - f))
+    return Hidden("ep_overlap", on, runtime, ep.time_s, min(ep.time_s, exposed),
+                  note + " (each pass's under another micro-batch's opposite pass, DualPipe pairs)")
+
+
+def prefetch_pass(gathers: list[float], computes: list[float], reduces: list[float] | None = None) -> float:
+    """Exposed seconds of one pass over units run in this order, as parallel/fsdp.py runs them: a
+    unit's gather is issued when the previous unit starts computing (the first one's when the pass
+    starts) and waited for before the unit computes; a unit's reduce-scatter (backward) is issued
+    when it has computed; one communication stream runs them first in, first out; with reduces the
+    pass ends when the last one is done (the step waits for its gradients). With gathers only this
+    is g_1 + sum_i max(0, g_i - c_(i-1)): the link is idle whenever a gather is waited for."""
+    clock = link = gathers[0] if gathers else 0.0
+    ready = gathers[0] if gathers else 0.0
+    for i, compute in enumerate(computes):
+        clock = max(clock, ready)
+        if i + 1 < len(gathers):  # prefetch the next unit
+            link = max(link, clock) + gathers[i + 1]
+            ready = link
+        clock += compute
+        if reduces:
+            link = max(link, clock) + reduces[i]
+    end = max(clock, link) if reduces else clock
+    return end - sum(computes)
+
+
+@dataclass(frozen=True)
+class Zero3Unit:
+    """One ZeRO-3 unit of the busiest rank (the embedding, a block, the head: layout.rank_shares)."""
+
+    flops: float  # forward FLOPs per token on this rank: its share of a pass
+    gather_s: float  # all-gather of its weights
+    reduce_s: float  # reduce-scatter of its gradients
+
+
+def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, hw: Hardware, inter_node: bool,
+                grad_b: float, param_b: float) -> list[Zero3Unit]:
+    """The rank's units in forward order, each gathered and reduce-scattered on its own (one bucket
+    per unit and group: dense weights over dp_shard, routed experts (ep > 1) over expert_dp, as
+    comm.step_traffic sends them)."""
+    m, p, t, share = cfg.model, cfg.parallel, cfg.train, work.share
+    n_dense, n_expert = d.dp_shard, d.dp * p.cp // p.ep
+    timed: dict[tuple[int, int], tuple[float, float]] = {}  # blocks repeat: price each size once
+
+    def unit(flops: float, params: int, experts: int) -> Zero3Unit:
+        experts = experts if p.ep > 1 else 0
+        key = (params, experts)
+        if key not in timed:
+            dense = params - experts
+            timed[key] = tuple(_one(hw, inter_node, op, dense * b, n_dense) + _one(hw, inter_node, op, experts * b,
+                                                                                n_expert)
+                               for op, b in (("all_gather", param_b), ("reduce_scatter", grad_b)))
+        return Zero3Unit(flops, *timed[key])
+
+    out = [unit(0.0, counts.embedding // p.tp, 0)] if share.first else []
+    for blk in share.blocks:
+        bp = counts.blocks[blk]
+        params = bp.tp_split // p.tp + bp.replicated + bp.experts // p.ep
+        out.append(unit(block_forward_flops(m, bp, t.seq_len, p.tp, p.sp), params, bp.experts // p.ep))
+    if share.last:
+        tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
+        out.append(unit(head_forward_flops(counts, p.tp), (counts.head + tied_copy) // p.tp + counts.final_norm, 0))
+    return out
+
+
+def zero3_hidden(cfg: Config, d: Derived, units: list[Zero3Unit], forward_s: float, backward_s: float,
+                 on: bool) -> Hidden:
+    """ZeRO-3's gathers and reduce-scatters of a step and what stays exposed (module docstring).
+    forward_s, backward_s: the rank's seconds of one micro-batch's forward and backward (all its
+    chunks), split over the units by their forward FLOPs."""
+    p, M, reshard = cfg.parallel, d.grad_accum, d.reshard_after_forward
+    runtime = on
+    gathers = [u.gather_s for u in units]
+    reduces = [u.reduce_s for u in units]
+    per_pass = sum(gathers) * (2 if reshard else 1) + sum(reduces)
+    traffic = per_pass * (M if reshard else 1)
+    note = (f"ZeRO-3 gathers and reduce-scatters ({len(units)} units, "
+            + (f"gathered for every forward and backward of {M} micro-batches)" if reshard
+               else "gathered once a step: kept gathered)"))
+    if p.zero != 3 or not traffic:
+        return Hidden("zero3_prefetch", on, runtime, 0.0, 0.0, f"no ZeRO-3 traffic (zero = {p.zero}, "
+                      f"dp_shard = {d.dp_shard})")
+    if not on:
+        return Hidden("zero3_prefetch", on, runtime, traffic, traffic, note)
+    flops = sum(u.flops for u in units) or 1.0
+    forward = [forward_s * u.flops / flops for u in units]
+    backward = [backward_s * u.flops / flops for u in reversed(units)]
+    overlap_rs = p.overlap_comm  # without it the buckets reduce after the backward (parallel/ddp.py)
+    after = 0.0 if overlap_rs else sum(reduces)
+    rs = list(reversed(reduces)) if overlap_rs else None
+    if reshard:
+        exposed = M * (prefetch_pass(gathers, forward) + prefetch_pass(gathers[::-1], backward, rs) + after)
+    else:  # gathered in the first micro-batch's forward, reduced in the last one's backward
+        exposed = prefetch_pass(gathers, forward) + prefetch_pass([0.0] * len(units), backward, rs) + after
+    return Hidden("zero3_prefetch", on, runtime, traffic, min(traffic, exposed), note)
+
+
+def dp_hidden(cfg: Config, n_dp: int, reduce_s: float, exposed_s: float) -> Hidden:
+    """parallel.overlap_comm's row: the gradient reduction (DDP's all-reduce, ZeRO-1/2's
+    reduce-scatters) and what the backward leaves exposed; ZeRO-3's reduce-scatters are priced with
+    its gathers (zero3_hidden), on the same stream."""
+    p, on = cfg.parallel, cfg.parallel.overlap_comm
+    if n_dp <= 1:
+        return Hidden("dp_overlap", on, True, 0.0, 0.0, "no gradient reduction (one data-parallel rank)")
+    if p.zero == 3:
+        return Hidden("dp_overlap", on, True, 0.0, 0.0, "ZeRO-3's reduce-scatters "
+                      + ("run unit by unit during the backward" if on else "start after the backward")
+                      + ", priced in the zero3 prefetch row")
+    return Hidden("dp_overlap", on, True, reduce_s, exposed_s,
+                  "gradient reduction" + (" (ZeRO's weight all-gather after the step is exposed besides)"
+                                          if p.zero else ""))

@@ -1,0 +1,300 @@
+"""The overlap switches of a layout (planner/overlap.py): each against hand arithmetic from the
+paper it comes from, each default against what fivefold's runtime does, and each changing only the
+terms it governs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers import tiny_config
+
+from fivefold.config import load_config
+from fivefold.parallel import comms
+from fivefold.planner.compute import busiest_chunk
+from fivefold.planner.counts import block_forward_flops, model_counts
+from fivefold.planner.estimate import estimate
+from fivefold.planner.hardware import get_hardware
+from fivefold.planner.layout import rank_shares, split_layout
+from fivefold.planner.options import DEFAULT, PlanOptions
+from fivefold.planner.overlap import SWITCHES, decomposed_exposure, prefetch_pass
+from fivefold.planner.pricing import Memo
+from fivefold.testing import run_workers
+from fivefold.train.loop import train
+from fivefold.validate import derive, validate
+
+H100 = get_hardware("h100")
+# Compute-rich: matmuls slow against fast, latency-free links, so every overlap hides all it can.
+SLOW_COMPUTE = dataclasses.replace(H100, peak_flops=1e12, intra_latency=0.0, inter_latency=0.0)
+
+
+def _llama(world: int, *overrides: str):
+    cfg = load_config(None, ["--model.preset=llama3-8b", "--train.seq_len=4096", "--train.micro_batch=1",
+                             "--train.recompute=\"none\"", *overrides])
+    assert validate(cfg, world) == []
+    return cfg
+
+
+def _chunk(cfg, world, hw):
+    """The busiest rank's work and its price, as the estimate asks the pricer for them."""
+    d = derive(cfg, world)
+    counts = model_counts(cfg.model, d.vocab_size)
+    work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts))
+    return d, work, hw.pricer.chunk(work, hw, Memo())
+
+
+def _ring(op: str, nbytes: float, n: int, hw) -> float:
+    """Alpha-beta time of one ring collective inside a node (Thakur et al. 2005 step counts)."""
+    steps, wire = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+                   "reduce_scatter": (n - 1, (n - 1) / n)}[op]
+    return steps * hw.intra_latency + wire * nbytes / (hw.intra_bw * hw.bw_efficiency)
+
+
+# ---- tp_overlap: Wang et al. 2022, "Overlap Communication with Dependent Computation via Decomposition" ----
+
+def test_decomposed_collective_leaves_one_piece_or_what_the_matmul_cannot_cover():
+    # Pipelined decomposition into n = 4 pieces (Wang et al. 2022, sec. 3): matmul pieces of 2, comm
+    # pieces of 2.5. mm1 [0,2]; c1 [2,4.5] under mm2 [2,4]; c2 [4.5,7] under mm3 [4,6]; c3 [7,9.5]
+    # under mm4 [6,8]; c4 [9.5,12]. 12 - 8 of matmul = 4 exposed = 10 - 3/4 x 8.
+    assert decomposed_exposure(10.0, 8.0, 4) == pytest.approx(4.0)
+    # Comm pieces of 1 under matmul pieces of 2: only the last piece, c4, is not under a matmul.
+    assert decomposed_exposure(4.0, 8.0, 4) == pytest.approx(1.0)
+    assert decomposed_exposure(4.0, 8.0, 1) == pytest.approx(4.0)  # one piece: nothing to overlap with
+    assert decomposed_exposure(0.0, 8.0, 4) == 0.0
+
+
+def test_tp_overlap_against_hand_arithmetic():
+    # llama3-8b, tp=2 with sp, 2 micro-batches; links slow enough that the attention regions are
+    # comm-bound (comm - matmul/2 exposed) and the MLP's backward hides all but one piece (comm/2).
+    hw = dataclasses.replace(H100, intra_bw=20e9)
+    cfg = _llama(2, "--parallel.tp=2", "--parallel.sp=true", "--train.global_batch=2")
+    d, work, chunk = _chunk(cfg, 2, hw)
+    est = estimate(cfg, 2, hw, options=PlanOptions(tp_overlap=True))
+    n, M, tokens, L = 2, 2, 4096, 32
+    dim, heads, kv, hd, ffn, vocab = 4096, 32, 8, 128, 14336, 128256
+    act = tokens * dim * 2  # one (b, s, d) bf16 activation
+    c1 = _ring("all_reduce", act, n, hw)  # one region's collective (sp's all-gather + reduce-scatter: the same)
+    loss = _ring("all_reduce", tokens * 4, n, hw)  # each of the vocabulary-parallel loss's three fp32 reductions
+    per_flop_f, per_flop_b = chunk.forward_s / work.forward_flops, chunk.backward_s / work.forward_flops
+    attention = 2 * (dim * heads * hd + 2 * dim * kv * hd + heads * hd * dim) / n * tokens  # wq, wk, wv, wo
+    mlp = 2 * 3 * dim * ffn / n * tokens  # gate, up, down
+    head = 2 * vocab * dim / n * tokens
+
+    def e(comm, matmul):  # one region's collective over tp pieces (Wang et al. 2022)
+        return max(comm / n, comm - (n - 1) / n * matmul)
+
+    blocks = L * (e(c1, attention * per_flop_f) + e(c1, attention * per_flop_b)
+                  + e(c1, mlp * per_flop_f) + e(c1, mlp * per_flop_b))
+    expected = M * (blocks + e(c1, head * per_flop_b) + c1 + 3 * loss)  # the embedding and the loss: exposed
+    tp = est.overlaps["tp_overlap"]
+    assert tp.traffic_s == pytest.approx(est.comm["tp"].time_s)
+    assert tp.traffic_s == pytest.approx(M * ((4 * L + 2) * c1 + 3 * loss))
+    assert tp.exposed_s == pytest.approx(expected)
+    assert c1 - attention * per_flop_f / 2 > c1 / 2 and mlp * per_flop_b > c1  # both branches were taken
+    off = estimate(cfg, 2, hw)
+    assert off.overlaps["tp_overlap"].exposed_s == pytest.approx(off.comm["tp"].time_s)  # fivefold: all exposed
+    # pp = 1: the step is shorter by what is hidden (to terms.simulate_scaled's 1e-4 rounding of b / f)
+    assert off.step_time_s - est.step_time_s == pytest.approx(tp.hidden_s, rel=1e-4)
+
+
+@pytest.mark.parametrize("recompute,per_region", [("none", 2), ("full", 3)])
+def test_tp_overlap_hides_all_but_one_piece_when_compute_is_rich(recompute, per_region):
+    # Full recompute runs each region's forward collective again, during the backward.
+    cfg = _llama(2, "--parallel.tp=2", "--train.global_batch=2", f"--train.recompute=\"{recompute}\"")
+    est = estimate(cfg, 2, SLOW_COMPUTE, options=PlanOptions(tp_overlap=True))
+    c1 = _ring("all_reduce", 4096 * 4096 * 2, 2, SLOW_COMPUTE)
+    loss = _ring("all_reduce", 4096 * 4, 2, SLOW_COMPUTE)
+    overlappable = 2 * (2 * per_region * 32 + 1) * c1  # 2 micro-batches: 2 regions per block, the head's
+    assert est.overlaps["tp_overlap"].exposed_s == pytest.approx(overlappable / 2 + 2 * (c1 + 3 * loss))
+
+
+# ---- zero3_prefetch: parallel/fsdp.py gathers one unit ahead ----
+
+def test_prefetch_pass_by_hand():
+    # Gathers only: the first is exposed, then what each exceeds the previous unit's compute.
+    assert prefetch_pass([3, 1, 4, 1], [2, 2, 2, 2]) == pytest.approx(3 + 0 + 2 + 0)
+    assert prefetch_pass([0, 0], [1, 1]) == 0.0
+    # With reduce-scatters on the same stream (issued as each unit finishes), by hand: g1 [0,3];
+    # u1 [3,5] under g2 [3,4]; r1 [5,6]; u2 [5,7], g3 issued at 5 runs [6,10]; r2 [10,11]; u3 waits:
+    # [10,12], g4 [11,12], r3 [12,13]; u4 [12,14]; r4 [14,15]. 15 - 8 of compute = 7.
+    assert prefetch_pass([3, 1, 4, 1], [2, 2, 2, 2], [1, 1, 1, 1]) == pytest.approx(7)
+
+
+def _zero3_parts(cfg, hw, n):
+    """(embedding, block, head) gather seconds and the same for their reduce-scatters (bf16)."""
+    counts = model_counts(cfg.model, derive(cfg, n).vocab_size)
+    sizes = (counts.embedding, counts.blocks[0].total, counts.head + counts.final_norm)
+    return ([_ring("all_gather", 2 * s, n, hw) for s in sizes], [_ring("reduce_scatter", 2 * s, n, hw) for s in sizes])
+
+
+def test_zero3_prefetch_resharding_against_hand_arithmetic():
+    # ZeRO-3 over 4 ranks, 2 micro-batches, compute-rich. Per micro-batch, forward: the embedding's
+    # gather, then block 0's under the embedding's compute (a lookup: none); backward: the head's
+    # gather; the reduce-scatters hide under the blocks' backwards except the last two (block 0's,
+    # then the embedding's, after no compute). Every other gather hides under its predecessor.
+    cfg = _llama(4, "--parallel.zero=3", "--train.global_batch=8")
+    (g_emb, g_blk, g_head), (r_emb, r_blk, r_head) = _zero3_parts(cfg, SLOW_COMPUTE, 4)
+    est = estimate(cfg, 4, SLOW_COMPUTE)
+    z = est.overlaps["zero3_prefetch"]
+    M = 2
+    assert z.exposed_s == pytest.approx(M * (g_emb + g_blk + g_head + r_blk + r_emb))
+    assert z.traffic_s == pytest.approx(M * (2 * (g_emb + 32 * g_blk + g_head) + r_emb + 32 * r_blk + r_head))
+    assert est.exposed_dp_s == pytest.approx(z.exposed_s)  # no noise on a data sheet
+    # parallel.overlap_comm = false: the buckets reduce after the backward (parallel/ddp.py), all exposed
+    late = estimate(_llama(4, "--parallel.zero=3", "--train.global_batch=8", "--parallel.overlap_comm=false"), 4,
+                    SLOW_COMPUTE).overlaps["zero3_prefetch"]
+    assert late.exposed_s == pytest.approx(M * (g_emb + g_blk + g_head + r_emb + 32 * r_blk + r_head))
+    off = estimate(cfg, 4, SLOW_COMPUTE, options=PlanOptions(zero3_prefetch=False))
+    assert off.overlaps["zero3_prefetch"].exposed_s == pytest.approx(z.traffic_s)  # every gather and reduce-scatter
+    assert off.exposed_dp_s == pytest.approx(z.traffic_s)
+
+
+def test_zero3_kept_gathered_is_gathered_and_reduced_once_a_step():
+    # reshard_after_forward = false (the default with pp > 1): gathered in the first micro-batch's
+    # forward, reduce-scattered in the last one's backward, whatever the micro-batch count.
+    cfg = _llama(4, "--parallel.zero=3", "--train.global_batch=16", "--parallel.reshard_after_forward=false")
+    (g_emb, g_blk, g_head), (r_emb, r_blk, r_head) = _zero3_parts(cfg, SLOW_COMPUTE, 4)
+    z = estimate(cfg, 4, SLOW_COMPUTE).overlaps["zero3_prefetch"]
+    assert z.traffic_s == pytest.approx(g_emb + 32 * g_blk + g_head + r_emb + 32 * r_blk + r_head)
+    assert z.exposed_s == pytest.approx(g_emb + g_blk + r_blk + r_emb)  # the backward needs no gather
+
+
+def test_zero3_traffic_is_the_bytes_comm_py_counts():
+    hw = dataclasses.replace(H100, intra_latency=0.0)  # per unit the runtime pays more latency terms: not compared
+    for keep, hsdp in (("true", 1), ("false", 1), ("true", 2)):  # HSDP: sharded over dp_shard = 2 of dp = 4
+        cfg = _llama(4, "--parallel.zero=3", "--train.global_batch=8", f"--parallel.reshard_after_forward={keep}",
+                     f"--parallel.dp_replicate={hsdp}")
+        est = estimate(cfg, 4, hw)
+        assert est.overlaps["zero3_prefetch"].traffic_s == pytest.approx(est.comm["dp"].time_s)
+
+
+# ---- ep_overlap: DeepSeek-V3 Technical Report, sec. 3.2.1 (DualPipe) ----
+
+def _moe(tmp_path, *overrides):
+    return tiny_config(tmp_path, "--model.preset=tiny-moe", "--parallel.ep=2", "--train.recompute=\"none\"", *overrides)
+
+
+def test_ep_overlap_leaves_the_unpaired_passes_when_compute_is_rich(tmp_path):
+    hw = dataclasses.replace(SLOW_COMPUTE, peak_flops=1e6)
+    cfg = _moe(tmp_path, "--train.micro_batch=1")  # 4 micro-batches on each of 2 ranks
+    est = estimate(cfg, 2, hw, options=PlanOptions(ep_overlap=True))
+    ep = est.overlaps["ep_overlap"]
+    # The step's first forward and last backward have no other micro-batch to pair with: one
+    # micro-batch's all-to-alls stay exposed, the other three's hide under their partners.
+    assert ep.exposed_s == pytest.approx(est.comm["ep"].time_s / 4)
+    one = _moe(tmp_path, "--train.micro_batch=4")  # one micro-batch: no partner at all
+    assert estimate(one, 2, hw, options=PlanOptions(ep_overlap=True)).overlaps["ep_overlap"].hidden_s == 0.0
+
+
+def test_ep_overlap_against_hand_arithmetic(tmp_path):
+    # Full recompute: of a micro-batch's all-to-alls a, the forward runs a/3 (dispatch, combine) and
+    # the backward 2a/3 (the recomputed forward's and the backward's); each hides under the other
+    # micro-batch's opposite pass over the MoE blocks (DualPipe's pairs), the unpaired first
+    # forward and last backward excepted.
+    hw = dataclasses.replace(H100, peak_flops=5e11, intra_bw=2e9, sm_count=0)  # flat: time in proportion to FLOPs
+    cfg = _moe(tmp_path, "--train.micro_batch=2", "--train.recompute=\"full\"")  # 2 micro-batches
+    d, work, chunk = _chunk(cfg, 2, hw)
+    counts = model_counts(cfg.model, d.vocab_size)
+    est = estimate(cfg, 2, hw, options=PlanOptions(ep_overlap=True))
+    moe = sum(block_forward_flops(cfg.model, counts.blocks[b], 32, 1) for b in range(8)) * 2 * 32
+    f, b = chunk.forward_s * moe / work.forward_flops, chunk.backward_s * moe / work.forward_flops
+    a = est.comm["ep"].time_s / 2
+    assert b > 2 * a / 3 and a / 3 > f  # the backward hides the forward's all-to-alls; the forward does not
+    expected = a + max(0, a / 3 - b) + max(0, 2 * a / 3 - f)
+    assert est.overlaps["ep_overlap"].exposed_s == pytest.approx(expected)
+
+
+# ---- dp_overlap: parallel.overlap_comm, bucket by bucket (Li et al. 2020, sec. 3.2.3) ----
+
+def test_dp_overlap_is_the_config_switch(tmp_path):
+    assert split_layout("dp=2,dp_overlap=false") == (["--parallel.dp=2", "--parallel.overlap_comm=false"], DEFAULT)
+    cfg = _llama(8, "--parallel.dp=8", "--train.global_batch=8")
+    on = estimate(cfg, 8, H100)
+    off = estimate(_llama(8, "--parallel.dp=8", "--train.global_batch=8", "--parallel.overlap_comm=false"), 8, H100)
+    o = on.dp_overlap
+    assert on.overlaps["dp_overlap"].exposed_s == pytest.approx(max(o.reduce_s - o.window_s, o.bucket_s))
+    assert on.overlaps["dp_overlap"].traffic_s == pytest.approx(o.reduce_s)
+    assert off.overlaps["dp_overlap"].exposed_s == pytest.approx(o.reduce_s)  # without the backward to hide under
+    assert on.overlaps["dp_overlap"].runtime and off.overlaps["dp_overlap"].runtime  # a config field: fivefold runs it
+
+
+# ---- defaults are fivefold's runtime; each switch moves only its own terms ----
+
+def _collectives(rank, world, cfg):
+    """Worker: one training step, each collective recorded as (axis, op, issued asynchronously)."""
+    calls, issue = [], comms._issue
+
+    def recording(op, group, nbytes, label, async_op, call, name=None):
+        calls.append((label, op, async_op))
+        return issue(op, group, nbytes, label, async_op, call, name)
+
+    comms._issue = recording
+    train(cfg, progress=False)
+    return calls
+
+
+def test_defaults_are_what_the_runtime_does(tmp_path):
+    one_step = ("--train.steps=1", "--data.max_bytes=20000", "--data.val_fraction=0.0")
+    tp = run_workers(_collectives, 2, tiny_config(tmp_path / "tp", *one_step, "--parallel.tp=2",
+                                                   "--parallel.sp=true"))[0]
+    moe = run_workers(_collectives, 2, tiny_config(tmp_path / "ep", *one_step, "--model.preset=tiny-moe",
+                                                    "--parallel.ep=2", "--parallel.zero=3"))[0]
+    tp_async = {a for axis, _, a in tp if axis == "tp"}
+    ep_async = {a for axis, op, a in moe if axis == "ep" and op == "all_to_all"}
+    gathers_async = {a for axis, op, a in moe if axis == "dp" and op == "all_gather"}
+    assert tp_async == {False} and ep_async == {False} and gathers_async == {True}
+    # tp's and ep's collectives block the compute that needs them; ZeRO-3's gathers are issued a
+    # unit ahead (tests/test_dp_comm.py: at most the running unit and one prefetched are gathered).
+    assert DEFAULT.tp_overlap is False and DEFAULT.ep_overlap is False and DEFAULT.zero3_prefetch is True
+    assert DEFAULT.not_runnable() == []
+    explicit = PlanOptions(tp_overlap=False, zero3_prefetch=True, ep_overlap=False)
+    for cfg, world in ((_llama(8, "--parallel.tp=2", "--parallel.zero=3", "--train.global_batch=8"), 8),
+                       (_moe(tmp_path), 2)):
+        a, b = estimate(cfg, world, H100), estimate(cfg, world, H100, options=explicit)
+        assert a.step_time_s == b.step_time_s and a.time_split == b.time_split
+        assert all(h.runtime for h in a.overlaps.values())
+
+
+def _changed(a, b) -> set[str]:
+    """The step's terms (time_split keys) that differ between two estimates (without a pipeline the
+    bubble is simulate_scaled's rounding of b / f, under 1e-4 of the step: not a change)."""
+    no_bubble = max(a.time_split["bubble"], b.time_split["bubble"]) < 1e-4 * a.step_time_s
+    return {k for k in a.time_split if a.time_split[k] != pytest.approx(b.time_split[k], rel=1e-9)
+            and not (k == "bubble" and no_bubble)}
+
+
+@pytest.mark.parametrize("switch,world,layout", [
+    ("tp_overlap=on", 2, ("--parallel.tp=2", "--parallel.sp=true", "--train.global_batch=2")),
+    ("zero3_prefetch=off", 4, ("--parallel.zero=3", "--train.global_batch=8")),
+    ("dp_overlap=false", 8, ("--parallel.dp=8", "--train.global_batch=8")),
+])
+def test_each_switch_moves_only_its_terms(switch, world, layout):
+    key = switch.partition("=")[0]
+    overrides, options = split_layout(switch)
+    a = estimate(_llama(world, *layout), world, H100)
+    b = estimate(_llama(world, *layout, *overrides), world, H100, options=options)
+    term = "tp_cp_ep" if key == "tp_overlap" else "dp_exposed"
+    assert _changed(a, b) == {term}
+    assert a.memory == b.memory and {k: t.bytes for k, t in a.comm.items()} == {k: t.bytes for k, t in b.comm.items()}
+    for other in SWITCHES:
+        assert a.overlaps[other].traffic_s == pytest.approx(b.overlaps[other].traffic_s)
+        if other != key:
+            assert a.overlaps[other].exposed_s == pytest.approx(b.overlaps[other].exposed_s)
+    assert a.overlaps[key].exposed_s != pytest.approx(b.overlaps[key].exposed_s)
+
+
+def test_ep_overlap_moves_only_the_critical_path(tmp_path):
+    hw = dataclasses.replace(H100, peak_flops=5e11, intra_bw=2e9, sm_count=0)  # flat: time in proportion to FLOPs
+    cfg = _moe(tmp_path, "--train.micro_batch=1")  # dp's one bucket is exposed whole: no window moves it
+    a, b = estimate(cfg, 2, hw), estimate(cfg, 2, hw, options=PlanOptions(ep_overlap=True))
+    assert _changed(a, b) == {"tp_cp_ep"}
+    assert b.overlaps["ep_overlap"].hidden_s > 0 and b.not_runnable  # fivefold's all-to-alls do not overlap
+
+
+def test_explain_names_every_switch_and_whether_fivefold_runs_it():
+    cfg = _llama(8, "--parallel.tp=2", "--parallel.zero=3", "--train.global_batch=8")
+    rows = {what: text for what, text, _ in estimate(cfg, 8, H100, options=PlanOptions(tp_overlap=True)).explain}
+    assert rows["tp overlap"].startswith("on (not fivefold's: it blocks): ") and "hidden" in rows["tp overlap"]
+    assert rows["zero3 prefetch"].startswith("on (fivefold: prefetches the next unit): ")
+    assert rows["ep overlap"].startswith("off (fivefold: blocking): no expert all-to-alls")
+    assert rows["dp overlap"].startswith("on (fivefold: runs parallel.overlap_comm as set): ")
