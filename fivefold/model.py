@@ -59,8 +59,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (N, dim) sorted by expert, counts[e] rows for local expert e -> (N, dim)."""
         outs = []
+        # unbind once: its backward stacks the experts' gradients in one pass, where indexing
+        # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each
+        gate, up, down = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
         for e, chunk in enumerate(torch.split(x, counts)):
-            outs.append((F.silu(chunk @ self.gate[e]) * (chunk @ self.up[e])) @ self.down[e])
+            outs.append((F.silu(chunk @ gate[e]) * (chunk @ up[e])) @ down[e])
         return torch.cat(outs) if outs else x[:0]
 
 

@@ -26,9 +26,9 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
 
 Backward elementwise traffic is twice the forward's (each op's backward reads its output's
 gradient and what it saved, and writes its inputs' gradients), plus the zero-filled gradients of
-RoPE's and MLA's slices, and the routed experts' weight gradients: `self.gate[e]` in
-GroupedExperts is a select whose backward writes a gradient of the whole local stack, summed
-over the local experts, for each of the three weights (so E_local^2 x d x h elements per weight).
+RoPE's and MLA's slices, and the routed experts' weight gradients: GroupedExperts unbinds each
+stacked weight once, so its backward writes each local expert's gradient and stacks them (2 x
+E_local x d x h elements per weight).
 A CPU trace of the tiny blocks (calibration/opcount.py) checks these counts (tests).
 """
 
@@ -179,8 +179,8 @@ def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Ma
     ew.swiglu("expert swiglu", rows * local * h)
     ew.copy("moe dispatch", rows * local * d + copies * d, rows * local * d + copies * d)  # cat, * gate weights
     ew.copy("moe dispatch", copies * d + Tm * d, 2 * Tm * d)  # new_zeros + index_add_
-    if not s.fused:  # per weight: `local` selects each writing the whole stack's fp32 gradient, local - 1 sums
-        ew.extra_backward += 3 * local * (4 * local - 3) * d * h * FP32
+    if not s.fused:  # per weight: each local expert's fp32 gradient written, then stacked (unbind's backward)
+        ew.extra_backward += 3 * 2 * local * d * h * FP32
     if m.n_shared_experts:
         hs = h * m.n_shared_experts
         mms += [Matmul("shared gate", Tm, hs, d), Matmul("shared up", Tm, hs, d), Matmul("shared down", Tm, d, hs)]
