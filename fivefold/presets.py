@@ -66,3 +66,17 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "qwen3-235b-a22b": 235.1e9,
     "deepseek-v3": 671e9,
 }
+
+# Sequence length of each model's main pre-training stage, as its report states it: what `fivefold
+# plan` assumes when it is given no --seq (the training config's default, 64 tokens, is for tests).
+PRETRAIN_SEQ_LEN: dict[str, int] = {
+    "llama3-8b": 8192,  # Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.4.1: 8K-token sequences
+    "llama3-70b": 8192,
+    "llama3-405b": 8192,
+    "mixtral-8x7b": 32768,  # Jiang et al. 2024, "Mixtral of Experts", sec. 2: a context of 32k tokens
+    "mixtral-8x22b": 32768,
+    "qwen3-8b": 4096,  # Qwen3 technical report (2025), sec. 3.2: general stage S1 at 4,096 tokens
+    "qwen3-30b-a3b": 4096,
+    "qwen3-235b-a22b": 4096,
+    "deepseek-v3": 4096,  # DeepSeek-V3 technical report (2024), sec. 4.2: maximum sequence length 4K
+}

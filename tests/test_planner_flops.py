@@ -164,6 +164,17 @@ def test_a_model_and_a_layout_alone_are_planned(capsys):
     assert "dp8 z1 mb1" in out
 
 
+def test_a_preset_is_planned_at_its_reports_sequence_length(capsys):
+    # Llama 3 pre-trains on 8K-token sequences (Dubey et al. 2024, sec. 3.4.1): without --seq the plan
+    # is the same as with --seq 8192, not one at the training config's 64-token test default
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8,zero=1", "--json"]
+    assert main(base) == 0
+    implied = json.loads(capsys.readouterr().out)
+    assert main([*base, "--seq", "8192"]) == 0
+    assert implied == json.loads(capsys.readouterr().out)
+    assert implied["flops"]["model_per_step"] > 4e6 * 6 * 8e9  # 4M tokens of at least 6N each
+
+
 def test_the_default_batch_rounds_to_the_layout(capsys):
     # 4 x 2^20 / 8192 = 512 sequences; dp 6 x micro-batch 1 divides 510, the nearest multiple
     assert main(["plan", "--model", "llama3-8b", "--gpus", "6", "--seq", "8192", "--layout", "dp=6,zero=3",

@@ -10,8 +10,10 @@ may refuse them. Otherwise:
 - the micro-batch is the fastest of MICRO_BATCHES that validates and fits (estimate()), or, when
   none fits, the smallest that validates.
 
-The explain rows say which values were the user's and which were chosen. A search keeps the
-config's global batch unless tokens are given (today's behaviour: the default 4M over the
+Without --seq (or train.seq_len), a preset is planned at its report's pre-training sequence length
+(presets.PRETRAIN_SEQ_LEN), and then with the default batch of tokens, search included. The explain
+rows say which values were the user's and which were chosen. A search at a sequence length the
+user gave keeps the config's global batch unless tokens are given (the default 4M over the
 config's 64-token sequences would be 65,536 sequences per step for every candidate).
 """
 
@@ -29,6 +31,7 @@ from fivefold.planner.layout import split_layout
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.pricing import Memo, Row
+from fivefold.presets import PRETRAIN_SEQ_LEN
 from fivefold.validate import validate
 
 if TYPE_CHECKING:  # estimate imports torch (through fivefold.parallel): `fivefold --help` should not wait for it
@@ -84,10 +87,14 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
                          "the mean are at least 1 (1 = balanced)")
     options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=args.expert_imbalance)
     extra = [f"--train.seq_len={args.seq}"] if args.seq else []
-    if args.micro_batch:
-        extra.append(f"--train.micro_batch={args.micro_batch}")
     overridden = set(parse_overrides(rest + layout)[0].get("train", {}))  # --train.KEY and --layout micro_batch
     given = overridden | _toml_train_keys(path)
+    published_seq = PRETRAIN_SEQ_LEN.get(args.model or "") if not args.seq and "seq_len" not in given else None
+    if published_seq:  # a preset's own pre-training length, not the config's 64 tokens for tests
+        extra.append(f"--train.seq_len={published_seq}")
+        batch_default = True  # and then a batch of tokens that goes with it
+    if args.micro_batch:
+        extra.append(f"--train.micro_batch={args.micro_batch}")
     tokens = None
     if "global_batch" in overridden:  # an override beats the flags, as it always has
         pass
