@@ -312,7 +312,11 @@ def die_with_parent() -> None:
 
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> None:
     """Run entrypoint(*args) in spec.nproc local workers, restarting them all up to max_restarts times."""
-    from torch.distributed.elastic.rendezvous import RendezvousError, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousError,
+        rendezvous_handler_registry,
+    )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     host, _ = split_endpoint(spec.endpoint)
@@ -349,6 +353,9 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     os.environ[WORKER_DIR] = str(reports)  # before the forkserver starts: the workers inherit it
     try:
         elastic_launch(config, entrypoint)(*args)
+    except RendezvousConnectionError:  # node 0's store went away: its launcher (or machine) is gone
+        raise LaunchError(f"lost the rendezvous at {spec.endpoint}: node 0, which hosts it, is gone or unreachable, "
+                          f"and the job cannot go on without it") from None
     except RendezvousError as e:
         raise LaunchError(str(e)) from None
     except ChildFailedError as e:  # torch names the first failure it saw; the reports name the cause
