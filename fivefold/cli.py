@@ -2,6 +2,7 @@
 
     fivefold train configs/debug.toml --nproc 2 --train.steps=500
     fivefold train CONFIG --nproc 8 --nnodes 2 --node-rank R --rdzv-endpoint node0:29500   (on each node)
+    fivefold train CONFIG --nproc 8 --nnodes 2:4 --node-rank R --rdzv-endpoint node0:29500 (elastic: 2 to 4 nodes)
     torchrun --nproc-per-node 8 -m fivefold train configs/tiny.toml --train.global_batch=16
 
 `train` checks the whole configuration for the number of processes it will run on before any
@@ -16,6 +17,7 @@ import os
 import sys
 
 from fivefold.config import Config, ConfigError, read_config, replace
+from fivefold.elastic import Policy
 from fivefold.launch import LaunchError
 from fivefold.launch import add_arguments as add_launch_arguments
 from fivefold.validate import Derived, derive
@@ -27,9 +29,16 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None, help="TOML file (see configs/); defaults apply without one")
     p.add_argument("--nproc", type=int, default=None, help="worker processes on this node (default: 1, or torchrun's)")
     p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=int, default=None,
                    help="when a worker fails, restart every worker (all nodes) up to this many times, "
-                        "from the last checkpoint")
+                        "from the last checkpoint (default 0; MAX - MIN with --nnodes MIN:MAX: a lost node is "
+                        "one failure, a node joining costs none)")
+    p.add_argument("--keep", default=None, metavar="AXES",
+                   help="elastic: the axes (of tp,pp,cp,ep) that stay when the world changes; the others may "
+                        "shrink (default: all stay, only dp changes)")
+    p.add_argument("--replan", action="store_true",
+                   help="elastic: the planner's fastest valid, fitting layout for each new world (run.hardware, "
+                        "or --gpu NAME), with the --keep axes pinned")
     p.add_argument("--deepspeed", metavar="JSON", default=None,
                    help="a DeepSpeed config: its keys with a fivefold meaning apply between the TOML and the overrides")
     p.add_argument("--no-progress", action="store_true", help="print lines only, no progress bar")
@@ -39,7 +48,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                                "with a fake process group, beside the planner's prediction (train/dry_run.py)")
     dry.add_argument("--dry-run", action="store_true", help="build and count, train nothing (no device, no peers)")
     dry.add_argument("--world", type=int, default=None, metavar="N", help="ranks of the job the dry run builds")
-    dry.add_argument("--gpu", default=None, metavar="NAME", help="its device: a catalog GPU (h100, a100-80gb, ...)")
+    dry.add_argument("--gpu", default=None, metavar="NAME",
+                     help="its device: a catalog GPU (h100, a100-80gb, ...); also what --replan plans for")
     dry.add_argument("--device-memory", default=None, metavar="SIZE", help="or its memory: 80GB (GB = 1e9), 96GiB")
     dry.add_argument("--all-positions", action="store_true",
                      help="build every (pp, tp, ep, dp_shard) position apart, not one rank per pipeline rank")
@@ -63,15 +73,23 @@ def _deepspeed_layer(path: str, nproc: int) -> tuple[list[str], list[str]]:
     return mapping.overrides, mapping.errors
 
 
-def _worker(cfg: Config, derived: Derived, progress: bool) -> None:
-    """Entry point of each launched process: the config checked by the launcher, its own rank."""
+def _worker(cfg: Config, derived: Derived, progress: bool, policy: Policy | None = None) -> None:
+    """Entry point of each launched process: the config checked by the launcher, its own rank; in an
+    elastic job, the layout for the world this round admitted (elastic.py)."""
     from fivefold.launch import die_with_parent
-    from fivefold.train.loop import train
+    from fivefold.train.loop import resolve_device_type, train
     from fivefold.worker_report import reporting
 
     die_with_parent()
     with reporting():  # how this rank ended, for the launcher's summary
-        train(cfg, derived, progress=progress)
+        decision = None
+        if policy is not None:
+            from fivefold.elastic import decide
+
+            world = int(os.environ["WORLD_SIZE"])
+            decision = decide(cfg, world, policy, resolve_device_type(cfg))
+            cfg, derived = decision.cfg, derive(decision.cfg, world)
+        train(cfg, derived, progress=progress, elastic=decision)
 
 
 def _warn_oversubscribed(cfg: Config, nproc: int) -> None:
@@ -83,6 +101,38 @@ def _warn_oversubscribed(cfg: Config, nproc: int) -> None:
         if resolve_device_type(cfg) == "cpu":
             print(f"fivefold: warning: {nproc} processes on {cores} CPU cores: they will take turns on the cores "
                   f"(each step about {nproc / cores:.0f}x slower than with {cores}); lower --nproc", file=sys.stderr)
+
+
+def _elastic_policy(args: argparse.Namespace, world: int, elastic: bool) -> tuple[Policy | None, list[str]]:
+    """How an elastic job re-plans (--keep, --replan, --gpu), and the problems with those flags."""
+    if not elastic:
+        given = [f for f, v in (("--keep", args.keep is not None), ("--replan", args.replan)) if v]
+        return None, [f"{', '.join(given)}: only an elastic job changes its layout; launch it with "
+                      f"--nnodes MIN:MAX (MIN < MAX)"] if given else []
+    from fivefold.elastic import AXES, parse_keep
+
+    try:
+        keep = parse_keep(args.keep) if args.keep is not None else (() if args.replan else AXES)
+    except ValueError as e:
+        return None, [str(e)]
+    if args.gpu:
+        from fivefold.planner.hardware import get_hardware
+
+        try:
+            get_hardware(args.gpu)
+        except ValueError as e:
+            return None, [f"--gpu: {e}"]
+    return Policy(world, keep, args.replan, args.gpu or ""), []
+
+
+def _resume_note(cfg: Config) -> str:
+    """Where a failed job can continue from, for its last message."""
+    from fivefold.train.run_dir import latest_checkpoint, run_dir_of
+
+    latest = latest_checkpoint(run_dir_of(cfg))
+    if latest is None:
+        return "no checkpoint was written yet: the run starts again from step 0"
+    return f"the last complete checkpoint is {latest}: the same command with --resume continues from it"
 
 
 def _prepare_text(cfg: Config, progress: bool) -> None:
@@ -122,6 +172,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if _under_torchrun() and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         args.resume = True  # torchrun restarted the workers after a failure: continue from the last checkpoint
     spec, errors = spec_from_args(args, nproc, _under_torchrun())
+    policy, policy_errors = _elastic_policy(args, spec.world_size, spec.elastic)
+    errors += policy_errors
     if args.trace:
         overrides = [*overrides, "--run.trace=true"]
     if args.deepspeed:
@@ -129,7 +181,12 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         errors += ds_errors
         overrides = [*ds_overrides, *overrides]  # later wins: the command line over the JSON
     cfg, parse_errors = read_config(args.config, _overrides(args, overrides))
-    errors += parse_errors + preflight(cfg, spec.world_size) + check_writable(run_dir_of(cfg))
+    joining = spec.elastic and spec.node_rank > 0  # node 0 judges the run directory of an elastic job
+    errors += parse_errors + preflight(cfg, spec.world_size, joining) + check_writable(run_dir_of(cfg))
+    if not errors and policy is not None:  # every world the job may shrink to has a layout, known now
+        from fivefold.elastic import check_node_range
+
+        errors += check_node_range(cfg, nproc, spec.min_nodes, spec.nnodes, policy)
     if errors:
         raise ConfigError(errors)
     # Checked once, here: every worker receives this resolved config and its derived numbers.
@@ -156,9 +213,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             return 0
         # Restarted workers continue from the last checkpoint; any checkpoint they find was written by
         # this job, since a fresh run into a folder holding checkpoints was refused above.
-        if spec.max_restarts:
+        if spec.max_restarts or spec.elastic:
             cfg = replace(cfg, checkpoint={"resume": True})
-        launch(spec, _worker, (cfg, derived, progress))
+        try:
+            launch(spec, _worker, (cfg, derived, progress, policy))
+        except LaunchError as e:
+            if not (spec.max_restarts or spec.elastic):
+                raise
+            raise LaunchError(f"{e}\n{_resume_note(cfg)}") from None
         return 0
     finally:
         if lock is not None:

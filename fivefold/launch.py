@@ -3,6 +3,7 @@ node of several, with a c10d rendezvous.
 
     fivefold train CONFIG --nproc 8                                          # this machine only
     fivefold train CONFIG --nproc 8 --nnodes 4 --node-rank R --rdzv-endpoint node0:29500  # each node
+    fivefold train CONFIG --nproc 8 --nnodes 2:4 --node-rank R --rdzv-endpoint node0:29500  # elastic
 
 Node 0 hosts the rendezvous at --rdzv-endpoint and every node names the same endpoint. Global ranks
 are handed out by the rendezvous (nodes sorted by address), not by --node-rank.
@@ -15,6 +16,13 @@ Where this differs from torchrun's c10d rendezvous, and why:
 - the workers' store is new in every rendezvous round: torch keeps one for the whole job, and a
   restarted group reads the dead workers' addresses from it and cannot connect (pytorch#135712);
 - a rendezvous that times out says which nodes arrived, and a node that cannot reach node 0 says so.
+
+Elastic (--nnodes MIN:MAX, torch's min_nodes / max_nodes): a round completes with MAX nodes at once,
+or with at least MIN once --rdzv-last-call seconds have passed since MIN arrived. A node silent for
+3 of its --rdzv-keep-alive heartbeats is taken for lost (torch's keep_alive_max_attempt). Losing a
+node fails the survivors' workers, so it spends one of --max-restarts (default MAX - MIN in an
+elastic job); a node that joins makes the running nodes restart without spending one (torch's rule
+for membership changes). The layout for each round's world: elastic.py.
 """
 
 from __future__ import annotations
@@ -49,50 +57,84 @@ class LaunchSpec:
     endpoint: str = LOCAL_ENDPOINT  # HOST:PORT of the rendezvous, hosted by node 0
     rdzv_timeout_s: int = 300  # how long nodes wait for each other
     max_restarts: int = 0
+    min_nodes: int = 0  # elastic: fewest nodes a round may start with (0: nnodes, not elastic)
+    last_call_s: float = 30.0  # elastic: wait after min_nodes arrived for more (torch's default)
+    keep_alive_s: float = 5.0  # seconds between a node's rendezvous heartbeats (torch's default)
 
     @property
     def world_size(self) -> int:
+        """Ranks of the job at its full size (--nnodes MAX): what the config is written for."""
         return self.nproc * self.nnodes
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs --nproc workers)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes in the job (each runs --nproc workers); MIN:MAX: elastic, it goes on with MIN to MAX")
     p.add_argument("--node-rank", type=int, default=None, help="this node's index; node 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="node 0's address and a free port, the same on every node (default: loopback, one node)")
     p.add_argument("--rdzv-timeout", type=int, default=300, metavar="SECONDS",
                    help="how long a node waits for the others to join before giving up (default 300)")
+    p.add_argument("--rdzv-last-call", type=float, default=30.0, metavar="SECONDS",
+                   help="elastic: once MIN nodes are in, how long to wait for more before starting (default 30)")
+    p.add_argument("--rdzv-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between a node's heartbeats; 3 missed: the node is lost (default 5)")
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """'4' -> (4, 4); '2:4' -> (2, 4); ValueError naming --nnodes."""
+    low, sep, high = text.partition(":")
+    try:
+        pair = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise ValueError(f"--nnodes = '{text}': expected N or MIN:MAX (e.g. 4, or 2:4 for an elastic job)") from None
+    if pair[0] < 1 or pair[1] < pair[0]:
+        raise ValueError(f"--nnodes = '{text}': need 1 <= MIN <= MAX (e.g. 2:4)")
+    return pair
 
 
 def spec_from_args(args: argparse.Namespace, nproc: int, under_torchrun: bool) -> tuple[LaunchSpec, list[str]]:
     """The launch asked for on the command line, and every problem with it."""
     errors = []
-    given = [f for f, v in (("--nnodes", args.nnodes != 1), ("--node-rank", args.node_rank is not None),
+    try:
+        min_nodes, nnodes = node_range(str(args.nnodes))
+    except ValueError as e:
+        errors.append(str(e))
+        min_nodes = nnodes = 1
+    restarts = args.max_restarts if args.max_restarts is not None else nnodes - min_nodes
+    given = [f for f, v in (("--nnodes", nnodes != 1), ("--node-rank", args.node_rank is not None),
                             ("--rdzv-endpoint", args.rdzv_endpoint is not None)) if v]
-    if under_torchrun and (given or args.max_restarts):
-        errors.append(f"{', '.join(given + ['--max-restarts'] * bool(args.max_restarts))}: under torchrun use "
+    if under_torchrun and (given or restarts):
+        errors.append(f"{', '.join(given + ['--max-restarts'] * bool(restarts))}: under torchrun use "
                       f"torchrun's own flags (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts)")
-    if args.nnodes < 1:
-        errors.append(f"--nnodes = {args.nnodes}: must be at least 1")
-    if args.nnodes > 1 and (args.node_rank is None or args.rdzv_endpoint is None):
-        errors.append(f"--nnodes = {args.nnodes} needs --node-rank (0..{args.nnodes - 1}) and --rdzv-endpoint "
+    if nnodes > 1 and (args.node_rank is None or args.rdzv_endpoint is None):
+        errors.append(f"--nnodes = {args.nnodes} needs --node-rank (0..{nnodes - 1}) and --rdzv-endpoint "
                       f"HOST:PORT (node 0's address and a free port), the same endpoint on every node")
     node_rank = args.node_rank or 0
-    if not 0 <= node_rank < max(args.nnodes, 1):
-        errors.append(f"--node-rank = {node_rank}: must be within 0..{args.nnodes - 1} (--nnodes = {args.nnodes})")
+    if not 0 <= node_rank < nnodes:
+        errors.append(f"--node-rank = {node_rank}: must be within 0..{nnodes - 1} (--nnodes = {args.nnodes})")
     endpoint = args.rdzv_endpoint or LOCAL_ENDPOINT
     try:
-        if split_endpoint(endpoint)[1] == 0 and args.nnodes > 1:
+        if split_endpoint(endpoint)[1] == 0 and nnodes > 1:
             errors.append(f"--rdzv-endpoint = '{endpoint}': port 0 lets the OS pick one the other nodes cannot "
                           f"know; give a fixed free port, e.g. 29500")
     except ValueError as e:
         errors.append(str(e))
     if args.rdzv_timeout < 1:
         errors.append(f"--rdzv-timeout = {args.rdzv_timeout}: must be at least 1 second")
-    if args.max_restarts < 0:
-        errors.append(f"--max-restarts = {args.max_restarts}: must be 0 or more")
-    spec = LaunchSpec(nproc=nproc, nnodes=max(args.nnodes, 1), node_rank=node_rank, endpoint=endpoint,
-                      rdzv_timeout_s=args.rdzv_timeout, max_restarts=args.max_restarts)
+    if restarts < 0:
+        errors.append(f"--max-restarts = {restarts}: must be 0 or more")
+    for flag, value in (("--rdzv-last-call", args.rdzv_last_call), ("--rdzv-keep-alive", args.rdzv_keep_alive)):
+        if not value > 0:
+            errors.append(f"{flag} = {value}: must be more than 0 seconds")
+    spec = LaunchSpec(nproc=nproc, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint,
+                      rdzv_timeout_s=args.rdzv_timeout, max_restarts=restarts,
+                      min_nodes=min_nodes if min_nodes < nnodes else 0, last_call_s=args.rdzv_last_call,
+                      keep_alive_s=args.rdzv_keep_alive)
     return spec, errors
 
 
@@ -179,6 +221,7 @@ def _handler_class():
 
         endpoint: str
         nnodes: int
+        min_nodes: int
         timeout_s: int
 
         def next_rendezvous(self):
@@ -201,12 +244,16 @@ def _handler_class():
         def _who_is_missing(self) -> str:
             arrived = [r for r in range(self.nnodes) if self._store.check([f"{ARRIVED}{r}"])]
             missing = [r for r in range(self.nnodes) if r not in arrived]
-            if not missing:  # everyone came once: a restart round that a node did not come back to
-                return (f"rendezvous at {self.endpoint}: not every node of {self.nnodes} came back within "
-                        f"{self.timeout_s} s after a restart; a node's launcher may have died: look at its log")
+            nodes = f"{self.min_nodes}:{self.nnodes}" if self.min_nodes < self.nnodes else str(self.nnodes)
+            if not missing:  # every node came once: a node was lost after the start
+                need = f"at least {self.min_nodes}" if self.min_nodes < self.nnodes else f"all {self.nnodes}"
+                return (f"rendezvous at {self.endpoint}: a round needs {need} nodes (--nnodes {nodes}) and fewer "
+                        f"came back within {self.timeout_s} s (--rdzv-timeout) after a restart: a node was lost "
+                        f"(look at its launcher's log). Start it again, the same command with --resume, to continue "
+                        f"from the last checkpoint")
             return (f"rendezvous at {self.endpoint}: {len(arrived)} of {self.nnodes} nodes joined within "
                     f"{self.timeout_s} s (--rdzv-timeout); missing node-rank {', '.join(map(str, missing))}. Start "
-                    f"`fivefold train` there with --nnodes {self.nnodes} --node-rank R --rdzv-endpoint "
+                    f"`fivefold train` there with --nnodes {nodes} --node-rank R --rdzv-endpoint "
                     f"{self.endpoint}, check that those nodes reach this address, or raise --rdzv-timeout")
 
     return Rendezvous
@@ -220,6 +267,7 @@ def _create_handler(params):
 
     host, port = split_endpoint(params.endpoint)
     node_rank, timeout_s = params.get_as_int("node_rank"), params.get_as_int("join_timeout")
+    last_call, keep_alive = float(params.get("last_call")), float(params.get("keep_alive"))
     fd = params.get_as_int("listen_fd", -1)
     timeout = timedelta(seconds=timeout_s)
     if fd >= 0:  # node 0: the socket bound by launch()
@@ -234,8 +282,10 @@ def _create_handler(params):
     store.set(f"{ARRIVED}{node_rank}", "1")
     handler = _handler_class().from_backend(
         params.run_id, store, C10dRendezvousBackend(store, params.run_id), params.min_nodes, params.max_nodes,
-        params.local_addr, RendezvousTimeout(join=timeout))
+        params.local_addr, RendezvousTimeout(join=timeout, last_call=timedelta(seconds=last_call)),
+        keep_alive_interval=keep_alive)  # type: ignore[arg-type] - torch takes seconds, a float works
     handler.endpoint, handler.nnodes, handler.timeout_s = params.endpoint, params.max_nodes, timeout_s
+    handler.min_nodes = params.min_nodes
     return handler
 
 
@@ -262,7 +312,11 @@ def die_with_parent() -> None:
 
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> None:
     """Run entrypoint(*args) in spec.nproc local workers, restarting them all up to max_restarts times."""
-    from torch.distributed.elastic.rendezvous import RendezvousError, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousError,
+        rendezvous_handler_registry,
+    )
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     host, _ = split_endpoint(spec.endpoint)
@@ -282,10 +336,11 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     os.environ[LAUNCHER_PID] = str(os.getpid())
     multiprocessing.set_forkserver_preload(["fivefold.forkserver_guard", "fivefold.train.loop", "torch._dynamo"])
     config = LaunchConfig(
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id="fivefold",
+        min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id="fivefold",
         rdzv_backend=BACKEND, rdzv_endpoint=endpoint, max_restarts=spec.max_restarts, monitor_interval=0.5,
         start_method="forkserver",
-        rdzv_configs={"node_rank": spec.node_rank, "join_timeout": spec.rdzv_timeout_s, "listen_fd": fd},
+        rdzv_configs={"node_rank": spec.node_rank, "join_timeout": spec.rdzv_timeout_s, "listen_fd": fd,
+                      "last_call": spec.last_call_s, "keep_alive": spec.keep_alive_s},
         local_addr=host if is_loopback(host) else None,  # what the workers connect to
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -298,6 +353,9 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     os.environ[WORKER_DIR] = str(reports)  # before the forkserver starts: the workers inherit it
     try:
         elastic_launch(config, entrypoint)(*args)
+    except RendezvousConnectionError:  # node 0's store went away: its launcher (or machine) is gone
+        raise LaunchError(f"lost the rendezvous at {spec.endpoint}: node 0, which hosts it, is gone or unreachable, "
+                          f"and the job cannot go on without it") from None
     except RendezvousError as e:
         raise LaunchError(str(e)) from None
     except ChildFailedError as e:  # torch names the first failure it saw; the reports name the cause

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     errors, world = [], args.world
     if world is None or world < 1:
         errors.append(f"--dry-run needs --world N, the number of ranks to build (at least 1), not {world}")
-    if args.nproc or args.nnodes != 1:
+    if args.nproc or str(args.nnodes) != "1":
         errors.append("--dry-run builds every rank in this one process: give the job's size with --world, "
                       "not --nproc / --nnodes")
     if args.gpu and args.device_memory:

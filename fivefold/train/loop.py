@@ -12,12 +12,15 @@ log the step (train/step_log.py) and checkpoint when due. The same code for 1 an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,8 +40,12 @@ from fivefold.train.preflight import preflight
 from fivefold.train.run_dir import latest_checkpoint, run_dir_of
 from fivefold.train.step import Run, StepRecord, evaluate, train_step
 from fivefold.train.step_log import StepLog
+from fivefold.train.stop_request import StopRequest
 from fivefold.train.weights import fill_weights, load_weights
 from fivefold.validate import Derived, derive
+
+if TYPE_CHECKING:
+    from fivefold.elastic import Decision
 
 
 @dataclass
@@ -134,12 +141,14 @@ def predicted(cfg: Config, world: int, device_type: str) -> dict:
 
 
 def train(cfg: Config, derived: Derived | None = None, *, progress: bool = True,
-          return_state: bool = False) -> TrainResult:
+          return_state: bool = False, elastic: Decision | None = None) -> TrainResult:
     """Train on this rank as part of the job (joins or creates the process group).
 
     derived: the config's derived numbers, from a caller that has already checked the config
     (`fivefold train` does, before any process starts); without it the config is checked here.
     return_state: put the final unsharded model state in the result (tests compare layouts with it).
+    elastic: this round's layout decision in an elastic job (elastic.py): logged as a `replan` event
+    when it changed, and a SIGTERM then stops the job at the end of a step with a checkpoint.
     """
     device_type = resolve_device_type(cfg)
     owns_group = init_distributed(device_type, cfg.parallel.collective_timeout_s)
@@ -149,7 +158,7 @@ def train(cfg: Config, derived: Derived | None = None, *, progress: bool = True,
             if errors:
                 raise ConfigError(errors)
             derived = derive(cfg, dist.get_world_size())
-        return _train(cfg, derived, device_type, progress, return_state)
+        return _train(cfg, derived, device_type, progress, return_state, elastic)
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -194,21 +203,28 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
     return run, 0, None
 
 
-def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, return_state: bool) -> TrainResult:
+def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, return_state: bool,
+           elastic: Decision | None = None) -> TrainResult:
     world, t = dist.get_world_size(), cfg.train
     prediction = predicted(cfg, world, device_type) if dist.get_rank() == 0 else None
+    began = time.perf_counter()
     run, start, resumed_from = setup(cfg, derived, device_type)
     end = t.stop_after or t.steps
-    log = StepLog(run, start, end, resumed_from, prediction, progress)
+    replan = ([("replan", {**elastic.event(), "setup_s": round(time.perf_counter() - began, 4)})]
+              if elastic is not None and elastic.changed else [])
+    log = StepLog(run, start, end, resumed_from, prediction, progress, replan)
     if resumed_from is not None:
         log.print(f"resumed from {resumed_from} at step {start}")
+    if replan:
+        log.print(elastic.message())
     note = split_note(cfg, stage_split(cfg, derived.vocab_size))
     if note:  # an automatic uneven split is said (and saved in the layout event, step_log.py)
         log.print(note)
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     result = TrainResult(run_dir=log.run_dir, start_step=start)
+    stopped, stop_request = False, StopRequest() if elastic is not None else contextlib.nullcontext()
     try:
-        with collect_between_steps(t.gc_every) as collector:
+        with collect_between_steps(t.gc_every) as collector, stop_request as stop:
             for step in range(start, end):
                 record = train_step(run, step, trace=log.traces(step + 1))
                 done = step + 1
@@ -218,10 +234,15 @@ def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, retu
                 val_loss = evaluate(run) if evaluating else None
                 log.log_step(record, val_loss)
                 result.add(record, val_loss)
-                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
+                stopped = stop is not None and stop.agreed(log.world)  # every rank stops at the same step
+                if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end or stopped:
                     state = {"loader": run.loader.state_dict(), "loss_scaler": run.scaler.state_dict(),
                              "world_size": world}
                     checkpoints.save(done, run.par, state)
+                if stopped:  # SIGTERM: the launcher regroups (a node joins); the next world resumes here
+                    log.event(done, "stop", reason="SIGTERM")
+                    log.print(f"stopped at step {done} with a checkpoint (SIGTERM: the launcher is regrouping)")
+                    break
         checkpoints.wait()  # an asynchronous write in flight completes before the job ends
         dist.barrier()
     except BaseException:
@@ -230,7 +251,7 @@ def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, retu
     log.close()
     if return_state:
         result.state = run.par.full_state_dict()
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and not stopped:
         write_summary(log.run_dir, cfg, log)
     return result
 

@@ -36,11 +36,18 @@ Keys of an event record (kinds in sinks.EVENT_KINDS; a new kind or field gets it
 | key | meaning |
 | --- | --- |
 | step | steps done when it happened (0 before the first step) |
-| event | the kind: "start" (a fresh run begins), "resume" (this job continues from the checkpoint of step `step`), "restart" (the launcher restarted the workers after a failure), "layout" (the mesh this job trains on, at every start and resume) |
+| event | the kind: "start" (a fresh run begins), "resume" (this job continues from the checkpoint of step `step`), "restart" (the launcher restarted the workers after a failure), "layout" (the mesh this job trains on, at every start and resume), "replan" (an elastic job's new layout for a new world, fivefold/elastic.py), "stop" (an elastic job saved a checkpoint at `step` and stopped on SIGTERM, for its launcher to regroup) |
 | checkpoint | resume: the checkpoint's path |
 | restarts | restart: restarts so far (TORCHELASTIC_RESTART_COUNT) |
 | world_size, dp, tp, pp, cp, ep | layout: processes and parallel degrees (a job resuming on fewer processes shows the change) |
 | stage_layers | layout: blocks of each pipeline (virtual) stage in model order, as parallel/stage_split.py chose them (parallel.stage_layers when given) |
+| world_size, from_world_size | replan: ranks of the new world, and of the checkpoint resumed (or of the launch, before the first checkpoint) |
+| from, to | replan: the layouts before and after, as planner/search.py's layout_name ("dp2 tp2 z0 mb2 -"); from is null when the checkpoint's world has no layout under the policy |
+| policy, kept | replan: how the layout was chosen ("keeping tp, pp, cp, ep", "the planner's best (keeping tp)") and the axes kept |
+| micro_batch, grad_accum | replan: [before, after] micro-batch size and micro-batches per rank per step; the global batch (global_batch) is unchanged |
+| predicted_step_time_s | replan: {from, to}: the planner's step time of each layout on `hardware` (run.hardware's profile, or --gpu's catalog GPU); null without either |
+| decide_s, setup_s | replan: seconds rank 0 spent choosing the layout, and building the mesh and model and loading (resharding) the checkpoint |
+| reason | stop: what asked for it ("SIGTERM") |
 """  # noqa: E501 - a markdown table row is one line, however long
 
 from __future__ import annotations

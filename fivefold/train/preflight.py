@@ -15,18 +15,19 @@ from fivefold.train.run_dir import check_run_dir, latest_checkpoint, run_dir_of
 from fivefold.validate import validate
 
 
-def preflight(cfg: Config, world_size: int) -> list[str]:
+def preflight(cfg: Config, world_size: int, joining: bool = False) -> list[str]:
     """Every problem of a run of `cfg` on `world_size` processes: the config, the run directory,
     the metric sinks' credentials, and the weights `checkpoint.init_from` names, each as one line naming
-    the field and the fix."""
-    errors = validate(cfg, world_size) + check_run_dir(cfg)
+    the field and the fix. joining: a node joining an elastic job that node 0 runs; the run directory
+    and its checkpoints are that job's, being written as this runs, so they are node 0's to check."""
+    errors = validate(cfg, world_size) + ([] if joining else check_run_dir(cfg))
     if not errors:
         errors += sinks.preflight(cfg)  # online W&B without credentials (imports wandb only then)
     if cfg.checkpoint.init_from:
         from fivefold.train.weights import check_init_from
 
         errors += check_init_from(cfg)
-    latest = latest_checkpoint(run_dir_of(cfg)) if cfg.checkpoint.resume and not errors else None
+    latest = latest_checkpoint(run_dir_of(cfg)) if cfg.checkpoint.resume and not errors and not joining else None
     if latest is not None:  # what the resume will read: each damaged file named now, not inside a rank
         from fivefold.train.checkpoint_files import checkpoint_errors
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # Sink name -> the distribution it needs (None: the standard library); its extra has the same name.
 SINK_PACKAGES = MappingProxyType({"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"})
 # Kinds of event records (train/metrics.py documents their fields); anything else is a typo.
-EVENT_KINDS = ("start", "resume", "restart", "layout")
+EVENT_KINDS = ("start", "resume", "restart", "layout", "replan", "stop")
 
 
 class Sink(Protocol):

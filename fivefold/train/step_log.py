@@ -59,7 +59,7 @@ class StepLog:
     """One run's reporting, from its first step (or the one it resumed at) to `end`."""
 
     def __init__(self, run: Run, start: int, end: int, resumed_from: Path | None, prediction: dict | None,
-                 progress: bool):
+                 progress: bool, events: list[tuple[str, dict]] | None = None):
         cfg, mesh = run.cfg, run.mesh
         self.run, self.end, self.prediction = run, end, prediction
         self.rank = dist.get_rank()
@@ -68,6 +68,8 @@ class StepLog:
         if self.rank == 0:  # before the progress bar: W&B prints a few lines as it starts
             self.sinks = open_sinks(cfg, self.run_dir, start if resumed_from is not None else None)
             self._events(start, resumed_from)
+            for kind, fields in events or []:  # e.g. an elastic job's re-plan (elastic.py)
+                self.sinks.event(start, kind, **fields)
         self.display = ProgressDisplay(cfg.train.steps, start, enabled=self.rank == 0, bar=progress)
         self.window = BreakdownWindow()
         # Every rank of the job (pg None: torch's default group), for the breakdown's gather.
@@ -91,6 +93,11 @@ class StepLog:
         cfg = self.run.cfg
         self.sinks.event(start, "layout", world_size=dist.get_world_size(), ep=cfg.parallel.ep,
                          **self.run.mesh.degrees, stage_layers=list(stage_split(cfg, self.run.derived.vocab_size)))
+
+    def event(self, step: int, kind: str, **fields) -> None:
+        """An event record at `step` (rank 0 writes it; the others have no sinks)."""
+        if self.sinks is not None:
+            self.sinks.event(step, kind, **fields)
 
     def traces(self, step: int) -> bool:
         """Is 1-based `step` traced?"""

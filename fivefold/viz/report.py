@@ -1,9 +1,11 @@
 """`fivefold report RUN_DIR`: one self-contained HTML file about a training run.
 
 It reads what the run wrote (metrics.jsonl, config.toml, summary.json; keys in train/metrics.py)
-and draws: loss and validation loss, tokens/s, model-state memory measured on rank 0 beside the
-planner's prediction (`predicted`), communication bytes per parallel axis, and, when the metrics
-log holds them, the step-time breakdown and the pipeline schedule as executed. A section whose
+and draws: loss and validation loss with the layout timeline under it (which layout ran from which
+step to which, with its step time: an elastic job's re-plans show there), tokens/s, model-state
+memory measured on rank 0 beside the planner's prediction (`predicted`), communication bytes per
+parallel axis, and, when the metrics log holds them, the step-time breakdown and the pipeline
+schedule as executed. A section whose
 data the log lacks says so instead of drawing. Figures are SVG in data: URLs: the file opens
 from disk with no server and fetches nothing.
 
@@ -25,8 +27,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from fivefold.train.metrics import read_metrics
+from fivefold.train.metrics import read_events, read_metrics
 from fivefold.viz import report_plots as plots
+from fivefold.viz.layout_timeline import layout_segments
 
 BREAKDOWN_KEY = "step_breakdown"
 TIMELINE_KEY = "pipeline_timeline"
@@ -70,10 +73,23 @@ def overview(records: list[dict[str, Any]], config: dict[str, Any]) -> str:
             f"({html.escape(shape)}). Layout: {html.escape(layout)} (dp=0: all remaining ranks).</p>")
 
 
-def loss_section(records: list[dict[str, Any]]) -> str:
+def loss_section(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> str:
+    """The loss curve with the layout timeline under it, and the timeline as a table."""
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    return _figure(plots.loss_figure([r["step"] for r in records], [r["loss"] for r in records], val),
-                   "training and validation loss over steps")
+    segments = layout_segments(records, events)
+    figure = _figure(plots.loss_figure([r["step"] for r in records], [r["loss"] for r in records], val, segments),
+                     "training and validation loss over steps, and the layout of each step")
+    if not segments:
+        return figure + _absent("layout events (which layout ran at which step)")
+
+    def seconds(value: float | None, ident: str) -> str:
+        return _num(value, f"{value:.4g} s", ident) if value is not None else "-"
+
+    rows = "".join(f"<tr><td>{s.first}-{s.last}</td><td>{html.escape(s.layout)}</td><td>{s.world_size}</td>"
+                   f"<td>{seconds(s.step_time_s, f'layout-{k}-step-time')}</td>"
+                   f"<td>{seconds(s.predicted_s, f'layout-{k}-predicted')}</td></tr>" for k, s in enumerate(segments))
+    return (figure + '<table class="grid"><tr><th>steps</th><th>layout</th><th>ranks</th><th>step time (median)'
+            f"</th><th>predicted</th></tr>{rows}</table>")
 
 
 def throughput_section(records: list[dict[str, Any]]) -> str:
@@ -149,7 +165,7 @@ def comm_section(records: list[dict[str, Any]]) -> str:
             "</p>")
 
 
-SECTIONS = (("Loss", loss_section), ("Throughput", throughput_section),
+SECTIONS = (("Throughput", throughput_section),
             ("Memory per rank: measured and predicted", memory_section),
             ("Step-time breakdown", breakdown_section), ("Pipeline schedule as executed", schedule_section),
             ("Communication per axis", comm_section))
@@ -169,7 +185,8 @@ def build_report(run_dir: Path, progress: bool = True) -> str:
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     bar = Progress(TextColumn("[bold]report"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), disable=not progress)
-    body = [f"<h2>Overview</h2>{overview(records, config)}"]
+    body = [f"<h2>Overview</h2>{overview(records, config)}",
+            f"<section><h2>Loss and layouts</h2>{loss_section(records, read_events(metrics))}</section>"]
     with bar:
         task = bar.add_task("report", total=len(SECTIONS))
         for title, section in SECTIONS:

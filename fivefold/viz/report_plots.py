@@ -11,6 +11,7 @@ import io
 import re
 from collections.abc import Sequence
 
+from fivefold.viz.layout_timeline import Segment
 from fivefold.viz.schedule import KIND_COLOURS, KIND_LABELS
 
 
@@ -44,17 +45,40 @@ def svg_data_url(fig) -> str:
     return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def loss_figure(steps: Sequence[int], loss: Sequence[float], val: Sequence[tuple[int, float]]) -> str:
-    fig = _figure(9, 3.4)
-    ax = fig.add_subplot(1, 1, 1)
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
+
+
+def loss_figure(steps: Sequence[int], loss: Sequence[float], val: Sequence[tuple[int, float]],
+                segments: Sequence[Segment] = ()) -> str:
+    """The loss over steps; with `segments`, the layout timeline under it on the same step axis."""
+    fig = _figure(9, 3.4 + 0.8 * bool(segments))
+    grid = fig.add_gridspec(2, 1, height_ratios=(4.2, 1), hspace=0.08) if segments else None
+    ax = fig.add_subplot(grid[0] if grid is not None else 111)
     ax.plot(steps, loss, color=KIND_COLOURS["F"], linewidth=1.2, label="training loss (global batch)")
     if val:
         ax.plot([s for s, _ in val], [v for _, v in val], "o-", color=KIND_COLOURS["I"], markersize=5,
                 label="validation loss")
-    ax.set_xlabel("step")
     ax.set_ylabel("mean token loss")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
+    if not segments:
+        ax.set_xlabel("step")
+        return svg_data_url(fig)
+    band = fig.add_subplot(grid[1], sharex=ax)
+    ax.tick_params(labelbottom=False)
+    colours = ("#dbe6f4", "#f4e3d3")
+    for k, seg in enumerate(segments):
+        band.broken_barh([(seg.first - 0.5, seg.last - seg.first + 1)], (0, 1), facecolors=colours[k % 2],
+                         edgecolors="white")
+        timing = f", {_seconds(seg.step_time_s)}/step" if seg.step_time_s is not None else ""
+        band.text((seg.first + seg.last) / 2, 0.5, f"{seg.layout} ({seg.world_size} ranks){timing}", ha="center",
+                  va="center", fontsize=8)
+        if k:
+            ax.axvline(seg.first - 0.5, color="#888888", linestyle="--", linewidth=0.8)
+    band.set_yticks([])
+    band.set_ylim(0, 1)
+    band.set_xlabel("step (the band: the layout each step ran under, and its median step time)")
     return svg_data_url(fig)
 
 
