@@ -15,6 +15,8 @@ Bytes are counted two ways, per rank:
 A collective whose peers do not answer within the group's timeout (`parallel.collective_timeout_s`),
 or whose peer's connection drops, raises `CollectiveError` naming this rank, the axis, the operation
 and its bytes, instead of the backend's anonymous message; async handles do the same in `wait()`.
+A timed-out collective also names the ranks of its group that never arrived, and why (stopped or
+hung, or behind by a number of calls), from the counts every rank publishes (arrivals.py).
 
 Point-to-point messages (pipeline activations and gradients, ring-attention K/V blocks, the steps
 of our own ring all-reduce) go through here too: `send`, `recv` and `exchange` address peers by
@@ -36,6 +38,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from fivefold.parallel.arrivals import Arrivals
 from fivefold.parallel.timing import Flight, StepTimer
 
 
@@ -94,6 +97,7 @@ class AxisGroup:
     stats: CommStats
     timeout_s: float | None = None  # what the process group waits for its peers (None: torch's default)
     timer: StepTimer = field(default_factory=StepTimer)  # the mesh's step timer: where blocked time goes
+    arrivals: Arrivals | None = None  # the mesh's collective counts (None: a timeout names no missing rank)
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of this group's rank `group_rank` (point-to-point calls address world ranks)."""
@@ -105,16 +109,38 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class CollectiveError(RuntimeError):
-    """A collective timed out or lost a peer; the message says which, where, and the likely cause."""
+    """A collective timed out or lost a peer; the message says which, where, and the likely cause.
+    `missing`: global rank -> why it never arrived, for the peers a timeout could name."""
+
+    def __init__(self, message: str, missing: dict[int, str] | None = None):
+        super().__init__(message)
+        self.missing = missing or {}
 
 
-def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str) -> RuntimeError:
-    """The backend's error as a CollectiveError naming the call, or unchanged if it is another kind."""
+def _group_name(group: AxisGroup) -> str:
+    """The process group's name, the same on every rank of it (pg None: the default group)."""
+    return (group.pg or dist.group.WORLD).group_name
+
+
+def _count(group: AxisGroup) -> int | None:
+    """Count one collective on the group; its number there, or None where nothing counts."""
+    return None if group.arrivals is None else group.arrivals.issue(_group_name(group))
+
+
+def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str,
+           call: int | None = None) -> RuntimeError:
+    """The backend's error as a CollectiveError naming the call, or unchanged if it is another kind.
+    `call`: the collective's number on its group (`_count`), for naming the peers that never came."""
     text = str(error)
     lowered = text.lower()
+    missing: dict[int, str] = {}
     if "timed out" in lowered or "timeout" in lowered:
         waited = f"{group.timeout_s:g} s" if group.timeout_s is not None else "torch's default timeout"
         what = f"got no answer within {waited} (parallel.collective_timeout_s)"
+        if call is not None and group.arrivals is not None:
+            with contextlib.suppress(Exception):  # the store gone too: the message names no one
+                members = dist.get_process_group_ranks(group.pg or dist.group.WORLD)
+                missing = group.arrivals.missing(_group_name(group), members, call)
     elif "closed by peer" in lowered or "reset by peer" in lowered or "broken pipe" in lowered:
         what = "lost the connection to a peer"
     else:
@@ -122,11 +148,15 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
     # The user's words first: the axis the traffic is charged to (`dp`), and the internal view's name
     # (`grad`: dp x cp for the gradients) only when it differs.
     axis = f"'{label}'" if group.name == label else f"'{label}' (its '{group.name}' group)"
+    if missing:
+        cause = "Never arrived: " + "; ".join(f"rank {r} {why}" for r, why in sorted(missing.items())) + "."
+    else:
+        cause = ("Another rank of that group most likely died (look for the first error in the other ranks' "
+                 "output) or took another code path and never made this call (a rank-dependent branch, an "
+                 "exception caught on one rank).")
     return CollectiveError(
         f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on axis {axis} (rank {group.rank} of {group.size} "
-        f"there) {what}. Another rank of that group most likely died (look for the first error in the other "
-        f"ranks' output) or took another code path and never made this call (a rank-dependent branch, "
-        f"an exception caught on one rank). Backend: {text.splitlines()[0] if text else type(error).__name__}")
+        f"there) {what}. {cause} Backend: {text.splitlines()[0] if text else type(error).__name__}", missing)
 
 
 @contextlib.contextmanager
@@ -167,10 +197,12 @@ class Pending:
 
 
 def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
-           call: Callable[[], dist.Work | list[dist.Work] | None], name: str | None = None) -> Pending | None:
-    """Run one collective or batch of messages; a failure names it (async: when the handle is waited on)."""
+           call: Callable[[], dist.Work | list[dist.Work] | None], name: str | None = None,
+           number: int | None = None) -> Pending | None:
+    """Run one collective or batch of messages; a failure names it (async: when the handle is waited on).
+    `number`: a collective's number on its group (`_count`; messages have none)."""
     name = name or op
-    describe = lambda e: _named(e, name, group, nbytes, label)  # noqa: E731
+    describe = lambda e: _named(e, name, group, nbytes, label, number)  # noqa: E731
     flight = group.timer.flight(label, name) if async_op else None
     try:
         with group.timer.blocked(label, name):  # a synchronous call blocks throughout; an async one while it launches
@@ -200,7 +232,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
         return None
     group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
     return _issue("all_reduce", group, _nbytes(tensor), label or group.label, async_op,
-                  lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
+                  lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), number=_count(group))
 
 
 
@@ -220,7 +252,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
     return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
                   lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg,
-                                                     async_op=async_op))
+                                                     async_op=async_op), number=_count(group))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
@@ -231,7 +263,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         return None
     group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
     return _issue("all_gather", group, _nbytes(output), group.label, async_op,
-                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op))
+                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op),
+                  number=_count(group))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
@@ -252,7 +285,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     group.stats.record(group.label, "all_to_all", _nbytes(input), group.size, wire=sent)
     return _issue("all_to_all", group, _nbytes(input), group.label, async_op,
                   lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg,
-                                                 async_op=async_op))
+                                                 async_op=async_op), number=_count(group))
 
 
 # ---- point-to-point: pipeline messages, ring hops ----

@@ -39,15 +39,19 @@ class CheckpointWriteError(RuntimeError):
 
 
 def _attempt(write: Callable[[], object]) -> BaseException | None:
-    """Run a write; return its error (DCP's CheckpointException is a BaseException) instead of raising."""
+    """Run a write; return its error (DCP's CheckpointException is a BaseException) instead of raising.
+    A RuntimeError is torch.save's zip writer failing (on a full disk: "unexpected pos", no errno)."""
     try:
         write()
-    except (OSError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
         return e
     return None
 
 
 LOW_SPACE = 64 << 20  # bytes free below which a write error without an errno is taken for a full disk
+# How long a failing run waits for an asynchronous write in flight to end before removing its folder:
+# a write that fails on a full disk ends at once, but one whose peer died waits for the group's timeout.
+ABANDON_WAIT_S = 10.0
 
 
 def _os_error(error: BaseException | None, folder: Path | None = None) -> OSError | None:
@@ -100,11 +104,12 @@ class CheckpointWriter:
         rank = dist.get_rank()
         root = checkpoint_dir(self.run_dir)
         final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp_{PREFIX}{step:08d}"
+        error = None
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
-            (tmp / "rng").mkdir(parents=True)
+            error = _attempt(lambda: (tmp / "rng").mkdir(parents=True))
         dist.barrier()
-        error = _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
+        error = error or _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
         tensors = {"model": par.model_state_dict(), "optim": par.optim_state_dict()}
         publish = lambda: self._publish(tmp, final, {"step": step, **state})  # noqa: E731
         if self.group is None:
@@ -129,9 +134,9 @@ class CheckpointWriter:
 
     def _failed(self, step: int, tmp: Path, error: BaseException | None) -> CheckpointWriteError:
         """Rank 0 removes the partial folder (it was never visible as a checkpoint); the error says why."""
+        cause = _os_error(error, tmp)  # (before the folder goes: the space free when the write failed)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = _os_error(error, tmp)
         reason = cause and (f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror)
         previous = latest_checkpoint(self.run_dir)
         kept = (f"the previous checkpoint '{previous}' is intact and --resume continues from it" if previous
@@ -170,6 +175,26 @@ class CheckpointWriter:
             if self.error is not None:
                 error, self.error = self.error, None
                 raise error
+
+    def abandon(self) -> CheckpointWriteError | None:
+        """The run is failing: let the write in flight (if any) end, waiting at most ABANDON_WAIT_S,
+        and remove its partial folder; a write that completed meanwhile is published and kept.
+        Returns the write's own error, if it failed (a full disk fails the metrics log too)."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        try:
+            pending.result(timeout=ABANDON_WAIT_S)
+        except TimeoutError:  # still writing (a peer gone): its folder goes, its thread ends with the process
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported beside the error in flight, not instead of it
+            return self._failed(*self.writing, e)  # (rank 0 removes the folder)
+        else:
+            if dist.get_rank() != 0 or (self.published.wait(ABANDON_WAIT_S) and self.error is None):
+                return None
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.writing[1], ignore_errors=True)
+        return None
 
     def _publish(self, tmp: Path, final: Path, state: dict[str, Any]) -> None:
         (tmp / "state.json").write_text(json.dumps(state, indent=1))

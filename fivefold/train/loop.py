@@ -195,14 +195,23 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
 
 
 def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, return_state: bool) -> TrainResult:
-    world, t = dist.get_world_size(), cfg.train
-    prediction = predicted(cfg, world, device_type) if dist.get_rank() == 0 else None
+    prediction = predicted(cfg, dist.get_world_size(), device_type) if dist.get_rank() == 0 else None
     run, start, resumed_from = setup(cfg, derived, device_type)
+    try:
+        return _steps(run, start, resumed_from, prediction, progress, return_state)
+    finally:
+        run.mesh.close()  # its publishing thread stops before the process group goes
+
+
+def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | None, progress: bool,
+           return_state: bool) -> TrainResult:
+    """Train from step `start` to the end (or train.stop_after), checkpointing and logging."""
+    cfg, world, t = run.cfg, dist.get_world_size(), run.cfg.train
     end = t.stop_after or t.steps
     log = StepLog(run, start, end, resumed_from, prediction, progress)
     if resumed_from is not None:
         log.print(f"resumed from {resumed_from} at step {start}")
-    note = split_note(cfg, stage_split(cfg, derived.vocab_size))
+    note = split_note(cfg, stage_split(cfg, run.derived.vocab_size))
     if note:  # an automatic uneven split is said (and saved in the layout event, step_log.py)
         log.print(note)
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
@@ -225,6 +234,10 @@ def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, retu
         checkpoints.wait()  # an asynchronous write in flight completes before the job ends
         dist.barrier()
     except BaseException:
+        # A write in flight leaves no partial folder; its own failure is said too (a full disk fails both).
+        also = checkpoints.abandon()
+        if also is not None:
+            log.print(f"fivefold: also: {also}")
         log.close(failed=True)
         raise
     log.close()
