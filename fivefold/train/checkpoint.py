@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold.parallel.parallelize import Parallelized
+from fivefold.train.checkpoint_files import first_failure
 from fivefold.train.run_dir import PREFIX, checkpoint_dir, complete_checkpoints, latest_checkpoint
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
@@ -236,13 +237,6 @@ def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
                                       f"config?):\n  {shown}")
 
 
-def _first_failure(e: CheckpointException) -> str:
-    """The first rank's error, one line (DCP's own message holds every rank's traceback)."""
-    for rank, (reason, _) in sorted(e.failures.items()):  # rank -> (exception, traceback), as in _os_error
-        return f"rank {rank}: {type(reason).__name__}: {str(reason).splitlines()[0][:200]}"
-    return str(e).splitlines()[0][:200]
-
-
 def load_checkpoint(path: Path, par: Parallelized) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
@@ -253,7 +247,7 @@ def load_checkpoint(path: Path, par: Parallelized) -> dict[str, Any]:
         dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     except CheckpointException as e:  # a data file truncated or damaged after its metadata was written
         raise CheckpointMismatchError(
-            f"{path}: reading its tensors failed ({_first_failure(e)}); a data file is truncated or corrupt. "
+            f"{path}: reading its tensors failed ({first_failure(e)}); a data file is truncated or corrupt. "
             f"The run stops here, before any step: delete {path} to resume from the checkpoint before it") from None
     par.load_model_state_dict(target["model"])
     par.load_optim_state_dict(target["optim"])
