@@ -19,6 +19,7 @@ from fivefold.mesh import Mesh
 from fivefold.parallel import arrivals, comms
 from fivefold.testing import WorkerError, run_workers
 from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.data import DataCacheError, epoch_order
 from fivefold.train.loop import train
 from fivefold.validate import derive
 from fivefold.worker_report import culprit_summary, missing_ranks
@@ -198,11 +199,50 @@ def test_a_full_disk_names_the_file_keeps_the_previous_checkpoint_and_no_half_li
             assert f"the previous checkpoint '{previous}' is intact" in message
         elif fault == "metrics":
             assert f"{run_dir / 'metrics.jsonl'}: no space left writing the step record" in message
-        else:  # the checkpoint's thread or the metrics log finds the disk full first
+        else:  # the checkpoint's thread, the metrics log or the next epoch's order finds the disk full first
             assert (f"checkpoint step 4: no space left to write '{tmp}'" in message
-                    or f"{run_dir / 'metrics.jsonl'}: no space left writing the step record" in message), message
+                    or f"{run_dir / 'metrics.jsonl'}: no space left writing the step record" in message
+                    or f"{disk / '.prepared' / 'orders'}/" in message and "no space left writing epoch 1's" in message
+                    ), message
         # The previous checkpoint is still the latest, byte for byte; no partial folder; whole lines only.
         assert latest_checkpoint(run_dir) == previous and _digest(previous) == written
         assert not list(previous.parent.glob(".tmp_*"))
         text = (run_dir / "metrics.jsonl").read_text()
         assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+
+
+def _where_messages(rank, world):
+    from fivefold.parallel.comms import AxisGroup, CommStats, _named
+
+    stats, timeout = CommStats(), RuntimeError("Timed out waiting 500ms for recv operation to complete")
+    grad = AxisGroup("grad", "dp", None, 2, 0, stats, timeout_s=0.5)
+    world_log = AxisGroup("world", "log", None, 2, 0, stats, timeout_s=0.5)
+    return [str(_named(timeout, "all_reduce", grad, 8, "dp")), str(_named(timeout, "all_reduce", grad, 8, "log")),
+            str(_named(timeout, "all_gather", world_log, 8, "log"))]
+
+
+def test_a_message_names_the_users_axis_first():
+    """dp, the user's word, before the internal view's name (grad = dp x cp)."""
+    (ours, metrics, log), = run_workers(_where_messages, 1)
+    assert ours.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group) (rank 0 of 2 there) got no")
+    assert metrics.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group), for the metrics log "
+                              "(rank 0 of 2 there)")
+    assert log.startswith("rank 0: all_gather of 8 bytes on the 'world' group (the metrics log's) (rank 0 of 2")
+
+
+def _order_into(rank, world, folder):
+    try:
+        epoch_order(1_000_000, 0, 0, folder)
+    except DataCacheError as e:
+        return str(e)
+
+
+def test_an_epoch_order_on_a_full_disk_names_its_file(tmp_path):
+    """The order is memory-mapped: its blocks are taken before the map is written, so a disk with
+    room for the file's header and not its 4 MB is an error naming the file, not a SIGBUS at the
+    first write of a page (built in a forked worker: a SIGBUS would kill it, not pytest)."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk, 64 << 10)
+        (message,) = run_workers(_order_into, 1, disk / "orders")
+    assert message.startswith(f"{disk / 'orders'}/.order-n1000000-seed0-epoch0.npy.")
+    assert "no space left writing epoch 0's sample order (4,000,000 bytes)" in message

@@ -127,6 +127,15 @@ def _count(group: AxisGroup) -> int | None:
     return None if group.arrivals is None else group.arrivals.issue(_group_name(group))
 
 
+def _where(group: AxisGroup, label: str) -> str:
+    """The group in the user's words first: its axis (`dp`), then the internal view's name (`grad`:
+    dp x cp for the gradients) only when it differs; a metrics reduction (charged to "log") says so."""
+    if group.label == "log":  # the step log's group of every rank
+        return f"the '{group.name}' group (the metrics log's)"
+    where = f"axis '{group.label}'" + (f" (its '{group.name}' group)" if group.name != group.label else "")
+    return where + (", for the metrics log" if label == "log" else "")
+
+
 def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str,
            call: int | None = None) -> RuntimeError:
     """The backend's error as a CollectiveError naming the call, or unchanged if it is another kind.
@@ -145,9 +154,7 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
         what = "lost the connection to a peer"
     else:
         return error
-    # The user's words first: the axis the traffic is charged to (`dp`), and the internal view's name
-    # (`grad`: dp x cp for the gradients) only when it differs.
-    axis = f"'{label}'" if group.name == label else f"'{label}' (its '{group.name}' group)"
+    axis = _where(group, label)
     if missing:
         cause = "Never arrived: " + "; ".join(f"rank {r} {why}" for r, why in sorted(missing.items())) + "."
     else:
@@ -155,7 +162,7 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
                  "output) or took another code path and never made this call (a rank-dependent branch, an "
                  "exception caught on one rank).")
     return CollectiveError(
-        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on axis {axis} (rank {group.rank} of {group.size} "
+        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on {axis} (rank {group.rank} of {group.size} "
         f"there) {what}. {cause} Backend: {text.splitlines()[0] if text else type(error).__name__}", missing)
 
 
