@@ -246,3 +246,29 @@ def test_an_epoch_order_on_a_full_disk_names_its_file(tmp_path):
         (message,) = run_workers(_order_into, 1, disk / "orders")
     assert message.startswith(f"{disk / 'orders'}/.order-n1000000-seed0-epoch0.npy.")
     assert "no space left writing epoch 0's sample order (4,000,000 bytes)" in message
+
+
+def test_the_arrivals_thread_publishes_counts_and_stops_on_close():
+    """A daemon thread; its first report at once, then one a period; none after close()."""
+    store = torch.distributed.HashStore()
+
+    def report(mesh: int, rank: int) -> dict | None:
+        key = f"fivefold.arrivals/{mesh}/{rank}"
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    first, second = arrivals.Arrivals(store, 3), arrivals.Arrivals(store, 3)  # two meshes of one rank
+    try:
+        assert first._thread.daemon and first._thread.is_alive()
+        assert [first.issue("7"), first.issue("7"), first.issue("0")] == [1, 2, 1]
+        deadline = time.monotonic() + 2 * arrivals.PUBLISH_PERIOD_S
+        while (report(1, 3) or {}).get("calls") != {"7": 2, "0": 1}:
+            assert time.monotonic() < deadline, f"no report within two periods: {report(1, 3)}"
+            time.sleep(0.05)
+        assert report(2, 3)["calls"] == {}  # the second mesh's own key
+    finally:
+        first.close()
+        second.close()
+    assert not first._thread.is_alive() and not second._thread.is_alive()
+    beat = report(1, 3)["beat"]
+    time.sleep(arrivals.PUBLISH_PERIOD_S * 1.2)
+    assert report(1, 3)["beat"] == beat

@@ -39,7 +39,7 @@ class Arrivals:
 
     def __init__(self, store: dist.Store, rank: int):
         mesh = store.add(f"{PREFIX}built/{rank}", 1)  # one round trip, when the mesh is built
-        self._store = dist.PrefixStore(f"{PREFIX}{mesh}/", store)
+        self._store = dist.PrefixStore(f"{PREFIX}{mesh}", store)  # (it adds the "/" before each key)
         self.rank = rank
         self._counts: dict[str, int] = {}  # group name -> calls issued (only comms.py's thread adds keys)
         self._beat = 0

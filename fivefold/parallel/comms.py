@@ -119,7 +119,7 @@ class CollectiveError(RuntimeError):
 
 def _group_name(group: AxisGroup) -> str:
     """The process group's name, the same on every rank of it (pg None: the default group)."""
-    return (group.pg or dist.group.WORLD).group_name
+    return (group.pg if group.pg is not None else dist.group.WORLD).group_name
 
 
 def _count(group: AxisGroup) -> int | None:
@@ -148,7 +148,7 @@ def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: s
         what = f"got no answer within {waited} (parallel.collective_timeout_s)"
         if call is not None and group.arrivals is not None:
             with contextlib.suppress(Exception):  # the store gone too: the message names no one
-                members = dist.get_process_group_ranks(group.pg or dist.group.WORLD)
+                members = dist.get_process_group_ranks(group.pg if group.pg is not None else dist.group.WORLD)
                 missing = group.arrivals.missing(_group_name(group), members, call)
     elif "closed by peer" in lowered or "reset by peer" in lowered or "broken pipe" in lowered:
         what = "lost the connection to a peer"
