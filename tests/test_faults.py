@@ -212,13 +212,15 @@ def test_a_full_disk_names_the_file_keeps_the_previous_checkpoint_and_no_half_li
 
 
 def _where_messages(rank, world):
-    from fivefold.parallel.comms import AxisGroup, CommStats, _named
+    from fivefold.parallel.comm_errors import named_error
+    from fivefold.parallel.comms import AxisGroup, CommStats
 
     stats, timeout = CommStats(), RuntimeError("Timed out waiting 500ms for recv operation to complete")
     grad = AxisGroup("grad", "dp", None, 2, 0, stats, timeout_s=0.5)
     world_log = AxisGroup("world", "log", None, 2, 0, stats, timeout_s=0.5)
-    return [str(_named(timeout, "all_reduce", grad, 8, "dp")), str(_named(timeout, "all_reduce", grad, 8, "log")),
-            str(_named(timeout, "all_gather", world_log, 8, "log"))]
+    return [str(named_error(timeout, "all_reduce", grad, 8, "dp")),
+            str(named_error(timeout, "all_reduce", grad, 8, "log")),
+            str(named_error(timeout, "all_gather", world_log, 8, "log"))]
 
 
 def test_a_message_names_the_users_axis_first():

@@ -16,7 +16,8 @@ A collective whose peers do not answer within the group's timeout (`parallel.col
 or whose peer's connection drops, raises `CollectiveError` naming this rank, the axis, the operation
 and its bytes, instead of the backend's anonymous message; async handles do the same in `wait()`.
 A timed-out collective also names the ranks of its group that never arrived, and why (stopped or
-hung, or behind by a number of calls), from the counts every rank publishes (arrivals.py).
+hung, or behind by a number of calls), from the counts every rank publishes (comm_errors.py,
+arrivals.py).
 
 Point-to-point messages (pipeline activations and gradients, ring-attention K/V blocks, the steps
 of our own ring all-reduce) go through here too: `send`, `recv` and `exchange` address peers by
@@ -30,15 +31,18 @@ communication.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from fivefold.parallel.arrivals import Arrivals
+
+# CollectiveError: what the calls here raise, so callers catch it as comms.CollectiveError.
+from fivefold.parallel.comm_errors import CollectiveError as CollectiveError
+from fivefold.parallel.comm_errors import group_name, named_error, named_errors
 from fivefold.parallel.timing import Flight, StepTimer
 
 
@@ -108,74 +112,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CollectiveError(RuntimeError):
-    """A collective timed out or lost a peer; the message says which, where, and the likely cause.
-    `missing`: global rank -> why it never arrived, for the peers a timeout could name."""
-
-    def __init__(self, message: str, missing: dict[int, str] | None = None):
-        super().__init__(message)
-        self.missing = missing or {}
-
-
-def _group_name(group: AxisGroup) -> str:
-    """The process group's name, the same on every rank of it (pg None: the default group)."""
-    return (group.pg if group.pg is not None else dist.group.WORLD).group_name
-
-
 def _count(group: AxisGroup) -> int | None:
     """Count one collective on the group; its number there, or None where nothing counts."""
-    return None if group.arrivals is None else group.arrivals.issue(_group_name(group))
-
-
-def _where(group: AxisGroup, label: str) -> str:
-    """The group in the user's words first: its axis (`dp`), then the internal view's name (`grad`:
-    dp x cp for the gradients) only when it differs; a metrics reduction (charged to "log") says so."""
-    if group.label == "log":  # the step log's group of every rank
-        return f"the '{group.name}' group (the metrics log's)"
-    where = f"axis '{group.label}'" + (f" (its '{group.name}' group)" if group.name != group.label else "")
-    return where + (", for the metrics log" if label == "log" else "")
-
-
-def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str,
-           call: int | None = None) -> RuntimeError:
-    """The backend's error as a CollectiveError naming the call, or unchanged if it is another kind.
-    `call`: the collective's number on its group (`_count`), for naming the peers that never came."""
-    text = str(error)
-    lowered = text.lower()
-    missing: dict[int, str] = {}
-    if "timed out" in lowered or "timeout" in lowered:
-        waited = f"{group.timeout_s:g} s" if group.timeout_s is not None else "torch's default timeout"
-        what = f"got no answer within {waited} (parallel.collective_timeout_s)"
-        if call is not None and group.arrivals is not None:
-            with contextlib.suppress(Exception):  # the store gone too: the message names no one
-                members = dist.get_process_group_ranks(group.pg if group.pg is not None else dist.group.WORLD)
-                missing = group.arrivals.missing(_group_name(group), members, call)
-    elif "closed by peer" in lowered or "reset by peer" in lowered or "broken pipe" in lowered:
-        what = "lost the connection to a peer"
-    else:
-        return error
-    axis = _where(group, label)
-    if missing:
-        cause = "Never arrived: " + "; ".join(f"rank {r} {why}" for r, why in sorted(missing.items())) + "."
-    else:
-        cause = ("Another rank of that group most likely died (look for the first error in the other ranks' "
-                 "output) or took another code path and never made this call (a rank-dependent branch, an "
-                 "exception caught on one rank).")
-    return CollectiveError(
-        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on {axis} (rank {group.rank} of {group.size} "
-        f"there) {what}. {cause} Backend: {text.splitlines()[0] if text else type(error).__name__}", missing)
-
-
-@contextlib.contextmanager
-def named_errors(op: str, group: AxisGroup, nbytes: int) -> Iterator[None]:
-    """A timeout or a lost peer inside the block is raised as a CollectiveError naming `op`."""
-    try:
-        yield
-    except RuntimeError as e:
-        named = _named(e, op, group, nbytes, group.label)
-        if named is e:
-            raise
-        raise named from e
+    return None if group.arrivals is None else group.arrivals.issue(group_name(group))
 
 
 class Pending:
@@ -209,7 +148,7 @@ def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
     """Run one collective or batch of messages; a failure names it (async: when the handle is waited on).
     `number`: a collective's number on its group (`_count`; messages have none)."""
     name = name or op
-    describe = lambda e: _named(e, name, group, nbytes, label, number)  # noqa: E731
+    describe = lambda e: named_error(e, name, group, nbytes, label, number)  # noqa: E731
     flight = group.timer.flight(label, name) if async_op else None
     try:
         with group.timer.blocked(label, name):  # a synchronous call blocks throughout; an async one while it launches
@@ -360,9 +299,9 @@ def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pe
         with group.timer.blocked(group.label, first.name):  # the launch; the transfers run in the background
             works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:
-        raise _named(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e
+        raise named_error(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e
     handles = [Pending(list(works) if len(works) != len(ops) else [works[k]],
-                       lambda e, m=m: _named(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
+                       lambda e, m=m: named_error(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
                        m.name, group.timer.flight(group.label, m.name)) for k, m in enumerate([*sends, *recvs])]
     return handles[:len(sends)], handles[len(sends):]
 
