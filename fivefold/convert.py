@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold import hf_deepseek
@@ -38,6 +39,7 @@ from fivefold.hf import (
     model_config_from_hf,
 )
 from fivefold.model import Transformer
+from fivefold.train.checkpoint_files import first_failure
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.train.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
 from fivefold.train.seed import write_seed_config
@@ -54,7 +56,13 @@ class DCPSource:
     shards wrote it), read in this process only (no process group needed)."""
 
     def __init__(self, path: Path):
+        from fivefold.train.checkpoint_files import data_file_errors
+
         self.path = path
+        # Every data file as long as its index says, before a tensor is read or a file written.
+        damaged = data_file_errors(path, "the checkpoint is damaged: convert another one of the run")
+        if damaged:
+            raise WeightsFileError("\n".join(damaged))
         saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         self.meta = {k[len("model."):]: v for k, v in saved.items()
                      if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
@@ -76,8 +84,12 @@ class DCPSource:
             value = torch.empty(self.shape(name), dtype=self.dtype(name))
             with warnings.catch_warnings():  # no_dist is what we ask for: no need to be told
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
-                dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(str(self.path)),
-                         planner=SafeLoadPlanner(self.path), no_dist=True)
+                try:
+                    dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(str(self.path)),
+                             planner=SafeLoadPlanner(self.path), no_dist=True)
+                except CheckpointException as e:  # damaged within its size: garbage where a tensor was
+                    raise WeightsFileError(f"{self.path}: reading {name} failed ({first_failure(e)}); the "
+                                           f"checkpoint is damaged: convert another one of the run") from None
             self._last = (name, value)
         return self._last[1] if index is None else self._last[1][index]
 

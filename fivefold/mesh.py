@@ -17,15 +17,18 @@ returns at once. Views by purpose:
   ep group g // ep with ep rank g % ep (`expert_partitions`). Built with new_group, because
   split_group fails on gloo; at ep = 1 the ep group is this rank alone and expert_dp is the grad view.
 
-The mesh also owns this rank's communication counters (`stats`) and step timer (`timer`), which
-every group carries, so the code that talks and computes reports to them without any global.
-Nothing here is global: the Mesh is passed to whoever needs it.
+The mesh also owns this rank's communication counters (`stats`), step timer (`timer`) and
+collective counts (`arrivals`, published for naming the ranks a timed-out collective waits for:
+parallel/arrivals.py), which every group carries, so the code that talks and computes reports to
+them without any global. Nothing here is global: the Mesh is passed to whoever needs it; `close()`
+(or the mesh's collection, or the interpreter's exit) stops the arrivals' publishing thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from datetime import timedelta
 
 import torch
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fivefold.config import Config
+from fivefold.parallel.arrivals import Arrivals
 from fivefold.parallel.comms import AxisGroup, CommStats
 from fivefold.parallel.timing import CudaClock, StepTimer, WallClock
 from fivefold.validate import Derived
@@ -81,6 +85,11 @@ class Mesh:
         self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
         self.stats = CommStats()
         self.timer = StepTimer(CudaClock() if device_type == "cuda" else WallClock())  # step time, by part
+        # The dry run's fake world has no peers to wait for, and builds a mesh per position in one process.
+        self.arrivals = None
+        if dist.get_backend() != "fake":
+            self.arrivals = Arrivals(dist.distributed_c10d._get_default_store(), dist.get_rank())
+            weakref.finalize(self, self.arrivals.close)  # also at exit: the thread never outlives its mesh
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
         self._groups: dict[str, AxisGroup] = {}
         for axis in AXES:
@@ -124,7 +133,8 @@ class Mesh:
     def _carve(self, parts: list[list[int]], name: str, label: str) -> AxisGroup:
         """This rank's group among equal-sized `parts`; a part of one needs no process group."""
         if len(parts[0]) == 1:
-            return AxisGroup(name=name, label=label, pg=None, size=1, rank=0, stats=self.stats, timer=self.timer)
+            return AxisGroup(name=name, label=label, pg=None, size=1, rank=0, stats=self.stats, timer=self.timer,
+                             arrivals=self.arrivals)
         return dataclasses.replace(self.subgroups(parts, label), name=name)
 
     def _add(self, name: str, sub: DeviceMesh) -> None:
@@ -135,6 +145,7 @@ class Mesh:
         self._groups[name] = AxisGroup(
             name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
             rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s, timer=self.timer,
+            arrivals=self.arrivals,
         )
 
     @property
@@ -165,10 +176,15 @@ class Mesh:
                                 timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
             if me in ranks:
                 mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me),
-                                 stats=self.stats, timeout_s=self.timeout_s, timer=self.timer)
+                                 stats=self.stats, timeout_s=self.timeout_s, timer=self.timer, arrivals=self.arrivals)
         if mine is None:
             raise ValueError(f"rank {me} is in no part of {partition}")
         return mine
+
+    def close(self) -> None:
+        """Stop publishing this rank's collective counts (before the process group is destroyed)."""
+        if self.arrivals is not None:
+            self.arrivals.close()
 
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(f"{a}={n}" for a, n in self.degrees.items()) + ")"

@@ -8,7 +8,9 @@ error at all. So each worker keeps a small file in a folder the launcher made
 or its own death) ends it, or `done`. A worker whose file still says `running` when the job
 fails died by something it could not catch: SIGKILL (by hand, the OOM killer) or a crash. That
 rank comes first in the launcher's summary; ranks that failed because a peer vanished follow as
-consequences.
+consequences. A rank whose collective timed out also records the peers it found missing (stopped or
+hung, or behind: parallel/arrivals.py): a stopped or hung rank ends in the launcher's SIGTERM or
+SIGKILL with no error of its own, and is named first from its peers' reports.
 """
 
 from __future__ import annotations
@@ -55,9 +57,21 @@ def reporting() -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        _write(path, state="failed", error=(str(e).splitlines() or [type(e).__name__])[0][:300])
+        _write(path, state="failed", error=(str(e).splitlines() or [type(e).__name__])[0][:300],
+               missing=missing_ranks(e))
         raise
     _write(path, state="done")
+
+
+def missing_ranks(error: BaseException) -> dict[str, str]:
+    """The peers a timed-out collective in the error's chain found missing (global rank -> why)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(getattr(error, "missing", None), dict):  # comms.CollectiveError (not imported: no torch here)
+            return {str(r): why for r, why in error.missing.items()}
+        error = error.__cause__ or error.__context__
+    return {}
 
 
 def culprit_summary(folder: Path) -> str | None:
@@ -69,9 +83,17 @@ def culprit_summary(folder: Path) -> str | None:
     for path in sorted(folder.glob(f"attempt{attempt}-rank*.json"), key=lambda p: int(p.stem.split("rank")[1])):
         with contextlib.suppress(OSError, ValueError):
             found.append((int(path.stem.split("rank")[1]), json.loads(path.read_text())))
+    # Ranks that peers' timed-out collectives found missing: rank -> (the first rank that waited, why).
+    named = {}
+    for rank, r in found:
+        for peer, why in r.get("missing", {}).items():
+            named.setdefault(int(peer), (rank, why))
     first, after = [], []
     for rank, r in found:
-        if r["state"] == "running":
+        if rank in named and r["state"] in ("running", "stopped"):  # ended by the launcher, not by an error
+            waiter, why = named[rank]
+            first.append(f"rank {rank} (pid {r['pid']}) never arrived at a collective rank {waiter} waited for: {why}")
+        elif r["state"] == "running":
             first.append(f"rank {rank} (pid {r['pid']}) died without an error: killed by a signal it cannot "
                          f"catch (SIGKILL: by hand, or the kernel's OOM killer) or crashed")
         elif r["state"] == "failed" and not any(c in r["error"] for c in CONSEQUENCES):

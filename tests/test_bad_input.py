@@ -41,6 +41,7 @@ def test_each_damaged_checkpoint_file_is_named_before_the_resume(tmp_path):
 
     errors = damaged(lambda c: (c / "rng" / "rank0.pt").write_bytes(pickle.dumps(Gadget())))
     assert len(errors) == 1 and errors[0].startswith(f"{good / 'rng' / 'rank0.pt'}: not an RNG state")
+    assert "weights_only" not in errors[0]  # torch's advice to load it unsafely is not passed on
     errors = damaged(lambda c: torch.save({"a": 1}, c / "rng" / "rank0.pt"))
     assert len(errors) == 1 and "holds dict, not a uint8 RNG state" in errors[0]
     data = next(good.glob("*.distcp"))
@@ -157,14 +158,38 @@ def test_a_failed_convert_leaves_no_partial_output(tmp_path, monkeypatch):
     seed = tmp_path / "seed"
     assert main(["init", "configs/tiny.toml", "--out", str(seed)]) == 0
 
+    called = []
+
     def dies(src, out, *args):  # a file half written, then the disk is full
+        called.append(out)
         (out / "model.safetensors").write_bytes(b"half")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(convert, "fivefold_to_hf", dies)
     out = tmp_path / "hf"
-    assert main(["convert", str(seed), "--to", "hf", "--out", str(out)]) == 2
+    assert main(["convert", "--to", "hf", str(seed), str(out)]) == 2
+    assert called, "the conversion never ran"
     assert not out.exists() and not any(p.name.startswith(".hf") for p in tmp_path.iterdir())
+
+
+def test_convert_names_a_damaged_checkpoint_file_and_writes_nothing(tmp_path, capsys):
+    train(tiny_config(tmp_path, *EQUIVALENCE, "--train.steps=1"), progress=False)
+    checkpoint = latest_checkpoint(tmp_path / "tiny")
+    data = next(checkpoint.glob("*.distcp"))
+    whole = data.read_bytes()
+    out = tmp_path / "hf"
+    data.write_bytes(whole[:1000])  # cut short: found from its size, before any tensor is read
+    capsys.readouterr()  # (what training printed)
+    assert main(["convert", "--to", "hf", str(checkpoint), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fivefold: {data}: 1,000 bytes where its index needs ") and err.count("\n") == 1
+    assert "convert another one of the run" in err and not out.exists()
+    data.write_bytes(b"\xff" * 1000 + whole[1000:])  # garbage within its size: found when it is read
+    assert main(["convert", "--to", "hf", str(checkpoint), str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"fivefold: {checkpoint}: reading ") and "not data torch.save wrote" in err
+    assert "weights_only" not in err and not out.exists()
+    assert not any(p.name.startswith(".hf") for p in tmp_path.iterdir())
 
 
 def test_a_stale_or_dead_lock_is_taken_over_and_a_live_one_refuses(tmp_path, capsys):

@@ -1,8 +1,14 @@
-"""Faults inside a run: a collective whose peer never comes, a checkpoint write that runs out of space."""
+"""Faults inside a run: a collective whose peer never comes (skipped or stopped), a checkpoint write that
+runs out of space."""
 
+import contextlib
 import hashlib
+import json
+import os
 import resource
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -10,16 +16,19 @@ import torch
 from helpers import tiny_config
 
 from fivefold.mesh import Mesh
-from fivefold.parallel import comms
+from fivefold.parallel import arrivals, comms
 from fivefold.testing import WorkerError, run_workers
 from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.data import DataCacheError, epoch_order
 from fivefold.train.loop import train
 from fivefold.validate import derive
+from fivefold.worker_report import culprit_summary, missing_ranks
 
 
 def _skip_a_collective(rank, world, cfg):
     mesh = Mesh.from_config(cfg, derive(cfg, world))
     expert = mesh.subgroups([[0, 1]], "ep")
+    comms.all_reduce(torch.ones(1), mesh.group("dp"))  # one call together: rank 1 is one behind below
     if rank == 1:  # took another code path: never makes the calls below
         time.sleep(60)
     messages = []
@@ -42,19 +51,51 @@ def _skip_a_collective(rank, world, cfg):
     raise AssertionError(f"{time.monotonic() - began:.1f} s\n" + "\n".join(messages))
 
 
-def test_a_skipped_collective_times_out_naming_rank_axis_and_operation(tmp_path):
+def test_a_skipped_collective_times_out_naming_rank_axis_operation_and_the_rank_behind(tmp_path):
     cfg = tiny_config(tmp_path, "--parallel.collective_timeout_s=0.5")
     with pytest.raises(WorkerError) as failed:
         run_workers(_skip_a_collective, 2, cfg)
     seconds, async_message, sync_message, p2p_message = str(failed.value).split("AssertionError: ")[1].splitlines()[:4]
-    assert float(seconds.split()[0]) < 4  # three waits of 0.5 s each, not the default 300 s
+    # Three waits of 0.5 s each, not the default 300 s, and for each collective at most a report
+    # period (and a poll) for rank 1's fresh report.
+    assert float(seconds.split()[0]) < 1.5 + 2 * 1.125 * arrivals.PUBLISH_PERIOD_S + 1
     assert async_message.startswith("rank 0: all_to_all of 96 bytes on axis 'ep' (rank 0 of 2 there) got no "
-                                    "answer within 0.5 s (parallel.collective_timeout_s)")
+                                    "answer within 0.5 s (parallel.collective_timeout_s). Never arrived: rank 1 "
+                                    "made 0 of these calls, this is call 1: it took another code path")
+    # The dp group had one call that both ranks made: rank 1 is one behind.
     assert sync_message.startswith("rank 0: all_reduce of 4,000 bytes on axis 'dp' (rank 0 of 2 there) got no "
-                                   "answer within 0.5 s")
-    assert "most likely died" in sync_message and "another code path" in sync_message
+                                   "answer within 0.5 s (parallel.collective_timeout_s). Never arrived: rank 1 "
+                                   "made 1 of these calls, this is call 2")
+    assert "stopped" not in sync_message  # its thread kept reporting: late, not stopped
     assert p2p_message.startswith("rank 0: recv activation mb 0 from stage 1 of 16 bytes on axis 'dp' (rank 0 of 2 "
                                   "there) got no answer within 0.5 s")
+    assert "most likely died" in p2p_message and "another code path" in p2p_message  # messages count no calls
+
+
+def _stop_one_rank(rank, world, cfg):
+    mesh = Mesh.from_config(cfg, derive(cfg, world))
+    comms.all_reduce(torch.ones(1), mesh.group("dp"))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped, publishing thread too (the harness kills it later)
+    began = time.monotonic()
+    try:
+        comms.all_reduce(torch.ones(8), mesh.group("dp"))
+    except comms.CollectiveError as e:
+        raise AssertionError(f"{time.monotonic() - began:.1f} s {sorted(e.missing)}\n{e}") from None
+
+
+def test_a_stopped_rank_is_named_by_the_rank_that_waits_for_it(tmp_path):
+    cfg = tiny_config(tmp_path, "--parallel.collective_timeout_s=0.5")
+    with pytest.raises(WorkerError) as failed:
+        run_workers(_stop_one_rank, 2, cfg)
+    first, message = str(failed.value).split("AssertionError: ")[1].splitlines()[:2]
+    seconds, missing = first.split(" s ")
+    assert missing == "[1]"
+    # Named once its report is STALE_AFTER_S old; it was fresh (at most a period old) when the wait began.
+    assert float(seconds) < 0.5 + arrivals.STALE_AFTER_S + 1.5
+    assert message.startswith("rank 0: all_reduce of 32 bytes on axis 'dp' (rank 0 of 2 there) got no answer within "
+                              f"0.5 s (parallel.collective_timeout_s). Never arrived: rank 1 sent no report for "
+                              f"{arrivals.STALE_AFTER_S:g} s: stopped (SIGSTOP, a debugger), hung or gone."), message
 
 
 def _train(rank, world, cfg, file_size_limit=None):
@@ -86,3 +127,150 @@ def test_a_checkpoint_that_runs_out_of_space_keeps_the_previous_one(tmp_path):
     # The partial folder is gone; the previous checkpoint is still the latest, byte for byte.
     assert not tmp.exists() and latest_checkpoint(tmp_path / "tiny") == previous
     assert _digest(previous) == written
+
+
+def test_the_launcher_names_a_stopped_rank_first_from_its_peers_reports(tmp_path):
+    """A SIGSTOPped rank ends in the launcher's SIGKILL with no error of its own; the rank whose
+    collective timed out recorded it as missing, so the summary names it first (worker_report.py)."""
+    why = f"sent no report for {arrivals.STALE_AFTER_S:g} s: stopped (SIGSTOP, a debugger), hung or gone"
+    reports = {0: {"pid": 100, "state": "failed", "missing": {"1": why},
+                   "error": "rank 0: all_reduce of 32 bytes on axis 'dp' (rank 0 of 2 there) got no answer within 5 s"},
+               1: {"pid": 101, "state": "running"}}
+    for rank, report in reports.items():
+        (tmp_path / f"attempt0-rank{rank}.json").write_text(json.dumps(report))
+    assert culprit_summary(tmp_path).splitlines() == [
+        "the job failed; first cause:",
+        f"rank 1 (pid 101) never arrived at a collective rank 0 waited for: {why}",
+        f"rank 0 (pid 100) failed as a consequence: {reports[0]['error']}"]
+    # A CollectiveError's missing ranks reach the report through the exception chain.
+    try:
+        try:
+            raise comms.CollectiveError("timed out", {1: why})
+        except comms.CollectiveError as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as e:
+        assert missing_ranks(e) == {"1": why}
+
+
+@contextlib.contextmanager
+def small_disk(folder, size: str):
+    """A real full disk: a tmpfs of `size` mounted at `folder` (root only); skipped where mount is refused."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip() or 'mount failed'}); the injected "
+                    f"ENOSPC tests cover the same paths")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def fill(disk, leave: int) -> None:
+    """Take all of the disk's space but `leave` bytes (0: until a write fails)."""
+    with (disk / "filler").open("wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
+        f.write(b"\0" * max(0, shutil.disk_usage(disk).free - leave))
+        while not leave:
+            f.write(b"\0" * 4096)
+
+
+@pytest.mark.parametrize("fault", ["blocking", "async", "metrics"])
+def test_a_full_disk_names_the_file_keeps_the_previous_checkpoint_and_no_half_line(tmp_path, fault):
+    """A real tmpfs: one checkpoint (about 5 MB for the tiny model) is written, then the disk is
+    filled but for 256 KiB, room for a few metrics lines and not for the next checkpoint (blocking
+    or asynchronous: while it is written, training logs on), or for nothing (the metrics log: its
+    last page has room for a line or two, then a line is cut by the full disk)."""
+    with small_disk(tmp_path / "disk", "16m") as disk:
+        args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=8",
+                f"--checkpoint.every={100 if fault == 'metrics' else 2}",
+                f"--checkpoint.async_save={'true' if fault == 'async' else 'false'}")
+        run_workers(_train, 1, tiny_config(disk, *args, "--train.stop_after=2"))
+        run_dir = disk / "tiny"
+        previous = run_dir / "checkpoints" / "step_00000002"
+        written = _digest(previous)
+        fill(disk, 0 if fault == "metrics" else 256 << 10)
+        with pytest.raises(WorkerError) as failed:
+            run_workers(_train, 1, tiny_config(disk, *args, "--checkpoint.resume=true"))
+        message = str(failed.value)
+        tmp = previous.parent / ".tmp_step_00000004"
+        if fault == "blocking":
+            assert f"checkpoint step 4: no space left to write '{tmp}' (No space left on device" in message
+            assert f"the previous checkpoint '{previous}' is intact" in message
+        elif fault == "metrics":
+            assert f"{run_dir / 'metrics.jsonl'}: no space left writing the step record" in message
+        else:  # the checkpoint's thread, the metrics log or the next epoch's order finds the disk full first
+            assert (f"checkpoint step 4: no space left to write '{tmp}'" in message
+                    or f"{run_dir / 'metrics.jsonl'}: no space left writing the step record" in message
+                    or f"{disk / '.prepared' / 'orders'}/" in message and "no space left writing epoch 1's" in message
+                    ), message
+        # The previous checkpoint is still the latest, byte for byte; no partial folder; whole lines only.
+        assert latest_checkpoint(run_dir) == previous and _digest(previous) == written
+        assert not list(previous.parent.glob(".tmp_*"))
+        text = (run_dir / "metrics.jsonl").read_text()
+        assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+
+
+def _where_messages(rank, world):
+    from fivefold.parallel.comm_errors import named_error
+    from fivefold.parallel.comms import AxisGroup, CommStats
+
+    stats, timeout = CommStats(), RuntimeError("Timed out waiting 500ms for recv operation to complete")
+    grad = AxisGroup("grad", "dp", None, 2, 0, stats, timeout_s=0.5)
+    world_log = AxisGroup("world", "log", None, 2, 0, stats, timeout_s=0.5)
+    return [str(named_error(timeout, "all_reduce", grad, 8, "dp")),
+            str(named_error(timeout, "all_reduce", grad, 8, "log")),
+            str(named_error(timeout, "all_gather", world_log, 8, "log"))]
+
+
+def test_a_message_names_the_users_axis_first():
+    """dp, the user's word, before the internal view's name (grad = dp x cp)."""
+    (ours, metrics, log), = run_workers(_where_messages, 1)
+    assert ours.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group) (rank 0 of 2 there) got no")
+    assert metrics.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group), for the metrics log "
+                              "(rank 0 of 2 there)")
+    assert log.startswith("rank 0: all_gather of 8 bytes on the 'world' group (the metrics log's) (rank 0 of 2")
+
+
+def _order_into(rank, world, folder):
+    try:
+        epoch_order(1_000_000, 0, 0, folder)
+    except DataCacheError as e:
+        return str(e)
+
+
+def test_an_epoch_order_on_a_full_disk_names_its_file(tmp_path):
+    """The order is memory-mapped: its blocks are taken before the map is written, so a disk with
+    room for the file's header and not its 4 MB is an error naming the file, not a SIGBUS at the
+    first write of a page (built in a forked worker: a SIGBUS would kill it, not pytest)."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk, 64 << 10)
+        (message,) = run_workers(_order_into, 1, disk / "orders")
+    assert message.startswith(f"{disk / 'orders'}/.order-n1000000-seed0-epoch0.npy.")
+    assert "no space left writing epoch 0's sample order (4,000,000 bytes)" in message
+
+
+def test_the_arrivals_thread_publishes_counts_and_stops_on_close():
+    """A daemon thread; its first report at once, then one a period; none after close()."""
+    store = torch.distributed.HashStore()
+
+    def report(mesh: int, rank: int) -> dict | None:
+        key = f"fivefold.arrivals/{mesh}/{rank}"
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    first, second = arrivals.Arrivals(store, 3), arrivals.Arrivals(store, 3)  # two meshes of one rank
+    try:
+        assert first._thread.daemon and first._thread.is_alive()
+        assert [first.issue("7"), first.issue("7"), first.issue("0")] == [1, 2, 1]
+        deadline = time.monotonic() + 2 * arrivals.PUBLISH_PERIOD_S
+        while (report(1, 3) or {}).get("calls") != {"7": 2, "0": 1}:
+            assert time.monotonic() < deadline, f"no report within two periods: {report(1, 3)}"
+            time.sleep(0.05)
+        assert report(2, 3)["calls"] == {}  # the second mesh's own key
+    finally:
+        first.close()
+        second.close()
+    assert not first._thread.is_alive() and not second._thread.is_alive()
+    beat = report(1, 3)["beat"]
+    time.sleep(arrivals.PUBLISH_PERIOD_S * 1.2)
+    assert report(1, 3)["beat"] == beat

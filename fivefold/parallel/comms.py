@@ -15,6 +15,9 @@ Bytes are counted two ways, per rank:
 A collective whose peers do not answer within the group's timeout (`parallel.collective_timeout_s`),
 or whose peer's connection drops, raises `CollectiveError` naming this rank, the axis, the operation
 and its bytes, instead of the backend's anonymous message; async handles do the same in `wait()`.
+A timed-out collective also names the ranks of its group that never arrived, and why (stopped or
+hung, or behind by a number of calls), from the counts every rank publishes (comm_errors.py,
+arrivals.py).
 
 Point-to-point messages (pipeline activations and gradients, ring-attention K/V blocks, the steps
 of our own ring all-reduce) go through here too: `send`, `recv` and `exchange` address peers by
@@ -28,14 +31,18 @@ communication.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from fivefold.parallel.arrivals import Arrivals
+
+# CollectiveError: what the calls here raise, so callers catch it as comms.CollectiveError.
+from fivefold.parallel.comm_errors import CollectiveError as CollectiveError
+from fivefold.parallel.comm_errors import group_name, named_error, named_errors
 from fivefold.parallel.timing import Flight, StepTimer
 from fivefold.parallel.wire import wire_bytes
 
@@ -80,6 +87,7 @@ class AxisGroup:
     stats: CommStats
     timeout_s: float | None = None  # what the process group waits for its peers (None: torch's default)
     timer: StepTimer = field(default_factory=StepTimer)  # the mesh's step timer: where blocked time goes
+    arrivals: Arrivals | None = None  # the mesh's collective counts (None: a timeout names no missing rank)
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of this group's rank `group_rank` (point-to-point calls address world ranks)."""
@@ -90,41 +98,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CollectiveError(RuntimeError):
-    """A collective timed out or lost a peer; the message says which, where, and the likely cause."""
-
-
-def _named(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str) -> RuntimeError:
-    """The backend's error as a CollectiveError naming the call, or unchanged if it is another kind."""
-    text = str(error)
-    lowered = text.lower()
-    if "timed out" in lowered or "timeout" in lowered:
-        waited = f"{group.timeout_s:g} s" if group.timeout_s is not None else "torch's default timeout"
-        what = f"got no answer within {waited} (parallel.collective_timeout_s)"
-    elif "closed by peer" in lowered or "reset by peer" in lowered or "broken pipe" in lowered:
-        what = "lost the connection to a peer"
-    else:
-        return error
-    # The user's words first: the axis the traffic is charged to (`dp`), and the internal view's name
-    # (`grad`: dp x cp for the gradients) only when it differs.
-    axis = f"'{label}'" if group.name == label else f"'{label}' (its '{group.name}' group)"
-    return CollectiveError(
-        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on axis {axis} (rank {group.rank} of {group.size} "
-        f"there) {what}. Another rank of that group most likely died (look for the first error in the other "
-        f"ranks' output) or took another code path and never made this call (a rank-dependent branch, "
-        f"an exception caught on one rank). Backend: {text.splitlines()[0] if text else type(error).__name__}")
-
-
-@contextlib.contextmanager
-def named_errors(op: str, group: AxisGroup, nbytes: int) -> Iterator[None]:
-    """A timeout or a lost peer inside the block is raised as a CollectiveError naming `op`."""
-    try:
-        yield
-    except RuntimeError as e:
-        named = _named(e, op, group, nbytes, group.label)
-        if named is e:
-            raise
-        raise named from e
+def _count(group: AxisGroup) -> int | None:
+    """Count one collective on the group; its number there, or None where nothing counts."""
+    return None if group.arrivals is None else group.arrivals.issue(group_name(group))
 
 
 class Pending:
@@ -153,10 +129,12 @@ class Pending:
 
 
 def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
-           call: Callable[[], dist.Work | list[dist.Work] | None], name: str | None = None) -> Pending | None:
-    """Run one collective or batch of messages; a failure names it (async: when the handle is waited on)."""
+           call: Callable[[], dist.Work | list[dist.Work] | None], name: str | None = None,
+           number: int | None = None) -> Pending | None:
+    """Run one collective or batch of messages; a failure names it (async: when the handle is waited on).
+    `number`: a collective's number on its group (`_count`; messages have none)."""
     name = name or op
-    describe = lambda e: _named(e, name, group, nbytes, label)  # noqa: E731
+    describe = lambda e: named_error(e, name, group, nbytes, label, number)  # noqa: E731
     flight = group.timer.flight(label, name) if async_op else None
     try:
         with group.timer.blocked(label, name):  # a synchronous call blocks throughout; an async one while it launches
@@ -186,7 +164,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
         return None
     group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
     return _issue("all_reduce", group, _nbytes(tensor), label or group.label, async_op,
-                  lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
+                  lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), number=_count(group))
 
 
 
@@ -206,7 +184,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
     return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
                   lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg,
-                                                     async_op=async_op))
+                                                     async_op=async_op), number=_count(group))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
@@ -217,7 +195,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         return None
     group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
     return _issue("all_gather", group, _nbytes(output), group.label, async_op,
-                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op))
+                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op),
+                  number=_count(group))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
@@ -238,7 +217,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     group.stats.record(group.label, "all_to_all", _nbytes(input), group.size, wire=sent)
     return _issue("all_to_all", group, _nbytes(input), group.label, async_op,
                   lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg,
-                                                 async_op=async_op))
+                                                 async_op=async_op), number=_count(group))
 
 
 # ---- point-to-point: pipeline messages, ring hops ----
@@ -306,9 +285,9 @@ def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pe
         with group.timer.blocked(group.label, first.name):  # the launch; the transfers run in the background
             works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:
-        raise _named(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e
+        raise named_error(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e
     handles = [Pending(list(works) if len(works) != len(ops) else [works[k]],
-                       lambda e, m=m: _named(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
+                       lambda e, m=m: named_error(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
                        m.name, group.timer.flight(group.label, m.name)) for k, m in enumerate([*sends, *recvs])]
     return handles[:len(sends)], handles[len(sends):]
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold.parallel.parallelize import Parallelized
+from fivefold.train.checkpoint_files import first_failure
 from fivefold.train.run_dir import PREFIX, checkpoint_dir, complete_checkpoints, latest_checkpoint
 from fivefold.train.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
@@ -39,15 +40,19 @@ class CheckpointWriteError(RuntimeError):
 
 
 def _attempt(write: Callable[[], object]) -> BaseException | None:
-    """Run a write; return its error (DCP's CheckpointException is a BaseException) instead of raising."""
+    """Run a write; return its error (DCP's CheckpointException is a BaseException) instead of raising.
+    A RuntimeError is torch.save's zip writer failing (on a full disk: "unexpected pos", no errno)."""
     try:
         write()
-    except (OSError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
         return e
     return None
 
 
 LOW_SPACE = 64 << 20  # bytes free below which a write error without an errno is taken for a full disk
+# How long a failing run waits for an asynchronous write in flight to end before removing its folder:
+# a write that fails on a full disk ends at once, but one whose peer died waits for the group's timeout.
+ABANDON_WAIT_S = 10.0
 
 
 def _os_error(error: BaseException | None, folder: Path | None = None) -> OSError | None:
@@ -100,11 +105,12 @@ class CheckpointWriter:
         rank = dist.get_rank()
         root = checkpoint_dir(self.run_dir)
         final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp_{PREFIX}{step:08d}"
+        error = None
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
-            (tmp / "rng").mkdir(parents=True)
+            error = _attempt(lambda: (tmp / "rng").mkdir(parents=True))
         dist.barrier()
-        error = _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
+        error = error or _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
         tensors = {"model": par.model_state_dict(), "optim": par.optim_state_dict()}
         publish = lambda: self._publish(tmp, final, {"step": step, **state})  # noqa: E731
         if self.group is None:
@@ -129,9 +135,9 @@ class CheckpointWriter:
 
     def _failed(self, step: int, tmp: Path, error: BaseException | None) -> CheckpointWriteError:
         """Rank 0 removes the partial folder (it was never visible as a checkpoint); the error says why."""
+        cause = _os_error(error, tmp)  # (before the folder goes: the space free when the write failed)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = _os_error(error, tmp)
         reason = cause and (f"{cause.strerror}: {cause.filename}" if cause.filename else cause.strerror)
         previous = latest_checkpoint(self.run_dir)
         kept = (f"the previous checkpoint '{previous}' is intact and --resume continues from it" if previous
@@ -170,6 +176,26 @@ class CheckpointWriter:
             if self.error is not None:
                 error, self.error = self.error, None
                 raise error
+
+    def abandon(self) -> CheckpointWriteError | None:
+        """The run is failing: let the write in flight (if any) end, waiting at most ABANDON_WAIT_S,
+        and remove its partial folder; a write that completed meanwhile is published and kept.
+        Returns the write's own error, if it failed (a full disk fails the metrics log too)."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        try:
+            pending.result(timeout=ABANDON_WAIT_S)
+        except TimeoutError:  # still writing (a peer gone): its folder goes, its thread ends with the process
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported beside the error in flight, not instead of it
+            return self._failed(*self.writing, e)  # (rank 0 removes the folder)
+        else:
+            if dist.get_rank() != 0 or (self.published.wait(ABANDON_WAIT_S) and self.error is None):
+                return None
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.writing[1], ignore_errors=True)
+        return None
 
     def _publish(self, tmp: Path, final: Path, state: dict[str, Any]) -> None:
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -211,13 +237,6 @@ def check_compatible(target: dict[str, dict[str, Any]], path: Path) -> None:
                                       f"config?):\n  {shown}")
 
 
-def _first_failure(e: CheckpointException) -> str:
-    """The first rank's error, one line (DCP's own message holds every rank's traceback)."""
-    for rank, (reason, _) in sorted(e.failures.items()):  # rank -> (exception, traceback), as in _os_error
-        return f"rank {rank}: {type(reason).__name__}: {str(reason).splitlines()[0][:200]}"
-    return str(e).splitlines()[0][:200]
-
-
 def load_checkpoint(path: Path, par: Parallelized) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from `path`; return the JSON state."""
     state = json.loads((path / "state.json").read_text())
@@ -228,7 +247,7 @@ def load_checkpoint(path: Path, par: Parallelized) -> dict[str, Any]:
         dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(path))
     except CheckpointException as e:  # a data file truncated or damaged after its metadata was written
         raise CheckpointMismatchError(
-            f"{path}: reading its tensors failed ({_first_failure(e)}); a data file is truncated or corrupt. "
+            f"{path}: reading its tensors failed ({first_failure(e)}); a data file is truncated or corrupt. "
             f"The run stops here, before any step: delete {path} to resume from the checkpoint before it") from None
     par.load_model_state_dict(target["model"])
     par.load_optim_state_dict(target["optim"])

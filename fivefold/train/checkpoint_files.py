@@ -31,7 +31,7 @@ def checkpoint_errors(folder: Path) -> list[str]:
     except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         errors.append(f"{state}: not the state fivefold wrote ({str(e).splitlines()[0][:120]}); {_fix(folder)}")
     errors += _rng_errors(folder)
-    errors += _data_file_errors(folder)
+    errors += data_file_errors(folder)
     return errors
 
 
@@ -48,21 +48,27 @@ def _rng_errors(folder: Path) -> list[str]:
                 value = torch.load(path, weights_only=True)
             if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8):
                 raise ValueError(f"holds {type(value).__name__}, not a uint8 RNG state")
-        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        except pickle.UnpicklingError:  # torch's text advises weights_only=False: the one thing not to do
+            errors.append(f"{path}: not an RNG state fivefold wrote (it pickles Python objects other than a "
+                          f"tensor; refused unread, nothing in it ran); {_fix(folder)}")
+        except (OSError, RuntimeError, ValueError, EOFError) as e:
             errors.append(f"{path}: not an RNG state fivefold wrote ({str(e).splitlines()[0][:120]}); "
                           f"{_fix(folder)}")
     return errors
 
 
-def _data_file_errors(folder: Path) -> list[str]:
+def data_file_errors(folder: Path, fix: str | None = None) -> list[str]:
+    """One line per data file of the checkpoint `folder` that is missing or shorter than its index
+    says (or for its unreadable `.metadata`), each ending in `fix` (default: how to resume without it)."""
     from fivefold.train.safe_load import SafeFileSystemReader
 
+    fix = fix or _fix(folder)
     try:
         metadata = SafeFileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # a damaged .metadata: DCP and our safe reader raise several kinds
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
         said = line if str(folder) in line else f"{folder / '.metadata'}: unreadable ({line[:200]})"
-        return [f"{said}; {_fix(folder)}"]
+        return [f"{said}; {fix}"]
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -72,5 +78,17 @@ def _data_file_errors(folder: Path) -> list[str]:
         have = path.stat().st_size if path.is_file() else -1
         if have < size:
             what = "missing" if have < 0 else f"{have:,} bytes where its index needs {size:,} (truncated)"
-            errors.append(f"{path}: {what}; {_fix(folder)}")
+            errors.append(f"{path}: {what}; {fix}")
     return errors
+
+
+def first_failure(e: BaseException) -> str:
+    """A DCP CheckpointException's first rank's error, one line (its own message holds every rank's
+    traceback); its `failures` map rank -> (exception, traceback)."""
+    import pickle
+
+    for rank, (reason, _) in sorted(getattr(e, "failures", {}).items()):
+        if isinstance(reason, pickle.UnpicklingError):  # torch's text advises weights_only=False: never
+            return f"rank {rank}: not data torch.save wrote (refused unread, nothing in it ran)"
+        return f"rank {rank}: {type(reason).__name__}: {str(reason).splitlines()[0][:200]}"
+    return str(e).splitlines()[0][:200]

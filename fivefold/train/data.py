@@ -15,6 +15,7 @@ function of the position: that count is the loss denominator (see train/loop.py)
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,10 @@ from fivefold.data.tokens import IGNORE, PackedDataset
 __all__ = ["IGNORE", "GlobalBatches", "LoaderState", "PackedDataset", "RankBatch", "rank_slice", "epoch_order"]
 
 
+class DataCacheError(OSError):
+    """A file of the data cache could not be written; the message names it and the fix."""
+
+
 def epoch_order(n: int, seed: int, epoch: int, folder: Path | None, name: str = "order") -> np.ndarray:
     """The seeded permutation of n samples for `epoch`, numpy's `default_rng([seed, epoch]).permutation(n)`:
     held in memory without a folder; with one, built once in a file (shuffled in place there, 4 bytes
@@ -37,9 +42,20 @@ def epoch_order(n: int, seed: int, epoch: int, folder: Path | None, name: str = 
         return np.random.default_rng([seed, epoch]).permutation(n).astype(dtype)
     path = folder / f"{name}-n{n}-seed{seed}-epoch{epoch}.npy"
     if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{path.name}.{os.getpid()}.tmp"
-        order = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            order = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+            # Its blocks taken now: a full disk is an error here, not a SIGBUS when a page of the map is
+            # first written (the file is sparse).
+            with tmp.open("r+b") as f:
+                os.posix_fallocate(f.fileno(), 0, tmp.stat().st_size)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            raise DataCacheError(f"{tmp}: {'no space left' if full else e.strerror} writing epoch {epoch}'s sample "
+                                 f"order ({n * np.dtype(dtype).itemsize:,} bytes); free space there or set "
+                                 f"data.cache_dir to a disk with room, then --resume") from None
         chunk = 1 << 22
         for start in range(0, n, chunk):
             order[start : start + chunk] = np.arange(start, min(n, start + chunk), dtype=dtype)

@@ -205,19 +205,29 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
 
 def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, return_state: bool,
            elastic: Decision | None = None) -> TrainResult:
-    world, t = dist.get_world_size(), cfg.train
-    prediction = predicted(cfg, world, device_type) if dist.get_rank() == 0 else None
+    prediction = predicted(cfg, dist.get_world_size(), device_type) if dist.get_rank() == 0 else None
     began = time.perf_counter()
     run, start, resumed_from = setup(cfg, derived, device_type)
-    end = t.stop_after or t.steps
     replan = ([("replan", {**elastic.event(), "setup_s": round(time.perf_counter() - began, 4)})]
               if elastic is not None and elastic.changed else [])
+    try:
+        return _steps(run, start, resumed_from, prediction, progress, return_state, elastic, replan)
+    finally:
+        run.mesh.close()  # its publishing thread stops before the process group goes
+
+
+def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | None, progress: bool,
+           return_state: bool, elastic: Decision | None, replan: list) -> TrainResult:
+    """Train from step `start` to the end (or train.stop_after, or an elastic job's agreed stop),
+    checkpointing and logging."""
+    cfg, world, t = run.cfg, dist.get_world_size(), run.cfg.train
+    end = t.stop_after or t.steps
     log = StepLog(run, start, end, resumed_from, prediction, progress, replan)
     if resumed_from is not None:
         log.print(f"resumed from {resumed_from} at step {start}")
     if replan:
         log.print(elastic.message())
-    note = split_note(cfg, stage_split(cfg, derived.vocab_size))
+    note = split_note(cfg, stage_split(cfg, run.derived.vocab_size))
     if note:  # an automatic uneven split is said (and saved in the layout event, step_log.py)
         log.print(note)
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
@@ -246,6 +256,10 @@ def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, retu
         checkpoints.wait()  # an asynchronous write in flight completes before the job ends
         dist.barrier()
     except BaseException:
+        # A write in flight leaves no partial folder; its own failure is said too (a full disk fails both).
+        also = checkpoints.abandon()
+        if also is not None:
+            log.print(f"fivefold: also: {also}")
         log.close(failed=True)
         raise
     log.close()

@@ -74,7 +74,7 @@ class StepLog:
         self.window = BreakdownWindow()
         # Every rank of the job (pg None: torch's default group), for the breakdown's gather.
         self.world = AxisGroup("world", "log", None, dist.get_world_size(), self.rank, mesh.stats,
-                               cfg.parallel.collective_timeout_s, mesh.timer)
+                               cfg.parallel.collective_timeout_s, mesh.timer, mesh.arrivals)
         self.trace = None
         if cfg.run.trace:  # from the job's second step (the first warms up), or its first if it is shorter
             first = start + (2 if end - start > cfg.run.trace_steps else 1)
