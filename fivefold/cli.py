@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from fivefold.config import Config, ConfigError, read_config, replace
 from fivefold.elastic import Policy
-from fivefold.launch import LaunchError
+from fivefold.launch import LaunchError, RendezvousLost
 from fivefold.launch import add_arguments as add_launch_arguments
 from fivefold.validate import Derived, derive
 
@@ -89,7 +90,11 @@ def _worker(cfg: Config, derived: Derived, progress: bool, policy: Policy | None
             world = int(os.environ["WORLD_SIZE"])
             decision = decide(cfg, world, policy, resolve_device_type(cfg))
             cfg, derived = decision.cfg, derive(decision.cfg, world)
-        train(cfg, derived, progress=progress, elastic=decision)
+        if train(cfg, derived, progress=progress, elastic=decision).stopped:
+            # The agent's SIGTERM asked for this stop: end as it asked (the report's handler says
+            # "stopped"). A worker that returned would wait for the agent's all-finished event, which
+            # a shutdown never sends, until the agent's SIGKILL 30 s later.
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _warn_oversubscribed(cfg: Config, nproc: int) -> None:
@@ -123,6 +128,14 @@ def _elastic_policy(args: argparse.Namespace, world: int, elastic: bool) -> tupl
         except ValueError as e:
             return None, [f"--gpu: {e}"]
     return Policy(world, keep, args.replan, args.gpu or ""), []
+
+
+def _finished(cfg: Config) -> bool:
+    """Whether the run's last complete checkpoint is at its final step (train.stop_after or steps)."""
+    from fivefold.train.run_dir import PREFIX, latest_checkpoint, run_dir_of
+
+    latest = latest_checkpoint(run_dir_of(cfg))
+    return latest is not None and int(latest.name[len(PREFIX):]) >= (cfg.train.stop_after or cfg.train.steps)
 
 
 def _resume_note(cfg: Config) -> str:
@@ -217,6 +230,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             cfg = replace(cfg, checkpoint={"resume": True})
         try:
             launch(spec, _worker, (cfg, derived, progress, policy))
+        except RendezvousLost as e:
+            if not _finished(cfg):  # else node 0 ended the finished job a moment before this node's agent did
+                raise LaunchError(f"{e}\n{_resume_note(cfg)}") from None
         except LaunchError as e:
             if not (spec.max_restarts or spec.elastic):
                 raise

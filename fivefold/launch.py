@@ -49,6 +49,11 @@ class LaunchError(RuntimeError):
     """The job could not start; the message names the address and what to change."""
 
 
+class RendezvousLost(LaunchError):
+    """Node 0's rendezvous store went away: its launcher or machine is gone, or it ended the job
+    (its workers finished first and it closed the store while this node's agent was polling)."""
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     nproc: int  # workers on this node
@@ -354,7 +359,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     try:
         elastic_launch(config, entrypoint)(*args)
     except RendezvousConnectionError:  # node 0's store went away: its launcher (or machine) is gone
-        raise LaunchError(f"lost the rendezvous at {spec.endpoint}: node 0, which hosts it, is gone or unreachable, "
+        raise RendezvousLost(f"lost the rendezvous at {spec.endpoint}: node 0, which hosts it, is gone or unreachable, "
                           f"and the job cannot go on without it") from None
     except RendezvousError as e:
         raise LaunchError(str(e)) from None

@@ -70,6 +70,14 @@ def wait_for(condition, jobs: list[subprocess.Popen], out: Path, timeout: float 
         time.sleep(0.01)
 
 
+def sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits to be delivered to stopped process `pid` (Linux: /proc/PID/status)."""
+    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if ":\t" in line)
+    pending = int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+    return bool(pending >> (signal.SIGTERM - 1) & 1)
+
+
 def running_on(metrics: Path, world: int, steps: int) -> bool:
     """The job logged `steps` steps and its latest layout has `world` ranks."""
     if not metrics.is_file():
@@ -164,6 +172,9 @@ def test_a_node_that_comes_back_grows_the_job_again(tmp_path, reference):
         store.delete_key("fivefold.arrived.1")  # set again by the new launcher of node-rank 1 (launch.py)
         node1 = start(tmp_path, 1, port, log="node1-again.log")
         wait_for(lambda: store.check(["fivefold.arrived.1"]), [node0, node1], tmp_path)
+        # Node 0's agent SIGTERMs its workers once it sees node 1 waiting; they take it when resumed.
+        # Resumed before that, they could finish the run (0.4 s here) before the agent's next poll.
+        wait_for(lambda: all(sigterm_pending(pid) for pid in held), [node0, node1], tmp_path)
         for pid in held:
             os.kill(pid, signal.SIGCONT)
         for job, log in ((node0, "node0.log"), (node1, "node1-again.log")):

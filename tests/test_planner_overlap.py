@@ -224,9 +224,9 @@ def _collectives(rank, world, cfg):
     """Worker: one training step, each collective recorded as (axis, op, issued asynchronously)."""
     calls, issue = [], comms._issue
 
-    def recording(op, group, nbytes, label, async_op, call, name=None):
+    def recording(op, group, nbytes, label, async_op, *args, **kwargs):
         calls.append((label, op, async_op))
-        return issue(op, group, nbytes, label, async_op, call, name)
+        return issue(op, group, nbytes, label, async_op, *args, **kwargs)
 
     comms._issue = recording
     train(cfg, progress=False)

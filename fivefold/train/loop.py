@@ -58,6 +58,7 @@ class TrainResult:
     tokens_per_s: list[float] = field(default_factory=list)
     samples: list[list[int]] = field(default_factory=list)  # this rank's sample indices per step
     state: dict[str, torch.Tensor] | None = None  # full_state_dict() at the end, when asked for
+    stopped: bool = False  # an elastic job's SIGTERM stopped it early, with a checkpoint (stop_request.py)
 
     def add(self, record: StepRecord, val_loss: float | None) -> None:
         m = record.metrics
@@ -263,6 +264,7 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
         log.close(failed=True)
         raise
     log.close()
+    result.stopped = stopped
     if return_state:
         result.state = run.par.full_state_dict()
     if dist.get_rank() == 0 and not stopped:
