@@ -132,10 +132,10 @@ def _elastic_policy(args: argparse.Namespace, world: int, elastic: bool) -> tupl
 
 def _finished(cfg: Config) -> bool:
     """Whether the run's last complete checkpoint is at its final step (train.stop_after or steps)."""
-    from fivefold.train.run_dir import PREFIX, latest_checkpoint, run_dir_of
+    from fivefold.train.run_dir import checkpoint_step, latest_checkpoint, run_dir_of
 
     latest = latest_checkpoint(run_dir_of(cfg))
-    return latest is not None and int(latest.name[len(PREFIX):]) >= (cfg.train.stop_after or cfg.train.steps)
+    return latest is not None and checkpoint_step(latest) >= (cfg.train.stop_after or cfg.train.steps)
 
 
 def _resume_note(cfg: Config) -> str:

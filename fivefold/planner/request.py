@@ -82,9 +82,6 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     elif args.model:
         preset = [f"--model.preset={args.model}"]
     layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
-    if args.expert_imbalance < 1:
-        raise ValueError(f"--expert-imbalance {args.expert_imbalance:g}: the busiest expert rank's tokens over "
-                         "the mean are at least 1 (1 = balanced)")
     options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=args.expert_imbalance)
     extra = [f"--train.seq_len={args.seq}"] if args.seq else []
     overridden = set(parse_overrides(rest + layout)[0].get("train", {}))  # --train.KEY and --layout micro_batch

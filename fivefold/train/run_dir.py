@@ -27,7 +27,12 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder holds, from its name (step_00000300 -> 300)."""
+    return int(path.name[len(PREFIX):])
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
