@@ -173,22 +173,23 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     backward_window = chunks * b_cost if p.overlap_comm else 0.0
     gather = share.params * param_b * (n_dp - 1) / n_dp / bw + (n_dp - 1) * alpha if n_dp > 1 else 0.0
     overlap = None
+    per_step = M if p.zero == 2 else 1  # reductions a step: ZeRO-2 reduces every micro-batch
     if n_dp <= 1:
         exposed = 0.0
     elif p.zero == 3:
         exposed = zero3.exposed_s
     else:
-        reduce_t = dp.time_s - (gather if p.zero else 0.0)
-        reduce_t /= M if p.zero == 2 else 1
+        reduce_t = (dp.time_s - (gather if p.zero else 0.0)) / per_step
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
-        exposed = overlap.exposed_s * (M if p.zero == 2 else 1) + (gather if p.zero else 0.0)
-    per_step = M if p.zero == 2 else 1  # ZeRO-2 reduces every micro-batch
+        exposed = overlap.exposed_s * per_step + (gather if p.zero else 0.0)
     switch = dp_hidden(work.cfg, n_dp, overlap.reduce_s * per_step if overlap else 0.0,
                        overlap.exposed_s * per_step if overlap else 0.0)
-    dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else M if p.zero == 2 else 1
+    dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else per_step
     dp_noise = dp_syncs * hw.pricer.noise_wait(n_dp, busy_s / dp_syncs, memo) if dp_syncs else 0.0
     exposed += dp_noise
-    row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, backward window {backward_window * 1e3:.2f} ms, "
+    window = ("the zero3 prefetch row prices it" if p.zero == 3
+              else f"backward window {backward_window * 1e3:.2f} ms")
+    row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, {window}, "
            f"{dp_syncs} x waiting for the slowest replica {dp_noise * 1e3:.2f} ms: {exposed * 1e3:.2f} ms exposed",
            "bucket overlap (Li et al. 2020, \"PyTorch Distributed\"); noise: calibration/noise.py")
     return DpExposure(exposed, overlap, switch, [row])
