@@ -68,12 +68,17 @@ def _report(folder: Path, attempt: int) -> tuple[str, float] | None:
     return None
 
 
-def _wait(condition, what: str, timeout: float = 600.0):
+def _wait(condition, what: str, timeout: float = 600.0, alive: tuple[tuple[subprocess.Popen, Path], ...] = ()):
+    """condition()'s first true value; an error when a node in `alive` (job, its log) ends first."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
+        for job, log in alive:
+            if job.poll() is not None:
+                raise RuntimeError(f"waiting for {what}: {log.name} ended with {job.returncode}:\n"
+                                   + log.read_text()[-2000:])
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.005)
@@ -99,7 +104,8 @@ def one_round(out: Path, args: argparse.Namespace) -> dict[str, float]:
     node1, node0 = jobs
     metrics, reports0 = out / "debug" / "metrics.jsonl", out / "reports0"
     try:
-        _wait(lambda: metrics.is_file() and len(read_metrics(metrics)) >= args.kill_after, "training on both nodes")
+        _wait(lambda: metrics.is_file() and len(read_metrics(metrics)) >= args.kill_after, "training on both nodes",
+              alive=((node0, out / "node0.log"), (node1, out / "node1.log")))
         layouts = [e for e in read_events(metrics) if e["event"] == "layout"]
         if layouts[-1]["world_size"] != 2 * args.nproc:
             raise RuntimeError("node 1 was not in the first round: raise --rdzv-last-call")

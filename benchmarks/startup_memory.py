@@ -14,7 +14,8 @@ Three sides, each measured in a fresh pair of forked workers (peak RSS is monoto
 - `fivefold`: what `fivefold train` runs up to and including its first step, minus the metrics log,
   the planner's prediction and the checkpoint at the end: `train/loop.py` `setup()` (run directory,
   `Mesh.from_config`, `parallel_model()`: the model built on the meta device and parallelized there,
-  so a rank allocates only what it holds; the data (the default corpus, `data.max_bytes` = 200 kB);
+  so a rank allocates only what it holds; the data (the default corpus, `data.max_bytes` = 200 kB,
+  prepared in the parent before the workers start, as `fivefold train`'s launcher does);
   `fill_weights()` with the seeded initialisation, each rank drawing only the row blocks of its
   slices), then `train/step.py` `train_step(run, 0)`: data, forward, backward with the dp / tp
   collectives, clipping, AdamW (whose state is made here, at its first step).
@@ -100,6 +101,7 @@ from benchmarks.common import log, malloc_returns_memory, prewarm, ratio, status
 from benchmarks.tensor_parallel import clip_torch, torch_tp_plan  # noqa: E402
 from fivefold.attention import RMSNorm  # noqa: E402
 from fivefold.config import Config, ConfigError, load_config  # noqa: E402
+from fivefold.data.resolve import ensure_prepared  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.planner.counts import model_counts  # noqa: E402
@@ -346,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
                         log(f"  {kind}: skipped, setup does not fit: {why_setup}")
                         continue
                 shutil.rmtree(out_dir / "startup", ignore_errors=True)
+                if kind != "torch":  # `fivefold train` prepares text in the launcher, not in a rank
+                    ensure_prepared(cfg)
                 launched = time.perf_counter()
                 res = run_workers(_worker, WORLD, layout, kind, cfg, launched, first_step, args.torch_units,
                                   args.malloc_trim, timeout=args.timeout)

@@ -121,7 +121,7 @@ from benchmarks.common import (  # noqa: E402
     slowest_rank,
     timed_rounds,
 )
-from benchmarks.pipeline_parallel import _batches  # noqa: E402  (global batches, the same on every rank)
+from benchmarks.pipeline_sides import global_batches  # noqa: E402  (the same on every rank)
 from fivefold.config import Config, load_config, replace  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402
@@ -179,8 +179,8 @@ def torch_tp_plan(model: torch.nn.Module, mesh, sp: bool) -> None:
     for block in model.layers.values():
         plan = {
             # The region's input becomes Replicate once (an all-gather under sp), for all its Colwise layers.
-            "attn": PrepareModuleInput(input_layouts=(seq, None, None),
-                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn": PrepareModuleInput(input_layouts=(seq, None, None, None),  # x, cos, sin, document mask
+                                       desired_input_layouts=(Replicate(), None, None, None)),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=seq),
             "ffn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
@@ -269,7 +269,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
     cfg = variant_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, derive(cfg, world))
     sides = [_make_side(kind, cfg, world, mesh) for kind in kinds]
-    return alternate(sides, _batches(cfg, warmup + steps), warmup, _timed_step)
+    return alternate(sides, global_batches(cfg, warmup + steps), warmup, _timed_step)
 
 
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
@@ -280,7 +280,7 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
 
     def run() -> FivefoldSide | TorchSide:
         side = _make_side(kind, cfg, world, mesh)
-        for x, y in _batches(cfg, steps):
+        for x, y in global_batches(cfg, steps):
             _timed_step(side, x, y)
         return side
 
@@ -293,7 +293,7 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
     mesh, out = Mesh.from_config(cfg, derive(cfg, world)), {}
     for kind in ("fivefold", "torch"):
         side = _make_side(kind, cfg, world, mesh)
-        batches = _batches(cfg, warmup + steps)
+        batches = global_batches(cfg, warmup + steps)
         for x, y in batches[:warmup]:
             _timed_step(side, x, y)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -172,7 +172,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from fivefold.train.dry_run_cli import run as dry_run
 
         return dry_run(args, overrides)
-    from fivefold.launch import check_writable, launch, spec_from_args
+    from fivefold.launch import check_writable, launch, spec_from_args, start_worker_server
     from fivefold.train.preflight import preflight
     from fivefold.train.run_dir import run_dir_of
     from fivefold.train.run_lock import RunLock
@@ -205,6 +205,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # Checked once, here: every worker receives this resolved config and its derived numbers.
     derived = derive(cfg, spec.world_size)
     _warn_oversubscribed(cfg, nproc)
+    launching = not _under_torchrun() and (spec.world_size > 1 or spec.max_restarts > 0)
+    if launching:  # its imports overlap what this launcher does before the workers start
+        start_worker_server(nproc)
     progress = not args.no_progress
     # One job per run directory: node 0's launcher holds the lock for the whole job (rank 0 under torchrun).
     holds = os.environ.get("RANK", "0") == "0" if _under_torchrun() else spec.node_rank == 0
@@ -216,7 +219,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         if holds:  # node 0 (rank 0 under torchrun) prepares text; the other nodes read its cache
             _prepare_text(cfg, progress)
-        if _under_torchrun() or (spec.world_size == 1 and not spec.max_restarts):
+        if not launching:
             if _under_torchrun():  # a worker of torchrun's agent: it ends with the agent
                 _worker(cfg, derived, progress)
             else:  # this process is the job: it lives as long as the user's shell wants

@@ -40,6 +40,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+from fivefold.worker_report import WORKER_DIR, culprit_summary
+
 LOCAL_ENDPOINT = "127.0.0.1:0"  # one machine: loopback, a port the OS picks
 BACKEND = "fivefold-c10d"  # our rendezvous handler's name in torch's registry
 ARRIVED = "fivefold.arrived."  # + node rank: a node reached the rendezvous (store key)
@@ -315,6 +317,33 @@ def die_with_parent() -> None:
         raise SystemExit("fivefold: the launcher of this process is gone; stopping")
 
 
+def _own_reports() -> Path:
+    """The workers' report folder (worker_report.py) of this launcher, unless the environment names one."""
+    return Path(tempfile.gettempdir()) / f"fivefold-workers-{os.getpid()}"
+
+
+def start_worker_server(nproc: int) -> None:
+    """Start the server process the workers are forked from, if it is not running yet.
+
+    It imports torch and fivefold once, so a restart starts the workers in a fraction of a second
+    instead of every worker importing again (seconds each), and it forks from its single thread: no
+    lock held by the launcher's store threads is copied. `fivefold train` starts it as soon as the
+    config is checked, so its imports run while the launcher prepares the data, imports torch's
+    agent and meets the other nodes (1.2 s of a 4.5 s two-step run here), not after them. The
+    workers inherit its environment, fixed now: the OpenMP threads, the launcher's pid (the guard
+    makes it end with this launcher: a SIGKILL here leaves it otherwise) and the reports folder.
+    """
+    # Each worker gets an equal share of the cores; oversubscribed OpenMP threads slow everyone down.
+    # OpenMP reads it when torch is imported in the server.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    os.environ.setdefault(WORKER_DIR, str(_own_reports()))  # made by launch(), removed at its end
+    multiprocessing.set_forkserver_preload(["fivefold.forkserver_guard", "fivefold.train.loop", "torch._dynamo"])
+    from multiprocessing import forkserver  # the server torch's agent forks from (start_method below)
+
+    forkserver.ensure_running()
+
+
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> None:
     """Run entrypoint(*args) in spec.nproc local workers, restarting them all up to max_restarts times."""
     from torch.distributed.elastic.rendezvous import (
@@ -331,15 +360,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
         endpoint = f"{host}:{sock.getsockname()[1]}"  # the port the OS chose for ":0"
         fd = sock.detach()
     rendezvous_handler_registry.register(BACKEND, _create_handler)
-    # Each worker gets an equal share of the cores; oversubscribed OpenMP threads slow everyone down.
-    # Set before the forkserver below starts: OpenMP reads it when torch is imported there.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc)))
-    # Workers are forked by a server process that has imported torch and fivefold once, so a restart
-    # starts them in a fraction of a second instead of every worker importing again (seconds each).
-    # It forks from its single thread: no lock held by this process's store threads is copied.
-    # The guard makes the forkserver end with this launcher (a SIGKILL here leaves it otherwise).
-    os.environ[LAUNCHER_PID] = str(os.getpid())
-    multiprocessing.set_forkserver_preload(["fivefold.forkserver_guard", "fivefold.train.loop", "torch._dynamo"])
+    start_worker_server(spec.nproc)  # (running already when cmd_train started it)
     config = LaunchConfig(
         min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id="fivefold",
         rdzv_backend=BACKEND, rdzv_endpoint=endpoint, max_restarts=spec.max_restarts, monitor_interval=0.5,
@@ -350,12 +371,9 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from fivefold.worker_report import WORKER_DIR, culprit_summary
-
-    given = os.environ.get(WORKER_DIR)  # (a test may name the folder, to read the reports itself)
-    reports = Path(given) if given else Path(tempfile.mkdtemp(prefix="fivefold-workers-"))
+    reports = Path(os.environ[WORKER_DIR])
+    own = reports == _own_reports()  # (a test may name the folder, to read the reports itself)
     reports.mkdir(parents=True, exist_ok=True)
-    os.environ[WORKER_DIR] = str(reports)  # before the forkserver starts: the workers inherit it
     try:
         elastic_launch(config, entrypoint)(*args)
     except RendezvousConnectionError:  # node 0's store went away: its launcher (or machine) is gone
@@ -370,6 +388,5 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
         raise LaunchError(f"{summary}\n(torch's report above lists the failures in the order it saw them; "
                           f"the first cause is what to fix)") from e
     finally:
-        if not given:
+        if own:
             shutil.rmtree(reports, ignore_errors=True)
-            del os.environ[WORKER_DIR]  # (a later launch from this process makes its own)

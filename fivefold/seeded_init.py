@@ -12,22 +12,25 @@ values every layout starts from. So a parameter is defined block by block:
   1/sqrt(2 L)); 1-D parameters (norm weights) are ones.
 
 `init_box` gives the values of any box (a slice per dim) by drawing only the blocks that hold its
-rows, one at a time, so its peak memory is the box plus one block. `init_tensor` fills a whole
-tensor the same way (one process), and `SeededInit` offers the definition as a weight source
-(train/weights.py), so starting a run from the seed and from a checkpoint are one code path.
+rows, one at a time, straight into the box where it holds a block whole: its peak memory is the
+box plus one block (256 KB). `init_tensor` fills a whole tensor the same way (one process), and
+`SeededInit` offers the definition as a weight source (train/weights.py), so starting a run from
+the seed and from a checkpoint are one code path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from fivefold.model_config import ModelConfig
 
-BLOCK_ELEMENTS = 1 << 20  # numbers drawn at once: 4 MB of fp32, whatever the layout
+BLOCK_ELEMENTS = 1 << 16  # numbers per block: 256 KB of fp32, whatever the layout
 
 
 def init_std(name: str, cfg: ModelConfig) -> float:
@@ -48,54 +51,87 @@ def block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _draw(seed: int, name: str, block: int, rows: int, length: int, std: float) -> torch.Tensor:
-    """Block `block` of parameter `name`: (rows, length) fp32 on the CPU, its own generator."""
+def draw_block(into: torch.Tensor, seed: int, name: str, block: int, std: float) -> torch.Tensor:
+    """Block `block` of parameter `name`, drawn into `into` ((block rows, length), contiguous fp32 on
+    the CPU): the same numbers as into a fresh tensor, from the block's own generator."""
     generator = torch.Generator().manual_seed(block_seed(seed, name, block))
-    return torch.empty(rows, length).normal_(0.0, std, generator=generator)
+    return into.normal_(0.0, std, generator=generator)
+
+
+def row_runs(lead: tuple[int, ...], box: tuple[slice, ...]) -> Iterator[tuple[tuple[int, ...], int, int]]:
+    """The rows that `box` (a slice of each lead dim: all but the last) holds of the flattened
+    (N, length) view, as runs in row-major order (the order of the box's own rows): one run per index
+    of the dims before the innermost dim the box cuts, given as (that index within the box, first
+    row, count). A tp slice of a matrix or a ZeRO row range is one run; the experts' (E, dim, hidden)
+    cut along dim is one run per expert. Computed, never listed: no tensor of row indices is made."""
+    cut = max((d for d, (n, s) in enumerate(zip(lead, box, strict=True)) if (s.start, s.stop) != (0, n)),
+              default=0)
+    inner = math.prod(lead[cut + 1:])
+    strides = [math.prod(lead[d + 1:]) for d in range(cut)]
+    for outer in itertools.product(*(range(s.stop - s.start) for s in box[:cut])):
+        first = sum((box[d].start + i) * stride for d, (i, stride) in enumerate(zip(outer, strides, strict=True)))
+        yield outer, (first + box[cut].start) * inner, (box[cut].stop - box[cut].start) * inner
+
+
+def _fill_rows(dest: torch.Tensor, first: int, shape: tuple[int, ...], columns: slice, name: str, std: float,
+               seed: int, scratch: list[torch.Tensor]) -> None:
+    """Rows first .. first + len(dest) of parameter `name`'s (N, length) view, columns `columns`,
+    into `dest` ((rows, columns), any strides, dtype or device), block by block. A block `dest` holds
+    whole (all its rows, every column, contiguous fp32 on the CPU) is drawn straight into place; any
+    other is drawn into the one scratch block (made at the first need, kept in `scratch`) and its
+    part copied out."""
+    per_block, length, n_rows = block_rows(shape), shape[-1], math.prod(shape[:-1])
+    drawn_in_place = columns == slice(0, length) and dest.dtype == torch.float32 and dest.device.type == "cpu"
+    row, at = first, 0
+    while at < len(dest):
+        b = row // per_block
+        lo, hi = b * per_block, min((b + 1) * per_block, n_rows)  # the block's rows
+        end = min(hi, first + len(dest))
+        part = dest[at:at + end - row]
+        if drawn_in_place and row == lo and end == hi and part.is_contiguous():
+            draw_block(part, seed, name, b, std)
+        else:
+            if not scratch:
+                scratch.append(torch.empty(per_block, length))
+            values = draw_block(scratch[0][: hi - lo], seed, name, b, std)  # (block rows, length)
+            part.copy_(values[row - lo:end - lo, columns])
+        at += end - row
+        row = end
 
 
 @torch.no_grad()
 def init_box(name: str, shape: tuple[int, ...], box: tuple[slice, ...], cfg: ModelConfig, seed: int,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The initial values of `box` of parameter `name` (whole shape `shape`): written into `out` (of
-    the box's shape, any device or dtype) block by block when given, else into a new fp32 CPU tensor."""
-    local = tuple(s.stop - s.start for s in box)
+    the box's shape, any device, dtype or strides) when given, else into a new fp32 CPU tensor.
+    Beside `out`, at most one block (BLOCK_ELEMENTS numbers) is ever held."""
     if out is None:
-        out = torch.empty(local)
+        out = torch.empty(tuple(s.stop - s.start for s in box))
     if len(shape) < 2:
         return out.fill_(1.0)
-    if not out.is_contiguous():  # a ZeRO shard split along dim 1 is a strided view: fill a copy
-        out.copy_(init_box(name, shape, box, cfg, seed))
-        return out
-    lead, length = shape[:-1], shape[-1]
-    # The box's rows of the flattened (N, length) view, in the box's own row-major order.
-    index = torch.zeros((), dtype=torch.long)
-    for n, s in zip(lead, box[:-1], strict=True):
-        index = index.unsqueeze(-1) * n + torch.arange(s.start, s.stop)
-    rows = index.reshape(-1)  # ascending: row-major order of the box is row-major order of the whole
-    flat = out.view(rows.numel(), local[-1])  # (box rows, box columns)
-    per_block, std, n_rows = block_rows(shape), init_std(name, cfg), math.prod(lead)
-    # The box's rows are ascending, so those of one block are a contiguous run of `rows`; blocks that
-    # hold none of them (a slice of an inner dim skips some) are never drawn.
-    # A block the box holds whole (all its rows, every column) is drawn straight into place when the
-    # box is fp32 on the CPU: the same numbers as a fresh tensor's (contiguous), and no copy at all.
-    in_place = box[-1] == slice(0, length) and out.dtype == torch.float32 and out.device.type == "cpu"
-    for b in torch.unique_consecutive(rows // per_block).tolist():
-        lo, hi = b * per_block, min((b + 1) * per_block, n_rows)
-        start, end = torch.searchsorted(rows, torch.tensor([lo, hi])).tolist()
-        if in_place and end - start == hi - lo:  # sorted and distinct: the rows are exactly lo..hi-1
-            generator = torch.Generator().manual_seed(block_seed(seed, name, b))
-            flat[start:end].normal_(0.0, std, generator=generator)
-            continue
-        values = _draw(seed, name, b, hi - lo, length, std)  # (block rows, length)
-        flat[start:end] = values[rows[start:end] - lo][:, box[-1]]
+    std, scratch, at = init_std(name, cfg), [], 0
+    flat = out.view(-1, out.shape[-1]) if out.is_contiguous() else None  # (box rows, box columns)
+    for outer, first, count in row_runs(shape[:-1], box[:-1]):
+        if flat is not None:
+            dest, at = flat[at:at + count], at + count
+        else:  # a strided box (ZeRO's cut of an expert tensor along dim 1): each run's rows as one view
+            dest = out[outer]
+            if dest.dim() > 2:
+                try:
+                    dest = dest.view(count, out.shape[-1])
+                except RuntimeError:  # rows no view can merge (never made by fivefold): a copy of one run
+                    run = torch.empty(count, out.shape[-1])
+                    _fill_rows(run, first, shape, box[-1], name, std, seed, scratch)
+                    dest.copy_(run.view(dest.shape))
+                    continue
+        _fill_rows(dest, first, shape, box[-1], name, std, seed, scratch)
     return out
 
 
 @torch.no_grad()
 def init_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, seed: int) -> None:
-    """Fill the whole tensor `t` (parameter `name`) with its initial values."""
-    t.copy_(init_box(name, tuple(t.shape), tuple(slice(0, n) for n in t.shape), cfg, seed))
+    """Fill the whole tensor `t` (parameter `name`) with its initial values, in place."""
+    init_box(name, tuple(t.shape), tuple(slice(0, n) for n in t.shape), cfg, seed, out=t)
 
 
 class SeededInit:

@@ -255,6 +255,18 @@ def test_defaults_are_what_the_runtime_does(tmp_path):
         assert all(h.runtime for h in a.overlaps.values())
 
 
+def test_a_switch_the_layout_never_uses_is_no_reason_it_cannot_run(tmp_path):
+    """zero3_prefetch=false prices nothing without ZeRO-3, tp_overlap nothing at tp = 1, ep_overlap
+    nothing at ep = 1: such an estimate is what fivefold runs; with the axis in use it is not."""
+    off = PlanOptions(tp_overlap=True, zero3_prefetch=False, ep_overlap=True)
+    plain = _llama(8, "--parallel.zero=1", "--train.global_batch=8")
+    assert estimate(plain, 8, H100, options=off).not_runnable == []
+    assert [w.split(":")[0] for w in off.not_runnable()] == ["tp_overlap", "zero3_prefetch=false", "ep_overlap"]
+    used = estimate(_llama(8, "--parallel.tp=2", "--parallel.zero=3", "--train.global_batch=8"), 8, H100, options=off)
+    assert [w.split(":")[0] for w in used.not_runnable] == ["tp_overlap", "zero3_prefetch=false"]
+    assert [w.split(":")[0] for w in estimate(_moe(tmp_path), 2, H100, options=off).not_runnable] == ["ep_overlap"]
+
+
 def _changed(a, b) -> set[str]:
     """The step's terms (time_split keys) that differ between two estimates (without a pipeline the
     bubble is simulate_scaled's rounding of b / f, under 1e-4 of the step: not a change)."""

@@ -92,6 +92,15 @@ def test_every_module_imports_alone():
     subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, check=True, timeout=120)
 
 
+def test_every_benchmark_imports():
+    """Benchmarks are not run by the suite, but they import each other's sides: a renamed helper
+    must not leave one that cannot start (tensor_parallel.py once imported a name that had moved)."""
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)"
+    modules = sorted(f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py"))
+    assert "benchmarks.startup_memory" in modules
+    subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, check=True, timeout=120)
+
+
 @pytest.mark.parametrize("module,entry", [
     ("fivefold.parallel.pipeline", "apply_pipeline_parallel"),
     ("fivefold.parallel.tensor", "apply_tensor_parallel"),

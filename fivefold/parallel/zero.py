@@ -71,7 +71,10 @@ class ZeroDataParallel(DataParallel):
                 rows = [p.shape[zd], *(d for i, d in enumerate(p.shape) if i != zd)]  # shape, split dim first
                 c = -(-rows[0] // self.group_of(p).size)
                 self.rows[id(p)] = c
-                master = torch.zeros((c, *rows[1:]), dtype=torch.float32, device=p.device)
+                # Only the padding rows past the parameter's end are zeroed: the rest is filled now
+                # (a real parameter) or on load (from the meta device), so a memset of it is wasted.
+                master = torch.empty((c, *rows[1:]), dtype=torch.float32, device=p.device)
+                master[self._own_rows(p):].zero_()
                 self.shards[id(p)] = nn.Parameter(master, requires_grad=False)
                 if p.untyped_storage().nbytes():  # ZeRO-3 from the meta device: the shard is filled on load
                     self._copy_master_rows(p)
@@ -80,13 +83,17 @@ class ZeroDataParallel(DataParallel):
     def optimizer_params(self) -> list[torch.Tensor]:
         return [self.shards[id(p)] for p in self.params]  # the fp32 masters, in parameter order
 
+    def _own_rows(self, p: nn.Parameter) -> int:
+        """How many of this rank's c shard rows lie inside p (the rest pad the last ranks' shards)."""
+        c = self.rows[id(p)]
+        return max(0, min(c, p.shape[self.zero_dims[id(p)]] - self.group_of(p).rank * c))
+
     @torch.no_grad()
     def _copy_master_rows(self, p: nn.Parameter) -> None:
         """This rank's rows of the full parameter p into its fp32 master shard."""
         zd, c, r = self.zero_dims[id(p)], self.rows[id(p)], self.group_of(p).rank
-        rows = p.detach().movedim(zd, 0)
-        valid = max(0, min(c, rows.shape[0] - r * c))
-        self.shards[id(p)][:valid] = rows[r * c : r * c + valid]
+        valid = self._own_rows(p)
+        self.shards[id(p)][:valid] = p.detach().movedim(zd, 0)[r * c : r * c + valid]
 
     def _reduces_on(self, last_micro_batch: bool) -> bool:
         return self.stage == 2 or last_micro_batch

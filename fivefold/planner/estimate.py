@@ -91,11 +91,8 @@ class Estimate:
     flops: dict[str, float] = field(default_factory=dict)  # model and hardware FLOPs, per token and per step
     host_memory_bytes: float = 0.0  # host memory per node that offloaded state takes
     overlaps: dict[str, Hidden] = field(default_factory=dict)  # overlap.SWITCHES -> traffic and what stays exposed
+    not_runnable: list[str] = field(default_factory=list)  # why `fivefold train` cannot run it as assumed
 
-    @property
-    def not_runnable(self) -> list[str]:
-        """Why `fivefold train` cannot run this estimate's layout as assumed (empty: it can)."""
-        return self.options.not_runnable()
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object (keys fixed by the planner issue)."""
@@ -191,7 +188,8 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
                     bubble_fraction=pipe.sim.bubble_fraction, exposed_dp_s=dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
                     time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
-                    flops=flops.to_json(), host_memory_bytes=mem.host_bytes, overlaps=overlaps)
+                    flops=flops.to_json(), host_memory_bytes=mem.host_bytes, overlaps=overlaps,
+                    not_runnable=options.not_runnable(cfg.parallel))
 
 
 def _params_row(counts: ModelCounts) -> Row:

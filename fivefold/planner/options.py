@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from fivefold.config import ParallelConfig
 
 CausalFlops = Literal["half", "full"]
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
@@ -43,14 +46,17 @@ class PlanOptions:
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
 
-    def not_runnable(self) -> list[str]:
-        """Why `fivefold train` cannot run a layout under these options (empty: it can)."""
+    def not_runnable(self, parallel: ParallelConfig | None = None) -> list[str]:
+        """Why `fivefold train` cannot run a layout under these options (empty: it can). Given the
+        layout's `parallel` section, a switch its layout never uses (tp_overlap at tp = 1,
+        zero3_prefetch without ZeRO-3, ep_overlap at ep = 1) changes no second and is not a reason."""
+        tp, zero, ep = (parallel.tp, parallel.zero, parallel.ep) if parallel is not None else (2, 3, 2)
         out = []
-        if self.tp_overlap:
+        if self.tp_overlap and tp > 1:
             out.append("tp_overlap: fivefold's tp collectives block their region's compute")
-        if not self.zero3_prefetch:
+        if not self.zero3_prefetch and zero == 3:
             out.append("zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit")
-        if self.ep_overlap:
+        if self.ep_overlap and ep > 1:
             out.append("ep_overlap: fivefold's expert all-to-alls are not overlapped with another micro-batch")
         if self.offload != "none":
             out.append(f"offload={self.offload}: fivefold keeps all state on the device")
