@@ -37,9 +37,11 @@ Three sides, each measured in a fresh pair of forked workers (peak RSS is monoto
   PyTorch users write it: `reset_parameters()` where a module has one (nn.Linear, nn.Embedding,
   on the DTensor parameters), `nn.init.ones_` for fivefold's RMSNorm weights; AdamW from
   `build_optimizer`; a step is forward, `cross_entropy_sum` / tokens, backward, gradient clipping
-  to train.grad_clip (benchmarks/tensor_parallel.py `clip_torch`), AdamW, zero_grad. Its batches
-  are random token ids (no corpus is read); its initial values differ from fivefold's (the first
-  losses are printed, not compared).
+  to train.grad_clip (benchmarks/tensor_parallel.py `clip_torch`), AdamW, zero_grad. Its batch
+  comes from the same corpus through fivefold's data pipeline (`loop.build_datasets`, `rank_slice`:
+  the prepared shards memory-mapped, the seeded sample order), as a PyTorch user reading that corpus
+  would, so both sides pay for their data alike; its initial values differ from fivefold's (the
+  first losses are printed, not compared).
 
 What is measured, per rank, in each worker: peak RSS (`getrusage(RUSAGE_SELF).ru_maxrss`, which is
 /proc VmHWM: monotonic over the process's life since the fork) at the end of setup (the model
@@ -107,7 +109,9 @@ from fivefold.parallel.parallelize import parallelize  # noqa: E402
 from fivefold.planner.counts import model_counts  # noqa: E402
 from fivefold.planner.selfcheck import predict_for_config  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
+from fivefold.train.data import IGNORE, rank_slice  # noqa: E402
 from fivefold.train.optim import build_optimizer  # noqa: E402
+from fivefold.train.run_dir import run_dir_of  # noqa: E402
 from fivefold.train.step import train_step  # noqa: E402
 from fivefold.validate import derive, validate  # noqa: E402
 
@@ -192,20 +196,22 @@ class TorchSide:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = build_optimizer(model, cfg.train)  # after sharding: it steps the DTensor shards
+        # The data as a PyTorch user of the same corpus reads it: fivefold's pipeline (the prepared
+        # shards memory-mapped, the seeded sample order), this rank's rows (dp) or the whole batch (tp).
         t = cfg.train
-        g = torch.Generator().manual_seed(t.seed)
-        rows = t.micro_batch * (world if layout == "zero3" else 1)  # dp: each rank its own rows; tp: the same
-        tokens = torch.randint(0, 256, (rows, t.seq_len + 1), generator=g)
-        mine = tokens[dist.get_rank() * t.micro_batch:][: t.micro_batch] if layout == "zero3" else tokens
-        self.x, self.y = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+        train_set, _, loader = loop.build_datasets(cfg, run_dir_of(cfg))
+        dp, dp_rank = (world, dist.get_rank()) if layout == "zero3" else (1, 0)
+        batch = rank_slice(train_set, loader.next_indices(), t.global_batch, dp, dp_rank, t.micro_batch)
+        self.x, self.y = batch.micro_batches[0]  # (micro_batch, T) each
+        self.tokens = int((self.y != IGNORE).sum())  # this rank's targets: FSDP2 averages over ranks
 
     def step(self) -> dict:
         if self.layout == "zero3":  # FSDP2 averages gradients over ranks: the rank's own token mean
-            loss = cross_entropy_sum(self.model(self.x), self.y) / self.y.numel()
+            loss = cross_entropy_sum(self.model(self.x), self.y) / self.tokens
             loss.backward()
         else:
             with loss_parallel():
-                loss = cross_entropy_sum(self.model(self.x), self.y) / self.y.numel()  # a Replicate DTensor
+                loss = cross_entropy_sum(self.model(self.x), self.y) / self.tokens  # a Replicate DTensor
                 loss.backward()
         clip_torch(self.params, self.cfg.train.grad_clip)
         self.opt.step()
@@ -348,8 +354,8 @@ def main(argv: list[str] | None = None) -> None:
                         log(f"  {kind}: skipped, setup does not fit: {why_setup}")
                         continue
                 shutil.rmtree(out_dir / "startup", ignore_errors=True)
-                if kind != "torch":  # `fivefold train` prepares text in the launcher, not in a rank
-                    ensure_prepared(cfg)
+                ensure_prepared(cfg)  # as `fivefold train` does in its launcher, before any rank starts
+                run_dir_of(cfg).mkdir(parents=True, exist_ok=True)
                 launched = time.perf_counter()
                 res = run_workers(_worker, WORLD, layout, kind, cfg, launched, first_step, args.torch_units,
                                   args.malloc_trim, timeout=args.timeout)

@@ -243,5 +243,6 @@ def test_bad_inputs_are_named_before_any_process_starts(tmp_path):
     assert validate(empty, 1) == []
     with pytest.raises(DataError, match=r"holds no text \(1 binary files skipped\)"):
         ensure_prepared(empty)
+    assert not cache_folder(empty).exists()  # no empty cache is left behind
     # The CLI turns them into one line and exit code 2.
     assert main(["prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o3"), "--no-progress"]) == 2

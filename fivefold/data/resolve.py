@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from fivefold.config import Config, DataConfig
@@ -67,6 +68,7 @@ def ensure_prepared(cfg: Config, workers: int = 1, progress: bool = False) -> Pa
     m = prepare(list(d.paths), d.tokenizer or "byte", folder, text_field=d.text_field, val_fraction=d.val_fraction,
                 max_bytes=d.max_bytes, bpe_vocab=d.bpe_vocab, workers=workers, progress=progress)
     if not any(split["documents"] for split in m["splits"].values()):
+        shutil.rmtree(folder, ignore_errors=True)  # a cache of nothing would stay behind, found by no run
         skipped = f" ({len(m['skipped_binary'])} binary files skipped)" if m["skipped_binary"] else ""
         raise DataError(f"data.paths = {list(d.paths)} holds no text{skipped}; give text files or folders, .jsonl "
                         f"or .parquet, or a prepared dataset")
