@@ -13,6 +13,7 @@ workers on this node through PyTorch's elastic launcher, the machinery behind to
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -82,6 +83,10 @@ def _worker(cfg: Config, derived: Derived, progress: bool, policy: Policy | None
     from fivefold.worker_report import reporting
 
     die_with_parent()
+    # What is imported by now (torch, fivefold: the forkserver's, when forked from it) stays for the
+    # process's life: frozen, the loop's collections (train/gc_policy.py) walk only what this worker
+    # makes, and a forked worker's collections leave the pages it shares with its server untouched.
+    gc.freeze()
     with reporting():  # how this rank ended, for the launcher's summary
         decision = None
         if policy is not None:

@@ -3,7 +3,8 @@
 Forked workers start in milliseconds where spawned ones cost seconds each (docs/torch-cpu-notes.md),
 which is what lets the suite run dozens of multi-process cases. Three details make fork safe:
 - each child calls torch.set_num_threads(1) before touching torch, or it can hang on the thread
-  pool inherited from the parent;
+  pool inherited from the parent (and freezes the objects it inherited, which its garbage
+  collections would otherwise walk: a test's whole pytest process);
 - the parent forks every worker first and only then opens the TCPStore on port 0 (a store's
   server thread alive during fork can leave a child holding a copy of a lock that is never
   released), and hands the chosen port to the children: no race for a "free" port either;
@@ -13,6 +14,7 @@ which is what lets the suite run dozens of multi-process cases. Three details ma
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -31,6 +33,9 @@ class WorkerError(RuntimeError):
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, conn: Any, args: tuple) -> None:
+    # Everything inherited from the parent (pytest's objects, every imported module) is the parent's
+    # to collect: frozen, the worker's collections (train/gc_policy.py) walk only what it made.
+    gc.freeze()
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
