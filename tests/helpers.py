@@ -34,6 +34,22 @@ EQUIVALENCE = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.step
 TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
 
 
+def train_only(rank: int, world: int, cfg: Config) -> None:
+    """Worker: train; what the run wrote (metrics, checkpoints) is the result."""
+    from fivefold.train.loop import train
+
+    train(cfg, progress=False)
+
+
+def reference_records(out_dir: Path, world: int, *overrides: str) -> list[dict]:
+    """The step records of an uninterrupted tiny run on `world` forked ranks (a launched job's reference)."""
+    from fivefold.testing import run_workers
+    from fivefold.train.metrics import read_metrics
+
+    run_workers(train_only, world, tiny_config(out_dir, *overrides))
+    return read_metrics(out_dir / "tiny" / "metrics.jsonl")
+
+
 def train_and_gather(rank: int, world: int, cfg: Config):
     """Worker: train, then return the losses, gradient norms and the gathered final model."""
     from fivefold.train.loop import train

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, tiny_config
+from helpers import ROOT, tiny_config, train_only
 
 from fivefold.cli import main
 from fivefold.config import load_config
@@ -18,7 +18,6 @@ from fivefold.planner.selfcheck import memory_per_pipeline_rank, predict_for_con
 from fivefold.testing import run_workers
 from fivefold.train.dry_run import STATE, build, coordinates, dry_run, positions
 from fivefold.train.dry_run_cli import parse_size
-from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
 from fivefold.validate import derive, validate
 
@@ -144,10 +143,6 @@ def test_every_position_holds_what_its_pipeline_rank_holds(tmp_path, layout, wor
         assert r.built == one[r.position.pp], r.position.name
 
 
-def _train(rank, world, cfg):
-    train(cfg, progress=False)
-
-
 @pytest.mark.parametrize("layout", [
     ["--parallel.zero=1"],  # 2 micro-batches a step: full gradients held between them
     ["--parallel.zero=1", "--train.micro_batch=4"],  # one micro-batch: only the shards' gradients
@@ -158,7 +153,7 @@ def test_built_bytes_equal_what_a_real_run_holds(tmp_path, layout):
     """The dry run's count for rank 0 is what 2 real gloo ranks of the same layout report in their
     metrics (model_state_bytes, step 2: AdamW's state exists), to the byte: both count storages."""
     cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0", *layout)
-    run_workers(_train, 2, cfg)
+    run_workers(train_only, 2, cfg)
     measured = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[1]["model_state_bytes"]
     assert build(cfg, derive(cfg, 2), rank=0) == measured
 

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ROOT, tiny_config
+from helpers import ROOT, reference_records, tiny_config, train_only
 from test_launch import assert_each_sample_once, children, free_port, worker_pids
 
 from fivefold.cli import main
 from fivefold.testing import run_workers
-from fivefold.train.loop import train
 from fivefold.train.metrics import read_events, read_metrics
 from fivefold.train.run_dir import latest_checkpoint
 
@@ -39,16 +38,10 @@ RDZV = ("--rdzv-last-call", "2", "--rdzv-keep-alive", "1")
 CONFIG = str(ROOT / "configs" / "tiny.toml")
 
 
-def _train(rank, world, cfg):
-    train(cfg, progress=False)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run on 4 ranks (dp4): its step records."""
-    out = tmp_path_factory.mktemp("reference")
-    run_workers(_train, 4, tiny_config(out, *RUN))
-    return read_metrics(out / "tiny" / "metrics.jsonl")
+    return reference_records(tmp_path_factory.mktemp("reference"), 4, *RUN)
 
 
 def start(out: Path, rank: int, port: int, *args: str, log: str) -> subprocess.Popen:
@@ -220,7 +213,7 @@ def test_a_world_below_min_ends_the_job_with_a_checkpoint_to_resume(tmp_path, re
     assert "a round needs all 2 nodes (--nnodes 2) and fewer came back within 10 s (--rdzv-timeout)" in text
     assert f"the last complete checkpoint is {latest}: the same command with --resume continues from it" in text
     assert json.loads((latest / "state.json").read_text())["step"] < STEPS
-    run_workers(_train, 2, tiny_config(tmp_path, *RUN, "--checkpoint.resume=true"))  # 2 ranks here, on one node
+    run_workers(train_only, 2, tiny_config(tmp_path, *RUN, "--checkpoint.resume=true"))  # 2 ranks here, on one node
     assert_same_run(read_metrics(metrics), reference)
 
 

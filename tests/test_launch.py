@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers import ROOT, tiny_config
+from helpers import ROOT, reference_records
 
 from fivefold.cli import main
-from fivefold.testing import run_workers
-from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
 
 # 8 steps over an epoch boundary (35 samples, batches of 8: the 5th batch holds 3).
@@ -30,16 +28,10 @@ STEPS = 8
 CONFIG = str(ROOT / "configs" / "tiny.toml")
 
 
-def _train(rank, world, cfg):
-    train(cfg, progress=False)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted one-node run on 2 ranks (forked in this process): its metrics records."""
-    out = tmp_path_factory.mktemp("reference")
-    run_workers(_train, 2, tiny_config(out, *RUN))
-    return read_metrics(out / "tiny" / "metrics.jsonl")
+    return reference_records(tmp_path_factory.mktemp("reference"), 2, *RUN)
 
 
 def start(out: Path, *args: str, log: str = "job.log", env: dict | None = None) -> tuple[subprocess.Popen, Path]:
