@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config import load_config, replace
 from fivefold.parallel.comms import wire_bytes
 from fivefold.planner.comm import LOSS_ALL_REDUCES, dp_traffic
 from fivefold.planner.counts import count_on_meta, model_counts
@@ -57,6 +57,32 @@ def test_ring_all_reduce_traffic_and_zero3_ratio():
     ddp, z1 = dp_traffic(0, 8, grads, grads, 1).bytes, dp_traffic(1, 8, grads, grads, 1).bytes
     z3 = dp_traffic(3, 8, grads, grads, 1).bytes
     assert z1 == pytest.approx(ddp) and z3 == pytest.approx(1.5 * ddp)  # ZeRO sec. 7: 3 x vs 2 x the parameters
+
+
+def test_hsdp_reduces_its_shards_inside_a_node_and_all_reduces_them_across_nodes():
+    """16 GPUs, 2 nodes: ZeRO-3 over the 8 GPUs of a node, replicated across the 2 (dp_replicate).
+    The reduce-scatters and gathers stay on NVLink; each resharding reduction (one per micro-batch)
+    all-reduces the node's shard of the gradients, G / 8, over the 2 replicas, across nodes, and is
+    exposed whole (the runtime waits for it: parallel/zero.py)."""
+    cfg = load_config(None, ["--model.preset=llama3-8b", "--parallel.dp=16", "--parallel.dp_replicate=2",
+                             "--parallel.zero=3", "--train.global_batch=32", "--train.micro_batch=1",
+                             "--train.seq_len=4096"])
+    assert validate(cfg, 16) == []
+    hw = get_hardware("h100")
+    est = estimate(cfg, 16, hw)
+    grads = model_counts(cfg.model, cfg.model.vocab_size).total * 2  # bf16 gradients
+    replicas = 2 * wire_bytes("all_reduce", grads / 8, 2)  # M = 32 / 16 = 2 micro-batches
+    flat = estimate(replace(cfg, parallel={"dp_replicate": 1}), 16, hw)  # ZeRO-3 over all 16
+    assert est.comm["dp"].bytes == pytest.approx(dp_traffic(3, 8, grads, grads, 2).bytes + replicas, rel=1e-6)
+    rows = rows_of(est)
+    assert "inside a node" in rows["dp traffic"] and "across nodes" in rows["dp traffic, replicas over dp_replicate"]
+    replica_s = est.comm["dp"].synchronous["replicas over dp_replicate"].time_s
+    assert replica_s > 0 and est.exposed_dp_s >= replica_s
+    assert "across nodes" in rows_of(flat)["dp traffic"]  # the flat layout gathers over the network
+
+
+def rows_of(est):
+    return {name: text for name, text, _ in est.explain}
 
 
 def _ideal(hw_name="h100"):

@@ -81,16 +81,21 @@ def _train(rank, world, cfg):
     return train(cfg, progress=False).run_dir
 
 
-@pytest.mark.parametrize("layout", [("--parallel.zero=0",), ("--parallel.zero=1",), ("--parallel.tp=2",),
-                                    ("--parallel.pp=2",)], ids=["dp2", "dp2-zero1", "tp2", "pp2"])
-def test_the_logged_prediction_matches_a_real_two_rank_run(tmp_path, layout):
+# The replicated-shard layouts: ZeRO shards held by an HSDP replica or by the other cp rank, whose
+# gradients are all-reduced over those ranks at each reduction (planner/comm.py's replica_traffic).
+@pytest.mark.parametrize("world, layout", [
+    (2, ("--parallel.zero=0",)), (2, ("--parallel.zero=1",)), (2, ("--parallel.tp=2",)), (2, ("--parallel.pp=2",)),
+    (2, ("--parallel.cp=2",)), (2, ("--parallel.cp=2", "--parallel.zero=1")),
+    (4, ("--parallel.zero=3", "--parallel.dp_replicate=2"))],
+    ids=["dp2", "dp2-zero1", "tp2", "pp2", "cp2", "cp2-zero1", "hsdp2x2-zero3"])
+def test_the_logged_prediction_matches_a_real_run(tmp_path, world, layout):
     """`fivefold train` logs the planner's prediction beside what it measures: model-state bytes
     and every axis's wire bytes agree within 5% (the self-check)."""
     cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", *layout)
-    run_dir = run_workers(_train, 2, cfg)[0]
+    run_dir = run_workers(_train, world, cfg)[0]
     measured = read_metrics(run_dir / cfg.run.metrics_file)[-1]  # step 2: AdamW's state exists
     predicted = measured["predicted"]
-    assert predicted == predict_for_config(cfg, 2)
+    assert predicted == predict_for_config(cfg, world)
     for part in ("params", "grads", "optimizer", "total"):
         assert predicted["model_state_bytes"][part] == pytest.approx(measured["model_state_bytes"][part],
                                                                      rel=0.05), part

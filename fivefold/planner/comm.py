@@ -8,7 +8,10 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   DDP: all-reduce of the gradients once (on the last micro-batch); ZeRO-1: reduce-scatter of the
   gradients + all-gather of the weights (same bytes as DDP); ZeRO-2: a reduce-scatter on every
   micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
-  the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1).
+  the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1). A ZeRO shard is
+  held by every rank of its dp_replicate group (HSDP) and of its cp group: each reduction then
+  all-reduces the reduced shard (G / dp_shard) over each of those groups in turn, on their own
+  links and synchronously (parallel/zero.py), so nothing hides it (replica_traffic).
 - tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
   two all-reduces in forward (attention, MLP; an MoE block's experts are not tp-split: attention
   only) and two in backward, each of the (b, s/cp, d) activation: 8 b s d (t-1)/t element-bytes
@@ -19,8 +22,9 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   exponentials, the target logit).
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
   (b s d elements, / t with sp), 2 M per chunk not at the model's ends.
-- cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops,
-  once in forward and K, V plus dK, dV in backward: 3 (C-1) x the K/V block; Ulysses
+- cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops in
+  forward and again in backward, where a dK/dV buffer (fp32) follows each block and makes one hop
+  more, back to its owner (parallel/context.py): 2 (C-1) K/V blocks and C fp32 dK/dV blocks; Ulysses
   (Jacobs et al. 2023): four all-to-alls forward (q, k, v, out) and four backward.
 - ep (GShard, Lepikhin et al. 2020): per MoE block and micro-batch, dispatch and combine in
   forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d, / t with sp),
@@ -64,6 +68,9 @@ class AxisTraffic:
     inter_node: bool = False
     time_s: float = 0.0
     op_steps: dict[str, int] = field(default_factory=dict)  # the steps by collective
+    # Collectives on groups of their own, each on its own link, merged in (bytes, calls, time_s):
+    # ZeRO's replica all-reduces, which run synchronously, so nothing overlaps them.
+    synchronous: dict[str, AxisTraffic] = field(default_factory=dict)
 
     def add(self, op: str, nbytes: float, n: int, count: float = 1) -> None:
         if n <= 1 or count <= 0:
@@ -73,6 +80,18 @@ class AxisTraffic:
         steps = int(count * ring_steps(op, n))
         self.steps += steps
         self.op_steps[op] = self.op_steps.get(op, 0) + steps
+
+
+    def absorb(self, name: str, other: AxisTraffic) -> None:
+        """Merge `other` (its time_s set) in as synchronous part `name`."""
+        self.bytes += other.bytes
+        self.calls += other.calls
+        self.time_s += other.time_s
+        self.synchronous[name] = other
+
+    @property
+    def synchronous_s(self) -> float:
+        return sum(t.time_s for t in self.synchronous.values())
 
 
 def ring_steps(op: str, n: int) -> int:
@@ -114,6 +133,25 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
     return t
 
 
+def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: float) -> dict[str, AxisTraffic]:
+    """The all-reduces of one rank's reduced dense gradient shard (`shard_grad_bytes`) over the ranks
+    that hold the same ZeRO shard, by group: dp_replicate (HSDP) and cp, one after the other at
+    each reduction (parallel/zero.py's _finish): once a step for ZeRO-1, every micro-batch for
+    ZeRO-2 and resharding ZeRO-3, once for ZeRO-3 kept gathered. Each timed on its group's link."""
+    p = cfg.parallel
+    if p.zero == 0:  # DDP all-reduces over the whole grad view (dp x cp) already
+        return {}
+    reductions = d.grad_accum if p.zero == 2 or (p.zero == 3 and d.reshard_after_forward) else 1
+    out = {}
+    for axis, n in (("dp_replicate", p.dp_replicate), ("cp", p.cp)):
+        if n > 1:
+            t = AxisTraffic(inter_node=axis_spans_nodes(cfg, d, hw.gpus_per_node, axis))
+            t.add("all_reduce", shard_grad_bytes, n, reductions)
+            t.time_s = time_of(t, hw)
+            out[axis] = t
+    return out
+
+
 def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, first: bool, last: bool,
                        local_seq: int, micro: int, act_bytes: int, pp_ends: int,
                        imbalance: float = 1.0) -> dict[str, AxisTraffic]:
@@ -145,8 +183,10 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
     kv = 2 * b * local_seq * (m.n_kv_heads // p.tp) * hd * act_bytes  # K and V of one block
     fwd_passes = 2 if t.recompute == "full" else 1
     if p.cp > 1 and p.cp_method == "ring":
-        # each hop sends this rank's current block: (C-1) sends per pass, K/V fwd; K/V + dK/dV bwd
-        out["cp"].add("send", kv, p.cp, micro * blocks * (p.cp - 1) * (fwd_passes + 2))
+        # each hop sends this rank's current block: (C-1) K/V sends per pass, forward and backward;
+        # in backward also C sends of the fp32 dK/dV buffer (the last one home to the block's owner)
+        out["cp"].add("send", kv, p.cp, micro * blocks * (p.cp - 1) * (fwd_passes + 1))
+        out["cp"].add("send", kv * 4 / act_bytes, p.cp, micro * blocks * p.cp)
     elif p.cp > 1:
         qkvo = 2 * b * local_seq * (m.n_heads // p.tp) * hd * act_bytes + kv  # q, out, k, v
         out["cp"].add("all_to_all", qkvo / 4, p.cp, micro * blocks * 4 * (fwd_passes + 1))
@@ -189,8 +229,12 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, chunks: int, op
     if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
     for axis, tr in traffic.items():
-        tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, axis)
+        # ZeRO's own collectives run over dp_shard (HSDP keeps them inside a node); DDP's over dp x cp.
+        groups = "dp_shard" if axis == "dp" and p.zero else axis
+        tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, groups)
         tr.time_s = time_of(tr, hw)
+    for group, replicas in replica_traffic(cfg, d, hw, dense * grad_b / n_shard).items():
+        dp.absorb(f"replicas over {group}", replicas)
     return traffic
 
 
@@ -202,17 +246,28 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
                            act_bytes)
     rows = []
     for axis, tr in traffic.items():
-        where = "across nodes" if tr.inter_node else "inside a node"
-        if tr.bytes:
-            steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
-                               for op, k in tr.op_steps.items())
-            alpha_source = ("collective_alpha" if hw.collective_alpha
-                            else "inter_latency" if tr.inter_node else "intra_latency")
-            rows.append((f"{axis} traffic", f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: {steps} + "
-                         f"bytes / {link(hw, tr.inter_node)[0] / GB:.2f} GB/s = {tr.time_s * 1e3:.2f} ms",
-                         "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994); alpha: "
-                         + hw.sources.get(alpha_source, "profile")))
+        parts = [(f"{axis} traffic", own_part(tr)),
+                 *((f"{axis} traffic, {name}", t) for name, t in tr.synchronous.items())]
+        rows += [traffic_row(name, t, hw) for name, t in parts if t.bytes]
     return traffic, rows
+
+
+def own_part(tr: AxisTraffic) -> AxisTraffic:
+    """`tr` without its synchronous parts: the collectives priced by its own op_steps and link."""
+    merged = tr.synchronous.values()
+    return AxisTraffic(tr.bytes - sum(t.bytes for t in merged), tr.calls - sum(t.calls for t in merged), tr.steps,
+                       tr.inter_node, tr.time_s - tr.synchronous_s, tr.op_steps)
+
+
+def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:
+    where = "across nodes" if tr.inter_node else "inside a node"
+    steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
+                       for op, k in tr.op_steps.items())
+    alpha_source = "collective_alpha" if hw.collective_alpha else "inter_latency" if tr.inter_node else "intra_latency"
+    return (name, f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: {steps} + "
+            f"bytes / {link(hw, tr.inter_node)[0] / GB:.2f} GB/s = {tr.time_s * 1e3:.2f} ms",
+            "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994); alpha: "
+            + hw.sources.get(alpha_source, "profile"))
 
 
 def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCounts, timed: dict[str, AxisTraffic],

@@ -114,12 +114,15 @@ def axis_spans_nodes(cfg: Config, d: Derived, gpus_per_node: int, axis: str) -> 
     Ranks are laid out as the mesh lays them (fivefold/mesh.py), outermost first
     (pp, dp_replicate, dp_shard, cp, tp): a group of axis X is `size` ranks `stride` apart, where
     stride is the product of the degrees inside X. It stays in a node when size x stride ranks fit
-    in one (and nodes hold a multiple of that). The "dp" axis means the gradient view dp x cp; ep
-    groups are taken inside dp x cp, next to tp. `d` is derive(cfg, world_size), as the estimate has it.
+    in one (and nodes hold a multiple of that). The "dp" axis means the gradient view dp x cp,
+    "dp_shard" and "dp_replicate" ZeRO's shard groups and their replicas (HSDP); ep groups are
+    taken inside dp x cp, next to tp. `d` is derive(cfg, world_size), as the estimate has it.
     """
     p = cfg.parallel
-    inner = {"tp": 1, "cp": p.tp, "ep": p.tp, "dp": p.tp, "pp": p.tp * p.cp * d.dp}[axis]
-    size = {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": d.dp * p.cp, "pp": p.pp}[axis]
+    inner = {"tp": 1, "cp": p.tp, "ep": p.tp, "dp": p.tp, "dp_shard": p.tp * p.cp,
+             "dp_replicate": p.tp * p.cp * d.dp_shard, "pp": p.tp * p.cp * d.dp}[axis]
+    size = {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": d.dp * p.cp, "dp_shard": d.dp_shard,
+            "dp_replicate": p.dp_replicate, "pp": p.pp}[axis]
     span = inner * size
     if size <= 1:
         return False

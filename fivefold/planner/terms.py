@@ -163,8 +163,10 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     """The gradient reduction overlaps the backward of the last micro-batch bucket by bucket, so only
     what exceeds that backward is exposed, and never less than the last bucket; ZeRO's weight
     all-gather after the optimizer step is exposed; ZeRO-3's gathers and reduce-scatters expose what
-    `zero3` (overlap.zero3_hidden) says. Its collectives wait for the slowest replica too:
-    once a step (DDP, ZeRO-1), once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
+    `zero3` (overlap.zero3_hidden) says; the all-reduces over a ZeRO shard's replicas
+    (comm.replica_traffic: dp.synchronous) are exposed whole. Its collectives wait for the slowest
+    replica too: once a step (DDP, ZeRO-1), once per micro-batch (ZeRO-2), at every gather and
+    reduce-scatter (ZeRO-3)."""
     p, share, chunks, M = work.cfg.parallel, work.share, work.chunks, d.grad_accum
     bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
     bucket = min(p.bucket_mb * 1e6, share.params * grad_b)
@@ -174,14 +176,15 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     gather = share.params * param_b * (n_dp - 1) / n_dp / bw + (n_dp - 1) * alpha if n_dp > 1 else 0.0
     overlap = None
     per_step = M if p.zero == 2 else 1  # reductions a step: ZeRO-2 reduces every micro-batch
+    replicas = dp.synchronous_s
     if n_dp <= 1:
-        exposed = 0.0
+        exposed = replicas
     elif p.zero == 3:
-        exposed = zero3.exposed_s
+        exposed = zero3.exposed_s + replicas
     else:
-        reduce_t = (dp.time_s - (gather if p.zero else 0.0)) / per_step
+        reduce_t = (dp.time_s - replicas - (gather if p.zero else 0.0)) / per_step
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
-        exposed = overlap.exposed_s * per_step + (gather if p.zero else 0.0)
+        exposed = overlap.exposed_s * per_step + (gather if p.zero else 0.0) + replicas
     switch = dp_hidden(work.cfg, n_dp, overlap.reduce_s * per_step if overlap else 0.0,
                        overlap.exposed_s * per_step if overlap else 0.0)
     dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else per_step
@@ -189,7 +192,8 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     exposed += dp_noise
     window = ("the zero3 prefetch row prices it" if p.zero == 3
               else f"backward window {backward_window * 1e3:.2f} ms")
-    row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic, {window}, "
+    also = f" (of it {replicas * 1e3:.2f} ms all-reducing the shards' replicas)" if replicas else ""
+    row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic{also}, {window}, "
            f"{dp_syncs} x waiting for the slowest replica {dp_noise * 1e3:.2f} ms: {exposed * 1e3:.2f} ms exposed",
            "bucket overlap (Li et al. 2020, \"PyTorch Distributed\"); noise: calibration/noise.py")
     return DpExposure(exposed, overlap, switch, [row])
