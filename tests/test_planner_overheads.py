@@ -101,7 +101,7 @@ def test_per_collective_latency_prices_each_op_at_its_own_alpha():
 
 def test_tensor_parallel_traffic_counts_the_loss_all_reduces(tmp_path):
     cfg = tiny_config(tmp_path, "--parallel.tp=2")
-    tp = activation_traffic(cfg, 8, 0, 1, True, True, 32, 4, 4, 0)["tp"]
+    tp = activation_traffic(cfg, 8, 0, True, True, 32, 4, 4, 0)["tp"]
     per_micro = 4 * 8 + 2 + LOSS_ALL_REDUCES
     assert tp.calls == 4 * per_micro
     act = 2 * 32 * 64 * 4
@@ -116,7 +116,7 @@ def test_moe_blocks_are_one_tp_region_and_sp_routes_a_tp_rank_s_tokens(tmp_path,
     # with sp (2,767,872: the norms' gradient sums are left out).
     cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}",
                       "--parallel.ep=2")
-    out = activation_traffic(cfg, 8, 8, 1, True, True, 32, 4, 4, 0)
+    out = activation_traffic(cfg, 8, 8, True, True, 32, 4, 4, 0)
     assert out["tp"].calls == 4 * (2 * 8 + 2 + LOSS_ALL_REDUCES)  # attention only: experts are not tp-split
     copies = 2 * 32 * cfg.model.top_k * cfg.model.dim * 4 / (2 if sp else 1)  # with sp each tp rank its own half
     assert out["ep"].bytes == pytest.approx(4 * 8 * 4 * wire_bytes("all_to_all", copies, 2))

@@ -21,7 +21,8 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   head add one each, and the loss three small ones of (b, s/cp) fp32 values (the max, the sum of
   exponentials, the target logit).
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
-  (b s d elements, / t with sp), 2 M per chunk not at the model's ends.
+  (b s d elements, / t with sp), 2 M per chunk not at the model's ends, less the boundaries
+  between two stages of one rank (a V schedule's turn), handed over in memory.
 - cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops in
   forward and again in backward, where a dK/dV buffer (fp32) follows each block and makes one hop
   more, back to its owner (parallel/context.py): 2 (C-1) K/V blocks and C fp32 dK/dV blocks; Ulysses
@@ -152,13 +153,14 @@ def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: flo
     return out
 
 
-def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, first: bool, last: bool,
-                       local_seq: int, micro: int, act_bytes: int, pp_ends: int,
+def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, last: bool,
+                       local_seq: int, micro: int, act_bytes: int, wire_boundaries: int,
                        imbalance: float = 1.0) -> dict[str, AxisTraffic]:
-    """tp, pp, cp and ep traffic of one pipeline rank holding `blocks` blocks in `chunks` chunks.
+    """tp, pp, cp and ep traffic of one pipeline rank holding `blocks` blocks.
 
-    pp_ends: how many of this rank's chunks sit at an end of the model (first or last stage), whose
-    input or output does not travel. imbalance: tokens on the busiest expert rank over the mean;
+    wire_boundaries: the sides of stage boundaries this rank's stages have with another rank's
+    (RankShare.wire_boundaries): each sends one message a micro-batch, the activation forward or
+    its gradient back. imbalance: tokens on the busiest expert rank over the mean;
     that rank receives imbalance x the mean's token copies in each dispatch (and in the combine's
     backward) and sends as many back in each combine (and in the dispatch's backward), so each of
     its all-to-alls carries imbalance x the balanced bytes through its link.
@@ -175,9 +177,8 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, chunks: int, f
     out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last)))
     if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
         out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
-    # pp: activation out and gradient back at each boundary this rank's chunks touch.
-    boundaries = 2 * chunks - pp_ends
-    out["pp"].add("send", act / (p.tp if p.sp else 1), p.pp, micro * boundaries)
+    # pp: the activation out of a stage boundary's lower side, its gradient back from the upper.
+    out["pp"].add("send", act / (p.tp if p.sp else 1), p.pp, micro * wire_boundaries)
     # cp: ring K/V (per tp rank's kv heads), or Ulysses' all-to-alls of q, k, v, out.
     hd = m.head_dim or m.dim // m.n_heads
     kv = 2 * b * local_seq * (m.n_kv_heads // p.tp) * hd * act_bytes  # K and V of one block
@@ -204,10 +205,10 @@ def moe_partial_params(cfg: Config, share: RankShare) -> int:
     return sum(bp.replicated + bp.experts // ep for bp in (block_params(m, b) for b in share.blocks) if bp.experts)
 
 
-def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, chunks: int, options: PlanOptions, d: Derived,
+def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOptions, d: Derived,
                  hw: Hardware, grad_b: float, param_b: float, act_bytes: int) -> dict[str, AxisTraffic]:
     """Every axis's traffic of one pipeline rank (holding `share`, `moe_blocks` of its blocks with
-    routed experts, in `chunks` chunks) for one step, timed on the links its groups use. grad_b,
+    routed experts) for one step, timed on the links its groups use. grad_b,
     param_b: bytes of one gradient and one weight element on the wire; FP8 weights gather the
     blocks' weights in 1 byte (torchtitan's float8 all-gather casts each linear layer's weight
     shard to float8 before the FSDP all-gather: docs/float8.md), the embedding and head in param_b."""
@@ -223,9 +224,8 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, chunks: int, op
                     d.reshard_after_forward)
     dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * block_b, micro, d.reshard_after_forward, dp)
     traffic = {"dp": dp}
-    pp_ends = int(share.first) + int(share.last) if p.pp > 1 else 0
-    traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, chunks, share.first, share.last,
-                                      d.local_seq_len, micro, act_bytes, pp_ends, expert_imbalance(cfg, options)))
+    traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,
+                                      micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options)))
     if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
     for axis, tr in traffic.items():
@@ -242,7 +242,7 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
                  act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row]]:
     """rank_traffic of the busiest rank (its times are the step's), and one explain row per axis
     that sends anything."""
-    traffic = rank_traffic(work.cfg, work.share, work.moe_blocks, work.chunks, work.options, d, hw, grad_b, param_b,
+    traffic = rank_traffic(work.cfg, work.share, work.moe_blocks, work.options, d, hw, grad_b, param_b,
                            act_bytes)
     rows = []
     for axis, tr in traffic.items():
@@ -280,7 +280,7 @@ def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCoun
     fewer than the middle ones; the last holds the head's and the loss's tp collectives."""
     cfg, busiest = work.cfg, work.share.pp_rank
     per_rank = {s.pp_rank: (timed if s.pp_rank == busiest else rank_traffic(
-        cfg, s, sum(1 for b in s.blocks if counts.blocks[b].experts), work.chunks, work.options, d, hw, grad_b,
+        cfg, s, sum(1 for b in s.blocks if counts.blocks[b].experts), work.options, d, hw, grad_b,
         param_b, act_bytes)) for s in shares}
     out, rows = {}, []
     for axis in AXES:

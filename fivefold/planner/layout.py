@@ -77,6 +77,9 @@ class RankShare:
     last: bool  # holds the final norm, head and loss
     largest_unit: int  # ZeRO-3 gathers a unit (one block, the embedding or the head) at a time
     vocab_params: int = 0  # the embedding's and head's part of `params` (FP8 recipes keep them in bf16)
+    # Sides of stage boundaries between this rank's stages and another rank's; a V schedule's turn
+    # (its last rank's two stages) is handed over in memory (parallel/pipeline_p2p.py).
+    wire_boundaries: int = 0
 
 
 def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None) -> list[RankShare]:
@@ -90,6 +93,7 @@ def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None
         stages = [s for s in range(len(sizes)) if stage_to_rank(cfg, s) == r]
         blocks = [b for s in stages for b in range(starts[s], starts[s] + sizes[s])]
         first, last = 0 in stages, len(sizes) - 1 in stages
+        wire = sum(1 for s in stages for n in (s - 1, s + 1) if 0 <= n < len(sizes) and stage_to_rank(cfg, n) != r)
         units = []
         expert, vocab = 0, 0
         for b in blocks:
@@ -104,7 +108,8 @@ def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None
             vocab += (counts.head + tied_copy) // tp
         shares.append(RankShare(pp_rank=r, blocks=blocks, chunk_blocks=max(sizes[s] for s in stages),
                                 params=sum(units), expert_params=expert, first=first, last=last,
-                                largest_unit=max(units) if units else 0, vocab_params=vocab))
+                                largest_unit=max(units) if units else 0, vocab_params=vocab,
+                                wire_boundaries=wire))
     return shares
 
 
