@@ -184,6 +184,8 @@ def test_a_node_that_comes_back_grows_the_job_again(tmp_path, reference):
     # the grown world resumed from that checkpoint, so no step ran twice after the shrink.
     assert (grown["from_world_size"], grown["world_size"], grown["to"]) == (2, 4, "dp4 z0 mb2 -")
     assert grown["step"] == stop["step"] and grown["grad_accum"] == [2, 1]
+    # One restart after a failure (the lost node); the agent does not count the join as one.
+    assert [e["restarts"] for e in events if e["event"] == "restart"] == [1]
     assert_same_run(read_metrics(metrics), reference)
 
 

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fivefold.parallel.comms import AxisGroup
 from fivefold.parallel.stage_split import stage_split
 from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
+from fivefold.train.metrics import read_events
 from fivefold.train.run_dir import run_dir_of
 from fivefold.train.sinks import open_sinks
 from fivefold.train.step import Run, StepRecord
@@ -87,8 +88,12 @@ class StepLog:
             self.sinks.event(start, "start")
         else:
             self.sinks.event(start, "resume", checkpoint=str(resumed_from))
+        # torch's agent counts the restarts after a failure, not those for a node that joins (an
+        # elastic grow, which its "replan" event records): a count already logged is no new restart.
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restarts:
+        metrics = self.run_dir / self.run.cfg.run.metrics_file
+        logged = [e["restarts"] for e in read_events(metrics) if e["event"] == "restart"] if metrics.is_file() else []
+        if restarts > max(logged, default=0):
             self.sinks.event(start, "restart", restarts=restarts)
         cfg = self.run.cfg
         self.sinks.event(start, "layout", world_size=dist.get_world_size(), ep=cfg.parallel.ep,
