@@ -40,7 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from fivefold.worker_report import WORKER_DIR, culprit_summary
+from fivefold.worker_report import WORKER_DIR, culprit_summary, one_line_failures
 
 LOCAL_ENDPOINT = "127.0.0.1:0"  # one machine: loopback, a port the OS picks
 BACKEND = "fivefold-c10d"  # our rendezvous handler's name in torch's registry
@@ -375,18 +375,19 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
     own = reports == _own_reports()  # (a test may name the folder, to read the reports itself)
     reports.mkdir(parents=True, exist_ok=True)
     try:
-        elastic_launch(config, entrypoint)(*args)
+        with one_line_failures():
+            elastic_launch(config, entrypoint)(*args)
     except RendezvousConnectionError:  # node 0's store went away: its launcher (or machine) is gone
         raise RendezvousLost(f"lost the rendezvous at {spec.endpoint}: node 0, which hosts it, is gone or unreachable, "
                           f"and the job cannot go on without it") from None
     except RendezvousError as e:
         raise LaunchError(str(e)) from None
     except ChildFailedError as e:  # torch names the first failure it saw; the reports name the cause
-        summary = culprit_summary(reports)
+        summary = culprit_summary(reports, note="(torch's lines above list the failures in the order it saw them; "
+                                                "the first cause is what to fix)")
         if summary is None:
             raise
-        raise LaunchError(f"{summary}\n(torch's report above lists the failures in the order it saw them; "
-                          f"the first cause is what to fix)") from e
+        raise LaunchError(summary) from e
     finally:
         if own:
             shutil.rmtree(reports, ignore_errors=True)

@@ -4,12 +4,14 @@ runs out of space."""
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import resource
 import shutil
 import signal
 import subprocess
 import time
+import traceback
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from fivefold.train.checkpoint import latest_checkpoint
 from fivefold.train.data import DataCacheError, epoch_order
 from fivefold.train.loop import train
 from fivefold.validate import derive
-from fivefold.worker_report import culprit_summary, missing_ranks
+from fivefold.worker_report import AGENT_LOGGER, culprit_summary, error_line, missing_ranks, one_line_failures
 
 
 def _skip_a_collective(rank, world, cfg):
@@ -150,6 +152,50 @@ def test_the_launcher_names_a_stopped_rank_first_from_its_peers_reports(tmp_path
             raise RuntimeError("wrapped") from e
     except RuntimeError as e:
         assert missing_ranks(e) == {"1": why}
+
+
+def test_the_summary_ends_with_the_first_causes_traceback_and_torchs_lines_are_one_each(tmp_path):
+    """A rank that raised comes first with its error and, after the note, its traceback; the rank
+    that failed as a consequence gets neither. torch's agent logs each failed worker as an
+    exception (60 lines through its spawn wrapper): one line each while the launcher runs."""
+    try:
+        [][1]
+    except IndexError as e:
+        bug = e
+    lost = comms.CollectiveError("rank 0: all_reduce of 32 bytes on axis 'dp' lost the connection to a peer", {})
+    assert error_line(bug) == "IndexError: list index out of range"  # Python's words, with the type
+    assert error_line(lost) == str(lost)  # fivefold's own kinds name the fix already
+    reports = {0: {"pid": 100, "state": "failed", "error": error_line(lost), "traceback": "Traceback (0)\nlost"},
+               1: {"pid": 101, "state": "failed", "error": error_line(bug),
+                   "traceback": "".join(traceback.format_exception(bug))}}
+    for rank, report in reports.items():
+        (tmp_path / f"attempt0-rank{rank}.json").write_text(json.dumps(report))
+    lines = culprit_summary(tmp_path, note="(the note)").splitlines()
+    assert lines[:5] == ["the job failed; first cause:", "rank 1 (pid 101) failed: IndexError: list index out of range",
+                         f"rank 0 (pid 100) failed as a consequence: {lost}", "(the note)", "rank 1's traceback:"]
+    assert lines[5] == "  Traceback (most recent call last):" and lines[-1] == "  IndexError: list index out of range"
+    assert not any("Traceback (0)" in line for line in lines)
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(logging.Formatter().format(record))
+    agent = logging.getLogger(AGENT_LOGGER)
+    agent.addHandler(handler)
+    try:
+        with one_line_failures():
+            try:
+                raise RuntimeError("\n\n-- Process 0 terminated with the following error:\nTraceback ...\n"
+                                   "IndexError: list index out of range")
+            except RuntimeError:
+                agent.exception("failed (exitcode: %s) local_rank: %s", 1, 0)
+        try:
+            raise RuntimeError("after")
+        except RuntimeError:
+            agent.exception("outside")  # the filter is gone with the launch
+    finally:
+        agent.removeHandler(handler)
+    assert seen[0] == "failed (exitcode: 1) local_rank: 0: IndexError: list index out of range"
+    assert seen[1].startswith("outside\nTraceback")
 
 
 @contextlib.contextmanager
