@@ -272,9 +272,10 @@ def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:
 
 def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCounts, timed: dict[str, AxisTraffic],
                      d: Derived, hw: Hardware, grad_b: float, param_b: float,
-                     act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row]]:
+                     act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row], list[dict[str, AxisTraffic]]]:
     """Per axis, the traffic of the pipeline rank that sends the most (the first of equals, the
-    busiest rank `work.share` if it is one of them), and a row naming it where it is not the
+    busiest rank `work.share` if it is one of them), every pipeline rank's traffic (by pp rank),
+    and a row naming the heaviest sender where it is not the
     busiest rank, whose `timed` traffic the step's time terms keep (its collectives are on the
     critical path). The first and last stages send one pipeline message per micro-batch and chunk
     fewer than the middle ones; the last holds the head's and the loss's tp collectives."""
@@ -295,4 +296,4 @@ def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCoun
     if len(shares) > 1 and not rows:
         rows.append(("traffic, heaviest sender", f"the busiest pipeline rank {busiest} of {cfg.parallel.pp} sends "
                      "the most on every axis (reported and timed)", "comm.rank_traffic of every pipeline rank"))
-    return out, rows
+    return out, rows, [per_rank[s.pp_rank] for s in shares]

@@ -92,6 +92,7 @@ class Estimate:
     host_memory_bytes: float = 0.0  # host memory per node that offloaded state takes
     overlaps: dict[str, Hidden] = field(default_factory=dict)  # overlap.SWITCHES -> traffic and what stays exposed
     not_runnable: list[str] = field(default_factory=list)  # why `fivefold train` cannot run it as assumed
+    comm_by_pp_rank: list[dict[str, AxisTraffic]] = field(default_factory=list)  # every pipeline rank's traffic
 
 
     def to_json(self) -> dict[str, Any]:
@@ -147,7 +148,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     share, units = work.share, M * work.chunks  # (micro-batch, chunk) pairs of a step
     chunk = pricer.chunk(work, hw, memo)
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)  # the busiest rank's: timed
-    sent, sent_rows = heaviest_senders(work, shares, counts, traffic, d, hw, grad_b, param_b, act_bytes)
+    sent, sent_rows, by_rank = heaviest_senders(work, shares, counts, traffic, d, hw, grad_b, param_b, act_bytes)
     # tp collectives that are autograd Functions of their own (the loss's three sit inside one)
     tp_calls = traffic["tp"].calls - (M * LOSS_ALL_REDUCES if share.last and p.tp > 1 else 0)
     host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
@@ -189,7 +190,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
                     time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
                     flops=flops.to_json(), host_memory_bytes=mem.host_bytes, overlaps=overlaps,
-                    not_runnable=options.not_runnable(cfg.parallel))
+                    not_runnable=options.not_runnable(cfg.parallel), comm_by_pp_rank=by_rank)
 
 
 def _params_row(counts: ModelCounts) -> Row:

@@ -41,19 +41,20 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
     "buffer_bytes", "comm_wire_bytes": {dp, tp, pp, cp, ep}, "step_time_s" and its parts
     "time_split" (both None without a `hardware` profile: a catalog GPU's time means nothing for a
     CPU run), "hardware"}.
-    Memory is the fullest pipeline rank's (rank 0 for dp-only layouts, which is what the
-    metrics log samples); wire bytes are, per axis, those of the pipeline rank that sends the most
-    (estimate.comm): with pp > 2 a middle stage's pp bytes, twice what the first stage sends.
+    Memory and wire bytes are those of global rank 0 (pipeline rank 0), whose figures the metrics
+    log samples, so each predicted figure stands beside its measured one; `fivefold plan` reports
+    the fullest rank's memory and, per axis, the heaviest sender's bytes (with 1F1B at pp > 2 a
+    middle stage's pp bytes, twice what the first stage sends).
     """
     hw = hardware or get_hardware("h100")  # only for bytes: they do not depend on the hardware
     est = estimate(cfg, world_size, hw, act_bytes=activation_element_bytes(cfg, device_type), implementation=True)
-    mem = est.memory
+    mem = memory_per_pipeline_rank(cfg, world_size, device_type)[0]
     return {
         "model_state_bytes": {k: mem[k] for k in ("params", "grads", "optimizer")}
         | {"total": mem["params"] + mem["grads"] + mem["optimizer"]},
         "activation_bytes": mem["activations"],
         "buffer_bytes": mem["buffers"],
-        "comm_wire_bytes": {axis: tr.bytes for axis, tr in est.comm.items()},
+        "comm_wire_bytes": {axis: tr.bytes for axis, tr in est.comm_by_pp_rank[0].items()},
         "step_time_s": est.step_time_s if hardware is not None else None,
         "time_split": est.time_split if hardware is not None else None,  # the step time's parts (estimate.py)
         "hardware": hardware.name if hardware is not None else None,
