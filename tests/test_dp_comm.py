@@ -160,6 +160,49 @@ def test_buckets_overlap_communication_with_backward(tmp_path):
     assert serial - overlapped > comm / 4, (compute, overlapped, serial, comm)
 
 
+def _collective_order(rank, world, cfg):
+    """Every collective one backward issues, and every wait on one: ("issue" | "wait", op, group)."""
+    from fivefold.model import cross_entropy_sum
+
+    events, issue, wait = [], comms._issue, comms.Pending.wait
+
+    def logged_issue(op, group, *args, **kwargs):
+        events.append(("issue", op, group.name))
+        return issue(op, group, *args, **kwargs)
+
+    def logged_wait(self, part=None):
+        events.append(("wait", self._op, self._group.name))
+        return wait(self, part)
+
+    mesh, derived = _mesh(cfg, world)
+    model = build_model(cfg, 320)
+    dp = apply_data_parallel(model, mesh, cfg, derived)
+    x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(rank))
+    comms._issue, comms.Pending.wait = logged_issue, logged_wait
+    try:
+        dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=True)
+    finally:
+        comms._issue, comms.Pending.wait = issue, wait
+    return events, len(dp.buckets)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hsdp_all_reduces_each_bucket_while_the_next_one_fills(tmp_path, zero):
+    """HSDP 2 x 2: a bucket's rows are all-reduced over the replicas asynchronously, and waited for
+    only after the next bucket's reduce-scatter was issued (its gradients were computed meanwhile);
+    the last one at the end of the backward. Synchronous, each would stall the backward."""
+    cfg = tiny_config(tmp_path, f"--parallel.zero={zero}", "--parallel.dp_replicate=2", "--parallel.bucket_mb=0.1")
+    events, n_buckets = run_workers(_collective_order, 4, cfg)[0]
+    scatters = [i for i, e in enumerate(events) if e == ("issue", "reduce_scatter", "dp_shard")]
+    replicas = [i for i, e in enumerate(events) if e == ("issue", "all_reduce", "dp_replicate")]
+    waits = [i for i, e in enumerate(events) if e == ("wait", "all_reduce", "dp_replicate")]
+    assert n_buckets >= 4 and len(scatters) == len(replicas) == len(waits) == n_buckets
+    for k in range(n_buckets):
+        assert scatters[k] < replicas[k] < waits[k]  # the bucket's own rows, reduced first
+        if k + 1 < n_buckets:
+            assert scatters[k + 1] < waits[k] < replicas[k + 1]  # in flight while bucket k + 1 filled
+
+
 def _torch_oracle(rank, world, cfg, kind):
     """The same training through torch's DistributedDataParallel or FSDP2 (`fully_shard`)."""
     import contextlib

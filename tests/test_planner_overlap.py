@@ -165,9 +165,9 @@ def test_zero3_traffic_is_the_bytes_comm_py_counts():
         cfg = _llama(4, "--parallel.zero=3", "--train.global_batch=8", f"--parallel.reshard_after_forward={keep}",
                      f"--parallel.dp_replicate={hsdp}")
         est = estimate(cfg, 4, hw)
-        dp = est.comm["dp"]  # HSDP's all-reduces over the replicas are its synchronous part, priced apart
-        assert bool(dp.synchronous) == (hsdp > 1)
-        assert est.overlaps["zero3_prefetch"].traffic_s == pytest.approx(dp.time_s - dp.synchronous_s)
+        dp = est.comm["dp"]  # HSDP's all-reduces over the replicas are a part of their own, priced apart
+        assert bool(dp.merged) == (hsdp > 1)
+        assert est.overlaps["zero3_prefetch"].traffic_s == pytest.approx(dp.time_s - dp.merged_s)
 
 
 # ---- ep_overlap: DeepSeek-V3 Technical Report, sec. 3.2.1 (DualPipe) ----

@@ -2,7 +2,9 @@
 
 What is sharded: with `zero = 1` the optimizer state (fp32 master weights and both AdamW moments),
 with `zero = 2` also the gradients, each over `dp_shard`; with dp_replicate > 1 (HSDP) and with
-context parallel the shards are replicated, and their gradients summed, over those ranks too.
+context parallel the shards are replicated, and their gradients summed, over those ranks too: a
+bucket's reduced rows are all-reduced over its replicas while the backward fills the next bucket,
+and waited for when that one is reduced (FSDP2's HSDP overlaps its all-reduce with backward too).
 Collectives per optimizer step, with N ranks, G gradient bytes, P parameter bytes, M micro-batches
 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"):
 - ZeRO-1: one reduce-scatter per bucket on the last micro-batch, AdamW on this rank's shard, one
@@ -25,7 +27,9 @@ Shard(0), so a checkpoint reshards to another ep and ZeRO stage as well.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -48,7 +52,9 @@ class ZeroDataParallel(DataParallel):
         self.expert_shard_group = mesh.group("expert_dp")  # used only with ep > 1: experts are dense at ep = 1
         # Ranks holding the same shard, whose gradients add up: HSDP replicas and context-parallel
         # ranks (other tokens of the same samples). Their traffic is gradient reduction: "dp".
-        self.replica_groups = [mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp")]
+        replicas = (mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp"))
+        self.replica_groups = [g for g in replicas if g.size > 1]
+        self._replicating: Bucket | None = None  # its rows are being all-reduced over the first replica group
         super().__init__(model, mesh, parallel, chunks)
         self._make_shards()
 
@@ -128,19 +134,47 @@ class ZeroDataParallel(DataParallel):
 
     @torch.no_grad()
     def _finish(self, b: Bucket) -> None:
+        """b's reduce-scatter is done: its rows go into the shards' gradients, once the shard's
+        replicas have summed them (dense rows only: expert_dp spans those ranks already). That
+        all-reduce is launched here and waited for at the next bucket's finish, or at the end of
+        the backward, so it runs while the backward fills the next bucket."""
         if b.flat is None:  # finished already
             return
         if b.work is not None:
             b.work.wait()
-        if b.group is None:  # dense rows: replicas of a shard agree (expert_dp spans those ranks already)
-            for group in self.replica_groups:
-                comms.all_reduce(b.out, group)
+        b.work = b.flat = None  # the send buffer goes; b.out holds this rank's reduced rows
+        self._settle()
+        if b.group is None and self.replica_groups:
+            b.work = comms.all_reduce(b.out, self.replica_groups[0], async_op=True)
+            self._replicating = b
+        else:
+            self._accumulate(b)
+
+    @torch.no_grad()
+    def _settle(self) -> None:
+        """Complete the replicas' sum of the bucket in flight (the rest of the replica groups one
+        after the other: with HSDP and cp both) and accumulate its rows."""
+        b, self._replicating = self._replicating, None
+        if b is None:
+            return
+        b.work.wait()
+        for group in self.replica_groups[1:]:
+            comms.all_reduce(b.out, group)
+        self._accumulate(b)
+
+    def _accumulate(self, b: Bucket) -> None:
         for p, rows in zip(b.params, b.out.split(b.shard_numel), strict=True):
             shard = self.shards[id(p)]
             rows = rows.view_as(shard).float()
             shard.grad = rows if shard.grad is None else shard.grad.add_(rows)
             p.grad = None
-        b.work = b.flat = b.out = None
+        b.work = b.out = None
+
+    @contextlib.contextmanager
+    def reducing(self, last_micro_batch: bool, chunk: int | None = None) -> Iterator[None]:
+        with super().reducing(last_micro_batch, chunk):
+            yield
+        self._settle()  # the last bucket's replicas: nothing is left to overlap them with
 
     def gradients(self) -> list[torch.Tensor]:
         return [s.grad for s in self.shards.values() if s.grad is not None]

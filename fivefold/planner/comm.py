@@ -11,7 +11,7 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1). A ZeRO shard is
   held by every rank of its dp_replicate group (HSDP) and of its cp group: each reduction then
   all-reduces the reduced shard (G / dp_shard) over each of those groups in turn, on their own
-  links and synchronously (parallel/zero.py), so nothing hides it (replica_traffic).
+  links, bucket by bucket behind the backward (parallel/zero.py; replica_traffic).
 - tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
   two all-reduces in forward (attention, MLP; an MoE block's experts are not tp-split: attention
   only) and two in backward, each of the (b, s/cp, d) activation: 8 b s d (t-1)/t element-bytes
@@ -70,8 +70,8 @@ class AxisTraffic:
     time_s: float = 0.0
     op_steps: dict[str, int] = field(default_factory=dict)  # the steps by collective
     # Collectives on groups of their own, each on its own link, merged in (bytes, calls, time_s):
-    # ZeRO's replica all-reduces, which run synchronously, so nothing overlaps them.
-    synchronous: dict[str, AxisTraffic] = field(default_factory=dict)
+    # ZeRO's all-reduces over a shard's replicas.
+    merged: dict[str, AxisTraffic] = field(default_factory=dict)
 
     def add(self, op: str, nbytes: float, n: int, count: float = 1) -> None:
         if n <= 1 or count <= 0:
@@ -84,15 +84,15 @@ class AxisTraffic:
 
 
     def absorb(self, name: str, other: AxisTraffic) -> None:
-        """Merge `other` (its time_s set) in as synchronous part `name`."""
+        """Merge `other` (its time_s set) in as part `name`."""
         self.bytes += other.bytes
         self.calls += other.calls
         self.time_s += other.time_s
-        self.synchronous[name] = other
+        self.merged[name] = other
 
     @property
-    def synchronous_s(self) -> float:
-        return sum(t.time_s for t in self.synchronous.values())
+    def merged_s(self) -> float:
+        return sum(t.time_s for t in self.merged.values())
 
 
 def ring_steps(op: str, n: int) -> int:
@@ -134,15 +134,21 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
     return t
 
 
+def zero_reductions(zero: int, d: Derived) -> int:
+    """Gradient reductions a step under ZeRO: once for ZeRO-1 and ZeRO-3 kept gathered (at the last
+    micro-batch), every micro-batch for ZeRO-2 and resharding ZeRO-3."""
+    return d.grad_accum if zero == 2 or (zero == 3 and d.reshard_after_forward) else 1
+
+
 def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: float) -> dict[str, AxisTraffic]:
     """The all-reduces of one rank's reduced dense gradient shard (`shard_grad_bytes`) over the ranks
     that hold the same ZeRO shard, by group: dp_replicate (HSDP) and cp, one after the other at
-    each reduction (parallel/zero.py's _finish): once a step for ZeRO-1, every micro-batch for
-    ZeRO-2 and resharding ZeRO-3, once for ZeRO-3 kept gathered. Each timed on its group's link."""
+    each reduction (parallel/zero.py's _finish): `zero_reductions` a step. Each timed on its
+    group's link."""
     p = cfg.parallel
     if p.zero == 0:  # DDP all-reduces over the whole grad view (dp x cp) already
         return {}
-    reductions = d.grad_accum if p.zero == 2 or (p.zero == 3 and d.reshard_after_forward) else 1
+    reductions = zero_reductions(p.zero, d)
     out = {}
     for axis, n in (("dp_replicate", p.dp_replicate), ("cp", p.cp)):
         if n > 1:
@@ -247,16 +253,16 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
     rows = []
     for axis, tr in traffic.items():
         parts = [(f"{axis} traffic", own_part(tr)),
-                 *((f"{axis} traffic, {name}", t) for name, t in tr.synchronous.items())]
+                 *((f"{axis} traffic, {name}", t) for name, t in tr.merged.items())]
         rows += [traffic_row(name, t, hw) for name, t in parts if t.bytes]
     return traffic, rows
 
 
 def own_part(tr: AxisTraffic) -> AxisTraffic:
-    """`tr` without its synchronous parts: the collectives priced by its own op_steps and link."""
-    merged = tr.synchronous.values()
+    """`tr` without its merged parts: the collectives priced by its own op_steps and link."""
+    merged = tr.merged.values()
     return AxisTraffic(tr.bytes - sum(t.bytes for t in merged), tr.calls - sum(t.calls for t in merged), tr.steps,
-                       tr.inter_node, tr.time_s - tr.synchronous_s, tr.op_steps)
+                       tr.inter_node, tr.time_s - tr.merged_s, tr.op_steps)
 
 
 def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:

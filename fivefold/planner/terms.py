@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from fivefold.config import Config
 from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.simulate import Costs, SimResult, simulate
-from fivefold.planner.comm import AxisTraffic, link
+from fivefold.planner.comm import AxisTraffic, link, zero_reductions
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare
 from fivefold.planner.memory import (
@@ -164,9 +164,9 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     what exceeds that backward is exposed, and never less than the last bucket; ZeRO's weight
     all-gather after the optimizer step is exposed; ZeRO-3's gathers and reduce-scatters expose what
     `zero3` (overlap.zero3_hidden) says; the all-reduces over a ZeRO shard's replicas
-    (comm.replica_traffic: dp.synchronous) are exposed whole. Its collectives wait for the slowest
-    replica too: once a step (DDP, ZeRO-1), once per micro-batch (ZeRO-2), at every gather and
-    reduce-scatter (ZeRO-3)."""
+    (comm.replica_traffic: dp.merged) overlap the same backward bucket by bucket, each reduction's
+    last bucket exposed. Its collectives wait for the slowest replica too: once a step (DDP, ZeRO-1),
+    once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
     p, share, chunks, M = work.cfg.parallel, work.share, work.chunks, d.grad_accum
     bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
     bucket = min(p.bucket_mb * 1e6, share.params * grad_b)
@@ -176,15 +176,20 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     gather = share.params * param_b * (n_dp - 1) / n_dp / bw + (n_dp - 1) * alpha if n_dp > 1 else 0.0
     overlap = None
     per_step = M if p.zero == 2 else 1  # reductions a step: ZeRO-2 reduces every micro-batch
-    replicas = dp.synchronous_s
+    replicas, replicas_exposed = dp.merged_s, 0.0
+    if replicas:  # the shard's all-reduces behind the backward, a bucket's share of the bytes each
+        reductions = zero_reductions(p.zero, d)
+        replica_overlap = BucketOverlap(reduce_s=replicas / reductions, bucket_s=replicas / reductions * bucket
+                                        / (share.params * grad_b), window_s=backward_window)
+        replicas_exposed = replica_overlap.exposed_s * reductions
     if n_dp <= 1:
-        exposed = replicas
+        exposed = replicas_exposed
     elif p.zero == 3:
-        exposed = zero3.exposed_s + replicas
+        exposed = zero3.exposed_s + replicas_exposed
     else:
         reduce_t = (dp.time_s - replicas - (gather if p.zero else 0.0)) / per_step
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
-        exposed = overlap.exposed_s * per_step + (gather if p.zero else 0.0) + replicas
+        exposed = overlap.exposed_s * per_step + (gather if p.zero else 0.0) + replicas_exposed
     switch = dp_hidden(work.cfg, n_dp, overlap.reduce_s * per_step if overlap else 0.0,
                        overlap.exposed_s * per_step if overlap else 0.0)
     dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else per_step
@@ -192,7 +197,8 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     exposed += dp_noise
     window = ("the zero3 prefetch row prices it" if p.zero == 3
               else f"backward window {backward_window * 1e3:.2f} ms")
-    also = f" (of it {replicas * 1e3:.2f} ms all-reducing the shards' replicas)" if replicas else ""
+    also = (f" (of it {replicas * 1e3:.2f} ms all-reducing the shards' replicas, {replicas_exposed * 1e3:.2f} ms "
+            f"of that exposed)" if replicas else "")
     row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic{also}, {window}, "
            f"{dp_syncs} x waiting for the slowest replica {dp_noise * 1e3:.2f} ms: {exposed * 1e3:.2f} ms exposed",
            "bucket overlap (Li et al. 2020, \"PyTorch Distributed\"); noise: calibration/noise.py")
