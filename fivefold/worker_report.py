@@ -5,9 +5,9 @@ agent reports whichever failure it saw first: often a survivor, while a SIGKILLe
 error at all. So each worker keeps a small file in a folder the launcher made
 (`FIVEFOLD_WORKER_DIR`), one per attempt and rank: `running` with its pid when it starts, then
 `failed` with its error's first line and traceback, `stopped` when a SIGTERM (the launcher
-stopping the others, or its own death) ends it, or `done`. A worker whose file still says `running` when the job
-fails died by something it could not catch: SIGKILL (by hand, the OOM killer) or a crash. That
-rank comes first in the launcher's summary; ranks that failed because a peer vanished follow as
+stopping the others, or its own death) ends it, or `done`. A worker whose file still says
+`running` when the job fails died by something it could not catch: SIGKILL (by hand, the OOM
+killer) or a crash. That rank comes first in the launcher's summary; ranks that failed because a peer vanished follow as
 consequences. A rank whose collective timed out also records the peers it found missing (stopped or
 hung, or behind: parallel/arrivals.py): a stopped or hung rank ends in the launcher's SIGTERM or
 SIGKILL with no error of its own, and is named first from its peers' reports. The summary ends

@@ -82,7 +82,6 @@ class AxisTraffic:
         self.steps += steps
         self.op_steps[op] = self.op_steps.get(op, 0) + steps
 
-
     def absorb(self, name: str, other: AxisTraffic) -> None:
         """Merge `other` (its time_s set) in as part `name`."""
         self.bytes += other.bytes
@@ -280,11 +279,11 @@ def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCoun
                      d: Derived, hw: Hardware, grad_b: float, param_b: float,
                      act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row], list[dict[str, AxisTraffic]]]:
     """Per axis, the traffic of the pipeline rank that sends the most (the first of equals, the
-    busiest rank `work.share` if it is one of them), every pipeline rank's traffic (by pp rank),
-    and a row naming the heaviest sender where it is not the
-    busiest rank, whose `timed` traffic the step's time terms keep (its collectives are on the
-    critical path). The first and last stages send one pipeline message per micro-batch and chunk
-    fewer than the middle ones; the last holds the head's and the loss's tp collectives."""
+    busiest rank `work.share` if it is one of them), a row naming it where it is not the busiest
+    rank, whose `timed` traffic the step's time terms keep (its collectives are on the critical
+    path), and every pipeline rank's traffic, by pp rank. The first and last stages send one
+    pipeline message per micro-batch and chunk fewer than the middle ones; the last holds the
+    head's and the loss's tp collectives."""
     cfg, busiest = work.cfg, work.share.pp_rank
     per_rank = {s.pp_rank: (timed if s.pp_rank == busiest else rank_traffic(
         cfg, s, sum(1 for b in s.blocks if counts.blocks[b].experts), work.options, d, hw, grad_b,
