@@ -85,28 +85,53 @@ def _measure(rank, world, name, m, v, stats_only=False):
     return stats if stats_only else stats.timeline
 
 
-@pytest.mark.parametrize("name,m,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved_1f1b", 4, 2),
-                                      ("zb_h1", 4, 1), ("zb_v", 4, 2), ("dualpipe_v", 4, 2)])
-def test_measured_idle_time_matches_the_simulator(name, m, v):
-    timelines = run_workers(_measure, 2, name, m, v)
+def _mismatch(timelines: list, name: str, m: int, v: int) -> str | None:
+    """How one run's timelines differ from simulate() of its schedule, or None where they agree."""
     start = min(t[0][0] for t in timelines)
     makespan = max(t[-1][1] for t in timelines) - start
-    # What this machine adds besides the sleeps (when it is busy, 5-10 ms an action and as much a
-    # message, which the sleeps' costs alone would read as idle time), measured: an action's from
-    # the forwards (they cost T_F on every stage); a message's from the first one, rank 1 waiting
-    # for stage 0's first forward.
-    extra = statistics.median(end - began - T_F for t in timelines for began, end, a in t if a.startswith("F"))
-    first_f0 = next(end for _, end, a in timelines[0] if a == "F0s0")
-    hop = timelines[1][0][0] - first_f0
-    assert 0 <= extra < T_F / 2 and 0 <= hop < T_F / 2, (extra, hop)
-    sim = simulate(build_schedule(name, 2, m, v), Costs(f=T_F + extra, b=T_I + T_W + extra, i=T_I + extra,
-                                                        w=T_W + extra, comm=hop))
+    # What this machine adds besides the sleeps (when it is busy, 5-15 ms an action and 5 ms a
+    # message, which the sleeps' costs alone would read as idle time), measured: a forward's and a
+    # backward's medians over their sleeps; a message's from the first one, rank 1 waiting for
+    # stage 0's first forward.
+    took = {a: end - began for t in timelines for began, end, a in t}  # "F0s1" -> seconds
+    extra_f = statistics.median(d - T_F for a, d in took.items() if a[0] == "F")
+    # A backward's, from each (micro-batch, stage)'s whole backward: B, or I and W, which split it
+    # unevenly on the first stage (no input gradient there: its W holds the embedding's path too).
+    whole = [d for a, d in took.items() if a[0] == "B"] + [d + took["W" + a[1:]] for a, d in took.items()
+                                                          if a[0] == "I"]
+    extra_b = statistics.median(whole) - T_I - T_W
+    per_part = extra_b / 2 if any(a[0] == "I" for a in took) else extra_b
+    hop = timelines[1][0][0] - took["F0s0"] - timelines[0][0][0]
+    if not (0 <= extra_f < T_F / 2 and 0 <= extra_b < T_F and 0 <= hop < T_F / 2):
+        return f"an action's own time {extra_f:.4f} s (backward {extra_b:.4f} s), a message's {hop:.4f} s"
+    sim = simulate(build_schedule(name, 2, m, v), Costs(f=T_F + extra_f, b=T_I + T_W + extra_b, i=T_I + per_part,
+                                                        w=T_W + per_part, comm=hop))
     for rank, timeline in enumerate(timelines):
         busy = sum(end - began for began, end, _ in timeline)
         measured = (makespan - busy) / makespan  # idle share of this rank
         planned = sim.idle[rank] / sim.makespan
-        assert abs(measured - planned) < 0.05, (rank, measured, planned)
-    assert makespan == pytest.approx(sim.makespan, rel=0.15)
+        # 0.08: a busy machine's own drift reaches 0.06 (messages wait longer than the first one
+        # did); running another schedule's order moves it more (zb_h1 against 1f1b: 0.08
+        # against 0.2 idle on rank 0)
+        if abs(measured - planned) >= 0.08:
+            return f"rank {rank} idle {measured:.3f} of the time, simulated {planned:.3f}"
+    if abs(makespan - sim.makespan) > 0.15 * sim.makespan:
+        return f"makespan {makespan:.3f} s, simulated {sim.makespan:.3f} s"
+    return None
+
+
+@pytest.mark.parametrize("name,m,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved_1f1b", 4, 2),
+                                      ("zb_h1", 4, 1), ("zb_v", 4, 2), ("dualpipe_v", 4, 2)])
+def test_measured_idle_time_matches_the_simulator(name, m, v):
+    """Up to three runs: an executor that runs another order than the schedule's misses in every
+    run, while a busy moment on this shared machine (a rank scheduled out mid-step) spoils one."""
+    misses = []
+    for _ in range(3):
+        miss = _mismatch(run_workers(_measure, 2, name, m, v), name, m, v)
+        if miss is None:
+            return
+        misses.append(miss)
+    raise AssertionError("; ".join(misses))
 
 
 def test_sent_activations_are_freed():
