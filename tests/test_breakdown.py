@@ -29,29 +29,39 @@ LAYOUTS = {"dp2": ("--parallel.dp=2",), "tp2": ("--parallel.tp=2", "--parallel.d
 # The perturbed run: a 2-block model (little real compute, so the injected times dominate the
 # noise), 13 steps; after the warm-up step, steps fall in three interleaved groups compared with
 # each other within the run (the machine's load drifts between runs, far less between neighbours).
+# This machine (a microVM on a shared host) runs the torch work that follows a pause, slept or
+# spun, slower for a while: 0.5 ms of matmuls take 2.4 ms after a 20 ms pause, 7.9 ms after 100 ms.
+# So each pause also grows the part after it, by ~25 % of the pause; the bounds allow for that.
 PERTURBED = ("--parallel.dp=2", "--model.n_layers=2", "--train.seq_len=32", "--train.steps=13")
 FORWARD_SLEEP = 0.02  # steps 2, 5, 8, 11: each block forward sleeps (2 blocks x 2 micro-batches per rank) ...
-UNSPANNED = 0.05  # ... and the loop sleeps this long outside every measured span
+UNSPANNED = 0.1  # ... and the step sleeps this long outside every span, after the optimizer's
 DP_DELAY = 0.1  # steps 3, 6, 9, 12: DDP's all-reduce (one bucket: the tiny model) completes this late
 GROUPS = {"slow compute": (2, 5, 8, 11), "slow dp": (3, 6, 9, 12), "clean": (4, 7, 10, 13)}
 
 
-def _train(rank: int, world: int, cfg, perturb=None) -> None:
-    if perturb is not None:
-        perturb()
+def _train(rank: int, world: int, cfg, perturb=None) -> dict:
+    slept = perturb() if perturb is not None else {}
     from fivefold.train.loop import train
 
     train(cfg, progress=False)
+    return slept
 
 
-def _perturb() -> None:
-    """In this worker, patch the code the step runs, each perturbation on its own steps."""
+def _perturb() -> dict[str, dict[int, float]]:
+    """In this worker, patch the code the step runs, each perturbation on its own steps. Returns
+    the seconds each kind of sleep really took, by step, filled in as the run goes: a loaded
+    machine can wake a sleeper late, and that lateness is the machine's, not the breakdown's."""
     from fivefold.model import Block
+    from fivefold.parallel.comms import CommStats
     from fivefold.parallel.timing import StepTimer
-    from fivefold.train.moe_balance import MoEBalancing
 
-    step = [0]
-    begin, forward, balance, all_reduce = StepTimer.begin_step, Block.forward, MoEBalancing.before, dist.all_reduce
+    step, slept = [0], {"forward": {}, "unspanned": {}, "dp": {}}
+    begin, forward, snapshot, all_reduce = StepTimer.begin_step, Block.forward, CommStats.snapshot, dist.all_reduce
+
+    def sleep(kind: str, seconds: float) -> None:
+        start = time.perf_counter()
+        time.sleep(seconds)
+        slept[kind][step[0]] = slept[kind].get(step[0], 0.0) + time.perf_counter() - start
 
     def counting_begin(self, *args, **kwargs):
         step[0] += 1
@@ -59,13 +69,13 @@ def _perturb() -> None:
 
     def sleepy_forward(self, *args):
         if step[0] in GROUPS["slow compute"]:
-            time.sleep(FORWARD_SLEEP)
+            sleep("forward", FORWARD_SLEEP)
         return forward(self, *args)
 
-    def sleepy_balance(*args):  # called by the step between data loading and the pipeline: no span
+    def sleepy_snapshot(self):  # called by the step between the optimizer and the loss's reduction: no span
         if step[0] in GROUPS["slow compute"]:
-            time.sleep(UNSPANNED)
-        return balance(*args)
+            sleep("unspanned", UNSPANNED)
+        return snapshot(self)
 
     class LateWork:
         def __init__(self, work):
@@ -74,7 +84,7 @@ def _perturb() -> None:
         def wait(self):
             done = self.work.wait()
             if step[0] in GROUPS["slow dp"]:
-                time.sleep(DP_DELAY)
+                sleep("dp", DP_DELAY)
             return done
 
         def get_future(self):
@@ -84,8 +94,9 @@ def _perturb() -> None:
         work = all_reduce(*args, async_op=async_op, **kwargs)
         return LateWork(work) if async_op else work
 
-    StepTimer.begin_step, Block.forward, MoEBalancing.before = counting_begin, sleepy_forward, sleepy_balance
+    StepTimer.begin_step, Block.forward, CommStats.snapshot = counting_begin, sleepy_forward, sleepy_snapshot
     dist.all_reduce = late_all_reduce
+    return slept
 
 
 _RUNS: dict = {}
@@ -95,9 +106,16 @@ def _run(tmp_path_factory, name: str, *args: str, perturb=None) -> list[dict]:
     """The metrics records of one 2-rank run, run once per session."""
     if name not in _RUNS:
         out = tmp_path_factory.mktemp(name)
-        run_workers(_train, 2, tiny_config(out, *BASE, *args), perturb)
-        _RUNS[name] = (out / "tiny", read_metrics(out / "tiny" / "metrics.jsonl"))
+        slept = run_workers(_train, 2, tiny_config(out, *BASE, *args), perturb)
+        _RUNS[name] = (out / "tiny", read_metrics(out / "tiny" / "metrics.jsonl"), slept)
     return _RUNS[name][1]
+
+
+def _slept(kind: str, group: str) -> float:
+    """The median over a group's steps of the ranks' mean time really slept in one perturbation
+    (the breakdown's parts are means over ranks too)."""
+    per_rank = _RUNS["perturbed"][2]
+    return statistics.median(statistics.mean(rank[kind][step] for rank in per_rank) for step in GROUPS[group])
 
 
 def _median(records: list[dict], part: str, steps: tuple[int, ...] | None = None) -> float:
@@ -131,18 +149,25 @@ def test_parts_add_up_and_little_time_is_unattributed(tmp_path_factory, layout):
 
 def test_compute_is_timed_directly(tmp_path_factory):
     records = _run(tmp_path_factory, "perturbed", *PERTURBED, perturb=_perturb)
-    added = 2 * 2 * FORWARD_SLEEP  # blocks x micro-batches per rank
-    assert 0.75 * added < _grown(records, "compute", "slow compute") < 1.35 * added
-    # Time spent outside every span stays unattributed: compute is not the step minus the rest.
-    assert 0.8 * UNSPANNED < _grown(records, "unattributed", "slow compute") < 1.3 * UNSPANNED
+    added, unspanned = _slept("forward", "slow compute"), _slept("unspanned", "slow compute")
+    assert added > 0.95 * 2 * 2 * FORWARD_SLEEP  # blocks x micro-batches per rank: every forward slept
+    # Time spent outside every span stays unattributed: compute is not the step minus the rest,
+    # which would grow it by added + unspanned (its upper bound sits halfway there), and an
+    # untimed forward would grow the unattributed time by added + unspanned (1.8 unspanned).
+    assert 0.75 * added < _grown(records, "compute", "slow compute") < added + 0.5 * unspanned
+    assert 0.8 * unspanned < _grown(records, "unattributed", "slow compute") < 1.4 * unspanned
 
 
 def test_a_delay_in_dp_collectives_is_exposed_dp_and_nothing_else(tmp_path_factory):
     records = _run(tmp_path_factory, "perturbed", *PERTURBED, perturb=_perturb)
-    assert 0.8 * DP_DELAY < _grown(records, "exposed_dp", "slow dp") < 1.3 * DP_DELAY
+    delay = _slept("dp", "slow dp")
+    assert delay > 0.95 * DP_DELAY  # one late all-reduce per step
+    assert 0.8 * delay < _grown(records, "exposed_dp", "slow dp") < 1.3 * delay
     # The wait runs inside the last backward (a compute span): subtracted from it, charged to dp.
+    # Counted twice or left in compute, a part would grow by the whole delay; the bound leaves room
+    # for the pause's after-effect on the work that follows it (the header's note: ~25 % of it).
     for part in sorted(set().union(*(r["step_breakdown"] for r in records)) - {"exposed_dp"}):
-        assert _grown(records, part, "slow dp") < 0.25 * DP_DELAY, part
+        assert _grown(records, part, "slow dp") < 0.4 * delay, part
 
 
 def test_traces_are_chrome_traces_with_one_process_per_rank(tmp_path_factory):

@@ -92,7 +92,9 @@ def test_published_scale_built_equals_predicted_per_position(name):
                        implementation=True)
     assert max(m["total"] for m in per_rank) == planned.memory["total"]
     assert all(r.fits for r in reports), [r.overflow() for r in reports if not r.fits]
-    assert seconds < 30, f"{name}: {seconds:.1f} s"  # measured 0.3-2.4 s here
+    # Built per rank rather than per position, the 405B layout's 1,024 ranks would take minutes to
+    # hours; per position it took 0.3-8 s here, and 38 s on a machine slowed 4x (CI saw 20 s).
+    assert seconds < 120, f"{name}: {seconds:.1f} s"
 
 
 def test_positions_of_a_large_layout():
