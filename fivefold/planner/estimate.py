@@ -93,6 +93,7 @@ class Estimate:
     overlaps: dict[str, Hidden] = field(default_factory=dict)  # overlap.SWITCHES -> traffic and what stays exposed
     not_runnable: list[str] = field(default_factory=list)  # why `fivefold train` cannot run it as assumed
     comm_by_pp_rank: list[dict[str, AxisTraffic]] = field(default_factory=list)  # every pipeline rank's traffic
+    memory_by_pp_rank: list[dict[str, float]] = field(default_factory=list)  # every pipeline rank's, MEMORY_KEYS
 
 
     def to_json(self) -> dict[str, Any]:
@@ -190,7 +191,8 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
                     time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
                     flops=flops.to_json(), host_memory_bytes=mem.host_bytes, overlaps=overlaps,
-                    not_runnable=options.not_runnable(cfg.parallel), comm_by_pp_rank=by_rank)
+                    not_runnable=options.not_runnable(cfg.parallel), comm_by_pp_rank=by_rank,
+                    memory_by_pp_rank=mem.per_rank)
 
 
 def _params_row(counts: ModelCounts) -> Row:

@@ -15,14 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.config import Config
-from fivefold.parallel.schedules import build_schedule
-from fivefold.parallel.simulate import simulate
-from fivefold.planner.counts import model_counts
 from fivefold.planner.datasheet import Hardware, get_hardware
-from fivefold.planner.estimate import estimate
-from fivefold.planner.layout import rank_shares
-from fivefold.planner.memory import BytesPerParam, activation_bytes, buffer_bytes, rank_state_bytes
-from fivefold.validate import derive
+from fivefold.planner.estimate import Estimate, estimate
 
 
 def activation_element_bytes(cfg: Config, device_type: str = "cpu") -> int:
@@ -46,9 +40,8 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
     the fullest rank's memory and, per axis, the heaviest sender's bytes (with 1F1B at pp > 2 a
     middle stage's pp bytes, twice what the first stage sends).
     """
-    hw = hardware or get_hardware("h100")  # only for bytes: they do not depend on the hardware
-    est = estimate(cfg, world_size, hw, act_bytes=activation_element_bytes(cfg, device_type), implementation=True)
-    mem = memory_per_pipeline_rank(cfg, world_size, device_type)[0]
+    est = _implementation_estimate(cfg, world_size, hardware or get_hardware("h100"), device_type)
+    mem = est.memory_by_pp_rank[0]
     return {
         "model_state_bytes": {k: mem[k] for k in ("params", "grads", "optimizer")}
         | {"total": mem["params"] + mem["grads"] + mem["optimizer"]},
@@ -62,23 +55,16 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
 
 
 def memory_per_pipeline_rank(cfg: Config, world_size: int, device_type: str = "cpu") -> list[dict[str, float]]:
-    """predict_for_config's memory for every pipeline rank, not only the fullest: one dict per pp
-    rank of {params, grads, optimizer, activations, buffers, total} bytes, from the terms
-    terms.rank_memory adds with implementation=True (memory.fivefold_state_bytes, activation_bytes
-    and buffer_bytes of layout.rank_shares; the activations in flight are simulate()'s, which depend
-    on each rank's action order only, not on timing). Every tp, ep and dp rank of one pipeline rank
-    holds the same, and the largest total is predict_for_config's (the dry run, train/dry_run.py,
-    prints these beside what it builds)."""
-    p, d = cfg.parallel, derive(cfg, world_size)
-    act_bytes = activation_element_bytes(cfg, device_type)
-    inflight = simulate(build_schedule(p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages)).peak_inflight
-    out = []
-    for r, share in enumerate(rank_shares(cfg, model_counts(cfg.model, d.vocab_size))):
-        state = rank_state_bytes(cfg, d, share, BytesPerParam(), implementation=True)
-        mem = {k: state[k] for k in ("params", "grads", "optimizer")}
-        acts = activation_bytes(cfg, share, inflight[r], d.local_seq_len, d.vocab_size, act_bytes)
-        mem["activations"] = acts["total"]
-        mem["buffers"] = buffer_bytes(cfg, share, BytesPerParam(), d.local_seq_len, act_bytes, d.dp * p.cp)["total"]
-        mem["total"] = sum(mem.values())
-        out.append(mem)
-    return out
+    """predict_for_config's memory for every pipeline rank, not only rank 0: one dict per pp rank of
+    {params, grads, optimizer, activations, buffers, total} bytes, the terms terms.rank_memory adds
+    with implementation=True (memory.fivefold_state_bytes, activation_bytes and buffer_bytes of
+    layout.rank_shares; the activations in flight are simulate()'s, which depend on each rank's
+    action order only, not on timing). Every tp, ep and dp rank of one pipeline rank holds the same,
+    and the largest total is `fivefold plan`'s (the dry run, train/dry_run.py, prints these beside
+    what it builds)."""
+    return _implementation_estimate(cfg, world_size, get_hardware("h100"), device_type).memory_by_pp_rank
+
+
+def _implementation_estimate(cfg: Config, world_size: int, hw: Hardware, device_type: str) -> Estimate:
+    """The estimate in fivefold's own accounting (bytes do not depend on `hw`, times do)."""
+    return estimate(cfg, world_size, hw, act_bytes=activation_element_bytes(cfg, device_type), implementation=True)

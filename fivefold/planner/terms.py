@@ -226,6 +226,7 @@ class RankMemory:
     fits: bool  # on the device, and in the host's memory where offload puts state there (when the host is known)
     explain: list[Row] = field(default_factory=list)
     host_bytes: float = 0.0  # host memory per node that offloaded state takes (its ranks x the fullest rank's)
+    per_rank: list[dict[str, float]] = field(default_factory=list)  # every pipeline rank's, like `memory`
 
 
 def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight: list[int], b: BytesPerParam,
@@ -238,7 +239,7 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
     or a larger stage outweigh it."""
     p, n_shard, grad_ranks = cfg.parallel, d.dp_shard, d.dp * cfg.parallel.cp
     memory: dict[str, float] = {}
-    totals, host = [], 0.0
+    per_rank, host = [], 0.0
     for r, s in enumerate(shares):
         state = rank_state_bytes(cfg, d, s, b, implementation, options)
         acts = activation_bytes(cfg, s, peak_inflight[r], d.local_seq_len, d.vocab_size, act_bytes, options)
@@ -246,7 +247,7 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
         mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                "activations": acts["total"], "buffers": bufs["total"]}
         mem["total"] = sum(mem.values())
-        totals.append(mem["total"])
+        per_rank.append(mem)
         host = max(host, state["host"])
         if not memory or mem["total"] > memory["total"]:
             memory, worst_acts, worst_r = mem, acts, r
@@ -266,13 +267,13 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
         rows.append(("fullest rank", f"pipeline rank {worst_r} of {p.pp}: {peak_inflight[worst_r]} chunks in flight "
                      f"(per rank {list(peak_inflight)}) x {shares[worst_r].chunk_blocks} blocks"
                      + (", the logits" if shares[worst_r].last else "") + "; totals per rank "
-                     + ", ".join(f"{t / GB:.1f}" for t in totals) + " GB",
+                     + ", ".join(f"{m['total'] / GB:.1f}" for m in per_rank) + " GB",
                      f"simulate(build_schedule('{p.pp_schedule}', ...)).peak_inflight; layout.rank_shares"))
     rows += _option_rows(cfg, options, worst_acts, host, host_node, ranks_per_node, hw)
     rows.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: "
                  f"{'fits' if memory['total'] <= hw.memory_bytes else 'does NOT fit'}",
                  hw.sources.get("memory_bytes", "profile")))
-    return RankMemory(memory, fits, rows, host_node)
+    return RankMemory(memory, fits, rows, host_node, per_rank)
 
 
 def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host: float, host_node: float,
