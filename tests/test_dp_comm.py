@@ -160,8 +160,9 @@ def test_buckets_overlap_communication_with_backward(tmp_path):
     assert serial - overlapped > comm / 4, (compute, overlapped, serial, comm)
 
 
-def _collective_order(rank, world, cfg):
-    """Every collective one backward issues, and every wait on one: ("issue" | "wait", op, group)."""
+def _collective_order(rank, world, cfg, micro_batches=1):
+    """Every collective the backwards of a step's micro-batches issue, and every wait on one:
+    ("issue" | "wait", op, group), with ("backward", micro-batch) before each backward."""
     from fivefold.model import cross_entropy_sum
 
     events, issue, wait = [], comms._issue, comms.Pending.wait
@@ -180,7 +181,9 @@ def _collective_order(rank, world, cfg):
     x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(rank))
     comms._issue, comms.Pending.wait = logged_issue, logged_wait
     try:
-        dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=True)
+        for mb in range(micro_batches):
+            events.append(("backward", mb))
+            dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=mb == micro_batches - 1)
     finally:
         comms._issue, comms.Pending.wait = issue, wait
     return events, len(dp.buckets)
@@ -201,6 +204,20 @@ def test_hsdp_all_reduces_each_bucket_while_the_next_one_fills(tmp_path, zero):
         assert scatters[k] < replicas[k] < waits[k]  # the bucket's own rows, reduced first
         if k + 1 < n_buckets:
             assert scatters[k + 1] < waits[k] < replicas[k + 1]  # in flight while bucket k + 1 filled
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_hsdp_all_reduces_the_replicas_once_a_step(tmp_path, zero):
+    """ZeRO-2 and resharding ZeRO-3 reduce-scatter on every micro-batch; the replicas' all-reduce
+    runs at the last one only, on the step's sum (the equivalence of its values is
+    test_data_parallel's hsdp cases with accumulation): the slow link carries the shard once."""
+    cfg = tiny_config(tmp_path, f"--parallel.zero={zero}", "--parallel.dp_replicate=2", "--parallel.bucket_mb=0.1")
+    events, n_buckets = run_workers(_collective_order, 4, cfg, 3)[0]
+    last = events.index(("backward", 2))
+    scatters = [i for i, e in enumerate(events) if e == ("issue", "reduce_scatter", "dp_shard")]
+    replicas = [i for i, e in enumerate(events) if e == ("issue", "all_reduce", "dp_replicate")]
+    assert len(scatters) == 3 * n_buckets and len(replicas) == n_buckets
+    assert min(replicas) > last  # none before the last micro-batch's backward
 
 
 def _torch_oracle(rank, world, cfg, kind):

@@ -61,9 +61,9 @@ def test_ring_all_reduce_traffic_and_zero3_ratio():
 
 def test_hsdp_reduces_its_shards_inside_a_node_and_all_reduces_them_across_nodes():
     """16 GPUs, 2 nodes: ZeRO-3 over the 8 GPUs of a node, replicated across the 2 (dp_replicate).
-    The reduce-scatters and gathers stay on NVLink; each resharding reduction (one per micro-batch)
-    all-reduces the node's shard of the gradients, G / 8, over the 2 replicas, across nodes, bucket
-    by bucket behind the backward (parallel/zero.py): only each reduction's last bucket is exposed."""
+    The reduce-scatters and gathers stay on NVLink, one reduction per micro-batch; once a step, at
+    the last, the node's shard of the gradients, G / 8, is all-reduced over the 2 replicas, across
+    nodes, bucket by bucket behind the backward (parallel/zero.py): only the last bucket is exposed."""
     cfg = load_config(None, ["--model.preset=llama3-8b", "--parallel.dp=16", "--parallel.dp_replicate=2",
                              "--parallel.zero=3", "--train.global_batch=32", "--train.micro_batch=1",
                              "--train.seq_len=4096"])
@@ -71,7 +71,7 @@ def test_hsdp_reduces_its_shards_inside_a_node_and_all_reduces_them_across_nodes
     hw = get_hardware("h100")
     est = estimate(cfg, 16, hw)
     grads = model_counts(cfg.model, cfg.model.vocab_size).total * 2  # bf16 gradients
-    replicas = 2 * wire_bytes("all_reduce", grads / 8, 2)  # M = 32 / 16 = 2 micro-batches
+    replicas = wire_bytes("all_reduce", grads / 8, 2)  # once, for M = 32 / 16 = 2 micro-batches
     flat = estimate(replace(cfg, parallel={"dp_replicate": 1}), 16, hw)  # ZeRO-3 over all 16
     assert est.comm["dp"].bytes == pytest.approx(dp_traffic(3, 8, grads, grads, 2).bytes + replicas, rel=1e-6)
     rows = rows_of(est)

@@ -5,12 +5,18 @@ with `zero = 2` also the gradients, each over `dp_shard`; with dp_replicate > 1 
 context parallel the shards are replicated, and their gradients summed, over those ranks too: a
 bucket's reduced rows are all-reduced over its replicas while the backward fills the next bucket,
 and waited for when that one is reduced (FSDP2's HSDP overlaps its all-reduce with backward too).
+That sum runs once a step, at the last micro-batch, whatever the stage: ZeRO-2 (and resharding
+ZeRO-3, fsdp.py) reduce-scatter every micro-batch, but the earlier micro-batches' rows only
+accumulate in the fp32 shard gradients, which the last one's rows join before the all-reduce. Over
+the replicas' link, usually the slower one between nodes, a step sends the shard's gradient once,
+not M times (FSDP2 does so when told `set_requires_all_reduce(False)` on all but the last).
 Collectives per optimizer step, with N ranks, G gradient bytes, P parameter bytes, M micro-batches
 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"):
 - ZeRO-1: one reduce-scatter per bucket on the last micro-batch, AdamW on this rank's shard, one
   all-gather of the updated parameters: (N-1)/N x G + (N-1)/N x P.
 - ZeRO-2: a reduce-scatter per bucket on *every* micro-batch (the full gradient is freed as soon
   as its bucket is reduced, never kept across micro-batches), then as ZeRO-1: (M+1)(N-1)/N x G.
+- with R replicas, at either stage: 2(R-1)/R x G/N more per step, on the replicas' link.
 
 Shards: each parameter is split along dim 0 like torch.chunk: rank r owns rows [r c, (r+1) c)
 with c = ceil(rows / N), so every shard is a DTensor Shard(0) on the dp_shard mesh and
@@ -55,6 +61,7 @@ class ZeroDataParallel(DataParallel):
         replicas = (mesh.group("dp_replicate"), dataclasses.replace(mesh.group("cp"), label="dp"))
         self.replica_groups = [g for g in replicas if g.size > 1]
         self._replicating: Bucket | None = None  # its rows are being all-reduced over the first replica group
+        self._last_micro_batch = True  # of the backward reducing now: the replicas sum the step's rows then
         super().__init__(model, mesh, parallel, chunks)
         self._make_shards()
 
@@ -144,11 +151,25 @@ class ZeroDataParallel(DataParallel):
             b.work.wait()
         b.work = b.flat = None  # the send buffer goes; b.out holds this rank's reduced rows
         self._settle()
-        if b.group is None and self.replica_groups:
+        if b.group is None and self.replica_groups and self._last_micro_batch:
+            self._join_accumulated(b)
             b.work = comms.all_reduce(b.out, self.replica_groups[0], async_op=True)
             self._replicating = b
-        else:
+        else:  # no replicas, or an earlier micro-batch: its rows wait in the shards for the last one's
             self._accumulate(b)
+
+    @torch.no_grad()
+    def _join_accumulated(self, b: Bucket) -> None:
+        """Add the rows the earlier micro-batches accumulated in b's shard gradients into b.out, the
+        last micro-batch's, and clear them: b.out is then the step's sum over this rank's dp_shard
+        group, which the replicas' all-reduce completes."""
+        accumulated = [self.shards[id(p)].grad for p in b.params]
+        if accumulated[0] is None:  # one micro-batch, or ZeRO-1: nothing accumulated yet
+            return
+        joined = b.out.float() + torch.cat([g.reshape(-1) for g in accumulated])  # (sum(shard numel),) fp32
+        b.out = joined.to(b.out.dtype)  # on the wire in parallel.reduce_dtype, as every reduction
+        for p in b.params:
+            self.shards[id(p)].grad = None
 
     @torch.no_grad()
     def _settle(self) -> None:
@@ -172,6 +193,7 @@ class ZeroDataParallel(DataParallel):
 
     @contextlib.contextmanager
     def reducing(self, last_micro_batch: bool, chunk: int | None = None) -> Iterator[None]:
+        self._last_micro_batch = last_micro_batch
         with super().reducing(last_micro_batch, chunk):
             yield
         self._settle()  # the last bucket's replicas: nothing is left to overlap them with

@@ -9,9 +9,9 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   gradients + all-gather of the weights (same bytes as DDP); ZeRO-2: a reduce-scatter on every
   micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
   the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1). A ZeRO shard is
-  held by every rank of its dp_replicate group (HSDP) and of its cp group: each reduction then
-  all-reduces the reduced shard (G / dp_shard) over each of those groups in turn, on their own
-  links, bucket by bucket behind the backward (parallel/zero.py; replica_traffic).
+  held by every rank of its dp_replicate group (HSDP) and of its cp group: once a step the
+  reduced shard (G / dp_shard, the micro-batches' sum) is all-reduced over each of those groups in
+  turn, on their own links, bucket by bucket behind the backward (parallel/zero.py; replica_traffic).
 - tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
   two all-reduces in forward (attention, MLP; an MoE block's experts are not tp-split: attention
   only) and two in backward, each of the (b, s/cp, d) activation: 8 b s d (t-1)/t element-bytes
@@ -133,26 +133,19 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
     return t
 
 
-def zero_reductions(zero: int, d: Derived) -> int:
-    """Gradient reductions a step under ZeRO: once for ZeRO-1 and ZeRO-3 kept gathered (at the last
-    micro-batch), every micro-batch for ZeRO-2 and resharding ZeRO-3."""
-    return d.grad_accum if zero == 2 or (zero == 3 and d.reshard_after_forward) else 1
-
-
 def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: float) -> dict[str, AxisTraffic]:
     """The all-reduces of one rank's reduced dense gradient shard (`shard_grad_bytes`) over the ranks
-    that hold the same ZeRO shard, by group: dp_replicate (HSDP) and cp, one after the other at
-    each reduction (parallel/zero.py's _finish): `zero_reductions` a step. Each timed on its
-    group's link."""
+    that hold the same ZeRO shard, by group: dp_replicate (HSDP) and cp, one after the other, once a
+    step at every ZeRO stage (parallel/zero.py: the last micro-batch's rows join the earlier ones'
+    first). Each timed on its group's link."""
     p = cfg.parallel
     if p.zero == 0:  # DDP all-reduces over the whole grad view (dp x cp) already
         return {}
-    reductions = zero_reductions(p.zero, d)
     out = {}
     for axis, n in (("dp_replicate", p.dp_replicate), ("cp", p.cp)):
         if n > 1:
             t = AxisTraffic(inter_node=axis_spans_nodes(cfg, d, hw.gpus_per_node, axis))
-            t.add("all_reduce", shard_grad_bytes, n, reductions)
+            t.add("all_reduce", shard_grad_bytes, n)
             t.time_s = time_of(t, hw)
             out[axis] = t
     return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from fivefold.config import Config
 from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.simulate import Costs, SimResult, simulate
-from fivefold.planner.comm import AxisTraffic, link, zero_reductions
+from fivefold.planner.comm import AxisTraffic, link
 from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare
 from fivefold.planner.memory import (
@@ -164,8 +164,8 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     what exceeds that backward is exposed, and never less than the last bucket; ZeRO's weight
     all-gather after the optimizer step is exposed; ZeRO-3's gathers and reduce-scatters expose what
     `zero3` (overlap.zero3_hidden) says; the all-reduces over a ZeRO shard's replicas
-    (comm.replica_traffic: dp.merged) overlap the same backward bucket by bucket, each reduction's
-    last bucket exposed. Its collectives wait for the slowest replica too: once a step (DDP, ZeRO-1),
+    (comm.replica_traffic: dp.merged, once a step) overlap the last micro-batch's backward bucket by
+    bucket, the last bucket's exposed. Its collectives wait for the slowest replica too: once a step (DDP, ZeRO-1),
     once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
     p, share, chunks, M = work.cfg.parallel, work.share, work.chunks, d.grad_accum
     bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
@@ -178,10 +178,9 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     per_step = M if p.zero == 2 else 1  # reductions a step: ZeRO-2 reduces every micro-batch
     replicas, replicas_exposed = dp.merged_s, 0.0
     if replicas:  # the shard's all-reduces behind the backward, a bucket's share of the bytes each
-        reductions = zero_reductions(p.zero, d)
-        replica_overlap = BucketOverlap(reduce_s=replicas / reductions, bucket_s=replicas / reductions * bucket
-                                        / (share.params * grad_b), window_s=backward_window)
-        replicas_exposed = replica_overlap.exposed_s * reductions
+        replica_overlap = BucketOverlap(reduce_s=replicas, bucket_s=replicas * bucket / (share.params * grad_b),
+                                        window_s=backward_window)
+        replicas_exposed = replica_overlap.exposed_s
     if n_dp <= 1:
         exposed = replicas_exposed
     elif p.zero == 3:
