@@ -131,14 +131,17 @@ def test_offload_refusals_are_one_line(capsys):
 def test_fp8_weights_gather_one_byte_per_block_weight():
     """fp8 = "weights": the blocks' weights in 1 byte at rest and on ZeRO-3's gathers (torchtitan's float8
     all-gather casts each linear weight's shard before FSDP's all-gather, docs/float8.md); the embedding and
-    head stay in bf16, the gradients too. Per step, M = 8 micro-batches: 2M gathers and M reduce-scatters."""
+    head stay in bf16, the gradients too. Per step, M = 8 micro-batches: 2M gathers (M of the head's
+    unit, kept gathered for its backward) and M reduce-scatters."""
     cfg = _8b("--parallel.dp=8", "--parallel.zero=3")
     c = model_counts(cfg.model)
     vocab = c.embedding + c.head
     weights = (c.total - vocab) * 1 + vocab * 2
+    head = c.head * 2 + c.final_norm * 1
     est = estimate(cfg, 8, H100, options=PlanOptions(fp8="weights"))
     M = 64 // 8
-    expected = 2 * M * wire_bytes("all_gather", weights, 8) + M * wire_bytes("reduce_scatter", 2 * c.total, 8)
+    expected = (M * wire_bytes("all_gather", 2 * weights - head, 8)
+                + M * wire_bytes("reduce_scatter", 2 * c.total, 8))
     assert est.comm["dp"].bytes == pytest.approx(expected)
     assert est.memory["params"] == pytest.approx(weights / 8)
     assert "fp8=weights: fivefold computes in bf16 or fp32" in est.not_runnable

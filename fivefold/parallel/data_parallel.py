@@ -7,7 +7,7 @@ Which implementation a layout gets, by `parallel.zero` (Rajbhandari et al. 2020,
 | 0 | ddp.py (DDP) | nothing | 2(N-1)/N x G, one all-reduce per bucket on the last micro-batch |
 | 1 | zero.py | optimizer state | (N-1)/N x G + (N-1)/N x P |
 | 2 | zero.py | + gradients | (M+1)(N-1)/N x G |
-| 3 | fsdp.py | + parameters | 3M(N-1)/N x P; kept gathered through the step 2(N-1)/N x P |
+| 3 | fsdp.py | + parameters | 3M(N-1)/N x P (the head's 2M: no pipeline); kept gathered 2(N-1)/N x P |
 
 G: gradient bytes, P: parameter bytes. With dp_replicate > 1 the shards are replicated across
 dp_replicate (HSDP). Every one of them reduces gradients over the grad view (dp x cp), expert

@@ -6,7 +6,9 @@ With N ranks, P parameter bytes and M micro-batches, two modes (`parallel.reshar
 - resharding (the default without pipelines), per micro-batch: a unit's parameters are
   all-gathered before its forward and freed after it, gathered again before its backward, freed
   after it, and its gradients reduce-scattered at once, so the full gradient never outlives its
-  unit. Traffic 3 M (N-1)/N x P, 1.5x DDP's at M = 1.
+  unit. Traffic 3 M (N-1)/N x P, 1.5x DDP's at M = 1, less the head's unit's: without a pipeline
+  its backward follows its forward with only the loss between, so it stays gathered across (as
+  FSDP2 keeps its root unit), one gather a micro-batch instead of two.
 - kept gathered (the default with pipelines, as torchtitan composes FSDP2 with pipelining): a
   unit is gathered at its first forward of the step and kept until its chunk's last backward,
   where its gradients, accumulated unsharded, are reduce-scattered once. Traffic 2 (N-1)/N x P
@@ -46,6 +48,7 @@ class Unit:
     modules: list[nn.Module]  # run in this order in forward
     params: list[nn.Parameter]
     gathered: bool = True  # full parameters materialised (true at construction)
+    kept_for_backward: bool = False  # the head's unit without a pipeline: gathered from its forward to its backward
     pending: list | None = None  # (work, flat buffer, bucket) of each all-gather in flight
     buckets: list[Bucket] = field(default_factory=list)  # its experts' (ep > 1: over expert_dp), then the rest
     prev: "Unit | None" = field(default=None, repr=False)  # neighbours in forward order, for prefetch
@@ -70,7 +73,11 @@ class FullyShardedDataParallel(ZeroDataParallel):
         # Built on the meta device, the full parameters never hold storage: only the shards do.
         materialize(model, mesh.device, freed)
         self.reshard_after_forward = reshard_after_forward  # validate.derive() resolves "auto"
-        self.units = [Unit(mods, list(dict.fromkeys(p for m in mods for p in m.parameters() if p.requires_grad)))
+        # A pipeline runs other actions between a head's forward and its backward (all of them in
+        # GPipe): kept gathered across, the head would hold its memory all that while.
+        head_next = mesh.size("pp") == 1
+        self.units = [Unit(mods, list(dict.fromkeys(p for m in mods for p in m.parameters() if p.requires_grad)),
+                           kept_for_backward=head_next and model.output in mods)
                       for mods in sharding_units(model)]
         for a, b in zip(self.units, self.units[1:], strict=False):
             a.next, b.prev = b, a
@@ -147,9 +154,10 @@ class FullyShardedDataParallel(ZeroDataParallel):
             self._issue_gather(unit.next)  # prefetch: overlaps the next unit's gather with this compute
 
     def _post_forward(self, unit: Unit, out: torch.Tensor) -> None:
-        if self.reshard_after_forward:
-            self._free(unit)
-        if torch.is_grad_enabled() and out.requires_grad:
+        backward_follows = torch.is_grad_enabled() and out.requires_grad
+        if self.reshard_after_forward and not (unit.kept_for_backward and backward_follows):
+            self._free(unit)  # the head's backward comes next: freed now, it would be gathered again at once
+        if backward_follows:
             # Fires when the gradient of the unit's output is complete, i.e. just before its backward.
             out.register_hook(lambda grad: self._pre_backward(unit))
 

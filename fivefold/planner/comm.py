@@ -8,7 +8,8 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   DDP: all-reduce of the gradients once (on the last micro-batch); ZeRO-1: reduce-scatter of the
   gradients + all-gather of the weights (same bytes as DDP); ZeRO-2: a reduce-scatter on every
   micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
-  the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1). A ZeRO shard is
+  the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1), the head's unit
+  gathered once without a pipeline (kept for its backward: parallel/fsdp.py). A ZeRO shard is
   held by every rank of its dp_replicate group (HSDP) and of its cp group: once a step the
   reduced shard (G / dp_shard, the micro-batches' sum) is all-reduced over each of those groups in
   turn, on their own links, bucket by bucket behind the backward (parallel/zero.py; replica_traffic).
@@ -113,11 +114,13 @@ def time_of(t: AxisTraffic, hw: Hardware) -> float:
 
 
 def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int,
-               reshard_after_forward: bool = True, into: AxisTraffic | None = None) -> AxisTraffic:
+               reshard_after_forward: bool = True, into: AxisTraffic | None = None,
+               kept_bytes: float = 0.0) -> AxisTraffic:
     """Gradient reduction of one rank's `grad_bytes` (and weight gathers of `param_bytes`) over n,
     added to `into` if given. ZeRO-2 reduce-scatters on every backward of each chunk (B or W);
-    ZeRO-3 resharding gathers for every forward and backward, kept gathered once per step
-    (parallel/fsdp.py)."""
+    ZeRO-3 resharding gathers for every forward and backward, but `kept_bytes` of the weights (the
+    head's unit without a pipeline: RankShare.kept_unit) only for the forward; kept gathered once
+    per step (parallel/fsdp.py)."""
     t = into if into is not None else AxisTraffic()
     if zero == 0:
         t.add("all_reduce", grad_bytes, n)
@@ -125,7 +128,8 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
         t.add("reduce_scatter", grad_bytes, n, micro if zero == 2 else 1)
         t.add("all_gather", param_bytes, n)
     elif reshard_after_forward:
-        t.add("all_gather", param_bytes, n, 2 * micro)
+        t.add("all_gather", param_bytes - kept_bytes, n, 2 * micro)
+        t.add("all_gather", kept_bytes, n, micro)
         t.add("reduce_scatter", grad_bytes, n, micro)
     else:
         t.add("all_gather", param_bytes, n)
@@ -218,8 +222,9 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     expert = share.expert_params if p.ep > 1 else 0
     dense = share.params - expert
     dense_weights = (dense - share.vocab_params) * block_b + share.vocab_params * param_b
+    kept_weights = (share.kept_unit - share.kept_vocab) * block_b + share.kept_vocab * param_b
     dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense_weights, micro,
-                    d.reshard_after_forward)
+                    d.reshard_after_forward, kept_bytes=kept_weights)
     dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * block_b, micro, d.reshard_after_forward, dp)
     traffic = {"dp": dp}
     traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,

@@ -80,6 +80,11 @@ class RankShare:
     # Sides of stage boundaries between this rank's stages and another rank's; a V schedule's turn
     # (its last rank's two stages) is handed over in memory (parallel/pipeline_p2p.py).
     wire_boundaries: int = 0
+    # ZeRO-3 resharding keeps the head's unit gathered from its forward to its backward when no
+    # pipeline runs anything between them (parallel/fsdp.py): its parameters (a tied embedding on
+    # this rank shares the unit) and their vocabulary part; 0 on other ranks and with pp > 1.
+    kept_unit: int = 0
+    kept_vocab: int = 0
 
 
 def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None) -> list[RankShare]:
@@ -102,14 +107,18 @@ def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None
         if first:
             units.append(counts.embedding // tp)
             vocab += units[-1]
+        kept = kept_vocab = 0
         if last:  # a tied head on another rank than the embedding keeps its own copy of the matrix
             tied_copy = counts.embedding if counts.head == 0 and not first else 0
             units.append((counts.head + tied_copy) // tp + counts.final_norm)
             vocab += (counts.head + tied_copy) // tp
+            if p.pp == 1:
+                tied_unit = counts.embedding // tp if counts.head == 0 and first else 0
+                kept, kept_vocab = units[-1] + tied_unit, (counts.head + tied_copy) // tp + tied_unit
         shares.append(RankShare(pp_rank=r, blocks=blocks, chunk_blocks=max(sizes[s] for s in stages),
                                 params=sum(units), expert_params=expert, first=first, last=last,
                                 largest_unit=max(units) if units else 0, vocab_params=vocab,
-                                wire_boundaries=wire))
+                                wire_boundaries=wire, kept_unit=kept, kept_vocab=kept_vocab))
     return shares
 
 

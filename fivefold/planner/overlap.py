@@ -196,6 +196,7 @@ class Zero3Unit:
     flops: float  # forward FLOPs per token on this rank: its share of a pass
     gather_s: float  # all-gather of its weights
     reduce_s: float  # reduce-scatter of its gradients
+    kept_for_backward: bool = False  # resharding gathers it for the forward only (RankShare.kept_unit)
 
 
 def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, hw: Hardware, inter_node: bool,
@@ -207,7 +208,7 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
     n_dense, n_expert = d.dp_shard, d.dp * p.cp // p.ep
     timed: dict[tuple[int, int], tuple[float, float]] = {}  # blocks repeat: price each size once
 
-    def unit(flops: float, params: int, experts: int) -> Zero3Unit:
+    def unit(flops: float, params: int, experts: int, kept: bool = False) -> Zero3Unit:
         experts = experts if p.ep > 1 else 0
         key = (params, experts)
         if key not in timed:
@@ -215,16 +216,19 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
             timed[key] = tuple(_one(hw, inter_node, op, dense * b, n_dense) + _one(hw, inter_node, op, experts * b,
                                                                                 n_expert)
                                for op, b in (("all_gather", param_b), ("reduce_scatter", grad_b)))
-        return Zero3Unit(flops, *timed[key])
+        return Zero3Unit(flops, *timed[key], kept_for_backward=kept)
 
-    out = [unit(0.0, counts.embedding // p.tp, 0)] if share.first else []
+    kept = share.kept_unit > 0
+    tied_here = counts.head == 0 and share.first  # the tied embedding shares the head's unit
+    out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here)] if share.first else []
     for blk in share.blocks:
         bp = counts.blocks[blk]
         params = bp.tp_split // p.tp + bp.replicated + bp.experts // p.ep
         out.append(unit(block_forward_flops(m, bp, t.seq_len, p.tp, p.sp), params, bp.experts // p.ep))
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
-        out.append(unit(head_forward_flops(counts, p.tp), (counts.head + tied_copy) // p.tp + counts.final_norm, 0))
+        out.append(unit(head_forward_flops(counts, p.tp), (counts.head + tied_copy) // p.tp + counts.final_norm, 0,
+                        kept))
     return out
 
 
@@ -236,8 +240,9 @@ def zero3_hidden(cfg: Config, d: Derived, units: list[Zero3Unit], forward_s: flo
     p, M, reshard = cfg.parallel, d.grad_accum, d.reshard_after_forward
     runtime = on
     gathers = [u.gather_s for u in units]
+    regathers = [0.0 if u.kept_for_backward else u.gather_s for u in units]  # resharding's, for the backward
     reduces = [u.reduce_s for u in units]
-    per_pass = sum(gathers) * (2 if reshard else 1) + sum(reduces)
+    per_pass = sum(gathers) + (sum(regathers) if reshard else 0.0) + sum(reduces)
     traffic = per_pass * (M if reshard else 1)
     note = (f"ZeRO-3 gathers and reduce-scatters ({len(units)} units, "
             + (f"gathered for every forward and backward of {M} micro-batches)" if reshard
@@ -254,7 +259,7 @@ def zero3_hidden(cfg: Config, d: Derived, units: list[Zero3Unit], forward_s: flo
     after = 0.0 if overlap_rs else sum(reduces)
     rs = list(reversed(reduces)) if overlap_rs else None
     if reshard:
-        exposed = M * (prefetch_pass(gathers, forward) + prefetch_pass(gathers[::-1], backward, rs) + after)
+        exposed = M * (prefetch_pass(gathers, forward) + prefetch_pass(regathers[::-1], backward, rs) + after)
     else:  # gathered in the first micro-batch's forward, reduced in the last one's backward
         exposed = prefetch_pass(gathers, forward) + prefetch_pass([0.0] * len(units), backward, rs) + after
     return Hidden("zero3_prefetch", on, runtime, traffic, min(traffic, exposed), note)
