@@ -30,6 +30,7 @@ add, whose backward saves nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -244,10 +245,15 @@ class PipelineExecutor:
         # alike); sampling all of them took 1.6% of a 1F1B step in a cProfile of the pipeline benchmark's model.
         firsts = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind in ("B", "W")}
         self.sampled = {*firsts.values(), *self.last_backward.values()}
-        # What to post before each action, proven to match and complete (a fraction of a second
-        # for the largest schedules): a schedule whose messages would hang on NCCL stops here.
-        self.plan = check_plans(self.schedule)[self.rank]
         self.forward_plans: dict[int, tuple[Schedule, list[Batch]]] = {}  # micro-batches -> forward_only's
+
+    @functools.cached_property
+    def plan(self) -> list[Batch]:
+        """What this rank posts before each action, proven to match and complete when the first
+        step asks for it, before any message is posted: a schedule whose messages would hang on
+        NCCL stops there. A fraction of a second for the largest schedules, paid on first use so
+        that building many positions and running none (train/dry_run.py) does not pay it each time."""
+        return check_plans(self.schedule)[self.rank]
 
     def copies_counted_elsewhere(self) -> list[torch.Tensor]:
         """Gradients another rank holds too (the last stage's tied embedding copy): count them once."""

@@ -36,6 +36,8 @@ experts split equally over ep (n_experts divisible by ep), ZeRO pads every shard
 / N) rows on every dp_shard rank, the last included (zero.py), and dp_replicate and cp ranks hold
 what their peers hold. So one rank per pipeline rank is built and stands for the rest;
 `every=True` (`--all-positions`) builds every (pp, tp, ep, dp_shard) position apart instead.
+The pipeline's message plan (parallel/messages.py) is the schedule's, the same for every position:
+it is proven once, before the builds (a built pipeline proves its own at its first step only).
 
 Prediction and fit. Beside each position: planner/selfcheck.memory_per_pipeline_rank, the
 estimate's implementation=True memory of that pipeline rank. A position fits when built model
@@ -53,6 +55,8 @@ import torch.distributed as dist
 from fivefold.config import Config
 from fivefold.mesh import AXES, Mesh
 from fivefold.parallel.ddp import DataParallel
+from fivefold.parallel.messages import check_plans
+from fivefold.parallel.schedules import build_schedule
 from fivefold.parallel.stage_split import split_note, stage_split
 from fivefold.parallel.state_memory import model_state_bytes
 from fivefold.parallel.zero import ZeroDataParallel
@@ -196,6 +200,8 @@ def dry_run(cfg: Config, derived: Derived, capacity: float, every: bool = False,
     if dist.is_initialized():
         raise RuntimeError("the dry run makes its own fake process group: call it outside any other")
     predicted = memory_per_pipeline_rank(cfg, derived.world_size, "cuda")
+    p = cfg.parallel  # the pipeline's messages, proven once: every position runs the same schedule
+    check_plans(build_schedule(p.pp_schedule, p.pp, derived.grad_accum, p.virtual_stages))
     todo = positions(cfg, derived, every)
     reports = []
     with progress_bar("dry run: building positions", len(todo),
