@@ -63,6 +63,10 @@ LAYOUTS = {  # name: (ranks, overrides)
                                     "--train.micro_batch=1")),
     "tp2-pp2-dp2-zero3-zb_h1": (8, ("--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=3",
                                     "--parallel.pp_schedule=zb_h1", "--train.micro_batch=1")),
+    # Replicated ZeRO shards (dp_shard 1, dp_replicate 2) under a zero-bubble V schedule: each
+    # chunk's replicas sum at its last W, once a step, the 4 micro-batches' rows joined.
+    "zb_v-pp2-replicas2-zero2": (4, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
+                                     "--parallel.zero=2", "--parallel.dp_replicate=2", "--train.micro_batch=1")),
     "dualpipe_v-pp2-dp2-zero3-reshard": (4, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
                                              "--parallel.virtual_stages=2", "--parallel.zero=3",
                                              "--parallel.reshard_after_forward=true", "--train.micro_batch=1")),
