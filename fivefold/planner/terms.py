@@ -165,8 +165,8 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     all-gather after the optimizer step is exposed; ZeRO-3's gathers and reduce-scatters expose what
     `zero3` (overlap.zero3_hidden) says; the all-reduces over a ZeRO shard's replicas
     (comm.replica_traffic: dp.merged, once a step) overlap the last micro-batch's backward bucket by
-    bucket, the last bucket's exposed. Its collectives wait for the slowest replica too: once a step (DDP, ZeRO-1),
-    once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
+    bucket, the last bucket's exposed. Its collectives wait for the slowest replica too: once a step
+    (DDP, ZeRO-1), once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
     p, share, chunks, M = work.cfg.parallel, work.share, work.chunks, d.grad_accum
     bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
     bucket = min(p.bucket_mb * 1e6, share.params * grad_b)
