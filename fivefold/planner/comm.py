@@ -128,8 +128,8 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
         t.add("reduce_scatter", grad_bytes, n, micro if zero == 2 else 1)
         t.add("all_gather", param_bytes, n)
     elif reshard_after_forward:
-        t.add("all_gather", param_bytes - kept_bytes, n, 2 * micro)
-        t.add("all_gather", kept_bytes, n, micro)
+        t.add("all_gather", param_bytes, n, micro)  # for the forwards
+        t.add("all_gather", param_bytes - kept_bytes, n, micro)  # for the backwards
         t.add("reduce_scatter", grad_bytes, n, micro)
     else:
         t.add("all_gather", param_bytes, n)
