@@ -75,7 +75,7 @@ class AxisTraffic:
     merged: dict[str, AxisTraffic] = field(default_factory=dict)
 
     def add(self, op: str, nbytes: float, n: int, count: float = 1) -> None:
-        if n <= 1 or count <= 0:
+        if n <= 1 or count <= 0 or nbytes <= 0:  # no peer, or nothing to send: no collective runs
             return
         self.bytes += count * wire_bytes(op, nbytes, n)  # the formula the running code counts with
         self.calls += int(count)
