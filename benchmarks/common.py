@@ -10,17 +10,20 @@ why memory is measured as it is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import inspect
 import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from fivefold.config import TrainConfig
+from fivefold.parallel.comms import wire_bytes
 from fivefold.train.gc_policy import collect_between_steps
 
 LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ
@@ -106,6 +109,40 @@ def memory_over_ranks(results: list[dict]) -> dict:
     """The ranks' `measure_peak` results as one: the maximum over ranks, and each rank's peak."""
     return {"peak_mb": max(r["peak_mb"] for r in results), "per_rank": [round(r["peak_mb"], 1) for r in results],
             "peak_rss_mb": max(r["peak_rss_mb"] for r in results), "malloc_set": all(r["malloc_set"] for r in results)}
+
+
+# ---- traffic ----------------------------------------------------------------------------------
+# torch.distributed's collectives a torch peer calls (FSDP2 in torch 2.13 calls the *_single forms),
+# with the op comms.wire_bytes prices and the argument holding the whole ring's tensor.
+COLLECTIVES = {"all_reduce": ("all_reduce", "tensor"), "reduce_scatter_single": ("reduce_scatter", "input"),
+               "all_gather_single": ("all_gather", "output_tensor")}
+
+
+@contextlib.contextmanager
+def counting_collectives(record: Callable[[str, dist.ProcessGroup | None, float], None],
+                         names: Iterable[str] = tuple(COLLECTIVES)) -> Iterator[None]:
+    """While the block runs, call record(op, group, wire bytes) for every call of the
+    torch.distributed functions `names` (keys of COLLECTIVES), with comms.wire_bytes' ring
+    formula, so that a torch peer's bytes are counted as fivefold counts its own; restores them after."""
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counted(name: str):
+        signature, (op, whole) = inspect.signature(originals[name]), COLLECTIVES[name]
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)  # FSDP2 passes them by keyword
+            group, tensor = bound.arguments.get("group"), bound.arguments[whole]
+            record(op, group, wire_bytes(op, tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 # ---- time --------------------------------------------------------------------------------------

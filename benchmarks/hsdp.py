@@ -32,8 +32,6 @@ Progress and the indented summary go to stderr, the summary as one JSON line to 
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import os
 
@@ -41,7 +39,6 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inh
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Iterator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,12 +48,11 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from benchmarks.common import LOSS_TOL, alternate, log, median, ratio  # noqa: E402
+from benchmarks.common import LOSS_TOL, alternate, counting_collectives, log, median, ratio  # noqa: E402
 from benchmarks.pipeline_sides import FivefoldSide, global_batches, timed_step  # noqa: E402
 from fivefold.config import Config, load_config  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402
-from fivefold.parallel.comms import wire_bytes  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
 from fivefold.train.optim import build_optimizer  # noqa: E402
@@ -69,9 +65,6 @@ SIDES = ("fivefold", "fsdp2", "fsdp2_accum")
 CONFIG = ("--model.dim=128", "--model.ffn_dim=384", "--model.n_layers=4", "--train.seq_len=64",
           "--train.global_batch=16", "--train.micro_batch=1", "--parallel.zero=3",
           f"--parallel.dp_replicate={REPLICAS}")
-# the torch.distributed calls both sides make, and the argument holding the whole ring's tensor
-COUNTED = {"all_reduce": ("all_reduce", "tensor"), "reduce_scatter_single": ("reduce_scatter", "input"),
-           "all_gather_single": ("all_gather", "output_tensor")}
 
 
 def group_kind(group: dist.ProcessGroup | None) -> str:
@@ -84,33 +77,6 @@ def group_kind(group: dist.ProcessGroup | None) -> str:
     return "other"
 
 
-@contextlib.contextmanager
-def counting(counts: dict[str, dict[str, float]]) -> Iterator[None]:
-    """Count wire bytes and calls per group kind of the collectives in COUNTED while the block runs."""
-    originals = {name: getattr(dist, name) for name in COUNTED}
-
-    def counted(name: str):
-        signature, (op, whole) = inspect.signature(originals[name]), COUNTED[name]
-
-        def call(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            group = bound.arguments.get("group")
-            tensor = bound.arguments[whole]
-            kind = counts.setdefault(group_kind(group), {"wire_bytes": 0.0, "calls": 0})
-            kind["wire_bytes"] += wire_bytes(op, tensor.numel() * tensor.element_size(), dist.get_world_size(group))
-            kind["calls"] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in COUNTED:
-        setattr(dist, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
 class Counted:
     """A side whose last step's collectives are counted."""
 
@@ -120,7 +86,13 @@ class Counted:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
         self.comm = {}
-        with counting(self.comm):
+
+        def record(op: str, group: dist.ProcessGroup | None, nbytes: float) -> None:
+            kind = self.comm.setdefault(group_kind(group), {"wire_bytes": 0.0, "calls": 0})
+            kind["wire_bytes"] += nbytes
+            kind["calls"] += 1
+
+        with counting_collectives(record):  # all_reduce, reduce_scatter_single, all_gather_single
             return self.side.step(x, y, clock)
 
 

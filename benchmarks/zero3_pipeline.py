@@ -41,7 +41,6 @@ parameter bytes per step.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch: forked workers must not inherit a busy thread pool
@@ -55,13 +54,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     alternate,
     comparison_record,
+    counting_collectives,
     finish_summary,
     log,
     make_parser,
@@ -100,29 +99,14 @@ MB = 1e6
 
 @contextlib.contextmanager
 def counting_fsdp_collectives(counts: dict[str, float]) -> Iterator[None]:
-    """Count the wire bytes of FSDP2's all-gathers and reduce-scatters (torch 2.13 calls the *_single
-    forms) while the block runs, with comms.wire_bytes' ring formula; restores the functions after."""
-    originals = {"all_gather_single": dist.all_gather_single, "reduce_scatter_single": dist.reduce_scatter_single}
+    """Count the wire bytes of FSDP2's all-gathers and reduce-scatters per op, and their calls,
+    while the block runs (common.counting_collectives)."""
+    def record(op: str, group, nbytes: float) -> None:
+        counts[op] = counts.get(op, 0.0) + nbytes
+        counts["calls"] = counts.get("calls", 0) + 1
 
-    def counted(name: str, op: str, full: str):
-        signature = inspect.signature(originals[name])
-
-        def call(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)  # FSDP2 passes them by keyword
-            tensor = bound.arguments[full]  # the whole tensor: the gather's output, the reduce-scatter's input
-            n = dist.get_world_size(bound.arguments.get("group"))
-            counts[op] = counts.get(op, 0.0) + wire_bytes(op, tensor.numel() * tensor.element_size(), n)
-            counts["calls"] = counts.get("calls", 0) + 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    dist.all_gather_single = counted("all_gather_single", "all_gather", "output_tensor")
-    dist.reduce_scatter_single = counted("reduce_scatter_single", "reduce_scatter", "input")
-    try:
+    with counting_collectives(record, ("all_gather_single", "reduce_scatter_single")):
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 class FivefoldZero3(FivefoldSide):
