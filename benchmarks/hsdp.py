@@ -50,13 +50,13 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from benchmarks.common import LOSS_TOL, alternate, counting_collectives, log, median, ratio  # noqa: E402
 from benchmarks.pipeline_sides import FivefoldSide, global_batches, timed_step  # noqa: E402
-from fivefold.config import Config, load_config  # noqa: E402
+from fivefold.config import Config, ConfigError, load_config  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import cross_entropy_sum  # noqa: E402
 from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
 from fivefold.train.optim import build_optimizer  # noqa: E402
-from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
+from fivefold.validate import derive, tokenizer_vocab, validate  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -146,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2 timed steps: checks that it runs")
     args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(ROOT / "configs" / "tiny.toml", [*CONFIG, *overrides])
+    try:  # a bad override is one line naming it, before any worker starts
+        cfg = load_config(ROOT / "configs" / "tiny.toml", [*CONFIG, *overrides])
+        errors = validate(cfg, WORLD)
+        if errors:
+            raise ConfigError(errors)
+    except ConfigError as e:
+        log(f"benchmarks/hsdp.py: {e}")
+        return 2
     steps = 2 if args.quick else args.steps
     ranks = run_workers(_worker, WORLD, cfg, args.warmup, steps, timeout=1800)
     micro_batches = derive(cfg, WORLD).grad_accum
