@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import log  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,11 +69,11 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     )
     from torch.nn.parallel import DistributedDataParallel
 
-    from fivefold.mesh import Mesh
+    from fivefold.checkpoint.run_state import CheckpointWriter, latest_checkpoint, load_checkpoint
+    from fivefold.parallel.derive import derive
+    from fivefold.parallel.mesh import Mesh
     from fivefold.parallel.parallelize import parallelize
-    from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
     from fivefold.train.loop import build_model
-    from fivefold.validate import derive
 
     peer = build_model(cfg, 320)
     params = sum(p.numel() for p in peer.parameters())  # before any sharding

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import TrainConfig
-from fivefold.parallel.comms import wire_bytes
+from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.train.gc_policy import collect_between_steps
 
 LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ

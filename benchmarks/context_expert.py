@@ -9,7 +9,7 @@ is between two fivefold layouts of the same model, data and weights, trained wit
 (`fivefold.train.loop.train`) on forked gloo ranks:
 1. `cp`: cp = nproc, `cp_method = "ring"` (zig-zag) vs `"ulysses"`, dim 128, 8 heads, 4 layers,
    seq 512, one sequence per micro-batch. Reported: step time, and the "cp" traffic per step
-   (calls, wire bytes per rank), counted through comms.py.
+   (calls, wire bytes per rank), counted through comm/collectives.py.
 2. `ep`: a tiny MoE (dim 128, 4 layers, 8 experts, top-2, expert width 256) on dp = nproc ranks,
    ep = nproc vs ep = 1. Reported: tokens/s and the "ep" all-to-all bytes per step.
 The layouts alternate over rounds (A B, B A, ...), so a load change on the shared machine hits
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import finish_summary, log, make_parser, median, parse, ratio  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 COMPARISONS = {  # name: (shared overrides, {side: overrides})
     "cp": (("--model.dim=128", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=384",

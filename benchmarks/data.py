@@ -16,7 +16,7 @@ Run: `.venv/bin/python benchmarks/data.py [--quick] [--text-mb 24] [--big-gb 1.0
    generating a gigabyte of text first). Then `fivefold train configs/tiny.toml` on each, in a fresh
    process, for one step (no checkpoint): the time from the process start to the end of training
    and its peak RSS (VmHWM); twice: the first run of a corpus builds its first epoch's sample order
-   (train/data.py epoch_order: a permutation of every sample, shuffled in place in a file of 4 bytes per
+   (data/batches.py epoch_order: a permutation of every sample, shuffled in place in a file of 4 bytes per
    sample, as Megatron-LM builds its shuffle index), the second maps the cached one. Ratios big / small
    for each (the issue's target: at most 1.1 each).
 """

@@ -29,7 +29,7 @@ are the same forward on the same weights and data, so only summation order can d
 
 How time is measured: a step is forward + backward (with the gradient reduction) + clip +
 optimizer step, timed with perf_counter on every rank; a step's time is the slowest rank's. The
-launcher is `fivefold.testing.run_workers`: each round of a comparison gets a fresh pair of forked
+launcher is `fivefold.parallel.forked_ranks.run_workers`: each round of a comparison gets a fresh pair of forked
 gloo workers (fork, so the imports done once here are not paid again; 1 thread and
 OMP_NUM_THREADS=1 in each). Both sides of the comparison live in those workers, each with its own
 model, wrapper and optimizer, and they alternate step by step (A B, B A, A B, ...), so that a load
@@ -89,7 +89,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
+import fivefold.parallel.data.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
 from benchmarks.common import (  # noqa: E402
     alternate,
     comparison_record,
@@ -106,13 +106,13 @@ from benchmarks.common import (  # noqa: E402
     slowest_rank,
 )
 from fivefold.config import Config, load_config, replace  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.model import cross_entropy_sum  # noqa: E402
-from fivefold.parallel.data_parallel import apply_data_parallel  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
+from fivefold.parallel.data import apply_data_parallel  # noqa: E402
+from fivefold.parallel.derive import derive  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
+from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from fivefold.validate import derive  # noqa: E402
 
 torch.set_num_threads(1)
 

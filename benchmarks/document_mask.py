@@ -20,7 +20,7 @@ timed steps of every round. The sides compute different things, so their losses 
 with each other (the last step's are printed: they differ); each side's losses are checked to repeat
 from round to round.
 Also reported, in this process: the time to build one micro-batch's mask and positions
-(documents.py), and the attention core alone (forward + backward of `causal_attention` on the
+(model/masks.py), and the attention core alone (forward + backward of `causal_attention` on the
 config's shapes) with the mask against `is_causal=True`, which the step-time noise of a shared
 machine does not blur.
 
@@ -48,10 +48,10 @@ import torch  # noqa: E402
 
 import fivefold.train.loop  # noqa: E402,F401  (imported once here: the forked workers inherit it)
 from benchmarks.common import finish_summary, log, make_parser, median, parse, ratio  # noqa: E402
-from fivefold.attention import causal_attention  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
-from fivefold.documents import Documents  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.model.attention import causal_attention  # noqa: E402
+from fivefold.model.masks import Documents  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 COMPARISONS = {"single": 1, "dp2": 2}  # name: ranks (data parallel)
 SIDES = {"off": (), "mask": ("--data.document_mask=true",),

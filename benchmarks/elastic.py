@@ -6,7 +6,7 @@ Two `fivefold train` launcher "nodes" on loopback (`--nnodes 1:2`, --nproc worke
 debug model (configs/debug.toml, on 200 kB of the standard library) with a checkpoint every
 --every steps. After --kill-after steps node 1's launcher, forkserver and workers are SIGKILLed;
 node 0 goes on alone under the re-planned layout. The phases, from the clock of this process and
-the files the job writes (each node's worker reports, launch.py's FIVEFOLD_WORKER_DIR, and
+the files the job writes (each node's worker reports, launch/agent.py's FIVEFOLD_WORKER_DIR, and
 metrics.jsonl):
 
 - detection: from the SIGKILL to node 0's worker failing on its collective (its report says `failed`);

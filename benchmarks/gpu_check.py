@@ -15,17 +15,17 @@ What runs, on one device (world size 1: a process group of one), per model and p
   AdamW. Not run: the metrics log, the planner's prediction and the checkpoint `train()` writes at
   its end (GBs for the 1B model), so `train()` itself is not called; `train_step()` is what its
   loop runs per step.
-- `plain`: the same model code (`fivefold.model.Transformer`, built on the device, each matrix
+- `plain`: the same model code (`fivefold.model.transformer.Transformer`, built on the device, each matrix
   normal(0, model.init_std), norms ones) trained by a bare loop: random token ids of the same
   (micro_batch, seq_len), `torch.autocast(bf16)` around the forward, `cross_entropy_sum` / tokens,
-  backward, `clip_grad_norm_` to train.grad_clip, AdamW from `fivefold.train.optim.build_optimizer`
+  backward, `clip_grad_norm_` to train.grad_clip, AdamW from `fivefold.parallel.optimizer.build_optimizer`
   (foreach=False, as fivefold steps it), `loss.item()` each step (fivefold reads its loss and
   gradient norm every step too). With compile, each block is `.compile()`d as fivefold does.
 
 Models: `debug` (configs/debug.toml: dim 128, 4 layers, byte vocabulary 320; seq 128, micro-batch
 8) and `llama-1b`, the Llama 3.2 1B shape (dim 2048, 16 layers, 32 heads, 8 KV heads, ffn 8192,
 vocabulary 128256, tied embeddings, RoPE theta 5e5: 1.236B parameters by
-`fivefold.planner.counts`), seq 2048, micro-batch 4 (8192 tokens per step; the planner predicts
+`fivefold.model.counts`), seq 2048, micro-batch 4 (8192 tokens per step; the planner predicts
 ~40 GB: model state 19.8 GB, activations 20.3 GB). Both in bf16 (fp32 weights, autocast). Each
 case runs `--warmup` untimed steps (compile happens in the first) and `--steps` timed ones; the
 device is synchronized around every step. `--budget-s` (280) starts no new case after that many
@@ -34,10 +34,10 @@ seconds, so a slow compile cannot push the whole run far past 5 minutes. Not yet
 Printed per case (one JSON line each, with each figure's source):
 - tokens/s: the timed steps' tokens over their summed wall time (perf_counter, synchronized);
   fivefold's own `tokens_per_s` metric (its step timer) beside it;
-- MFU: model FLOPs per token (`fivefold.planner.counts.flops_per_token`: 6 x matmul parameters +
+- MFU: model FLOPs per token (`fivefold.model.counts.flops_per_token`: 6 x matmul parameters +
   attention, the causal mask counted in full as PaLM, Megatron-LM and torchtitan count it, so the
   figure compares with theirs) x tokens/s / the GPU's peak dense bf16 FLOP/s from the planner's catalog
-  (`fivefold.planner.datasheet`, matched from `torch.cuda.get_device_name()`; `--peak-tflops`
+  (`fivefold.planner.machine.datasheet`, matched from `torch.cuda.get_device_name()`; `--peak-tflops`
   for a GPU it does not list, e.g. PCIe and NVL parts, whose peaks differ from the SXM entries);
 - peak memory: `torch.cuda.max_memory_allocated()` over the case (reset before the model is
   built), beside the planner's prediction for the layout (`selfcheck.predict_for_config`,
@@ -49,8 +49,8 @@ exit status is 0 whatever the figures are (1 only when the device asked for is n
 
 Requirements: Python >= 3.11 (fivefold's config reads TOML with tomllib); a torch recent enough for
 fivefold's runtime (torch.distributed.tensor and DeviceMesh._flatten; the plain loop needs less);
-numpy (fivefold's data pipeline, train/data.py, holds tokens in numpy arrays). `rich` (the
-progress display, train/step_log.py) and `safetensors` (train/safetensors_io.py, for init_from
+numpy (fivefold's data pipeline, data/batches.py, holds tokens in numpy arrays). `rich` (the
+progress display, train/step_log.py) and `safetensors` (checkpoint/safetensors_io.py, for init_from
 weights) are imported at module level by train/loop.py but never called on this path: when one
 is missing, a stub stands in for it at import (listed under `stubbed` in the environment line),
 and would raise if anything called it. `tokenizers`, TensorBoard, W&B are not imported (byte
@@ -153,7 +153,7 @@ def environment(device: str) -> dict:
     problems = []
     if sys.version_info < (3, 11):
         problems.append("Python < 3.11: fivefold's config needs tomllib")
-    problems += [f"{m} missing: fivefold's data pipeline (train/data.py) imports it, the fivefold cases will fail"
+    problems += [f"{m} missing: fivefold's data pipeline (data/batches.py) imports it, the fivefold cases will fail"
                  for m in REQUIRED if not present[m]]
     env["problems"] = problems
     return env
@@ -161,7 +161,7 @@ def environment(device: str) -> dict:
 
 def catalog_peak(device_name: str) -> tuple[float | None, str]:
     """Peak dense bf16 FLOP/s of this GPU from the planner's catalog, and where it comes from."""
-    from fivefold.planner.datasheet import get_hardware
+    from fivefold.planner.machine.datasheet import get_hardware
 
     n = device_name.lower()
     key = None
@@ -180,7 +180,7 @@ def catalog_peak(device_name: str) -> tuple[float | None, str]:
     if key is None:
         return None, f"'{device_name}' is not in the planner's catalog: give --peak-tflops"
     hw = get_hardware(key)
-    return hw.peak_flops, f"fivefold.planner.datasheet '{key}': {hw.sources.get('peak_flops', '')}"
+    return hw.peak_flops, f"fivefold.planner.machine.datasheet '{key}': {hw.sources.get('peak_flops', '')}"
 
 
 # ---- configuration ----------------------------------------------------------------------------------------
@@ -220,9 +220,9 @@ def free_device(device: str) -> None:
 
 
 def fivefold_case(cfg, device: str, warmup: int, steps: int) -> dict:
+    from fivefold.parallel.derive import derive
     from fivefold.train.loop import init_distributed, setup
     from fivefold.train.step import train_step
-    from fivefold.validate import derive
 
     init_distributed(device)  # a process group of one, kept for the later cases
     began = time.perf_counter()
@@ -243,12 +243,12 @@ def fivefold_case(cfg, device: str, warmup: int, steps: int) -> dict:
 
 
 def _build_optimizer(model, train_cfg):
-    """fivefold.train.optim.build_optimizer, or (only if that module cannot be imported) the same
+    """fivefold.parallel.optimizer.build_optimizer, or (only if that module cannot be imported) the same
     AdamW written out here: decay on matrices, none on 1-D tensors, foreach=False."""
     try:
-        from fivefold.train.optim import build_optimizer
+        from fivefold.parallel.optimizer import build_optimizer
 
-        return build_optimizer(model, train_cfg), "fivefold.train.optim.build_optimizer"
+        return build_optimizer(model, train_cfg), "fivefold.parallel.optimizer.build_optimizer"
     except ImportError as e:
         tensors = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in tensors if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
@@ -259,7 +259,7 @@ def _build_optimizer(model, train_cfg):
 
 
 def plain_case(cfg, vocab: int, device: str, warmup: int, steps: int) -> dict:
-    from fivefold.model import Transformer, cross_entropy_sum
+    from fivefold.model.transformer import Transformer, cross_entropy_sum
 
     t = cfg.train
     began = time.perf_counter()
@@ -308,9 +308,9 @@ def plain_case(cfg, vocab: int, device: str, warmup: int, steps: int) -> dict:
 
 # ---- one case: run, measure, print ---------------------------------------------------------------------------
 def measure(runtime: str, model: str, compile_: bool, args, out_dir: Path, peak: tuple[float | None, str]) -> dict:
-    from fivefold.planner.counts import flops_per_token, model_counts
+    from fivefold.model.counts import flops_per_token, model_counts
+    from fivefold.parallel.derive import derive
     from fivefold.planner.selfcheck import predict_for_config
-    from fivefold.validate import derive
 
     cfg = make_config(model, args.device, args.dtype, compile_, args.warmup, args.steps,
                       args.micro_batch or MODELS[model]["micro_batch"], args.seq_len or MODELS[model]["seq_len"],
@@ -349,7 +349,7 @@ def measure(runtime: str, model: str, compile_: bool, args, out_dir: Path, peak:
         rec["fivefold_reported_tokens_per_s_median"] = round(statistics.median(res["reported"][timed]), 1)
     rec["sources"] = {
         "tokens_per_s": "timed steps' tokens / their wall time (perf_counter, device synchronized around each step)",
-        "mfu": f"fivefold.planner.counts.flops_per_token (causal attention in full) x tokens/s / peak ({peak[1]})",
+        "mfu": f"fivefold.model.counts.flops_per_token (causal attention in full) x tokens/s / peak ({peak[1]})",
         "peak_memory_gb": ("torch.cuda.max_memory_allocated() minus the allocation before the model was built"
                            if args.device == "cuda" else "none on a CPU"),
         "predicted_memory_gb": "fivefold.planner.selfcheck.predict_for_config(cfg, 1): model state + activations "

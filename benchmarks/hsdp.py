@@ -11,7 +11,7 @@ cluster the shard groups sit inside a node and the replica groups span nodes: th
 are the ones that cross the slow link.
 - `fivefold`: `parallel.zero = 3`, `dp_replicate = 2` (resharding, the default without pipelines)
   through `parallelize()`, stepped as train/loop.py steps it: reduce-scatters on every
-  micro-batch, the replicas' all-reduce once, at the last (parallel/zero.py).
+  micro-batch, the replicas' all-reduce once, at the last (parallel/data/zero.py).
 - `fsdp2`: `fully_shard` (each block, then the root; reshard_after_forward=True) on the 2-D mesh,
   a plain loop of M forward-backwards, then clip and AdamW: FSDP2's default, which all-reduces over
   the replicas after every micro-batch's reduce-scatter.
@@ -51,12 +51,13 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from benchmarks.common import LOSS_TOL, alternate, counting_collectives, log, median, ratio  # noqa: E402
 from benchmarks.pipeline_sides import FivefoldSide, global_batches, timed_step  # noqa: E402
 from fivefold.config import Config, ConfigError, load_config  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.model import cross_entropy_sum  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
+from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
+from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer  # noqa: E402
-from fivefold.validate import derive, tokenizer_vocab, validate  # noqa: E402
+from fivefold.validate import validate  # noqa: E402
 
 torch.set_num_threads(1)
 

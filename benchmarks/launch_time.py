@@ -5,7 +5,7 @@ Run: `.venv/bin/python benchmarks/launch_time.py [--rounds 5] [--nproc 2]`
 The same short job both ways, in a fresh temporary folder each time: configs/debug.toml, 2 steps
 (warm-up 1), 20 kB of the standard library, no progress bar; every run writes its metrics and its
 final checkpoint. What differs is only how the workers start:
-- `fivefold`: fivefold's launcher (launch.py) over torch's elastic agent, its workers forked by one
+- `fivefold`: fivefold's launcher (launch/agent.py) over torch's elastic agent, its workers forked by one
   server process that imported torch and fivefold once; `fivefold train` starts that server as
   soon as the config is checked, so its imports overlap the launcher's own start (data, torch's
   agent, the rendezvous);

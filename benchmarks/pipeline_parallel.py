@@ -41,7 +41,7 @@ and data, so only summation order could differ (measured: 1.8e-7, the same on ev
 How time is measured: a step is the whole pipeline (all forwards and backwards with their
 send/recv) + gradient clipping + the AdamW step, i.e. the optimizer is inside the timed region on
 both sides; perf_counter on every rank, and a step's time is the slowest rank's. The launcher is
-`fivefold.testing.run_workers` (forked gloo workers, one thread each, OMP_NUM_THREADS=1), as in
+`fivefold.parallel.forked_ranks.run_workers` (forked gloo workers, one thread each, OMP_NUM_THREADS=1), as in
 data_parallel.py: each round of a comparison gets a fresh set of workers holding both sides (each
 with its own model copy, stages and optimizer), and the sides alternate step by step (A B, B A,
 ...), with a loss all-reduce (untimed) between steps that lines the ranks up; which side is built
@@ -113,10 +113,10 @@ from benchmarks.pipeline_sides import (  # noqa: E402
     timed_step,
 )
 from fivefold.config import Config, load_config  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.parallel.derive import derive  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.validate import derive  # noqa: E402
 
 torch.set_num_threads(1)
 

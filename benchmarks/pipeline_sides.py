@@ -25,18 +25,18 @@ from torch.distributed.pipelining import (  # noqa: E402
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from fivefold.attention import rope_cos_sin  # noqa: E402
 from fivefold.config import Config, replace  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.model import Transformer, cross_entropy_sum  # noqa: E402
+from fivefold.model.attention import rope_cos_sin  # noqa: E402
+from fivefold.model.transformer import Transformer, cross_entropy_sum  # noqa: E402
+from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
+from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
-from fivefold.parallel.pipeline import stage_layers  # noqa: E402
-from fivefold.parallel.schedules import build_schedule  # noqa: E402
-from fivefold.parallel.stage_split import stage_split  # noqa: E402
+from fivefold.parallel.pipeline.schedules import build_schedule  # noqa: E402
+from fivefold.parallel.pipeline.stage_split import stage_split  # noqa: E402
+from fivefold.parallel.pipeline.stages import stage_layers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer  # noqa: E402
 from fivefold.train.precision import LossScaler  # noqa: E402
-from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 # fivefold schedule name -> (torch schedule class, stages per rank). Each pair runs the same
 # per-rank action order (tests/test_schedules.py checks it against torch's pipeline_order):

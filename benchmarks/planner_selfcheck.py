@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import log, make_parser, median, parse  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 LAYOUTS = {"dp2": (), "tp2": ("--parallel.tp=2",), "pp2": ("--parallel.pp=2",)}
 MODELS = ("tiny", "debug")

@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.published_runs import METRICS, RUNS, Run  # noqa: E402
 from fivefold.config import Config, load_config  # noqa: E402
-from fivefold.planner.counts import model_counts  # noqa: E402
-from fivefold.planner.datasheet import Hardware  # noqa: E402
+from fivefold.model.counts import model_counts  # noqa: E402
+from fivefold.parallel.derive import derive  # noqa: E402
 from fivefold.planner.estimate import estimate  # noqa: E402
 from fivefold.planner.hardware import get_hardware  # noqa: E402
+from fivefold.planner.machine.datasheet import Hardware  # noqa: E402
 from fivefold.planner.options import PlanOptions  # noqa: E402
-from fivefold.validate import derive, validate  # noqa: E402
+from fivefold.validate import validate  # noqa: E402
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 

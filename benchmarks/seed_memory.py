@@ -28,9 +28,9 @@ import json, resource, sys, tempfile
 from pathlib import Path
 import torch
 from fivefold.config import load_config
-from fivefold.model import Transformer
-from fivefold.train.seed import write_seed_checkpoint
-from fivefold.validate import padded_vocab
+from fivefold.model.transformer import Transformer
+from fivefold.checkpoint.seed import write_seed_checkpoint
+from fivefold.parallel.derive import padded_vocab
 import dataclasses
 
 cfg = load_config(sys.argv[1], sys.argv[2:])

@@ -6,7 +6,7 @@ Run: `.venv/bin/python benchmarks/startup_memory.py [--quick] [--only zero3 tp2]
 The model: the Llama 3 8B preset cut to 2 blocks (`--model.preset=llama3-8b --model.n_layers=2`:
 dim 4096, 32 heads, 8 KV heads, ffn 14336, vocabulary 128256, untied), 1.49B parameters, 5.95 GB
 in fp32; one sequence of 128 tokens per rank and step (the point is model memory, not activations),
-fp32, on 2 forked gloo ranks of the CPU (`fivefold.testing.run_workers`, one thread each), in two
+fp32, on 2 forked gloo ranks of the CPU (`fivefold.parallel.forked_ranks.run_workers`, one thread each), in two
 layouts: `zero3` (dp 2, `parallel.zero = 3`) and `tp2` (tp 2, dp 1). `--quick`: the debug model
 (0.9M parameters), for a smoke test.
 
@@ -97,23 +97,24 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
 
-import fivefold.parallel.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
+import fivefold.parallel.data.fsdp  # noqa: E402,F401  imported here so forked workers do not pay for it
 import fivefold.train.loop as loop  # noqa: E402
 from benchmarks.common import log, malloc_returns_memory, prewarm, ratio, status_mb  # noqa: E402
 from benchmarks.tensor_parallel import clip_torch, torch_tp_plan  # noqa: E402
-from fivefold.attention import RMSNorm  # noqa: E402
+from fivefold.checkpoint.run_dir import run_dir_of  # noqa: E402
 from fivefold.config import Config, ConfigError, load_config  # noqa: E402
+from fivefold.data.batches import IGNORE, rank_slice  # noqa: E402
 from fivefold.data.resolve import ensure_prepared  # noqa: E402
-from fivefold.model import cross_entropy_sum  # noqa: E402
+from fivefold.model.attention import RMSNorm  # noqa: E402
+from fivefold.model.counts import model_counts  # noqa: E402
+from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
+from fivefold.parallel.derive import derive  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
+from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
-from fivefold.planner.counts import model_counts  # noqa: E402
 from fivefold.planner.selfcheck import predict_for_config  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
-from fivefold.train.data import IGNORE, rank_slice  # noqa: E402
-from fivefold.train.optim import build_optimizer  # noqa: E402
-from fivefold.train.run_dir import run_dir_of  # noqa: E402
 from fivefold.train.step import train_step  # noqa: E402
-from fivefold.validate import derive, validate  # noqa: E402
+from fivefold.validate import validate  # noqa: E402
 
 torch.set_num_threads(1)
 # FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor (deprecated in favour of *_single), and

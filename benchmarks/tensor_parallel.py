@@ -52,7 +52,7 @@ How time is measured: a step is forward + backward (with every tp collective) + 
 clipping + the AdamW step, i.e. the optimizer is inside the timed region on both sides;
 perf_counter on every rank, and a step's time is the slowest rank's. As in data_parallel.py and
 pipeline_parallel.py (the shared helpers are in common.py): each round of a variant gets a fresh
-pair of workers forked by `fivefold.testing.run_workers` (one thread each, OMP_NUM_THREADS=1), holding
+pair of workers forked by `fivefold.parallel.forked_ranks.run_workers` (one thread each, OMP_NUM_THREADS=1), holding
 both sides (each with its own model, process groups and optimizer), which alternate step by step
 (A B, B A, ...) with an untimed loss all-reduce between steps that lines the ranks up; which side
 is built and stepped first flips from round to round. Each side first runs `--warmup` untimed
@@ -123,14 +123,14 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.pipeline_sides import global_batches  # noqa: E402  (the same on every rank)
 from fivefold.config import Config, load_config, replace  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.model import cross_entropy_sum  # noqa: E402
+from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
+from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
+from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.train.optim import build_optimizer  # noqa: E402
 from fivefold.train.precision import LossScaler  # noqa: E402
-from fivefold.validate import derive, tokenizer_vocab  # noqa: E402
 
 torch.set_num_threads(1)
 # DTensor's sequence-parallel redistributions call all_gather_into_tensor / reduce_scatter_tensor,

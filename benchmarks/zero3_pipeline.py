@@ -84,11 +84,11 @@ from benchmarks.pipeline_sides import (  # noqa: E402
     timed_step,
 )
 from fivefold.config import Config, load_config  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.parallel.comms import wire_bytes  # noqa: E402
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.parallel.comm.collectives import wire_bytes  # noqa: E402
+from fivefold.parallel.derive import derive  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
-from fivefold.validate import derive  # noqa: E402
 
 torch.set_num_threads(1)
 

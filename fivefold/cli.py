@@ -7,7 +7,7 @@
 
 `train` checks the whole configuration for the number of processes it will run on before any
 process starts, then either trains in this process (under torchrun, or alone) or starts `--nproc`
-workers on this node through PyTorch's elastic launcher, the machinery behind torchrun (launch.py).
+workers on this node through PyTorch's elastic launcher, the machinery behind torchrun (launch/agent.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import signal
 import sys
 
 from fivefold.config import Config, ConfigError, read_config, replace
-from fivefold.elastic import Policy
-from fivefold.launch import LaunchError, RendezvousLost
-from fivefold.launch import add_arguments as add_launch_arguments
-from fivefold.validate import Derived, derive
+from fivefold.launch.agent import LaunchError, RendezvousLost
+from fivefold.launch.agent import add_arguments as add_launch_arguments
+from fivefold.launch.elastic import Policy
+from fivefold.parallel.derive import Derived, derive
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,10 +77,10 @@ def _deepspeed_layer(path: str, nproc: int) -> tuple[list[str], list[str]]:
 
 def _worker(cfg: Config, derived: Derived, progress: bool, policy: Policy | None = None) -> None:
     """Entry point of each launched process: the config checked by the launcher, its own rank; in an
-    elastic job, the layout for the world this round admitted (elastic.py)."""
-    from fivefold.launch import die_with_parent
+    elastic job, the layout for the world this round admitted (launch/elastic.py)."""
+    from fivefold.launch.agent import die_with_parent
+    from fivefold.launch.worker_report import reporting
     from fivefold.train.loop import resolve_device_type, train
-    from fivefold.worker_report import reporting
 
     die_with_parent()
     # What is imported by now (torch, fivefold: the forkserver's, when forked from it) stays for the
@@ -90,7 +90,7 @@ def _worker(cfg: Config, derived: Derived, progress: bool, policy: Policy | None
     with reporting():  # how this rank ended, for the launcher's summary
         decision = None
         if policy is not None:
-            from fivefold.elastic import decide
+            from fivefold.launch.elastic import decide
 
             world = int(os.environ["WORLD_SIZE"])
             decision = decide(cfg, world, policy, resolve_device_type(cfg))
@@ -119,7 +119,7 @@ def _elastic_policy(args: argparse.Namespace, world: int, elastic: bool) -> tupl
         given = [f for f, v in (("--keep", args.keep is not None), ("--replan", args.replan)) if v]
         return None, [f"{', '.join(given)}: only an elastic job changes its layout; launch it with "
                       f"--nnodes MIN:MAX (MIN < MAX)"] if given else []
-    from fivefold.elastic import AXES, parse_keep
+    from fivefold.launch.elastic import AXES, parse_keep
 
     try:
         keep = parse_keep(args.keep) if args.keep is not None else (() if args.replan else AXES)
@@ -137,7 +137,7 @@ def _elastic_policy(args: argparse.Namespace, world: int, elastic: bool) -> tupl
 
 def _finished(cfg: Config) -> bool:
     """Whether the run's last complete checkpoint is at its final step (train.stop_after or steps)."""
-    from fivefold.train.run_dir import checkpoint_step, latest_checkpoint, run_dir_of
+    from fivefold.checkpoint.run_dir import checkpoint_step, latest_checkpoint, run_dir_of
 
     latest = latest_checkpoint(run_dir_of(cfg))
     return latest is not None and checkpoint_step(latest) >= (cfg.train.stop_after or cfg.train.steps)
@@ -145,7 +145,7 @@ def _finished(cfg: Config) -> bool:
 
 def _resume_note(cfg: Config) -> str:
     """Where a failed job can continue from, for its last message."""
-    from fivefold.train.run_dir import latest_checkpoint, run_dir_of
+    from fivefold.checkpoint.run_dir import latest_checkpoint, run_dir_of
 
     latest = latest_checkpoint(run_dir_of(cfg))
     if latest is None:
@@ -177,10 +177,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from fivefold.train.dry_run_cli import run as dry_run
 
         return dry_run(args, overrides)
-    from fivefold.launch import check_writable, launch, spec_from_args, start_worker_server
+    from fivefold.checkpoint.run_dir import run_dir_of
+    from fivefold.launch.agent import check_writable, launch, spec_from_args, start_worker_server
+    from fivefold.launch.run_lock import RunLock
     from fivefold.train.preflight import preflight
-    from fivefold.train.run_dir import run_dir_of
-    from fivefold.train.run_lock import RunLock
 
     nproc = args.nproc if args.nproc is not None else (int(os.environ["WORLD_SIZE"]) if _under_torchrun() else 1)
     if args.nproc and _under_torchrun():
@@ -202,7 +202,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     joining = spec.elastic and spec.node_rank > 0  # node 0 judges the run directory of an elastic job
     errors += parse_errors + preflight(cfg, spec.world_size, joining) + check_writable(run_dir_of(cfg))
     if not errors and policy is not None:  # every world the job may shrink to has a layout, known now
-        from fivefold.elastic import check_node_range
+        from fivefold.launch.elastic import check_node_range
 
         errors += check_node_range(cfg, nproc, spec.min_nodes, spec.nnodes, policy)
     if errors:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.viz.schedule import add_schedule_parser
 
     add_schedule_parser(viz)
-    from fivefold.viz.trace import add_trace_parser, run_trace_viz
+    from fivefold.train.trace import add_trace_parser, run_trace_viz
 
     add_trace_parser(viz)
     from fivefold.planner.cli import add_calibrate_parser, add_plan_parser
@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_plan_parser(sub)
     add_calibrate_parser(sub)
-    from fivefold.convert_cli import add_parsers as add_weights_parsers
-    from fivefold.convert_cli import run as run_weights
+    from fivefold.checkpoint.cli import add_parsers as add_weights_parsers
+    from fivefold.checkpoint.cli import run as run_weights
 
     add_weights_parsers(sub)
     from fivefold.viz.cli import add_parsers as add_page_parsers
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.data.cli import add_prepare_parser, run_prepare
 
     add_prepare_parser(sub)
-    from fivefold.sample_cli import add_sample_parser, run_sample
+    from fivefold.sample.cli import add_sample_parser, run_sample
 
     add_sample_parser(sub)
     args, rest = parser.parse_known_args(argv)

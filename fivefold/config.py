@@ -5,7 +5,7 @@ Precedence, lowest first: field defaults < `model.preset` < the TOML file < `--s
 `fivefold.validate`) checks types, ranges and the arithmetic between sections. Both collect
 every problem before anything starts, so a user fixes a config in one round.
 
-The model section lives in model_config.py (the presets build on it); the others are here. A
+The model section lives in model/config.py (the presets build on it); the others are here. A
 combination of settings fivefold cannot run yet is refused by `validate()` by name ("not built
 yet"), never silently ignored.
 """
@@ -17,10 +17,11 @@ import difflib
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
-from fivefold.model_config import ModelConfig
-from fivefold.presets import PRESETS
+from fivefold.model.config import ModelConfig
+from fivefold.model.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedules)
     # blocks of each pipeline stage, pp x virtual_stages entries; () = the same in each stage, or, when
-    # pp x virtual_stages does not divide n_layers, balanced by the planner's costs (parallel/stage_split.py)
+    # pp x virtual_stages does not divide n_layers, balanced by the planner's costs (parallel/pipeline/stage_split.py)
     stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context-parallel degree (sequence of one sample split over cp ranks)
     cp_method: Literal["ring", "ulysses"] = "ring"
@@ -129,6 +130,11 @@ class CheckpointConfig:
     # from `fivefold init` / `fivefold convert`, or a Hugging Face Llama/Mixtral directory. "" = random
     # init; ignored when resuming from the run's own checkpoint.
     init_from: str = ""
+
+
+# run.sinks: sink name -> the distribution it needs (None: the standard library); its extra has the
+# same name (train/sinks.py writes them).
+SINK_PACKAGES = MappingProxyType({"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"})
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
-"""Config checks and dependent numbers, computed once, before any process group starts.
+"""Config checks, before any process group starts.
 
 `validate(cfg, world_size)` is a pure function returning every problem as one line that names the
-field, the values and a fix; the planner uses it as its filter. `derive(cfg, world_size)` computes
-what follows from a valid config (degrees, micro-batches per step, tokens per step, ...), so no
-module recomputes these numbers its own way.
+field, the values and a fix; the planner uses it as its filter. What follows from a valid config
+(degrees, micro-batches per step, tokens per step, ...) is `derive()`'s (parallel/derive.py).
 """
 
 from __future__ import annotations
@@ -11,80 +10,15 @@ from __future__ import annotations
 import importlib.util
 import math
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
-from fivefold.config import SECTIONS, Config, ParallelConfig
-from fivefold.data.resolve import data_errors, data_vocab
-from fivefold.data.sources import DataError, path_kind
-from fivefold.data.tokenizer import TokenizerError
-from fivefold.parallel.schedules import build_schedule
-from fivefold.train.sinks import SINK_PACKAGES
-
-
-@dataclass(frozen=True)
-class Derived:
-    world_size: int
-    dp: int  # data-parallel degree (dp_replicate x dp_shard)
-    dp_shard: int
-    grad_accum: int  # micro-batches per optimizer step on each rank
-    tokens_per_step: int  # global_batch x seq_len
-    local_seq_len: int  # tokens of one sequence held by one rank (seq_len / cp)
-    vocab_size: int  # model vocabulary after padding
-    vocab_limit: int  # token ids from here on are padding: the loss gives them no probability
-    head_dim: int
-    reshard_after_forward: bool  # zero=3: parallel.reshard_after_forward with "auto" resolved
-
-
-def tokenizer_vocab(cfg: Config) -> int:
-    """Vocabulary of the data's tokenizer before padding (fivefold/data/resolve.py): bytes + end-of-document,
-    the BPE's, a Hugging Face tokenizer's or a prepared dataset's; pre-tokenized files without a
-    tokenizer: model.vocab_size."""
-    try:
-        vocab = data_vocab(cfg)
-    except (DataError, TokenizerError, OSError):  # reported by validate(); derive() needs a number
-        vocab = None
-    return vocab or cfg.model.vocab_size or 257
-
-
-def padded_vocab(cfg: Config) -> int:
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    m = max(cfg.data.vocab_multiple, 1)
-    return math.ceil(tokenizer_vocab(cfg) / m) * m
-
-
-def _dp(cfg: Config, world_size: int) -> int:
-    p = cfg.parallel
-    if p.dp:
-        return p.dp
-    rest = p.pp * p.cp * p.tp
-    return world_size // rest if rest > 0 and world_size % rest == 0 else 0
-
-
-def reshard_after_forward(p: ParallelConfig) -> bool:
-    """parallel.reshard_after_forward with "auto" resolved: reshard without pipelines, keep gathered
-    with them (a pipeline's next forward of the same chunk follows soon; fsdp.py)."""
-    return p.pp == 1 if p.reshard_after_forward == "auto" else p.reshard_after_forward
-
-
-def derive(cfg: Config, world_size: int) -> Derived:
-    """Dependent numbers of a config that validate() accepted."""
-    p, t, m = cfg.parallel, cfg.train, cfg.model
-    dp = _dp(cfg, world_size)
-    return Derived(
-        world_size=world_size,
-        dp=dp,
-        dp_shard=dp // p.dp_replicate,
-        grad_accum=t.global_batch // (dp * t.micro_batch),
-        tokens_per_step=t.global_batch * t.seq_len,
-        local_seq_len=t.seq_len // p.cp,
-        vocab_size=padded_vocab(cfg),
-        vocab_limit=m.vocab_size or tokenizer_vocab(cfg),
-        head_dim=m.head_dim or m.dim // m.n_heads,
-        reshard_after_forward=reshard_after_forward(p),
-    )
+from fivefold.config import SECTIONS, SINK_PACKAGES, Config
+from fivefold.data.resolve import data_errors
+from fivefold.data.sources import path_kind
+from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
+from fivefold.parallel.pipeline.schedules import build_schedule
 
 
 def _type_errors(cfg: Config) -> list[str]:
@@ -272,7 +206,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
 
     # Mesh: the degrees must multiply to the number of processes.
     rest = p.pp * p.cp * p.tp
-    dp = _dp(cfg, world_size)
+    dp = data_parallel_degree(cfg, world_size)
     if p.dp == 0 and dp == 0:
         err(f"parallel.pp x cp x tp = {rest} does not divide the {world_size} processes; "
             f"launch a multiple of {rest} processes or lower those degrees")
@@ -322,7 +256,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         if len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers or min(p.stage_layers) < 1:
             err(f"parallel.stage_layers = {list(p.stage_layers)}: needs pp x virtual_stages = {stages} entries, "
                 f"each at least 1, adding up to model.n_layers = {m.n_layers} (or [] for a balanced split)")
-    elif m.n_layers < stages:  # any other count splits: unevenly, balanced by parallel/stage_split.py
+    elif m.n_layers < stages:  # any other count splits: unevenly, balanced by parallel/pipeline/stage_split.py
         err(f"model.n_layers = {m.n_layers} is fewer than parallel.pp x virtual_stages = {stages} stages of at "
             f"least one block each; lower pp or virtual_stages to at most {m.n_layers} stages, or raise n_layers")
     vocab = padded_vocab(cfg)
@@ -378,7 +312,7 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
             err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
                 f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "
                 f"{{{_divisors_near(math.gcd(heads, kv), 64)}}}")
-    for name in ("document_mask", "reset_positions"):  # documents.py: masks and positions of whole rows only
+    for name in ("document_mask", "reset_positions"):  # model/masks.py: masks and positions of whole rows only
         if p.cp > 1 and getattr(d, name):
             err(f"data.{name} with parallel.cp = {p.cp}: not built yet for ring attention / Ulysses; set "
                 f"parallel.cp = 1 or data.{name} = false")

@@ -18,7 +18,7 @@ import torch.distributed.tensor  # noqa: E402,F401
 from helpers import EQUIVALENCE, TIED_ARGS, tiny_config, train_and_gather  # noqa: E402
 
 import fivefold.train.loop  # noqa: E402,F401
-from fivefold.testing import run_workers  # noqa: E402
+from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ def train_only(rank: int, world: int, cfg: Config) -> None:
 
 def reference_records(out_dir: Path, world: int, *overrides: str) -> list[dict]:
     """The step records of an uninterrupted tiny run on `world` forked ranks (a launched job's reference)."""
-    from fivefold.testing import run_workers
+    from fivefold.parallel.forked_ranks import run_workers
     from fivefold.train.metrics import read_metrics
 
     run_workers(train_only, world, tiny_config(out_dir, *overrides))
@@ -79,10 +79,10 @@ def assert_reproduces(result, reference, param_atol: float = 1e-4, exact: tuple[
 def parallelized(cfg: Config, world: int):
     """Worker: `cfg`'s layout over the job's `world` ranks as the training loop builds it (on the meta
     device, then this rank's tensors), with the seeded initial values."""
-    from fivefold.mesh import Mesh
+    from fivefold.checkpoint.weights import fill_weights
+    from fivefold.parallel.derive import derive
+    from fivefold.parallel.mesh import Mesh
     from fivefold.train.loop import parallel_model
-    from fivefold.train.weights import fill_weights
-    from fivefold.validate import derive
 
     derived = derive(cfg, world)
     par, seeded = parallel_model(cfg, derived, Mesh.from_config(cfg, derived))

@@ -7,13 +7,13 @@ import torch
 from helpers import tiny_config
 
 from fivefold.config import replace
-from fivefold.mesh import Mesh
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.tensor import apply_tensor_parallel
 from fivefold.planner.activations import block_activation_bytes
-from fivefold.testing import run_workers
 from fivefold.train.loop import build_model
-from fivefold.validate import derive
 
 B, T = 2, 64
 

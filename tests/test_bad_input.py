@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import EQUIVALENCE, tiny_config
 
+from fivefold.checkpoint.files import checkpoint_errors
+from fivefold.checkpoint.run_state import latest_checkpoint
 from fivefold.cli import main
 from fivefold.config import ConfigError, load_config
-from fivefold.train.checkpoint import latest_checkpoint
-from fivefold.train.checkpoint_files import checkpoint_errors
 from fivefold.train.loop import train
 from fivefold.train.preflight import preflight
 from fivefold.validate import validate
@@ -121,13 +121,13 @@ def test_torch_zip_writer_error_on_a_full_disk_reads_as_no_space(tmp_path, monke
     import errno
     import shutil as shutil_module
 
-    from fivefold.train import checkpoint
+    from fivefold.checkpoint import run_state
 
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374")
-    assert checkpoint._os_error(error, tmp_path / "gone") is None  # plenty of space here: not a full disk
+    assert run_state._os_error(error, tmp_path / "gone") is None  # plenty of space here: not a full disk
     usage = shutil_module.disk_usage(tmp_path)._replace(free=4096)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage)
-    cause = checkpoint._os_error(error, tmp_path / "gone")
+    monkeypatch.setattr(run_state.shutil, "disk_usage", lambda path: usage)
+    cause = run_state._os_error(error, tmp_path / "gone")
     assert cause.errno == errno.ENOSPC and cause.filename == str(tmp_path) and "4,096 bytes free" in cause.strerror
 
 
@@ -135,7 +135,7 @@ def test_torch_zip_writer_error_on_a_full_disk_reads_as_no_space(tmp_path, monke
 def test_a_damaged_safetensors_header_is_named_before_any_process(tmp_path, damage):
     import struct
 
-    from fivefold.train.weights import check_init_from
+    from fivefold.checkpoint.weights import check_init_from
 
     seed = tmp_path / "seed"
     assert main(["init", "configs/tiny.toml", "--out", str(seed)]) == 0
@@ -153,7 +153,7 @@ def test_a_damaged_safetensors_header_is_named_before_any_process(tmp_path, dama
 
 
 def test_a_failed_convert_leaves_no_partial_output(tmp_path, monkeypatch):
-    from fivefold import convert
+    from fivefold.checkpoint import convert
 
     seed = tmp_path / "seed"
     assert main(["init", "configs/tiny.toml", "--out", str(seed)]) == 0
@@ -199,7 +199,7 @@ def test_a_stale_or_dead_lock_is_taken_over_and_a_live_one_refuses(tmp_path, cap
     import sys
     import time
 
-    from fivefold.train.run_lock import STALE_S, RunLock
+    from fivefold.launch.run_lock import STALE_S, RunLock
 
     run_dir = tmp_path / "tiny"
     run_dir.mkdir()

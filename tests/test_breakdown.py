@@ -16,9 +16,9 @@ import torch.distributed as dist
 from helpers import tiny_config
 
 from fivefold.cli import main
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.metrics import read_metrics
-from fivefold.viz.trace import check_trace
+from fivefold.train.trace import check_trace
 
 # seq 64: a step of ~100 ms or more here, so a millisecond of scheduling noise is not 5 % (tp2's
 # synchronous all-reduces make its step that long at seq 32 already).
@@ -51,9 +51,9 @@ def _perturb() -> dict[str, dict[int, float]]:
     """In this worker, patch the code the step runs, each perturbation on its own steps. Returns
     the seconds each kind of sleep really took, by step, filled in as the run goes: a loaded
     machine can wake a sleeper late, and that lateness is the machine's, not the breakdown's."""
-    from fivefold.model import Block
-    from fivefold.parallel.comms import CommStats
-    from fivefold.parallel.timing import StepTimer
+    from fivefold.model.transformer import Block
+    from fivefold.parallel.comm.collectives import CommStats
+    from fivefold.parallel.comm.timing import StepTimer
 
     step, slept = [0], {"forward": {}, "unspanned": {}, "dp": {}}
     begin, forward, snapshot, all_reduce = StepTimer.begin_step, Block.forward, CommStats.snapshot, dist.all_reduce
@@ -239,7 +239,7 @@ def test_the_printed_table_sets_the_prediction_beside_the_measurement():
 def test_the_window_keeps_this_ranks_steps_until_a_logging_step_gathers_them():
     import torch
 
-    from fivefold.parallel.comms import AxisGroup, CommStats
+    from fivefold.parallel.comm.collectives import AxisGroup, CommStats
     from fivefold.train.breakdown import COLUMNS, PARTS, BreakdownWindow
 
     window, alone = BreakdownWindow(), AxisGroup("world", "log", None, 1, 0, CommStats())  # a group of one
@@ -256,7 +256,7 @@ def test_the_window_keeps_this_ranks_steps_until_a_logging_step_gathers_them():
 def test_parts_come_from_the_clocks_marks_read_at_the_end_of_the_step():
     """The timer records marks and works out the parts once, at the end of the step: the CUDA
     clock's events can only be read then. A clock of scripted times checks the arithmetic."""
-    from fivefold.parallel.timing import StepTimer
+    from fivefold.parallel.comm.timing import StepTimer
 
     class Scripted:
         def __init__(self, times):

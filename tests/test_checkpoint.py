@@ -6,11 +6,11 @@ import shutil
 import pytest
 from helpers import tiny_config
 
-from fivefold.testing import run_workers
-from fivefold.train.checkpoint import complete_checkpoints, latest_checkpoint
+from fivefold.checkpoint.run_dir import check_run_dir
+from fivefold.checkpoint.run_state import complete_checkpoints, latest_checkpoint
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.loop import train
 from fivefold.train.metrics import read_metrics
-from fivefold.train.run_dir import check_run_dir
 
 # 6 steps over an epoch boundary (35 samples, batches of 8), checkpoints at steps 3 and 6.
 ARGS = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=6", "--checkpoint.every=3")
@@ -67,7 +67,7 @@ def _save_async_then_change_the_weights(rank, world, cfg, root):
     from helpers import parallelized
     from torch.distributed.tensor import DTensor
 
-    from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
+    from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
 
     par = parallelized(cfg, world)
     local = lambda: [v.to_local() if isinstance(v, DTensor) else v for v in par.model_state_dict().values()]  # noqa: E731

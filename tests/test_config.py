@@ -6,7 +6,8 @@ import pytest
 from helpers import ROOT, tiny_config
 
 from fivefold.config import Config, ConfigError, load_config, parse_overrides, replace, to_toml
-from fivefold.validate import derive, validate
+from fivefold.parallel.derive import derive
+from fivefold.validate import validate
 
 
 def errors_of(world: int, *overrides: str) -> list[str]:

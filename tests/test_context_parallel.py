@@ -18,12 +18,11 @@ import functools
 import pytest
 import torch
 
-from fivefold.attention import causal_attention
 from fivefold.config import Config, ModelConfig, replace
-from fivefold.mesh import Mesh
-from fivefold.model import Transformer, cross_entropy_sum
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup, CommStats
+from fivefold.model.attention import causal_attention
+from fivefold.model.transformer import Transformer, cross_entropy_sum
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats
 from fivefold.parallel.context import (
     ContextParallel,
     apply_context_parallel,
@@ -33,8 +32,9 @@ from fivefold.parallel.context import (
     shard_sequence,
     ulysses_attention,
 )
-from fivefold.testing import run_workers
-from fivefold.validate import derive
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, reordered sums (module docstring)
 B, T, D = 2, 32, 8
@@ -207,7 +207,7 @@ def _model_worker(rank, world, method):
     (cross_entropy_sum(logits, cp.shard(targets)) / targets.numel()).backward()  # global token count
     pairs = [("logits", logits.detach(), cp.shard(logits_ref.detach()))]
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
-        comms.all_reduce(p.grad, mesh.group("cp"))  # cp ranks hold parts of the same samples: sum
+        collectives.all_reduce(p.grad, mesh.group("cp"))  # cp ranks hold parts of the same samples: sum
         pairs.append((name, p.grad, p_ref.grad))
     return pairs
 

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from fivefold.data.batches import IGNORE, GlobalBatches, PackedDataset, epoch_order, rank_slice
 from fivefold.data.prepare import encode_documents, in_validation
 from fivefold.data.sources import Skipped, documents, input_files, stdlib_sources
 from fivefold.data.tokenizer import ByteTokenizer, train_bpe
 from fivefold.data.tokens import in_memory_stream
-from fivefold.train.data import IGNORE, GlobalBatches, PackedDataset, epoch_order, rank_slice
 
 
 def packed(texts: list[bytes], seq_len: int) -> PackedDataset:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.loop import build_datasets
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from fivefold.config import Config, ConfigError, read_config
 from fivefold.deepspeed import DeepSpeedMapping, format_mapping, load_deepspeed, map_deepspeed
-from fivefold.validate import derive, validate
+from fivefold.parallel.derive import derive
+from fivefold.validate import validate
 
 DATA = Path(__file__).resolve().parent / "data"
 # Each data file with the world size it is meant for (the seed files: see the tests below).

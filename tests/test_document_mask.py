@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
 
-from fivefold.documents import Documents, document_ids, document_mask, document_positions
-from fivefold.model import Transformer, cross_entropy_sum
-from fivefold.presets import PRESETS
-from fivefold.testing import run_workers
+from fivefold.model.masks import Documents, document_ids, document_mask, document_positions
+from fivefold.model.presets import PRESETS
+from fivefold.model.transformer import Transformer, cross_entropy_sum
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.validate import validate
 
 EOD = 319  # any id of the vocabulary; the model cannot tell it from another token

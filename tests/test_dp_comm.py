@@ -8,16 +8,16 @@ import torch
 import torch.distributed as dist
 from helpers import tiny_config
 
-from fivefold.mesh import Mesh
-from fivefold.model import count_parameters
-from fivefold.parallel import comms
-from fivefold.parallel.data_parallel import apply_data_parallel
+from fivefold.checkpoint.run_state import complete_checkpoints
+from fivefold.model.transformer import count_parameters
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.data import apply_data_parallel
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 from fivefold.planner.comm import dp_traffic
-from fivefold.testing import run_workers
-from fivefold.train.checkpoint import complete_checkpoints
 from fivefold.train.loop import build_model, train
 from fivefold.train.metrics import read_metrics
-from fivefold.validate import derive
 
 
 def _mesh(cfg, world):
@@ -53,14 +53,15 @@ def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro, keep):
         # and one reduce-scatter per step
     }[zero]
     if zero:
-        expected += comms.wire_bytes("all_reduce", 8, n)  # the fp64 sum of squares for the norm
+        expected += collectives.wire_bytes("all_reduce", 8, n)  # the fp64 sum of squares for the norm
     for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):
         assert record["comm"]["dp"]["wire_bytes"] == expected
         assert set(record["comm"]) == {"dp"}  # the loss reduction is charged to "log", not here
     if zero == 2 and m == 2:  # 1.5x DDP's bytes
-        assert expected - comms.wire_bytes("all_reduce", 8, n) == 1.5 * 2 * (n - 1) / n * G
+        assert expected - collectives.wire_bytes("all_reduce", 8, n) == 1.5 * 2 * (n - 1) / n * G
     if zero == 3 and not keep:  # the planner prices the same bytes (planner/comm.py)
-        assert dp_traffic(zero, n, G, P, m, True, kept_bytes=H).bytes + comms.wire_bytes("all_reduce", 8, n) == expected
+        norm_sum = collectives.wire_bytes("all_reduce", 8, n)  # the norm's sum of squares
+        assert dp_traffic(zero, n, G, P, m, True, kept_bytes=H).bytes + norm_sum == expected
 
 
 @pytest.mark.parametrize("zero,schedule,keep", [
@@ -68,8 +69,8 @@ def test_counted_bytes_equal_the_theory(tmp_path, zero, n, micro, keep):
 def test_counted_bytes_with_pipelines_equal_the_theory(tmp_path, zero, schedule, keep):
     """pp2 x dp2: each chunk's gradients reduce at its own backwards, and ZeRO-3 kept gathered
     moves its rank's parameters once per step whatever the micro-batch count (4 here)."""
-    from fivefold.parallel.pipeline import split_stages
-    from fivefold.parallel.schedules import build_schedule
+    from fivefold.parallel.pipeline.schedules import build_schedule
+    from fivefold.parallel.pipeline.stages import split_stages
 
     cfg = tiny_config(tmp_path, *STEPS, f"--parallel.zero={zero}", "--train.micro_batch=1", "--parallel.pp=2",
                       f"--parallel.pp_schedule={schedule}", "--parallel.virtual_stages=2",
@@ -83,11 +84,11 @@ def test_counted_bytes_with_pipelines_equal_the_theory(tmp_path, zero, schedule,
         2: m * (n - 1) / n * G + (n - 1) / n * P,  # a reduce-scatter per chunk backward + all-gather
         3: ((n - 1) / n * (P + G) if keep  # one gather and one reduce-scatter per step
             else 3 * m * (n - 1) / n * P),  # gathers for F and for I/B, reduce-scatter at B/W
-    }[zero] + comms.wire_bytes("all_reduce", 8, n)  # the norm's fp64 sum of squares
+    }[zero] + collectives.wire_bytes("all_reduce", 8, n)  # the norm's fp64 sum of squares
     for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):  # rank 0's counters
         assert record["comm"]["dp"]["wire_bytes"] == expected
     # The planner prices the same bytes for this rank (planner/comm.py).
-    assert dp_traffic(zero, n, G, P, m, not keep).bytes + comms.wire_bytes("all_reduce", 8, n) == expected
+    assert dp_traffic(zero, n, G, P, m, not keep).bytes + collectives.wire_bytes("all_reduce", 8, n) == expected
 
 
 class _Link:
@@ -112,7 +113,7 @@ class _Link:
 def _step_times(rank, world, cfg):
     """Median seconds of forward + backward (with its gradient reduction), three ways, and the
     delay per bucket the slow link was given."""
-    from fivefold.model import cross_entropy_sum
+    from fivefold.model.transformer import cross_entropy_sum
 
     mesh, derived = _mesh(cfg, world)
     x = torch.randint(0, 320, (8, 128), generator=torch.Generator().manual_seed(rank))
@@ -168,9 +169,9 @@ def test_buckets_overlap_communication_with_backward(tmp_path):
 def _collective_order(rank, world, cfg, micro_batches=1):
     """Every collective the backwards of a step's micro-batches issue, and every wait on one:
     ("issue" | "wait", op, group), with ("backward", micro-batch) before each backward."""
-    from fivefold.model import cross_entropy_sum
+    from fivefold.model.transformer import cross_entropy_sum
 
-    events, issue, wait = [], comms._issue, comms.Pending.wait
+    events, issue, wait = [], collectives._issue, collectives.Pending.wait
 
     def logged_issue(op, group, *args, **kwargs):
         events.append(("issue", op, group.name))
@@ -184,13 +185,13 @@ def _collective_order(rank, world, cfg, micro_batches=1):
     model = build_model(cfg, 320)
     dp = apply_data_parallel(model, mesh, cfg, derived)
     x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(rank))
-    comms._issue, comms.Pending.wait = logged_issue, logged_wait
+    collectives._issue, collectives.Pending.wait = logged_issue, logged_wait
     try:
         for mb in range(micro_batches):
             events.append(("backward", mb))
             dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=mb == micro_batches - 1)
     finally:
-        comms._issue, comms.Pending.wait = issue, wait
+        collectives._issue, collectives.Pending.wait = issue, wait
     return events, len(dp.buckets)
 
 
@@ -232,10 +233,11 @@ def _torch_oracle(rank, world, cfg, kind):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from fivefold.model import cross_entropy_sum
-    from fivefold.train.data import rank_slice
+    from fivefold.data.batches import rank_slice
+    from fivefold.model.transformer import cross_entropy_sum
+    from fivefold.parallel.optimizer import build_optimizer, set_lr
     from fivefold.train.loop import build_datasets
-    from fivefold.train.optim import build_optimizer, lr_at, set_lr
+    from fivefold.train.lr_schedule import lr_at
 
     t = cfg.train
     model = build_model(cfg, 320)
@@ -277,7 +279,7 @@ def test_bf16_reduction_halves_the_bytes(tmp_path, zero):
     P = count_parameters(build_model(cfg, 320))
     G_bf16 = 2 * P  # gradients travel as bf16; parameters (ZeRO's all-gather) stay fp32
     expected = (2 * (n - 1) / n * G_bf16 if zero == 0
-                else (n - 1) / n * (G_bf16 + 4 * P) + comms.wire_bytes("all_reduce", 8, n))
+                else (n - 1) / n * (G_bf16 + 4 * P) + collectives.wire_bytes("all_reduce", 8, n))
     for record in read_metrics(tmp_path / "tiny" / "metrics.jsonl"):
         assert record["comm"]["dp"]["wire_bytes"] == expected
 
@@ -337,9 +339,9 @@ def test_model_state_memory_per_rank(tmp_path, zero):
 
 
 def _gathered_units(rank, world, cfg, keep):
-    from fivefold.model import cross_entropy_sum
+    from fivefold.model.transformer import cross_entropy_sum
+    from fivefold.parallel.optimizer import build_optimizer
     from fivefold.parallel.state_memory import model_state_bytes
-    from fivefold.train.optim import build_optimizer
 
     model = build_model(cfg, 320)
     mesh, derived = _mesh(cfg, world)

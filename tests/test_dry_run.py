@@ -13,19 +13,22 @@ from helpers import ROOT, tiny_config, train_only
 
 from fivefold.cli import main
 from fivefold.config import load_config
-from fivefold.mesh import Mesh
-from fivefold.planner.datasheet import get_hardware
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 from fivefold.planner.estimate import estimate
+from fivefold.planner.machine.datasheet import get_hardware
 from fivefold.planner.selfcheck import activation_element_bytes, memory_per_pipeline_rank, predict_for_config
-from fivefold.testing import run_workers
 from fivefold.train.dry_run import STATE, build, coordinates, dry_run, positions
 from fivefold.train.dry_run_cli import parse_size
 from fivefold.train.metrics import read_metrics
-from fivefold.validate import derive, validate
+
+# Published layouts (Llama 3 paper, table 4: tp8 x pp16 for 405B; Mixtral 8x22B with ep8), 8,192 tokens a
+from fivefold.validate import validate
 
 # Published layouts (Llama 3 paper, table 4: tp8 x pp16 for 405B; Mixtral 8x22B with ep8), 8,192 tokens a
 # sequence, one sequence a micro-batch; the global batch sets only the micro-batches per step. 405B's
-# 126 layers over 16 stages split by themselves (parallel/stage_split.py: 7, 8 x 14, 7), so its
+# 126 layers over 16 stages split by themselves (parallel/pipeline/stage_split.py: 7, 8 x 14, 7), so its
 # built-against-predicted check also says that the runtime and the planner hold the same blocks.
 PUBLISHED = {
     "llama3-70b-64": (64, "llama3-70b", ["--parallel.tp=8", "--parallel.zero=3", "--parallel.sp=true",
@@ -102,7 +105,7 @@ def test_published_scale_built_equals_predicted_per_position(name):
 def test_the_message_plan_is_proven_once_not_per_position(tmp_path, monkeypatch):
     """Every position runs the same schedule: the dry run proves its plan once, and the pipelines it
     builds do not (theirs is proven at their first step, which the dry run never runs)."""
-    import fivefold.parallel.pipeline as pipeline
+    import fivefold.parallel.pipeline.executor as pipeline
     import fivefold.train.dry_run as module
 
     calls = {"dry run": 0, "pipeline": 0}
@@ -192,8 +195,8 @@ def test_built_bytes_equal_what_a_real_run_holds(tmp_path, layout):
 def test_the_count_tells_storages_apart_on_the_meta_device_too():
     """model_state_bytes counts each storage once by its identity: meta storages, which the dry run
     counts and which all sit at address 0, give what real ones give."""
+    from fivefold.parallel.optimizer import build_optimizer, init_optimizer_state
     from fivefold.parallel.state_memory import model_state_bytes
-    from fivefold.train.optim import build_optimizer, init_optimizer_state
 
     cfg = load_config(ROOT / "configs" / "tiny.toml")
     counts = []

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from helpers import ROOT, reference_records, tiny_config, train_only
 from test_launch import assert_each_sample_once, children, free_port, worker_pids
 
+from fivefold.checkpoint.run_dir import latest_checkpoint
 from fivefold.cli import main
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.metrics import read_events, read_metrics
-from fivefold.train.run_dir import latest_checkpoint
 
 STEPS = 24
 # 24 steps over 5 epochs (35 samples, batches of 8: each epoch's 5th batch holds 3), checkpoints
@@ -162,7 +162,7 @@ def test_a_node_that_comes_back_grows_the_job_again(tmp_path, reference):
         for pid in held:
             os.kill(pid, signal.SIGSTOP)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-        store.delete_key("fivefold.arrived.1")  # set again by the new launcher of node-rank 1 (launch.py)
+        store.delete_key("fivefold.arrived.1")  # set again by the new launcher of node-rank 1 (launch/agent.py)
         node1 = start(tmp_path, 1, port, log="node1-again.log")
         wait_for(lambda: store.check(["fivefold.arrived.1"]), [node0, node1], tmp_path)
         # Node 0's agent SIGTERMs its workers once it sees node 1 waiting; they take it when resumed.

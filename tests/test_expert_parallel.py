@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fivefold.config import Config
-from fivefold.mesh import Mesh, expert_partitions
-from fivefold.model import (
+from fivefold.model.presets import PRESETS
+from fivefold.model.transformer import (
     MoE,
     Transformer,
     cross_entropy_sum,
@@ -17,13 +17,13 @@ from fivefold.model import (
     local_dispatch,
     sequence_balance_loss,
 )
-from fivefold.parallel.comms import AxisGroup, CommStats
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+from fivefold.parallel.derive import derive
 from fivefold.parallel.expert import ExpertParallelDispatch, apply_expert_parallel, shard_experts
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh, expert_partitions
 from fivefold.parallel.state_dict import gather_expert_shards
-from fivefold.presets import PRESETS
-from fivefold.testing import run_workers
 from fivefold.train.moe_balance import expert_stats, reset_expert_counts, set_balance_loss_scale, update_expert_bias
-from fivefold.validate import derive
 
 DIM, HIDDEN = 16, 32
 
@@ -447,7 +447,7 @@ def test_checkpoint_resumes_under_another_expert_layout(tmp_path, before, after)
 
     from helpers import EQUIVALENCE, tiny_config
 
-    from fivefold.train.checkpoint import complete_checkpoints
+    from fivefold.checkpoint.run_state import complete_checkpoints
 
     args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2",
             "--train.micro_batch=1")
@@ -462,7 +462,7 @@ def test_checkpoint_resumes_under_another_expert_layout(tmp_path, before, after)
 def _save_and_load_routing_bias(rank, world, cfg, root):
     from helpers import parallelized
 
-    from fivefold.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
+    from fivefold.checkpoint.run_state import CheckpointWriter, latest_checkpoint, load_checkpoint
 
     def fresh():
         return parallelized(cfg, world)

@@ -17,37 +17,37 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from fivefold.mesh import Mesh
-from fivefold.parallel import arrivals, comms
-from fivefold.testing import WorkerError, run_workers
-from fivefold.train.checkpoint import latest_checkpoint
-from fivefold.train.data import DataCacheError, epoch_order
+from fivefold.checkpoint.run_state import latest_checkpoint
+from fivefold.data.batches import DataCacheError, epoch_order
+from fivefold.launch.worker_report import AGENT_LOGGER, culprit_summary, error_line, missing_ranks, one_line_failures
+from fivefold.parallel.comm import arrivals, collectives
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import WorkerError, run_workers
+from fivefold.parallel.mesh import Mesh
 from fivefold.train.loop import train
-from fivefold.validate import derive
-from fivefold.worker_report import AGENT_LOGGER, culprit_summary, error_line, missing_ranks, one_line_failures
 
 
 def _skip_a_collective(rank, world, cfg):
     mesh = Mesh.from_config(cfg, derive(cfg, world))
     expert = mesh.subgroups([[0, 1]], "ep")
-    comms.all_reduce(torch.ones(1), mesh.group("dp"))  # one call together: rank 1 is one behind below
+    collectives.all_reduce(torch.ones(1), mesh.group("dp"))  # one call together: rank 1 is one behind below
     if rank == 1:  # took another code path: never makes the calls below
         time.sleep(60)
     messages = []
     began = time.monotonic()
     # Async, as DDP's gradient buckets: the error comes from wait().
     try:
-        comms.all_to_all(torch.empty(6, 4), torch.ones(6, 4), expert, async_op=True).wait()
-    except comms.CollectiveError as e:
+        collectives.all_to_all(torch.empty(6, 4), torch.ones(6, 4), expert, async_op=True).wait()
+    except collectives.CollectiveError as e:
         messages.append(str(e))
     try:
-        comms.all_reduce(torch.ones(1000), mesh.group("dp"))
-    except comms.CollectiveError as e:
+        collectives.all_reduce(torch.ones(1000), mesh.group("dp"))
+    except collectives.CollectiveError as e:
         messages.append(str(e))
     # Point-to-point calls (pipeline sends and receives, ring hops) name theirs too.
     try:
-        comms.recv(torch.empty(4), 1, mesh.group("dp"), "recv activation mb 0 from stage 1")
-    except comms.CollectiveError as e:
+        collectives.recv(torch.empty(4), 1, mesh.group("dp"), "recv activation mb 0 from stage 1")
+    except collectives.CollectiveError as e:
         messages.append(str(e))
     # Raise rather than return: the harness's closing barrier would meet rank 1's late calls.
     raise AssertionError(f"{time.monotonic() - began:.1f} s\n" + "\n".join(messages))
@@ -76,13 +76,13 @@ def test_a_skipped_collective_times_out_naming_rank_axis_operation_and_the_rank_
 
 def _stop_one_rank(rank, world, cfg):
     mesh = Mesh.from_config(cfg, derive(cfg, world))
-    comms.all_reduce(torch.ones(1), mesh.group("dp"))
+    collectives.all_reduce(torch.ones(1), mesh.group("dp"))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # stopped, publishing thread too (the harness kills it later)
     began = time.monotonic()
     try:
-        comms.all_reduce(torch.ones(8), mesh.group("dp"))
-    except comms.CollectiveError as e:
+        collectives.all_reduce(torch.ones(8), mesh.group("dp"))
+    except collectives.CollectiveError as e:
         raise AssertionError(f"{time.monotonic() - began:.1f} s {sorted(e.missing)}\n{e}") from None
 
 
@@ -133,7 +133,7 @@ def test_a_checkpoint_that_runs_out_of_space_keeps_the_previous_one(tmp_path):
 
 def test_the_launcher_names_a_stopped_rank_first_from_its_peers_reports(tmp_path):
     """A SIGSTOPped rank ends in the launcher's SIGKILL with no error of its own; the rank whose
-    collective timed out recorded it as missing, so the summary names it first (worker_report.py)."""
+    collective timed out recorded it as missing, so the summary names it first (launch/worker_report.py)."""
     why = f"sent no report for {arrivals.STALE_AFTER_S:g} s: stopped (SIGSTOP, a debugger), hung or gone"
     reports = {0: {"pid": 100, "state": "failed", "missing": {"1": why},
                    "error": "rank 0: all_reduce of 32 bytes on axis 'dp' (rank 0 of 2 there) got no answer within 5 s"},
@@ -147,8 +147,8 @@ def test_the_launcher_names_a_stopped_rank_first_from_its_peers_reports(tmp_path
     # A CollectiveError's missing ranks reach the report through the exception chain.
     try:
         try:
-            raise comms.CollectiveError("timed out", {1: why})
-        except comms.CollectiveError as e:
+            raise collectives.CollectiveError("timed out", {1: why})
+        except collectives.CollectiveError as e:
             raise RuntimeError("wrapped") from e
     except RuntimeError as e:
         assert missing_ranks(e) == {"1": why}
@@ -162,7 +162,7 @@ def test_the_summary_ends_with_the_first_causes_traceback_and_torchs_lines_are_o
         [][1]
     except IndexError as e:
         bug = e
-    lost = comms.CollectiveError("rank 0: all_reduce of 32 bytes on axis 'dp' lost the connection to a peer", {})
+    lost = collectives.CollectiveError("rank 0: all_reduce of 32 bytes on axis 'dp' lost the connection to a peer", {})
     assert error_line(bug) == "IndexError: list index out of range"  # Python's words, with the type
     assert error_line(lost) == str(lost)  # fivefold's own kinds name the fix already
     reports = {0: {"pid": 100, "state": "failed", "error": error_line(lost), "traceback": "Traceback (0)\nlost"},
@@ -258,8 +258,8 @@ def test_a_full_disk_names_the_file_keeps_the_previous_checkpoint_and_no_half_li
 
 
 def _where_messages(rank, world):
-    from fivefold.parallel.comm_errors import named_error
-    from fivefold.parallel.comms import AxisGroup, CommStats
+    from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+    from fivefold.parallel.comm.errors import named_error
 
     stats, timeout = CommStats(), RuntimeError("Timed out waiting 500ms for recv operation to complete")
     grad = AxisGroup("grad", "dp", None, 2, 0, stats, timeout_s=0.5)

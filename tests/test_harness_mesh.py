@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.mesh import AXES, Mesh
-from fivefold.parallel import comms
-from fivefold.testing import WorkerError, run_workers
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.forked_ranks import WorkerError, run_workers
+from fivefold.parallel.mesh import AXES, Mesh
 
 
 def _sum_of_ranks(rank, world):
@@ -50,14 +50,14 @@ def _mesh_groups(rank, world):
            for name in [*AXES, "dp", "batch", "grad"]}
     # Traffic is charged to the view's axis; size-1 groups count nothing.
     x = torch.ones(1000)
-    comms.all_reduce(x, mesh.group("grad"))
-    comms.all_reduce(x, mesh.group("tp"))
-    comms.all_reduce(x, mesh.group("cp"))
+    collectives.all_reduce(x, mesh.group("grad"))
+    collectives.all_reduce(x, mesh.group("tp"))
+    collectives.all_reduce(x, mesh.group("cp"))
     out["stats"] = mesh.stats.snapshot()
     part = [[0, 1, 2, 3], [4, 5, 6, 7]]
     sub = mesh.subgroups(part, "ep")
     y = torch.tensor([1.0])
-    comms.all_reduce(y, sub)
+    collectives.all_reduce(y, sub)
     out["sub"] = (float(y), sub.size, sub.rank)
     return out
 
@@ -78,9 +78,9 @@ def test_mesh_axes_views_and_counters_on_8_ranks():
 
 
 def test_wire_bytes_ring_accounting():
-    assert comms.wire_bytes("all_reduce", 800, 8) == 1400
-    assert comms.wire_bytes("all_gather", 800, 8) == comms.wire_bytes("reduce_scatter", 800, 8) == 700
-    assert comms.wire_bytes("all_reduce", 800, 1) == 0
+    assert collectives.wire_bytes("all_reduce", 800, 8) == 1400
+    assert collectives.wire_bytes("all_gather", 800, 8) == collectives.wire_bytes("reduce_scatter", 800, 8) == 700
+    assert collectives.wire_bytes("all_reduce", 800, 1) == 0
 
 
 def test_mesh_needs_every_axis():

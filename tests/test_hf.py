@@ -10,14 +10,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers import parallelized, tiny_config
 
+from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
+from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
+from fivefold.checkpoint.safetensors_io import SafetensorsDir
+from fivefold.checkpoint.weights import check_init_from, load_weights
 from fivefold.config import replace
-from fivefold.convert import fivefold_to_hf, hf_to_fivefold
-from fivefold.hf import HFFormatError, HFSource, model_config_from_hf
-from fivefold.model import Transformer
-from fivefold.testing import run_workers
-from fivefold.train.safetensors_io import SafetensorsDir
-from fivefold.train.weights import check_init_from, load_weights
-from fivefold.validate import padded_vocab, validate
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.derive import padded_vocab
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.validate import validate
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=320, initializer_range=0.2)  # std 0.2, not 0.02: logits of order 1, so errors show
@@ -172,7 +173,7 @@ def test_deepseek_without_its_routing_bias_is_caught(models):
 def test_fivefold_model_to_deepseek_for_transformers(tmp_path):
     """A model fivefold made (no HF config to start from, no routing bias kept): transformers reads
     the export and computes fivefold's logits."""
-    from fivefold.train.seed import write_seed_checkpoint
+    from fivefold.checkpoint.seed import write_seed_checkpoint
 
     cfg = tiny_config(tmp_path, "--model.preset=tiny-mla", "--model.n_layers=2", "--model.norm_eps=1e-6",
                       "--model.init_std=0.2")
@@ -271,8 +272,8 @@ def test_convert_copies_the_tokenizer_and_names_it(tmp_path, models, capsys):
 
 
 def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
-    from fivefold.hf import export_problems
-    from fivefold.presets import PRESETS
+    from fivefold.checkpoint.hf import export_problems
+    from fivefold.model.presets import PRESETS
 
     config = json.loads((models["deepseek"]["hf"] / "config.json").read_text())
     unsupported = {**config, "rms_norm_eps": 1e-5, "quantization_config": {"quant_method": "fp8"},

@@ -140,7 +140,7 @@ def test_a_killed_launcher_leaves_no_worker_behind(tmp_path):
 
 def test_a_killed_rank_is_named_first(tmp_path):
     """kill -9 of one worker: the launcher's summary names that rank and pid as the cause, and the
-    survivor that lost its peer as a consequence (worker_report.py), not the other way round."""
+    survivor that lost its peer as a consequence (launch/worker_report.py), not the other way round."""
     reports = tmp_path / "reports"
     reports.mkdir()
     job, log = start(tmp_path, "--nproc", "2", "--train.steps=100000", env={"FIVEFOLD_WORKER_DIR": str(reports)})
@@ -156,7 +156,7 @@ def test_a_killed_rank_is_named_first(tmp_path):
         job.kill()
     text = log.read_text()
     # torch's agent logged rank 0's failure in one line, not its 60-line traceback; a rank killed or
-    # failed as a consequence prints none (worker_report.py)
+    # failed as a consequence prints none (launch/worker_report.py)
     assert "Traceback" not in text and "failed (exitcode: 1) local_rank: 0" in text
     first = text.index(f"rank 1 (pid {ranks[1]}) died without an error")
     assert text.index("the job failed; first cause:") < first < text.index(f"rank 0 (pid {ranks[0]}) failed as a "

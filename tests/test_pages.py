@@ -20,14 +20,14 @@ import pytest
 from helpers import ROOT
 
 from fivefold.cli import main
-from fivefold.parallel.comms import wire_bytes
-from fivefold.parallel.schedules import build_schedule
-from fivefold.parallel.simulate import Costs, simulate
-from fivefold.planner.counts import model_counts
+from fivefold.model.counts import model_counts
+from fivefold.model.presets import PRESETS
+from fivefold.parallel.comm.collectives import wire_bytes
+from fivefold.parallel.pipeline.schedules import build_schedule
+from fivefold.parallel.pipeline.simulate import Costs, simulate
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
-from fivefold.presets import PRESETS
 from fivefold.viz.explain import buckets, ring
 from fivefold.viz.schedule import per_chunk_costs
 

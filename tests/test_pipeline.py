@@ -5,21 +5,21 @@ micro-batches are pure padding, which the pipeline must carry without changing t
 
 Every pipeline message here carries tag 0: gloo then matches the messages between two ranks by
 the order they are posted, as NCCL does (it ignores tags), so these runs check that each rank
-sends in the order its neighbour receives (fivefold/parallel/messages.py), not only that tags match.
+sends in the order its neighbour receives (fivefold/parallel/pipeline/messages.py), not only that tags match.
 """
 
 import pytest
 import torch
 from helpers import EQUIVALENCE, TIED_ARGS, assert_reproduces, tiny_config, train_and_gather
 
-from fivefold.parallel.pipeline import PipelineExecutor
-from fivefold.planner.counts import model_counts
+from fivefold.checkpoint.run_dir import run_dir_of
+from fivefold.model.counts import model_counts
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.pipeline.executor import PipelineExecutor
 from fivefold.planner.layout import stage_sizes
-from fivefold.testing import run_workers
 from fivefold.train.loop import train
 from fivefold.train.metrics import read_events, read_metrics
-from fivefold.train.run_dir import run_dir_of
-from fivefold.validate import derive
 
 
 @pytest.fixture(autouse=True)
@@ -89,16 +89,16 @@ TIED = {
 
 def train_gather_and_split(rank: int, world: int, cfg):
     """Worker: train_and_gather, and the blocks of each stage this rank's runtime kept."""
-    import fivefold.parallel.pipeline as pipeline
+    import fivefold.parallel.pipeline.stages as stages
 
-    kept, split_stages = {}, pipeline.split_stages
+    kept, split_stages = {}, stages.split_stages
 
     def recording(*args, **kwargs):  # in this forked worker only
         chunks = split_stages(*args, **kwargs)
         kept.update({s: len(c.layers) for s, c in chunks.items()})
         return chunks
 
-    pipeline.split_stages = recording
+    stages.split_stages = recording
     return (*train_and_gather(rank, world, cfg), kept)
 
 
@@ -141,7 +141,7 @@ def _train(rank, world, cfg):
 def test_pipeline_resume_is_exact(tmp_path, schedule):
     import shutil
 
-    from fivefold.train.checkpoint import complete_checkpoints
+    from fivefold.checkpoint.run_state import complete_checkpoints
 
     args = (*EQUIVALENCE, "--train.steps=4", "--checkpoint.every=2", "--parallel.pp=2",
             f"--parallel.pp_schedule={schedule}", "--train.micro_batch=2", "--train.eval_every=2",

@@ -1,4 +1,4 @@
-"""Pipeline messages in an order every backend matches (fivefold.parallel.messages). Pure Python.
+"""Pipeline messages in an order every backend matches (fivefold.parallel.pipeline.messages). Pure Python.
 
 NCCL matches the messages between two ranks by the order they are posted, ignoring tags: the
 k-th send from a rank to a neighbour must be the k-th receive that neighbour posts from it, and
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.parallel.messages import (
+from fivefold.parallel.pipeline.messages import (
     Batch,
     Message,
     MessageOrderError,
@@ -23,8 +23,8 @@ from fivefold.parallel.messages import (
     message_plans,
     outgoing,
 )
-from fivefold.parallel.schedules import SCHEDULES, Action, Schedule, build_schedule
-from fivefold.parallel.simulate import DeadlockError
+from fivefold.parallel.pipeline.schedules import SCHEDULES, Action, Schedule, build_schedule
+from fivefold.parallel.pipeline.simulate import DeadlockError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_v_layout_handovers_stay_on_the_rank():
 
 
 def test_messages_module_does_not_import_torch():
-    code = "import sys, fivefold.parallel.messages; print('torch' in sys.modules)"
+    code = "import sys, fivefold.parallel.pipeline.messages; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.mesh import Mesh
-from fivefold.parallel.pipeline import PipelineExecutor, PipelineStages
-from fivefold.parallel.schedules import build_schedule
-from fivefold.parallel.simulate import Costs, simulate
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.pipeline.executor import PipelineExecutor
+from fivefold.parallel.pipeline.schedules import build_schedule
+from fivefold.parallel.pipeline.simulate import Costs, simulate
+from fivefold.parallel.pipeline.stages import PipelineStages
 
 T_F, T_I, T_W = 0.04, 0.04, 0.04  # seconds
 

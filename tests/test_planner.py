@@ -15,13 +15,13 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config, replace
-from fivefold.parallel.comms import wire_bytes
+from fivefold.model.counts import count_on_meta, model_counts
+from fivefold.model.presets import PRESETS
+from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.planner.comm import LOSS_ALL_REDUCES, dp_traffic
-from fivefold.planner.counts import count_on_meta, model_counts
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import CATALOG, GB, get_hardware
 from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
-from fivefold.presets import PRESETS
 from fivefold.validate import validate
 
 ANCHOR = 27_781_427_952  # a 27.8B-parameter model, the worked example of the tests below
@@ -63,7 +63,7 @@ def test_hsdp_reduces_its_shards_inside_a_node_and_all_reduces_them_across_nodes
     """16 GPUs, 2 nodes: ZeRO-3 over the 8 GPUs of a node, replicated across the 2 (dp_replicate).
     The reduce-scatters and gathers stay on NVLink, one reduction per micro-batch; once a step, at
     the last, the node's shard of the gradients, G / 8, is all-reduced over the 2 replicas, across
-    nodes, bucket by bucket behind the backward (parallel/zero.py): only the last bucket is exposed."""
+    nodes, bucket by bucket behind the backward (parallel/data/zero.py): only the last bucket is exposed."""
     cfg = load_config(None, ["--model.preset=llama3-8b", "--parallel.dp=16", "--parallel.dp_replicate=2",
                              "--parallel.zero=3", "--train.global_batch=32", "--train.micro_batch=1",
                              "--train.seq_len=4096"])
@@ -72,7 +72,7 @@ def test_hsdp_reduces_its_shards_inside_a_node_and_all_reduces_them_across_nodes
     est = estimate(cfg, 16, hw)
     counts = model_counts(cfg.model, cfg.model.vocab_size)
     grads = counts.total * 2  # bf16 gradients
-    head = (counts.head + counts.final_norm) * 2  # gathered for its forward only (parallel/fsdp.py)
+    head = (counts.head + counts.final_norm) * 2  # gathered for its forward only (parallel/data/fsdp.py)
     replicas = wire_bytes("all_reduce", grads / 8, 2)  # once, for M = 32 / 16 = 2 micro-batches
     flat = estimate(replace(cfg, parallel={"dp_replicate": 1}), 16, hw)  # ZeRO-3 over all 16
     shards = dp_traffic(3, 8, grads, grads, 2, kept_bytes=head)

@@ -7,9 +7,9 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config
-from fivefold.planner.datasheet import get_hardware
 from fivefold.planner.estimate import estimate
 from fivefold.planner.flops import parse_token_budget
+from fivefold.planner.machine.datasheet import get_hardware
 from fivefold.planner.options import PlanOptions
 from fivefold.validate import validate
 

@@ -13,8 +13,8 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import load_config
-from fivefold.parallel.comms import wire_bytes
-from fivefold.planner.counts import model_counts
+from fivefold.model.counts import model_counts
+from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.planner.estimate import estimate
 from fivefold.planner.fits import stage_fit
 from fivefold.planner.hardware import GB, get_hardware

@@ -9,19 +9,19 @@ import dataclasses
 import pytest
 from helpers import tiny_config
 
-from fivefold.planner import roofline
+from fivefold.model.counts import model_counts
+from fivefold.model.presets import PRESETS
+from fivefold.parallel.derive import derive
 from fivefold.planner.calibration.opcount import Part, block_tally, ends_tally, part_tally
 from fivefold.planner.calibration.pricer import MeasuredPricer, op_priced
 from fivefold.planner.calibration.profile import MeasuredProfile, tally_time
 from fivefold.planner.compute import busiest_chunk
-from fivefold.planner.counts import model_counts
-from fivefold.planner.datasheet import DatasheetPricer
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
 from fivefold.planner.layout import rank_shares
-from fivefold.planner.pricing import Memo
-from fivefold.presets import PRESETS
-from fivefold.validate import derive
+from fivefold.planner.machine import roofline
+from fivefold.planner.machine.datasheet import DatasheetPricer
+from fivefold.planner.machine.pricing import Memo
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 

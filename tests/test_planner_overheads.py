@@ -10,7 +10,8 @@ import math
 import pytest
 from helpers import tiny_config
 
-from fivefold.parallel.comms import wire_bytes
+from fivefold.model.presets import PRESETS
+from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.planner.calibration.collectives import alpha_per_op
 from fivefold.planner.calibration.measure import _median_of
 from fivefold.planner.calibration.noise import expected_max_normal
@@ -21,7 +22,6 @@ from fivefold.planner.calibration.profile import MeasuredProfile
 from fivefold.planner.comm import LOSS_ALL_REDUCES, AxisTraffic, activation_traffic, time_of
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
-from fivefold.presets import PRESETS
 
 TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
 

@@ -10,18 +10,19 @@ import pytest
 from helpers import tiny_config
 
 from fivefold.config import load_config
-from fivefold.parallel import comms
+from fivefold.model.counts import block_forward_flops, model_counts
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.compute import busiest_chunk
-from fivefold.planner.counts import block_forward_flops, model_counts
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.layout import rank_shares, split_layout
+from fivefold.planner.machine.pricing import Memo
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.overlap import SWITCHES, decomposed_exposure, prefetch_pass
-from fivefold.planner.pricing import Memo
-from fivefold.testing import run_workers
 from fivefold.train.loop import train
-from fivefold.validate import derive, validate
+from fivefold.validate import validate
 
 H100 = get_hardware("h100")
 # Compute-rich: matmuls slow against fast, latency-free links, so every overlap hides all it can.
@@ -108,7 +109,7 @@ def test_tp_overlap_hides_all_but_one_piece_when_compute_is_rich(recompute, per_
     assert est.overlaps["tp_overlap"].exposed_s == pytest.approx(overlappable / 2 + 2 * (c1 + 3 * loss))
 
 
-# ---- zero3_prefetch: parallel/fsdp.py gathers one unit ahead ----
+# ---- zero3_prefetch: parallel/data/fsdp.py gathers one unit ahead ----
 
 def test_prefetch_pass_by_hand():
     # Gathers only: the first is exposed, then what each exceeds the previous unit's compute.
@@ -141,7 +142,7 @@ def test_zero3_prefetch_resharding_against_hand_arithmetic():
     assert z.exposed_s == pytest.approx(M * (g_emb + g_blk + r_blk + r_emb))
     assert z.traffic_s == pytest.approx(M * (2 * (g_emb + 32 * g_blk) + g_head + r_emb + 32 * r_blk + r_head))
     assert est.exposed_dp_s == pytest.approx(z.exposed_s)  # no noise on a data sheet
-    # parallel.overlap_comm = false: the buckets reduce after the backward (parallel/ddp.py), all exposed
+    # parallel.overlap_comm = false: the buckets reduce after the backward (parallel/data/ddp.py), all exposed
     late = estimate(_llama(4, "--parallel.zero=3", "--train.global_batch=8", "--parallel.overlap_comm=false"), 4,
                     SLOW_COMPUTE).overlaps["zero3_prefetch"]
     assert late.exposed_s == pytest.approx(M * (g_emb + g_blk + r_emb + 32 * r_blk + r_head))
@@ -225,13 +226,13 @@ def test_dp_overlap_is_the_config_switch(tmp_path):
 
 def _collectives(rank, world, cfg):
     """Worker: one training step, each collective recorded as (axis, op, issued asynchronously)."""
-    calls, issue = [], comms._issue
+    calls, issue = [], collectives._issue
 
     def recording(op, group, nbytes, label, async_op, *args, **kwargs):
         calls.append((label, op, async_op))
         return issue(op, group, nbytes, label, async_op, *args, **kwargs)
 
-    comms._issue = recording
+    collectives._issue = recording
     train(cfg, progress=False)
     return calls
 

@@ -1,4 +1,4 @@
-"""The catalog GPUs' roofline (planner/roofline.py, planner/ops.py) against hand arithmetic.
+"""The catalog GPUs' roofline (planner/machine/roofline.py, planner/machine/ops.py) against hand arithmetic.
 
 Tile and wave quantisation follow NVIDIA's "Matrix Multiplication Background User's Guide" (Deep
 Learning Performance docs), sec. 3.1 (tile quantization: M and N rounded up to whole tiles) and 3.2
@@ -16,18 +16,18 @@ import math
 import pytest
 
 from fivefold.config import load_config
-from fivefold.planner import roofline
+from fivefold.model.counts import model_counts
+from fivefold.model.presets import PRESETS
+from fivefold.parallel.derive import derive
 from fivefold.planner.calibration.opcount import block_tally, ends_tally
 from fivefold.planner.compute import busiest_chunk
-from fivefold.planner.counts import model_counts
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.layout import rank_shares
-from fivefold.planner.ops import Matmul, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine import roofline
+from fivefold.planner.machine.ops import Matmul, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.pricing import Memo
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.pricing import Memo
-from fivefold.presets import PRESETS
-from fivefold.validate import derive
 
 H100 = get_hardware("h100")
 GEMM = 794.5e12  # H100 SXM bf16, the MAMF table

@@ -10,14 +10,14 @@ from helpers import tiny_config
 
 from fivefold.cli import main
 from fivefold.config import load_config, read_config, replace
-from fivefold.parallel.comms import wire_bytes
+from fivefold.parallel.comm.collectives import wire_bytes
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.calibration.collectives import fit_alpha_beta
 from fivefold.planner.calibration.layers import config_parts
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile
 from fivefold.planner.search import candidates, search
 from fivefold.planner.selfcheck import predict_for_config
-from fivefold.testing import run_workers
 from fivefold.train.metrics import read_metrics
 from fivefold.validate import validate
 
@@ -125,7 +125,7 @@ def test_the_planner_core_does_not_import_the_calibration_package():
     module level or inside a function (this runs an estimate and a search on a catalog GPU)."""
     code = ("import sys\n"
             "from fivefold.config import load_config\n"
-            "from fivefold.planner.datasheet import get_hardware\n"
+            "from fivefold.planner.machine.datasheet import get_hardware\n"
             "from fivefold.planner.estimate import estimate\n"
             "from fivefold.planner.search import search\n"
             "from fivefold.planner.selfcheck import predict_for_config\n"

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks.published_runs import RUNS, megatron_2021_flops
 from fivefold.config import load_config
-from fivefold.planner.counts import model_counts
-from fivefold.validate import derive
+from fivefold.model.counts import model_counts
+from fivefold.parallel.derive import derive
 
 BY_NAME = {r.name: r for r in RUNS}
 

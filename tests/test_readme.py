@@ -61,8 +61,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from fivefold.checkpoint.run_dir import run_dir_of
 from fivefold.config import read_config
-from fivefold.train.run_dir import run_dir_of
 from fivefold.validate import validate
 
 README = ROOT / "README.md"

@@ -6,12 +6,12 @@ from helpers import tiny_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fivefold.config import replace
-from fivefold.mesh import Mesh
-from fivefold.model import cross_entropy_sum
+from fivefold.model.transformer import cross_entropy_sum
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.recompute import apply_recompute
-from fivefold.testing import run_workers
 from fivefold.train.loop import build_model, train
-from fivefold.validate import derive
 
 ARGS = ("--train.steps=3", "--data.max_bytes=20000", "--data.val_fraction=0.0")
 

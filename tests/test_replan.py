@@ -1,4 +1,4 @@
-"""The layout an elastic job takes for a new world (fivefold/elastic.py), against hand arithmetic, and the
+"""The layout an elastic job takes for a new world (fivefold/launch/elastic.py), against hand arithmetic, and the
 SIGTERM that stops every rank at the same step (train/stop_request.py). No launcher here: test_elastic.py."""
 
 import json
@@ -10,14 +10,15 @@ import torch.distributed as dist
 from helpers import tiny_config
 
 from fivefold.config import replace
-from fivefold.elastic import AXES, Policy, ReplanError, decide, layout_for, layout_text, parse_keep
-from fivefold.parallel.comms import AxisGroup, CommStats
+from fivefold.launch.elastic import AXES, Policy, ReplanError, decide, layout_for, layout_text, parse_keep
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.search import search
 from fivefold.planner.selfcheck import predict_for_config
-from fivefold.testing import run_workers
 from fivefold.train.stop_request import StopRequest
-from fivefold.validate import derive, validate
+from fivefold.validate import validate
 
 DATA = ("--data.max_bytes=1100", "--data.val_fraction=0.0")
 

@@ -8,8 +8,8 @@ next global batch is the same samples whatever dp is.
 
 from helpers import EQUIVALENCE, assert_reproduces, tiny_config
 
-from fivefold.testing import run_workers
-from fivefold.train.checkpoint import complete_checkpoints
+from fivefold.checkpoint.run_state import complete_checkpoints
+from fivefold.parallel.forked_ranks import run_workers
 
 # Each job runs one step of the 5-step reference (train.stop_after) and the next resumes under
 # another layout: (world size, overrides, what the hop into it reshards).

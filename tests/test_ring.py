@@ -12,11 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.mesh import Mesh
-from fivefold.parallel import comms
-from fivefold.parallel import ring_collectives as ring
-from fivefold.parallel.comms import AxisGroup, CommStats
-from fivefold.parallel.ring_collectives import (
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm import ring as ring
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+from fivefold.parallel.comm.ring import (
     RingStep,
     ring_all_gather,
     ring_all_gather_schedule,
@@ -25,7 +24,8 @@ from fivefold.parallel.ring_collectives import (
     ring_reduce_scatter,
     ring_reduce_scatter_schedule,
 )
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 
 
 def _check_step_shape(steps: list[list[RingStep]], n: int) -> None:
@@ -169,11 +169,11 @@ def test_ring_matches_torch_bit_for_bit_and_counts_ring_bytes(world):
         ar = out["all_reduce_stats"]["dp"]
         assert ar["calls"] == 2 * (world - 1)
         assert ar["bytes"] == ar["wire_bytes"] == 2 * (world - 1) * nbytes // world
-        assert ar["wire_bytes"] == comms.wire_bytes("all_reduce", nbytes, world)
+        assert ar["wire_bytes"] == collectives.wire_bytes("all_reduce", nbytes, world)
         rs = out["reduce_scatter_stats"]["dp"]
         assert rs["calls"] == world - 1
-        assert rs["wire_bytes"] == comms.wire_bytes("reduce_scatter", nbytes, world)
+        assert rs["wire_bytes"] == collectives.wire_bytes("reduce_scatter", nbytes, world)
         ag = out["all_gather_stats"]["dp"]
         assert ag["calls"] == world - 1
-        assert ag["wire_bytes"] == comms.wire_bytes("all_gather", world * 5 * 4, world)
+        assert ag["wire_bytes"] == collectives.wire_bytes("all_gather", world * 5 * 4, world)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import EQUIVALENCE, tiny_config
 
-from fivefold.testing import run_workers
-from fivefold.train.safe_load import SafeLoadPlanner, UnsafeCheckpointError
+from fivefold.checkpoint.safe_load import SafeLoadPlanner, UnsafeCheckpointError
+from fivefold.parallel.forked_ranks import run_workers
 
 
 class _Payload:
@@ -23,8 +23,8 @@ class _Payload:
 
 
 def _train_checked(rank, world, cfg):
+    from fivefold.parallel.derive import derive
     from fivefold.train.loop import train
-    from fivefold.validate import derive
 
     return train(cfg, derive(cfg, world), progress=False).losses
 
@@ -38,7 +38,7 @@ def _train(rank, world, cfg):
 def test_tampered_metadata_is_refused_and_runs_nothing(tmp_path):
     args = (*EQUIVALENCE, "--train.steps=2", "--checkpoint.every=1")
     run_workers(_train, 1, tiny_config(tmp_path, *args))
-    from fivefold.train.checkpoint import latest_checkpoint
+    from fivefold.checkpoint.run_state import latest_checkpoint
 
     metadata = latest_checkpoint(tmp_path / "tiny") / ".metadata"
     marker = tmp_path / "payload-ran"
@@ -70,12 +70,12 @@ def test_another_model_shape_or_a_corrupt_checkpoint_is_named(tmp_path):
                        match=r"model.tok_embeddings.weight: checkpoint \(320, 64\), this model \(320, 128\)"):
         run_workers(_train, 1, tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true",
                                            "--model.dim=128"))
-    from fivefold.train.checkpoint import latest_checkpoint
+    from fivefold.checkpoint.run_state import latest_checkpoint
 
     data = latest_checkpoint(tmp_path / "tiny") / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     resume = tiny_config(tmp_path, *args, "--train.steps=2", "--checkpoint.resume=true")
-    # Named by the preflight, from the file sizes its index gives (train/checkpoint_files.py) ...
+    # Named by the preflight, from the file sizes its index gives (checkpoint/files.py) ...
     with pytest.raises(Exception, match=r"__0_0.distcp: [\d,]+ bytes where its index needs [\d,]+ \(truncated\)"):
         run_workers(_train, 1, resume)
     # ... and inside the ranks when a job skips it (a caller that checked the config itself).

@@ -9,13 +9,13 @@ import pytest
 import torch
 from helpers import ROOT, tiny_config, train_and_gather
 
+from fivefold.checkpoint.run_dir import latest_checkpoint
 from fivefold.cli import main
 from fivefold.config import ModelConfig
 from fivefold.data.tokenizer import ByteTokenizer
-from fivefold.model import Transformer
-from fivefold.sample import SampleError, complete, generate, load_model, resolve_source
-from fivefold.testing import run_workers
-from fivefold.train.run_dir import latest_checkpoint
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.sample.generate import SampleError, complete, generate, load_model, resolve_source
 
 SPECIAL_EOS = "<|end|>"  # not one of tokenizer.EOD_NAMES: found only through tokenizer_config.json
 

@@ -1,4 +1,4 @@
-"""Tests for pipeline schedules (fivefold.parallel.schedules) and their pictures.
+"""Tests for pipeline schedules (fivefold.parallel.pipeline.schedules) and their pictures.
 
 Pure Python apart from the optional PyTorch oracle, which only builds
 PyTorch's schedule objects (no process group, no tensors)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.parallel.schedules import (
+from fivefold.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
     Schedule,
@@ -24,7 +24,7 @@ from fivefold.parallel.schedules import (
     zero_bubble_h1,
     zero_bubble_v,
 )
-from fivefold.parallel.simulate import Costs, DeadlockError, simulate
+from fivefold.parallel.pipeline.simulate import Costs, DeadlockError, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,7 +238,7 @@ def test_costs_split_backward():
 
 
 def test_schedules_module_does_not_import_torch():
-    code = "import sys, fivefold.parallel.schedules; print('torch' in sys.modules)"
+    code = "import sys, fivefold.parallel.pipeline.schedules; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -4,12 +4,12 @@ import pytest
 import torch
 from helpers import EQUIVALENCE, parallelized, tiny_config
 
+from fivefold.checkpoint.safetensors_io import SafetensorsDir
+from fivefold.checkpoint.seed import write_seed_checkpoint
+from fivefold.checkpoint.weights import check_init_from, load_weights
 from fivefold.cli import main
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.loop import build_model
-from fivefold.train.safetensors_io import SafetensorsDir
-from fivefold.train.seed import write_seed_checkpoint
-from fivefold.train.weights import check_init_from, load_weights
 from fivefold.validate import validate
 
 # MoE with the routing-bias buffer (absent from seed files: it keeps its zeros); TIED: the head

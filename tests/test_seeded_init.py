@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fivefold import seeded_init
 from fivefold.config import load_config
-from fivefold.seeded_init import block_seed, init_box, init_std
+from fivefold.model import seeded_init
+from fivefold.model.seeded_init import block_seed, init_box, init_std
 
 CFG = load_config(None, ["--model.preset=debug"]).model
 

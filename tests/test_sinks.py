@@ -292,7 +292,7 @@ def test_a_training_run_writes_its_steps_and_events_to_every_sink(tmp_path):
     from helpers import tiny_config
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fivefold.testing import run_workers
+    from fivefold.parallel.forked_ranks import run_workers
 
     args = ("--run.sinks=['jsonl', 'tensorboard']", "--train.steps=4", "--checkpoint.every=2",
             "--data.max_bytes=4000", "--data.val_fraction=0", "--parallel.tp=2")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fivefold.attention import rope_cos_sin
 from fivefold.config import ModelConfig
-from fivefold.model import Transformer
-from fivefold.parallel.split_backward import SplitBackward
+from fivefold.model.attention import rope_cos_sin
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.pipeline.split_backward import SplitBackward
 
 
 class _CountMatmuls(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""The pipeline's stage split (parallel/stage_split.py): given, even, or balanced by the planner's
+"""The pipeline's stage split (parallel/pipeline/stage_split.py): given, even, or balanced by the planner's
 costs; and the planner, the runtime and the dry run holding the same blocks."""
 
 import itertools
@@ -10,13 +10,16 @@ import torch.distributed as dist
 from helpers import tiny_config
 
 from fivefold.config import load_config
-from fivefold.mesh import Mesh
-from fivefold.parallel.stage_split import PartCosts, balance, part_costs, split_note, stage_split
-from fivefold.planner.counts import model_counts
+from fivefold.model.counts import model_counts
+from fivefold.parallel.derive import derive
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.pipeline.stage_split import PartCosts, balance, part_costs, split_note, stage_split
 from fivefold.planner.layout import rank_shares, stage_sizes
 from fivefold.train.dry_run import dry_run, format_report
 from fivefold.train.loop import parallel_model
-from fivefold.validate import derive, validate
+
+# tiny (8 layers) as interleaved 1F1B over 2 ranks x 3 virtual stages: 6 stages, 8 does not divide by 6
+from fivefold.validate import validate
 
 # tiny (8 layers) as interleaved 1F1B over 2 ranks x 3 virtual stages: 6 stages, 8 does not divide by 6
 UNEVEN_TINY = ("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b", "--parallel.virtual_stages=3")

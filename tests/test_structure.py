@@ -102,12 +102,12 @@ def test_every_benchmark_imports():
 
 
 @pytest.mark.parametrize("module,entry", [
-    ("fivefold.parallel.pipeline", "apply_pipeline_parallel"),
+    ("fivefold.parallel.pipeline.stages", "apply_pipeline_parallel"),
     ("fivefold.parallel.tensor", "apply_tensor_parallel"),
     ("fivefold.parallel.expert", "apply_expert_parallel"),
     ("fivefold.parallel.context", "apply_context_parallel"),
     ("fivefold.parallel.recompute", "apply_recompute"),
-    ("fivefold.parallel.data_parallel", "apply_data_parallel"),
+    ("fivefold.parallel.data", "apply_data_parallel"),
 ])
 def test_every_dimension_has_the_same_entry_shape(module, entry):
     import importlib

@@ -4,8 +4,9 @@ import pytest
 import torch
 from helpers import EQUIVALENCE, TIED_ARGS, assert_reproduces, parallelized, tiny_config, train_and_gather
 
-from fivefold.mesh import Mesh
-from fivefold.model import cross_entropy_sum
+from fivefold.model.transformer import cross_entropy_sum
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -13,7 +14,6 @@ from fivefold.parallel.tensor import (
     enter_tensor_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from fivefold.testing import run_workers
 
 
 def _mesh(tp):
@@ -76,9 +76,9 @@ def _latent_attention_model(rank, world, cfg, sp):
     """A dense 2-block latent-attention model under tp (and sp) against the same model whole: logits,
     and every gradient (replicated ones whole on each rank, split ones as this rank's slice)."""
     from fivefold.config import replace
+    from fivefold.parallel.derive import derive
     from fivefold.parallel.tensor import apply_tensor_parallel
     from fivefold.train.loop import build_model
-    from fivefold.validate import derive
 
     cfg = replace(cfg, parallel={"tp": world, "sp": sp, "dp": 1})
     derived = derive(cfg, world)
@@ -177,7 +177,7 @@ def test_latent_attention_and_group_routing_reproduce_single_process(tmp_path, m
 def test_tensor_parallel_resume_is_exact(tmp_path, world, zero):
     import shutil
 
-    from fivefold.train.checkpoint import complete_checkpoints
+    from fivefold.checkpoint.run_state import complete_checkpoints
 
     args = (*EQUIVALENCE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2", "--parallel.tp=2",
             f"--parallel.zero={zero}", "--train.micro_batch=2")
@@ -189,7 +189,7 @@ def test_tensor_parallel_resume_is_exact(tmp_path, world, zero):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_traffic_matches_the_theory(tmp_path, sp):
-    from fivefold.parallel.comms import wire_bytes
+    from fivefold.parallel.comm.collectives import wire_bytes
     from fivefold.train.metrics import read_metrics
 
     n, L, B, T, d = 2, 8, 8, 32, 64

@@ -7,9 +7,10 @@ import torch
 from helpers import tiny_config
 
 from fivefold.config import TrainConfig
-from fivefold.testing import run_workers
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm
 from fivefold.train.loop import build_model, train
-from fivefold.train.optim import build_optimizer, clip_grad_norm, lr_at
+from fivefold.train.lr_schedule import lr_at
 
 
 def test_no_weight_decay_on_norms_and_biases(tmp_path):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fivefold.data.batches import GlobalBatches, LoaderState
 from fivefold.data.tokens import PackedDataset
-from fivefold.train.data import GlobalBatches, LoaderState
 
 
 class MixtureDataset:

@@ -55,7 +55,7 @@ def cache_folder(cfg: Config) -> Path:
 
 
 def order_folder(cfg: Config) -> Path:
-    """Where the per-epoch sample orders are kept (train/data.py epoch_order), shared by runs."""
+    """Where the per-epoch sample orders are kept (data/batches.py epoch_order), shared by runs."""
     return (Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run.out_dir) / ".prepared") / "orders"
 
 

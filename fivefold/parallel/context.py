@@ -30,12 +30,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.attention import causal_attention
 from fivefold.config import Config
-from fivefold.mesh import Mesh
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
-from fivefold.validate import Derived
+from fivefold.model.attention import causal_attention
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.mesh import Mesh
 
 LAYOUTS = ("zigzag", "contiguous")
 METHODS = {"ring": "zigzag", "ulysses": "contiguous"}  # cp method -> the token layout it uses
@@ -82,7 +82,7 @@ def attention_work(seq_len: int, cp: int, layout: str) -> list[int]:
 # ---- ring attention ----
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> comms.Pending | None:
+def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> collectives.Pending | None:
     """Post: send `send` to the next rank, receive `recv` from the previous one; wait() on the result.
 
     A group of size 1 is its own neighbour: copy, nothing to wait for.
@@ -91,10 +91,10 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int
         recv.copy_(send)
         return None
     n, r = group.size, group.rank
-    return comms.exchange(send, recv, (r + 1) % n, (r - 1) % n, group, "ring hop", tag)
+    return collectives.exchange(send, recv, (r + 1) % n, (r - 1) % n, group, "ring hop", tag)
 
 
-def _wait(hop: comms.Pending | None) -> None:
+def _wait(hop: collectives.Pending | None) -> None:
     if hop is not None:
         hop.wait()
 
@@ -255,7 +255,7 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, split: int, cat: int) -> torc
     (in source-rank order). Its gradient is the inverse all-to-all: the same with the dims swapped."""
     ones = [1] * group.size
     send = torch.stack(x.chunk(group.size, dim=split))  # (cp, ...): part j for rank j
-    return torch.cat(comms.all_to_all_rows(send, group, ones, ones).unbind(0), dim=cat)
+    return torch.cat(collectives.all_to_all_rows(send, group, ones, ones).unbind(0), dim=cat)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup) -> torch.Tensor:

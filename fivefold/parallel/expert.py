@@ -5,7 +5,7 @@ ep ranks of one group hold experts [r E/ep, (r+1) E/ep) each, and see different 
 data- or context-parallel ranks). Everything else (attention, router, shared experts, the routing
 bias) stays replicated.
 
-Groups: the mesh's "ep" view (mesh.py carves it out of the grad view, dp_replicate x dp_shard x
+Groups: the mesh's "ep" view (parallel/mesh.py carves it out of the grad view, dp_replicate x dp_shard x
 cp): the ep ranks of one group hold different experts and see different tokens. The grad ranks
 with the same ep rank hold the same experts; they form the "expert_dp" view ("expert data
 parallel", size dp x cp / ep, charged to "dp"). An expert's gradient already holds every token of
@@ -31,7 +31,7 @@ loss are summed over tp as over cp (the tp ranks hold other tokens of the same s
 
 Load balancing (the routing bias update, the balance loss's scale, the routing statistics) is a
 training concern: train/moe_balance.py (with sp it sums the counts over tp too). Capacity dropping
-(GShard, Switch) and the balance loss itself live in the model (fivefold/model.py).
+(GShard, Switch) and the balance loss itself live in the model (fivefold/model/transformer.py).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.mesh import Mesh
-from fivefold.model import GroupedExperts, MoE, sort_by_expert
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
-from fivefold.validate import Derived
+from fivefold.model.transformer import GroupedExperts, MoE, sort_by_expert
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.mesh import Mesh
 
 
 # ---- dispatch -----------------------------------------------------------------------------------
@@ -71,13 +71,13 @@ class ExpertParallelDispatch:
 
         # 1. Counts first: received[s, e] = rows source rank s sends to local expert e.
         received = torch.empty_like(counts)  # (ep E/ep,)
-        comms.all_to_all(received, counts, self.group, [n_local] * ep, [n_local] * ep)
+        collectives.all_to_all(received, counts, self.group, [n_local] * ep, [n_local] * ep)
         received = received.view(ep, n_local)  # (ep, E/ep)
         in_splits = counts.view(ep, n_local).sum(1).tolist()  # rows to each rank
         out_splits = received.sum(1).tolist()  # rows from each rank
 
         # 2. Dispatch: rows arrive source-major, (s, e) segments in that order.
-        rows = comms.all_to_all_rows(x[token_of_copy], self.group, out_splits, in_splits)  # (R, dim)
+        rows = collectives.all_to_all_rows(x[token_of_copy], self.group, out_splits, in_splits)  # (R, dim)
 
         # 3. Regroup expert-major: stable sort of the rows by (expert, source).
         segment = torch.arange(ep * n_local, device=x.device).repeat_interleave(received.reshape(-1))  # (R,) s E/ep + e
@@ -86,7 +86,7 @@ class ExpertParallelDispatch:
         y = torch.empty_like(y).index_copy(0, regroup, y)  # back to source-major
 
         # 4. Combine: every row returns to the rank and slot it came from.
-        y = comms.all_to_all_rows(y, self.group, in_splits, out_splits)  # (M, dim), in `order`
+        y = collectives.all_to_all_rows(y, self.group, in_splits, out_splits)  # (M, dim), in `order`
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return y.new_zeros(x.shape).index_add_(0, token_of_copy, y)  # (N, dim)
 
@@ -114,7 +114,7 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
 def _summed_over(groups: list[AxisGroup]):
     def reduce(t: torch.Tensor) -> torch.Tensor:
         for group in groups:
-            comms.all_reduce(t, group)
+            collectives.all_reduce(t, group)
         return t
     return reduce
 
@@ -143,7 +143,7 @@ class ExpertParallel:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,): the same sums, one collective
-        comms.all_reduce(flat, self.token_group)
+        collectives.all_reduce(flat, self.token_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
 

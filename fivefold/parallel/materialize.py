@@ -6,7 +6,7 @@ the rest. Only then does a rank allocate, and only what it holds: data parallel 
 every remaining meta parameter a tensor on the rank's device, and ZeRO-3 (fsdp.py) makes its
 parameters placeholders without storage (their values live in the shards). The values come next,
 from one source, written through the layout's own state dict (train/loop.py): the seeded
-initialisation (seeded_init.py), `checkpoint.init_from` weights, or a checkpoint being resumed.
+initialisation (model/seeded_init.py), `checkpoint.init_from` weights, or a checkpoint being resumed.
 A model already holding real tensors (tests, the benchmarks' peers) is left as it is.
 """
 

@@ -25,21 +25,21 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
-from fivefold.mesh import Mesh
-from fivefold.model import Transformer
-from fivefold.parallel.comms import AxisGroup
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
-from fivefold.parallel.data_parallel import apply_data_parallel
-from fivefold.parallel.ddp import DataParallel
+from fivefold.parallel.data import apply_data_parallel
+from fivefold.parallel.data.ddp import DataParallel
+from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
-from fivefold.parallel.pipeline import PipelineExecutor, apply_pipeline_parallel
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, init_optimizer_state, set_lr
+from fivefold.parallel.pipeline.executor import PipelineExecutor
+from fivefold.parallel.pipeline.stages import apply_pipeline_parallel
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.state_dict import is_expert_parameter
 from fivefold.parallel.state_memory import ModelStateMeter
 from fivefold.parallel.tensor import apply_tensor_parallel
-from fivefold.train.optim import build_optimizer, clip_grad_norm, init_optimizer_state, set_lr
-from fivefold.train.precision import compute_dtype
-from fivefold.validate import Derived
 
 
 class LossScale(Protocol):
@@ -188,6 +188,5 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     memory = ModelStateMeter(dp.params, optimizer)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,
-                                after_backward=memory.sample,
-                                act_dtype=compute_dtype(cfg.train, mesh.device_type))  # what travels between stages
+                                after_backward=memory.sample)
     return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory)

@@ -20,10 +20,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fivefold.config import Config
-from fivefold.mesh import Mesh
-from fivefold.model import Transformer
-from fivefold.parallel.timing import StepTimer
-from fivefold.validate import Derived
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.comm.timing import StepTimer
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.mesh import Mesh
 
 
 def _recomputed(timer: StepTimer, fn, *args):

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fivefold.mesh import Mesh
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.mesh import Mesh
 
 # Flattened: every entry keyed by parameter name ("state.layers.0...exp_avg"), so ranks that hold
 # different parameters (pipeline stages) never write the same key with other values.
@@ -135,7 +135,7 @@ def load_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, st
 def _gather_along(local: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
     local = local.movedim(dim, 0).contiguous()  # the flat all-gather concatenates dim 0
     full = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
-    comms.all_gather(full, local, group)
+    collectives.all_gather(full, local, group)
     return full.movedim(0, dim)
 
 

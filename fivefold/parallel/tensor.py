@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.attention import LatentAttention
 from fivefold.config import Config
-from fivefold.mesh import Mesh
-from fivefold.model import FeedForward, Transformer
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
+from fivefold.model.attention import LatentAttention
+from fivefold.model.transformer import FeedForward, Transformer
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.derive import Derived
 from fivefold.parallel.materialize import materialize_parameter
-from fivefold.validate import Derived
+from fivefold.parallel.mesh import Mesh
 
 
 def _shard(weight: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
@@ -52,8 +52,8 @@ def enter_tensor_parallel_region(x: torch.Tensor, group: AxisGroup, sequence_par
     """Where a region of column-parallel layers begins: with sp, gather the sequence shards
     (B, T/tp, d) -> (B, T, d); without, x is already whole and only its gradient needs a sum."""
     if sequence_parallel:
-        return comms.gather_from_sequence_parallel_region(x, group)
-    return comms.copy_to_tensor_parallel_region(x, group)
+        return collectives.gather_from_sequence_parallel_region(x, group)
+    return collectives.copy_to_tensor_parallel_region(x, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -86,8 +86,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
         if self.sp:
-            return comms.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
-        return comms.reduce_from_tensor_parallel_region(partial, self.group)
+            return collectives.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
+        return collectives.reduce_from_tensor_parallel_region(partial, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -105,8 +105,8 @@ class VocabParallelEmbedding(nn.Module):
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sp:
-            return comms.reduce_scatter_to_sequence_parallel_region(h, self.group)  # (B, T/tp, dim)
-        return comms.reduce_from_tensor_parallel_region(h, self.group)
+            return collectives.reduce_scatter_to_sequence_parallel_region(h, self.group)  # (B, T/tp, dim)
+        return collectives.reduce_from_tensor_parallel_region(h, self.group)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -125,17 +125,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if vocab_limit < start + v_local:  # padding ids (tp-divisible vocabulary) take no probability
             z = z.masked_fill(torch.arange(start, start + v_local, device=z.device) >= vocab_limit, float("-inf"))
         zmax = z.max(dim=-1).values  # (B, T)
-        comms.all_reduce(zmax, group, op=torch.distributed.ReduceOp.MAX)
+        collectives.all_reduce(zmax, group, op=torch.distributed.ReduceOp.MAX)
         z = z - zmax.unsqueeze(-1)
         exp = z.exp()  # (B, T, V/tp)
         sum_exp = exp.sum(dim=-1)  # (B, T)
-        comms.all_reduce(sum_exp, group)
+        collectives.all_reduce(sum_exp, group)
         valid = targets != -100
         local_t = targets - start
         mine = valid & (local_t >= 0) & (local_t < v_local)
         idx = local_t.masked_fill(~mine, 0)
         target_logit = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # (B, T)
-        comms.all_reduce(target_logit, group)
+        collectives.all_reduce(target_logit, group)
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
         ctx.save_for_backward(exp, sum_exp, idx, mine, valid)
         ctx.dtype = logits.dtype
@@ -253,5 +253,5 @@ def _enter_heads(*latents: torch.Tensor, group: AxisGroup, sequence_parallel: bo
 
 def _summed_over(grad: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     grad = grad.clone()
-    comms.all_reduce(grad, group)
+    collectives.all_reduce(grad, group)
     return grad

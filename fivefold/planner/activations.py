@@ -1,6 +1,6 @@
 """Activation memory of one transformer block: the bytes autograd keeps for backward.
 
-Derived for fivefold's own block (model.py: RMSNorm, grouped-query attention with RoPE and the
+Derived for fivefold's own block (model/transformer.py: RMSNorm, grouped-query attention with RoPE and the
 fused (flash) attention kernel, SwiGLU) by listing what each operation saves, following the method
 of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), whose
 paper counts Megatron's GPT block instead. Per token, in elements, with d = dim, dq = H x head_dim,
@@ -27,7 +27,7 @@ dk = K x head_dim, f = ffn width, t = tp:
                                                                  2E + 4 + k (4h + 3d) + 4 n_shared h
     (measured on tiny-moe, tp 1 and 2, with and without sp: within 1%)
 
-Multi-head latent attention (attention.py LatentAttention; DeepSeek-V2 sec. 2.1), listed the same
+Multi-head latent attention (model/attention.py LatentAttention; DeepSeek-V2 sec. 2.1), listed the same
 way, with rq/rkv the query/key-value latents, R the shared RoPE width, n/v the per-head widths
 without RoPE and of values:
   down-projections (replicated; T/tp tokens with sp, where they read the local norm output, so

@@ -115,7 +115,7 @@ def _largest_layer(args: argparse.Namespace, rest: list[str]) -> float:
     or the head, unsplit: layout.rank_shares' units), or none."""
     if args.largest_layer is not None or not args.model:
         return args.largest_layer or 0.0
-    from fivefold.planner.counts import model_counts
+    from fivefold.model.counts import model_counts
     from fivefold.planner.request import read_request
 
     m = read_request(args, rest, batch_default=False).cfg.model
@@ -336,8 +336,8 @@ def _plan(args: argparse.Namespace, rest: list[str], hw, b: BytesPerParam) -> in
 
 def _measured(args: argparse.Namespace, cfg, causal: str, hw) -> int:
     """A measured run restated (flops.measured): no layout, no search."""
+    from fivefold.parallel.derive import padded_vocab
     from fivefold.planner.flops import convention_row, measured, parse_token_budget, step_flops, utilization_row
-    from fivefold.validate import padded_vocab
 
     budget = parse_token_budget(args.token_budget) if args.token_budget else None
     f = step_flops(cfg, padded_vocab(cfg), causal)

@@ -9,10 +9,10 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   gradients + all-gather of the weights (same bytes as DDP); ZeRO-2: a reduce-scatter on every
   micro-batch + the all-gather; ZeRO-3: two all-gathers of the weights and one reduce-scatter of
   the gradients per micro-batch (3 x params: 1.5x DDP's 2 x params at M = 1), the head's unit
-  gathered once without a pipeline (kept for its backward: parallel/fsdp.py). A ZeRO shard is
+  gathered once without a pipeline (kept for its backward: parallel/data/fsdp.py). A ZeRO shard is
   held by every rank of its dp_replicate group (HSDP) and of its cp group: once a step the
   reduced shard (G / dp_shard, the micro-batches' sum) is all-reduced over each of those groups in
-  turn, on their own links, bucket by bucket behind the backward (parallel/zero.py; replica_traffic).
+  turn, on their own links, bucket by bucket behind the backward (parallel/data/zero.py; replica_traffic).
 - tp (Megatron-LM, Shoeybi et al. 2019; Korthikanti et al. 2022 for sp): per block and micro-batch,
   two all-reduces in forward (attention, MLP; an MoE block's experts are not tp-split: attention
   only) and two in backward, each of the (b, s/cp, d) activation: 8 b s d (t-1)/t element-bytes
@@ -47,14 +47,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivefold.config import Config
-from fivefold.parallel.wire import wire_bytes
-from fivefold.planner.counts import ModelCounts, block_params
-from fivefold.planner.datasheet import GB, Hardware
+from fivefold.model.counts import ModelCounts, block_params
+from fivefold.parallel.comm.wire import wire_bytes
+from fivefold.parallel.derive import Derived
 from fivefold.planner.layout import RankShare, axis_spans_nodes
+from fivefold.planner.machine.datasheet import GB, Hardware
+from fivefold.planner.machine.pricing import ChunkWork, Row
 from fivefold.planner.memory import FP8_BYTES, expert_imbalance
 from fivefold.planner.options import PlanOptions
-from fivefold.planner.pricing import ChunkWork, Row
-from fivefold.validate import Derived
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 LOSS_ALL_REDUCES = 3  # per micro-batch, inside parallel/tensor.py's VocabParallelCrossEntropy
@@ -120,7 +120,7 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
     added to `into` if given. ZeRO-2 reduce-scatters on every backward of each chunk (B or W);
     ZeRO-3 resharding gathers for every forward and backward, but `kept_bytes` of the weights (the
     head's unit without a pipeline: RankShare.kept_unit) only for the forward; kept gathered once
-    per step (parallel/fsdp.py)."""
+    per step (parallel/data/fsdp.py)."""
     t = into if into is not None else AxisTraffic()
     if zero == 0:
         t.add("all_reduce", grad_bytes, n)
@@ -140,7 +140,7 @@ def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: 
 def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: float) -> dict[str, AxisTraffic]:
     """The all-reduces of one rank's reduced dense gradient shard (`shard_grad_bytes`) over the ranks
     that hold the same ZeRO shard, by group: dp_replicate (HSDP) and cp, one after the other, once a
-    step at every ZeRO stage (parallel/zero.py: the last micro-batch's rows join the earlier ones'
+    step at every ZeRO stage (parallel/data/zero.py: the last micro-batch's rows join the earlier ones'
     first). Each timed on its group's link."""
     p = cfg.parallel
     if p.zero == 0:  # DDP all-reduces over the whole grad view (dp x cp) already
@@ -218,7 +218,7 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     micro, n_shard, grad_ranks = d.grad_accum, d.dp_shard, d.dp * p.cp
     block_b = FP8_BYTES if options.fp8 == "weights" else param_b
     # Dense gradients over the grad view (ZeRO: shards over dp_shard); routed experts (ep > 1) over
-    # the ranks holding the same experts, expert_dp, where ZeRO shards them too (parallel/zero.py).
+    # the ranks holding the same experts, expert_dp, where ZeRO shards them too (parallel/data/zero.py).
     expert = share.expert_params if p.ep > 1 else 0
     dense = share.params - expert
     dense_weights = (dense - share.vocab_params) * block_b + share.vocab_params * param_b

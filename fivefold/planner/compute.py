@@ -14,11 +14,11 @@ into seconds (datasheet.ComputePricer).
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.planner.counts import ModelCounts, attention_head_dims, block_forward_flops, head_forward_flops
+from fivefold.model.counts import ModelCounts, attention_head_dims, block_forward_flops, head_forward_flops
+from fivefold.parallel.derive import Derived
 from fivefold.planner.layout import RankShare
+from fivefold.planner.machine.pricing import ChunkWork
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.pricing import ChunkWork
-from fivefold.validate import Derived
 
 
 def chunks_per_rank(cfg: Config) -> int:

@@ -43,18 +43,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fivefold.config import Config
-from fivefold.parallel.stage_split import is_automatic_and_uneven, split_note
+from fivefold.model.counts import ModelCounts, model_counts
+from fivefold.parallel.derive import derive
+from fivefold.parallel.pipeline.stage_split import is_automatic_and_uneven, split_note
 from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, heaviest_senders, step_traffic
 from fivefold.planner.compute import busiest_chunk
-from fivefold.planner.counts import ModelCounts, model_counts
-from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
 from fivefold.planner.layout import rank_shares, stage_sizes
+from fivefold.planner.machine.datasheet import GB, Hardware
+from fivefold.planner.machine.pricing import HostWork, Memo, Row
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.offload import check_offload, offload_step
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.overlap import Hidden, ep_hidden, tp_hidden, zero3_hidden, zero3_units
-from fivefold.planner.pricing import HostWork, Memo, Row
 from fivefold.planner.terms import (
     BucketOverlap,
     bucket_reduce_s,
@@ -64,7 +65,6 @@ from fivefold.planner.terms import (
     rank_memory,
     step_sync,
 )
-from fivefold.validate import derive
 
 __all__ = ["MEMORY_KEYS", "BucketOverlap", "Estimate", "bucket_reduce_s", "estimate"]
 
@@ -181,7 +181,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     flops = step_flops(cfg, d.vocab_size, options.causal_flops)
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
     stages = [("pipeline stages", split_note(cfg, tuple(sizes)).partition(": ")[2],
-               "parallel/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
+               "parallel/pipeline/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
     explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *sent_rows, *host.explain, *path.explain,
                *pipe.explain, *dp.explain, *(h.row for h in overlaps.values()), *opt.explain, *sync.explain,
                *mem.explain, _step_row(step_terms, step), convention_row(flops),
@@ -197,7 +197,7 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
 
 def _params_row(counts: ModelCounts) -> Row:
     return ("params", f"{counts.total:,} ({counts.total / 1e9:.2f}B), experts {counts.expert_total:,}",
-            "counts.model_counts: model.py layer by layer (checked on the meta device)")
+            "counts.model_counts: model/transformer.py layer by layer (checked on the meta device)")
 
 
 def _step_row(terms: dict[str, float], step: float) -> Row:

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fivefold.config import Config
-from fivefold.planner.counts import flops_per_token, recompute_flops_per_token
-from fivefold.planner.options import CausalFlops
-from fivefold.planner.pricing import Row
+from fivefold.model.counts import CausalFlops, flops_per_token, recompute_flops_per_token
+from fivefold.planner.machine.pricing import Row
 
 _SOURCES = {"full": "causal attention counted in full, as PaLM (Chowdhery et al. 2022, App. B) and Megatron-LM "
                     "(Narayanan et al. 2021) count it",
@@ -62,7 +61,7 @@ class StepFlops:
 
 def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full") -> StepFlops:
     """The FLOPs of one step of `cfg` (its model, seq_len, global_batch and recompute) with the
-    padded vocabulary `vocab_size` (validate.padded_vocab)."""
+    padded vocabulary `vocab_size` (parallel/derive.py: padded_vocab)."""
     m, t = cfg.model, cfg.train
     f = flops_per_token(m, t.seq_len, vocab_size, causal)
     extra = recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal)

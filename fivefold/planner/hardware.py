@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fivefold.planner.calibration.pricer import MeasuredPricer
 from fivefold.planner.calibration.profile import MEASURED_FIELDS, MeasuredProfile
-from fivefold.planner.datasheet import ALIASES, ASSUMED, CATALOG, GB, TERA, Hardware, get_hardware
+from fivefold.planner.machine.datasheet import ALIASES, ASSUMED, CATALOG, GB, TERA, Hardware, get_hardware
 
 __all__ = ["ALIASES", "CATALOG", "GB", "TERA", "Hardware", "get_hardware", "load_profile", "profile_toml"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import Config
-from fivefold.parallel.stage_split import split_of_counts
-from fivefold.planner.counts import ModelCounts, block_rank_params
+from fivefold.model.counts import ModelCounts, block_rank_params
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.pipeline.stage_split import split_of_counts
 from fivefold.planner.options import DEFAULT, OPTION_KEYS, PlanOptions, parse_option
-from fivefold.validate import Derived
 
 # --layout keys -> config keys (everything else is refused with the list of valid keys)
 LAYOUT_KEYS = {
@@ -52,7 +52,7 @@ def layout_overrides(text: str) -> list[str]:
 
 
 def stage_sizes(cfg: Config, counts: ModelCounts) -> list[int]:
-    """Blocks in each (virtual) stage, in model order: the runtime's split (parallel/stage_split.py)."""
+    """Blocks in each (virtual) stage, in model order: the runtime's split (parallel/pipeline/stage_split.py)."""
     return list(split_of_counts(cfg, counts))
 
 
@@ -78,10 +78,10 @@ class RankShare:
     largest_unit: int  # ZeRO-3 gathers a unit (one block, the embedding or the head) at a time
     vocab_params: int = 0  # the embedding's and head's part of `params` (FP8 recipes keep them in bf16)
     # Sides of stage boundaries between this rank's stages and another rank's; a V schedule's turn
-    # (its last rank's two stages) is handed over in memory (parallel/pipeline_p2p.py).
+    # (its last rank's two stages) is handed over in memory (parallel/pipeline/p2p.py).
     wire_boundaries: int = 0
     # ZeRO-3 resharding keeps the head's unit gathered from its forward to its backward when no
-    # pipeline runs anything between them (parallel/fsdp.py): its parameters (a tied embedding on
+    # pipeline runs anything between them (parallel/data/fsdp.py): its parameters (a tied embedding on
     # this rank shares the unit) and their vocabulary part; 0 on other ranks and with pp > 1.
     kept_unit: int = 0
     kept_vocab: int = 0
@@ -125,7 +125,7 @@ def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None
 def axis_spans_nodes(cfg: Config, d: Derived, gpus_per_node: int, axis: str) -> bool:
     """Whether a group of `axis` crosses a node boundary.
 
-    Ranks are laid out as the mesh lays them (fivefold/mesh.py), outermost first
+    Ranks are laid out as the mesh lays them (fivefold/parallel/mesh.py), outermost first
     (pp, dp_replicate, dp_shard, cp, tp): a group of axis X is `size` ranks `stride` apart, where
     stride is the product of the degrees inside X. It stays in a node when size x stride ranks fit
     in one (and nodes hold a multiple of that). The "dp" axis means the gradient view dp x cp,

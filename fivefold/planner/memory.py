@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import Config
+from fivefold.parallel.derive import Derived, reshard_after_forward
 from fivefold.planner.activations import (
     block_activation_bytes,
     fp8_matmul_input_elements,
@@ -40,7 +41,6 @@ from fivefold.planner.activations import (
 )
 from fivefold.planner.layout import RankShare
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.validate import Derived, reshard_after_forward
 
 # The gradient partition on the host is fp32: DeepSpeed's CPU Adam steps fp32 gradients, and its
 # estimator counts 16 bytes per offloaded parameter, 4 (gradient) + 12 (master and two moments)
@@ -120,7 +120,7 @@ def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, in
     """(parameters, ranks they are sharded over, in bf16 under FP8 weights) of one pipeline rank:
     its dense parameters over dp_shard (the embedding and head apart) and, with ZeRO and ep > 1,
     its experts over the ranks holding the same experts (expert_dp = dp x cp / ep), as
-    parallel/zero.py shards them."""
+    parallel/data/zero.py shards them."""
     p = cfg.parallel
     expert = share.expert_params if p.ep > 1 and p.zero else 0
     return [(share.params - expert - share.vocab_params, d.dp_shard, False), (share.vocab_params, d.dp_shard, True),
@@ -186,7 +186,7 @@ def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int
     """Communication staging (order of magnitude, not a byte count):
 
     dp: two gradient buckets in flight (parallel.bucket_mb each: one reducing while the next
-    fills, data.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and
+    fills, parallel/data/ddp.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and
     prefetched, fsdp.py), or kept gathered (the default with pipelines) the rank's whole stages and
     their unsharded gradients during the step;
     pp: one activation sent and one received per micro-batch; tp with sp: one gathered input.

@@ -27,12 +27,12 @@ pins the offloaded partitions themselves.
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.planner.datasheet import GB, Hardware
+from fivefold.parallel.derive import Derived
 from fivefold.planner.layout import RankShare
+from fivefold.planner.machine.datasheet import GB, Hardware
+from fivefold.planner.machine.pricing import Priced
 from fivefold.planner.memory import FP8_BYTES, HOST_GRAD_BYTES, BytesPerParam, state_parts
 from fivefold.planner.options import PlanOptions
-from fivefold.planner.pricing import Priced
-from fivefold.validate import Derived
 
 SOURCE = "ZeRO-Offload (Ren et al. 2021); ZeRO-Infinity (Rajbhandari et al. 2021); offload.py"
 

@@ -9,7 +9,7 @@ choices a planner must still make are not in it:
   Megatron-LM, Narayanan et al. 2021, count it in full; the kernels skip the masked half either way,
   so the step time always prices the half they run);
 - overlap switches, each defaulting to what fivefold's runtime does (parallel/tensor.py's
-  collectives block the compute that needs them; parallel/fsdp.py issues the next unit's gather
+  collectives block the compute that needs them; parallel/data/fsdp.py issues the next unit's gather
   before the current unit computes; parallel/expert.py's all-to-alls wait; DDP's buckets reduce
   during backward unless `parallel.overlap_comm = false`, the one switch the config carries);
 - options fivefold's trainer does not have (optimizer and parameter offload to the host, FP8
@@ -26,10 +26,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from fivefold.model.counts import CausalFlops
+
 if TYPE_CHECKING:
     from fivefold.config import ParallelConfig
 
-CausalFlops = Literal["half", "full"]
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
 Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
 

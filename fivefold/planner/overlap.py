@@ -11,7 +11,7 @@ the runtime's behaviour, the traffic it governs and how much of it stays exposed
   stays exposed: per region and pass, max(comm / tp, comm - (tp-1)/tp x matmul) (decomposed_exposure).
   The embedding's forward all-reduce (a lookup: no matmul), the loss's three scalar all-reduces
   and sp's once-a-step MoE gradient sum have nothing to hide under and stay exposed.
-- zero3_prefetch (fivefold: on, parallel/fsdp.py issues the next unit's all-gather as the current
+- zero3_prefetch (fivefold: on, parallel/data/fsdp.py issues the next unit's all-gather as the current
   unit starts). Exposure is modelled unit by unit (prefetch_pass): per micro-batch and pass, the
   first unit's gather is exposed and each later one exposes what it exceeds the previous unit's
   compute; the backward's reduce-scatters share that one communication stream. Kept gathered
@@ -32,11 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import Config
+from fivefold.model.counts import ModelCounts, attention_params, block_forward_flops, head_forward_flops
+from fivefold.parallel.derive import Derived
 from fivefold.planner.comm import AxisTraffic, time_of
-from fivefold.planner.counts import ModelCounts, attention_params, block_forward_flops, head_forward_flops
-from fivefold.planner.datasheet import Hardware
-from fivefold.planner.pricing import ChunkPrice, ChunkWork, Row
-from fivefold.validate import Derived
+from fivefold.planner.machine.datasheet import Hardware
+from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Row
 
 SWITCHES = ("tp_overlap", "zero3_prefetch", "ep_overlap", "dp_overlap")
 # what fivefold's runtime does, in words, for each switch's row
@@ -44,9 +44,9 @@ RUNTIME = {"tp_overlap": "blocking", "zero3_prefetch": "prefetches the next unit
            "dp_overlap": "runs parallel.overlap_comm as set"}
 SOURCES = {
     "tp_overlap": "Wang et al. 2022 (decomposition); Megatron-LM / Transformer Engine userbuffers comm-GEMM overlap",
-    "zero3_prefetch": "parallel/fsdp.py (one unit ahead); Zhao et al. 2023, \"PyTorch FSDP\" (prefetch)",
+    "zero3_prefetch": "parallel/data/fsdp.py (one unit ahead); Zhao et al. 2023, \"PyTorch FSDP\" (prefetch)",
     "ep_overlap": "DeepSeek-V3 Technical Report (DeepSeek-AI 2024), sec. 3.2.1: DualPipe's overlapped chunk pairs",
-    "dp_overlap": "bucket overlap (Li et al. 2020, \"PyTorch Distributed\", sec. 3.2.3); parallel/ddp.py",
+    "dp_overlap": "bucket overlap (Li et al. 2020, \"PyTorch Distributed\", sec. 3.2.3); parallel/data/ddp.py",
 }
 
 
@@ -169,7 +169,7 @@ def ep_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPric
 
 
 def prefetch_pass(gathers: list[float], computes: list[float], reduces: list[float] | None = None) -> float:
-    """Exposed seconds of one pass over units run in this order, as parallel/fsdp.py runs them: a
+    """Exposed seconds of one pass over units run in this order, as parallel/data/fsdp.py runs them: a
     unit's gather is issued when the previous unit starts computing (the first one's when the pass
     starts) and waited for before the unit computes; a unit's reduce-scatter (backward) is issued
     when it has computed; one communication stream runs them first in, first out; with reduces the
@@ -255,7 +255,7 @@ def zero3_hidden(cfg: Config, d: Derived, units: list[Zero3Unit], forward_s: flo
     flops = sum(u.flops for u in units) or 1.0
     forward = [forward_s * u.flops / flops for u in units]
     backward = [backward_s * u.flops / flops for u in reversed(units)]
-    overlap_rs = p.overlap_comm  # without it the buckets reduce after the backward (parallel/ddp.py)
+    overlap_rs = p.overlap_comm  # without it the buckets reduce after the backward (parallel/data/ddp.py)
     after = 0.0 if overlap_rs else sum(reduces)
     rs = list(reversed(reduces)) if overlap_rs else None
     if reshard:

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fivefold.config import Config, ConfigError, parse_overrides, read_config, replace
-from fivefold.planner.datasheet import Hardware
+from fivefold.model.presets import PRETRAIN_SEQ_LEN
 from fivefold.planner.layout import split_layout
+from fivefold.planner.machine.datasheet import Hardware
+from fivefold.planner.machine.pricing import Memo, Row
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.pricing import Memo, Row
-from fivefold.presets import PRETRAIN_SEQ_LEN
 from fivefold.validate import validate
 
 if TYPE_CHECKING:  # estimate imports torch (through fivefold.parallel): `fivefold --help` should not wait for it

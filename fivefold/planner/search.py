@@ -25,11 +25,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from fivefold.config import Config, replace
-from fivefold.planner.datasheet import Hardware
 from fivefold.planner.estimate import Estimate, estimate
+from fivefold.planner.machine.datasheet import Hardware
+from fivefold.planner.machine.pricing import Memo
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.pricing import Memo
 from fivefold.validate import validate
 
 CONSIDER = ("offload", "fp8")  # what `consider` may name: options.py's options of other trainers

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.config import Config
-from fivefold.planner.datasheet import Hardware, get_hardware
 from fivefold.planner.estimate import Estimate, estimate
+from fivefold.planner.machine.datasheet import Hardware, get_hardware
 
 
 def activation_element_bytes(cfg: Config, device_type: str = "cpu") -> int:

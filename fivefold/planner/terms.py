@@ -17,11 +17,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.config import Config
-from fivefold.parallel.schedules import build_schedule
-from fivefold.parallel.simulate import Costs, SimResult, simulate
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.pipeline.schedules import build_schedule
+from fivefold.parallel.pipeline.simulate import Costs, SimResult, simulate
 from fivefold.planner.comm import AxisTraffic, link
-from fivefold.planner.datasheet import GB, Hardware
 from fivefold.planner.layout import RankShare
+from fivefold.planner.machine.datasheet import GB, Hardware
+from fivefold.planner.machine.pricing import ChunkWork, Memo, Priced, Row
+from fivefold.planner.machine.roofline import attention_forward_seconds
 from fivefold.planner.memory import (
     BytesPerParam,
     activation_bytes,
@@ -33,9 +36,6 @@ from fivefold.planner.memory import (
 from fivefold.planner.offload import SOURCE as OFFLOAD_SOURCE
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.overlap import Hidden, dp_hidden
-from fivefold.planner.pricing import ChunkWork, Memo, Priced, Row
-from fivefold.planner.roofline import attention_forward_seconds
-from fivefold.validate import Derived
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def pipeline(cfg: Config, d: Derived, chunks: int, f_cost: float, b_cost: float,
     sim = simulate_scaled(p.pp_schedule, p.pp, M, p.virtual_stages, f_cost, b_cost, p2p_s, memo)
     rows = [("pipeline", f"{p.pp_schedule} p={p.pp} m={M} v={p.virtual_stages}: makespan {sim.makespan * 1e3:.2f} ms, "
              f"bubble {sim.bubble_ratio:.1%} of compute, {sim.bubble_fraction:.1%} of time",
-             "parallel/simulate.py on parallel/schedules.py (1F1B: (p-1)/m and (p-1)/(m+p-1), Narayanan 2021)")]
+             "pipeline/simulate.py on pipeline/schedules.py (1F1B: (p-1)/m and (p-1)/(m+p-1), Narayanan 2021)")]
     if p.pp_schedule == "dualpipe_v":
         paired = simulate_scaled(p.pp_schedule, p.pp, M, 2, f_cost, b_cost, 0.0, memo, fb=f_cost + b_cost)
         rows.append(("dualpipe_v bubble", f"DeepSeek's (PP/2-1)(F&B+B-3W), PP = {2 * p.pp} stages on {p.pp} ranks, "

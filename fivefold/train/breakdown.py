@@ -1,6 +1,6 @@
 """The step-time breakdown of a run: every rank's parts gathered, logged, printed beside the plan.
 
-Each rank measures its own step (`parallel/timing.py`) and adds it to its window of the steps since
+Each rank measures its own step (`parallel/comm/timing.py`) and adds it to its window of the steps since
 the last logging step. On a logging step (`train.log_every`), outside the step's timed window, one
 all-gather brings every rank's parts of that step and of the window to every rank: the table
 prints the window's mean step, the metrics log that step's parts. Gathering only then keeps a
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
-from fivefold.parallel.timing import PARTS, UNATTRIBUTED
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.comm.timing import PARTS, UNATTRIBUTED
 
 COLUMNS = (*PARTS, UNATTRIBUTED, "step")  # one row per rank in the gathered matrix
 ALWAYS = ("compute", UNATTRIBUTED)  # logged even when zero; other parts only when some rank has time there
@@ -73,7 +73,7 @@ class BreakdownWindow:
         starts again."""
         mine = torch.stack([self.last, self.total / self.steps]).to(device)  # (2, columns)
         every = mine.new_empty(world.size * mine.numel())
-        comms.all_gather(every, mine.reshape(-1), world)
+        collectives.all_gather(every, mine.reshape(-1), world)
         every = every.view(world.size, 2, -1).cpu()
         first, self.total, self.steps = self.first, None, 0
         return every[:, 0], every[:, 1], first

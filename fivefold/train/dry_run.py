@@ -7,14 +7,14 @@ rank r, and the model is built exactly as training builds it (train/loop.py: par
 the meta device, through parallelize()) with `mesh.device` the meta device, so every tensor has
 its shape and dtype and no memory. A fake collective returns this rank's own data, so no build
 decision may depend on what one returns: the build makes none (only groups), and `build()` checks
-that no collective went through comms.py while it ran.
+that no collective went through comm/collectives.py while it ran.
 
 What is counted, per part, from the storages that parallelize() and AdamW leave (a meta tensor's
 storage reports its size; ZeRO-3's freed placeholders report 0), each storage once and classified
 as parallel/state_memory.model_state_bytes classifies what training reports as `model_state_bytes`
 (the same function):
 - params: the model's parameters on this rank (ZeRO-3: none; its shards are the optimizer's);
-- optimizer: AdamW's moments, made as its first step makes them (train/optim.py
+- optimizer: AdamW's moments, made as its first step makes them (parallel/optimizer.py
   init_optimizer_state), and ZeRO's fp32 master shards;
 - grads: a gradient exists only after a backward, so the dry run gives the real tensors meta
   gradients of exactly the shapes data parallel holds where training samples model_state_bytes,
@@ -36,7 +36,7 @@ experts split equally over ep (n_experts divisible by ep), ZeRO pads every shard
 / N) rows on every dp_shard rank, the last included (zero.py), and dp_replicate and cp ranks hold
 what their peers hold. So one rank per pipeline rank is built and stands for the rest;
 `every=True` (`--all-positions`) builds every (pp, tp, ep, dp_shard) position apart instead.
-The pipeline's message plan (parallel/messages.py) is the schedule's, the same for every position:
+The pipeline's message plan (parallel/pipeline/messages.py) is the schedule's, the same for every position:
 it is proven once, before the builds (a built pipeline proves its own at its first step only).
 
 Prediction and fit. Beside each position: planner/selfcheck.memory_per_pipeline_rank, the
@@ -53,18 +53,18 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
-from fivefold.mesh import AXES, Mesh
-from fivefold.parallel.ddp import DataParallel
-from fivefold.parallel.messages import check_plans
-from fivefold.parallel.schedules import build_schedule
-from fivefold.parallel.stage_split import split_note, stage_split
+from fivefold.parallel.data.ddp import DataParallel
+from fivefold.parallel.data.zero import ZeroDataParallel
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.mesh import AXES, Mesh
+from fivefold.parallel.optimizer import init_optimizer_state
+from fivefold.parallel.pipeline.messages import check_plans
+from fivefold.parallel.pipeline.schedules import build_schedule
+from fivefold.parallel.pipeline.stage_split import split_note, stage_split
 from fivefold.parallel.state_memory import model_state_bytes
-from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.planner.selfcheck import memory_per_pipeline_rank
 from fivefold.progress import progress_bar
 from fivefold.train.loop import parallel_model
-from fivefold.train.optim import init_optimizer_state
-from fivefold.validate import Derived
 
 STATE = ("params", "grads", "optimizer")
 PROGRESS_FROM = 8  # positions from which a progress bar shows
@@ -89,7 +89,7 @@ class Position:
 
 
 def coordinates(rank: int, degrees: dict[str, int], ep: int) -> dict[str, int]:
-    """A global rank's place on every mesh axis (mesh.py: pp outermost, tp fastest) and its ep rank
+    """A global rank's place on every mesh axis (parallel/mesh.py: pp outermost, tp fastest) and its ep rank
     (mesh.expert_partitions: its rank in the grad view dp_replicate x dp_shard x cp, modulo ep)."""
     out, rest = {}, rank
     for axis in reversed(AXES):

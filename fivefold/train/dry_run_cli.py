@@ -10,8 +10,9 @@ import re
 import time
 
 from fivefold.config import ConfigError, read_config
-from fivefold.planner.datasheet import get_hardware
-from fivefold.validate import derive, validate
+from fivefold.parallel.derive import derive
+from fivefold.planner.machine.datasheet import get_hardware
+from fivefold.validate import validate
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40}

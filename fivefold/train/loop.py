@@ -7,7 +7,7 @@ log the step (train/step_log.py) and checkpoint when due. The same code for 1 an
         train_step()               data -> pipeline (forward/backward) -> optimizer   (train/step.py)
         evaluate()                 on eval steps
         StepLog.log_step()         metrics, display, step-time table, traces          (train/step_log.py)
-        CheckpointWriter.save()    every checkpoint.every steps and at the end        (train/checkpoint.py)
+        CheckpointWriter.save()    every checkpoint.every steps and at the end        (checkpoint/run_state.py)
 """
 
 from __future__ import annotations
@@ -25,27 +25,27 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fivefold.checkpoint.run_dir import latest_checkpoint, run_dir_of
+from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
+from fivefold.checkpoint.weights import fill_weights, load_weights
 from fivefold.config import Config, ConfigError, to_toml
-from fivefold.mesh import Mesh
-from fivefold.model import Transformer
+from fivefold.data.batches import GlobalBatches
+from fivefold.model.seeded_init import SeededInit
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.derive import Derived, derive
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parallelize import Parallelized, parallelize
-from fivefold.parallel.stage_split import split_note, stage_split
-from fivefold.seeded_init import SeededInit
-from fivefold.train.checkpoint import CheckpointWriter, load_checkpoint
-from fivefold.train.data import GlobalBatches
+from fivefold.parallel.pipeline.stage_split import split_note, stage_split
 from fivefold.train.gc_policy import collect_between_steps
 from fivefold.train.moe_balance import MoEBalancing
 from fivefold.train.precision import LossScaler
 from fivefold.train.preflight import preflight
-from fivefold.train.run_dir import latest_checkpoint, run_dir_of
 from fivefold.train.step import Run, StepRecord, evaluate, train_step
 from fivefold.train.step_log import StepLog
 from fivefold.train.stop_request import StopRequest
-from fivefold.train.weights import fill_weights, load_weights
-from fivefold.validate import Derived, derive
 
 if TYPE_CHECKING:
-    from fivefold.elastic import Decision
+    from fivefold.launch.elastic import Decision
 
 
 @dataclass
@@ -98,7 +98,7 @@ def meta_model(cfg: Config, vocab_size: int) -> Transformer:
 
 def build_model(cfg: Config, vocab_size: int) -> Transformer:
     """The whole model in this process's memory with its seeded initial weights (the values every
-    layout's ranks draw for their slices; seeded_init.py): for tests and benchmarks' peers."""
+    layout's ranks draw for their slices; model/seeded_init.py): for tests and benchmarks' peers."""
     model = Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
     model.init_weights(cfg.train.seed)
     return model
@@ -148,7 +148,7 @@ def train(cfg: Config, derived: Derived | None = None, *, progress: bool = True,
     derived: the config's derived numbers, from a caller that has already checked the config
     (`fivefold train` does, before any process starts); without it the config is checked here.
     return_state: put the final unsharded model state in the result (tests compare layouts with it).
-    elastic: this round's layout decision in an elastic job (elastic.py): logged as a `replan` event
+    elastic: this round's layout decision in an elastic job (launch/elastic.py): logged as a `replan` event
     when it changed, and a SIGTERM then stops the job at the end of a step with a checkpoint.
     """
     device_type = resolve_device_type(cfg)

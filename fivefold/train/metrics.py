@@ -15,16 +15,16 @@ Keys of a step record (later features add keys; none is ever renamed):
 | lr | learning rate used for the step |
 | grad_norm | global L2 norm of the summed gradient, before clipping |
 | tokens | target tokens in the global batch (padding excluded) |
-| samples | [start, end): the positions in epoch `epoch`'s seeded sample order (train/data.py) that made the global batch; consecutive steps continue where the last ended (a new epoch starts at 0), so a gap or an overlap is a lost or repeated sample |
+| samples | [start, end): the positions in epoch `epoch`'s seeded sample order (data/batches.py) that made the global batch; consecutive steps continue where the last ended (a new epoch starts at 0), so a gap or an overlap is a lost or repeated sample |
 | source_tokens | data.mixture only: {source: target tokens of the global batch it gave} (the folder names; they add up to `tokens`); `samples` then counts the mixed stream's samples (epoch stays 0) |
 | step_time_s | wall-clock seconds of the step on rank 0, data to optimizer |
 | tokens_per_s | tokens / step_time_s, for the whole job |
-| comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comms.py during the step |
+| comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comm/collectives.py during the step |
 | model_state_bytes | {params, grads, optimizer, total}: bytes rank 0 held, largest sample after each micro-batch's backward (storages counted once) |
 | val_loss | mean validation token loss (only on steps that evaluate) |
 | loss_scale, skipped | fp16 only: the loss scale after the step, and whether an overflow skipped it |
 | predicted | the planner's prediction for this layout, for rank 0 as the other keys are (planner/selfcheck.py): model_state_bytes, activation_bytes, buffer_bytes, comm_wire_bytes per axis, step_time_s and its parts time_split (with `run.hardware`, else null) |
-| step_breakdown | logging steps only (every `train.log_every` steps and the last): {part: seconds} of the step, the mean over ranks of each rank's own measurement (parallel/timing.py); the parts add up to the ranks' mean step time: compute (F/B/I/W actions, timed directly), recompute (the forward run again in backward), bubble (a pipeline stage waiting to receive), exposed_dp/tp/pp/cp/ep (the thread blocked in that axis's collectives; asynchronous ones hidden behind compute are not counted), exposed_log (the metrics' own reductions: loss, expert loads), optimizer (unscale, clip, step), data (batch slicing and tensors), unattributed (the rest). A part no rank spent time in is left out; compute and unattributed are always there |
+| step_breakdown | logging steps only (every `train.log_every` steps and the last): {part: seconds} of the step, the mean over ranks of each rank's own measurement (parallel/comm/timing.py); the parts add up to the ranks' mean step time: compute (F/B/I/W actions, timed directly), recompute (the forward run again in backward), bubble (a pipeline stage waiting to receive), exposed_dp/tp/pp/cp/ep (the thread blocked in that axis's collectives; asynchronous ones hidden behind compute are not counted), exposed_log (the metrics' own reductions: loss, expert loads), optimizer (unscale, clip, step), data (batch slicing and tensors), unattributed (the rest). A part no rank spent time in is left out; compute and unattributed are always there |
 | step_breakdown_max | logging steps only: the same parts, each the max over ranks (the slowest rank for that part; they do not add up) |
 | pipeline_timeline | pp > 1, every `train.log_every` steps: per pipeline rank (of rank 0's pipeline), its actions as [start_s, end_s, "F3s1"], seconds from the step's first action |
 | expert_load | MoE only: {block: copies the router sent to each expert during the step, all ranks} |
@@ -36,11 +36,11 @@ Keys of an event record (kinds in sinks.EVENT_KINDS; a new kind or field gets it
 | key | meaning |
 | --- | --- |
 | step | steps done when it happened (0 before the first step) |
-| event | the kind: "start" (a fresh run begins), "resume" (this job continues from the checkpoint of step `step`), "restart" (the launcher restarted the workers after a failure), "layout" (the mesh this job trains on, at every start and resume), "replan" (an elastic job's new layout for a new world, fivefold/elastic.py), "stop" (an elastic job saved a checkpoint at `step` and stopped on SIGTERM, for its launcher to regroup) |
+| event | the kind: "start" (a fresh run begins), "resume" (this job continues from the checkpoint of step `step`), "restart" (the launcher restarted the workers after a failure), "layout" (the mesh this job trains on, at every start and resume), "replan" (an elastic job's new layout for a new world, fivefold/launch/elastic.py), "stop" (an elastic job saved a checkpoint at `step` and stopped on SIGTERM, for its launcher to regroup) |
 | checkpoint | resume: the checkpoint's path |
 | restarts | restart: restarts so far (TORCHELASTIC_RESTART_COUNT) |
 | world_size, dp, tp, pp, cp, ep | layout: processes and parallel degrees (a job resuming on fewer processes shows the change) |
-| stage_layers | layout: blocks of each pipeline (virtual) stage in model order, as parallel/stage_split.py chose them (parallel.stage_layers when given) |
+| stage_layers | layout: blocks of each pipeline (virtual) stage in model order, as parallel/pipeline/stage_split.py chose them (parallel.stage_layers when given) |
 | world_size, from_world_size | replan: ranks of the new world, and of the checkpoint resumed (or of the launch, before the first checkpoint) |
 | from, to | replan: the layouts before and after, as planner/search.py's layout_name ("dp2 tp2 z0 mb2 -"); from is null when the checkpoint's world has no layout under the policy |
 | policy, kept | replan: how the layout was chosen ("keeping tp, pp, cp, ep", "the planner's best (keeping tp)") and the axes kept |

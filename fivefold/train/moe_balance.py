@@ -10,7 +10,7 @@
   b_e += u x sign(mean load - load_e), the same on every replica (`update_expert_bias`), then the
   counters start again (`reset_expert_counts`).
 
-The routing itself, capacity dropping and the balance loss live in the model (fivefold/model.py);
+The routing itself, capacity dropping and the balance loss live in the model (fivefold/model/transformer.py);
 how experts are split over ranks in parallel/expert.py.
 """
 
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.mesh import Mesh
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.expert import moe_blocks
+from fivefold.parallel.mesh import Mesh
 
 
 @dataclass
@@ -61,7 +61,7 @@ def expert_stats(model: nn.Module, *groups: AxisGroup, label: str | None = None)
             for m in blocks.values()]
     total = torch.stack(rows)  # (blocks, E + 2), float64: integer counts stay exact below 2**53
     for group in groups:
-        comms.all_reduce(total, group, label=label)
+        collectives.all_reduce(total, group, label=label)
     stats = ExpertStats()
     for (name, moe), row in zip(blocks.items(), total.tolist(), strict=True):
         stats.load[name] = [int(v) for v in row[:-2]]

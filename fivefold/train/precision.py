@@ -15,8 +15,8 @@ import contextlib
 import torch
 
 from fivefold.config import TrainConfig
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
 
 
 def compute_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
@@ -54,7 +54,7 @@ class LossScaler:
             g.mul_(1.0 / self.scale)
             bad += (~torch.isfinite(g)).any().float()
         for group in groups:
-            comms.all_reduce(bad, group)
+            collectives.all_reduce(bad, group)
         return bool(bad == 0)
 
     def update(self, finite: bool) -> None:

@@ -2,16 +2,16 @@
 
 `fivefold train` runs them on the launching node for every node's processes; `train()` called as
 a library runs them itself. A typo fails in under a second: the config's checks (validate.py) and
-the run directory's (run_dir.py) import no torch; only `checkpoint.init_from`, whose weights'
+the run directory's (checkpoint/run_dir.py) import no torch; only `checkpoint.init_from`, whose weights'
 headers are read against the model, and a resume, whose checkpoint's files are checked
-(checkpoint_files.py), do.
+(checkpoint/files.py), do.
 """
 
 from __future__ import annotations
 
+from fivefold.checkpoint.run_dir import check_run_dir, latest_checkpoint, run_dir_of
 from fivefold.config import Config
 from fivefold.train import sinks
-from fivefold.train.run_dir import check_run_dir, latest_checkpoint, run_dir_of
 from fivefold.validate import validate
 
 
@@ -24,12 +24,12 @@ def preflight(cfg: Config, world_size: int, joining: bool = False) -> list[str]:
     if not errors:
         errors += sinks.preflight(cfg)  # online W&B without credentials (imports wandb only then)
     if cfg.checkpoint.init_from:
-        from fivefold.train.weights import check_init_from
+        from fivefold.checkpoint.weights import check_init_from
 
         errors += check_init_from(cfg)
     latest = latest_checkpoint(run_dir_of(cfg)) if cfg.checkpoint.resume and not errors and not joining else None
     if latest is not None:  # what the resume will read: each damaged file named now, not inside a rank
-        from fivefold.train.checkpoint_files import checkpoint_errors
+        from fivefold.checkpoint.files import checkpoint_errors
 
         errors += checkpoint_errors(latest)
     return errors

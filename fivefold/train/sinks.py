@@ -15,8 +15,8 @@ Every sink drops what a crashed job wrote past the checkpoint it resumes from: J
 TensorBoard writes a purge marker (`purge_step`), W&B keeps one run id per run directory and
 continues it (the server ignores steps it already has; see WandbSink).
 
-This module imports neither torch nor tensorboard nor wandb at import time: `validate()` reads
-SINK_PACKAGES from here, and a sink's package is imported only when that sink is chosen.
+This module imports neither torch nor tensorboard nor wandb at import time: a sink's package is
+imported only when that sink is chosen (`validate()` checks it is installed: config.SINK_PACKAGES).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
-from types import MappingProxyType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
+
+from fivefold.config import SINK_PACKAGES
 
 if TYPE_CHECKING:
     from fivefold.config import Config
 
-# Sink name -> the distribution it needs (None: the standard library); its extra has the same name.
-SINK_PACKAGES = MappingProxyType({"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"})
 # Kinds of event records (train/metrics.py documents their fields); anything else is a typo.
 EVENT_KINDS = ("start", "resume", "restart", "layout", "replan", "stop")
 

@@ -1,7 +1,7 @@
 """One training step, the same code for 1 and N ranks:
 
     data (this rank's slice of the global batch)
-      -> pipeline executor: forward and backward of every micro-batch (parallel/pipeline.py),
+      -> pipeline executor: forward and backward of every micro-batch (parallel/pipeline/executor.py),
          with tp/cp/ep collectives inside the layers and dp buckets reduced during the last backward
       -> optimizer step: unscale, clip, AdamW, ZeRO's gather (Parallelized.optimizer_step)
       -> MoE balancing (train/moe_balance.py), then the logged loss reduced over the ranks.
@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 from fivefold.config import Config
-from fivefold.documents import Documents
-from fivefold.mesh import Mesh
-from fivefold.parallel import comms
+from fivefold.data.batches import IGNORE, GlobalBatches, PackedDataset, rank_slice
+from fivefold.model.masks import Documents
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.derive import Derived
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parallelize import NonFiniteGradient, Parallelized
-from fivefold.train.data import IGNORE, GlobalBatches, PackedDataset, rank_slice
+from fivefold.train.lr_schedule import lr_at
 from fivefold.train.moe_balance import MoEBalancing
-from fivefold.train.optim import lr_at
 from fivefold.train.precision import LossScaler, autocast
-from fivefold.validate import Derived
 
 
 @dataclass
@@ -53,8 +53,8 @@ class Run:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum a last-stage value over the pipeline, then over the grad view (charged to "log")."""
-        comms.all_reduce(loss, self.mesh.group("pp"), label="log")
-        comms.all_reduce(loss, self.mesh.group("grad"), label="log")
+        collectives.all_reduce(loss, self.mesh.group("pp"), label="log")
+        collectives.all_reduce(loss, self.mesh.group("grad"), label="log")
         return loss
 
 
@@ -64,7 +64,7 @@ class StepRecord:
 
     metrics: dict  # the same on every rank, except model_state_bytes (this rank's)
     wall_s: float  # this rank's step time
-    parts: dict[str, float]  # this rank's step time by part (parallel/timing.py)
+    parts: dict[str, float]  # this rank's step time by part (parallel/comm/timing.py)
     began: float  # perf_counter at the start
     events: list | None  # the timer's spans, when the step was traced
     timeline: list[tuple[float, float, str]]  # pp > 1: this rank's pipeline actions (start, end, name)

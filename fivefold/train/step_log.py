@@ -16,14 +16,14 @@ import torch.distributed as dist
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from fivefold.parallel.comms import AxisGroup
-from fivefold.parallel.stage_split import stage_split
+from fivefold.checkpoint.run_dir import run_dir_of
+from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.pipeline.stage_split import stage_split
 from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
 from fivefold.train.metrics import read_events
-from fivefold.train.run_dir import run_dir_of
 from fivefold.train.sinks import open_sinks
 from fivefold.train.step import Run, StepRecord
-from fivefold.viz.trace import RankTrace
+from fivefold.train.trace import RankTrace
 
 
 class ProgressDisplay:
@@ -69,7 +69,7 @@ class StepLog:
         if self.rank == 0:  # before the progress bar: W&B prints a few lines as it starts
             self.sinks = open_sinks(cfg, self.run_dir, start if resumed_from is not None else None)
             self._events(start, resumed_from)
-            for kind, fields in events or []:  # e.g. an elastic job's re-plan (elastic.py)
+            for kind, fields in events or []:  # e.g. an elastic job's re-plan (launch/elastic.py)
                 self.sinks.event(start, kind, **fields)
         self.display = ProgressDisplay(cfg.train.steps, start, enabled=self.rank == 0, bar=progress)
         self.window = BreakdownWindow()

@@ -21,8 +21,8 @@ from types import FrameType, TracebackType
 
 import torch
 
-from fivefold.parallel import comms
-from fivefold.parallel.comms import AxisGroup
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
 
 
 class StopRequest:
@@ -47,5 +47,5 @@ class StopRequest:
     def agreed(self, world: AxisGroup) -> bool:
         """Collective over `world`: has any rank been asked to stop?"""
         flag = torch.tensor([int(self.signalled)], dtype=torch.int32)
-        comms.all_reduce(flag, world, op=torch.distributed.ReduceOp.MAX, label="log")
+        collectives.all_reduce(flag, world, op=torch.distributed.ReduceOp.MAX, label="log")
         return bool(flag.item())

@@ -2,7 +2,7 @@
 
 Every start and resume writes a `layout` event at the step it begins from (train/step_log.py); an
 elastic job's re-plan adds a `replan` event beside it with the planner's predicted step time
-(fivefold/elastic.py). A layout holds from the step after its event to the step before the next
+(fivefold/launch/elastic.py). A layout holds from the step after its event to the step before the next
 layout event. Events are read in the order written: two at the same step (a round that failed
 before its first step, then the next one) leave the later one, and a resume into the same layout
 continues the segment. Each segment's step time is the median of its steps' `step_time_s` (the

@@ -161,7 +161,8 @@ def comm_section(records: list[dict[str, Any]]) -> str:
     return (_figure(plots.comm_figure([r["step"] for r in records], wire), "communication per axis")
             + '<table class="grid"><tr><th>axis</th><th>collectives / step</th><th>wire bytes / step (mean)'
             + f"</th><th>predicted</th></tr>{''.join(rows)}</table><p>Wire bytes: what rank 0 put on the wire, "
-            "counted by <code>parallel/comms.py</code> (a ring all-reduce of S bytes over N ranks sends 2(N-1)/N S)."
+            "counted by <code>parallel/comm/collectives.py</code> (a ring all-reduce of S bytes over N ranks sends "
+            "2(N-1)/N S)."
             "</p>")
 
 

@@ -1,8 +1,8 @@
 """Draw a simulated pipeline schedule: one row per rank, one box per action.
 
 Used by ``fivefold viz schedule`` (see :func:`add_schedule_parser`). The
-picture is drawn from the same :class:`~fivefold.parallel.schedules.Schedule`
-the executor runs, timed by :func:`~fivefold.parallel.simulate.simulate`, so
+picture is drawn from the same :class:`~fivefold.parallel.pipeline.schedules.Schedule`
+the executor runs, timed by :func:`~fivefold.parallel.pipeline.simulate.simulate`, so
 gaps in the picture are the bubble the run will have under those costs.
 """
 
@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fivefold.parallel.schedules import SCHEDULES, Schedule, build_schedule
-from fivefold.parallel.simulate import Costs, SimResult, simulate
+from fivefold.parallel.pipeline.schedules import SCHEDULES, Schedule, build_schedule
+from fivefold.parallel.pipeline.simulate import Costs, SimResult, simulate
 
 # Colour per action kind; I and W are shades that read as "parts of B".
 KIND_COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8C6BB1"}

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from fivefold.parallel.comms import wire_bytes
+from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.planner.comm import ring_steps
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -92,7 +92,7 @@ def collective_timings(nproc: int = 2, sizes: tuple[int, ...] = (16_384, 262_144
     """(op, tensor bytes, seconds) measured on `nproc` forked gloo ranks (rank 0's view), each
     collective issued after a burst of compute; per size (samples, calls per sample): the median
     over samples of the mean over a sample's calls."""
-    from fivefold.testing import run_workers
+    from fivefold.parallel.forked_ranks import run_workers
 
     return run_workers(_collective_worker, nproc, sizes, repeats, threads, timeout=600.0)[0]
 

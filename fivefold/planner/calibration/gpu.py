@@ -24,8 +24,8 @@ import dataclasses
 import statistics
 from typing import Callable
 
-from fivefold.planner.datasheet import Hardware, get_hardware
-from fivefold.planner.roofline import FA2_BACKWARD_FLOPS, quantisation
+from fivefold.planner.machine.datasheet import Hardware, get_hardware
+from fivefold.planner.machine.roofline import FA2_BACKWARD_FLOPS, quantisation
 
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384  # the FlashAttention papers' benchmark shapes
 

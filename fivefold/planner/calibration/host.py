@@ -91,8 +91,8 @@ def host_costs(repeats: int = 9, min_s: float = SAMPLE_S) -> dict[str, float]:
 def _state_sampler(count: int):
     """state_memory.model_state_bytes (what the pipeline samples after each micro-batch's backward)
     on `count` parameters, each with a gradient and AdamW's step, exp_avg and exp_avg_sq."""
+    from fivefold.parallel.optimizer import init_optimizer_state
     from fivefold.parallel.state_memory import model_state_bytes
-    from fivefold.train.optim import init_optimizer_state
 
     params = [nn.Parameter(torch.randn(64)) for _ in range(count)]
     for p in params:

@@ -25,11 +25,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fivefold.config import Config
+from fivefold.model.counts import model_counts
+from fivefold.parallel.derive import derive
 from fivefold.planner.calibration.opcount import Part, end_parts
 from fivefold.planner.calibration.sampling import SAMPLE_S, sample_turns
-from fivefold.planner.counts import model_counts
 from fivefold.planner.layout import rank_shares
-from fivefold.validate import derive
 
 
 def config_parts(cfg: Config, world_size: int) -> list[Part]:

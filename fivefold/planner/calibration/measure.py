@@ -19,7 +19,7 @@ What is measured, and what it becomes in the profile (every value's [sources] en
   chain of linear layers forward and backward -> matmul_curve (FLOPs of one matmul, FLOP/s
   achieved); peak_flops is its best rate and compute_efficiency its median / best (what the
   FLOPs-only estimate, and MFU, use);
-- fivefold's own optimizer step (train/optim.py: AdamW foreach=False, gradient clipping,
+- fivefold's own optimizer step (parallel/optimizer.py: AdamW foreach=False, gradient clipping,
   zero_grad) on many small and on a few large tensors -> optimizer_s_per_tensor and
   optimizer_s_per_element (two equations, two unknowns);
 - Python's fixed costs beyond the ops (host.py): an nn.Module call, a custom autograd
@@ -56,7 +56,7 @@ from fivefold.planner.calibration.opcount import trace
 from fivefold.planner.calibration.pricer import MeasuredPricer
 from fivefold.planner.calibration.profile import MeasuredProfile
 from fivefold.planner.calibration.sampling import SAMPLE_S, sample_time
-from fivefold.planner.datasheet import Hardware
+from fivefold.planner.machine.datasheet import Hardware
 from fivefold.progress import progress_bar
 
 HOST = ("module_call_s", "function_s", "hook_s", "tensor_query_s", "thread_s")
@@ -173,12 +173,12 @@ def op_costs(sizes: tuple[int, ...] = (4_096, 65_536, 1_048_576), links: int = 1
 
 def optimizer_costs(repeats: int = 5, min_s: float = SAMPLE_S) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per element) of fivefold's optimizer step as the
-    training loop runs it: clip_grad_norm, AdamW (train/optim.py), zero_grad; from many small
+    training loop runs it: clip_grad_norm, AdamW (parallel/optimizer.py), zero_grad; from many small
     and a few large tensors."""
     from torch import nn
 
     from fivefold.config import TrainConfig
-    from fivefold.train.optim import build_optimizer, clip_grad_norm
+    from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm
 
     def per_step(count: int, numel: int) -> float:
         params = nn.ParameterList([nn.Parameter(torch.randn(numel // 64, 64)) for _ in range(count)])
@@ -246,7 +246,7 @@ def measure(nproc: int = 2, quick: bool = False, threads: int | None = None, pro
     ranks): {"compute": {...}, "collectives": {(op, tensor bytes): seconds}}. calibrate() makes a
     profile of one session; profile() of several, taken at different times (medians of each).
     parts: opcount.Part to time whole (layers.config_parts of the configs to plan)."""
-    from fivefold.testing import run_workers
+    from fivefold.parallel.forked_ranks import run_workers
 
     threads = threads or threads_per_rank(nproc)
     # Two phases of about the same length: the bar's ETA after the first is a fair guess.
@@ -307,7 +307,7 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
         "view_overhead_s": f"{host}: the same for a chain of views (its few kernels priced at op_overhead_s)",
         "elementwise_curve": f"{host}: the same chain at larger sizes, (bytes read + written per op, "
                              "bytes/s of the time beyond op_overhead_s)",
-        "optimizer_s_per_tensor": f"{host}: clip_grad_norm + AdamW(foreach=False) + zero_grad of train/optim.py "
+        "optimizer_s_per_tensor": f"{host}: clip_grad_norm + AdamW(foreach=False) + zero_grad of parallel/optimizer.py "
                                   "on 96 x 64 and 4 x 262144 elements, solved for per tensor and per element",
         "optimizer_s_per_element": f"{host}: same measurement",
         "module_call_s": f"{host}: 100 multiplies each in an nn.Module's forward, less the bare chain, forward + "

@@ -186,20 +186,20 @@ class Part:
         initialised weights (real tensors, or FakeTensors under FakeTensorMode), returning the
         tensor to run backward from. The code training runs: under tp the vocabulary-parallel
         embedding and loss (at tp = 1 the loss is torch's fused kernel), divided by the step's
-        tokens and scaled (pipeline.py), over a group of one, so their collectives (priced as tp
+        tokens and scaled (pipeline/executor.py), over a group of one, so their collectives (priced as tp
         traffic) drop out and their ops stay."""
         import torch
         from torch import nn
 
-        from fivefold.attention import RMSNorm, rope_cos_sin
-        from fivefold.model import Block
-        from fivefold.parallel.comms import AxisGroup, CommStats
+        from fivefold.model.attention import RMSNorm, rope_cos_sin
+        from fivefold.model.seeded_init import init_tensor
+        from fivefold.model.transformer import Block
+        from fivefold.parallel.comm.collectives import AxisGroup, CommStats
         from fivefold.parallel.tensor import (
             VocabParallelCrossEntropy,
             VocabParallelEmbedding,
             vocab_parallel_cross_entropy,
         )
-        from fivefold.seeded_init import init_tensor
 
         m, b, s = self.model, self.batch, self.seq
         if self.kind == "block":

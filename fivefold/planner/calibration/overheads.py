@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from fivefold.config import Config
 from fivefold.planner.calibration.profile import MeasuredProfile, elementwise_rate
-from fivefold.planner.datasheet import Hardware
-from fivefold.planner.pricing import HostPrice
+from fivefold.planner.machine.datasheet import Hardware
+from fivefold.planner.machine.pricing import HostPrice
 
 
 def host_costs(cfg: Config, profile: MeasuredProfile, hw: Hardware, *, modules: float, functions: float,
@@ -65,7 +65,8 @@ def host_costs(cfg: Config, profile: MeasuredProfile, hw: Hardware, *, modules: 
         out.explain.append(("gradient hooks", f"{tensors:.0f} parameters x {pr.hook_s * us:.2f} us = {t * 1e3:.3f} ms "
                             "per backward", src("hook_s", "profile")))
     if pr.tensor_query_s:
-        share = min(micro, 2) / micro  # sampled after a chunk's first and last backward of the step (pipeline.py)
+        # sampled after a chunk's first and last backward of the step (pipeline/executor.py)
+        share = min(micro, 2) / micro
         t = rank_tensors * pr.tensor_query_s * share
         out.backward_s += t
         out.explain.append(("model-state sampling", f"{rank_tensors} parameters x {pr.tensor_query_s * us:.2f} us x "
@@ -91,6 +92,6 @@ def host_costs(cfg: Config, profile: MeasuredProfile, hw: Hardware, *, modules: 
              + moved / elementwise_rate(pr, hw, moved / buckets) + moved / elementwise_rate(pr, hw, 2 * size))
         out.step_s += t
         out.explain.append(("bucket packing", f"{ops:.0f} ops + {views} views, 2 x {grad_bytes / 1e6:.2f} MB read + "
-                            f"written: {t * 1e3:.3f} ms", "parallel/ddp.py _launch and _finish; op_overhead_s, "
+                            f"written: {t * 1e3:.3f} ms", "parallel/data/ddp.py _launch and _finish; op_overhead_s, "
                             "view_overhead_s, elementwise_curve"))
     return out

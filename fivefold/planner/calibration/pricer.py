@@ -22,10 +22,10 @@ from fivefold.planner.calibration.noise import expected_max_normal
 from fivefold.planner.calibration.opcount import OpTally, Part, end_parts, part_tally
 from fivefold.planner.calibration.overheads import host_costs
 from fivefold.planner.calibration.profile import MeasuredProfile, tally_time
-from fivefold.planner.datasheet import DATASHEET, Hardware
+from fivefold.planner.machine.datasheet import DATASHEET, Hardware
+from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, HostPrice, HostWork, Memo, Priced
+from fivefold.planner.machine.roofline import interpolate
 from fivefold.planner.memory import BytesPerParam
-from fivefold.planner.pricing import ChunkPrice, ChunkWork, HostPrice, HostWork, Memo, Priced
-from fivefold.planner.roofline import interpolate
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from fivefold.planner.calibration.opcount import OpTally
-from fivefold.planner.datasheet import Hardware
-from fivefold.planner.roofline import interpolate
+from fivefold.planner.machine.datasheet import Hardware
+from fivefold.planner.machine.roofline import interpolate
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ import math
 from typing import Any
 
 from fivefold.config import Config, ConfigError, read_config
-from fivefold.planner.counts import model_counts
+from fivefold.model.counts import model_counts
+from fivefold.parallel.derive import derive
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.memory import BytesPerParam
-from fivefold.validate import derive, validate
+from fivefold.validate import validate
 from fivefold.viz.explain.page import Control, Page
 
 MODEL, GPU, SEQ = "llama3-8b", "h100", 1024

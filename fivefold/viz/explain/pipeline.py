@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fivefold.parallel.schedules import SCHEDULES, build_schedule
-from fivefold.parallel.simulate import Costs, simulate
+from fivefold.parallel.pipeline.schedules import SCHEDULES, build_schedule
+from fivefold.parallel.pipeline.simulate import Costs, simulate
 from fivefold.viz.explain.page import Control, Page
 from fivefold.viz.schedule import per_chunk_costs
 
@@ -67,8 +67,9 @@ def page() -> Page:
               '<span data-kind="W"><span class="swatch" style="background:var(--w)"></span>W weight gradient</span>'
               '<span>number: micro-batch; lighter: a later chunk on the rank</span></div>'
               '<table class="grid" id="per-rank"></table>'),
-        notes=("<p>Built by <code>build_schedule</code> (<code>fivefold/parallel/schedules.py</code>), the action "
-               "lists the executor runs, and timed by <code>simulate()</code> (<code>parallel/simulate.py</code>) "
+        notes=("<p>Built by <code>build_schedule</code> (<code>fivefold/parallel/pipeline/schedules.py</code>), the "
+               "action lists the executor runs, and timed by <code>simulate()</code> "
+               "(<code>parallel/pipeline/simulate.py</code>) "
                "with forward 1 and backward 2 (I = W = 1) per rank's share of layers, each chunk 1/v of that. "
                "zb_v and dualpipe_v always hold 2 chunks per rank in a V. Peak in flight counts micro-batch "
                "activations of one chunk.</p>"))

@@ -1,4 +1,4 @@
-"""Ring all-reduce, step by step: the chunk schedule of parallel/ring_collectives.py replayed on small integers.
+"""Ring all-reduce, step by step: the chunk schedule of parallel/comm/ring.py replayed on small integers.
 
 Rank r starts with a tensor cut into n chunks; chunk c holds the integer `start_value(r, c)`. Each
 step applies `ring_all_reduce_schedule(n)` (the schedule the send/recv executor runs): every rank
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fivefold.parallel.ring_collectives import ring_all_reduce_schedule
-from fivefold.parallel.wire import wire_bytes
+from fivefold.parallel.comm.ring import ring_all_reduce_schedule
+from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.viz.explain.page import Control, Page
 
 RANKS = (2, 3, 4, 5, 6, 8)
@@ -107,7 +107,7 @@ def page() -> Page:
               'this step</span><span><b>bold</b>: holds all n ranks\' contributions</span>'
               '<span>small text: the ranks summed in it</span></div>'),
         notes=("<p>The schedule is <code>ring_all_reduce_schedule(n)</code> in "
-               "<code>fivefold/parallel/ring_collectives.py</code>, the one its send/recv executor runs: "
+               "<code>fivefold/parallel/comm/ring.py</code>, the one its send/recv executor runs: "
                "at reduce-scatter step s rank r sends chunk "
                "(r-s-1) mod n and receives chunk (r-s-2) mod n; at all-gather step s it sends (r-s) mod n. "
                "The final figure is <code>comms.wire_bytes(\"all_reduce\", S, n)</code>: 2(n-1)/n of S, below "

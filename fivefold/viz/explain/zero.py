@@ -1,6 +1,6 @@
 """ZeRO memory per stage: model state per GPU for a chosen model, N and GPU, from the planner.
 
-Parameters come from `planner.counts.model_counts` (the model.py layer-by-layer count), bytes per
+Parameters come from `planner.counts.model_counts` (the model/transformer.py layer-by-layer count), bytes per
 GPU from `planner.memory.model_state_bytes` with the planner's default 2, 2, 12 bytes per
 parameter (bf16 weight and gradient; fp32 master weight and two Adam moments), and the largest
 model that fits from `largest_fitting_model`: the same functions as `fivefold plan --params`.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fivefold.planner.counts import model_counts
+from fivefold.model.counts import model_counts
+from fivefold.model.presets import PRESETS
 from fivefold.planner.hardware import CATALOG, get_hardware
 from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
-from fivefold.presets import PRESETS
 from fivefold.viz.explain.page import Control, Page
 
 MODELS = ("llama3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "llama3-70b", "llama3-405b", "deepseek-v3")

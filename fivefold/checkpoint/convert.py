@@ -1,0 +1,231 @@
+"""Weights written and converted one tensor at a time (`fivefold init`, `fivefold convert`).
+
+    fivefold init configs/tiny.toml --out seeds/tiny               # initial weights, one process
+    fivefold convert HF_DIR seeds/llama --to fivefold               # Hugging Face -> seed directory
+    fivefold convert runs/x/checkpoints/step_00000300 hf/x --to hf  # run checkpoint -> Hugging Face
+
+A seed directory (`init`, `convert --to fivefold`) holds safetensors in fivefold's names and
+layouts plus `fivefold.toml`, the config that trains from it (`checkpoint.init_from`); converted
+from HF, also the model's tokenizer files (`data.tokenizer` names the directory). `--to hf`
+reads a run checkpoint (torch.distributed.checkpoint, through `checkpoint/safe_load.py`: data only) or a
+seed directory and writes config.json + safetensors, sharded with an index past --max-shard-size.
+Every step holds one tensor (an MoE block's stacked experts: one expert of it when reading HF).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fivefold.checkpoint import hf_deepseek
+from fivefold.checkpoint.files import first_failure
+from fivefold.checkpoint.hf import (
+    HFFormatError,
+    HFSource,
+    export_problems,
+    hf_config,
+    hf_names,
+    hf_rows,
+    is_stacked,
+    kind_of,
+    model_config_from_hf,
+)
+from fivefold.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from fivefold.checkpoint.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
+from fivefold.checkpoint.seed import write_seed_config
+from fivefold.checkpoint.weights import SEED_CONFIG, WeightsMismatchError, WeightSource, fit_problems, source_name
+from fivefold.config import Config, ConfigError, ModelConfig, load_config, replace
+from fivefold.model.transformer import Transformer
+from fivefold.parallel.derive import padded_vocab
+
+HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
+# What of a Hugging Face directory makes its tokenizer (tokenizer.json is required; the rest when present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+class DCPSource:
+    """The model tensors of a run checkpoint, one whole tensor at a time (however many ranks and
+    shards wrote it), read in this process only (no process group needed)."""
+
+    def __init__(self, path: Path):
+        from fivefold.checkpoint.files import data_file_errors
+
+        self.path = path
+        # Every data file as long as its index says, before a tensor is read or a file written.
+        damaged = data_file_errors(path, "the checkpoint is damaged: convert another one of the run")
+        if damaged:
+            raise WeightsFileError("\n".join(damaged))
+        saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        self.meta = {k[len("model."):]: v for k, v in saved.items()
+                     if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+        self._names = frozenset(self.meta)
+        self._last: tuple[str, torch.Tensor] | None = None  # stacked experts are read expert by expert
+
+    def names(self) -> frozenset[str]:
+        return self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta[name].size)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.meta[name].properties.dtype
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = None  # free the previous tensor before reading the next
+            value = torch.empty(self.shape(name), dtype=self.dtype(name))
+            with warnings.catch_warnings():  # no_dist is what we ask for: no need to be told
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                try:
+                    dcp.load({"model": {name: value}}, storage_reader=SafeFileSystemReader(str(self.path)),
+                             planner=SafeLoadPlanner(self.path), no_dist=True)
+                except CheckpointException as e:  # damaged within its size: garbage where a tensor was
+                    raise WeightsFileError(f"{self.path}: reading {name} failed ({first_failure(e)}); the "
+                                           f"checkpoint is damaged: convert another one of the run") from None
+            self._last = (name, value)
+        return self._last[1] if index is None else self._last[1][index]
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '20KB' (powers of 1000, as Hugging Face counts shards) or plain bytes."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * scale)
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"--max-shard-size '{text}': write bytes or a size such as 5GB or 500MB")
+
+
+def _tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of what a checkpoint of model m holds: its parameters, a tied matrix once, then its
+    saved buffers (MoE routing biases when model.moe_bias_update > 0)."""
+    with torch.device("meta"):
+        model = Transformer(m)
+    saved = model.state_dict().keys()
+    out = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return out | {name: tuple(b.shape) for name, b in model.named_buffers() if name in saved}
+
+
+def check_fit(source: WeightSource, m: ModelConfig, what: str) -> None:
+    """Every tensor of model m in `source` with its shape, else one error listing what is not."""
+    with torch.device("meta"):
+        model = Transformer(m)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = fit_problems(source, expected, {k for k, _ in model.named_buffers()}, m.tie_embeddings)
+    if problems:
+        raise WeightsMismatchError(f"{what} does not fit its model config:\n  " + "\n  ".join(problems[:10]))
+
+
+def copy_hf_tokenizer(src: Path, out: Path) -> bool:
+    """Copy the tokenizer of Hugging Face directory `src` into `out`; False when it has no
+    tokenizer.json (a SentencePiece-only tokenizer.model is not something fivefold reads)."""
+    if not (src / "tokenizer.json").is_file():
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return True
+
+
+def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
+    """A Hugging Face Llama/Mixtral/DeepSeek-V3 directory -> a seed directory (weights in their own
+    dtype, and the tokenizer files beside them when it has a tokenizer.json)."""
+    source = HFSource(src)
+    m = source.model_cfg
+    check_fit(source, m, str(src))
+    tensors = []
+    for name, shape in _tensors(m).items():
+        if name not in source.names():  # a buffer the checkpoint lacks (check_fit): the model's own zeros
+            continue
+        if is_stacked(name):  # one expert at a time: HF holds each expert apart
+            def produce(n=name, s=shape):
+                return (source.read(n, (slice(e, e + 1), slice(0, s[1]), slice(0, s[2]))) for e in range(s[0]))
+        else:
+            def produce(n=name):
+                return source.read(n)
+        tensors.append((name, source.dtype(name), shape, produce))
+    files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt", "fivefold": "converted from " + str(src)})
+    (out / HF_BASE).write_text(json.dumps(source.hf_config, indent=2) + "\n")
+    # Training on the converted model must feed it the ids it was trained with, not bytes. The path is
+    # written as `out` was given, as checkpoint.init_from is (write_seed_config): relative to the cwd.
+    data = {"tokenizer": str(out)} if copy_hf_tokenizer(src, out) else {}
+    write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data), out)
+    return files
+
+
+def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelConfig, dict | None]:
+    """A run checkpoint or a seed directory: its tensors, its model config (vocab resolved), and
+    the HF config it came from, when it did (its non-model keys are kept on the way back)."""
+    if not src.is_dir():
+        raise WeightsFileError(f"{src} is not a directory: give a run checkpoint (runs/NAME/checkpoints/step_X) "
+                               f"or a seed directory")
+    is_dcp = (src / ".metadata").is_file()
+    source = DCPSource(src) if is_dcp else SafetensorsDir(src)
+    config = config or (src.parent.parent / "config.toml" if is_dcp else src / SEED_CONFIG)
+    if not config.is_file():
+        raise ConfigError([f"{config} not found: pass --config, the run's config.toml"])
+    cfg = load_config(config)
+    base = None
+    for candidate in [src / HF_BASE] + ([Path(cfg.checkpoint.init_from) / n for n in (HF_BASE, "config.json")]
+                                        if cfg.checkpoint.init_from else []):
+        if candidate.is_file():
+            base = json.loads(candidate.read_text())
+            break
+    return source, dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)), base
+
+
+def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Path | None = None,
+                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
+    """A run checkpoint or seed directory -> a Hugging Face directory (config.json + safetensors)."""
+    source, m, base = open_fivefold(src, config)
+    if hf_base is not None:
+        base = json.loads(hf_base.read_text())
+    if base is not None:
+        model_config_from_hf(base, str(hf_base or "the HF config it came from"))  # refuses options we do not write
+    kind = kind_of(m)
+    problems = export_problems(m)
+    for name in sorted(source.names()):
+        if kind != "deepseek_v3" and name.endswith(".expert_bias") and source.read(name).any():
+            problems.append(f"{name} is not zero (model.moe_bias_update): Mixtral's router has no bias")
+    if problems:
+        raise HFFormatError(f"{src}: the model has what HF's {kind} cannot express:\n  " + "\n  ".join(problems))
+    check_fit(source, m, str(src))
+    config = hf_config(m, dtype or source.dtype("tok_embeddings.weight"), base)
+    # DeepSeek-V3 checkpoints always hold the routing bias: written as zeros where the model keeps none.
+    biased = dataclasses.replace(m, moe_bias_update=hf_deepseek.BIAS_UPDATE) if kind == "deepseek_v3" else m
+    tensors = []
+    for name, shape in _tensors(biased).items():
+        found = source_name(name, source, m.tie_embeddings)
+        if name.endswith(".expert_bias"):
+            if kind == "deepseek_v3":  # fp32 whatever `dtype`, as transformers keeps it
+                def produce(n=found, s=shape):
+                    return torch.zeros(s) if n is None else source.read(n).float()
+                tensors.append((hf_names(name, m)[0], torch.float32, shape, produce))
+            continue  # Mixtral has no bias (a non-zero one is refused above)
+        to = dtype or source.dtype(found)
+        for e, hf in enumerate(hf_names(name, m)):
+            if is_stacked(name):  # expert e of (E, in, out) is HF's (out, in) weight, transposed
+                box = (slice(e, e + 1), slice(0, shape[1]), slice(0, shape[2]))
+                def produce(n=found, b=box, t=to):
+                    return source.read(n, b)[0].T.contiguous().to(t)
+                tensors.append((hf, to, (shape[2], shape[1]), produce))
+            else:
+                rows = hf_rows(name, m, config)
+                back = None if rows is None else torch.argsort(rows)  # hf = fivefold[back]
+                def produce(n=found, t=to, back=back):
+                    value = source.read(n)
+                    return (value if back is None else value[back]).to(t)
+                tensors.append((hf, to, shape, produce))
+    files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return files

@@ -1,0 +1,175 @@
+"""The attention variants of model/transformer.py, free of any parallelism: grouped-query and multi-head latent.
+
+- `Attention`: grouped-query attention (GQA; multi-head when K = H) with optional QK-norm (Qwen3).
+- `LatentAttention`: multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, sec. 2.1;
+  as used by DeepSeek-V3, arXiv 2412.19437, sec. 2.1.1). Queries and keys/values are each
+  compressed into a low-rank latent, normalised and projected back up per head; RoPE acts only on
+  a decoupled part: qk_rope_head_dim per query head, and one key of that width shared by all heads.
+
+Both hold their attention core in `self.core`, a callable (q, k, v[, mask]) -> out that context
+parallel swaps for ring attention or Ulysses. Heads are read from shapes, so a tensor-parallel rank
+holding H/tp heads needs no change. RMSNorm and RoPE live here because attention uses them (q/k
+norms, latent norms); the blocks in model/transformer.py import them from here.
+
+Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim; for MLA, Dn/Dr the
+query/key widths without/with RoPE, Dv the value width, Cq/Ckv the query/key-value latent widths.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: under bf16 the mean of squares loses too many digits.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's rotation angles: (..., T) -> (..., T, D)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (..., T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., T, D): the "rotate half" layout Hugging Face uses
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+D/2}) of x (B, T, H, D) by the angles in cos/sin (T, D), or (B, T, D) when
+    each row has its own positions (data.reset_positions)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D) or (B, T, 1, D): broadcast over heads
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Local attention core: q (B, T, H, D), k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv).
+
+    Scaled by 1/sqrt(D), the query/key width (MLA: Dn + Dr; its values may be narrower, Dv).
+    mask: None for plain causal attention, or a boolean (B, 1, T, T), True where query i may attend
+    key j, causality included (model/masks.py's document mask). SDPA takes it on CPU forward and
+    backward; FlexAttention would skip the masked blocks but has no CPU backward in torch 2.13.
+    """
+    if k.shape[2] != q.shape[2]:  # grouped-query: each K/V head serves H/K query heads
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2)  # (B, T, H, Dv)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE at explicit positions (and QK-norm when cfg.qk_norm)."""
+
+    def __init__(self, cfg: ModelConfig, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # (q, k, v) -> out, and (q, k, v, mask) -> out when a document mask is given; context
+        # parallel's cores take the first form only (validate() refuses cp > 1 with a mask).
+        self.core: Callable[..., torch.Tensor] = causal_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, D)
+        return self.wo(out.reshape(B, T, -1))  # (B, T, dim)
+
+
+def _unchanged(*latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return latents
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 sec. 2.1, eqs. 9-19), without a KV cache.
+
+      c_q = RMSNorm(x W_qa)                          (Cq)    skipped when q_lora_rank = 0
+      [q_n, q_r] = c_q W_qb  per head                (H, Dn + Dr);  q_r <- RoPE(q_r)
+      [c_kv, k_r] = x W_kva                          (Ckv + Dr);    k_r <- RoPE(k_r), one for all heads
+      [k_n, v] = RMSNorm(c_kv) W_kvb  per head       (H, Dn + Dv)
+      k = [k_n, k_r],  out = softmax(q k^T / sqrt(Dn + Dr)) v,  then W_o
+    (v is padded with zeros to Dn + Dr for the core and its output cut back to Dv: see forward.)
+
+    The down-projections (wq_a, wkv_a) and their norms act on every token whole; everything after
+    them is per head. `enter_heads` marks that boundary: it takes the tensors the per-head part
+    reads, each (B, T, width): the query latent (x when q_lora_rank = 0), the normalised key/value
+    latent and the shared key before RoPE, and returns them unchanged here. Tensor parallel
+    installs its region entry there (parallel/tensor.py), so the replicated down-projections get
+    whole gradients.
+    Rope scaling (YaRN, which DeepSeek-V3 adds for its long-context extension, report sec. 4.3) is
+    not implemented: RoPE is plain, and checkpoint/hf.py refuses a scaled checkpoint by name.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, self.kv_rank = cfg.n_heads, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.wq_a: nn.Linear | None = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_a_norm: RMSNorm | None = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:  # queries straight from x (DeepSeek-V2-Lite)
+            self.wq_a, self.q_a_norm = None, None
+            self.wq = nn.Linear(cfg.dim, H * qk, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        self.core: Callable[..., torch.Tensor] = causal_attention
+        self.enter_heads: Callable[..., tuple[torch.Tensor, ...]] = _unchanged
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))  # (B, T, Cq) or (B, T, dim)
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)  # (B, T, Ckv), (B, T, Dr)
+        # With sequence parallel x holds T/tp tokens and enter_heads gathers all T (the positions
+        # cos/sin are for), so the shared key is roped after it.
+        q_in, c_kv, k_rope = self.enter_heads(q_in, self.kv_a_norm(c_kv), k_rope)
+        B, T, _ = c_kv.shape  # T: every token of the sequence (x held T/tp of them with sp)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)  # (B, T, 1, Dr): cos/sin are (.., T, Dr)
+        wq = self.wq if self.wq_a is None else self.wq_b
+        q = wq(q_in).view(B, T, -1, self.nope + self.rope)  # (B, T, H, Dn + Dr)
+        q = torch.cat([q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin)], dim=-1)
+        kv = self.wkv_b(c_kv).view(B, T, -1, self.nope + self.v_dim)  # (B, T, H, Dn + Dv)
+        k = torch.cat([kv[..., :self.nope], k_rope.expand(-1, -1, kv.shape[2], -1)], dim=-1)  # (B, T, H, Dn + Dr)
+        # Values padded with zeros to the query/key width: fused kernels (flash attention on CPU and
+        # GPU) and context parallel's cores take equal widths; without it SDPA falls back to its
+        # math path, which keeps the (T, T) probabilities. The zero columns come out zero and are cut.
+        v = F.pad(kv[..., self.nope:], (0, self.nope + self.rope - self.v_dim))  # (B, T, H, Dn + Dr)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, Dn + Dr)
+        return self.wo(out[..., :self.v_dim].reshape(B, T, -1))  # (B, T, dim)
+
+
+def attention(cfg: ModelConfig, head_dim: int) -> nn.Module:
+    """The attention a block of `cfg` uses: latent when cfg.kv_lora_rank > 0, else grouped-query."""
+    return LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, head_dim)

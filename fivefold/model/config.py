@@ -1,0 +1,53 @@
+"""The model section of the configuration (`[model]`): the shape of the network, nothing about how it
+is split. Its own module so that the presets (model/presets.py) and the whole schema (config.py) can
+both use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = ""  # name from fivefold.model.presets; its shape is the base that other model keys override
+    dim: int = 64  # hidden size d_model
+    n_layers: int = 8  # transformer blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention when < n_heads)
+    head_dim: int = 0  # per-head width; 0 = dim // n_heads
+    ffn_dim: int = 128  # SwiGLU hidden width of dense blocks
+    vocab_size: int = 0  # 0 = the tokenizer's vocabulary padded to data.vocab_multiple
+    tie_embeddings: bool = False  # output head shares the token embedding matrix
+    qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    # Multi-head latent attention (DeepSeek-V2 sec. 2.1, DeepSeek-V3 sec. 2.1.1); on when kv_lora_rank > 0,
+    # then n_kv_heads and head_dim are unused. Widths are per token (latents) or per head.
+    kv_lora_rank: int = 0  # width of the joint key/value latent (DeepSeek-V3: 512); 0 = grouped-query attention
+    q_lora_rank: int = 0  # width of the query latent (DeepSeek-V3: 1536); 0 = queries projected from x directly
+    qk_nope_head_dim: int = 0  # per-head query/key width without RoPE (DeepSeek-V3: 128)
+    qk_rope_head_dim: int = 0  # per-head query/key width with RoPE, its key shared by all heads (DeepSeek-V3: 64)
+    v_head_dim: int = 0  # per-head value width (DeepSeek-V3: 128)
+    init_std: float = 0.02  # std of the normal init; residual output projections get std/sqrt(2 n_layers)
+    # Mixture of experts (n_experts = 0 means a dense model).
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 2  # experts each token is routed to
+    moe_ffn_dim: int = 0  # hidden width of one expert; 0 = ffn_dim
+    n_shared_experts: int = 0  # always-on experts of width moe_ffn_dim each (DeepSeek, Qwen2-MoE)
+    first_dense_layers: int = 0  # leading blocks that keep a dense FFN (DeepSeek-V3: 3)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # routing probabilities
+    norm_topk: bool = True  # renormalise the top-k scores to sum to 1
+    # Group-limited routing (DeepSeek-V3 sec. 2.1.2): experts in n_expert_groups equal groups, a group
+    # scored by the sum of its top-2 scores; each token picks top_k experts within its topk_groups best groups.
+    n_expert_groups: int = 0  # expert groups (DeepSeek-V3: 8); 0 or 1 = no group limit
+    topk_groups: int = 0  # groups each token may use (DeepSeek-V3: 4); used when n_expert_groups > 1
+    moe_routed_scale: float = 1.0  # factor on the routed experts' weights (DeepSeek-V3: 2.5); 1 = none
+    # Load balancing (DeepSeek-V3 sec. 2.1.2): either or both.
+    # aux-loss-free: per-expert routing bias step u after each step (DeepSeek-V3: 0.001); 0 = off
+    moe_bias_update: float = 0.0
+    moe_aux_loss: float = 0.0  # weight alpha of the sequence-wise balance loss (DeepSeek-V3: 0.0001); 0 = off
+    # 0 = dropless; else an expert takes at most cf x (tokens x top_k / n_experts) copies per rank,
+    # overflow dropped and counted
+    moe_capacity_factor: float = 0.0

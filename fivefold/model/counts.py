@@ -1,0 +1,193 @@
+"""Parameter and FLOP counts of fivefold's model, by formula, for any shape.
+
+The formula mirrors `model/transformer.py` layer by layer (a test builds every preset on the meta device and
+compares), and splits the total the way the parallel code splits the model: what tensor parallel
+cuts, what it replicates, what expert parallel cuts, and what lives in the first and last pipeline
+stage only. Nothing here allocates a tensor, so a 405B model costs microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fivefold.model.config import ModelConfig
+
+# Attention FLOPs of a causal sequence: "full" counts the whole T x T score matrix (PaLM's and
+# Megatron-LM's MFU convention), "half" only the part the mask keeps.
+CausalFlops = Literal["half", "full"]
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Parameters of one transformer block, by how the parallel code treats them."""
+
+    tp_split: int  # attention projections and a dense SwiGLU: cut by tp (parallel/tensor.py TP_PLAN)
+    replicated: int  # norms, QK-norm, MLA's down-projections, router and shared experts: whole on every tp rank
+    experts: int  # routed experts: cut by ep, replicated over tp (README, expert parallel)
+    active_matmul: int  # matmul weights one token goes through (top_k of the routed experts)
+    routed_active: int = 0  # of `experts`, the top_k ones one token goes through
+
+    @property
+    def total(self) -> int:
+        return self.tp_split + self.replicated + self.experts
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    blocks: list[BlockParams]
+    embedding: int  # V x d (first stage); cut by tp over the vocabulary
+    head: int  # V x d, 0 when tied (last stage); cut by tp
+    final_norm: int  # d (last stage)
+
+    @property
+    def total(self) -> int:
+        return sum(b.total for b in self.blocks) + self.embedding + self.head + self.final_norm
+
+    @property
+    def expert_total(self) -> int:
+        return sum(b.experts for b in self.blocks)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token activates: all but the routed experts it is not sent to (the
+        published "activated parameters" of an MoE model)."""
+        return self.total - sum(b.experts - b.routed_active for b in self.blocks)
+
+    @property
+    def active_matmul(self) -> int:
+        """Matmul parameters one token uses: blocks (top-k experts only) and the output head."""
+        return sum(b.active_matmul for b in self.blocks) + self.embedding  # the head is V x d either way
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim or m.dim // m.n_heads
+
+
+def attention_head_dims(m: ModelConfig) -> tuple[int, int]:
+    """Per-head widths of (query/key, value): head_dim twice, or MLA's (Dn + Dr, Dv)."""
+    if m.kv_lora_rank:
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return head_dim(m), head_dim(m)
+
+
+def attention_params(m: ModelConfig) -> tuple[int, int, int]:
+    """One block's attention (model/attention.py): (tp-split matmul, replicated matmul, norm) parameters.
+
+    Grouped-query: wq, wk, wv, wo split by heads; QK-norm weights. Latent (MLA): the per-head
+    up-projections wq_b (or wq) and wkv_b and the output wo split; the down-projections wq_a and
+    wkv_a replicated, as are their norms (parallel/tensor.py).
+    """
+    d, H = m.dim, m.n_heads
+    if not m.kv_lora_rank:
+        hd = head_dim(m)
+        return d * H * hd + 2 * d * m.n_kv_heads * hd + H * hd * d, 0, (2 * hd if m.qk_norm else 0)
+    qk, v, rq, rkv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    split = (rq or d) * H * qk + rkv * H * (m.qk_nope_head_dim + v) + H * v * d  # wq_b (or wq), wkv_b, wo
+    down = d * rq + d * (rkv + m.qk_rope_head_dim)  # wq_a, wkv_a
+    return split, down, rq + rkv  # q_a_norm, kv_a_norm
+
+
+def block_params(m: ModelConfig, layer: int) -> BlockParams:
+    """model.Block: attn_norm, attention (attention_params), ffn_norm, FeedForward or MoE."""
+    d = m.dim
+    attn, down, attn_norms = attention_params(m)
+    replicated = 2 * d + attn_norms + down  # attn_norm, ffn_norm, attention's norms and down-projections
+    attn_matmul = attn + down
+    if m.n_experts and layer >= m.first_dense_layers:
+        h = m.moe_ffn_dim or m.ffn_dim
+        router, experts = d * m.n_experts, 3 * m.n_experts * d * h  # gate, up, down per expert
+        shared = 3 * d * h * m.n_shared_experts  # one SwiGLU of width h x n_shared
+        active = attn_matmul + router + shared + 3 * d * h * m.top_k
+        return BlockParams(tp_split=attn, replicated=replicated + router + shared, experts=experts,
+                           active_matmul=active, routed_active=3 * d * h * m.top_k)
+    ffn = 3 * d * m.ffn_dim  # gate, up, down
+    return BlockParams(tp_split=attn + ffn, replicated=replicated, experts=0, active_matmul=attn_matmul + ffn)
+
+
+def block_rank_params(bp: BlockParams, tp: int, ep: int) -> int:
+    """Parameters of one block on one rank: the tp-split part / tp, the replicated part whole, the
+    routed experts / ep."""
+    return bp.tp_split // tp + bp.replicated + bp.experts // ep
+
+
+def block_forward_flops(m: ModelConfig, bp: BlockParams, seq_len: int, tp: int, sp: bool = False) -> int:
+    """Forward FLOPs of one block per token on one tp rank: 2 per multiply-add of the matmul weights
+    a token goes through (tp cuts attention and dense MLPs; the router, shared and routed experts run
+    whole, on every token without sp, on this tp rank's T/tp tokens with sp: parallel/expert.py) plus
+    the causal attention core, s H (Dqk + Dv) (QK^T and PV, 2 per multiply-add, halved for the
+    mask; 2 s H hd when both widths are head_dim, MLA's differ). Integers: validate() makes heads,
+    key/value heads and ffn_dim divisible by tp."""
+    attention_core = seq_len * m.n_heads * sum(attention_head_dims(m))
+    whole = 2 * (bp.active_matmul - bp.tp_split)
+    return (2 * bp.tp_split + attention_core) // tp + (whole // tp if sp else whole)
+
+
+def head_forward_flops(counts: ModelCounts, tp: int) -> int:
+    """Forward FLOPs per token of the head's V x d matmul on one tp rank (tied or not: the same
+    matrix size; the vocabulary is divisible by tp). The embedding is a lookup: no FLOPs."""
+    return 2 * counts.embedding // tp
+
+
+def model_counts(m: ModelConfig, vocab_size: int | None = None) -> ModelCounts:
+    """Counts for a model whose vocabulary is `vocab_size` (default: m.vocab_size)."""
+    v = vocab_size or m.vocab_size
+    if v <= 0:
+        raise ValueError("the vocabulary size must be known (model.vocab_size, or pass vocab_size)")
+    return ModelCounts(blocks=[block_params(m, i) for i in range(m.n_layers)], embedding=v * m.dim,
+                       head=0 if m.tie_embeddings else v * m.dim, final_norm=m.dim)
+
+
+def count_on_meta(m: ModelConfig, vocab_size: int | None = None) -> int:
+    """The same count from the real model built on the meta device (no memory): the test oracle."""
+    import dataclasses
+
+    import torch
+
+    from fivefold.model.transformer import Transformer, count_parameters
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(m, vocab_size=vocab_size or m.vocab_size))
+    return count_parameters(model)
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
+                    causal: CausalFlops = "full") -> dict[str, float]:
+    """Training FLOPs per token (forward + backward), model FLOPs only (no recompute).
+
+    - matmuls: 6 x active matmul parameters (2 per multiply-add forward, twice that backward;
+      Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C = 6N), head included;
+    - attention scores and the weighted sum: per head a matmul of s x Dqk (QK^T) and one of s x Dv
+      (PV), 2 FLOPs per multiply-add, x3 for backward: 6 x L x s x H x (Dqk + Dv), which is
+      12 L s H hd when Dqk = Dv = hd, PaLM's 12 L H Q T (Chowdhery et al. 2022, App. B) and the
+      4 s h per layer forward of Megatron-LM (Narayanan et al. 2021, its FLOP count): both count it in
+      full. causal="half" halves it for the masked half a fused kernel skips, which is what the
+      step time prices (compute.py). MLA: Dqk = Dn + Dr, Dv; its down- and up-projections are
+      matmul parameters like any other.
+    Returns {"matmul", "attention", "total", "attention_forward"} (the last, the attention's forward
+    under the same convention, is what selective recompute runs again).
+    """
+    if causal not in ("full", "half"):
+        raise ValueError(f"causal = {causal!r}: expected 'full' or 'half'")
+    c = model_counts(m, vocab_size)
+    matmul = 6.0 * c.active_matmul
+    attention = 6.0 * m.n_layers * seq_len * m.n_heads * sum(attention_head_dims(m)) / (2 if causal == "half" else 1)
+    return {"matmul": matmul, "attention": attention, "total": matmul + attention, "attention_forward": attention / 3}
+
+
+def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, vocab_size: int | None = None,
+                              causal: CausalFlops = "full") -> float:
+    """FLOPs per token that activation recomputation runs again (parallel/recompute.py), under the
+    same causal convention: "full" one more forward of every block (its matmuls and attention core;
+    the head is not recomputed), "selective" the attention core's forward (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models"), "none" nothing. Model FLOPs +
+    these are the hardware FLOPs of HFU, which that paper reports beside MFU."""
+    f = flops_per_token(m, seq_len, vocab_size, causal)
+    if recompute == "full":
+        blocks = sum(b.active_matmul for b in model_counts(m, vocab_size).blocks)
+        return 2.0 * blocks + f["attention_forward"]
+    if recompute == "selective":
+        return f["attention_forward"]
+    if recompute == "none":
+        return 0.0
+    raise ValueError(f"train.recompute = {recompute!r}: expected none, selective or full")

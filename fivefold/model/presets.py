@@ -1,0 +1,82 @@
+"""Named model shapes, from the published model cards and config files.
+
+`PUBLISHED_PARAMS` holds each preset's total parameter count as its authors state it; a test
+builds every preset on the meta device and checks our count against it, so the planner and the
+model cannot disagree about what "llama3-70b" is.
+"""
+
+from __future__ import annotations
+
+from fivefold.model.config import ModelConfig
+
+_LLAMA3 = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
+_QWEN3 = dict(head_dim=128, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Test and demo sizes: every count divisible by 4, so tp/pp/cp/ep up to 4 (and 8 for layers) fit.
+    "tiny": ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=128),
+    "tiny-moe": ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=128, n_experts=4, top_k=2,
+                            moe_ffn_dim=64),
+    # DeepSeek-V3's architecture in miniature: latent attention (values narrower than query/key heads),
+    # one dense block, then 8 experts in 4 groups, top-2 within 2 groups, a shared expert.
+    "tiny-mla": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, kv_lora_rank=32, q_lora_rank=48,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_experts=8, top_k=2,
+                            moe_ffn_dim=32, n_shared_experts=1, first_dense_layers=1, router_score="sigmoid",
+                            n_expert_groups=4, topk_groups=2, moe_routed_scale=2.5,
+                            norm_eps=1e-6),  # DeepSeek-V3's (its latent norms' in Hugging Face): exportable
+    "debug": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384),
+    # Llama 3 (Meta, "The Llama 3 Herd of Models", 2024).
+    "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3),
+    "llama3-70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA3),
+    "llama3-405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **_LLAMA3),
+    # Mixtral (Mistral AI, "Mixtral of Experts", 2024): every FFN is 8 experts, top-2.
+    "mixtral-8x7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
+                                rope_theta=1e6, n_experts=8, top_k=2),
+    "mixtral-8x22b": ModelConfig(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, ffn_dim=16384, vocab_size=32768,
+                                 rope_theta=1e6, n_experts=8, top_k=2),
+    # Qwen3 (Qwen team, 2025): QK-norm, head_dim 128 independent of dim.
+    "qwen3-8b": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288, **_QWEN3),
+    "qwen3-30b-a3b": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_dim=6144, n_experts=128, top_k=8,
+                                 moe_ffn_dim=768, **_QWEN3),
+    "qwen3-235b-a22b": ModelConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_dim=12288, n_experts=128,
+                                   top_k=8, moe_ffn_dim=1536, **_QWEN3),
+    # DeepSeek-V3 (DeepSeek-AI, arXiv 2412.19437, sec. 4.2) as published, without the multi-token
+    # prediction module: multi-head latent attention (128 heads, latents 1536 / 512, head widths
+    # 128 + 64 rope, values 128), 3 dense blocks of width 18432, then 256 routed experts of width
+    # 2048 plus 1 shared, top-8 within 4 of 8 groups, sigmoid scores, routed scale 2.5, and the
+    # bias-based balancing (gamma 0.001) with a sequence-wise loss of alpha 0.0001. Plain RoPE: the
+    # YaRN extension to 128K context (sec. 4.3) is not implemented.
+    "deepseek-v3": ModelConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432,
+                               vocab_size=129280, rope_theta=10000.0, norm_eps=1e-6, kv_lora_rank=512,
+                               q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                               n_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=3,
+                               router_score="sigmoid", n_expert_groups=8, topk_groups=4, moe_routed_scale=2.5,
+                               moe_bias_update=0.001, moe_aux_loss=0.0001),
+}
+
+# Totals as published (model cards / Hugging Face safetensors metadata).
+PUBLISHED_PARAMS: dict[str, float] = {
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.55e9,
+    "llama3-405b": 405.85e9,
+    "mixtral-8x7b": 46.70e9,
+    "mixtral-8x22b": 140.6e9,
+    "qwen3-8b": 8.19e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-235b-a22b": 235.1e9,
+    "deepseek-v3": 671e9,
+}
+
+# Sequence length of each model's main pre-training stage, as its report states it: what `fivefold
+# plan` assumes when it is given no --seq (the training config's default, 64 tokens, is for tests).
+PRETRAIN_SEQ_LEN: dict[str, int] = {
+    "llama3-8b": 8192,  # Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.4.1: 8K-token sequences
+    "llama3-70b": 8192,
+    "llama3-405b": 8192,
+    "mixtral-8x7b": 32768,  # Jiang et al. 2024, "Mixtral of Experts", sec. 2: a context of 32k tokens
+    "mixtral-8x22b": 32768,
+    "qwen3-8b": 4096,  # Qwen3 technical report (2025), sec. 3.2: general stage S1 at 4,096 tokens
+    "qwen3-30b-a3b": 4096,
+    "qwen3-235b-a22b": 4096,
+    "deepseek-v3": 4096,  # DeepSeek-V3 technical report (2024), sec. 4.2: maximum sequence length 4K
+}

@@ -1,0 +1,10 @@
+"""The collective layer: every collective and message on a named group, counted, timed, named on failure.
+
+- collectives.py  all_reduce, reduce_scatter, all_gather, all_to_all, P2P batches, barriers and
+                  object gathers, each on an AxisGroup, counted per axis in wire bytes
+- wire.py         the bytes formula (torch-free), shared with the planner
+- ring.py         ring reduce-scatter / all-gather / all-reduce written out with send and recv
+- timing.py       where a step's time goes: compute, exposed communication per axis, bubble
+- errors.py       a failed collective named: rank, operation, bytes, axis
+- arrivals.py     which ranks never arrived at a collective that timed out
+"""

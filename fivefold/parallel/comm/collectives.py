@@ -1,0 +1,408 @@
+"""Every collective the parallel code calls, each on an explicit group, each counted per axis.
+
+A collective takes an `AxisGroup` (a process group plus the axis its traffic is charged to), so a
+run can report how many calls and bytes each parallel dimension cost, and the planner predicts the
+same numbers with the same `wire_bytes()` formula. A group of size 1 returns at once and counts
+nothing: code never branches on "is this dimension on".
+
+Bytes are counted two ways, per rank:
+- `bytes`: the payload (the tensor handed to the collective);
+- `wire_bytes`: what one rank sends under the bandwidth-optimal ring algorithm, the accounting used
+  in docs/ring-all-reduce.md and by NCCL's bus bandwidth: all-reduce 2(N-1)/N x S (a reduce-scatter then
+  an all-gather, Patarasuk & Yuan 2009), all-gather and reduce-scatter (N-1)/N x S of the full
+  tensor, all-to-all (N-1)/N x S, broadcast and point-to-point S.
+
+A collective whose peers do not answer within the group's timeout (`parallel.collective_timeout_s`),
+or whose peer's connection drops, raises `CollectiveError` naming this rank, the axis, the operation
+and its bytes, instead of the backend's anonymous message; async handles do the same in `wait()`.
+A timed-out collective also names the ranks of its group that never arrived, and why (stopped or
+hung, or behind by a number of calls), from the counts every rank publishes (comm/errors.py,
+arrivals.py).
+
+Point-to-point messages (pipeline activations and gradients, ring-attention K/V blocks, the steps
+of our own ring all-reduce) go through here too: `send`, `recv` and `exchange` address peers by
+their rank in the group, count what they send as "send" on the group's axis, and name a failure
+like a collective does; `batch` posts several sends and receives at once (the pipeline's).
+
+The time the calling thread is blocked in a collective or a message (a synchronous call, an async
+launch, a `wait()`) is reported to the group's `timer` (timing.py) as that axis's exposed
+communication.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fivefold.parallel.comm.arrivals import Arrivals
+
+# CollectiveError: what the calls here raise, so callers catch it as comms.CollectiveError.
+from fivefold.parallel.comm.errors import CollectiveError as CollectiveError
+from fivefold.parallel.comm.errors import group_name, named_error, named_errors
+from fivefold.parallel.comm.timing import Flight, StepTimer
+from fivefold.parallel.comm.wire import wire_bytes
+
+
+@dataclass
+class AxisCounter:
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per axis label ("dp", "tp", "pp", "cp", "ep"; "log" for metrics)."""
+
+    axes: dict[str, AxisCounter] = field(default_factory=lambda: defaultdict(AxisCounter))
+
+    def record(self, label: str, op: str, nbytes: int, n: int, wire: float | None = None) -> None:
+        """One call of `op` over n ranks on nbytes; `wire` overrides the ring formula when known."""
+        c = self.axes[label]
+        c.calls += 1
+        c.bytes += nbytes
+        c.wire_bytes += wire_bytes(op, nbytes, n) if wire is None else wire
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: {"calls": v.calls, "bytes": v.bytes, "wire_bytes": v.wire_bytes}
+                for k, v in sorted(self.axes.items())}
+
+    def reset(self) -> None:
+        self.axes.clear()
+
+
+@dataclass
+class AxisGroup:
+    """A process group, this rank's place in it, and the axis label its traffic is charged to."""
+
+    name: str  # the view's name: "tp", "dp", "grad", ...
+    label: str  # the axis charged: gradient reduction over dp x cp counts as "dp"
+    pg: dist.ProcessGroup | None
+    size: int
+    rank: int
+    stats: CommStats
+    timeout_s: float | None = None  # what the process group waits for its peers (None: torch's default)
+    timer: StepTimer = field(default_factory=StepTimer)  # the mesh's step timer: where blocked time goes
+    arrivals: Arrivals | None = None  # the mesh's collective counts (None: a timeout names no missing rank)
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of this group's rank `group_rank` (point-to-point calls address world ranks)."""
+        return dist.get_global_rank(self.pg, group_rank)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _count(group: AxisGroup) -> int | None:
+    """Count one collective on the group; its number there, or None where nothing counts."""
+    return None if group.arrivals is None else group.arrivals.issue(group_name(group))
+
+
+class Pending:
+    """The handle of an async collective or message: wait() blocks until it is done, naming it if it
+    fails. The time wait() blocks is this axis's exposed communication (timing.py); a wait on another
+    thread (the pipeline's send thread) counts nothing."""
+
+    def __init__(self, works: list[dist.Work], describe: Callable[[RuntimeError], RuntimeError], group: AxisGroup,
+                 label: str, op: str, flight: Flight | None = None):
+        self._works, self._describe, self._group, self._label, self._op = works, describe, group, label, op
+        self._flight = flight  # traced, and the work has no future: its span ends when waited on
+
+    def wait(self, part: str | None = None) -> None:
+        """Block until done; the time waited counts to `part` when given ("bubble": a pipeline stage
+        with nothing else to do), else to the axis's exposed time."""
+        timer, name = self._group.timer, f"{self._op} wait"
+        try:
+            with timer.span(part, self._label, name) if part else timer.blocked(self._label, name):
+                for work in self._works:
+                    work.wait()
+        except RuntimeError as e:
+            raise self._describe(e) from e
+        if self._flight is not None:
+            self._flight.done()
+            self._flight = None
+
+
+def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
+           call: Callable[[], dist.Work | list[dist.Work] | None], name: str | None = None,
+           number: int | None = None) -> Pending | None:
+    """Run one collective or batch of messages; a failure names it (async: when the handle is waited on).
+    `number`: a collective's number on its group (`_count`; messages have none)."""
+    name = name or op
+    describe = lambda e: named_error(e, name, group, nbytes, label, number)  # noqa: E731
+    flight = group.timer.flight(label, name) if async_op else None
+    try:
+        with group.timer.blocked(label, name):  # a synchronous call blocks throughout; an async one while it launches
+            work = call()
+    except RuntimeError as e:
+        raise describe(e) from e
+    if not async_op:
+        return None
+    works = work if isinstance(work, list) else [work]
+    if flight is not None and len(works) == 1:
+        try:  # gloo's collectives complete their future from the backend's thread: the true end
+            works[0].get_future().add_done_callback(flight.done)
+            flight = None
+        except RuntimeError:  # "getFuture not implemented" (gloo point-to-point): ends at wait()
+            pass
+    return Pending(works, describe, group, label, name, flight)
+
+
+def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               async_op: bool = False, label: str | None = None) -> Pending | None:
+    """In-place all-reduce over `group`; returns the work handle when async_op.
+
+    `label` charges the traffic elsewhere than the group's axis (metrics use "log", so the
+    per-axis counts stay those of training itself).
+    """
+    if group.size == 1:
+        return None
+    group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
+    return _issue("all_reduce", group, _nbytes(tensor), label or group.label, async_op,
+                  lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), number=_count(group))
+
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+                   async_op: bool = False) -> Pending | None:
+    """Sum `input` (N x output.numel(), rank-major) over the group; rank r keeps chunk r in `output`.
+
+    Counted by the full input size, as the ring moves (N-1)/N of it. On CPU tensors (gloo) it is
+    always synchronous: gloo's async form blocks for most of its time anyway (docs/torch-cpu-notes.md)
+    and keeps a copy of the whole input alive until it is waited on, a bucket's size more at the peak
+    of a ZeRO backward (measured: benchmarks/startup_memory.py); the sync form frees it at once.
+    """
+    if group.size == 1:
+        output.copy_(input)
+        return None
+    async_op = async_op and input.device.type != "cpu"
+    group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
+    return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
+                  lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg,
+                                                     async_op=async_op), number=_count(group))
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+               async_op: bool = False) -> Pending | None:
+    """Concatenate every rank's `input` into the flat `output` (N x input.numel()), in rank order."""
+    if group.size == 1:
+        output.copy_(input)
+        return None
+    group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
+    return _issue("all_gather", group, _nbytes(output), group.label, async_op,
+                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op),
+                  number=_count(group))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None,
+               async_op: bool = False) -> Pending | None:
+    """Rank r sends rows input_splits[j] (dim 0) to rank j and receives output_splits[j] from it.
+
+    Equal splits when none are given. Counted by the rows this rank sends to the others (its own
+    rows never leave it): the wire bytes are then exactly the payload that crosses the network.
+    """
+    if group.size == 1:
+        output.copy_(input)
+        return None
+    sent = None  # equal splits: the ring formula (N-1)/N x S is exact
+    if input_splits is not None:
+        row = _nbytes(input[0]) if input.shape[0] else 0
+        sent = row * (sum(input_splits) - input_splits[group.rank])
+    group.stats.record(group.label, "all_to_all", _nbytes(input), group.size, wire=sent)
+    return _issue("all_to_all", group, _nbytes(input), group.label, async_op,
+                  lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group.pg,
+                                                 async_op=async_op), number=_count(group))
+
+
+# ---- point-to-point: pipeline messages, ring hops ----
+# Peers are group ranks. Only sends are counted (a message's bytes once, by the rank that sends them).
+
+
+def send(tensor: torch.Tensor, to: int, group: AxisGroup, name: str = "send", tag: int = 0) -> Pending:
+    """Start sending `tensor` to group rank `to`; wait() on the handle (or on another thread) to finish."""
+    nbytes = _nbytes(tensor)
+    group.stats.record(group.label, "send", nbytes, group.size)
+    return _issue("send", group, nbytes, group.label, True,
+                  lambda: dist.isend(tensor, group.global_rank(to), group=group.pg, tag=tag), name)
+
+
+def recv(tensor: torch.Tensor, frm: int, group: AxisGroup, name: str = "recv", tag: int = 0,
+         part: str | None = None) -> None:
+    """Receive into `tensor` from group rank `frm`, blocking. The time waited is the axis's exposed
+    time, or `part`'s ("bubble": a pipeline stage that has nothing else to do)."""
+    span = group.timer.span(part, group.label, name) if part else group.timer.blocked(group.label, name)
+    with span, named_errors(name, group, _nbytes(tensor)):
+        dist.irecv(tensor, group.global_rank(frm), group=group.pg, tag=tag).wait()
+
+
+def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to: int, frm: int, group: AxisGroup,
+             name: str = "exchange", tag: int = 0) -> Pending:
+    """Post a send to `to` and a receive from `frm` as one batch; wait() on the handle for both.
+
+    One batch, because in a ring every rank sends and receives at once: if each did a blocking send
+    first, all would wait for a receiver that is itself stuck sending.
+    """
+    nbytes = _nbytes(send_buf)
+    group.stats.record(group.label, "send", nbytes, group.size)
+    ops = [dist.P2POp(dist.isend, send_buf, group.global_rank(to), group=group.pg, tag=tag),
+           dist.P2POp(dist.irecv, recv_buf, group.global_rank(frm), group=group.pg, tag=tag)]
+    return _issue("send", group, nbytes, group.label, True, lambda: dist.batch_isend_irecv(ops), name)
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One send or receive of a `batch`: the tensor, the peer's group rank, the tag (gloo matches by
+    it, NCCL ignores it) and a name for errors and traces."""
+
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+    name: str = "message"
+
+
+def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pending], list[Pending]]:
+    """Post `sends` and `recvs` as one batch; one handle per send and per receive, in order.
+
+    NCCL runs a batch as one group whose operations progress together (two ranks that each send to
+    the other cannot both block in the send) and matches the messages between two ranks by the
+    order they are posted. Where the backend returns one work for the whole batch (NCCL), every
+    handle waits for all of it; gloo returns one per operation.
+    """
+    if not sends and not recvs:
+        return [], []
+    ops = [dist.P2POp(op, m.tensor, group.global_rank(m.peer), group=group.pg, tag=m.tag)
+           for op, ms in ((dist.isend, sends), (dist.irecv, recvs)) for m in ms]
+    for m in sends:
+        group.stats.record(group.label, "send", _nbytes(m.tensor), group.size)
+    first = (sends or recvs)[0]
+    try:
+        with group.timer.blocked(group.label, first.name):  # the launch; the transfers run in the background
+            works = dist.batch_isend_irecv(ops)
+    except RuntimeError as e:
+        raise named_error(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e
+    handles = [Pending(list(works) if len(works) != len(ops) else [works[k]],
+                       lambda e, m=m: named_error(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
+                       m.name, group.timer.flight(group.label, m.name)) for k, m in enumerate([*sends, *recvs])]
+    return handles[:len(sends)], handles[len(sends):]
+
+
+# ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----
+# Each forward collective has its conjugate in backward: identity <-> all-reduce, and (sequence
+# parallel) all-gather <-> reduce-scatter along the sequence dim (dim 1 of (B, T, ...)).
+
+
+def _seq_gather(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """(B, T/n, ...) on each rank -> (B, T, ...), rank-ordered along T."""
+    local = x.transpose(0, 1).contiguous()  # (T/n, B, ...): the flat all-gather concatenates dim 0
+    out = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
+    all_gather(out, local, group)
+    # One contiguous copy here; a strided view would be copied again by each of the region's
+    # linears (q, k and v each), tripling what autograd keeps.
+    return out.transpose(0, 1).contiguous()
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) slice of their sum."""
+    full = x.transpose(0, 1).contiguous()  # (T, B, ...)
+    out = full.new_empty((full.shape[0] // group.size, *full.shape[1:]))
+    reduce_scatter(out, full, group)
+    return out.transpose(0, 1).contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone(memory_format=torch.contiguous_format)  # the sum replaces a copy, not autograd's input
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: identity (every tp rank has x). Backward: all-reduce the partial input gradients."""
+    return x if group.size == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: all-reduce the partial sums of a row-parallel product. Backward: identity."""
+    return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: all-gather the sequence shards. Backward: reduce-scatter the gradient to them."""
+    return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: reduce-scatter partial sums into sequence shards. Backward: all-gather."""
+    return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+# ---- autograd-aware all-to-all (expert dispatch, Ulysses) ----
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to other ranks by splits; backward sends the gradients back (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        all_to_all(out, x.contiguous(), group, out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        all_to_all(grad_in, grad.contiguous(), ctx.group, in_splits, out_splits)
+        return grad_in, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group: AxisGroup, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Autograd-aware all-to-all along dim 0: x's rows in_splits[j] go to rank j; receive out_splits[j]."""
+    return _AllToAll.apply(x, group, out_splits, in_splits)

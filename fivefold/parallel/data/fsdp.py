@@ -1,0 +1,222 @@
+"""ZeRO-3 / FSDP: parameters sharded too; each unit gathers its weights only while it computes.
+
+What is sharded over dp_shard (replicated over dp_replicate for HSDP): parameters, gradients and
+optimizer state. Units: the embedding, each transformer block, and the head (final norm + output).
+With N ranks, P parameter bytes and M micro-batches, two modes (`parallel.reshard_after_forward`):
+- resharding (the default without pipelines), per micro-batch: a unit's parameters are
+  all-gathered before its forward and freed after it, gathered again before its backward, freed
+  after it, and its gradients reduce-scattered at once, so the full gradient never outlives its
+  unit. Traffic 3 M (N-1)/N x P, 1.5x DDP's at M = 1, less the head's unit's: without a pipeline
+  its backward follows its forward with only the loss between, so it stays gathered across (as
+  FSDP2 keeps its root unit), one gather a micro-batch instead of two.
+- kept gathered (the default with pipelines, as torchtitan composes FSDP2 with pipelining): a
+  unit is gathered at its first forward of the step and kept until its chunk's last backward,
+  where its gradients, accumulated unsharded, are reduce-scattered once. Traffic 2 (N-1)/N x P
+  whatever M is; in memory the step holds this rank's stages whole, as ZeRO-1 would. With a
+  pipeline, gathering around every F, B (and the zero-bubble I and W) would multiply the traffic
+  by the micro-batch count for little memory: the next micro-batch's forward follows soon.
+The next unit's all-gather is issued asynchronously while the current one computes (prefetch).
+The optimizer steps the fp32 shards and no all-gather follows: the next forward gathers.
+(Rajbhandari et al. 2020, ZeRO stage 3; Zhao et al. 2023, "PyTorch FSDP".)
+
+How a parameter is freed: its storage is resized to zero and back (the tensor object, which
+autograd saved for backward, stays the same), so the model code is untouched. The shards and the
+optimizer are ZeRO-1/2's (`ZeroDataParallel`): each parameter split along dim 0 like torch.chunk,
+so checkpoints save DTensor shards and reshard to any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from fivefold.config import ParallelConfig
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.data.ddp import Bucket
+from fivefold.parallel.data.zero import ZeroDataParallel
+from fivefold.parallel.materialize import freed, materialize
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.state_dict import gather_expert_shards, gather_tp_shards, is_expert_parameter
+
+
+@dataclass
+class Unit:
+    modules: list[nn.Module]  # run in this order in forward
+    params: list[nn.Parameter]
+    gathered: bool = True  # full parameters materialised (true at construction)
+    kept_for_backward: bool = False  # the head's unit without a pipeline: gathered from its forward to its backward
+    pending: list | None = None  # (work, flat buffer, bucket) of each all-gather in flight
+    buckets: list[Bucket] = field(default_factory=list)  # its experts' (ep > 1: over expert_dp), then the rest
+    prev: "Unit | None" = field(default=None, repr=False)  # neighbours in forward order, for prefetch
+    next: "Unit | None" = field(default=None, repr=False)
+
+
+def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
+    """Module groups in forward order: embedding, each block, then final norm + head. A head that
+    shares the embedding's matrix (tied embeddings, both on this rank) joins the embedding's unit:
+    one parameter belongs to one unit, which then stays gathered from the embedding's forward to
+    the head's (as an FSDP2 root unit holding both does)."""
+    emb, head = model.tok_embeddings, model.output
+    tied = emb is not None and head is not None and head.weight is emb.weight
+    ends = [[emb, model.norm, head]] if tied else [[emb]]
+    groups = ends + [[block] for block in model.layers.values()] + ([] if tied else [[model.norm, head]])
+    return [[m for m in g if m is not None] for g in groups if any(m is not None for m in g)]
+
+
+class FullyShardedDataParallel(ZeroDataParallel):
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig,
+                 chunks: list[list[nn.Module]] | None = None, reshard_after_forward: bool = True):
+        # Built on the meta device, the full parameters never hold storage: only the shards do.
+        materialize(model, mesh.device, freed)
+        self.reshard_after_forward = reshard_after_forward  # derive() resolves "auto" (parallel/derive.py)
+        # A pipeline runs other actions between a head's forward and its backward (all of them in
+        # GPipe): kept gathered across, the head would hold its memory all that while.
+        head_next = mesh.size("pp") == 1
+        self.units = [Unit(mods, list(dict.fromkeys(p for m in mods for p in m.parameters() if p.requires_grad)),
+                           kept_for_backward=head_next and model.output in mods)
+                      for mods in sharding_units(model)]
+        for a, b in zip(self.units, self.units[1:], strict=False):
+            a.next, b.prev = b, a
+        if len(self.units) > 1 and model.output is not None and model.output in self.units[0].modules:
+            self.units[0].prev = self.units[-1]  # the tied head's unit runs first in backward, then the last block
+        self.max_gathered = 0  # most units holding full parameters at once, prefetches included
+        super().__init__(model, mesh, parallel, chunks)  # makes the fp32 shards from the full weights
+        for unit in self.units:
+            self._free(unit)
+            unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+            unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+
+    def _make_buckets(self, parallel: ParallelConfig) -> list[Bucket]:
+        # One bucket per unit and group, in backward order: a unit's gradients leave as soon as it is
+        # done, or (kept gathered) at the last backward of its chunk, the last of its parameters'
+        # chunks. Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own.
+        for unit in self.units:
+            chunks = [self.chunk_of[id(p)] for p in unit.params if id(p) in self.chunk_of]
+            chunk = max(chunks) if chunks else None
+            expert = [p for p in unit.params if is_expert_parameter(p)]
+            dense = [p for p in unit.params if not is_expert_parameter(p)]
+            unit.buckets = ([Bucket(expert, self.expert_shard_group, chunk)] if expert else []) + (
+                [Bucket(dense, None, chunk)] if dense else [])
+        self.unit_of = {id(b): u for u in self.units for b in u.buckets}
+        return [b for u in reversed(self.units) for b in u.buckets]
+
+    def _reduces_on(self, last_micro_batch: bool) -> bool:
+        # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
+        # chunk's last backward; the full gradients accumulate until then.
+        return self.reshard_after_forward or last_micro_batch
+
+    # ---- gather and free ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _issue_gather(self, unit: Unit) -> None:
+        if unit.gathered or unit.pending is not None:
+            return
+        unit.pending = []
+        for b in unit.buckets:
+            group = self._bucket_group(b)
+            local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
+            full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
+            unit.pending.append((collectives.all_gather(full, local, group, async_op=True), full, b))
+        in_use = sum(u.gathered or u.pending is not None for u in self.units)
+        self.max_gathered = max(self.max_gathered, in_use)
+
+    @torch.no_grad()
+    def _gather(self, unit: Unit) -> None:
+        """Make the unit's full parameters available (waiting for a prefetch if one is in flight)."""
+        if unit.gathered:
+            return
+        self._issue_gather(unit)
+        for work, full, b in unit.pending:
+            if work is not None:
+                work.wait()
+            n = self._bucket_group(b).size
+            for p, chunk in zip(b.params, full.view(n, -1).split(b.shard_numel, dim=1), strict=True):
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                # Through .data: a refill is not a modification autograd must see (the values are the
+                # ones forward used), and bumping p's version would fail the saved-tensor check.
+                self._write_rows(p, chunk, p.data)
+        unit.pending, unit.gathered = None, True
+
+    def _free(self, unit: Unit, params: list[nn.Parameter] | None = None) -> None:
+        """Free the unit's full parameters (`params`: only those; the unit counts as freed, so its
+        next use gathers it whole)."""
+        for p in unit.params if params is None else params:
+            p.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit) -> None:
+        self._gather(unit)
+        if unit.next is not None:
+            self._issue_gather(unit.next)  # prefetch: overlaps the next unit's gather with this compute
+
+    def _post_forward(self, unit: Unit, out: torch.Tensor) -> None:
+        backward_follows = torch.is_grad_enabled() and out.requires_grad
+        if self.reshard_after_forward and not (unit.kept_for_backward and backward_follows):
+            self._free(unit)  # the head's backward comes next: freed now, it would be gathered again at once
+        if backward_follows:
+            # Fires when the gradient of the unit's output is complete, i.e. just before its backward.
+            out.register_hook(lambda grad: self._pre_backward(unit))
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._gather(unit)
+        if unit.prev is not None:
+            self._issue_gather(unit.prev)  # backward runs the units in reverse order
+
+    @torch.no_grad()
+    def _launch(self, b: Bucket) -> None:
+        super()._launch(b)  # reduce-scatter the unit's gradients (and drop the full ones)
+        self._free(self.unit_of[id(b)], b.params)  # the unit's other bucket may still be computing with its weights
+
+    @contextlib.contextmanager
+    def reducing(self, last_micro_batch: bool, chunk: int | None = None) -> Iterator[None]:
+        with super().reducing(last_micro_batch, chunk):
+            reduced = {id(b) for b in self._armed}
+            yield
+        for unit in self.units:  # a unit whose output needed no gradient may still be gathered
+            if unit.gathered and any(id(b) in reduced for b in unit.buckets):
+                self._free(unit)
+
+    def after_step(self) -> None:
+        """The shards are the weights now: the next forward gathers them, no all-gather here."""
+        for unit in self.units:  # anything still gathered (kept after an evaluation) is stale now
+            if unit.gathered:
+                self._free(unit)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers (an MoE's routing bias): replicated, saved as they are."""
+        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in self.model.state_dict().items() if k not in params}
+
+    def _aliases(self) -> dict[str, str]:
+        """Second names of shared parameters (a tied head's "output.weight") -> their first name.
+        The state lists both, as the replicated model's does, so checkpoints move between them."""
+        return {name: self.names[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
+                if self.names.get(id(p), name) != name}
+
+    def model_state_dict(self) -> dict:
+        shards = {self.names[id(p)]: self._dtensor(p, self.shards[id(p)].detach()) for p in self.params}
+        return {**shards, **{alias: shards[name] for alias, name in self._aliases().items()}, **self._buffers()}
+
+    @torch.no_grad()
+    def load_model_state_dict(self, state: dict) -> None:
+        for p in self.params:
+            local = state[self.names[id(p)]].to_local().movedim(self.zero_dims[id(p)], 0)
+            self.shards[id(p)][: local.shape[0]] = local
+        for name, buffer in self._buffers().items():
+            buffer.copy_(state[name])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for unit in self.units:
+            self._gather(unit)
+            out.update({self.names[id(p)]: p.detach().clone() for p in unit.params})
+            self._free(unit)
+        out.update({alias: out[name] for alias, name in self._aliases().items()})
+        out.update({k: v.detach().clone() for k, v in self._buffers().items()})
+        return gather_expert_shards(gather_tp_shards(out, self.model, self.mesh), self.model, self.mesh.group("ep"))

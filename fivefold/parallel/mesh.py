@@ -1,0 +1,197 @@
+"""The device mesh: parallel degrees -> one named torch DeviceMesh, plus named views by purpose.
+
+Axis order, outermost first: ("pp", "dp_replicate", "dp_shard", "cp", "tp"). Consecutive ranks
+differ in tp first, so tensor parallel (the most traffic, every layer) stays inside a node, and
+pipeline parallel (the least, one activation per micro-batch) crosses nodes. With 8 ranks,
+dp_shard=2, tp=4: ranks {0,1,2,3} form one tp group and {0,4} one dp group.
+
+Every axis exists even at size 1, so code never asks "is TP on?": a collective on a size-1 group
+returns at once. Views by purpose:
+- each axis by its name, and "dp" = dp_replicate x dp_shard;
+- "batch": the ranks that see different samples (= dp);
+- "grad": the ranks whose gradients are summed (dp x cp: context-parallel ranks hold different
+  tokens of the same samples, so their gradients add up too).
+- "ep": the ranks among which one MoE block's experts are split, and "expert_dp", the ranks that
+  hold the same experts (their gradients are summed there; charged to "dp"). They are not axes of
+  the DeviceMesh but carved out of the grad view, one grad view per (pp, tp) place: grad rank g is in
+  ep group g // ep with ep rank g % ep (`expert_partitions`). Built with new_group, because
+  split_group fails on gloo; at ep = 1 the ep group is this rank alone and expert_dp is the grad view.
+
+The mesh also owns this rank's communication counters (`stats`), step timer (`timer`) and
+collective counts (`arrivals`, published for naming the ranks a timed-out collective waits for:
+parallel/comm/arrivals.py), which every group carries, so the code that talks and computes reports to
+them without any global. Nothing here is global: the Mesh is passed to whoever needs it; `close()`
+(or the mesh's collection, or the interpreter's exit) stops the arrivals' publishing thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fivefold.config import Config
+from fivefold.parallel.comm.arrivals import Arrivals
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
+from fivefold.parallel.derive import Derived
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# View name -> the mesh axes it spans (consecutive, so DeviceMesh can flatten them).
+VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "batch": ("dp_replicate", "dp_shard"),
+    "grad": ("dp_replicate", "dp_shard", "cp"),
+}
+# Which axis a view's traffic is charged to in the communication counters.
+LABELS = {"dp_replicate": "dp", "dp_shard": "dp", "batch": "dp", "grad": "dp"}
+
+
+def expert_partitions(grid: torch.Tensor, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Global ranks of every ep group and every expert replica group, for a mesh grid of global
+    ranks shaped (pp, dp_replicate, dp_shard, cp, tp). Pure: every rank computes the same lists."""
+    pp, dpr, dps, cp, tp = grid.shape
+    grad = dpr * dps * cp
+    if grad % ep:
+        raise ValueError(f"ep = {ep} must divide dp x cp = {grad}")
+    views = grid.permute(0, 4, 1, 2, 3).reshape(pp * tp, grad)  # one grad view per (pp, tp), in grad-rank order
+    ep_parts, replica_parts = [], []
+    for ranks in views.tolist():
+        ep_parts += [ranks[i:i + ep] for i in range(0, grad, ep)]  # consecutive grad ranks
+        replica_parts += [ranks[j::ep] for j in range(ep)]  # the same ep rank in every ep group
+    return ep_parts, replica_parts
+
+
+class Mesh:
+    """Named process groups for one layout; `group(name)` gives an AxisGroup for comm/collectives.py.
+
+    Collective: every rank builds the same mesh at the same point (DeviceMesh and new_group are).
+    """
+
+    def __init__(self, degrees: dict[str, int], device_type: str = "cpu", timeout_s: float | None = None,
+                 ep: int = 1, device: torch.device | None = None):
+        missing = [a for a in AXES if a not in degrees]
+        if missing:
+            raise ValueError(f"Mesh needs a degree for every axis {AXES}; missing {missing}")
+        self.degrees = {a: degrees[a] for a in AXES}
+        self.world_size = math.prod(self.degrees.values())
+        self.device_type = device_type
+        self._device = device  # None: this process's device of device_type (device_for); the dry run's "meta"
+        self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
+        self.stats = CommStats()
+        self.timer = StepTimer(CudaClock() if device_type == "cuda" else WallClock())  # step time, by part
+        # The dry run's fake world has no peers to wait for, and builds a mesh per position in one process.
+        self.arrivals = None
+        if dist.get_backend() != "fake":
+            self.arrivals = Arrivals(dist.distributed_c10d._get_default_store(), dist.get_rank())
+            weakref.finalize(self, self.arrivals.close)  # also at exit: the thread never outlives its mesh
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
+        self._groups: dict[str, AxisGroup] = {}
+        for axis in AXES:
+            self._add(axis, self.device_mesh[axis])
+        for view, axes in VIEWS.items():
+            # DeviceMesh caches a flattened mesh under its name; "batch" reuses the "dp" one.
+            flat_name = "dp" if view == "batch" else view
+            self._add(view, self.device_mesh[axes]._flatten(flat_name))
+        self.ep_device_mesh = self._add_expert_views(ep)
+
+    @classmethod
+    def from_config(cls, cfg: Config, derived: Derived, device_type: str = "cpu",
+                    device: torch.device | None = None) -> "Mesh":
+        p = cfg.parallel
+        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": derived.dp_shard, "cp": p.cp, "tp": p.tp},
+                   device_type, p.collective_timeout_s, ep=p.ep, device=device)
+
+    def _add_expert_views(self, ep: int) -> DeviceMesh | None:
+        """The "ep" and "expert_dp" views; returns the ep group as a 1-D DeviceMesh (ep > 1), on which
+        checkpoints shard the experts."""
+        ep_parts, replica_parts = expert_partitions(self.device_mesh.mesh, ep)
+        # The ep group always gets its own process group: its all-to-alls run inside backward, and
+        # must not queue behind (or between) gradient all-reduces on the grad view.
+        self._groups["ep"] = self._carve(ep_parts, "ep", "ep")
+        if len(replica_parts[0]) == self.size("grad"):  # ep = 1: data parallel's own group
+            self._groups["expert_dp"] = dataclasses.replace(self.group("grad"), name="expert_dp")
+        else:
+            self._groups["expert_dp"] = self._carve(replica_parts, "expert_dp", "dp")
+        if ep == 1:
+            self.expert_device_mesh = None
+            return None
+        # Every rank is in exactly one ep group, so the groups stacked are a mesh of the whole world:
+        # (place, expert_dp, ep), one (expert_dp, ep) plane per (pp, tp) place. Its "ep" dim is this
+        # rank's ep group (checkpoints shard experts on it) and (expert_dp, ep) is where ZeRO's expert
+        # shards live (parallel/data/zero.py).
+        grid = torch.tensor(ep_parts).reshape(len(ep_parts) // len(replica_parts[0]), len(replica_parts[0]), ep)
+        planes = DeviceMesh(self.device_type, grid, mesh_dim_names=("expert_place", "expert_dp", "ep"))
+        self.expert_device_mesh = planes["expert_dp", "ep"]
+        return planes["ep"]
+
+    def _carve(self, parts: list[list[int]], name: str, label: str) -> AxisGroup:
+        """This rank's group among equal-sized `parts`; a part of one needs no process group."""
+        if len(parts[0]) == 1:
+            return AxisGroup(name=name, label=label, pg=None, size=1, rank=0, stats=self.stats, timer=self.timer,
+                             arrivals=self.arrivals)
+        return dataclasses.replace(self.subgroups(parts, label), name=name)
+
+    def _add(self, name: str, sub: DeviceMesh) -> None:
+        pg = sub.get_group()
+        # DeviceMesh makes its groups with torch's default timeout; the dry run's fake backend has none
+        if self.timeout_s is not None and dist.get_backend(pg) != "fake":
+            pg.set_timeout(timedelta(seconds=self.timeout_s))
+        self._groups[name] = AxisGroup(
+            name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
+            rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s, timer=self.timer,
+            arrivals=self.arrivals,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """This process's device: where its tensors of the model live (the meta device in a dry run)."""
+        return self._device if self._device is not None else device_for(self.device_type)
+
+    def group(self, name: str) -> AxisGroup:
+        if name not in self._groups:
+            raise KeyError(f"no mesh view '{name}'; views: {', '.join(self._groups)}")
+        return self._groups[name]
+
+    def size(self, name: str) -> int:
+        return self._groups[name].size
+
+    def rank(self, name: str) -> int:
+        return self._groups[name].rank
+
+    def subgroups(self, partition: list[list[int]], label: str) -> AxisGroup:
+        """This rank's group among `partition` (global ranks, every rank in exactly one part).
+
+        Every rank must call this with the same partition: new_group is collective over the world.
+        """
+        me = dist.get_rank()
+        mine = None
+        for ranks in partition:
+            pg = dist.new_group(ranks,
+                                timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
+            if me in ranks:
+                mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me),
+                                 stats=self.stats, timeout_s=self.timeout_s, timer=self.timer, arrivals=self.arrivals)
+        if mine is None:
+            raise ValueError(f"rank {me} is in no part of {partition}")
+        return mine
+
+    def close(self) -> None:
+        """Stop publishing this rank's collective counts (before the process group is destroyed)."""
+        if self.arrivals is not None:
+            self.arrivals.close()
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{a}={n}" for a, n in self.degrees.items()) + ")"
+
+
+def device_for(device_type: str) -> torch.device:
+    """This process's device: the CUDA device of its local rank, or the CPU."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,84 @@
+"""The optimizer over a parallel layout: AdamW on what data parallel says it steps, and the
+global gradient norm over the groups the gradients are split across.
+
+Data parallel decides what the optimizer steps (`optimizer_params()`: the parameters for DDP,
+fp32 shards for ZeRO), so the optimizer lives beside the dimensions: `parallelize()` builds it and
+`Parallelized.optimizer_step` clips and steps it. The learning-rate schedule is the training
+loop's (train/lr_schedule.py).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from fivefold.config import TrainConfig
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
+
+
+def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over a module's parameters or the given tensors (ZeRO steps fp32 shards); norms and
+    biases (1-D tensors) get no weight decay, as in GPT-3 and Llama."""
+    tensors = [p for p in params.parameters() if p.requires_grad] if isinstance(params, nn.Module) else list(params)
+    groups = [
+        {"params": [p for p in tensors if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in tensors if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    # foreach=False keeps the per-parameter arithmetic identical for 1 and N ranks.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
+    """The state AdamW creates at its first step, made now for the tensors that have none: what a
+    checkpoint describes and a resumed optimizer loads into (AdamW continues from it exactly as it
+    would have started). Not done before it is needed: at startup it would be 2x the shards."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = (),
+                   counted_elsewhere: list[torch.Tensor] = (),
+                   split_further: tuple[list[torch.Tensor], list[AxisGroup], list[AxisGroup]] | None = None) -> float:
+    """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
+
+    With plain data parallel every rank holds the whole summed gradient, so the local norm is the
+    global one. Gradients split over ranks (ZeRO shards, pipeline stages) pass the groups they are
+    split over: the partial sums of squares are added over them before the square root, so each
+    element counts exactly once; `counted_elsewhere` are copies another rank already counts (a tied
+    embedding on the last pipeline stage): they are scaled but not counted. `split_further`:
+    (some of `grads`, the groups they alone are split over, the groups only the others are split
+    over): experts over ep (and with ZeRO their shards over expert_dp) while the dense gradients'
+    ZeRO shards are over dp_shard; `groups` are then the ones both are split over (pp, tp).
+    """
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    further, further_groups, dense_groups = split_further or ([], [], [])
+    sq_further = torch.zeros_like(sq)
+    for g in grads:
+        if not any(g is other for other in counted_elsewhere):
+            is_further = any(g is other for other in further)
+            (sq_further if is_further else sq).add_(g.double().pow(2).sum())
+    for group in dense_groups:
+        collectives.all_reduce(sq, group)
+    for group in further_groups:
+        collectives.all_reduce(sq_further, group)
+    sq += sq_further
+    for group in groups:
+        collectives.all_reduce(sq, group)
+    norm = float(sq.sqrt())
+    if max_norm > 0:
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        for g in grads:
+            g.mul_(scale)
+    return norm

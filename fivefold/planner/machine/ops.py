@@ -1,0 +1,217 @@
+"""The kernels of one block's forward at one rank's shapes: matmuls, the attention core, and the
+bytes the elementwise kernels move. Pure arithmetic; roofline.py prices it.
+
+What one rank runs, as fivefold's model code runs it (model/transformer.py, model/attention.py, parallel/tensor.py,
+parallel/expert.py), with T = micro_batch x seq / cp tokens in the tensor-parallel regions and Ts =
+T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole MoE block), else T:
+
+- matmuls (M, N, K) = (tokens, output width, input width), tp-split where parallel/tensor.py
+  splits them: GQA's wq/wk/wv/wo by heads; MLA's per-head up-projections and wo by heads, its
+  down-projections whole on Ts tokens; a dense SwiGLU's gate/up/down by hidden units; an MoE's
+  router and shared experts whole on Ts tokens; each local routed expert (E / ep of them, one
+  matmul each: GroupedExperts loops over them) on the rows the ep group sends it: Ts x ep x top_k /
+  E, times the expert imbalance on the busiest expert rank (capped by a capacity factor, which
+  drops the overflow); the head (V / tp) on the last stage;
+- the attention core as the fused kernel runs it: T queries over the sequence's keys, causal
+  (half the score matrix), H / tp heads, values padded to the query/key width for MLA (model/attention.py
+  pads them so the flash kernel runs), at the sequence length one kernel call sees (seq / cp for
+  ring attention, which calls it per chunk; the whole sequence for Ulysses);
+- elementwise kernels, each reading its inputs and writing its output once: RMSNorm (fp32 inside:
+  upcast, square, mean, scale, downcast, weight), RoPE (fp32 inside: the rotated half, two
+  products, a sum), GQA's repeated K/V, SwiGLU's silu and product, the residual adds, MLA's
+  joins, pad and output copy, the MoE's gather, combine and scatter-add, the loss's log-softmax,
+  and autocast's cast of each fp32 weight to the compute dtype (once per forward: autocast caches
+  it; fivefold keeps fp32 weights). With `train.compile` each chain is fused: inputs read once,
+  outputs written once.
+
+Backward elementwise traffic is twice the forward's (each op's backward reads its output's
+gradient and what it saved, and writes its inputs' gradients), plus the zero-filled gradients of
+RoPE's and MLA's slices, and the routed experts' weight gradients: GroupedExperts unbinds each
+stacked weight once, so its backward writes each local expert's gradient and stacks them (2 x
+E_local x d x h elements per weight).
+A CPU trace of the tiny blocks (calibration/opcount.py) checks these counts (tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fivefold.config import ModelConfig
+from fivefold.model.counts import head_dim
+
+FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One forward matmul, X (M x K) times W (K x N), run `count` times alike (local experts)."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Ops:
+    """What one part's forward runs on one rank (module docstring)."""
+
+    matmuls: tuple[Matmul, ...] = ()
+    attention_flops: float = 0.0  # forward FLOPs of the attention kernel (causal half, kernel widths)
+    attention_seq: int = 0  # sequence length one attention kernel call sees
+    elementwise_bytes: float = 0.0  # forward: read + written
+    backward_elementwise_bytes: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict, compare=False)  # forward elementwise bytes by op
+
+
+@dataclass(frozen=True)
+class RankShapes:
+    """The sizes one rank computes at (module docstring)."""
+
+    tokens: int  # T: micro_batch x seq / cp
+    sp_tokens: int  # Ts: T / tp with sequence parallel, else T
+    seq_len: int  # keys each query sees (the whole sequence)
+    kernel_seq: int  # sequence length of one attention kernel call
+    tp: int = 1
+    ep: int = 1
+    act_bytes: int = 2  # activations in the compute dtype (bf16)
+    fused: bool = False  # train.compile: elementwise chains fused
+    imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
+
+
+class _Elementwise:
+    """Accumulates the forward (and extra backward) bytes of a part's elementwise kernels."""
+
+    def __init__(self, s: RankShapes):
+        self.s, self.parts, self.extra_backward = s, {}, 0.0
+
+    def add(self, what: str, nbytes: float) -> None:
+        self.parts[what] = self.parts.get(what, 0.0) + nbytes
+
+    def norm(self, what: str, elements: float) -> None:
+        """RMSNorm: x.float(), pow, mean, x * rsqrt, type_as, * weight (model/attention.py)."""
+        a = self.s.act_bytes
+        cast = (a + FP32) if a < FP32 else 0
+        self.add(what, elements * (2 * a if self.s.fused else 2 * cast + 5 * FP32 + 2 * a))
+
+    def rope(self, what: str, elements: float) -> None:
+        """apply_rope: neg of half, cat, two upcasts, two products, a sum, a downcast; its two
+        slices' backward writes zero-filled gradients of the input (extra backward)."""
+        a = self.s.act_bytes
+        cast = (a + FP32) if a < FP32 else 0
+        self.add(what, elements * (2 * a if self.s.fused else a + 2 * a + 2 * cast + 4 * FP32 + 3 * FP32 + cast))
+        self.extra_backward += 0.0 if self.s.fused else 3 * elements * a
+
+    def copy(self, what: str, read: float, written: float) -> None:
+        """A kernel reading `read` and writing `written` elements in the compute dtype."""
+        self.add(what, (read + written) * self.s.act_bytes)
+
+    def swiglu(self, what: str, elements: float) -> None:
+        """silu(gate) (read one, write one) and its product with up (read two, write one)."""
+        if self.s.fused:
+            self.copy(what, 2 * elements, elements)
+        else:
+            self.copy(what, 3 * elements, 2 * elements)
+
+    def weights(self, matmuls: list[Matmul]) -> None:
+        """autocast's cast of each fp32 weight to the compute dtype: read 4, write act_bytes bytes."""
+        a = self.s.act_bytes
+        if a < FP32:
+            self.add("weight casts", sum(mm.n * mm.k * mm.count for mm in matmuls) * (FP32 + a))
+
+    def ops(self, matmuls: list[Matmul], attention_flops: float = 0.0) -> Ops:
+        self.weights(matmuls)
+        forward = sum(self.parts.values())
+        return Ops(tuple(matmuls), attention_flops, self.s.kernel_seq if attention_flops else 0, forward,
+                   2 * forward + self.extra_backward, dict(self.parts))
+
+
+def _attention(m: ModelConfig, s: RankShapes, ew: _Elementwise) -> tuple[list[Matmul], float]:
+    """The attention of one block: its projections, the kernel's FLOPs, its elementwise kernels."""
+    T, Ts, tp, d = s.tokens, s.sp_tokens, s.tp, m.dim
+    H = max(1, m.n_heads // tp)
+    if not m.kv_lora_rank:
+        hd, K = head_dim(m), max(1, m.n_kv_heads // tp)
+        mms = [Matmul("wq", T, H * hd, d), Matmul("wk", T, K * hd, d), Matmul("wv", T, K * hd, d),
+               Matmul("wo", T, d, H * hd)]
+        if m.qk_norm:
+            ew.norm("qk norm", T * (H + K) * hd)
+        ew.rope("rope", T * (H + K) * hd)
+        if K < H:  # grouped-query: k and v repeated to H heads before the kernel
+            ew.copy("repeat k/v", 2 * T * K * hd, 2 * T * H * hd)
+        # QK^T and PV: 2 FLOPs per multiply-add over seq keys of width hd each, halved by the causal mask
+        return mms, T * s.seq_len * H * (hd + hd)
+    n, r, v, rq, rkv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    qk = n + r
+    mms = [Matmul("wkv_a", Ts, rkv + r, d), Matmul("wkv_b", T, H * (n + v), rkv), Matmul("wo", T, d, H * v)]
+    mms += [Matmul("wq_a", Ts, rq, d), Matmul("wq_b", T, H * qk, rq)] if rq else [Matmul("wq", T, H * qk, d)]
+    if rq:
+        ew.norm("latent norms", Ts * rq)
+    ew.norm("latent norms", Ts * rkv)
+    ew.rope("rope", T * (H * r + r))
+    ew.copy("mla joins", 2 * T * H * qk, 2 * T * H * qk)  # [q_nope, q_rope] and [k_nope, k_rope expanded]
+    ew.copy("mla joins", T * H * v, T * H * qk)  # v padded to the query/key width
+    ew.copy("mla joins", T * H * v, T * H * v)  # the output cut to v, copied by reshape
+    if not s.fused:  # the per-head splits' backward: zero-filled gradients of q and kv, the pad's, the expand's
+        ew.extra_backward += T * H * (2 * qk + 2 * (n + v) + qk + v + r) * s.act_bytes
+    return mms, T * s.seq_len * H * (qk + qk)  # the kernel runs the padded value width
+
+
+def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Matmul]:
+    """A dense SwiGLU (split over tp) or an MoE block (router, shared and local routed experts)."""
+    T, d = s.tokens, m.dim
+    if not (m.n_experts and layer >= m.first_dense_layers):
+        f = m.ffn_dim // s.tp
+        ew.swiglu("swiglu", T * f)
+        return [Matmul("gate", T, f, d), Matmul("up", T, f, d), Matmul("down", T, d, f)]
+    Tm, E, k, h = s.sp_tokens, m.n_experts, m.top_k, m.moe_ffn_dim or m.ffn_dim
+    local = max(1, E // s.ep)
+    # rows per local expert on the busiest expert rank; a capacity factor drops what exceeds cf x the mean
+    busiest = min(s.imbalance, m.moe_capacity_factor) if m.moe_capacity_factor > 0 else s.imbalance
+    rows = max(1, math.ceil(Tm * s.ep * k / E * busiest))
+    copies = Tm * k  # this rank's routed copies of its tokens
+    mms = [Matmul("router", Tm, E, d), Matmul("expert gate", rows, h, d, local), Matmul("expert up", rows, h, d, local),
+           Matmul("expert down", rows, d, h, local)]
+    ew.add("router", Tm * E * (s.act_bytes + 3 * FP32))  # upcast, softmax / sigmoid, top-k
+    ew.copy("moe dispatch", copies * d, copies * d)  # x[token_of_copy]
+    ew.swiglu("expert swiglu", rows * local * h)
+    ew.copy("moe dispatch", rows * local * d + copies * d, rows * local * d + copies * d)  # cat, * gate weights
+    ew.copy("moe dispatch", copies * d + Tm * d, 2 * Tm * d)  # new_zeros + index_add_
+    if not s.fused:  # per weight: each local expert's fp32 gradient written, then stacked (unbind's backward)
+        ew.extra_backward += 3 * 2 * local * d * h * FP32
+    if m.n_shared_experts:
+        hs = h * m.n_shared_experts
+        mms += [Matmul("shared gate", Tm, hs, d), Matmul("shared up", Tm, hs, d), Matmul("shared down", Tm, d, hs)]
+        ew.swiglu("shared swiglu", Tm * hs)
+        ew.copy("residual adds", 2 * Tm * d, Tm * d)  # routed + shared
+    return mms
+
+
+def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
+    """model.Block number `layer` forward on one rank: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    ew = _Elementwise(s)
+    ew.norm("norms", 2 * s.sp_tokens * m.dim)
+    mms, attention_flops = _attention(m, s, ew)
+    mms += _ffn(m, layer, s, ew)
+    ew.copy("residual adds", 2 * 2 * s.sp_tokens * m.dim, 2 * s.sp_tokens * m.dim)
+    return ew.ops(mms, attention_flops)
+
+
+def end_ops(m: ModelConfig, vocab: int, s: RankShapes, first: bool, last: bool) -> Ops:
+    """The embedding lookup (first stage) and the final norm, head and loss (last stage).
+
+    The loss reads fp32 logits: one log-softmax and its gather at tp = 1 (torch's fused kernel);
+    under tp the vocabulary-parallel function's max, subtraction, exp, sum and gather (parallel/tensor.py)."""
+    ew, mms = _Elementwise(s), []
+    v = vocab // s.tp
+    if first:  # fp32 rows looked up, and backward's scatter into a zeroed fp32 gradient of the table
+        ew.add("embedding", 2 * s.tokens * m.dim * FP32)
+        ew.extra_backward += (v * m.dim - 3 * s.tokens * m.dim) * FP32
+    if last:
+        ew.norm("norms", s.sp_tokens * m.dim)
+        mms.append(Matmul("head", s.tokens, v, m.dim))
+        cast = s.act_bytes + FP32 if s.act_bytes < FP32 else 0
+        ew.add("loss", s.tokens * v * (cast + (3 if s.tp == 1 else 7) * FP32))
+    return ew.ops(mms)

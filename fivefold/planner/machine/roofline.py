@@ -1,0 +1,244 @@
+"""A catalog GPU's compute time: a roofline of each op of the chunk (ops.py lists them).
+
+Each op takes the longer of its compute and its memory traffic:
+
+- a matmul (M, N, K): max(2 M N K / (peak x matmul_efficiency x quantisation), bytes / bandwidth),
+  bytes = (M K + K N + M N) elements in the compute dtype. Quantisation is NVIDIA's ("Matrix
+  Multiplication Background User's Guide", Deep Learning Performance docs, sec. 3.1 tile
+  quantization, 3.2 wave quantization): the output is cut into tiles of tm x tn, M and N rounded
+  up to whole tiles; the tiles run in waves of one per SM, the last wave rounded up to a whole
+  one. quantisation = M N / (waves x SMs x tm x tn), for the tile shape (of the catalog's, the
+  ones cuBLAS picks among, sec. 2.3) that wastes least. matmul_efficiency is a published large-GEMM
+  measurement (datasheet.py cites it per GPU); FP8 (PlanOptions.fp8) runs the matmuls at the FP8
+  dense peak and its own measured fraction, operands one byte each.
+- backward: two matmuls per forward one, priced at their own shapes: the input gradient
+  dY W^T is (M, K, N), the weight gradient X^T dY is (K, N, M): its reduction runs over the tokens.
+- the attention core: FLOPs / (peak x the measured FlashAttention-2 fraction at the kernel's
+  sequence length) (datasheet.py: the curves of Shah et al. 2024, FlashAttention-3, figs. 5-6,
+  which measure FA2, the kernel PyTorch's SDPA flash backend runs); backward 2.5 x the forward's
+  FLOPs (five matmuls of the forward's two: QK^T again, dV, dP, dQ, dK; Dao 2023, FlashAttention-2,
+  sec. 3.1.2) at the backward curve. It stays bf16 under FP8.
+- elementwise kernels: memory-bound, bytes / (HBM bandwidth x hbm_efficiency).
+
+Recompute as the FLOP model had it: full runs the forward again, selective the attention core's
+forward (Korthikanti et al. 2022). Hardware without an SM count (a calibrated CPU, a hand-written
+profile) keeps the flat FLOPs / (peak x compute_efficiency) of datasheet.DatasheetPricer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fivefold.planner.machine.ops import Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
+
+
+class Hardware(Protocol):
+    """The figures of datasheet.Hardware a roofline reads (declared here, so that the catalog can
+    price with this module without the two importing each other)."""
+
+    name: str
+    peak_flops: float
+    fp8_peak_flops: float
+    compute_efficiency: float
+    matmul_efficiency: float
+    fp8_matmul_efficiency: float
+    matmul_tiles: tuple[tuple[int, int], ...]
+    sm_count: int
+    hbm_bw: float
+    hbm_efficiency: float
+    attention_fwd_curve: tuple[tuple[float, float], ...]
+    attention_bwd_curve: tuple[tuple[float, float], ...]
+    sources: dict[str, str]
+
+FA2_BACKWARD_FLOPS = 2.5  # FA2's backward runs 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1.2)
+GUIDE = "NVIDIA Matrix Multiplication Background User's Guide (Deep Learning Performance docs), sec. 3.1-3.2"
+
+
+def interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at x, linear in log x between the points, held flat beyond them (0 with no points)."""
+    if not points:
+        return 0.0
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):  # neighbours: one pair fewer than points
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
+
+
+def quantisation(m: int, n: int, tiles: tuple[tuple[int, int], ...], units: int) -> tuple[float, tuple[int, int]]:
+    """(useful fraction of the tile work, tile): M N over whole tiles in whole waves of `units` SMs,
+    for the tile that wastes least (NVIDIA's guide, sec. 3.1-3.2)."""
+    best = (0.0, tiles[0])
+    for tm, tn in tiles:
+        count = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(count / units)
+        q = m * n / (waves * units * tm * tn)
+        if q > best[0]:
+            best = (q, (tm, tn))
+    return best
+
+
+def matmul_seconds(m: int, n: int, k: int, hw: Hardware, act_bytes: int, fp8: bool) -> float:
+    """One matmul: max(compute at peak x efficiency x quantisation, operands and result at HBM speed)."""
+    peak, efficiency, operand = ((hw.fp8_peak_flops, hw.fp8_matmul_efficiency, 1) if fp8
+                                 else (hw.peak_flops, hw.matmul_efficiency, act_bytes))
+    q, _ = quantisation(m, n, hw.matmul_tiles, hw.sm_count)
+    compute = 2.0 * m * n * k / (peak * efficiency * q)
+    memory = ((m * k + k * n) * operand + m * n * act_bytes) / (hw.hbm_bw * hw.hbm_efficiency)
+    return max(compute, memory)
+
+
+CLASSES = ("matmul", "attention", "elementwise")
+
+
+@dataclass
+class OpsPrice:
+    """Seconds of one part's forward and backward by class of op, and the FLOPs they run."""
+
+    forward: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0.0))
+    backward: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0.0))
+    flops: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0.0))  # forward + backward
+    bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])  # elementwise forward, backward
+    matmul_fractions: dict[str, float] = field(default_factory=dict)  # name -> forward fraction of peak
+    parts: dict[str, float] = field(default_factory=dict)  # elementwise forward bytes by op
+
+    def add(self, o: OpsPrice, times: float = 1.0) -> None:
+        for mine, theirs in ((self.forward, o.forward), (self.backward, o.backward), (self.flops, o.flops)):
+            for k, v in theirs.items():
+                mine[k] += v * times
+        self.bytes = [a + b * times for a, b in zip(self.bytes, o.bytes, strict=True)]
+        self.matmul_fractions.update(o.matmul_fractions)
+        for k, v in o.parts.items():
+            self.parts[k] = self.parts.get(k, 0.0) + v * times
+
+
+
+def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
+    """Every op of `ops` at its roofline (module docstring)."""
+    out = OpsPrice()
+    peak = hw.fp8_peak_flops if fp8 else hw.peak_flops
+    for mm in ops.matmuls:
+        flops = 2.0 * mm.m * mm.n * mm.k * mm.count
+        fwd = matmul_seconds(mm.m, mm.n, mm.k, hw, act_bytes, fp8) * mm.count
+        bwd = (matmul_seconds(mm.m, mm.k, mm.n, hw, act_bytes, fp8)  # input gradient
+               + matmul_seconds(mm.k, mm.n, mm.m, hw, act_bytes, fp8)) * mm.count  # weight gradient
+        out.forward["matmul"] += fwd
+        out.backward["matmul"] += bwd
+        out.flops["matmul"] += 3 * flops
+        out.matmul_fractions[mm.name] = flops / fwd / peak
+    if ops.attention_flops:
+        f_eff = interpolate(hw.attention_fwd_curve, ops.attention_seq)
+        b_eff = interpolate(hw.attention_bwd_curve, ops.attention_seq)
+        out.forward["attention"] = ops.attention_flops / (hw.peak_flops * f_eff)
+        out.backward["attention"] = FA2_BACKWARD_FLOPS * ops.attention_flops / (hw.peak_flops * b_eff)
+        out.flops["attention"] = (1 + FA2_BACKWARD_FLOPS) * ops.attention_flops
+    bw = hw.hbm_bw * hw.hbm_efficiency
+    out.forward["elementwise"] = ops.elementwise_bytes / bw
+    out.backward["elementwise"] = ops.backward_elementwise_bytes / bw
+    out.bytes = [ops.elementwise_bytes, ops.backward_elementwise_bytes]
+    out.parts = dict(ops.parts)
+    return out
+
+
+def rank_shapes(work: ChunkWork) -> RankShapes:
+    """The sizes the busiest rank computes at (ops.RankShapes)."""
+    cfg = work.cfg
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch * work.local_seq
+    kernel_seq = work.local_seq if p.cp_method == "ring" else t.seq_len
+    return RankShapes(tokens=tokens, sp_tokens=tokens // p.tp if p.sp else tokens, seq_len=t.seq_len,
+                      kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
+                      fused=t.compile, imbalance=work.options.expert_imbalance)
+
+
+def _check_fp8(work: ChunkWork, hw: Hardware) -> bool:
+    fp8 = work.options.fp8 != "none"
+    if fp8 and not hw.fp8_peak_flops:
+        raise ValueError(f"--layout fp8={work.options.fp8}: {hw.name} has no FP8 tensor cores "
+                         "(no fp8_peak_flops); use fp8=none or a GPU that has them (h100, h200, b200, mi300x)")
+    return fp8
+
+
+def rank_price(work: ChunkWork, hw: Hardware, memo: Memo) -> OpsPrice:
+    """The busiest rank's micro-batch over all its chunks, each distinct part priced once (memo)."""
+    cfg, share = work.cfg, work.share
+    m = cfg.model
+    shapes, fp8 = rank_shapes(work), _check_fp8(work, hw)
+    total = OpsPrice()
+    kinds: dict[bool, tuple[int, int]] = {}  # MoE or not -> (a layer of that kind, how many)
+    for blk in share.blocks:
+        moe = bool(m.n_experts) and blk >= m.first_dense_layers
+        layer, n = kinds.get(moe, (blk, 0))
+        kinds[moe] = (layer, n + 1)
+    for moe, (layer, n) in sorted(kinds.items()):
+        price = memo.get(("roofline block", m, moe, shapes, hw, fp8),
+                         lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8))
+        total.add(price, n)
+    if share.first or share.last:
+        ends = memo.get(("roofline ends", m, work.vocab, shapes, share.first, share.last, hw, fp8),
+                        lambda: price_ops(end_ops(m, work.vocab, shapes, share.first, share.last), hw,
+                                          shapes.act_bytes, fp8))
+        total.add(ends)
+    return total
+
+
+def attention_forward_seconds(work: ChunkWork, hw: Hardware, memo: Memo) -> float:
+    """The attention core's forward of one micro-batch through one chunk (ring attention's K/V hops
+    overlap it: terms.critical_path)."""
+    if not hw.sm_count:
+        return work.attention_forward_flops / work.chunks / (hw.peak_flops * hw.compute_efficiency)
+    return rank_price(work, hw, memo).forward["attention"] / work.chunks
+
+
+def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
+    """Forward and backward seconds of one micro-batch through one chunk, with the rows that explain them."""
+    price, chunks, recompute_mode = rank_price(work, hw, memo), work.chunks, work.cfg.train.recompute
+    forward = sum(price.forward.values()) / chunks
+    recompute = {"none": 0.0, "full": forward, "selective": price.forward["attention"] / chunks}[recompute_mode]
+    backward = sum(price.backward.values()) / chunks + recompute
+    return ChunkPrice(forward, backward, _rows(price, hw, work, forward, backward, recompute), price)
+
+
+def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backward: float,
+          recompute: float) -> list[Row]:
+    c, fp8 = work.chunks, work.options.fp8 != "none"
+    ms = lambda s: f"{s / c * 1e3:.2f}"  # noqa: E731  (per chunk, ms)
+    peak = hw.fp8_peak_flops if fp8 else hw.peak_flops
+    mm_s = price.forward["matmul"] + price.backward["matmul"]
+    lowest = sorted(price.matmul_fractions.items(), key=lambda kv: kv[1])[:3]
+    eff_key = "fp8_matmul_efficiency" if fp8 else "matmul_efficiency"
+    rows: list[Row] = [
+        ("compute: matmuls", f"forward {ms(price.forward['matmul'])} + backward (input and weight gradients) "
+         f"{ms(price.backward['matmul'])} ms per chunk: {price.flops['matmul'] / mm_s / peak:.1%} of the "
+         f"{'FP8' if fp8 else 'bf16'} peak on average, at most {getattr(hw, eff_key):.1%} x tile/wave quantisation "
+         f"({' or '.join(f'{a}x{b}' for a, b in hw.matmul_tiles)} tiles on {hw.sm_count} SMs); lowest: "
+         + ", ".join(f"{k} {v:.0%}" for k, v in lowest),
+         f"{hw.sources.get(eff_key, 'profile')}; quantisation: {GUIDE}")]
+    if price.flops["attention"]:
+        seq = rank_shapes(work).kernel_seq
+        rows.append(("compute: attention core", f"forward {ms(price.forward['attention'])} ms at "
+                     f"{interpolate(hw.attention_fwd_curve, seq):.1%} of peak, backward (2.5x the FLOPs) "
+                     f"{ms(price.backward['attention'])} ms at {interpolate(hw.attention_bwd_curve, seq):.1%} "
+                     f"(kernel sequence {seq})", hw.sources.get("attention_fwd_curve", "profile")))
+    largest = sorted(price.parts.items(), key=lambda kv: -kv[1])[:3]
+    rows.append(("compute: elementwise", f"{price.bytes[0] / c / 1e9:.2f} GB forward + {price.bytes[1] / c / 1e9:.2f} "
+                 f"GB backward at {hw.hbm_efficiency:.0%} of {hw.hbm_bw / 1e12:.2f} TB/s: "
+                 f"{ms(price.forward['elementwise'])} + {ms(price.backward['elementwise'])} ms; largest: "
+                 + ", ".join(f"{k} {v / c / 1e9:.2f} GB" for k, v in largest),
+                 f"{hw.sources.get('hbm_efficiency', 'profile')}; bytes: planner/machine/ops.py "
+                 "(fivefold's model code)"))
+    flops = sum(price.flops.values()) / c + (price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS) / c
+                                               if recompute and work.cfg.train.recompute == "selective" else 0.0)
+    if work.cfg.train.recompute == "full":
+        flops += (price.flops["matmul"] / 3 + price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)) / c
+    rows.append(("forward per chunk", f"{forward * 1e3:.3f} ms, backward {backward * 1e3:.3f} ms (recompute "
+                 f"{recompute * 1e3:.3f} ms): {flops:.3e} FLOP at {flops / (forward + backward) / hw.peak_flops:.1%} "
+                 "of the bf16 peak", "roofline.py: each op at max(FLOPs / achievable FLOP/s, bytes / bandwidth); "
+                 "recompute: Korthikanti 2022"))
+    return rows
