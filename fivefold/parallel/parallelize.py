@@ -28,8 +28,7 @@ from fivefold.config import Config
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
-from fivefold.parallel.data import apply_data_parallel
-from fivefold.parallel.data.ddp import DataParallel
+from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.mesh import Mesh

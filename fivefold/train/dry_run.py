@@ -53,8 +53,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config
-from fivefold.parallel.data.ddp import DataParallel
-from fivefold.parallel.data.zero import ZeroDataParallel
+from fivefold.parallel.data import DataParallel
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import AXES, Mesh
 from fivefold.parallel.optimizer import init_optimizer_state
@@ -116,11 +115,8 @@ def positions(cfg: Config, derived: Derived, every: bool = False) -> list[Positi
 def hold_gradients(dp: DataParallel, zero: int, grad_accum: int) -> None:
     """Give the tensors the gradients data parallel holds after a micro-batch's backward, at the
     largest such sample (module docstring), as meta tensors of their exact shapes."""
-    if zero == 0 or (zero == 1 and grad_accum > 1):
-        tensors = dp.params
-    else:
-        assert isinstance(dp, ZeroDataParallel), type(dp)
-        tensors = list(dp.shards.values())  # the fp32 master shards' gradients
+    full = zero == 0 or (zero == 1 and grad_accum > 1)
+    tensors = dp.params if full else dp.optimizer_params()  # else the fp32 master shards' gradients
     for t in tensors:
         t.grad = torch.empty_like(t)
 

@@ -19,25 +19,29 @@ The next unit's all-gather is issued asynchronously while the current one comput
 The optimizer steps the fp32 shards and no all-gather follows: the next forward gathers.
 (Rajbhandari et al. 2020, ZeRO stage 3; Zhao et al. 2023, "PyTorch FSDP".)
 
+Reading it: this file holds the units, their gathers and frees, and the hooks that run them. What
+it shares with ZeRO-1/2 are parts it uses, not a class whose methods it overrides: the shards and
+their optimizer state (shards.py: ZeroShards and the ShardedOptimizer methods), the reduce-scatter
+of a bucket into them (zero.py's ShardedReduction) and the bucket machinery that decides when
+(buckets.py). `FullyShardedDataParallel` is that machinery's reduction: ZeRO's, then the unit's
+weights are freed.
+
 How a parameter is freed: its storage is resized to zero and back (the tensor object, which
-autograd saved for backward, stays the same), so the model code is untouched. The shards and the
-optimizer are ZeRO-1/2's (`ZeroDataParallel`): each parameter split along dim 0 like torch.chunk,
-so checkpoints save DTensor shards and reshard to any layout.
+autograd saved for backward, stays the same), so the model code is untouched. Checkpoints save
+the DTensor shards and reshard to any layout.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from fivefold.config import ParallelConfig
-from fivefold.parallel.comm import collectives
-from fivefold.parallel.data.ddp import Bucket
-from fivefold.parallel.data.zero import ZeroDataParallel
+from fivefold.parallel.data.buckets import Bucket, BucketReducer, ReducesInBuckets, chunk_index
+from fivefold.parallel.data.shards import ShardedOptimizer, ZeroShards
+from fivefold.parallel.data.zero import ShardedReduction
 from fivefold.parallel.materialize import freed, materialize
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.state_dict import gather_expert_shards, gather_tp_shards, is_expert_parameter
@@ -67,11 +71,31 @@ def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
     return [[m for m in g if m is not None] for g in groups if any(m is not None for m in g)]
 
 
-class FullyShardedDataParallel(ZeroDataParallel):
+def unit_buckets(units: list[Unit], mesh: Mesh, chunks: list[list[nn.Module]] | None) -> list[Bucket]:
+    """One bucket per unit and group, in backward order: a unit's gradients leave as soon as it is
+    done, or (kept gathered) at the last backward of its chunk, the last of its parameters' chunks.
+    Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own."""
+    chunk_of = chunk_index(chunks)
+    for unit in units:
+        in_chunks = [chunk_of[id(p)] for p in unit.params if id(p) in chunk_of]
+        chunk = max(in_chunks) if in_chunks else None
+        expert = [p for p in unit.params if is_expert_parameter(p)]
+        dense = [p for p in unit.params if not is_expert_parameter(p)]
+        unit.buckets = ([Bucket(expert, mesh.group("expert_dp"), chunk)] if expert else []) + (
+            [Bucket(dense, None, chunk)] if dense else [])
+    return [b for u in reversed(units) for b in u.buckets]
+
+
+class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
+    """ZeRO-3 over dp_shard (replicated over dp_replicate): each unit's weights gathered only while
+    it computes (`reshard_after_forward`), or from its first forward to its chunk's last backward."""
+
     def __init__(self, model: nn.Module, mesh: Mesh, parallel: ParallelConfig,
                  chunks: list[list[nn.Module]] | None = None, reshard_after_forward: bool = True):
+        self.model, self.mesh = model, mesh
         # Built on the meta device, the full parameters never hold storage: only the shards do.
         materialize(model, mesh.device, freed)
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.reshard_after_forward = reshard_after_forward  # derive() resolves "auto" (parallel/derive.py)
         # A pipeline runs other actions between a head's forward and its backward (all of them in
         # GPipe): kept gathered across, the head would hold its memory all that while.
@@ -84,42 +108,25 @@ class FullyShardedDataParallel(ZeroDataParallel):
         if len(self.units) > 1 and model.output is not None and model.output in self.units[0].modules:
             self.units[0].prev = self.units[-1]  # the tied head's unit runs first in backward, then the last block
         self.max_gathered = 0  # most units holding full parameters at once, prefetches included
-        super().__init__(model, mesh, parallel, chunks)  # makes the fp32 shards from the full weights
+        self.buckets = unit_buckets(self.units, mesh, chunks)
+        self.unit_of = {id(b): u for u in self.units for b in u.buckets}
+        self.shards = ZeroShards(model, mesh, self.buckets)
+        reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
+        # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
+        # chunk's last backward; the full gradients accumulate until then.
+        self.sharded = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=reshard_after_forward,
+                                        drop_full_grads=True)
+        self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm)
         for unit in self.units:
             self._free(unit)
             unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
             unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
-    def _make_buckets(self, parallel: ParallelConfig) -> list[Bucket]:
-        # One bucket per unit and group, in backward order: a unit's gradients leave as soon as it is
-        # done, or (kept gathered) at the last backward of its chunk, the last of its parameters'
-        # chunks. Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own.
-        for unit in self.units:
-            chunks = [self.chunk_of[id(p)] for p in unit.params if id(p) in self.chunk_of]
-            chunk = max(chunks) if chunks else None
-            expert = [p for p in unit.params if is_expert_parameter(p)]
-            dense = [p for p in unit.params if not is_expert_parameter(p)]
-            unit.buckets = ([Bucket(expert, self.expert_shard_group, chunk)] if expert else []) + (
-                [Bucket(dense, None, chunk)] if dense else [])
-        self.unit_of = {id(b): u for u in self.units for b in u.buckets}
-        return [b for u in reversed(self.units) for b in u.buckets]
-
-    def _reduces_on(self, last_micro_batch: bool) -> bool:
-        # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
-        # chunk's last backward; the full gradients accumulate until then.
-        return self.reshard_after_forward or last_micro_batch
-
     # ---- gather and free ------------------------------------------------------------------------
-    @torch.no_grad()
     def _issue_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.pending is not None:
             return
-        unit.pending = []
-        for b in unit.buckets:
-            group = self._bucket_group(b)
-            local = torch.cat([self.shards[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
-            full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
-            unit.pending.append((collectives.all_gather(full, local, group, async_op=True), full, b))
+        unit.pending = [(*self.shards.all_gather(b, async_op=True), b) for b in unit.buckets]
         in_use = sum(u.gathered or u.pending is not None for u in self.units)
         self.max_gathered = max(self.max_gathered, in_use)
 
@@ -132,12 +139,11 @@ class FullyShardedDataParallel(ZeroDataParallel):
         for work, full, b in unit.pending:
             if work is not None:
                 work.wait()
-            n = self._bucket_group(b).size
-            for p, chunk in zip(b.params, full.view(n, -1).split(b.shard_numel, dim=1), strict=True):
+            for p in b.params:
                 p.untyped_storage().resize_(p.numel() * p.element_size())
-                # Through .data: a refill is not a modification autograd must see (the values are the
-                # ones forward used), and bumping p's version would fail the saved-tensor check.
-                self._write_rows(p, chunk, p.data)
+            # Through .data: a refill is not a modification autograd must see (the values are the
+            # ones forward used), and bumping p's version would fail the saved-tensor check.
+            self.shards.write_gathered(b, full, into_data=True)
         unit.pending, unit.gathered = None, True
 
     def _free(self, unit: Unit, params: list[nn.Parameter] | None = None) -> None:
@@ -166,20 +172,25 @@ class FullyShardedDataParallel(ZeroDataParallel):
         if unit.prev is not None:
             self._issue_gather(unit.prev)  # backward runs the units in reverse order
 
-    @torch.no_grad()
-    def _launch(self, b: Bucket) -> None:
-        super()._launch(b)  # reduce-scatter the unit's gradients (and drop the full ones)
+    # ---- the reduction of a bucket (buckets.Reduction): ZeRO's, then the unit's weights go ------
+    def reduces(self, last_micro_batch: bool) -> bool:
+        return self.sharded.reduces(last_micro_batch)
+
+    def launch(self, b: Bucket, last_micro_batch: bool) -> None:
+        self.sharded.launch(b, last_micro_batch)  # reduce-scatter the unit's gradients (and drop the full ones)
         self._free(self.unit_of[id(b)], b.params)  # the unit's other bucket may still be computing with its weights
 
-    @contextlib.contextmanager
-    def reducing(self, last_micro_batch: bool, chunk: int | None = None) -> Iterator[None]:
-        with super().reducing(last_micro_batch, chunk):
-            reduced = {id(b) for b in self._armed}
-            yield
+    def finish(self, b: Bucket, last_micro_batch: bool) -> None:
+        self.sharded.finish(b, last_micro_batch)
+
+    def after_backward(self, reduced: list[Bucket], last_micro_batch: bool) -> None:
+        self.sharded.after_backward(reduced, last_micro_batch)
+        ids = {id(b) for b in reduced}
         for unit in self.units:  # a unit whose output needed no gradient may still be gathered
-            if unit.gathered and any(id(b) in reduced for b in unit.buckets):
+            if unit.gathered and any(id(b) in ids for b in unit.buckets):
                 self._free(unit)
 
+    # ---- the optimizer (ShardedOptimizer: the shards it steps) ---------------------------------
     def after_step(self) -> None:
         """The shards are the weights now: the next forward gathers them, no all-gather here."""
         for unit in self.units:  # anything still gathered (kept after an evaluation) is stale now
@@ -195,18 +206,20 @@ class FullyShardedDataParallel(ZeroDataParallel):
     def _aliases(self) -> dict[str, str]:
         """Second names of shared parameters (a tied head's "output.weight") -> their first name.
         The state lists both, as the replicated model's does, so checkpoints move between them."""
-        return {name: self.names[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
-                if self.names.get(id(p), name) != name}
+        names = self.shards.names
+        return {name: names[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
+                if names.get(id(p), name) != name}
 
     def model_state_dict(self) -> dict:
-        shards = {self.names[id(p)]: self._dtensor(p, self.shards[id(p)].detach()) for p in self.params}
+        names, masters = self.shards.names, self.shards.masters
+        shards = {names[id(p)]: self.shards.dtensor(p, masters[id(p)].detach()) for p in self.params}
         return {**shards, **{alias: shards[name] for alias, name in self._aliases().items()}, **self._buffers()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict) -> None:
         for p in self.params:
-            local = state[self.names[id(p)]].to_local().movedim(self.zero_dims[id(p)], 0)
-            self.shards[id(p)][: local.shape[0]] = local
+            local = state[self.shards.names[id(p)]].to_local().movedim(self.shards.zero_dims[id(p)], 0)
+            self.shards.masters[id(p)][: local.shape[0]] = local
         for name, buffer in self._buffers().items():
             buffer.copy_(state[name])
 
@@ -215,8 +228,9 @@ class FullyShardedDataParallel(ZeroDataParallel):
         out = {}
         for unit in self.units:
             self._gather(unit)
-            out.update({self.names[id(p)]: p.detach().clone() for p in unit.params})
+            out.update({self.shards.names[id(p)]: p.detach().clone() for p in unit.params})
             self._free(unit)
         out.update({alias: out[name] for alias, name in self._aliases().items()})
         out.update({k: v.detach().clone() for k, v in self._buffers().items()})
         return gather_expert_shards(gather_tp_shards(out, self.model, self.mesh), self.model, self.mesh.group("ep"))
+

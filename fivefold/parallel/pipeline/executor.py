@@ -20,7 +20,7 @@ from torch import nn
 from fivefold.model.masks import Documents
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.comm import collectives
-from fivefold.parallel.data.ddp import DataParallel
+from fivefold.parallel.data import DataParallel
 from fivefold.parallel.pipeline.messages import Batch, Message, check_plans, forward_schedule, message_plans
 from fivefold.parallel.pipeline.p2p import Mailbox, Sends
 from fivefold.parallel.pipeline.schedules import Action, Schedule

@@ -1,0 +1,158 @@
+"""ZeRO's shards: the fp32 master rows each rank owns of every parameter, and their optimizer state.
+
+ZeRO-1/2 (zero.py) and ZeRO-3 (fsdp.py) keep the same shards; they differ in when the full
+parameters exist. Each parameter is split along one dim like torch.chunk: rank r owns rows
+[r c, (r+1) c) with c = ceil(rows / N), padded with zero rows past the parameter's end, so every
+shard is a plain `Shard` placement of one DTensor and checkpoints reshard it to any layout.
+
+The split dim is 0, except dim 1 for a tensor-parallel slice split along dim 0 (the two splits
+then lie along different dims, and the shard is a DTensor on (dp, tp)) and for an expert slice
+(E/ep, ...), which ep splits along dim 0 and which is sharded over expert_dp, the ranks holding
+the same experts (their gradients are summed there), as DTensors on the (expert_dp, ep) mesh.
+
+For the collectives a bucket lays its parameters out rank-major (rank 0's rows of every
+parameter, then rank 1's, ...), so one reduce-scatter hands each rank exactly its rows and one
+all-gather returns every rank's.
+
+State: the same keys as DDP's flattened optimizer state ("state.<param>.exp_avg", ...), each moment
+a DTensor of the whole parameter, so a checkpoint moves between DDP, ZeRO-1/2/3 and any dp or tp
+degree. The fp32 masters are not saved: they equal the fp32 parameters, which the model state
+holds, and they are rebuilt from them on load (ZeRO-3 loads its shards directly).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.data.buckets import Bucket
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.state_dict import expert_zero_shard_as_dtensor, is_expert_parameter, zero_shard_as_dtensor
+
+
+class ZeroShards:
+    """The fp32 master rows this rank owns of each parameter of `buckets`, over dp_shard (experts:
+    expert_dp). Fills each bucket's `shard_numel`: one rank's numel of each of its parameters."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, buckets: list[Bucket]):
+        self.mesh = mesh
+        self.shard_group = mesh.group("dp_shard")
+        self.expert_shard_group = mesh.group("expert_dp")  # used only with ep > 1: experts are dense at ep = 1
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.rows: dict[int, int] = {}  # id(param) -> rows each rank owns (c)
+        self.zero_dims: dict[int, int] = {}  # id(param) -> the dim ZeRO splits (its "rows")
+        self.masters: dict[int, nn.Parameter] = {}  # id(param) -> fp32 master rows, padded to c, split dim first
+        for b in buckets:
+            for p in b.params:
+                split_dim0 = getattr(p, "tp_dim", None) == 0 or is_expert_parameter(p)
+                zd = self.zero_dims[id(p)] = 1 if split_dim0 and p.ndim > 1 else 0
+                rows = [p.shape[zd], *(d for i, d in enumerate(p.shape) if i != zd)]  # shape, split dim first
+                self.rows[id(p)] = -(-rows[0] // self.group_of(p).size)
+                # Only the padding rows past the parameter's end are zeroed: the rest is filled now
+                # (a real parameter) or on load (from the meta device), so a memset of it is wasted.
+                master = torch.empty((self.rows[id(p)], *rows[1:]), dtype=torch.float32, device=p.device)
+                master[self.own_rows(p):].zero_()
+                self.masters[id(p)] = nn.Parameter(master, requires_grad=False)
+                if p.untyped_storage().nbytes():  # ZeRO-3 from the meta device: the shard is filled on load
+                    self.copy_master_rows(p)
+                b.shard_numel.append(master.numel())
+
+    def group_of(self, p: nn.Parameter) -> collectives.AxisGroup:
+        """The ranks p's state is sharded over: expert_dp for an expert, dp_shard for the rest."""
+        return self.expert_shard_group if is_expert_parameter(p) else self.shard_group
+
+    def bucket_group(self, b: Bucket) -> collectives.AxisGroup:
+        """Where a bucket's state is sharded: its reduction group (expert_dp for experts: the buckets
+        keep them apart), else dp_shard."""
+        return b.group or self.shard_group
+
+    def own_rows(self, p: nn.Parameter) -> int:
+        """How many of this rank's c shard rows lie inside p (the rest pad the last ranks' shards)."""
+        c = self.rows[id(p)]
+        return max(0, min(c, p.shape[self.zero_dims[id(p)]] - self.group_of(p).rank * c))
+
+    @torch.no_grad()
+    def copy_master_rows(self, p: nn.Parameter) -> None:
+        """This rank's rows of the full parameter p into its fp32 master shard."""
+        zd, c, r = self.zero_dims[id(p)], self.rows[id(p)], self.group_of(p).rank
+        valid = self.own_rows(p)
+        self.masters[id(p)][:valid] = p.detach().movedim(zd, 0)[r * c : r * c + valid]
+
+    @torch.no_grad()
+    def all_gather(self, b: Bucket, async_op: bool = False) -> tuple[collectives.Pending | None, torch.Tensor]:
+        """Every rank's rows of the bucket's parameters, in their dtype: (work, (N sum(shard numel),)
+        rank-major); work is None when not async."""
+        group = self.bucket_group(b)
+        local = torch.cat([self.masters[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
+        full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
+        return collectives.all_gather(full, local, group, async_op=async_op), full
+
+    def write_gathered(self, b: Bucket, full: torch.Tensor, into_data: bool = False) -> None:
+        """Every rank's rows `full` (all_gather's) into the bucket's full parameters (or their
+        `.data`: a refill autograd must not see)."""
+        per_rank = full.view(self.bucket_group(b).size, -1)
+        for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True):
+            target = p.data if into_data else p
+            rows = target.movedim(self.zero_dims[id(p)], 0)
+            rows.copy_(chunk.reshape(self.group_of(p).size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
+
+    def dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
+        """This rank's rows of p as a DTensor of the whole matrix, so a later layout can reshard it."""
+        as_dtensor = expert_zero_shard_as_dtensor if is_expert_parameter(p) else zero_shard_as_dtensor
+        return as_dtensor(p, local, self.zero_dims[id(p)], self.rows[id(p)], self.mesh)
+
+    # ---- the optimizer's state of these rows --------------------------------------------------
+    def optim_state_dict(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
+        out = {}
+        for p in params:
+            state, name = optimizer.state[self.masters[id(p)]], self.names[id(p)]
+            out[f"state.{name}.exp_avg"] = self.dtensor(p, state["exp_avg"])
+            out[f"state.{name}.exp_avg_sq"] = self.dtensor(p, state["exp_avg_sq"])
+            out[f"state.{name}.step"] = state["step"]
+        return out
+
+    @torch.no_grad()
+    def load_optim_state_dict(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, state: dict) -> None:
+        for p in params:
+            mine, name, zd = optimizer.state[self.masters[id(p)]], self.names[id(p)], self.zero_dims[id(p)]
+            for key in ("exp_avg", "exp_avg_sq"):
+                rows = state[f"state.{name}.{key}"].to_local().movedim(zd, 0)
+                target = mine[key][: rows.shape[0]]
+                # A checkpoint is read into the views optim_state_dict() made of these moments: then
+                # the rows are already in place (strides of a size-1 dim may differ; the memory does not).
+                if (rows.data_ptr(), rows.shape) != (target.data_ptr(), target.shape):
+                    target.copy_(rows)
+            mine["step"].copy_(state[f"state.{name}.step"])
+
+
+class ShardedOptimizer:
+    """What ZeRO-1/2 and ZeRO-3 tell the optimizer step alike: it steps this rank's fp32 shards
+    (`shards`) of `params`, whose gradients are split over dp_shard (experts: expert_dp)."""
+
+    shards: ZeroShards
+    params: list[nn.Parameter]
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        return [self.shards.masters[id(p)] for p in self.params]  # the fp32 masters, in parameter order
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [s.grad for s in self.shards.masters.values() if s.grad is not None]
+
+    def gradient_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        return self.shards.masters[id(p)].grad
+
+    @property
+    def norm_groups(self) -> list[collectives.AxisGroup]:
+        return [self.shards.shard_group]
+
+    @property
+    def expert_norm_groups(self) -> list[collectives.AxisGroup]:
+        return [self.shards.expert_shard_group]
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.shards.optim_state_dict(self.params, optimizer)
+
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        self.shards.load_optim_state_dict(self.params, optimizer, state)
