@@ -186,7 +186,7 @@ def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int
     """Communication staging (order of magnitude, not a byte count):
 
     dp: two gradient buckets in flight (parallel.bucket_mb each: one reducing while the next
-    fills, parallel/data/ddp.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and
+    fills, parallel/data/buckets.py; no more than the gradients); ZeRO-3: the gathered weights of two units (current and
     prefetched, fsdp.py), or kept gathered (the default with pipelines) the rank's whole stages and
     their unsharded gradients during the step;
     pp: one activation sent and one received per micro-batch; tp with sp: one gathered input.

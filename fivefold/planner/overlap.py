@@ -46,7 +46,7 @@ SOURCES = {
     "tp_overlap": "Wang et al. 2022 (decomposition); Megatron-LM / Transformer Engine userbuffers comm-GEMM overlap",
     "zero3_prefetch": "parallel/data/fsdp.py (one unit ahead); Zhao et al. 2023, \"PyTorch FSDP\" (prefetch)",
     "ep_overlap": "DeepSeek-V3 Technical Report (DeepSeek-AI 2024), sec. 3.2.1: DualPipe's overlapped chunk pairs",
-    "dp_overlap": "bucket overlap (Li et al. 2020, \"PyTorch Distributed\", sec. 3.2.3); parallel/data/ddp.py",
+    "dp_overlap": "bucket overlap (Li et al. 2020, \"PyTorch Distributed\", sec. 3.2.3); parallel/data/buckets.py",
 }
 
 
@@ -255,7 +255,7 @@ def zero3_hidden(cfg: Config, d: Derived, units: list[Zero3Unit], forward_s: flo
     flops = sum(u.flops for u in units) or 1.0
     forward = [forward_s * u.flops / flops for u in units]
     backward = [backward_s * u.flops / flops for u in reversed(units)]
-    overlap_rs = p.overlap_comm  # without it the buckets reduce after the backward (parallel/data/ddp.py)
+    overlap_rs = p.overlap_comm  # without it the buckets reduce after the backward (parallel/data/buckets.py)
     after = 0.0 if overlap_rs else sum(reduces)
     rs = list(reversed(reduces)) if overlap_rs else None
     if reshard:

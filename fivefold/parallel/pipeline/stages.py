@@ -103,7 +103,7 @@ class PipelineStages:
 
     def reduction_order(self) -> list[int]:
         """This rank's stages in the order of their last backward (B or W) of the step: the order
-        their gradients become final, in which data parallel reduces them (ddp.py, "Chunks")."""
+        their gradients become final, in which data parallel reduces them (parallel/data/buckets.py, "Chunks")."""
         actions = self.schedule.actions[self.group.rank]
         last = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
         return sorted(self.chunks, key=last.__getitem__)

@@ -92,6 +92,6 @@ def host_costs(cfg: Config, profile: MeasuredProfile, hw: Hardware, *, modules: 
              + moved / elementwise_rate(pr, hw, moved / buckets) + moved / elementwise_rate(pr, hw, 2 * size))
         out.step_s += t
         out.explain.append(("bucket packing", f"{ops:.0f} ops + {views} views, 2 x {grad_bytes / 1e6:.2f} MB read + "
-                            f"written: {t * 1e3:.3f} ms", "parallel/data/ddp.py _launch and _finish; op_overhead_s, "
+                            f"written: {t * 1e3:.3f} ms", "parallel/data/ddp.py AllReduce; op_overhead_s, "
                             "view_overhead_s, elementwise_curve"))
     return out
