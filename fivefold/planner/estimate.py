@@ -44,20 +44,24 @@ from typing import Any
 
 from fivefold.config import Config
 from fivefold.model.counts import ModelCounts, model_counts
-from fivefold.parallel.derive import derive
+from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.pipeline.stage_split import is_automatic_and_uneven, split_note
 from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, heaviest_senders, step_traffic
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
-from fivefold.planner.layout import rank_shares, stage_sizes
+from fivefold.planner.layout import RankShare, rank_shares, stage_sizes
 from fivefold.planner.machine.datasheet import GB, Hardware
-from fivefold.planner.machine.pricing import HostWork, Memo, Row
+from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, HostPrice, HostWork, Memo, Priced, Row
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.offload import check_offload, offload_step
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.overlap import Hidden, ep_hidden, tp_hidden, zero3_hidden, zero3_units
 from fivefold.planner.terms import (
     BucketOverlap,
+    CriticalPath,
+    DpExposure,
+    Pipeline,
+    RankMemory,
     bucket_reduce_s,
     critical_path,
     dp_exposure,
@@ -132,67 +136,123 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     self-check against real runs; False is the textbook accounting with `b`. memo: results shared
     with other estimates of the same caller (search() passes one); by default this estimate's own.
     options: the FLOP convention, overlap switches and options of other trainers (options.py).
+
+    In three parts: where things live (`_where`), each term of the step priced (`_price`, the
+    module docstring's 1-7), and the estimate assembled with its explain rows (`_assemble`).
     """
-    b, memo, pricer = b or BytesPerParam(), memo or Memo(), hw.pricer
+    b, memo = b or BytesPerParam(), memo or Memo()
     check_offload(cfg, options)
     if options.expert_imbalance < 1:
         raise ValueError(f"--expert-imbalance {options.expert_imbalance:g}: the busiest expert rank's tokens over "
                          "the mean are at least 1 (1 = balanced)")
+    where = _where(cfg, world_size, b, act_bytes, implementation, options)
+    terms = _price(cfg, hw, where, b, act_bytes, implementation, memo, options)
+    return _assemble(cfg, world_size, hw, where, terms, options)
+
+
+@dataclass
+class _Where:
+    """Where things live in the layout: its numbers, the model's counts, each rank's share, the
+    busiest rank's chunk, and the bytes per element of what travels."""
+
+    d: Derived
+    counts: ModelCounts
+    sizes: list[int]  # blocks per pipeline stage
+    shares: list[RankShare]
+    work: ChunkWork
+    grad_b: float
+    param_b: float
+
+
+def _where(cfg: Config, world_size: int, b: BytesPerParam, act_bytes: int, implementation: bool,
+           options: PlanOptions) -> _Where:
     d = derive(cfg, world_size)
     counts = model_counts(cfg.model, d.vocab_size)
     sizes = stage_sizes(cfg, counts)
     shares = rank_shares(cfg, counts, sizes)
     grad_b, param_b = wire_element_bytes(cfg, b, implementation)
-    p, M = cfg.parallel, d.grad_accum
+    return _Where(d, counts, sizes, shares, busiest_chunk(cfg, d, counts, shares, options, act_bytes), grad_b, param_b)
 
-    work = busiest_chunk(cfg, d, counts, shares, options, act_bytes)
-    share, units = work.share, M * work.chunks  # (micro-batch, chunk) pairs of a step
+
+@dataclass
+class _Terms:
+    """Every term of the step, priced (the module docstring's 1-7), and what they are made of."""
+
+    chunk: ChunkPrice  # 1. compute of one micro-batch on one chunk
+    traffic_rows: list[Row]  # 2. traffic: the busiest rank's rows, timed
+    sent: dict[str, AxisTraffic]  # and what the heaviest sender of each axis sends
+    sent_rows: list[Row]
+    by_rank: list[dict[str, AxisTraffic]]
+    host: HostPrice  # Python around the kernels
+    path: CriticalPath  # 3. the exposed tp/cp/ep collectives on every forward and backward
+    pipe: Pipeline  # 4. makespan and bubble
+    dp: DpExposure  # 5. the exposed gradient reduction
+    overlaps: dict[str, Hidden]
+    opt: Priced  # 6. the optimizer step (or offload's)
+    sync: Priced  # 7. the scalar all-reduces
+    mem: RankMemory
+
+
+def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes: int, implementation: bool,
+           memo: Memo, options: PlanOptions) -> _Terms:
+    pricer, p, d, work = hw.pricer, cfg.parallel, where.d, where.work
+    grad_b, param_b = where.grad_b, where.param_b
+    share, M = work.share, d.grad_accum
+    units = M * work.chunks  # (micro-batch, chunk) pairs of a step
     chunk = pricer.chunk(work, hw, memo)
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)  # the busiest rank's: timed
-    sent, sent_rows, by_rank = heaviest_senders(work, shares, counts, traffic, d, hw, grad_b, param_b, act_bytes)
+    sent, sent_rows, by_rank = heaviest_senders(work, where.shares, where.counts, traffic, d, hw, grad_b, param_b,
+                                                act_bytes)
     # tp collectives that are autograd Functions of their own (the loss's three sit inside one)
     tp_calls = traffic["tp"].calls - (M * LOSS_ALL_REDUCES if share.last and p.tp > 1 else 0)
     host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
                        chunk, hw)
     busy = units * (chunk.forward_s + chunk.backward_s + host.forward_s + host.backward_s)  # one rank's compute
-    tp = tp_hidden(work, d, counts, chunk, traffic["tp"], hw, act_bytes, options.tp_overlap)
-    ep = ep_hidden(work, d, counts, chunk, traffic["ep"], options.ep_overlap)
+    tp = tp_hidden(work, d, where.counts, chunk, traffic["tp"], hw, act_bytes, options.tp_overlap)
+    ep = ep_hidden(work, d, where.counts, chunk, traffic["ep"], options.ep_overlap)
     path = critical_path(work, d, hw, traffic, act_bytes, busy, memo, tp, ep)
     f_cost = chunk.forward_s + path.per_unit_s + host.forward_s
     b_cost = chunk.backward_s + path.per_unit_s + host.backward_s
     pipe = pipeline(cfg, d, work.chunks, f_cost, b_cost, path.p2p_s, memo)
-    units3 = zero3_units(cfg, d, counts, work, hw, traffic["dp"].inter_node, grad_b, param_b) if p.zero == 3 else []
+    units3 = (zero3_units(cfg, d, where.counts, work, hw, traffic["dp"].inter_node, grad_b, param_b)
+              if p.zero == 3 else [])
     zero3 = zero3_hidden(cfg, d, units3, work.chunks * f_cost, work.chunks * b_cost, options.zero3_prefetch)
     dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, b_cost, busy, memo, zero3)
-    overlaps = {h.switch: h for h in (tp, zero3, ep, dp.switch)}
     opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
            else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
                              work.chunks * b_cost))
-    sync = step_sync(cfg, d, hw)
-    mem = rank_memory(cfg, d, shares, pipe.sim.peak_inflight, b, act_bytes, implementation, hw, options)
+    mem = rank_memory(cfg, d, where.shares, pipe.sim.peak_inflight, b, act_bytes, implementation, hw, options)
+    return _Terms(chunk, traffic_rows, sent, sent_rows, by_rank, host, path, pipe, dp,
+                  {h.switch: h for h in (tp, zero3, ep, dp.switch)}, opt, step_sync(cfg, d, hw), mem)
 
-    step_terms = {"pipeline": pipe.sim.makespan, "dp": dp.exposed_s,
-                  "optimizer" if options.offload == "none" else "offload": opt.seconds, "sync": sync.seconds,
-                  "per-step Python": host.step_s}
-    step = pipe.sim.makespan + dp.exposed_s + opt.seconds + sync.seconds + host.step_s
-    split = {"compute": units * (chunk.forward_s + chunk.backward_s), "tp_cp_ep": units * 2 * path.per_unit_s,
-             "bubble": pipe.sim.makespan - pipe.ideal_s, "dp_exposed": dp.exposed_s, "optimizer": opt.seconds,
-             "step_sync": sync.seconds, "host": units * (host.forward_s + host.backward_s) + host.step_s}
+
+def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: _Terms,
+              options: PlanOptions) -> Estimate:
+    """The step time as the sum of its terms, its split by part, MFU and HFU, and the explain rows."""
+    d, t = where.d, terms
+    units = d.grad_accum * where.work.chunks
+    step_terms = {"pipeline": t.pipe.sim.makespan, "dp": t.dp.exposed_s,
+                  "optimizer" if options.offload == "none" else "offload": t.opt.seconds, "sync": t.sync.seconds,
+                  "per-step Python": t.host.step_s}
+    step = t.pipe.sim.makespan + t.dp.exposed_s + t.opt.seconds + t.sync.seconds + t.host.step_s
+    split = {"compute": units * (t.chunk.forward_s + t.chunk.backward_s), "tp_cp_ep": units * 2 * t.path.per_unit_s,
+             "bubble": t.pipe.sim.makespan - t.pipe.ideal_s, "dp_exposed": t.dp.exposed_s, "optimizer": t.opt.seconds,
+             "step_sync": t.sync.seconds, "host": units * (t.host.forward_s + t.host.backward_s) + t.host.step_s}
     flops = step_flops(cfg, d.vocab_size, options.causal_flops)
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
-    stages = [("pipeline stages", split_note(cfg, tuple(sizes)).partition(": ")[2],
+    stages = [("pipeline stages", split_note(cfg, tuple(where.sizes)).partition(": ")[2],
                "parallel/pipeline/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
-    explain = [_params_row(counts), *stages, *chunk.explain, *traffic_rows, *sent_rows, *host.explain, *path.explain,
-               *pipe.explain, *dp.explain, *(h.row for h in overlaps.values()), *opt.explain, *sync.explain,
-               *mem.explain, _step_row(step_terms, step), convention_row(flops),
+    explain = [_params_row(where.counts), *stages, *t.chunk.explain, *t.traffic_rows, *t.sent_rows, *t.host.explain,
+               *t.path.explain, *t.pipe.explain, *t.dp.explain, *(h.row for h in t.overlaps.values()),
+               *t.opt.explain, *t.sync.explain, *t.mem.explain, _step_row(step_terms, step), convention_row(flops),
                utilization_row(flops, step, world_size, hw.peak_flops)]
-    return Estimate(world_size=world_size, memory=mem.memory, comm=sent, bubble_ratio=pipe.sim.bubble_ratio,
-                    bubble_fraction=pipe.sim.bubble_fraction, exposed_dp_s=dp.exposed_s, step_time_s=step,
-                    tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=mem.fits,
-                    time_split=split, explain=explain, dp_overlap=dp.overlap, options=options, hfu=hfu,
-                    flops=flops.to_json(), host_memory_bytes=mem.host_bytes, overlaps=overlaps,
-                    not_runnable=options.not_runnable(cfg.parallel), comm_by_pp_rank=by_rank,
-                    memory_by_pp_rank=mem.per_rank)
+    return Estimate(world_size=world_size, memory=t.mem.memory, comm=t.sent, bubble_ratio=t.pipe.sim.bubble_ratio,
+                    bubble_fraction=t.pipe.sim.bubble_fraction, exposed_dp_s=t.dp.exposed_s, step_time_s=step,
+                    tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=t.mem.fits,
+                    time_split=split, explain=explain, dp_overlap=t.dp.overlap, options=options, hfu=hfu,
+                    flops=flops.to_json(), host_memory_bytes=t.mem.host_bytes, overlaps=t.overlaps,
+                    not_runnable=options.not_runnable(cfg.parallel), comm_by_pp_rank=t.by_rank,
+                    memory_by_pp_rank=t.mem.per_rank)
 
 
 def _params_row(counts: ModelCounts) -> Row:
