@@ -176,7 +176,7 @@ def prepare(inputs: list[str] | tuple[str, ...], tokenizer: str, out: Path, *, t
             val_fraction: float = 0.05, max_bytes: int = 0, bpe_vocab: int = 4096, shard_bytes: int = 16 << 20,
             workers: int = 1, progress: bool = False) -> dict:
     """Prepare (or finish preparing) `out` from `inputs`; returns its manifest."""
-    from fivefold.data.progress import TokenProgress
+    from fivefold.progress import TokenProgress
 
     files = input_files(inputs)
     sources = [{"path": str(f), "bytes": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
