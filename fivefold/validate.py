@@ -1,55 +1,34 @@
 """Config checks, before any process group starts.
 
 `validate(cfg, world_size)` is a pure function returning every problem as one line that names the
-field, the values and a fix; the planner uses it as its filter. What follows from a valid config
-(degrees, micro-batches per step, tokens per step, ...) is `derive()`'s (parallel/derive.py).
+field, the values and a fix; the planner uses it as its filter. Types come first (config.py's
+type_errors: load_config() refuses a wrongly typed value, a Config built in code may still hold
+one), then sizes, then each section's ranges, then the arithmetic between sections, which
+assumes positive sizes. What follows from a valid config (degrees, micro-batches per step, tokens
+per step, ...) is `derive()`'s (parallel/derive.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import typing
-from dataclasses import fields
 from pathlib import Path
-from typing import Literal
 
-from fivefold.config import SECTIONS, SINK_PACKAGES, Config
+from fivefold.config import FIELD_TYPES, SINK_PACKAGES, Config, type_errors
 from fivefold.data.resolve import data_errors
 from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
 
 
-def _type_errors(cfg: Config) -> list[str]:
+def _non_finite_errors(cfg: Config) -> list[str]:
+    """Number fields that are nan or infinite: nan compares false with every bound checked later."""
     errors = []
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        hints = typing.get_type_hints(type(obj))
-        for f in fields(obj):
-            value, hint = getattr(obj, f.name), hints[f.name]
-            name = f"{section}.{f.name}"
-            if typing.get_origin(hint) is Literal:
-                choices = typing.get_args(hint)
-                # (1 == True: an integer must not pass for a bool choice, nor a bool for an int one)
-                if value not in choices or isinstance(value, bool) != isinstance(choices[choices.index(value)], bool):
-                    shown = ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices)  # TOML's
-                    errors.append(f"{name} = {value!r}: must be one of {shown}")
-            elif hint is bool and not isinstance(value, bool):
-                errors.append(f"{name} = {value!r}: must be true or false")
-            elif hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-                errors.append(f"{name} = {value!r}: must be an integer")
-            elif hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                errors.append(f"{name} = {value!r}: must be a number")
-            elif hint is float and not math.isfinite(value):  # nan compares false with every bound below
-                errors.append(f"{name} = {value!r}: must be a finite number")
-            elif hint is str and not isinstance(value, str):
-                errors.append(f"{name} = {value!r}: must be a string")
-            elif typing.get_origin(hint) is tuple and typing.get_origin(typing.get_args(hint)[0]) is None:
-                kind = typing.get_args(hint)[0]  # (data.mixture's pairs are checked with the data)
-                if not isinstance(value, tuple) or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                                           for v in value):
-                    errors.append(f"{name} = {value!r}: must be a list of {kind.__name__}s")
+    for section, types in FIELD_TYPES.items():
+        for key, hint in types.items():
+            value = getattr(getattr(cfg, section), key)
+            if hint is float and isinstance(value, float) and not math.isfinite(value):  # (a str: a type error)
+                errors.append(f"{section}.{key} = {value!r}: must be a finite number")
     return errors
 
 
@@ -119,8 +98,8 @@ def _expert_group_errors(cfg: Config) -> list[str]:
 
 def validate(cfg: Config, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` processes, one message each (empty = valid)."""
-    errors = _type_errors(cfg)
-    if errors:  # arithmetic on wrongly typed values would only add noise
+    errors = type_errors(cfg) + _non_finite_errors(cfg)
+    if errors:  # arithmetic on wrongly typed (or nan) values would only add noise
         return errors
     errors = _size_errors(cfg)
     bad_sizes = bool(errors)
