@@ -1,9 +1,10 @@
 """The whole configuration schema: one frozen dataclass per section, TOML loading and CLI overrides.
 
 Precedence, lowest first: field defaults < `model.preset` < the TOML file < `--section.key=value`.
-`load_config()` parses and reports unknown keys and unparsable values; `validate()` (in
-`fivefold.validate`) checks types, ranges and the arithmetic between sections. Both collect
-every problem before anything starts, so a user fixes a config in one round.
+`load_config()` parses, and reports unknown keys and values not of their field's declared type
+(each skipped, so no code ever sees a wrongly typed value); `validate()` (in `fivefold.validate`)
+checks ranges and the arithmetic between sections. Both collect every problem before anything
+starts, so a user fixes a config in one round.
 
 The model section lives in model/config.py (the presets build on it); the others are here. A
 combination of settings fivefold cannot run yet is refused by `validate()` by name ("not built
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -164,6 +167,10 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+# The declared type of each key of each section, resolved once (`from __future__ import annotations` leaves
+# them as text, and resolving takes a millisecond a section: the planner validates thousands of layouts).
+FIELD_TYPES: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {name: MappingProxyType(typing.get_type_hints(cls)) for name, cls in SECTIONS.items()})
 
 
 class ConfigError(ValueError):
@@ -180,6 +187,68 @@ def _suggest(word: str, options: list[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(options)}"
 
 
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a value (tuples for TOML arrays) is of a field's declared type."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:  # (1 == True: an integer must not pass for a bool choice, nor a bool for an int one)
+        return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in args)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args, strict=True))
+    if hint is float:  # TOML's integers are numbers too; a bool is not
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+
+
+def _describe(hint: Any) -> str:
+    """What a field's declared type asks for, in TOML's words."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in args)
+    if origin is tuple and typing.get_origin(args[0]) is tuple:  # data.mixture's [path, weight] pairs
+        return f"a list of [{', '.join(_noun(a) for a in typing.get_args(args[0]))}] pairs"
+    if origin is tuple:
+        return f"a list of {'ints' if args[0] is int else _noun(args[0]) + 's'}"
+    return "true or false" if hint is bool else f"{'an' if hint is int else 'a'} {_noun(hint)}"
+
+
+def _noun(hint: type) -> str:
+    return {bool: "bool", int: "integer", float: "number", str: "string"}[hint]
+
+
+def type_error(name: str, value: Any, hint: Any) -> str | None:
+    """`section.key = value: must be ...` when value is not of the declared type, else None."""
+    if _matches(value, hint):
+        return None
+    return f"{name} = {_thawed(value)!r}: must be {_describe(hint)}"
+
+
+def type_errors(cfg: Config) -> list[str]:
+    """Every field of cfg not of its declared type (load_config() lets none through; a Config
+    built in code may hold one)."""
+    errors = []
+    for section, types in FIELD_TYPES.items():
+        values = getattr(cfg, section)
+        for key, hint in types.items():
+            error = type_error(f"{section}.{key}", getattr(values, key), hint)
+            if error:
+                errors.append(error)
+    return errors
+
+
+def _frozen(value: Any) -> Any:
+    """TOML arrays as tuples, at every depth (the dataclasses are frozen, their values hashable)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def _thawed(value: Any) -> Any:
+    """Tuples as the lists a user writes in TOML, for messages."""
+    return [_thawed(v) for v in value] if isinstance(value, tuple) else value
+
+
 def parse_value(text: str) -> Any:
     """A CLI value read as TOML (42, 1e-3, true, ["a", "b"]); anything else is a plain string."""
     try:
@@ -188,8 +257,16 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def _string_value(text: str) -> str:
+    """A string field's CLI value: the text as written (`--run.name=2024` names the run "2024"), or the
+    string a quoted TOML string stands for (`"x"`, as fivefold/deepspeed.py writes strings)."""
+    value = parse_value(text)
+    return value if isinstance(value, str) else text
+
+
 def parse_overrides(args: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """`--section.key=value` or `--section.key value` pairs -> nested dict, plus errors."""
+    """`--section.key=value` or `--section.key value` pairs -> nested dict, plus errors. A value is
+    read as TOML, except for a string field's, which is taken as written."""
     out: dict[str, dict[str, Any]] = {}
     errors: list[str] = []
     i = 0
@@ -207,21 +284,25 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, dict[str, Any]], list[st
             value = args[i]
             i += 1
         section, _, name = key.partition(".")
-        out.setdefault(section, {})[name] = parse_value(value)
+        is_string = section in SECTIONS and FIELD_TYPES[section].get(name) is str
+        out.setdefault(section, {})[name] = _string_value(value) if is_string else parse_value(value)
     return out, errors
 
 
 def _merge_section(section: str, base: dict[str, Any], raw: Any, errors: list[str]) -> None:
-    cls = SECTIONS[section]
-    names = [f.name for f in fields(cls)]
+    """raw's keys into base, each one unknown or not of its declared type reported and skipped."""
+    types = FIELD_TYPES[section]
     if not isinstance(raw, dict):
         errors.append(f"[{section}] must be a table of keys, got {raw!r}")
         return
     for key, value in raw.items():
-        if key not in names:
-            errors.append(f"unknown key '{section}.{key}': {_suggest(key, names)}")
-        elif isinstance(value, list):
-            base[key] = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        if key not in types:
+            errors.append(f"unknown key '{section}.{key}': {_suggest(key, list(types))}")
+            continue
+        value = _frozen(value)
+        error = type_error(f"{section}.{key}", value, types[key])
+        if error:
+            errors.append(error)
         else:
             base[key] = value
 
@@ -249,8 +330,9 @@ def build_config(layers: list[dict[str, Any]]) -> tuple[Config, list[str]]:
 
 
 def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, list[str]]:
-    """Defaults < preset < TOML file < CLI overrides, plus every parse problem (unknown keys are
-    skipped, so validate() can still report the rest of the mistakes in the same round)."""
+    """Defaults < preset < TOML file < CLI overrides, plus every parse problem (unknown keys and
+    values of the wrong type are skipped, so validate() can still report the rest of the mistakes
+    in the same round)."""
     layers: list[dict[str, Any]] = []
     name = ""
     if path is not None:

@@ -1,55 +1,34 @@
 """Config checks, before any process group starts.
 
 `validate(cfg, world_size)` is a pure function returning every problem as one line that names the
-field, the values and a fix; the planner uses it as its filter. What follows from a valid config
-(degrees, micro-batches per step, tokens per step, ...) is `derive()`'s (parallel/derive.py).
+field, the values and a fix; the planner uses it as its filter. Types come first (config.py's
+type_errors: load_config() refuses a wrongly typed value, a Config built in code may still hold
+one), then sizes, then each section's ranges, then the arithmetic between sections, which
+assumes positive sizes. What follows from a valid config (degrees, micro-batches per step, tokens
+per step, ...) is `derive()`'s (parallel/derive.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import typing
-from dataclasses import fields
 from pathlib import Path
-from typing import Literal
 
-from fivefold.config import SECTIONS, SINK_PACKAGES, Config
+from fivefold.config import FIELD_TYPES, SINK_PACKAGES, Config, type_errors
 from fivefold.data.resolve import data_errors
 from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
 
 
-def _type_errors(cfg: Config) -> list[str]:
+def _non_finite_errors(cfg: Config) -> list[str]:
+    """Number fields that are nan or infinite: nan compares false with every bound checked later."""
     errors = []
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        hints = typing.get_type_hints(type(obj))
-        for f in fields(obj):
-            value, hint = getattr(obj, f.name), hints[f.name]
-            name = f"{section}.{f.name}"
-            if typing.get_origin(hint) is Literal:
-                choices = typing.get_args(hint)
-                # (1 == True: an integer must not pass for a bool choice, nor a bool for an int one)
-                if value not in choices or isinstance(value, bool) != isinstance(choices[choices.index(value)], bool):
-                    shown = ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices)  # TOML's
-                    errors.append(f"{name} = {value!r}: must be one of {shown}")
-            elif hint is bool and not isinstance(value, bool):
-                errors.append(f"{name} = {value!r}: must be true or false")
-            elif hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-                errors.append(f"{name} = {value!r}: must be an integer")
-            elif hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                errors.append(f"{name} = {value!r}: must be a number")
-            elif hint is float and not math.isfinite(value):  # nan compares false with every bound below
-                errors.append(f"{name} = {value!r}: must be a finite number")
-            elif hint is str and not isinstance(value, str):
-                errors.append(f"{name} = {value!r}: must be a string")
-            elif typing.get_origin(hint) is tuple and typing.get_origin(typing.get_args(hint)[0]) is None:
-                kind = typing.get_args(hint)[0]  # (data.mixture's pairs are checked with the data)
-                if not isinstance(value, tuple) or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                                           for v in value):
-                    errors.append(f"{name} = {value!r}: must be a list of {kind.__name__}s")
+    for section, types in FIELD_TYPES.items():
+        for key, hint in types.items():
+            value = getattr(getattr(cfg, section), key)
+            if hint is float and isinstance(value, float) and not math.isfinite(value):  # (a str: a type error)
+                errors.append(f"{section}.{key} = {value!r}: must be a finite number")
     return errors
 
 
@@ -119,17 +98,23 @@ def _expert_group_errors(cfg: Config) -> list[str]:
 
 def validate(cfg: Config, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` processes, one message each (empty = valid)."""
-    errors = _type_errors(cfg)
-    if errors:  # arithmetic on wrongly typed values would only add noise
+    errors = type_errors(cfg) + _non_finite_errors(cfg)
+    if errors:  # arithmetic on wrongly typed (or nan) values would only add noise
         return errors
-    return _check_values(cfg, world_size)
+    errors = _size_errors(cfg)
+    bad_sizes = bool(errors)
+    errors += _optimizer_errors(cfg) + _data_section_errors(cfg) + _run_errors(cfg)
+    if bad_sizes:  # the arithmetic below assumes positive sizes
+        return errors
+    dp = data_parallel_degree(cfg, world_size)
+    return (errors + _mesh_errors(cfg, world_size, dp) + _head_errors(cfg) + _tp_split_errors(cfg)
+            + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
+            + _sequence_errors(cfg) + _schedule_errors(cfg, dp))
 
 
-def _check_values(cfg: Config, world_size: int) -> list[str]:
+def _size_errors(cfg: Config) -> list[str]:
+    """Counts and sizes: at least 1, or 0 or more where 0 means off or "derive it"."""
     m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
-    errors: list[str] = []
-    err = errors.append
-
     positive = {
         "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads, "model.ffn_dim": m.ffn_dim, "parallel.tp": p.tp,
@@ -139,9 +124,6 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         "train.seq_len": t.seq_len, "train.eval_batches": t.eval_batches, "train.log_every": t.log_every,
         "data.vocab_multiple": d.vocab_multiple, "checkpoint.keep": c.keep, "run.trace_steps": cfg.run.trace_steps,
     }
-    for key, value in positive.items():
-        if value < 1:
-            err(f"{key} = {value}: must be at least 1")
     non_negative = {
         "parallel.dp": p.dp, "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
         "model.n_experts": m.n_experts, "model.moe_ffn_dim": m.moe_ffn_dim,
@@ -155,17 +137,20 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
         "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
     }
-    for key, value in non_negative.items():
-        if value < 0:
-            err(f"{key} = {value}: must be 0 or more")
-    bad_sizes = bool(errors)
+    return ([f"{key} = {value}: must be at least 1" for key, value in positive.items() if value < 1]
+            + [f"{key} = {value}: must be 0 or more" for key, value in non_negative.items() if value < 0])
 
-    # Optimisation.
+
+def _optimizer_errors(cfg: Config) -> list[str]:
+    """The learning-rate schedule, AdamW, fp16 loss scaling and the device."""
+    t = cfg.train
+    errors = []
+    err = errors.append
     if t.lr <= 0:
         err(f"train.lr = {t.lr}: must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
         err(f"train.min_lr_ratio = {t.min_lr_ratio}: must be within [0, 1]")
-    if t.stop_after > t.steps >= 1:  # (a train.steps < 1 is reported above, once)
+    if t.stop_after > t.steps >= 1:  # (a train.steps < 1 is reported with the sizes, once)
         err(f"train.stop_after = {t.stop_after} exceeds train.steps = {t.steps}; lower it (0 = run to the end)")
     if t.warmup_steps > t.steps >= 1:
         err(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}; lower warmup_steps")
@@ -185,28 +170,43 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
 
         if not torch.cuda.is_available():
             err("train.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    return errors
 
-    # Data.
+
+def _data_section_errors(cfg: Config) -> list[str]:
+    """[data]: fractions, the BPE size, that the inputs exist, and what their headers say."""
+    d = cfg.data
+    errors = []
     if not 0 <= d.val_fraction < 1:
-        err(f"data.val_fraction = {d.val_fraction}: must be within [0, 1)")
+        errors.append(f"data.val_fraction = {d.val_fraction}: must be within [0, 1)")
     if d.tokenizer == "bpe" and d.bpe_vocab < 260:
-        err(f"data.bpe_vocab = {d.bpe_vocab}: a byte-level BPE needs at least 260 tokens (256 bytes + specials)")
+        errors.append(f"data.bpe_vocab = {d.bpe_vocab}: a byte-level BPE needs at least 260 tokens (256 bytes + "
+                      f"specials)")
     missing = [path for path in d.paths if not Path(path).exists() and path_kind(path) != "megatron"]
     for path in missing:
-        err(f"data.paths: '{path}' does not exist; give existing text files or folders, prepared datasets or "
-            "token files, or [] for the standard library")
+        errors.append(f"data.paths: '{path}' does not exist; give existing text files or folders, prepared "
+                      "datasets or token files, or [] for the standard library")
     if not missing:
         errors += data_errors(cfg)
-    if cfg.run.hardware and not Path(cfg.run.hardware).is_file():
-        err(f"run.hardware = '{cfg.run.hardware}' does not exist; write one with `fivefold calibrate --out "
-            f"{cfg.run.hardware}` or leave it empty")
-    errors += _sink_errors(cfg)
-    if bad_sizes:  # the arithmetic below assumes positive sizes
-        return errors
+    return errors
 
-    # Mesh: the degrees must multiply to the number of processes.
+
+def _run_errors(cfg: Config) -> list[str]:
+    """[run]: the hardware profile exists, and the metric sinks."""
+    hardware = cfg.run.hardware
+    errors = []
+    if hardware and not Path(hardware).is_file():
+        errors.append(f"run.hardware = '{hardware}' does not exist; write one with `fivefold calibrate --out "
+                      f"{hardware}` or leave it empty")
+    return errors + _sink_errors(cfg)
+
+
+def _mesh_errors(cfg: Config, world_size: int, dp: int) -> list[str]:
+    """The degrees multiply to the number of processes; the data-parallel options fit together."""
+    p = cfg.parallel
+    errors = []
+    err = errors.append
     rest = p.pp * p.cp * p.tp
-    dp = data_parallel_degree(cfg, world_size)
     if p.dp == 0 and dp == 0:
         err(f"parallel.pp x cp x tp = {rest} does not divide the {world_size} processes; "
             f"launch a multiple of {rest} processes or lower those degrees")
@@ -230,42 +230,72 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
     if p.collective_timeout_s <= 0:
         err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
+    return errors
 
-    # Model shape.
+
+def _head_errors(cfg: Config) -> list[str]:
+    """Attention heads: their width splits into RoPE pairs, query heads into key/value groups."""
+    m = cfg.model
     if m.kv_lora_rank:  # latent attention: head_dim and n_kv_heads are unused
-        errors += _latent_attention_errors(cfg)
-    else:
-        if m.head_dim == 0 and m.dim % m.n_heads:
-            err(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
-                f"use n_heads in {{{_divisors_near(m.dim, 128)}}} or set model.head_dim")
-        head_dim = m.head_dim or m.dim // m.n_heads
-        if head_dim % 2:
-            err(f"head dimension {head_dim} is odd; RoPE rotates pairs, so choose an even model.head_dim")
-        if m.n_heads % m.n_kv_heads:
-            err(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
-                f"use n_kv_heads in {{{_divisors_near(m.n_heads, m.n_heads)}}}")
+        return _latent_attention_errors(cfg)
+    errors = []
+    if m.head_dim == 0 and m.dim % m.n_heads:
+        errors.append(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
+                      f"use n_heads in {{{_divisors_near(m.dim, 128)}}} or set model.head_dim")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    if head_dim % 2:
+        errors.append(f"head dimension {head_dim} is odd; RoPE rotates pairs, so choose an even model.head_dim")
+    if m.n_heads % m.n_kv_heads:
+        errors.append(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
+                      f"use n_kv_heads in {{{_divisors_near(m.n_heads, m.n_heads)}}}")
+    return errors
+
+
+def _tp_split_errors(cfg: Config) -> list[str]:
+    """The widths tensor parallelism splits are divisible by tp."""
+    m, tp = cfg.model, cfg.parallel.tp
     split_by_tp = [("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim)]
     if not m.kv_lora_rank:
         split_by_tp.insert(1, ("model.n_kv_heads", m.n_kv_heads))
-    for key, value in split_by_tp:
-        if value % p.tp:
-            err(f"{key} = {value} is not divisible by parallel.tp = {p.tp}; use tp in "
-                f"{{{_divisors_near(value, 64)}}} or {key} = {_multiples_near(value, p.tp)}")
+    return [f"{key} = {value} is not divisible by parallel.tp = {tp}; use tp in "
+            f"{{{_divisors_near(value, 64)}}} or {key} = {_multiples_near(value, tp)}"
+            for key, value in split_by_tp if value % tp]
+
+
+def _stage_errors(cfg: Config) -> list[str]:
+    """The blocks split into pp x virtual_stages pipeline stages of at least one block each."""
+    m, p = cfg.model, cfg.parallel
     stages = p.pp * p.virtual_stages
     if p.stage_layers:
         if len(p.stage_layers) != stages or sum(p.stage_layers) != m.n_layers or min(p.stage_layers) < 1:
-            err(f"parallel.stage_layers = {list(p.stage_layers)}: needs pp x virtual_stages = {stages} entries, "
-                f"each at least 1, adding up to model.n_layers = {m.n_layers} (or [] for a balanced split)")
+            return [f"parallel.stage_layers = {list(p.stage_layers)}: needs pp x virtual_stages = {stages} entries, "
+                    f"each at least 1, adding up to model.n_layers = {m.n_layers} (or [] for a balanced split)"]
     elif m.n_layers < stages:  # any other count splits: unevenly, balanced by parallel/pipeline/stage_split.py
-        err(f"model.n_layers = {m.n_layers} is fewer than parallel.pp x virtual_stages = {stages} stages of at "
-            f"least one block each; lower pp or virtual_stages to at most {m.n_layers} stages, or raise n_layers")
+        return [f"model.n_layers = {m.n_layers} is fewer than parallel.pp x virtual_stages = {stages} stages of at "
+                f"least one block each; lower pp or virtual_stages to at most {m.n_layers} stages, or raise n_layers"]
+    return []
+
+
+def _vocab_errors(cfg: Config) -> list[str]:
+    """The vocabulary holds the tokenizer's tokens and splits over tp."""
+    m, tp = cfg.model, cfg.parallel.tp
+    errors = []
     vocab = padded_vocab(cfg)
     if m.vocab_size and m.vocab_size < tokenizer_vocab(cfg):
-        err(f"model.vocab_size = {m.vocab_size} is smaller than the {d.tokenizer or 'data'}'s tokenizer's "
-            f"{tokenizer_vocab(cfg)} tokens; set model.vocab_size = 0 to take the tokenizer's (padded)")
-    if vocab % p.tp:
-        err(f"vocabulary {vocab} is not divisible by parallel.tp = {p.tp}; set data.vocab_multiple to a "
-            f"multiple of {p.tp}")
+        errors.append(f"model.vocab_size = {m.vocab_size} is smaller than the {cfg.data.tokenizer or 'data'}'s "
+                      f"tokenizer's {tokenizer_vocab(cfg)} tokens; set model.vocab_size = 0 to take the tokenizer's "
+                      f"(padded)")
+    if vocab % tp:
+        errors.append(f"vocabulary {vocab} is not divisible by parallel.tp = {tp}; set data.vocab_multiple to a "
+                      f"multiple of {tp}")
+    return errors
+
+
+def _expert_errors(cfg: Config, dp: int) -> list[str]:
+    """Mixture of experts: routing, balancing and capacity settings; ep for the experts and the ranks."""
+    m, p = cfg.model, cfg.parallel
+    errors = []
+    err = errors.append
     if m.n_experts:
         if not 1 <= m.top_k <= m.n_experts:
             err(f"model.top_k = {m.top_k}: must be between 1 and model.n_experts = {m.n_experts}")
@@ -289,16 +319,28 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
     if dp and (dp * p.cp) % p.ep:
         err(f"parallel.ep = {p.ep} does not divide dp x cp = {dp * p.cp}; experts are sharded inside the "
             "data-parallel ranks")
+    return errors
 
-    # Batch and sequence arithmetic.
-    if dp and t.global_batch % (dp * t.micro_batch):
-        k = dp * t.micro_batch
-        # Only hints that can fix it: a micro_batch can only help when dp divides the global batch.
-        other = (f"a micro_batch in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp)}}}"
-                 if t.global_batch % dp == 0 else
-                 f"a dp (processes / (pp x cp x tp)) in {{{_divisors_near(t.global_batch, t.global_batch)}}}")
-        err(f"train.global_batch = {t.global_batch} is not divisible by dp x train.micro_batch = {dp} x "
-            f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or {other}")
+
+def _batch_errors(cfg: Config, dp: int) -> list[str]:
+    """The global batch splits into dp x micro_batch sequences."""
+    t = cfg.train
+    k = dp * t.micro_batch
+    if not dp or t.global_batch % k == 0:
+        return []
+    # Only hints that can fix it: a micro_batch can only help when dp divides the global batch.
+    other = (f"a micro_batch in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp)}}}"
+             if t.global_batch % dp == 0 else
+             f"a dp (processes / (pp x cp x tp)) in {{{_divisors_near(t.global_batch, t.global_batch)}}}")
+    return [f"train.global_batch = {t.global_batch} is not divisible by dp x train.micro_batch = {dp} x "
+            f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or {other}"]
+
+
+def _sequence_errors(cfg: Config) -> list[str]:
+    """The sequence splits over cp (and tp with sp), Ulysses' heads over cp, and what cp cannot do yet."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    errors = []
+    err = errors.append
     ring = p.cp > 1 and p.cp_method == "ring"
     seq_multiple = (2 * p.cp if ring else p.cp) * (p.tp if p.sp else 1)
     if t.seq_len % seq_multiple:
@@ -316,19 +358,26 @@ def _check_values(cfg: Config, world_size: int) -> list[str]:
         if p.cp > 1 and getattr(d, name):
             err(f"data.{name} with parallel.cp = {p.cp}: not built yet for ring attention / Ulysses; set "
                 f"parallel.cp = 1 or data.{name} = false")
+    return errors
+
+
+def _schedule_errors(cfg: Config, dp: int) -> list[str]:
+    """The pipeline schedule runs with this step's micro-batches and virtual stages."""
+    p, t = cfg.parallel, cfg.train
+    errors = []
     if dp and t.global_batch % (dp * t.micro_batch) == 0:
         micro = t.global_batch // (dp * t.micro_batch)
         if p.pp > 1 and micro < p.pp:
-            err(f"{micro} micro-batches per step is fewer than parallel.pp = {p.pp} stages; the "
-                f"{p.pp_schedule} schedule needs at least pp: raise train.global_batch or lower train.micro_batch")
+            errors.append(f"{micro} micro-batches per step is fewer than parallel.pp = {p.pp} stages; the "
+                          f"{p.pp_schedule} schedule needs at least pp: raise train.global_batch or lower "
+                          f"train.micro_batch")
         else:
             try:
                 build_schedule(p.pp_schedule, p.pp, micro, p.virtual_stages)
             except ValueError as e:
-                err(f"parallel.pp_schedule = '{p.pp_schedule}' with pp = {p.pp}, virtual_stages = "
-                    f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
+                errors.append(f"parallel.pp_schedule = '{p.pp_schedule}' with pp = {p.pp}, virtual_stages = "
+                              f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
     if p.pp_schedule in ("dualpipe_v", "zb_v") and p.virtual_stages != 2:
-        err(f"parallel.pp_schedule = '{p.pp_schedule}' runs 2 stages per rank; set parallel.virtual_stages = 2")
-
+        errors.append(f"parallel.pp_schedule = '{p.pp_schedule}' runs 2 stages per rank; set "
+                      f"parallel.virtual_stages = 2")
     return errors
-

@@ -1,17 +1,35 @@
 """Configuration: precedence, overrides, and one clear message per mistake, all at once."""
 
 import dataclasses
+import tomllib
+import typing
 
 import pytest
 from helpers import ROOT, tiny_config
 
-from fivefold.config import Config, ConfigError, load_config, parse_overrides, replace, to_toml
+from fivefold.checkpoint.run_dir import run_dir_of
+from fivefold.cli import main
+from fivefold.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    load_config,
+    parse_overrides,
+    parse_value,
+    read_config,
+    replace,
+    to_toml,
+)
+from fivefold.launch.agent import check_writable
 from fivefold.parallel.derive import derive
+from fivefold.train.preflight import preflight
 from fivefold.validate import validate
 
 
 def errors_of(world: int, *overrides: str) -> list[str]:
-    return validate(load_config(ROOT / "configs" / "tiny.toml", list(overrides)), world)
+    """What `fivefold train` reports: the loading's problems (unknown keys, wrong types), then validate()'s."""
+    cfg, errors = read_config(ROOT / "configs" / "tiny.toml", list(overrides))
+    return errors + validate(cfg, world)
 
 
 def one_error(errors: list[str], *words: str) -> str:
@@ -186,3 +204,94 @@ def test_tensor_parallel_options():
     msg = one_error(errors_of(2, "--parallel.tp=2", "--data.vocab_multiple=7"), "vocabulary 259")
     assert "vocab_multiple to a multiple of 2" in msg
     assert errors_of(8, "--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2") == []
+
+
+def test_a_string_field_takes_the_override_as_written(tmp_path):
+    for text in ("2024", "true", "nan", "1.5", "[1, 2]", "abc"):
+        cfg = load_config(ROOT / "configs" / "debug.toml", [f"--run.name={text}", f"--run.out_dir={tmp_path}"])
+        assert cfg.run.name == text and validate(cfg, 2) == []
+    assert load_config(None, ['--run.name="x y"']).run.name == "x y"  # a quoted TOML string: the string
+    toml = tmp_path / "x.toml"
+    toml.write_text("[run]\nname = 2024\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(toml)
+    assert e.value.errors == ["run.name = 2024: must be a string"]  # TOML says what it is: a number
+    toml.write_text('[data]\nmixture = [["a", 1], ["b"]]\n')
+    assert read_config(toml)[1] == ["data.mixture = [['a', 1], ['b']]: must be a list of [string, number] pairs"]
+
+
+# A value of every kind TOML has, as written in a TOML file or after --section.key=.
+KINDS = ("2024", "1.5", "true", '"abc"', "[1, 2]", "nan", "[[1, 2]]", '[["a", 1.5]]', "{ a = 1 }")
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
+def test_every_field_refuses_a_wrong_type_by_name_and_nothing_else_fails(tmp_path, monkeypatch, section):
+    """Every field, values of every kind, from a TOML file and from the command line: a value is either
+    taken as given or refused in one line naming the field, and what `fivefold train` checks before any
+    process starts raises nothing but ConfigError (it used to raise TypeError: --run.name=2024)."""
+    monkeypatch.chdir(tmp_path)  # relative run directories are looked for here
+    toml = tmp_path / "x.toml"
+    for f in dataclasses.fields(SECTIONS[section]):
+        name = f"{section}.{f.name}"
+        is_string = typing.get_type_hints(SECTIONS[section])[f.name] is str
+        for text in KINDS:
+            toml.write_text(f"[{section}]\n")
+            for path, overrides, given in ((toml, [], tomllib.loads(f"v = {text}")["v"]),
+                                           (ROOT / "configs" / "tiny.toml", [f"--{name}={text}"], None)):
+                before = getattr(getattr(read_config(path)[0], section), f.name)
+                toml.write_text(f"[{section}]\n{f.name} = {text}\n")
+                cfg, errors = read_config(path, overrides)
+                value = getattr(getattr(cfg, section), f.name)
+                refused = [e for e in errors if e.startswith(f"{name} = ") and ": must be " in e]
+                if given is None:  # the command line: a string field's text as written, else TOML
+                    given = (text.strip('"') if text == '"abc"' else text) if is_string else parse_value(text)
+                if refused:
+                    assert len(refused) == 1 and value == before, (name, text, errors)
+                else:
+                    assert repr(value) == repr(_tuples(given)), (name, text, value)  # (repr: nan != nan)
+                assert not (is_string and overrides and refused), (name, text, errors)  # any text is a string
+                try:
+                    errors += preflight(cfg, 1) + check_writable(run_dir_of(cfg))
+                except ConfigError as e:
+                    errors += e.errors
+                assert all("\n" not in e for e in errors), errors
+
+
+@pytest.mark.parametrize("written", ["run.name = 2024", "run.name = true", "run.name = nan", "run.out_dir = 2024",
+                                     "checkpoint.init_from = 2024", "model.preset = 2024", 'data.mixture = "abc"',
+                                     "train.steps = 1.5", "train.lr = true", "parallel.reshard_after_forward = 1",
+                                     "data.paths = [1, 2]", "parallel.stage_layers = [[1, 2]]"])
+def test_fivefold_train_refuses_a_wrong_type_in_a_toml_file_in_one_line(tmp_path, monkeypatch, capsys, written):
+    monkeypatch.chdir(tmp_path)  # the default run.out_dir, "runs", is here
+    key, value = written.split(" = ")
+    section, name = key.split(".")
+    (tmp_path / "x.toml").write_text(f"[{section}]\n{name} = {value}\n")
+    assert main(["train", "x.toml", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fivefold: invalid configuration: {key} = ") and err.count("\n") == 1, err
+    assert ": must be " in err and [p.name for p in tmp_path.iterdir()] == ["x.toml"]  # nothing written
+
+
+@pytest.mark.parametrize("override, line", [
+    ("--train.steps=1.5", "train.steps = 1.5: must be an integer"),
+    ("--train.lr=true", "train.lr = True: must be a number"),
+    ("--parallel.reshard_after_forward=1", "parallel.reshard_after_forward = 1: must be one of 'auto', true, false"),
+    ("--data.mixture=abc", "data.mixture = 'abc': must be a list of [string, number] pairs"),
+    ("--data.paths=[1, 2]", "data.paths = [1, 2]: must be a list of strings"),
+    ("--model.preset=2024", "model.preset = '2024' is unknown"),  # a string: the name of no preset
+    ("--checkpoint.init_from=2024", "checkpoint.init_from = '2024' does not exist"),
+    # Any text is a string: the run's name and folder are taken, the one error left is train.lr's.
+    *((f"--run.{key}={text}", "train.lr = -1: must be > 0") for key, text in
+      (("name", "2024"), ("name", "true"), ("name", "nan"), ("out_dir", "2024"))),
+])
+def test_fivefold_train_refuses_a_wrong_override_in_one_line(tmp_path, monkeypatch, capsys, override, line):
+    monkeypatch.chdir(tmp_path)  # configs/tiny.toml's run.out_dir, "runs", is here
+    also = ["--train.lr=-1"] if override.startswith("--run.") else []  # else the one error is the override's
+    assert main(["train", str(ROOT / "configs" / "tiny.toml"), override, *also, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fivefold: invalid configuration: {line}") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []  # nothing written

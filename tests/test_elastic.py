@@ -8,6 +8,7 @@ with at least MIN nodes starts 2 s after MIN arrived (--rdzv-last-call), and a n
 heartbeats of 1 s is lost (--rdzv-keep-alive).
 """
 
+import argparse
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from test_launch import assert_each_sample_once, children, free_port, worker_pid
 
 from fivefold.checkpoint.run_dir import latest_checkpoint
 from fivefold.cli import main
+from fivefold.launch.agent import add_arguments, spec_from_args
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.metrics import read_events, read_metrics
 
@@ -239,9 +241,44 @@ def _command(tmp_path: Path, *args: str) -> list[str]:
     (("--nnodes", "3:2",), "--nnodes = '3:2': need 1 <= MIN <= MAX"),
     (("--nnodes", "1:2", "--replan"), "--replan needs hardware to plan for: set run.hardware"),
     (("--nnodes", "1:2", "--replan", "--gpu", "h1000"), "--gpu: unknown GPU 'h1000'"),
+    (("--nnodes", "1:2", "--rdzv-timeout", "30"),
+     "--rdzv-last-call 30 + 3 x --rdzv-keep-alive 5 = 45 s does not fit in --rdzv-timeout 30"),
 ])
 def test_bad_elastic_input_fails_before_any_process_naming_the_flag(tmp_path, capsys, args, message):
     began = time.monotonic()
     assert main(_command(tmp_path, *args)) == 2
     assert message in capsys.readouterr().err
     assert time.monotonic() - began < 10 and not (tmp_path / "tiny").exists()
+
+
+def _launch_errors(*argv: str) -> list[str]:
+    """spec_from_args()'s problems with a command line of launcher flags (nothing starts)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-restarts", type=int, default=None)  # (the train command's)
+    add_arguments(parser)
+    return spec_from_args(parser.parse_args(argv), 2, under_torchrun=False)[1]
+
+
+def test_an_elastic_last_call_must_fit_well_inside_the_rendezvous_timeout():
+    """After losing a node, a round waits 3 keep-alives to take it for lost, then its last call; that wait
+    may take at most half of --rdzv-timeout. With the default last call, --rdzv-timeout 30 made node 0
+    give up although it alone was enough for --nnodes 1:2."""
+    elastic = ("--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29500")
+    assert _launch_errors(*elastic) == []  # the defaults: 30 + 3 x 5 = 45 s of 300
+    assert _launch_errors(*elastic, *RDZV) == []  # this file's jobs, and benchmarks/elastic.py's (the same)
+    assert _launch_errors(*elastic, "--rdzv-keep-alive", "5", "--rdzv-last-call", "30") == []  # benchmarks/README.md
+    assert _launch_errors(*elastic, "--rdzv-timeout", "30") == [
+        "--rdzv-last-call 30 + 3 x --rdzv-keep-alive 5 = 45 s does not fit in --rdzv-timeout 30: a round that lost "
+        "a node waits that long before it forms (the missed heartbeats, then the last call) and must form within "
+        "the timeout, with as long again to spare; use --rdzv-timeout >= 90"]
+    (error,) = _launch_errors(*elastic, "--rdzv-timeout", "60", "--rdzv-keep-alive", "2.5")
+    assert error.startswith("--rdzv-last-call 30 + 3 x --rdzv-keep-alive 2.5 = 37.5 s does not fit in "
+                            "--rdzv-timeout 60")
+    assert error.endswith("use --rdzv-last-call <= 22.5 or --rdzv-timeout >= 75")
+    for fix in (("--rdzv-last-call", "22.5"), ("--rdzv-timeout", "75")):  # each fix it names is accepted
+        assert _launch_errors(*elastic, "--rdzv-timeout", "60", "--rdzv-keep-alive", "2.5", *fix) == []
+    # A fixed number of nodes has no last call: test_a_world_below_min_ends_the_job's 10 s timeout stands.
+    assert _launch_errors("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29500",
+                          "--rdzv-timeout", "10", "--rdzv-keep-alive", "1") == []
+    assert _launch_errors(*elastic, "--rdzv-last-call", "inf") == [
+        "--rdzv-last-call = inf: must be a finite number of seconds above 0"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -122,9 +123,9 @@ def data_errors(cfg: Config) -> list[str]:
             tokenizer_facts(d.tokenizer)
         if d.mixture and kind != "prepared":
             errors.append("data.mixture: every entry must be a prepared dataset (`fivefold prepare`)")
-        for entry in d.mixture:
-            if len(entry) != 2 or not isinstance(entry[1], (int, float)) or entry[1] <= 0:
-                errors.append(f"data.mixture entry {list(entry)}: write [path, weight] with a weight > 0")
+        for path, weight in d.mixture:  # ([path, weight] pairs: their types are config.py's to check)
+            if not 0 < weight < math.inf:  # (nan too)
+                errors.append(f"data.mixture entry {[path, weight]}: write [path, weight] with a finite weight > 0")
         if d.mixture and d.paths:
             errors.append("data.mixture and data.paths are both set; give the datasets in one of them")
         if kind == "prepared":

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import math
 import multiprocessing
 import os
 import shutil
@@ -45,6 +46,7 @@ from fivefold.launch.worker_report import WORKER_DIR, culprit_summary, one_line_
 LOCAL_ENDPOINT = "127.0.0.1:0"  # one machine: loopback, a port the OS picks
 BACKEND = "fivefold-c10d"  # our rendezvous handler's name in torch's registry
 ARRIVED = "fivefold.arrived."  # + node rank: a node reached the rendezvous (store key)
+LOST_AFTER = 3  # missed heartbeats after which a node is taken for lost (torch's keep_alive_max_attempt, its default)
 
 
 class LaunchError(RuntimeError):
@@ -131,18 +133,32 @@ def spec_from_args(args: argparse.Namespace, nproc: int, under_torchrun: bool) -
                           f"know; give a fixed free port, e.g. 29500")
     except ValueError as e:
         errors.append(str(e))
-    if args.rdzv_timeout < 1:
-        errors.append(f"--rdzv-timeout = {args.rdzv_timeout}: must be at least 1 second")
     if restarts < 0:
         errors.append(f"--max-restarts = {restarts}: must be 0 or more")
-    for flag, value in (("--rdzv-last-call", args.rdzv_last_call), ("--rdzv-keep-alive", args.rdzv_keep_alive)):
-        if not value > 0:
-            errors.append(f"{flag} = {value}: must be more than 0 seconds")
+    errors += rendezvous_errors(args.rdzv_timeout, args.rdzv_last_call, args.rdzv_keep_alive, min_nodes < nnodes)
     spec = LaunchSpec(nproc=nproc, nnodes=nnodes, node_rank=node_rank, endpoint=endpoint,
                       rdzv_timeout_s=args.rdzv_timeout, max_restarts=restarts,
                       min_nodes=min_nodes if min_nodes < nnodes else 0, last_call_s=args.rdzv_last_call,
                       keep_alive_s=args.rdzv_keep_alive)
     return spec, errors
+
+
+def rendezvous_errors(timeout_s: int, last_call_s: float, keep_alive_s: float, elastic: bool) -> list[str]:
+    """The rendezvous timings, and an elastic job's together: a round that lost a node waits LOST_AFTER
+    keep-alives to take it for lost, then its last call, in at most half of --rdzv-timeout (the other half
+    is for the surviving nodes, whose workers fail and restart at their own pace, to come back)."""
+    errors = [] if timeout_s >= 1 else [f"--rdzv-timeout = {timeout_s}: must be at least 1 second"]
+    for flag, value in (("--rdzv-last-call", last_call_s), ("--rdzv-keep-alive", keep_alive_s)):
+        if not 0 < value < math.inf:
+            errors.append(f"{flag} = {value}: must be a finite number of seconds above 0")
+    wait, most = last_call_s + LOST_AFTER * keep_alive_s, timeout_s / 2 - LOST_AFTER * keep_alive_s
+    if errors or not elastic or wait <= timeout_s / 2:
+        return errors
+    fixes = [f"--rdzv-last-call <= {most:g}"] * (most > 0) + [f"--rdzv-timeout >= {math.ceil(2 * wait)}"]
+    return [f"--rdzv-last-call {last_call_s:g} + {LOST_AFTER} x --rdzv-keep-alive {keep_alive_s:g} = {wait:g} s "
+            f"does not fit in --rdzv-timeout {timeout_s}: a round that lost a node waits that long before it forms "
+            f"(the missed heartbeats, then the last call) and must form within the timeout, with as long again to "
+            f"spare; use {' or '.join(fixes)}"]
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -290,6 +306,7 @@ def _create_handler(params):
     handler = _handler_class().from_backend(
         params.run_id, store, C10dRendezvousBackend(store, params.run_id), params.min_nodes, params.max_nodes,
         params.local_addr, RendezvousTimeout(join=timeout, last_call=timedelta(seconds=last_call)),
+        keep_alive_max_attempt=LOST_AFTER,
         keep_alive_interval=keep_alive)  # type: ignore[arg-type] - torch takes seconds, a float works
     handler.endpoint, handler.nnodes, handler.timeout_s = params.endpoint, params.max_nodes, timeout_s
     handler.min_nodes = params.min_nodes
