@@ -145,20 +145,21 @@ def spec_from_args(args: argparse.Namespace, nproc: int, under_torchrun: bool) -
 
 def rendezvous_errors(timeout_s: int, last_call_s: float, keep_alive_s: float, elastic: bool) -> list[str]:
     """The rendezvous timings, and an elastic job's together: a round that lost a node waits LOST_AFTER
-    keep-alives to take it for lost, then its last call, in at most half of --rdzv-timeout (the other half
-    is for the surviving nodes, whose workers fail and restart at their own pace, to come back)."""
+    keep-alives to take it for lost, then its last call, in at most two thirds of --rdzv-timeout (the last
+    third is for the surviving nodes, whose workers fail and restart at their own pace, to come back:
+    --rdzv-timeout 30 with --rdzv-last-call 5 and the default keep-alive shrinks and finishes)."""
     errors = [] if timeout_s >= 1 else [f"--rdzv-timeout = {timeout_s}: must be at least 1 second"]
     for flag, value in (("--rdzv-last-call", last_call_s), ("--rdzv-keep-alive", keep_alive_s)):
         if not 0 < value < math.inf:
             errors.append(f"{flag} = {value}: must be a finite number of seconds above 0")
-    wait, most = last_call_s + LOST_AFTER * keep_alive_s, timeout_s / 2 - LOST_AFTER * keep_alive_s
-    if errors or not elastic or wait <= timeout_s / 2:
+    wait, most = last_call_s + LOST_AFTER * keep_alive_s, timeout_s * 2 / 3 - LOST_AFTER * keep_alive_s
+    if errors or not elastic or wait <= timeout_s * 2 / 3:
         return errors
-    fixes = [f"--rdzv-last-call <= {most:g}"] * (most > 0) + [f"--rdzv-timeout >= {math.ceil(2 * wait)}"]
+    fixes = [f"--rdzv-last-call <= {most:g}"] * (most > 0) + [f"--rdzv-timeout >= {math.ceil(1.5 * wait)}"]
     return [f"--rdzv-last-call {last_call_s:g} + {LOST_AFTER} x --rdzv-keep-alive {keep_alive_s:g} = {wait:g} s "
             f"does not fit in --rdzv-timeout {timeout_s}: a round that lost a node waits that long before it forms "
-            f"(the missed heartbeats, then the last call) and must form within the timeout, with as long again to "
-            f"spare; use {' or '.join(fixes)}"]
+            f"(the missed heartbeats, then the last call) and must form within the timeout, with half as long again "
+            f"to spare; use {' or '.join(fixes)}"]
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
