@@ -23,7 +23,7 @@ demo: $(STAMP)
 	echo "--- fivefold sample runs/$$name --prompt 'def ' --max-new-tokens 120" && \
 	$(VENV)/bin/fivefold sample runs/$$name --prompt "def " --max-new-tokens 120
 
-# Browser tests (tests/test_pages.py) need Debian's chromium + chromium-driver, installed if missing
+# Browser tests (tests/viz/test_pages.py) need Debian's chromium + chromium-driver, installed if missing
 # in the background while pip installs and the other tests run (about a minute of downloads); the
 # pages' tests wait for .browser-install.done, which holds the script's exit status.
 browser:

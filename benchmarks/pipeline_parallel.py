@@ -16,7 +16,7 @@ CPU, fp32), the same model, initial weights and micro-batches:
                        rank r holds stages r and 2pp-1-r, on both sides);
 6. `dualpipe_v`:       fivefold "dualpipe_v"       vs torch `ScheduleDualPipeV` (V placement; torch
                        runs each overlapped F + B pair one after the other, as fivefold lists it).
-Each pair's per-rank action order is the same (tests/test_schedules.py compares them with torch's
+Each pair's per-rank action order is the same (tests/parallel/test_schedules.py compares them with torch's
 `pipeline_order`), so the two sides do the same work in the same order.
 The model is fivefold's Transformer (`build_model`, seeded) from configs/tiny.toml with dim 128,
 ffn 384, 8 layers, seq 128; a step is global batch 16 in m = 8 micro-batches of 2. fivefold runs it

@@ -39,7 +39,7 @@ from fivefold.train.loop import build_model  # noqa: E402
 from fivefold.train.precision import LossScaler  # noqa: E402
 
 # fivefold schedule name -> (torch schedule class, stages per rank). Each pair runs the same
-# per-rank action order (tests/test_schedules.py checks it against torch's pipeline_order):
+# per-rank action order (tests/parallel/test_schedules.py checks it against torch's pipeline_order):
 # ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1, fivefold's "zb_h1" (fivefold has
 # no interleaved zero-bubble schedule with v > 1); DualPipeV's overlapped F + B pairs run one after
 # the other in torch too (no overlap on one CPU thread), as fivefold lists them.

@@ -15,21 +15,77 @@ import pytest  # noqa: E402
 import torch._dynamo  # noqa: E402,F401
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
-from helpers import EQUIVALENCE, TIED_ARGS, tiny_config, train_and_gather  # noqa: E402
+from helpers import (  # noqa: E402
+    DOCUMENTS_ON,
+    EQUIVALENCE,
+    MLA_ARGS,
+    MOE_ARGS,
+    TIED_ARGS,
+    document_args,
+    short_documents,
+    tiny_config,
+    train_and_gather,
+)
 
 import fivefold.train.loop  # noqa: E402,F401
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
+# ---- the single-process references every layout must reproduce: all of them, here ------------------
+# Each trains the same data (helpers.EQUIVALENCE) with each global batch in one micro-batch. A table
+# row (helpers.Layout) names the one it reproduces.
+
+
+def _one_process(tmp_path_factory, name: str, *args: str):
+    cfg = tiny_config(tmp_path_factory.mktemp(name), *args, "--train.micro_batch=8")
+    return run_workers(train_and_gather, 1, cfg)[0]
+
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The single-process run every layout must reproduce: each global batch in one micro-batch."""
-    cfg = tiny_config(tmp_path_factory.mktemp("ref"), *EQUIVALENCE, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
+    """The plain model: data, tensor, pipeline and context parallel reproduce it."""
+    return _one_process(tmp_path_factory, "ref", *EQUIVALENCE)
 
 
 @pytest.fixture(scope="session")
 def tied_reference(tmp_path_factory):
     """The same with tied embeddings (helpers.TIED_ARGS): for pipeline and tensor parallel."""
-    cfg = tiny_config(tmp_path_factory.mktemp("tied"), *TIED_ARGS, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
+    return _one_process(tmp_path_factory, "tied", *TIED_ARGS)
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory):
+    """The MoE with its bias update and balance loss (helpers.MOE_ARGS): expert parallel reproduces it."""
+    return _one_process(tmp_path_factory, "moe", *EQUIVALENCE, *MOE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def mla_reference(tmp_path_factory):
+    """DeepSeek-V3's architecture in miniature (helpers.MLA_ARGS)."""
+    return _one_process(tmp_path_factory, "mla", *EQUIVALENCE, *MLA_ARGS)
+
+
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory):
+    """A folder of short documents (helpers.short_documents): every row holds several."""
+    folder = tmp_path_factory.mktemp("docs")
+    for i, content in enumerate(short_documents()):
+        (folder / f"doc{i:03d}.txt").write_bytes(content)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def documents_reference(tmp_path_factory, short_docs):
+    """The plain model on packed documents kept apart (helpers.document_args, DOCUMENTS_ON)."""
+    return _one_process(tmp_path_factory, "docs-dense", *document_args(short_docs, *DOCUMENTS_ON))
+
+
+@pytest.fixture(scope="session")
+def documents_off_reference(tmp_path_factory, short_docs):
+    """The same documents without the options: to show they change the run."""
+    return _one_process(tmp_path_factory, "docs-off", *document_args(short_docs))
+
+
+@pytest.fixture(scope="session")
+def documents_moe_reference(tmp_path_factory, short_docs):
+    """The MoE on the documents kept apart."""
+    return _one_process(tmp_path_factory, "docs-moe", *document_args(short_docs, *DOCUMENTS_ON, *MOE_ARGS))

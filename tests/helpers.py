@@ -1,7 +1,11 @@
-"""Small shared pieces of the tests."""
+"""Small shared pieces of the tests: configs, the equivalence method (Layout, assert_reproduces), meshes.
+
+The single-process references every layout must reproduce are fixtures in conftest.py, all of them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.config import Config, load_config
@@ -32,6 +36,45 @@ EQUIVALENCE = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.step
 # loss (AdamW amplifying fp32 summation order in the doubly-fed matrix); at 1e-3 every layout, one
 # process included, stays within 7e-8.
 TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
+# The MoE every expert-parallel case trains (against the `moe_reference` fixture), and DeepSeek-V3's
+# architecture in miniature: latent attention, group-limited sigmoid routing with the routed scale, a
+# shared expert, the bias update and the balance loss (against `mla_reference`).
+MOE_ARGS = ("--model.preset=tiny-moe", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
+MLA_ARGS = ("--model.preset=tiny-mla", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
+
+# Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.
+DOCUMENTS_ON = ("--data.document_mask=true", "--data.reset_positions=true")
+
+
+def short_documents(n: int = 88) -> list[bytes]:
+    """n short documents of 8..15 bytes: with their eod at most 16 tokens, so every row of 32
+    holds two eods or more, whatever the offset."""
+    return [f"d{i:02d}: ".encode() + b"abcdefghij"[: 3 + i % 8] for i in range(n)]
+
+
+def document_args(folder: Path, *extra: str) -> tuple[str, ...]:
+    """EQUIVALENCE on the documents of `folder`.
+
+    lr 3e-3, not EQUIVALENCE's 1e-2: on this data at 1e-2 AdamW grew tp2-sp's fp32 summation-order
+    difference to 4.9e-6 in the step-4 loss (half the shared 1e-5 bound) while step 1 agreed to
+    9e-8; at 3e-3 every layout here stays within 2e-7 (losses) and 2.2e-6 (weights), measured.
+    A mask missing on one stage or rank moves the losses by percents from step 1.
+    """
+    return (*EQUIVALENCE, f'--data.paths=["{folder}"]', "--data.max_bytes=0", "--train.lr=3e-3", *extra)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One row of an equivalence table: a layout on `ranks` processes (its config overrides, added to
+    the table's base arguments) that must reproduce the single-process run of the fixture named
+    `reference` (conftest.py), with parameters within `param_atol` (each table says why its bounds are
+    what they are) and the state names ending in `exact` bit-identical."""
+
+    ranks: int
+    overrides: tuple[str, ...] = ()
+    reference: str = "reference"
+    param_atol: float = 1e-4
+    exact: tuple[str, ...] = ()
 
 
 def train_only(rank: int, world: int, cfg: Config) -> None:
@@ -80,11 +123,27 @@ def parallelized(cfg: Config, world: int):
     """Worker: `cfg`'s layout over the job's `world` ranks as the training loop builds it (on the meta
     device, then this rank's tensors), with the seeded initial values."""
     from fivefold.checkpoint.weights import fill_weights
-    from fivefold.parallel.derive import derive
-    from fivefold.parallel.mesh import Mesh
     from fivefold.train.loop import parallel_model
 
-    derived = derive(cfg, world)
-    par, seeded = parallel_model(cfg, derived, Mesh.from_config(cfg, derived))
+    mesh, derived = config_mesh(cfg, world)
+    par, seeded = parallel_model(cfg, derived, mesh)
     fill_weights(seeded, par)
     return par
+
+
+def mesh_of(ep: int = 1, **degrees: int):
+    """Inside a worker: a mesh with the given axis degrees (pp, dp_replicate, dp_shard, cp, tp), 1 for
+    the axes not named, and `ep` carved out of its grad view."""
+    from fivefold.parallel.mesh import AXES, Mesh
+
+    assert set(degrees) <= set(AXES), f"no mesh axis {sorted(set(degrees) - set(AXES))}"
+    return Mesh({axis: degrees.get(axis, 1) for axis in AXES}, ep=ep)
+
+
+def config_mesh(cfg: Config, world: int):
+    """Inside a worker: the mesh `cfg` builds over `world` ranks, and its derived numbers."""
+    from fivefold.parallel.derive import derive
+    from fivefold.parallel.mesh import Mesh
+
+    derived = derive(cfg, world)
+    return Mesh.from_config(cfg, derived), derived

@@ -20,7 +20,7 @@ def fivefold(*args: str, launcher: tuple[str, ...] = ("-m", "fivefold")) -> subp
                           timeout=240)
 
 
-# The local launcher (`--nproc`) runs in tests/test_launch.py, killed worker and all.
+# The local launcher (`--nproc`) runs in tests/launch/test_launch.py, killed worker and all.
 def test_train_under_torchrun(tmp_path):
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fivefold")
     out = fivefold("train", "configs/tiny.toml", f"--run.out_dir={tmp_path}", *FAST, launcher=torchrun)
@@ -42,7 +42,7 @@ def test_bad_config_fails_before_any_process_starts(tmp_path, capsys):
     assert time.monotonic() - began < 30
     # In this process too: the check runs before any process group exists.
     code = main(["train", "configs/tiny.toml", "--nproc", "64",
-                 "--deepspeed", str(ROOT / "tests/data/ds_seed_004.json"), f"--run.out_dir={tmp_path}"])
+                 "--deepspeed", str(ROOT / "tests/fixtures/ds_seed_004.json"), f"--run.out_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and not dist.is_initialized()
     assert "zero_optimization.stage   -> parallel.zero = 2" in err  # the mapping is printed

@@ -17,7 +17,7 @@ from fivefold.deepspeed import DeepSpeedMapping, format_mapping, load_deepspeed,
 from fivefold.parallel.derive import derive
 from fivefold.validate import validate
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent / "fixtures"
 # Each data file with the world size it is meant for (the seed files: see the tests below).
 FILES = {"ds_zero2_bf16.json": 8, "ds_seed_002.json": 64, "ds_seed_004.json": 64}
 
@@ -132,7 +132,7 @@ def test_batch_refused_when_the_three_do_not_multiply_out():
 
 
 def test_seed_004_is_refused():
-    # tests/data/ds_seed_004.json: a DeepSpeed config a tutorial gives for 3D parallelism (TP=2, PP=4,
+    # tests/fixtures/ds_seed_004.json: a DeepSpeed config a tutorial gives for 3D parallelism (TP=2, PP=4,
     # DP=8), i.e. 2 x 4 x 8 = 64 GPUs: dp = 64 / (2 x 4) = 8 and 4 x 8 x 8 = 256, not 1024.
     m = load_deepspeed(DATA / "ds_seed_004.json", 64)
     one_error(m, "train_batch_size = 1024", "4 x 8 x 8 = 256", "tp 2 x pp 4", "gradient_accumulation_steps = 32")
@@ -143,7 +143,7 @@ def test_seed_004_is_refused():
 
 
 def test_seed_002_multiplies_out_on_its_64_gpus():
-    # tests/data/ds_seed_002.json, from a practitioner's blog post (quotes restored: the page lost them),
+    # tests/fixtures/ds_seed_002.json, from a practitioner's blog post (quotes restored: the page lost them),
     # runs on 64 H100s with `deepspeed --num_gpus 64`. With its tp_size 8 x pp_size 8, dp = 1, and
     # the two given keys derive micro = 128 // 1 // 16 = 8: this JSON alone is consistent.
     m = load_deepspeed(DATA / "ds_seed_002.json", 64)

@@ -9,7 +9,7 @@ What differs between a Hugging Face (HF) directory and fivefold, and what is don
   `model.apply_rope`. (Meta's original checkpoints rotate adjacent pairs (x_2i, x_2i+1); HF's
   conversion script, transformers/models/llama/convert_llama_weights_to_hf.py, permutes the
   rows of wq and wk once, per head: view(H, D/2, 2, dim).transpose(1, 2). HF weights are already
-  in the layout fivefold uses; tests/test_hf.py shows that permutation applied again is caught.)
+  in the layout fivefold uses; tests/checkpoint/test_hf.py shows that permutation applied again is caught.)
 - Mixtral's experts are saved one nn.Linear per expert, weight (out, in):
   `block_sparse_moe.experts.{e}.w1` (gate, (hidden, dim)), `w3` (up, (hidden, dim)), `w2` (down,
   (dim, hidden)); fivefold stacks them as x @ W: `experts.gate/up` (E, dim, hidden), `experts.down`

@@ -1,6 +1,6 @@
 """Hugging Face DeepSeek-V3 (`DeepseekV3ForCausalLM`) in and out: what differs from Llama/Mixtral (checkpoint/hf.py).
 
-Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in tests/test_hf.py):
+Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in tests/checkpoint/test_hf.py):
 - Attention is multi-head latent (model/attention.py `LatentAttention`); names in BLOCK below. Queries
   come from `q_a_proj` -> `q_a_layernorm` -> `q_b_proj`, or `q_proj` alone when q_lora_rank is null
   (fivefold's q_lora_rank = 0); keys/values from `kv_a_proj_with_mqa` (latent, then the shared

@@ -9,7 +9,7 @@ bytes, 2(N-1)/N x S in all, which no all-reduce can beat (Patarasuk and Yuan 200
 2(N-1) sequential steps of latency. The derivation, the lower bound and a worked example are in
 docs/ring-all-reduce.md (`parallel.dp_collective = "ring"` runs DDP's reduction through it).
 
-Chunk convention (checked by tests/test_ring.py): chunk c is elements [c S/N, (c+1) S/N) of the
+Chunk convention (checked by tests/parallel/test_ring.py): chunk c is elements [c S/N, (c+1) S/N) of the
 flat tensor. Rank r sends to (r+1) mod N and receives from (r-1) mod N. At reduce-scatter step s
 (0-based) rank r sends chunk (r-s-1) mod N and receives chunk (r-s-2) mod N, so after its last
 receive (s = N-2) rank r holds chunk r, reduced: the same layout as `dist.reduce_scatter_tensor`.

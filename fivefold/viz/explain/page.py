@@ -3,7 +3,7 @@
 Every number a page shows is computed here, in Python, by fivefold's own functions, for every
 discrete position of every control, and written into the page as one JSON table. The page's
 JavaScript only looks entries up and draws them, so what the page says is what fivefold computes
-(tests/test_pages.py reads the numbers back from a real browser and checks them against Python).
+(tests/viz/test_pages.py reads the numbers back from a real browser and checks them against Python).
 
 A table key joins the keyed controls' values in control order: "schedule=1f1b|p=4|m=8|v=1".
 Control values are ints or strings only, so that Python's str() and JavaScript's String() agree.

@@ -26,7 +26,7 @@ from fivefold.parallel.pipeline.messages import (
 from fivefold.parallel.pipeline.schedules import SCHEDULES, Action, Schedule, build_schedule
 from fivefold.parallel.pipeline.simulate import DeadlockError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _accepted(name: str, p: int) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import mesh_of
 
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.forked_ranks import WorkerError, run_workers
@@ -45,7 +46,7 @@ def test_a_hung_worker_fails_the_test():
 
 
 def _mesh_groups(rank, world):
-    mesh = Mesh({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2})
+    mesh = mesh_of(pp=2, dp_shard=2, tp=2)
     out = {name: (mesh.size(name), dist.get_process_group_ranks(mesh.group(name).pg))
            for name in [*AXES, "dp", "batch", "grad"]}
     # Traffic is charged to the view's axis; size-1 groups count nothing.

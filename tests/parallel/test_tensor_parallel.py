@@ -2,7 +2,17 @@
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, TIED_ARGS, assert_reproduces, parallelized, tiny_config, train_and_gather
+from helpers import (
+    EQUIVALENCE,
+    MLA_ARGS,
+    TIED_ARGS,
+    Layout,
+    assert_reproduces,
+    mesh_of,
+    parallelized,
+    tiny_config,
+    train_and_gather,
+)
 
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.forked_ranks import run_workers
@@ -16,13 +26,9 @@ from fivefold.parallel.tensor import (
 )
 
 
-def _mesh(tp):
-    return Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": tp})
-
-
 def _linear_pair(rank, world, sp):
     """enter region -> column parallel -> x2 -> row parallel, against the unsharded pair."""
-    group = _mesh(world).group("tp")
+    group = mesh_of(tp=world).group("tp")
     torch.manual_seed(0)
     col, row = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
     x, r = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
@@ -48,7 +54,7 @@ def test_column_and_row_parallel_match_the_unsharded_layers(world, sp):
 
 def _vocab(rank, world, sp):
     """Vocabulary-parallel embedding and head with the vocab-parallel loss, against the unsharded."""
-    group = _mesh(world).group("tp")
+    group = mesh_of(tp=world).group("tp")
     torch.manual_seed(0)
     emb, head = torch.nn.Embedding(12, 8), torch.nn.Linear(8, 12, bias=False)
     tokens, targets = torch.randint(0, 12, (2, 4)), torch.randint(0, 12, (2, 4))
@@ -112,64 +118,60 @@ def test_latent_attention_splits_heads_and_keeps_down_projections_whole(tmp_path
                                        msg=f"rank {rank}: {name}")
 
 
-TIED = "--model.tie_embeddings=true"  # against `tied_reference` (helpers.TIED_ARGS: lr 1e-3, and why)
-LAYOUTS = {
-    "tp2": (2, ("--parallel.tp=2", "--train.micro_batch=4")),
-    "tp2-sp-tied": (2, (TIED, "--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4")),
-    "pp2-tp2-tied": (4, (TIED, "--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=2")),
-    "tp4": (4, ("--parallel.tp=4", "--train.micro_batch=8")),
-    "tp2-sp": (2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4")),
-    "pp2-tp2": (4, ("--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=2")),
-    "dp2-tp2-zero1": (4, ("--parallel.tp=2", "--parallel.zero=1", "--train.micro_batch=2")),
-    "dp2-tp2-sp-zero3": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3", "--train.micro_batch=2")),
-    "pp2-tp2-sp-zb": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
-                          "--train.micro_batch=2")),
+# fp32 summation order differs (row-parallel partial sums, split vocabulary sums), and AdamW
+# amplifies it on near-zero gradients (see test_data_parallel.py). Measured: losses <= 5.6e-7
+# relative, grad norms <= 5.4e-5, parameters <= 1.03e-4 (one element of a down projection,
+# dp2-tp2; tp2 alone 9.0e-5): the parameter bound is 3x that. A wrong shard, a missing
+# reduction or a per-rank loss moves losses by percents.
+# Tied, against `tied_reference` at lr 1e-3 (helpers.TIED_ARGS): measured parameters <= 7.1e-7
+# (tp2-sp, pp2-tp2), so 1e-5.
+TIED = dict(reference="tied_reference", param_atol=1e-5)
+LAYOUTS = {  # on EQUIVALENCE, or TIED_ARGS for the tied ones
+    "tp2": Layout(2, ("--parallel.tp=2", "--train.micro_batch=4"), param_atol=3e-4),
+    "tp2-sp-tied": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4"), **TIED),
+    "pp2-tp2-tied": Layout(4, ("--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=2"), **TIED),
+    "tp4": Layout(4, ("--parallel.tp=4", "--train.micro_batch=8"), param_atol=3e-4),
+    "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4"), param_atol=3e-4),
+    "pp2-tp2": Layout(4, ("--parallel.tp=2", "--parallel.pp=2", "--train.micro_batch=2"), param_atol=3e-4),
+    "dp2-tp2-zero1": Layout(4, ("--parallel.tp=2", "--parallel.zero=1", "--train.micro_batch=2"), param_atol=3e-4),
+    "dp2-tp2-sp-zero3": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3",
+                                   "--train.micro_batch=2"), param_atol=3e-4),
+    "pp2-tp2-sp-zb": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2",
+                                "--parallel.pp_schedule=zb_h1", "--train.micro_batch=2"), param_atol=3e-4),
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_tensor_parallel_reproduces_single_process(tmp_path, request, layout):
-    world, extra = LAYOUTS[layout]
-    tied = TIED in extra
-    reference = request.getfixturevalue("tied_reference" if tied else "reference")
-    args = (*(TIED_ARGS if tied else EQUIVALENCE), *extra)
-    for result in run_workers(train_and_gather, world, tiny_config(tmp_path, *args)):
-        # fp32 summation order differs (row-parallel partial sums, split vocabulary sums), and AdamW
-        # amplifies it on near-zero gradients (see test_data_parallel.py). Measured: losses <= 5.6e-7
-        # relative, grad norms <= 5.4e-5, parameters <= 1.03e-4 (one element of a down projection,
-        # dp2-tp2; tp2 alone 9.0e-5): the parameter bound is 3x that. A wrong shard, a missing
-        # reduction or a per-rank loss moves losses by percents.
-        # Tied, at lr 1e-3 (helpers.TIED_ARGS): measured parameters <= 7.1e-7 (tp2-sp, pp2-tp2), so 1e-5.
-        assert_reproduces(result, reference, param_atol=1e-5 if tied else 3e-4)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_tensor_parallel_reproduces_single_process(tmp_path, request, name):
+    layout = LAYOUTS[name]
+    tied = layout.reference == "tied_reference"
+    args = (*(TIED_ARGS if tied else EQUIVALENCE), *layout.overrides)
+    for result in run_workers(train_and_gather, layout.ranks, tiny_config(tmp_path, *args)):
+        assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol)
         if tied:  # one matrix in every slice, and on both pipeline ends
             assert torch.equal(result[2]["tok_embeddings.weight"], result[2]["output.weight"])
 
 
-# DeepSeek-V3's architecture in miniature (latent attention, group-limited sigmoid routing with the
-# routed scale, a shared expert, the bias update and the balance loss) against its own one process.
-MLA = ("--model.preset=tiny-mla", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
-MLA_LAYOUTS = {
-    "tp2": (2, ("--parallel.tp=2", "--train.micro_batch=4")),
-    "tp2-ep2": (4, ("--parallel.tp=2", "--parallel.ep=2", "--train.micro_batch=2")),
-    "cp2-ring": (2, ("--parallel.cp=2",)),  # values padded to the query/key width, so ring attention takes them
-    "cp2-ulysses": (2, ("--parallel.cp=2", "--parallel.cp_method=ulysses")),
+# DeepSeek-V3's architecture in miniature (helpers.MLA_ARGS) against its own one process.
+# Measured: losses <= 3.0e-7 relative, grad norms <= 3.4e-6, parameters <= 2.4e-5 (cp2-ring;
+# tp2-ep2 2.3e-5, tp2 1.9e-5, cp2-ulysses 7.2e-6): the bound is 4x that. The routing bias
+# exactly: one token routed differently anywhere (a group or an expert) moves it by 0.01.
+MLA = dict(reference="mla_reference", param_atol=1e-4, exact=("expert_bias",))
+MLA_LAYOUTS = {  # on EQUIVALENCE and MLA_ARGS
+    "tp2": Layout(2, ("--parallel.tp=2", "--train.micro_batch=4"), **MLA),
+    "tp2-ep2": Layout(4, ("--parallel.tp=2", "--parallel.ep=2", "--train.micro_batch=2"), **MLA),
+    # values padded to the query/key width, so ring attention takes them
+    "cp2-ring": Layout(2, ("--parallel.cp=2",), **MLA),
+    "cp2-ulysses": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), **MLA),
 }
 
 
-@pytest.fixture(scope="module")
-def mla_reference(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("mla"), *EQUIVALENCE, *MLA, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
-
-
-@pytest.mark.parametrize("layout", MLA_LAYOUTS)
-def test_latent_attention_and_group_routing_reproduce_single_process(tmp_path, mla_reference, layout):
-    world, extra = MLA_LAYOUTS[layout]
-    for result in run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *MLA, *extra)):
-        # Measured: losses <= 3.0e-7 relative, grad norms <= 3.4e-6, parameters <= 2.4e-5 (cp2-ring;
-        # tp2-ep2 2.3e-5, tp2 1.9e-5, cp2-ulysses 7.2e-6): the bound is 4x that. The routing bias
-        # exactly: one token routed differently anywhere (a group or an expert) moves it by 0.01.
-        assert_reproduces(result, mla_reference, param_atol=1e-4, exact=("expert_bias",))
+@pytest.mark.parametrize("name", MLA_LAYOUTS)
+def test_latent_attention_and_group_routing_reproduce_single_process(tmp_path, mla_reference, name):
+    layout = MLA_LAYOUTS[name]
+    cfg = tiny_config(tmp_path, *EQUIVALENCE, *MLA_ARGS, *layout.overrides)
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, mla_reference, param_atol=layout.param_atol, exact=layout.exact)
 
 
 # tp alone and ZeRO-1 with tp are saved and loaded across layouts in test_reshard.py.
@@ -241,7 +243,7 @@ def test_no_rank_forms_logits_over_the_whole_vocabulary(tmp_path):
 
 
 def _padding_masked(rank, world):
-    group = _mesh(world).group("tp")
+    group = mesh_of(tp=world).group("tp")
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 12)  # 10 real ids, 2 padding ids (the vocabulary padded to divide by tp)
     targets = torch.randint(0, 10, (2, 4))

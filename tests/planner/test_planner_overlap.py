@@ -248,7 +248,7 @@ def test_defaults_are_what_the_runtime_does(tmp_path):
     gathers_async = {a for axis, op, a in moe if axis == "dp" and op == "all_gather"}
     assert tp_async == {False} and ep_async == {False} and gathers_async == {True}
     # tp's and ep's collectives block the compute that needs them; ZeRO-3's gathers are issued a
-    # unit ahead (tests/test_dp_comm.py: at most the running unit and one prefetched are gathered).
+    # unit ahead (tests/parallel/test_dp_comm.py: at most the running unit and one prefetched are gathered).
     assert DEFAULT.tp_overlap is False and DEFAULT.ep_overlap is False and DEFAULT.zero3_prefetch is True
     assert DEFAULT.not_runnable() == []
     explicit = PlanOptions(tp_overlap=False, zero3_prefetch=True, ep_overlap=False)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
+from helpers import DOCUMENTS_ON, MOE_ARGS, Layout, assert_reproduces, document_args, tiny_config, train_and_gather
 
 from fivefold.model.masks import Documents, document_ids, document_mask, document_positions
 from fivefold.model.presets import PRESETS
@@ -114,20 +114,6 @@ def test_validate_refuses_context_parallel_with_documents(tmp_path):
 
 # ---- whole training runs ---------------------------------------------------------------------
 
-def _documents(n: int = 88) -> list[bytes]:
-    """n short documents of 8..15 bytes: with their eod at most 16 tokens, so every row of 32
-    holds two eods or more, whatever the offset."""
-    return [f"d{i:02d}: ".encode() + b"abcdefghij"[: 3 + i % 8] for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("docs")
-    for i, content in enumerate(_documents()):
-        (folder / f"doc{i:03d}.txt").write_bytes(content)
-    return folder
-
-
 def _eods_per_row(rank, world, cfg):
     """Worker: train, recording how many eod tokens each micro-batch row the model saw holds."""
     from fivefold.train.loop import train
@@ -147,7 +133,8 @@ def _eods_per_row(rank, world, cfg):
 def test_every_row_of_the_data_holds_several_documents(tmp_path, short_docs):
     """What the model is fed (whatever the data pipeline made of the files): every row, the short
     tail sample's too, holds two eod tokens or more."""
-    seen = run_workers(_eods_per_row, 1, tiny_config(tmp_path, *_args(short_docs, *ON, "--train.micro_batch=8")))[0]
+    cfg = tiny_config(tmp_path, *document_args(short_docs, *DOCUMENTS_ON, "--train.micro_batch=8"))
+    seen = run_workers(_eods_per_row, 1, cfg)[0]
     assert len(seen) == 5 * 8
     # EQUIVALENCE's shape: the 5th step is an uneven last batch of 3 samples, its 5 empty slots
     # padding rows (all eod, targets -100).
@@ -155,58 +142,39 @@ def test_every_row_of_the_data_holds_several_documents(tmp_path, short_docs):
     assert min(seen) >= 2
 
 
-def _args(folder, *extra: str) -> tuple[str, ...]:
-    # lr 3e-3, not EQUIVALENCE's 1e-2: on this data at 1e-2 AdamW grew tp2-sp's fp32 summation-order
-    # difference to 4.9e-6 in the step-4 loss (half the shared 1e-5 bound) while step 1 agreed to
-    # 9e-8; at 3e-3 every layout here stays within 2e-7 (losses) and 2.2e-6 (weights), measured.
-    # A mask missing on one stage or rank moves the losses by percents from step 1.
-    return (*EQUIVALENCE, f'--data.paths=["{folder}"]', "--data.max_bytes=0", "--train.lr=3e-3", *extra)
-
-
-ON = ("--data.document_mask=true", "--data.reset_positions=true")
-MOE = ("--model.preset=tiny-moe", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
-
-
-@pytest.fixture(scope="module")
-def doc_references(tmp_path_factory, short_docs):
-    """One process, each global batch in one micro-batch: dense with the options, dense without
-    them (to show they change the run), and the MoE with them."""
-    runs = {"dense": ON, "off": (), "moe": (*ON, *MOE)}
-    return {name: run_workers(train_and_gather, 1, tiny_config(tmp_path_factory.mktemp(name),
-                                                              *_args(short_docs, *extra, "--train.micro_batch=8")))[0]
-            for name, extra in runs.items()}
-
-
-LAYOUTS = {  # name: (ranks, reference, overrides, parameter bound)
-    # Bounds: test_data_parallel.py's (dp, pp), test_tensor_parallel.py's (tp) and
-    # test_expert_parallel.py's (ep), with their reasons (fp32 summation order, amplified by AdamW).
-    "dp2-zero3": (2, "dense", ("--parallel.zero=3", "--train.micro_batch=2"), 1e-4),
-    "tp2-sp": (2, "dense", ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4"), 3e-4),
-    "pp2-1f1b": (2, "dense", ("--parallel.pp=2", "--train.micro_batch=2"), 1e-4),
-    "pp2-zb_v": (2, "dense", ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
-                              "--train.micro_batch=2"), 1e-4),
-    "ep2-moe": (2, "moe", (*MOE, "--parallel.ep=2", "--train.micro_batch=4"), 2e-4),
+# Bounds: test_data_parallel.py's (dp, pp), test_tensor_parallel.py's (tp) and
+# test_expert_parallel.py's (ep), with their reasons (fp32 summation order, amplified by AdamW).
+# The routing bias exactly: it moves in +-0.01 steps, so one token routed differently shows.
+LAYOUTS = {  # on document_args(short_docs, *DOCUMENTS_ON)
+    "dp2-zero3": Layout(2, ("--parallel.zero=3", "--train.micro_batch=2"), "documents_reference"),
+    "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4"),
+                     "documents_reference", param_atol=3e-4),
+    "pp2-1f1b": Layout(2, ("--parallel.pp=2", "--train.micro_batch=2"), "documents_reference"),
+    "pp2-zb_v": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
+                           "--train.micro_batch=2"), "documents_reference"),
+    "ep2-moe": Layout(2, (*MOE_ARGS, "--parallel.ep=2", "--train.micro_batch=4"),
+                      "documents_moe_reference", param_atol=2e-4, exact=("expert_bias",)),
     # Recomputation re-runs blocks (full) or the attention core (selective) with the same mask.
-    "pp2-zb_h1-recompute-full": (2, "dense", ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
-                                              "--train.recompute=full", "--train.micro_batch=2"), 1e-4),
-    "tp2-recompute-selective": (2, "dense", ("--parallel.tp=2", "--train.recompute=selective",
-                                             "--train.micro_batch=4"), 3e-4),
+    "pp2-zb_h1-recompute-full": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
+                                           "--train.recompute=full", "--train.micro_batch=2"), "documents_reference"),
+    "tp2-recompute-selective": Layout(2, ("--parallel.tp=2", "--train.recompute=selective", "--train.micro_batch=4"),
+                                      "documents_reference", param_atol=3e-4),
 }
 
 
-def test_the_options_change_the_single_process_run(doc_references):
-    on, off = doc_references["dense"][0], doc_references["off"][0]
+def test_the_options_change_the_single_process_run(documents_reference, documents_off_reference):
+    on, off = documents_reference[0], documents_off_reference[0]
     assert on[0] != off[0]  # the first step's loss already: the flags reach the model through the loop
     assert max(abs(a - b) for a, b in zip(on, off, strict=True)) > 1e-3
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts_with_documents_reproduce_single_process(tmp_path, short_docs, doc_references, layout):
-    world, ref, extra, param_atol = LAYOUTS[layout]
-    cfg = tiny_config(tmp_path, *_args(short_docs, *ON, *extra))
-    exact = ("expert_bias",) if ref == "moe" else ()  # moves in +-0.01 steps: one token routed differently shows
-    for result in run_workers(train_and_gather, world, cfg):
-        assert_reproduces(result, doc_references[ref], param_atol=param_atol, exact=exact)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layouts_with_documents_reproduce_single_process(tmp_path, request, short_docs, name):
+    layout = LAYOUTS[name]
+    cfg = tiny_config(tmp_path, *document_args(short_docs, *DOCUMENTS_ON, *layout.overrides))
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol,
+                          exact=layout.exact)
 
 
 def test_sum_of_token_losses_is_unchanged_by_the_mask_for_one_document():
@@ -232,9 +200,10 @@ def test_evaluation_masks_too(tmp_path, short_docs):
     """forward_only (evaluation) builds the same mask and positions on every stage. lr 1e-9: the one
     step moves no weight by more than ~1e-9, so the validation losses differ only by how they were
     evaluated."""
-    args = _args(short_docs, "--train.steps=1", "--train.eval_every=1", "--data.val_fraction=0.3", "--train.lr=1e-9")
-    one = run_workers(_val_losses, 1, tiny_config(tmp_path / "one", *args, *ON, "--train.micro_batch=8"))[0]
-    pp2 = run_workers(_val_losses, 2, tiny_config(tmp_path / "pp2", *args, *ON, "--parallel.pp=2",
+    args = document_args(short_docs, "--train.steps=1", "--train.eval_every=1", "--data.val_fraction=0.3",
+                         "--train.lr=1e-9")
+    one = run_workers(_val_losses, 1, tiny_config(tmp_path / "one", *args, *DOCUMENTS_ON, "--train.micro_batch=8"))[0]
+    pp2 = run_workers(_val_losses, 2, tiny_config(tmp_path / "pp2", *args, *DOCUMENTS_ON, "--parallel.pp=2",
                                                   "--train.micro_batch=2"))[0]
     off = run_workers(_val_losses, 1, tiny_config(tmp_path / "off", *args, "--train.micro_batch=8"))[0]
     assert one.keys() == pp2.keys() == {1}

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import mesh_of
 
 from fivefold.parallel.forked_ranks import run_workers
-from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.executor import PipelineExecutor
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.simulate import Costs, simulate
@@ -74,7 +74,7 @@ class _PlainBackward:
 
 def _measure(rank, world, name, m, v, stats_only=False):
     schedule = build_schedule(name, world, m, v)
-    mesh = Mesh({"pp": world, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1})
+    mesh = mesh_of(pp=world)
     last = schedule.num_stages - 1
     chunks = {s: _SleepChunk(s == 0, s == last) for s in range(last + 1) if schedule.stage_to_rank(s) == rank}
     stages = PipelineStages(schedule, chunks, mesh.group("pp"))

@@ -6,23 +6,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import tiny_config
+from helpers import config_mesh, tiny_config
 
 from fivefold.checkpoint.run_state import complete_checkpoints
 from fivefold.model.transformer import count_parameters
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.data import apply_data_parallel
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
-from fivefold.parallel.mesh import Mesh
 from fivefold.planner.comm import dp_traffic
 from fivefold.train.loop import build_model, train
 from fivefold.train.metrics import read_metrics
-
-
-def _mesh(cfg, world):
-    derived = derive(cfg, world)
-    return Mesh.from_config(cfg, derived), derived
 
 STEPS = ("--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0")
 
@@ -115,7 +108,7 @@ def _step_times(rank, world, cfg):
     delay per bucket the slow link was given."""
     from fivefold.model.transformer import cross_entropy_sum
 
-    mesh, derived = _mesh(cfg, world)
+    mesh, derived = config_mesh(cfg, world)
     x = torch.randint(0, 320, (8, 128), generator=torch.Generator().manual_seed(rank))
     real = dist.all_reduce
 
@@ -181,7 +174,7 @@ def _collective_order(rank, world, cfg, micro_batches=1):
         events.append(("wait", self._op, self._group.name))
         return wait(self, part)
 
-    mesh, derived = _mesh(cfg, world)
+    mesh, derived = config_mesh(cfg, world)
     model = build_model(cfg, 320)
     dp = apply_data_parallel(model, mesh, cfg, derived)
     x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(rank))
@@ -344,7 +337,7 @@ def _gathered_units(rank, world, cfg, keep):
     from fivefold.parallel.state_memory import model_state_bytes
 
     model = build_model(cfg, 320)
-    mesh, derived = _mesh(cfg, world)
+    mesh, derived = config_mesh(cfg, world)
     dp = apply_data_parallel(model, mesh, cfg, derived)
     opt = build_optimizer(dp.optimizer_params(), cfg.train)
     x = torch.randint(0, 320, (2, 32))
@@ -369,7 +362,7 @@ def test_zero3_holds_at_most_two_gathered_units(tmp_path, keep):
 def _unused_on_one_rank(rank, world, cfg):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    mesh, derived = _mesh(cfg, world)
+    mesh, derived = config_mesh(cfg, world)
     dp = apply_data_parallel(model, mesh, cfg, derived)
     x = torch.full((2, 4), float(rank + 1))
     # Rank 1 skips the last layer, whose parameters form the first bucket in backward order: rank 0

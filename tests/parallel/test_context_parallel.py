@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+from helpers import EQUIVALENCE, Layout, assert_reproduces, mesh_of, tiny_config, train_and_gather
 
 from fivefold.config import Config, ModelConfig, replace
 from fivefold.model.attention import causal_attention
@@ -34,7 +35,6 @@ from fivefold.parallel.context import (
 )
 from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
-from fivefold.parallel.mesh import Mesh
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, reordered sums (module docstring)
 B, T, D = 2, 32, 8
@@ -112,7 +112,7 @@ CASES = {
 
 
 def _attention_worker(rank, world, cp):
-    mesh = Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": world // cp, "cp": cp, "tp": 1})
+    mesh = mesh_of(dp_shard=world // cp, cp=cp)
     group = mesh.group("cp")
     results = {}
     for name, (method, data_layout, ring_layout, H, K) in CASES[cp].items():
@@ -189,7 +189,7 @@ def test_ulysses_all_to_all_bytes(cp):
 
 
 def _model_worker(rank, world, method):
-    mesh = Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": world, "tp": 1})
+    mesh = mesh_of(cp=world)
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
     torch.manual_seed(0)
     ref = Transformer(cfg)
@@ -221,26 +221,25 @@ def test_transformer_matches_one_process(method):
 
 # ---- whole training runs: the loop, the data sharding, RoPE positions and gradient sums ----
 
-TRAINING = {  # name: (ranks, overrides); the same data and reference as test_data_parallel.py
-    "ring-cp4": (4, ("--parallel.cp=4", "--train.micro_batch=4")),
-    "ulysses-cp2": (2, ("--parallel.cp=2", "--parallel.cp_method=ulysses")),
-    "ring-dp2-cp2-zero3": (4, ("--parallel.cp=2", "--parallel.zero=3")),
-    "ring-pp2-cp2": (4, ("--parallel.cp=2", "--parallel.pp=2", "--parallel.dp=1", "--train.micro_batch=4")),
-    "ring-tp2-sp-cp2": (4, ("--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1",
-                            "--train.micro_batch=4")),
+# Losses and norms as in test_data_parallel.py. Parameters: 5e-4 where DP needs 1e-4, because
+# attention itself is computed differently (blocks merged by log-sum-exp, not one fused kernel:
+# ~1e-6 relative, see TOL above), and step 4 of this data is a loss spike (gradient norm 45,
+# clipped to 1) after which AdamW turns those differences into up to 1.5e-4 (ring, measured)
+# in a few weights. The one-step test above bounds the model's logits and gradients at 1e-5.
+TRAINING = {  # against `reference`, on EQUIVALENCE: the same data and reference as test_data_parallel.py
+    "ring-cp4": Layout(4, ("--parallel.cp=4", "--train.micro_batch=4"), param_atol=5e-4),
+    "ulysses-cp2": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), param_atol=5e-4),
+    "ring-dp2-cp2-zero3": Layout(4, ("--parallel.cp=2", "--parallel.zero=3"), param_atol=5e-4),
+    "ring-pp2-cp2": Layout(4, ("--parallel.cp=2", "--parallel.pp=2", "--parallel.dp=1", "--train.micro_batch=4"),
+                           param_atol=5e-4),
+    "ring-tp2-sp-cp2": Layout(4, ("--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1",
+                                  "--train.micro_batch=4"), param_atol=5e-4),
 }
 
 
-@pytest.mark.parametrize("layout", TRAINING)
-def test_training_reproduces_single_process(tmp_path, reference, layout):
-    from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
-
-    world, extra = TRAINING[layout]
-    results = run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *extra))
-    # Losses and norms as in test_data_parallel.py. Parameters: 5e-4 where DP needs 1e-4, because
-    # attention itself is computed differently (blocks merged by log-sum-exp, not one fused kernel:
-    # ~1e-6 relative, see TOL above), and step 4 of this data is a loss spike (gradient norm 45,
-    # clipped to 1) after which AdamW turns those differences into up to 1.5e-4 (ring, measured)
-    # in a few weights. The one-step test above bounds the model's logits and gradients at 1e-5.
-    for result in results:
-        assert_reproduces(result, reference, param_atol=5e-4)
+@pytest.mark.parametrize("name", TRAINING)
+def test_training_reproduces_single_process(tmp_path, reference, name):
+    layout = TRAINING[name]
+    cfg = tiny_config(tmp_path, *EQUIVALENCE, *layout.overrides)
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, reference, param_atol=layout.param_atol)

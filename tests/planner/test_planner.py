@@ -203,6 +203,6 @@ def test_the_planner_imports_no_torch():
     # `fivefold plan` is arithmetic: importing torch (seconds) would be most of its time.
     code = "import sys, fivefold.planner.search, fivefold.planner.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

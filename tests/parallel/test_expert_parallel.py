@@ -6,6 +6,16 @@ import math
 
 import pytest
 import torch
+from helpers import (
+    EQUIVALENCE,
+    MOE_ARGS,
+    Layout,
+    assert_reproduces,
+    mesh_of,
+    parallelized,
+    tiny_config,
+    train_and_gather,
+)
 
 from fivefold.config import Config
 from fivefold.model.presets import PRESETS
@@ -21,7 +31,7 @@ from fivefold.parallel.comm.collectives import AxisGroup, CommStats
 from fivefold.parallel.derive import derive
 from fivefold.parallel.expert import ExpertParallelDispatch, apply_expert_parallel, shard_experts
 from fivefold.parallel.forked_ranks import run_workers
-from fivefold.parallel.mesh import Mesh, expert_partitions
+from fivefold.parallel.mesh import expert_partitions
 from fivefold.parallel.state_dict import gather_expert_shards
 from fivefold.train.moe_balance import expert_stats, reset_expert_counts, set_balance_loss_scale, update_expert_bias
 
@@ -40,10 +50,6 @@ def make_moe(seed=0, **changes) -> MoE:
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return moe
-
-
-def _mesh(ep=1, **degrees):
-    return Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, **degrees}, ep=ep)
 
 
 def _apply_ep(moe, mesh):
@@ -70,7 +76,7 @@ def _groups(rank, world):
     out = []
     for degrees, ep in (({"dp_shard": 2, "cp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2), ({"dp_shard": 4}, 1),
                         ({"dp_shard": 4}, 4)):
-        mesh = _mesh(ep, **degrees)
+        mesh = mesh_of(ep, **degrees)
         ep_group, replicas = mesh.group("ep"), mesh.group("expert_dp")
         members = []
         for group in (ep_group, replicas):  # who is really in each group: gather the global ranks
@@ -115,7 +121,7 @@ def _moe_equivalence(rank, world, with_empty_expert):
     out_ref = out_ref.detach().view(world, B, T, DIM)
     idx_all = moe_ref.route(x_all.view(-1, DIM))[1].view(world, B * T, 2)  # every rank's routing
 
-    mesh = _mesh(ep=world, dp_shard=world)
+    mesh = mesh_of(ep=world, dp_shard=world)
     ep = _apply_ep(moe, mesh).group
     set_balance_loss_scale(moe, sequences=world * B)  # the reference's mean is over every rank's sequences
     assert moe.experts.gate.shape[0] == 8 // world and isinstance(moe.dispatch, ExpertParallelDispatch)
@@ -172,7 +178,7 @@ def _context_parallel(rank, world):
     x_all, g_all = torch.randn(B, T, DIM), torch.randn(B, T, DIM)
     x_ref = x_all.clone().requires_grad_()
     (moe_ref(x_ref) * g_all).sum().backward()
-    mesh = _mesh(ep=2, cp=2)
+    mesh = mesh_of(ep=2, cp=2)
     _apply_ep(moe, mesh)
     set_balance_loss_scale(moe, sequences=B)  # cp ranks share their sequences: B in all
     mine = slice(rank * T // 2, (rank + 1) * T // 2)
@@ -224,7 +230,7 @@ def _crafted(rank, world, routes):
     x_ref, w_ref = x_all.clone().requires_grad_(), w_all.clone().requires_grad_()
     ref = torch.cat([local_dispatch(x_ref[s], w_ref[s], idx_all[s], full) for s in range(2)])  # (6, DIM)
     (ref * g_all.view(6, DIM)).sum().backward()
-    mesh = _mesh(ep=2, dp_shard=2)
+    mesh = mesh_of(ep=2, dp_shard=2)
     ep = mesh.group("ep")
     mine = copy.deepcopy(full)
     shard_experts(mine, ep)
@@ -355,7 +361,7 @@ def _count_each_token_once(rank, world):
         m = Transformer(cfg)
         m.init_weights(0)
         run_cfg = replace(Config(), train={"recompute": mode})
-        apply_recompute(m, _mesh(), run_cfg, derive(run_cfg, 1))
+        apply_recompute(m, mesh_of(), run_cfg, derive(run_cfg, 1))
         cross_entropy_sum(m(x), x).backward()
         stats = expert_stats(m)
         assert all(sum(v) == per_block for v in stats.load.values()), (mode, stats.load)
@@ -381,50 +387,41 @@ def test_recompute_and_split_backward_count_each_token_once():
 
 # ---- whole training runs: the loop, expert gradients, norms, the bias update, checkpoints ----
 
-MOE = ("--model.preset=tiny-moe", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
-MOE_TRAINING = {  # name: (ranks, overrides), all against one process with the same MoE options
-    "ep2": (2, ("--parallel.ep=2",)),
-    "ep4": (4, ("--parallel.ep=4", "--train.micro_batch=1")),
-    "tp2-ep2": (4, ("--parallel.tp=2", "--parallel.ep=2")),
+# Losses and norms as in test_data_parallel.py. Weights 2e-4, not 1e-4: an expert sees only the
+# few tokens routed to it, so many of its gradient elements are tiny and AdamW's normalisation
+# turns summation-order differences into up to 1.1e-4 (measured for tp2 alone, without ep).
+# The routing bias is compared exactly: it moves in +-0.01 steps from integer loads, so one
+# token routed differently anywhere would show.
+MOE_ROW = dict(reference="moe_reference", param_atol=2e-4, exact=("expert_bias",))
+MOE_TRAINING = {  # on EQUIVALENCE and helpers.MOE_ARGS
+    "ep2": Layout(2, ("--parallel.ep=2",), **MOE_ROW),
+    "ep4": Layout(4, ("--parallel.ep=4", "--train.micro_batch=1"), **MOE_ROW),
+    "tp2-ep2": Layout(4, ("--parallel.tp=2", "--parallel.ep=2"), **MOE_ROW),
     # sp: each tp rank routes its own half of every sequence (gradients, counts and balance loss summed over tp)
-    "tp2-sp": (2, ("--parallel.tp=2", "--parallel.sp=true")),
-    "tp2-sp-ep2": (4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2")),
-    "dp2-zero3": (2, ("--parallel.zero=3",)),  # MoE under FSDP: the routing bias is a buffer it must keep
-    "pp2-ep2-zb_h1": (4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=zb_h1",
-                          "--train.micro_batch=2")),
+    "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true"), **MOE_ROW),
+    "tp2-sp-ep2": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2"), **MOE_ROW),
+    # MoE under FSDP: the routing bias is a buffer it must keep
+    "dp2-zero3": Layout(2, ("--parallel.zero=3",), **MOE_ROW),
+    "pp2-ep2-zb_h1": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.pp_schedule=zb_h1",
+                                "--train.micro_batch=2"), **MOE_ROW),
     # ZeRO with experts: expert state sharded over expert_dp (2 ranks hold each half of the experts).
-    "dp4-ep2-zero1": (4, ("--parallel.ep=2", "--parallel.zero=1", "--train.micro_batch=1")),
-    "hsdp2x2-ep2-zero2": (4, ("--parallel.ep=2", "--parallel.zero=2", "--parallel.dp_replicate=2",
-                              "--train.micro_batch=1")),
-    "dp4-ep2-zero3": (4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1")),
+    "dp4-ep2-zero1": Layout(4, ("--parallel.ep=2", "--parallel.zero=1", "--train.micro_batch=1"), **MOE_ROW),
+    "hsdp2x2-ep2-zero2": Layout(4, ("--parallel.ep=2", "--parallel.zero=2", "--parallel.dp_replicate=2",
+                                    "--train.micro_batch=1"), **MOE_ROW),
+    "dp4-ep2-zero3": Layout(4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1"), **MOE_ROW),
     # DeepSeek-V3's recipe scaled down: ZeRO-1 + EP + PP (its DualPipe as DualPipeV).
-    "pp2-ep2-zero1-dualpipe_v": (4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=1",
-                                     "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
-                                     "--train.micro_batch=1")),
+    "pp2-ep2-zero1-dualpipe_v": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=1",
+                                           "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
+                                           "--train.micro_batch=1"), **MOE_ROW),
 }
 
 
-@pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    from helpers import EQUIVALENCE, tiny_config, train_and_gather
-
-    cfg = tiny_config(tmp_path_factory.mktemp("moe"), *EQUIVALENCE, *MOE, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
-
-
-@pytest.mark.parametrize("layout", MOE_TRAINING)
-def test_training_reproduces_single_process(tmp_path, moe_reference, layout):
-    from helpers import EQUIVALENCE, assert_reproduces, tiny_config, train_and_gather
-
-    world, extra = MOE_TRAINING[layout]
-    results = run_workers(train_and_gather, world, tiny_config(tmp_path, *EQUIVALENCE, *MOE, *extra))
-    # Losses and norms as in test_data_parallel.py. Weights 2e-4, not 1e-4: an expert sees only the
-    # few tokens routed to it, so many of its gradient elements are tiny and AdamW's normalisation
-    # turns summation-order differences into up to 1.1e-4 (measured for tp2 alone, without ep).
-    # The routing bias is compared exactly: it moves in +-0.01 steps from integer loads, so one
-    # token routed differently anywhere would show.
-    for result in results:
-        assert_reproduces(result, moe_reference, param_atol=2e-4, exact=("expert_bias",))
+@pytest.mark.parametrize("name", MOE_TRAINING)
+def test_training_reproduces_single_process(tmp_path, moe_reference, name):
+    layout = MOE_TRAINING[name]
+    cfg = tiny_config(tmp_path, *EQUIVALENCE, *MOE_ARGS, *layout.overrides)
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, moe_reference, param_atol=layout.param_atol, exact=layout.exact)
 
 
 def _train_losses(rank, world, cfg):
@@ -445,11 +442,9 @@ def test_checkpoint_resumes_under_another_expert_layout(tmp_path, before, after)
     is saved and restored with the weights."""
     import shutil
 
-    from helpers import EQUIVALENCE, tiny_config
-
     from fivefold.checkpoint.run_state import complete_checkpoints
 
-    args = (*EQUIVALENCE, *MOE, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2",
+    args = (*EQUIVALENCE, *MOE_ARGS, "--train.steps=4", "--checkpoint.every=2", "--checkpoint.keep=2",
             "--train.micro_batch=1")
     losses = run_workers(_train_losses, before[0], tiny_config(tmp_path, *args, *before[1:]))[0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
@@ -460,8 +455,6 @@ def test_checkpoint_resumes_under_another_expert_layout(tmp_path, before, after)
 
 
 def _save_and_load_routing_bias(rank, world, cfg, root):
-    from helpers import parallelized
-
     from fivefold.checkpoint.run_state import CheckpointWriter, latest_checkpoint, load_checkpoint
 
     def fresh():
@@ -479,9 +472,7 @@ def _save_and_load_routing_bias(rank, world, cfg, root):
 
 def test_zero3_saves_and_restores_the_routing_bias(tmp_path):
     """FSDP keeps persistent buffers beside its parameter shards; it once dropped them."""
-    from helpers import tiny_config
-
-    cfg = tiny_config(tmp_path, *MOE, "--parallel.zero=3")
+    cfg = tiny_config(tmp_path, *MOE_ARGS, "--parallel.zero=3")
     assert run_workers(_save_and_load_routing_bias, 2, cfg, tmp_path / "run") == [True, True]
 
 
@@ -499,8 +490,6 @@ def test_bias_balancing_lowers_the_load_imbalance_at_step_50(tmp_path):
     """Same seed and data, 50 steps on the standard-library corpus (a 2-block tiny-moe, so the test
     stays quick): the routing bias (u = 0.01)
     leaves the busiest expert less over-loaded than no balancing (mean of max/mean over blocks)."""
-    from helpers import tiny_config
-
     args = ("--model.preset=tiny-moe", "--model.n_layers=2", "--train.steps=50", "--train.lr=3e-3",
             "--train.micro_batch=8", "--data.max_bytes=100000", "--train.log_every=50", "--data.val_fraction=0")
     plain = run_workers(_load_at_step_50, 1, tiny_config(tmp_path / "plain", *args))[0]

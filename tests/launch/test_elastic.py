@@ -41,7 +41,7 @@ CONFIG = str(ROOT / "configs" / "tiny.toml")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def uninterrupted(tmp_path_factory):
     """The uninterrupted run on 4 ranks (dp4): its step records."""
     return reference_records(tmp_path_factory.mktemp("reference"), 4, *RUN)
 
@@ -123,7 +123,7 @@ def replans(metrics: Path) -> list[dict]:
     return [e for e in read_events(metrics) if e["event"] == "replan"]
 
 
-def test_a_lost_node_leaves_the_job_on_the_other_which_finishes_with_the_same_losses(tmp_path, reference):
+def test_a_lost_node_leaves_the_job_on_the_other_which_finishes_with_the_same_losses(tmp_path, uninterrupted):
     node0, _, metrics = shrink(tmp_path)
     try:
         assert node0.wait(timeout=300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
@@ -137,11 +137,11 @@ def test_a_lost_node_leaves_the_job_on_the_other_which_finishes_with_the_same_lo
     assert event["predicted_step_time_s"] == {"from": None, "to": None}  # no run.hardware, no --gpu
     # From the last complete checkpoint (every 3 steps); the steps after it ran again, logged once.
     assert event["step"] % 3 == 0 and event["step"] < STEPS
-    assert_same_run(read_metrics(metrics), reference)
+    assert_same_run(read_metrics(metrics), uninterrupted)
     assert "re-planned for 2 ranks (was 4): dp4 z0 mb2 - -> dp2 z0 mb2 -" in (tmp_path / "node0.log").read_text()
 
 
-def test_keep_tp_shrinks_tp2_dp2_to_tp2(tmp_path, reference):
+def test_keep_tp_shrinks_tp2_dp2_to_tp2(tmp_path, uninterrupted):
     node0, _, metrics = shrink(tmp_path, "--parallel.tp=2", "--keep", "tp")
     try:
         assert node0.wait(timeout=300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
@@ -150,10 +150,10 @@ def test_keep_tp_shrinks_tp2_dp2_to_tp2(tmp_path, reference):
     (event,) = replans(metrics)
     assert (event["from"], event["to"], event["kept"]) == ("dp2 tp2 z0 mb2 -", "dp1 tp2 z0 mb2 -", ["tp"])
     assert event["grad_accum"] == [2, 4]  # 8 / (dp 1 x micro-batch 2)
-    assert_same_run(read_metrics(metrics), reference)  # tp2 x dp2, then tp2: dp4's losses
+    assert_same_run(read_metrics(metrics), uninterrupted)  # tp2 x dp2, then tp2: dp4's losses
 
 
-def test_a_node_that_comes_back_grows_the_job_again(tmp_path, reference):
+def test_a_node_that_comes_back_grows_the_job_again(tmp_path, uninterrupted):
     node0, port, metrics = shrink(tmp_path)
     node1 = None
     try:
@@ -188,10 +188,10 @@ def test_a_node_that_comes_back_grows_the_job_again(tmp_path, reference):
     assert grown["step"] == stop["step"] and grown["grad_accum"] == [2, 1]
     # One restart after a failure (the lost node); the agent does not count the join as one.
     assert [e["restarts"] for e in events if e["event"] == "restart"] == [1]
-    assert_same_run(read_metrics(metrics), reference)
+    assert_same_run(read_metrics(metrics), uninterrupted)
 
 
-def test_a_world_below_min_ends_the_job_with_a_checkpoint_to_resume(tmp_path, reference):
+def test_a_world_below_min_ends_the_job_with_a_checkpoint_to_resume(tmp_path, uninterrupted):
     """--nnodes 2 (2:2) and a restart allowed: node 1 is lost, the rendezvous waits --rdzv-timeout for
     2 nodes, then node 0 ends naming the checkpoint; resuming from it (2 ranks) gives the same run."""
     port, metrics = free_port(), tmp_path / "tiny" / "metrics.jsonl"
@@ -218,7 +218,7 @@ def test_a_world_below_min_ends_the_job_with_a_checkpoint_to_resume(tmp_path, re
     assert f"the last complete checkpoint is {latest}: the same command with --resume continues from it" in text
     assert json.loads((latest / "state.json").read_text())["step"] < STEPS
     run_workers(train_only, 2, tiny_config(tmp_path, *RUN, "--checkpoint.resume=true"))  # 2 ranks here, on one node
-    assert_same_run(read_metrics(metrics), reference)
+    assert_same_run(read_metrics(metrics), uninterrupted)
 
 
 def _command(tmp_path: Path, *args: str) -> list[str]:

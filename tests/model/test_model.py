@@ -56,7 +56,7 @@ def test_preset_parameter_counts_match_published(name):
 def test_deepseek_v3_counts_671b_and_37b_activated_as_published():
     # DeepSeek-V3 report, abstract and sec. 4.2: 671B total, 37B activated per token, without the
     # 14B multi-token-prediction module. The planner's formula (the meta-device model agrees with
-    # it for every preset, tests/test_planner.py) gives 671.026B; activated (all but the 248
+    # it for every preset, tests/planner/test_planner.py) gives 671.026B; activated (all but the 248
     # routed experts a token skips in each MoE block) 36.63B without the embedding table, a lookup
     # rather than a matmul, 37.55B with it: "37B" is the first, to its 2 digits.
     c = model_counts(PRESETS["deepseek-v3"])

@@ -26,7 +26,7 @@ from fivefold.parallel.pipeline.schedules import (
 )
 from fivefold.parallel.pipeline.simulate import Costs, DeadlockError, simulate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def idle_total(result) -> float:

@@ -15,20 +15,18 @@ import traceback
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import config_mesh, tiny_config
 
 from fivefold.checkpoint.run_state import latest_checkpoint
 from fivefold.data.batches import DataCacheError, epoch_order
 from fivefold.launch.worker_report import AGENT_LOGGER, culprit_summary, error_line, missing_ranks, one_line_failures
 from fivefold.parallel.comm import arrivals, collectives
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import WorkerError, run_workers
-from fivefold.parallel.mesh import Mesh
 from fivefold.train.loop import train
 
 
 def _skip_a_collective(rank, world, cfg):
-    mesh = Mesh.from_config(cfg, derive(cfg, world))
+    mesh, _ = config_mesh(cfg, world)
     expert = mesh.subgroups([[0, 1]], "ep")
     collectives.all_reduce(torch.ones(1), mesh.group("dp"))  # one call together: rank 1 is one behind below
     if rank == 1:  # took another code path: never makes the calls below
@@ -75,7 +73,7 @@ def test_a_skipped_collective_times_out_naming_rank_axis_operation_and_the_rank_
 
 
 def _stop_one_rank(rank, world, cfg):
-    mesh = Mesh.from_config(cfg, derive(cfg, world))
+    mesh, _ = config_mesh(cfg, world)
     collectives.all_reduce(torch.ones(1), mesh.group("dp"))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # stopped, publishing thread too (the harness kills it later)

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import mesh_of
 
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm import ring as ring
@@ -25,7 +26,6 @@ from fivefold.parallel.comm.ring import (
     ring_reduce_scatter_schedule,
 )
 from fivefold.parallel.forked_ranks import run_workers
-from fivefold.parallel.mesh import Mesh
 
 
 def _check_step_shape(steps: list[list[RingStep]], n: int) -> None:
@@ -98,7 +98,7 @@ def _rank_input(rank: int, numel: int) -> torch.Tensor:
 
 
 def _ring_vs_torch(rank, world):
-    mesh = Mesh({"pp": 1, "dp_replicate": 1, "dp_shard": world, "cp": 1, "tp": 1})
+    mesh = mesh_of(dp_shard=world)
     group = mesh.group("dp")
     numel = 6 * world
     out = {}

@@ -29,7 +29,7 @@ CONFIG = str(ROOT / "configs" / "tiny.toml")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def uninterrupted(tmp_path_factory):
     """The uninterrupted one-node run on 2 ranks (forked in this process): its metrics records."""
     return reference_records(tmp_path_factory.mktemp("reference"), 2, *RUN)
 
@@ -82,7 +82,7 @@ def listening_addresses(pid: int) -> list[str]:
     return found
 
 
-def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, reference):
+def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, uninterrupted):
     job, log = start(tmp_path, "--nproc", "2", "--max-restarts", "1", "--checkpoint.every=2")
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     try:
@@ -105,7 +105,7 @@ def test_a_killed_worker_restarts_the_job_which_resumes_exactly(tmp_path, refere
     # `done` was logged (checkpoints every 2 steps).
     assert (done - 1) // 2 * 2 <= int(resumed.group(1)) < STEPS
     records = read_metrics(metrics)
-    assert same_steps(records) == same_steps(reference)  # losses bit-exact, the same samples each step
+    assert same_steps(records) == same_steps(uninterrupted)  # losses bit-exact, the same samples each step
     assert_each_sample_once(records)
     assert records[0]["comm"]["dp"]["calls"] == 1  # one gradient all-reduce per step over 2 ranks
     assert (tmp_path / "tiny" / "config.toml").is_file() and f"outputs in {tmp_path / 'tiny'}" in log.read_text()
@@ -176,7 +176,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_train_like_one_node(tmp_path, reference):
+def test_two_nodes_train_like_one_node(tmp_path, uninterrupted):
     endpoint = f"127.0.0.1:{free_port()}"
     # Node 1 first: it must wait for node 0's rendezvous to appear.
     nodes = [start(tmp_path, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint,
@@ -188,7 +188,7 @@ def test_two_nodes_train_like_one_node(tmp_path, reference):
         for job, _ in nodes:
             job.kill()
     # dp = 2 over two nodes is the same computation as over two local ranks: exactly equal.
-    assert same_steps(read_metrics(tmp_path / "tiny" / "metrics.jsonl")) == same_steps(reference)
+    assert same_steps(read_metrics(tmp_path / "tiny" / "metrics.jsonl")) == same_steps(uninterrupted)
 
 
 def _train_command(tmp_path: Path, *args: str) -> list[str]:

@@ -238,7 +238,7 @@ from pathlib import Path
 lookups, real = [], socket.getaddrinfo
 socket.getaddrinfo = lambda host, *a, **k: (lookups.append(host), real(host, *a, **k))[1]
 atexit.register(lambda: print("lookups", lookups, flush=True))  # first registered, so it runs last
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/train"]  # helpers, and this file
 from test_sinks import child_processes, two_jobs, with_sinks
 two_jobs(with_sinks("wandb", name="tiny"), Path(sys.argv[1]))
 print("children", child_processes(), flush=True)
