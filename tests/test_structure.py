@@ -1,4 +1,4 @@
-"""The shape of the code: no import cycles, one entry point per dimension, no global step timer."""
+"""The shape of the code: no import cycles, packages layered, one entry point per dimension, no global step timer."""
 
 import ast
 import inspect
@@ -77,6 +77,40 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def part_graph(graph: dict[str, set[str]], parent: str) -> dict[str, set[str]]:
+    """The import graph between the parts directly inside package `parent` (a part: a module, or a
+    subpackage with everything below it), from the module graph."""
+    def part(module: str) -> str | None:
+        rest = module.removeprefix(parent + ".")
+        return None if rest == module else f"{parent}.{rest.split('.')[0]}"
+
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if (a := part(module)) is not None:
+            parts.setdefault(a, set()).update(b for t in targets if (b := part(t)) not in (None, a))
+    return parts
+
+
+# The layering the folders show: no two parts of fivefold, nor of fivefold.parallel, fivefold.planner
+# or fivefold.checkpoint, import each other, even through others. model/ stands on nothing else of fivefold.
+@pytest.mark.parametrize("parent", ["fivefold", "fivefold.parallel", "fivefold.planner", "fivefold.checkpoint"])
+def test_the_parts_of_a_package_are_layered(parent):
+    graph = part_graph(import_graph(), parent)
+    assert len(graph) > 3, "the part graph found almost nothing: it would pass on anything"
+    assert cycles(graph) == []
+
+
+def test_the_model_stands_on_nothing_else_of_fivefold():
+    graph = part_graph(import_graph(), "fivefold")
+    assert graph["fivefold.model"] == set()
+
+
+def test_the_layering_check_sees_a_loop_between_two_packages():
+    graph = {"p.a.x": {"p.b.y"}, "p.b.y": set(), "p.b.z": {"p.a.w"}, "p.a.w": set(), "p.c": {"p.a.x"}}
+    assert part_graph(graph, "p") == {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.a"}}
+    assert cycles(part_graph(graph, "p")) == [["p.a", "p.b"]]
 
 
 def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
