@@ -285,9 +285,6 @@ def test_output_block(block, tmp_path):
 # Paths a page names that are not files of this repository: torch's own files, a config the reader writes.
 NOT_IN_REPO = {"torch/distributed/checkpoint/hf_storage.py", "filesystem.py", "default_planner.py",
                "configs/x.toml"}
-# A file another branch adds as this page is written (parallel/data/buckets.py, the bucket machinery
-# of ddp.py, zero.py and fsdp.py); remove it from here once it is in the tree.
-NOT_YET = {"buckets.py"}
 PATH = re.compile(r"(?<![\w./<>*-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|toml|sh))(?![\w/-])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -318,7 +315,7 @@ def test_named_paths_and_links_exist(page):
     wrong = []
     for n, line in _prose(page):
         for path in PATH.findall(line):
-            if path not in NOT_IN_REPO and path.rsplit("/", 1)[-1] not in NOT_YET and not _exists(path, names):
+            if path not in NOT_IN_REPO and not _exists(path, names):
                 wrong.append(f"{page_name(page)}:{n}: {path} is no file of this repository")
         for target in LINK.findall(line):
             if re.match(r"[a-z]+:", target):  # https:, mailto:

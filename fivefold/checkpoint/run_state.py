@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fivefold.checkpoint.files import first_failure
 from fivefold.checkpoint.run_dir import PREFIX, checkpoint_dir, complete_checkpoints, latest_checkpoint
 from fivefold.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.parallelize import Parallelized
 
 
@@ -83,12 +85,18 @@ class CheckpointWriter:
     results) on a process group of its own: on the training group they could interleave with the
     training collectives in a different order on different ranks. When rank 0's write completes,
     DCP has written the metadata after every rank's data, so rank 0 alone makes it visible
-    (state.json, rename) with no further collective. At most one write is in flight: the next
-    save, and the end of training, wait for it first, so memory holds at most one staged copy.
+    (state.json, rename), on the writer's thread. At most one write is in flight: the next save,
+    and the end of training, `wait()` for it first, so memory holds at most one staged copy; that
+    wait is collective and ends on every rank only once rank 0 has published, so any rank that has
+    waited finds the checkpoint (a rank's own write finishing says nothing of rank 0's rename).
+
+    `world`: every rank of the job, where the barriers and agreements of a save run (the mesh's
+    "world" view; None: torch's default group, uncounted).
     """
 
-    def __init__(self, run_dir: Path, keep: int, async_save: bool = False):
+    def __init__(self, run_dir: Path, keep: int, async_save: bool = False, world: AxisGroup | None = None):
         self.run_dir, self.keep = run_dir, keep
+        self.world = world or collectives.world_group()
         if dist.get_rank() == 0:  # partial folders of a job that died mid-write: never visible, now gone
             for partial in checkpoint_dir(run_dir).glob(f".tmp_{PREFIX}*"):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -109,22 +117,18 @@ class CheckpointWriter:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted write of this step
             error = _attempt(lambda: (tmp / "rng").mkdir(parents=True))
-        dist.barrier()
+        collectives.barrier(self.world, f"barrier before writing checkpoint step {step}")  # the folder exists
         error = error or _attempt(lambda: torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt"))
         tensors = {"model": par.model_state_dict(), "optim": par.optim_state_dict()}
         publish = lambda: self._publish(tmp, final, {"step": step, **state})  # noqa: E731
         if self.group is None:
             # Collective: called on every rank, even one whose own file failed, or the others would hang.
             error = error or _attempt(lambda: dcp.save(tensors, checkpoint_id=str(tmp)))
-        failed = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # every rank stops if any rank failed
-        if failed.item():
-            raise self._failed(step, tmp, error)
+        # Every rank stops if any rank failed; blocking, it is also where every rank's files are on
+        # disk before rank 0 makes the folder visible as complete.
+        self._agree(step, tmp, error)
         if self.group is None:
-            dist.barrier()  # every rank's files are on disk before the folder becomes visible as complete
-            if rank == 0:
-                publish()
-            dist.barrier()
+            self._agree(step, tmp, _attempt(publish) if rank == 0 else None)  # every rank returns once it is visible
             return final
         self.published.clear()
         self.pending = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self.group)
@@ -163,8 +167,16 @@ class CheckpointWriter:
         finally:
             self.published.set()
 
+    def _agree(self, step: int, tmp: Path, error: BaseException | None) -> None:
+        """Collective over the world: raise on every rank if any rank's `error` is set."""
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        collectives.all_reduce(failed, self.world, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise self._failed(step, tmp, error)
+
     def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk and, on rank 0, published."""
+        """Collective over the world: block until the write in flight (if any) is on disk and published
+        by rank 0, on every rank (an error publishing it is raised on every rank)."""
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
@@ -173,9 +185,8 @@ class CheckpointWriter:
             raise self._failed(*self.writing, error)
         if dist.get_rank() == 0:
             self.published.wait()  # callbacks run after result() is released: wait for the rename
-            if self.error is not None:
-                error, self.error = self.error, None
-                raise error
+            error, self.error = self.error, None
+        self._agree(*self.writing, error)
 
     def abandon(self) -> CheckpointWriteError | None:
         """The run is failing: let the write in flight (if any) end, waiting at most ABANDON_WAIT_S,

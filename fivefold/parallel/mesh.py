@@ -11,6 +11,8 @@ returns at once. Views by purpose:
 - "batch": the ranks that see different samples (= dp);
 - "grad": the ranks whose gradients are summed (dp x cp: context-parallel ranks hold different
   tokens of the same samples, so their gradients add up too).
+- "world": every rank of the job (torch's default group), for the run's coordination (barriers,
+  object gathers) and the metrics log, whose traffic is charged to "log";
 - "ep": the ranks among which one MoE block's experts are split, and "expert_dp", the ranks that
   hold the same experts (their gradients are summed there; charged to "dp"). They are not axes of
   the DeviceMesh but carved out of the grad view, one grad view per (pp, tp) place: grad rank g is in
@@ -37,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fivefold.config import Config
 from fivefold.parallel.comm.arrivals import Arrivals
-from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats, world_group
 from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
 from fivefold.parallel.derive import Derived
 
@@ -99,6 +101,9 @@ class Mesh:
             flat_name = "dp" if view == "batch" else view
             self._add(view, self.device_mesh[axes]._flatten(flat_name))
         self.ep_device_mesh = self._add_expert_views(ep)
+        # Every rank of the job, for the run's coordination and the metrics log (charged to "log"):
+        # torch's default group, which train's init_distributed makes with the same timeout.
+        self._groups["world"] = world_group(self.stats, self.timeout_s, self.timer, self.arrivals)
 
     @classmethod
     def from_config(cls, cfg: Config, derived: Derived, device_type: str = "cpu",

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.model.transformer import Transformer
+from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
@@ -136,8 +136,7 @@ class Parallelized:
         """Which gradients are NaN/Inf, gathered from every rank (they hold different parts)."""
         local = [name for name, p in self.model.named_parameters()
                  if (g := self.dp.gradient_of(p)) is not None and not torch.isfinite(g).all()]
-        found: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(found, local)
+        found = collectives.all_gather_object(local, self.mesh.group("world"), "gather of the non-finite gradients")
         return [f"{n} (rank {r})" for r, part in enumerate(found) for n in part]
 
     # ---- state: checkpoints and tests -----------------------------------------------------------
@@ -163,11 +162,7 @@ class Parallelized:
         pipeline's (each stage contributes its own parameters).
         """
         mine = self.dp.full_state_dict()
-        pp = self.mesh.group("pp")
-        if pp.size == 1:
-            return mine
-        parts: list[dict] = [None] * pp.size  # type: ignore[list-item]
-        dist.all_gather_object(parts, mine, group=pp.pg)
+        parts = collectives.all_gather_object(mine, self.mesh.group("pp"), "gather of the full state dict")
         return {k: v for part in parts for k, v in part.items()}
 
 

@@ -14,7 +14,6 @@ both are worth reading.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from rich.table import Table
 
 from fivefold.parallel.comm import collectives
@@ -117,8 +116,7 @@ def pipeline_timeline(timeline: list[tuple[float, float, str]], pp: AxisGroup) -
     """The executed actions of every stage of this rank's pipeline, `[start_s, end_s, "F3s1"]` per
     action, in seconds from the earliest action of the step (perf_counter is one clock for every
     process of a host; across hosts the stages' clocks are not aligned). None on ranks but pp's 0."""
-    rows: list = [None] * pp.size
-    dist.all_gather_object(rows, timeline, group=pp.pg)
+    rows = collectives.all_gather_object(timeline, pp, "gather of the pipeline timeline")
     if pp.rank != 0:
         return None
     t0 = min((start for row in rows for start, _, _ in row), default=0.0)

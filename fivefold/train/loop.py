@@ -32,6 +32,8 @@ from fivefold.config import Config, ConfigError, to_toml
 from fivefold.data.batches import GlobalBatches
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
+from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parallelize import Parallelized, parallelize
@@ -104,22 +106,26 @@ def build_model(cfg: Config, vocab_size: int) -> Transformer:
     return model
 
 
-def build_datasets(cfg: Config, run_dir: Path):
+def build_datasets(cfg: Config, run_dir: Path, world: AxisGroup | None = None):
     """The train and validation sets, memory-mapped, and the run's loader over them. Text inputs are
     prepared once into the cache (by `fivefold train` before the workers start; here by rank 0 when
     the job was started another way); the tokenizer's files are copied into the run directory
-    (RUN_DIR/tokenizer: what `fivefold sample` decodes with)."""
+    (RUN_DIR/tokenizer: what `fivefold sample` decodes with).
+
+    world: every rank of the job (the mesh's "world" view); None outside a run: the job's ranks,
+    uncounted, when there is a job (a test's peer), else this process alone."""
     from fivefold.data.mixture import MixedBatches
     from fivefold.data.resolve import data_kind, ensure_prepared, open_datasets, order_folder
     from fivefold.data.tokenizer import load_tokenizer, save_tokenizer
 
-    joined = dist.is_initialized()  # (tests call this outside a job too)
-    first = not joined or dist.get_rank() == 0
+    if world is None and dist.is_initialized():
+        world = collectives.world_group()
+    first = world is None or world.rank == 0
     if data_kind(cfg.data) == "text":
         if first:
             ensure_prepared(cfg)
-        if joined:
-            dist.barrier()
+        if world is not None:
+            collectives.barrier(world, "barrier after preparing the data")
     train_set, val_set, tokenizer = open_datasets(cfg)
     if first and tokenizer is not None and not (run_dir / "tokenizer").is_dir():
         save_tokenizer(load_tokenizer(tokenizer), run_dir / "tokenizer")
@@ -182,13 +188,13 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
     checkpoint (with checkpoint.resume), checkpoint.init_from, or the seeded initialisation.
     """
     run_dir = run_dir_of(cfg)
+    mesh = Mesh.from_config(cfg, derived, device_type)
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    dist.barrier()
-    mesh = Mesh.from_config(cfg, derived, device_type)
+    collectives.barrier(mesh.group("world"), "barrier after making the run directory")
     par, seeded = parallel_model(cfg, derived, mesh)
-    train_set, val_set, loader = build_datasets(cfg, run_dir)
+    train_set, val_set, loader = build_datasets(cfg, run_dir, mesh.group("world"))
     run = Run(cfg, derived, mesh, par, train_set, val_set, loader, LossScaler(cfg.train),
               MoEBalancing(par.model, mesh, cfg), mesh.device)
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
@@ -231,7 +237,7 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
     note = split_note(cfg, stage_split(cfg, run.derived.vocab_size))
     if note:  # an automatic uneven split is said (and saved in the layout event, step_log.py)
         log.print(note)
-    checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, log.world)
     result = TrainResult(run_dir=log.run_dir, start_step=start)
     stopped, stop_request = False, StopRequest() if elastic is not None else contextlib.nullcontext()
     try:
@@ -254,8 +260,8 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
                     log.event(done, "stop", reason="SIGTERM")
                     log.print(f"stopped at step {done} with a checkpoint (SIGTERM: the launcher is regrouping)")
                     break
-        checkpoints.wait()  # an asynchronous write in flight completes before the job ends
-        dist.barrier()
+        checkpoints.wait()  # an asynchronous write in flight completes (and is published) before the job ends
+        collectives.barrier(log.world, "barrier at the end of training")
     except BaseException:
         # A write in flight leaves no partial folder; its own failure is said too (a full disk fails both).
         also = checkpoints.abandon()

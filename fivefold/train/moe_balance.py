@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import Config
@@ -114,10 +113,8 @@ class MoEBalancing:
 
     def _metrics(self, routing: ExpertStats) -> dict:
         """Copies routed to each expert per MoE block (all stages), and each block's max/mean load."""
-        parts = [routing]
-        if self.mesh.size("pp") > 1:  # each stage counted its own blocks
-            parts = [None] * self.mesh.size("pp")
-            dist.all_gather_object(parts, routing, group=self.mesh.group("pp").pg)
+        # Each stage counted its own blocks (a group of one stage returns its own at once).
+        parts = collectives.all_gather_object(routing, self.mesh.group("pp"), "gather of the routing statistics")
         every = ExpertStats(load={k: v for part in parts for k, v in part.load.items()},
                             dropped={k: v for part in parts for k, v in part.dropped.items()})
         return {"expert_load": every.load, "expert_dropped": every.dropped,

@@ -17,7 +17,6 @@ from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from fivefold.checkpoint.run_dir import run_dir_of
-from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.pipeline.stage_split import stage_split
 from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
 from fivefold.train.metrics import read_events
@@ -73,9 +72,7 @@ class StepLog:
                 self.sinks.event(start, kind, **fields)
         self.display = ProgressDisplay(cfg.train.steps, start, enabled=self.rank == 0, bar=progress)
         self.window = BreakdownWindow()
-        # Every rank of the job (pg None: torch's default group), for the breakdown's gather.
-        self.world = AxisGroup("world", "log", None, dist.get_world_size(), self.rank, mesh.stats,
-                               cfg.parallel.collective_timeout_s, mesh.timer, mesh.arrivals)
+        self.world = mesh.group("world")  # every rank of the job: the breakdown's gather, the stop's agreement
         self.trace = None
         if cfg.run.trace:  # from the job's second step (the first warms up), or its first if it is shorter
             first = start + (2 if end - start > cfg.run.trace_steps else 1)

@@ -68,6 +68,7 @@ def _save_async_then_change_the_weights(rank, world, cfg, root):
     from torch.distributed.tensor import DTensor
 
     from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
+    from fivefold.parallel.comm import collectives
 
     par = parallelized(cfg, world)
     local = lambda: [v.to_local() if isinstance(v, DTensor) else v for v in par.model_state_dict().values()]  # noqa: E731
@@ -77,12 +78,18 @@ def _save_async_then_change_the_weights(rank, world, cfg, root):
     with torch.no_grad():  # training goes on while the checkpoint is written (ZeRO-3: in its shards)
         for v in local():
             v.add_(1.0)
-    writer.wait()
-    load_checkpoint(latest_checkpoint(root), par)
-    return all(torch.equal(a, b) for a, b in zip(before, local(), strict=True))
+    writer.wait()  # collective: on every rank, the checkpoint is published when it returns
+    found = latest_checkpoint(root)
+    # What every rank found, before loading (collective: a rank that found nothing would leave the
+    # others waiting in it).
+    if None in collectives.all_gather_object(found, collectives.world_group()):
+        return found, False
+    load_checkpoint(found, par)
+    return found.name, all(torch.equal(a, b) for a, b in zip(before, local(), strict=True))
 
 
 def test_async_save_writes_the_state_of_its_step_not_later_changes(tmp_path):
-    """The asynchronous write stages a copy: weights changed right after save() are not in it."""
+    """The asynchronous write stages a copy: weights changed right after save() are not in it. Every
+    rank finds the checkpoint once wait() returns, not only rank 0, which publishes it."""
     cfg = tiny_config(tmp_path, "--parallel.zero=3")  # ZeRO-3: the shards themselves are staged
-    assert run_workers(_save_async_then_change_the_weights, 2, cfg, tmp_path / "run") == [True, True]
+    assert run_workers(_save_async_then_change_the_weights, 2, cfg, tmp_path / "run") == [("step_00000001", True)] * 2

@@ -245,10 +245,9 @@ def _command(tmp_path: Path, *args: str) -> list[str]:
      "--rdzv-last-call 30 + 3 x --rdzv-keep-alive 5 = 45 s does not fit in --rdzv-timeout 30"),
 ])
 def test_bad_elastic_input_fails_before_any_process_naming_the_flag(tmp_path, capsys, args, message):
-    began = time.monotonic()
     assert main(_command(tmp_path, *args)) == 2
     assert message in capsys.readouterr().err
-    assert time.monotonic() - began < 10 and not (tmp_path / "tiny").exists()
+    assert not dist.is_initialized() and not (tmp_path / "tiny").exists()  # no process, nothing written
 
 
 def _launch_errors(*argv: str) -> list[str]:

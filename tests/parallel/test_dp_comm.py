@@ -1,8 +1,5 @@
 """Data parallel's traffic, overlap and checkpoints, and PyTorch's DDP as an oracle."""
 
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,79 +81,56 @@ def test_counted_bytes_with_pipelines_equal_the_theory(tmp_path, zero, schedule,
     assert dp_traffic(zero, n, G, P, m, not keep).bytes + collectives.wire_bytes("all_reduce", 8, n) == expected
 
 
-class _Link:
-    """A slow network link: collectives run one after another, in the order issued, on a
-    background thread, each after `delay` seconds, while the calling thread goes on computing.
-    (Order matters: every rank must run the same collectives in the same sequence.)"""
-
-    def __init__(self, delay: float):
-        self.delay = delay
-        self.pool = ThreadPoolExecutor(max_workers=1)
-
-    def submit(self, fn, *args, **kwargs):
-        def run():
-            time.sleep(self.delay)
-            fn(*args, **kwargs)
-
-        future = self.pool.submit(run)
-        future.wait = future.result  # the Work interface the caller uses
-        return future
-
-
-def _step_times(rank, world, cfg):
-    """Median seconds of forward + backward (with its gradient reduction), three ways, and the
-    delay per bucket the slow link was given."""
+def _gradients_and_issues(rank, world, cfg):
+    """DDP's backward, with overlap on and off: the events in order, ("grad", bucket) as each
+    parameter's gradient is accumulated and ("issue", bucket) as each all-reduce is issued (in
+    bucket order: the k-th issued is bucket k's)."""
     from fivefold.model.transformer import cross_entropy_sum
 
     mesh, derived = config_mesh(cfg, world)
-    x = torch.randint(0, 320, (8, 128), generator=torch.Generator().manual_seed(rank))
-    real = dist.all_reduce
+    x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(rank))
+    issue = collectives._issue
 
-    def median_step(overlap: bool) -> float:
+    def events_of(overlap: bool) -> tuple[list[tuple[str, int]], int]:
         model = build_model(cfg, 320)
         dp = apply_data_parallel(model, mesh, cfg, derived)
-        dp.overlap = overlap
-        times = []
-        for _ in range(4):
-            began = time.perf_counter()
+        dp.reducer.overlap = overlap  # the bucket machinery's switch (parallel.overlap_comm)
+        events: list[tuple[str, int]] = []
+        bucket = {id(p): k for k, b in enumerate(dp.buckets) for p in b.params}
+        issued = iter(range(len(dp.buckets)))
+        for p in dp.params:  # after DDP's own hook: a bucket's last gradient is logged after its issue
+            p.register_post_accumulate_grad_hook(lambda q: events.append(("grad", bucket[id(q)])))
+
+        def logged_issue(op, group, *args, **kwargs):
+            if op == "all_reduce" and group.name == "grad":
+                events.append(("issue", next(issued)))
+            return issue(op, group, *args, **kwargs)
+
+        collectives._issue = logged_issue
+        try:
             dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=True)
-            times.append(time.perf_counter() - began)
-            model.zero_grad(set_to_none=True)
-        return sorted(times[1:])[1], len(dp.buckets)
+        finally:
+            collectives._issue = issue
+        return events, len(dp.buckets)
 
-    compute, n_buckets = median_step(True)  # the real, fast all-reduce: compute alone, nearly
-    # The link's delays add up to half the step's compute, so all of them but the last bucket's fit
-    # in the backward (about 2/3 of it) that overlap can hide them behind, however fast this machine
-    # is. The same delay on every rank: rank 0's, broadcast.
-    delay = torch.tensor(compute / (2 * n_buckets), dtype=torch.float64)
-    dist.broadcast(delay, 0)
-    link = _Link(float(delay))
-
-    def delayed(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        work = link.submit(real, tensor, op=op, group=group)
-        return work if async_op else work.wait()
-
-    dist.all_reduce = delayed
-    try:
-        overlapped, _ = median_step(True)
-        serial, _ = median_step(False)
-    finally:
-        dist.all_reduce = real
-    return compute, overlapped, serial, n_buckets, float(delay)
+    return events_of(True), events_of(False)
 
 
 def test_buckets_overlap_communication_with_backward(tmp_path):
-    cfg = tiny_config(tmp_path, "--model.dim=128", "--model.ffn_dim=512", "--model.n_layers=4",
-                      "--parallel.bucket_mb=0.4")
-    compute, overlapped, serial, n_buckets, delay = run_workers(_step_times, 2, cfg)[0]
-    comm = n_buckets * delay  # half of compute
-    assert n_buckets >= 4
-    # Without overlap the step includes every delay; with it, the delays of all buckets but the
-    # last run while backward still computes. The two are compared with each other, not with the
-    # separately timed `compute`, which the machine's load moves by +-30% between phases; at least
-    # a quarter of the delays must be hidden (without overlap none is).
-    assert serial > comm, (compute, serial, comm)
-    assert serial - overlapped > comm / 4, (compute, overlapped, serial, comm)
+    """With overlap, bucket k's all-reduce is issued while backward still computes the gradients
+    of bucket k + 1; without it, every all-reduce waits for the backward's last gradient. Order of
+    events, not time: it holds however loaded the machine is."""
+    cfg = tiny_config(tmp_path, "--parallel.bucket_mb=0.1")
+    (overlapped, n_buckets), (serial, n_serial) = run_workers(_gradients_and_issues, 2, cfg)[0]
+    assert n_buckets == n_serial >= 4
+    for events in (overlapped, serial):
+        assert sorted(e for e in events if e[0] == "issue") == [("issue", k) for k in range(n_buckets)]
+    issued = {k: overlapped.index(("issue", k)) for k in range(n_buckets)}
+    last_grad = {k: max(i for i, e in enumerate(overlapped) if e == ("grad", k)) for k in range(n_buckets)}
+    for k in range(n_buckets - 1):
+        assert issued[k] < last_grad[k + 1], overlapped  # in flight while the next bucket fills
+    final = max(i for i, e in enumerate(serial) if e[0] == "grad")
+    assert all(serial.index(("issue", k)) > final for k in range(n_buckets)), serial
 
 
 def _collective_order(rank, world, cfg, micro_batches=1):

@@ -10,6 +10,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import traceback
 
@@ -29,10 +30,9 @@ def _skip_a_collective(rank, world, cfg):
     mesh, _ = config_mesh(cfg, world)
     expert = mesh.subgroups([[0, 1]], "ep")
     collectives.all_reduce(torch.ones(1), mesh.group("dp"))  # one call together: rank 1 is one behind below
-    if rank == 1:  # took another code path: never makes the calls below
-        time.sleep(60)
+    if rank == 1:  # took another code path: never makes the calls below (the harness kills it at the end)
+        threading.Event().wait()
     messages = []
-    began = time.monotonic()
     # Async, as DDP's gradient buckets: the error comes from wait().
     try:
         collectives.all_to_all(torch.empty(6, 4), torch.ones(6, 4), expert, async_op=True).wait()
@@ -47,18 +47,20 @@ def _skip_a_collective(rank, world, cfg):
         collectives.recv(torch.empty(4), 1, mesh.group("dp"), "recv activation mb 0 from stage 1")
     except collectives.CollectiveError as e:
         messages.append(str(e))
-    # Raise rather than return: the harness's closing barrier would meet rank 1's late calls.
-    raise AssertionError(f"{time.monotonic() - began:.1f} s\n" + "\n".join(messages))
+    # Raise rather than return: the harness then kills rank 1.
+    raise AssertionError("\n".join(messages))
 
 
 def test_a_skipped_collective_times_out_naming_rank_axis_operation_and_the_rank_behind(tmp_path):
     cfg = tiny_config(tmp_path, "--parallel.collective_timeout_s=0.5")
     with pytest.raises(WorkerError) as failed:
         run_workers(_skip_a_collective, 2, cfg)
-    seconds, async_message, sync_message, p2p_message = str(failed.value).split("AssertionError: ")[1].splitlines()[:4]
-    # Three waits of 0.5 s each, not the default 300 s, and for each collective at most a report
-    # period (and a poll) for rank 1's fresh report.
-    assert float(seconds.split()[0]) < 1.5 + 2 * 1.125 * arrivals.PUBLISH_PERIOD_S + 1
+    async_message, sync_message, p2p_message = str(failed.value).split("AssertionError: ")[1].splitlines()[:3]
+    # The collectives waited the configured 0.5 s, not torch's default: the backend's own words say so
+    # (its clock, not this test's: a loaded machine makes the test slower, never the timeout longer).
+    # The receive after them finds the pair the timeout closed.
+    for message in (async_message, sync_message):
+        assert "Timed out waiting 500ms" in message.split("Backend: ")[1], message
     assert async_message.startswith("rank 0: all_to_all of 96 bytes on axis 'ep' (rank 0 of 2 there) got no "
                                     "answer within 0.5 s (parallel.collective_timeout_s). Never arrived: rank 1 "
                                     "made 0 of these calls, this is call 1: it took another code path")
@@ -70,6 +72,32 @@ def test_a_skipped_collective_times_out_naming_rank_axis_operation_and_the_rank_
     assert p2p_message.startswith("rank 0: recv activation mb 0 from stage 1 of 16 bytes on axis 'dp' (rank 0 of 2 "
                                   "there) got no answer within 0.5 s")
     assert "most likely died" in p2p_message and "another code path" in p2p_message  # messages count no calls
+
+
+def _skip_a_barrier(rank, world, cfg):
+    mesh, _ = config_mesh(cfg, world)
+    collectives.barrier(mesh.group("dp"), "barrier after making the run directory")  # together: rank 1 one behind
+    if rank == 1:  # never reaches the next barrier (the harness kills it once rank 0 has failed)
+        threading.Event().wait()
+    try:
+        collectives.barrier(mesh.group("dp"), "barrier before writing checkpoint step 3")
+    except collectives.CollectiveError as e:
+        raise AssertionError(f"{sorted(e.missing)} {mesh.stats.snapshot()}\n{e}") from None
+
+
+def test_a_barrier_one_rank_never_reaches_times_out_naming_that_rank(tmp_path):
+    """A barrier is a collective of the layer like any other: counted (as coordination, "log") and,
+    when a rank never comes, named by the rank that waited, with the barrier's own name."""
+    cfg = tiny_config(tmp_path, "--parallel.collective_timeout_s=0.5")
+    with pytest.raises(WorkerError) as failed:
+        run_workers(_skip_a_barrier, 2, cfg)
+    first, message = str(failed.value).split("AssertionError: ")[1].splitlines()[:2]
+    assert first == "[1] {'log': {'calls': 2, 'bytes': 0, 'wire_bytes': 0.0}}"
+    assert message.startswith("rank 0: barrier before writing checkpoint step 3 on axis 'dp', for metrics or "
+                              "coordination (rank 0 of 2 there) got no answer within 0.5 s "
+                              "(parallel.collective_timeout_s). Never arrived: rank 1 made 1 of these calls, this is "
+                              "call 2: it took another code path"), message
+    assert "Timed out waiting 500ms" in message.split("Backend: ")[1], message
 
 
 def _stop_one_rank(rank, world, cfg):
@@ -91,8 +119,11 @@ def test_a_stopped_rank_is_named_by_the_rank_that_waits_for_it(tmp_path):
     first, message = str(failed.value).split("AssertionError: ")[1].splitlines()[:2]
     seconds, missing = first.split(" s ")
     assert missing == "[1]"
-    # Named once its report is STALE_AFTER_S old; it was fresh (at most a period old) when the wait began.
-    assert float(seconds) < 0.5 + arrivals.STALE_AFTER_S + 1.5
+    # Named only once its report went STALE_AFTER_S without a beat, after the 0.5 s timeout (the
+    # backend's words): lower bounds, which a loaded machine can only exceed. That the wait ends at
+    # all is the harness's deadline's to catch.
+    assert float(seconds) >= 0.5 + arrivals.STALE_AFTER_S - 0.05  # (printed to 0.1 s)
+    assert "Timed out waiting 500ms" in message.split("Backend: ")[1], message
     assert message.startswith("rank 0: all_reduce of 32 bytes on axis 'dp' (rank 0 of 2 there) got no answer within "
                               f"0.5 s (parallel.collective_timeout_s). Never arrived: rank 1 sent no report for "
                               f"{arrivals.STALE_AFTER_S:g} s: stopped (SIGSTOP, a debugger), hung or gone."), message
@@ -271,9 +302,9 @@ def test_a_message_names_the_users_axis_first():
     """dp, the user's word, before the internal view's name (grad = dp x cp)."""
     (ours, metrics, log), = run_workers(_where_messages, 1)
     assert ours.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group) (rank 0 of 2 there) got no")
-    assert metrics.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group), for the metrics log "
-                              "(rank 0 of 2 there)")
-    assert log.startswith("rank 0: all_gather of 8 bytes on the 'world' group (the metrics log's) (rank 0 of 2")
+    assert metrics.startswith("rank 0: all_reduce of 8 bytes on axis 'dp' (its 'grad' group), for metrics or "
+                              "coordination (rank 0 of 2 there)")
+    assert log.startswith("rank 0: all_gather of 8 bytes on the 'world' group (metrics and coordination) (rank 0 of 2")
 
 
 def _order_into(rank, world, folder):
@@ -306,15 +337,19 @@ def test_the_arrivals_thread_publishes_counts_and_stops_on_close():
     try:
         assert first._thread.daemon and first._thread.is_alive()
         assert [first.issue("7"), first.issue("7"), first.issue("0")] == [1, 2, 1]
-        deadline = time.monotonic() + 2 * arrivals.PUBLISH_PERIOD_S
+        # The next report holds the counts: due within a period; polled for up to ten, as a loaded
+        # machine can delay the thread by a period or more (arrivals.py), and a thread that never
+        # reports still fails here.
+        deadline = time.monotonic() + 10 * arrivals.PUBLISH_PERIOD_S
         while (report(1, 3) or {}).get("calls") != {"7": 2, "0": 1}:
-            assert time.monotonic() < deadline, f"no report within two periods: {report(1, 3)}"
+            assert time.monotonic() < deadline, f"no report within ten periods: {report(1, 3)}"
             time.sleep(0.05)
         assert report(2, 3)["calls"] == {}  # the second mesh's own key
     finally:
         first.close()
         second.close()
-    assert not first._thread.is_alive() and not second._thread.is_alive()
-    beat = report(1, 3)["beat"]
-    time.sleep(arrivals.PUBLISH_PERIOD_S * 1.2)
-    assert report(1, 3)["beat"] == beat
+    # close() ends the thread: joined here for up to ten periods (close's own join gives up after
+    # 1 s, for a store stuck on a dead server; a loaded machine can take that long to wake it).
+    for thread in (first._thread, second._thread):
+        thread.join(timeout=10 * arrivals.PUBLISH_PERIOD_S)
+        assert not thread.is_alive()

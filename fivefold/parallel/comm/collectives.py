@@ -31,6 +31,8 @@ communication.
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -290,6 +292,61 @@ def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pe
                        lambda e, m=m: named_error(e, m.name, group, _nbytes(m.tensor), group.label), group, group.label,
                        m.name, group.timer.flight(group.label, m.name)) for k, m in enumerate([*sends, *recvs])]
     return handles[:len(sends)], handles[len(sends):]
+
+
+# ---- coordination: barriers and object gathers ----
+# The run's own coordination (every rank at one point of the run, a few Python values gathered)
+# goes through here too, so a rank that never arrives is named like at any collective. It is charged
+# to "log", never to the group's axis: the per-axis counts stay those of training.
+# An object collective counts its calls and no bytes: it carries pickled Python values whose size
+# differs by rank (torch pads every rank's to the largest, known only after a first exchange of sizes);
+# what it moves is coordination, never a step's tensors.
+
+COORDINATION = "log"
+
+
+def world_group(stats: CommStats | None = None, timeout_s: float | None = None, timer: StepTimer | None = None,
+                arrivals: Arrivals | None = None) -> AxisGroup:
+    """Every rank of the job (torch's default group), charged to "log": the mesh's "world" view, or,
+    where no mesh exists (a test's peer, a tool), an uncounted one whose failures are still named."""
+    return AxisGroup("world", COORDINATION, None, dist.get_world_size(), dist.get_rank(), stats or CommStats(),
+                     timeout_s, timer or StepTimer(), arrivals)
+
+
+def barrier(group: AxisGroup, name: str = "barrier") -> None:
+    """Block until every rank of `group` has called this (a barrier of the same `name` is the same
+    point of the run on every rank)."""
+    if group.size == 1:
+        return
+    group.stats.record(COORDINATION, "barrier", 0, group.size, wire=0.0)
+    _issue("barrier", group, 0, COORDINATION, False, lambda: dist.barrier(group=group.pg), name, number=_count(group))
+
+
+def all_gather_object(obj: object, group: AxisGroup, name: str = "all_gather_object") -> list:
+    """Every rank's picklable `obj`, in group rank order. Tensors travel as CPU copies: pickled on a
+    GPU, a tensor names its device index, and a receiver would unpickle it onto the sender's GPU."""
+    if group.size == 1:
+        return [obj]
+    group.stats.record(COORDINATION, "all_gather_object", 0, group.size, wire=0.0)
+    gathered: list = [None] * group.size
+    payload = _pickled_on_cpu(obj)
+    _issue("all_gather_object", group, 0, COORDINATION, False,
+           lambda: dist.all_gather_object(gathered, payload, group=group.pg), name, number=_count(group))
+    return [pickle.loads(b) for b in gathered]  # the job's own ranks' bytes, as torch's gather unpickles them
+
+
+class _CpuPickler(pickle.Pickler):
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.cpu().__reduce_ex__(self.proto)
+        return NotImplemented
+
+
+def _pickled_on_cpu(obj: object) -> bytes:
+    """`obj` pickled with every tensor in it on the CPU (a tensor on the CPU or meta device as it is)."""
+    out = io.BytesIO()
+    _CpuPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
 
 
 # ---- autograd-aware collectives of tensor and sequence parallel (Megatron-LM's conjugate pairs) ----

@@ -45,11 +45,12 @@ def group_name(group: AxisGroup) -> str:
 
 def where(group: AxisGroup, label: str) -> str:
     """The group in the user's words first: its axis (`dp`), then the internal view's name (`grad`:
-    dp x cp for the gradients) only when it differs; a metrics reduction (charged to "log") says so."""
-    if group.label == "log":  # the step log's group of every rank
-        return f"the '{group.name}' group (the metrics log's)"
+    dp x cp for the gradients) only when it differs; a call charged to "log" (a metrics reduction, a
+    barrier, an object gather: not training's traffic) says so."""
+    if group.label == "log":  # the group of every rank: the metrics log's and the run's coordination
+        return f"the '{group.name}' group (metrics and coordination)"
     axis = f"axis '{group.label}'" + (f" (its '{group.name}' group)" if group.name != group.label else "")
-    return axis + (", for the metrics log" if label == "log" else "")
+    return axis + (", for metrics or coordination" if label == "log" else "")
 
 
 def named_error(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, label: str,
@@ -78,8 +79,9 @@ def named_error(error: RuntimeError, op: str, group: AxisGroup, nbytes: int, lab
         cause = ("Another rank of that group most likely died (look for the first error in the other ranks' "
                  "output) or took another code path and never made this call (a rank-dependent branch, an "
                  "exception caught on one rank).")
+    size = f" of {nbytes:,} bytes" if nbytes else ""  # a barrier's or an object gather's: none, or unknown
     return CollectiveError(
-        f"rank {dist.get_rank()}: {op} of {nbytes:,} bytes on {axis} (rank {group.rank} of {group.size} "
+        f"rank {dist.get_rank()}: {op}{size} on {axis} (rank {group.rank} of {group.size} "
         f"there) {what}. {cause} Backend: {text.splitlines()[0] if text else type(error).__name__}", missing)
 
 

@@ -74,6 +74,9 @@ def _collective_worker(rank: int, world: int, sizes: tuple[int, ...], repeats: t
             fn()  # warm-up
         for _ in range(samples):
             for op, fn in ops.items():
+                # Raw torch calls here, barrier included, not the collective layer: calibration
+                # times the backend itself, on forked ranks without a mesh, and the layer's counting
+                # and timer spans around a measurement would be measured with it.
                 dist.barrier()
                 spent = 0.0
                 for _ in range(calls):  # a sample as long as a training step's share (sampling.py)

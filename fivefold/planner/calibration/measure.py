@@ -231,7 +231,9 @@ def _compute_worker(rank: int, world: int, threads: int, quick: bool, parts: tup
                                                  view_s=ops[-1]["view_overhead_s"]), mm),
                            (lambda: time_parts(list(parts), samples, min_s), layers),
                            (lambda: noise_curve(budget_s=0.5 if quick else 2.0), noise)):
-            dist.barrier()  # every rank starts each measurement together, as training's ranks run
+            # Every rank starts each measurement together, as training's ranks run. A raw barrier, not
+            # the collective layer's: calibration's forked ranks have no mesh, and it times the backend.
+            dist.barrier()
             into.append(take())
     for o in ops:  # by size, so that sessions, ranks and rounds merge point by point
         o["elementwise_curve"] = dict(o["elementwise_curve"])

@@ -84,6 +84,8 @@ def noise_curve(durations: tuple[float, ...] = (1e-3, 4e-3, 1.6e-2, 6.4e-2, 2.56
         reps, samples = (int(c) for c in counts)
         waits = []
         for _ in range(samples):
+            # Raw torch calls, not the collective layer: a sample times the ranks' spread from a
+            # common start, on forked ranks without a mesh; the layer's bookkeeping would add to it.
             dist.barrier()
             began = time.perf_counter()
             for _ in range(reps):
