@@ -32,7 +32,7 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.model.attention import causal_attention
-from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
@@ -255,7 +255,7 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, split: int, cat: int) -> torc
     (in source-rank order). Its gradient is the inverse all-to-all: the same with the dims swapped."""
     ones = [1] * group.size
     send = torch.stack(x.chunk(group.size, dim=split))  # (cp, ...): part j for rank j
-    return torch.cat(collectives.all_to_all_rows(send, group, ones, ones).unbind(0), dim=cat)
+    return torch.cat(regions.all_to_all_rows(send, group, ones, ones).unbind(0), dim=cat)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup) -> torch.Tensor:

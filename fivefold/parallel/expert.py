@@ -44,7 +44,7 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.model.transformer import GroupedExperts, MoE, sort_by_expert
-from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
@@ -77,7 +77,7 @@ class ExpertParallelDispatch:
         out_splits = received.sum(1).tolist()  # rows from each rank
 
         # 2. Dispatch: rows arrive source-major, (s, e) segments in that order.
-        rows = collectives.all_to_all_rows(x[token_of_copy], self.group, out_splits, in_splits)  # (R, dim)
+        rows = regions.all_to_all_rows(x[token_of_copy], self.group, out_splits, in_splits)  # (R, dim)
 
         # 3. Regroup expert-major: stable sort of the rows by (expert, source).
         segment = torch.arange(ep * n_local, device=x.device).repeat_interleave(received.reshape(-1))  # (R,) s E/ep + e
@@ -86,7 +86,7 @@ class ExpertParallelDispatch:
         y = torch.empty_like(y).index_copy(0, regroup, y)  # back to source-major
 
         # 4. Combine: every row returns to the rank and slot it came from.
-        y = collectives.all_to_all_rows(y, self.group, in_splits, out_splits)  # (M, dim), in `order`
+        y = regions.all_to_all_rows(y, self.group, in_splits, out_splits)  # (M, dim), in `order`
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         return y.new_zeros(x.shape).index_add_(0, token_of_copy, y)  # (N, dim)
 

@@ -35,7 +35,7 @@ from torch import nn
 from fivefold.config import Config
 from fivefold.model.attention import LatentAttention
 from fivefold.model.transformer import FeedForward, Transformer
-from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.materialize import materialize_parameter
@@ -52,8 +52,8 @@ def enter_tensor_parallel_region(x: torch.Tensor, group: AxisGroup, sequence_par
     """Where a region of column-parallel layers begins: with sp, gather the sequence shards
     (B, T/tp, d) -> (B, T, d); without, x is already whole and only its gradient needs a sum."""
     if sequence_parallel:
-        return collectives.gather_from_sequence_parallel_region(x, group)
-    return collectives.copy_to_tensor_parallel_region(x, group)
+        return regions.gather_from_sequence_parallel_region(x, group)
+    return regions.copy_to_tensor_parallel_region(x, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -86,8 +86,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
         if self.sp:
-            return collectives.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
-        return collectives.reduce_from_tensor_parallel_region(partial, self.group)
+            return regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
+        return regions.reduce_from_tensor_parallel_region(partial, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -105,8 +105,8 @@ class VocabParallelEmbedding(nn.Module):
         h = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, dim)
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sp:
-            return collectives.reduce_scatter_to_sequence_parallel_region(h, self.group)  # (B, T/tp, dim)
-        return collectives.reduce_from_tensor_parallel_region(h, self.group)
+            return regions.reduce_scatter_to_sequence_parallel_region(h, self.group)  # (B, T/tp, dim)
+        return regions.reduce_from_tensor_parallel_region(h, self.group)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

@@ -2,6 +2,7 @@
 
 - collectives.py  all_reduce, reduce_scatter, all_gather, all_to_all, P2P batches, barriers and
                   object gathers, each on an AxisGroup, counted per axis in wire bytes
+- regions.py      the same as autograd Functions: tp/sp region boundaries, the all-to-all
 - wire.py         the bytes formula (torch-free), shared with the planner
 - ring.py         ring reduce-scatter / all-gather / all-reduce written out with send and recv
 - timing.py       where a step's time goes: compute, exposed communication per axis, bubble
