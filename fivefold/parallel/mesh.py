@@ -143,15 +143,21 @@ class Mesh:
         return dataclasses.replace(self.subgroups(parts, label), name=name)
 
     def _add(self, name: str, sub: DeviceMesh) -> None:
-        pg = sub.get_group()
-        # DeviceMesh makes its groups with torch's default timeout; the dry run's fake backend has none
-        if self.timeout_s is not None and dist.get_backend(pg) != "fake":
-            pg.set_timeout(timedelta(seconds=self.timeout_s))
+        pg = self._collective_timeout(sub.get_group())
         self._groups[name] = AxisGroup(
             name=name, label=LABELS.get(name, name), pg=pg, size=sub.size(),
             rank=sub.get_local_rank(), stats=self.stats, timeout_s=self.timeout_s, timer=self.timer,
             arrivals=self.arrivals,
         )
+
+    def _collective_timeout(self, pg: dist.ProcessGroup) -> dist.ProcessGroup:
+        """`pg` with parallel.collective_timeout_s for its collectives. The group is made with torch's
+        default timeout and set after: gloo connects a new group's ranks under the timeout it is made
+        with, and on a loaded machine that can take longer than a short collective timeout (seen: a
+        0.5 s timeout failed `connectFullMesh`). The dry run's fake backend has no timeout."""
+        if self.timeout_s is not None and dist.get_backend(pg) != "fake":
+            pg.set_timeout(timedelta(seconds=self.timeout_s))
+        return pg
 
     @property
     def device(self) -> torch.device:
@@ -177,9 +183,9 @@ class Mesh:
         me = dist.get_rank()
         mine = None
         for ranks in partition:
-            pg = dist.new_group(ranks,
-                                timeout=timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None)
+            pg = dist.new_group(ranks)  # on the other parts' ranks: a placeholder, not a group
             if me in ranks:
+                pg = self._collective_timeout(pg)
                 mine = AxisGroup(name=label, label=label, pg=pg, size=len(ranks), rank=ranks.index(me),
                                  stats=self.stats, timeout_s=self.timeout_s, timer=self.timer, arrivals=self.arrivals)
         if mine is None:

@@ -86,7 +86,12 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> bool:
     if "RANK" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        # Joined under torch's default timeout, then given the collective timeout (as the mesh's groups
+        # are, parallel/mesh.py): joining waits for the slowest rank to start, which a short collective
+        # timeout must not cut.
+        dist.init_process_group(backend)
+        if timeout_s:
+            dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True

@@ -111,10 +111,27 @@ def _run(tmp_path_factory, name: str, *args: str, perturb=None) -> list[dict]:
     return _RUNS[name][1]
 
 
-def _slept(kind: str, group: str) -> float:
+# A perturbed run decides its checks when they hold; when one misses, the run is repeated, up to 3.
+# A breakdown that misattributes a pause moves the whole pause into the wrong part on every run, so it
+# misses in all three; the machine's noise (other processes on these 2 cores) misses now and then.
+PERTURBED_ATTEMPTS = 3
+
+
+def _decided(tmp_path_factory, check) -> None:
+    """Run `check(records, slept)` on perturbed runs until one passes (runs shared between tests)."""
+    for attempt in range(PERTURBED_ATTEMPTS):
+        name = f"perturbed{attempt}"
+        records = _run(tmp_path_factory, name, *PERTURBED, perturb=_perturb)
+        try:
+            return check(records, _RUNS[name][2])
+        except AssertionError:
+            if attempt == PERTURBED_ATTEMPTS - 1:
+                raise
+
+
+def _slept(per_rank: list[dict], kind: str, group: str) -> float:
     """The median over a group's steps of the ranks' mean time really slept in one perturbation
-    (the breakdown's parts are means over ranks too)."""
-    per_rank = _RUNS["perturbed"][2]
+    (the breakdown's parts are means over ranks too); `per_rank`: what _perturb returned on each rank."""
     return statistics.median(statistics.mean(rank[kind][step] for rank in per_rank) for step in GROUPS[group])
 
 
@@ -148,26 +165,30 @@ def test_parts_add_up_and_little_time_is_unattributed(tmp_path_factory, layout):
 
 
 def test_compute_is_timed_directly(tmp_path_factory):
-    records = _run(tmp_path_factory, "perturbed", *PERTURBED, perturb=_perturb)
-    added, unspanned = _slept("forward", "slow compute"), _slept("unspanned", "slow compute")
-    assert added > 0.95 * 2 * 2 * FORWARD_SLEEP  # blocks x micro-batches per rank: every forward slept
-    # Time spent outside every span stays unattributed: compute is not the step minus the rest,
-    # which would grow it by added + unspanned (its upper bound sits halfway there), and an
-    # untimed forward would grow the unattributed time by added + unspanned (1.8 unspanned).
-    assert 0.75 * added < _grown(records, "compute", "slow compute") < added + 0.5 * unspanned
-    assert 0.8 * unspanned < _grown(records, "unattributed", "slow compute") < 1.4 * unspanned
+    def check(records, slept):
+        added, unspanned = _slept(slept, "forward", "slow compute"), _slept(slept, "unspanned", "slow compute")
+        assert added > 0.95 * 2 * 2 * FORWARD_SLEEP  # blocks x micro-batches per rank: every forward slept
+        # Time spent outside every span stays unattributed: compute is not the step minus the rest,
+        # which would grow it by added + unspanned (its upper bound sits halfway there), and an
+        # untimed forward would grow the unattributed time by added + unspanned (1.8 unspanned).
+        assert 0.75 * added < _grown(records, "compute", "slow compute") < added + 0.5 * unspanned
+        assert 0.8 * unspanned < _grown(records, "unattributed", "slow compute") < 1.4 * unspanned
+
+    _decided(tmp_path_factory, check)
 
 
 def test_a_delay_in_dp_collectives_is_exposed_dp_and_nothing_else(tmp_path_factory):
-    records = _run(tmp_path_factory, "perturbed", *PERTURBED, perturb=_perturb)
-    delay = _slept("dp", "slow dp")
-    assert delay > 0.95 * DP_DELAY  # one late all-reduce per step
-    assert 0.8 * delay < _grown(records, "exposed_dp", "slow dp") < 1.3 * delay
-    # The wait runs inside the last backward (a compute span): subtracted from it, charged to dp.
-    # Counted twice or left in compute, a part would grow by the whole delay; the bound leaves room
-    # for the pause's after-effect on the work that follows it (the header's note: ~25 % of it).
-    for part in sorted(set().union(*(r["step_breakdown"] for r in records)) - {"exposed_dp"}):
-        assert _grown(records, part, "slow dp") < 0.4 * delay, part
+    def check(records, slept):
+        delay = _slept(slept, "dp", "slow dp")
+        assert delay > 0.95 * DP_DELAY  # one late all-reduce per step
+        assert 0.8 * delay < _grown(records, "exposed_dp", "slow dp") < 1.3 * delay
+        # The wait runs inside the last backward (a compute span): subtracted from it, charged to dp.
+        # Counted twice or left in compute, a part would grow by the whole delay; the bound leaves room
+        # for the pause's after-effect on the work that follows it (the header's note: ~25 % of it).
+        for part in sorted(set().union(*(r["step_breakdown"] for r in records)) - {"exposed_dp"}):
+            assert _grown(records, part, "slow dp") < 0.4 * delay, part
+
+    _decided(tmp_path_factory, check)
 
 
 def test_traces_are_chrome_traces_with_one_process_per_rank(tmp_path_factory):
