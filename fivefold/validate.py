@@ -228,6 +228,9 @@ def _mesh_errors(cfg: Config, world_size: int, dp: int) -> list[str]:
             "dp_collective = 'builtin'")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
+    if p.buckets_in_flight < 1:
+        err(f"parallel.buckets_in_flight = {p.buckets_in_flight}: must be >= 1 (2, the default, reduces one bucket "
+            "while the next launches)")
     if p.collective_timeout_s <= 0:
         err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
     return errors

@@ -116,7 +116,8 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         # chunk's last backward; the full gradients accumulate until then.
         self.sharded = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=reshard_after_forward,
                                         drop_full_grads=True)
-        self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm)
+        self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm,
+                                     parallel.buckets_in_flight)
         for unit in self.units:
             self._free(unit)
             unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
