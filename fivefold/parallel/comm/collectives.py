@@ -338,7 +338,7 @@ def all_gather_object(obj: object, group: AxisGroup, name: str = "all_gather_obj
 class _CpuPickler(pickle.Pickler):
     def reducer_override(self, obj: object) -> object:
         if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-            return obj.cpu().__reduce_ex__(self.proto)
+            return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # (the C pickler keeps no .proto)
         return NotImplemented
 
 
