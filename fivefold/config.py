@@ -38,6 +38,9 @@ class ParallelConfig:
     # is waited for when one more would launch (1: each is finished before the next launches)
     buckets_in_flight: int = 2
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients travel in (bf16 halves the bytes)
+    # zero=3: dtype the weights are gathered in and computed with (bf16 halves the gathers' bytes); the
+    # fp32 shards stay the masters the optimizer steps (FSDP2's MixedPrecisionPolicy.param_dtype)
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
     # zero=3: true frees a unit's gathered parameters after its forward and again after its backward,
     # gathering them around every use; false keeps them gathered from their first forward to their
     # chunk's last backward of the step, reduce-scattering the gradients once; auto: true, but false

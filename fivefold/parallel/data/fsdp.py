@@ -111,6 +111,15 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         self.buckets = unit_buckets(self.units, mesh, chunks)
         self.unit_of = {id(b): u for u in self.units for b in u.buckets}
         self.shards = ZeroShards(model, mesh, self.buckets)
+        # The full weights live only while gathered, in parallel.param_dtype: with bf16 they are
+        # gathered, computed with and get their gradients in bf16, which the reduce-scatter takes in
+        # reduce_dtype into the fp32 shards (FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+        # reduce_dtype=fp32): torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py casts the
+        # unsharded bf16 gradients to reduce_dtype before its reduce-scatter).
+        param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.param_dtype]
+        for p in self.params:
+            if p.dtype != param_dtype:
+                p.data = freed(p.to("meta", param_dtype), p.device)  # its values are in the shards now
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
         # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
         # chunk's last backward; the full gradients accumulate until then.
@@ -227,10 +236,9 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        for unit in self.units:
-            self._gather(unit)
-            out.update({self.shards.names[id(p)]: p.detach().clone() for p in unit.params})
-            self._free(unit)
+        for b in self.buckets:  # the fp32 masters, whatever dtype the weights compute in
+            _, full = self.shards.all_gather(b, dtype=torch.float32)
+            out.update(self.shards.gathered_copies(b, full))
         out.update({alias: out[name] for alias, name in self._aliases().items()})
         out.update({k: v.detach().clone() for k, v in self._buffers().items()})
         return gather_expert_shards(gather_tp_shards(out, self.model, self.mesh), self.model, self.mesh.group("ep"))
