@@ -230,28 +230,21 @@ def _mesh_errors(cfg: Config, world_size: int, dp: int) -> list[str]:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
     errors += _param_dtype_errors(cfg)
     if p.buckets_in_flight < 1:
-        err(f"parallel.buckets_in_flight = {p.buckets_in_flight}: must be >= 1 (2, the default, reduces one bucket "
-            "while the next launches)")
+        err(f"parallel.buckets_in_flight = {p.buckets_in_flight}: must be >= 1 (2 is the default)")
     if p.collective_timeout_s <= 0:
         err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
     return errors
 
 
 def _param_dtype_errors(cfg: Config) -> list[str]:
-    """parallel.param_dtype = "bf16": the layouts that gather their weights (ZeRO-3) in one process's
-    pipeline-free forward; the first reason it cannot, or nothing."""
-    p, why = cfg.parallel, None
-    if p.param_dtype == "fp32":
-        return []
-    if p.zero != 3:
-        why = (f"parallel.zero = {p.zero} keeps fp32 weights on every rank (nothing is gathered); "
-               "set parallel.zero = 3 or param_dtype = 'fp32'")
-    elif p.pp > 1:
-        why = f"parallel.pp = {p.pp}: pipeline stages exchange activations in fp32; set pp = 1 or param_dtype = 'fp32'"
-    elif cfg.train.dtype == "fp16":
-        why = ("train.dtype = 'fp16' would compute bf16 weights in fp16; set train.dtype = 'bf16' or "
-               "param_dtype = 'fp32'")
-    return [] if why is None else [f"parallel.param_dtype = 'bf16' with {why}"]
+    """parallel.param_dtype = "bf16" needs gathered weights (ZeRO-3), no pipeline and no fp16 compute."""
+    p = cfg.parallel
+    why = ("" if p.param_dtype == "fp32" else
+           f"parallel.zero = {p.zero} keeps fp32 weights on every rank; set zero = 3" if p.zero != 3 else
+           f"parallel.pp = {p.pp}: stages exchange activations in fp32; set pp = 1" if p.pp > 1 else
+           "train.dtype = 'fp16' would compute bf16 weights in fp16; set train.dtype = 'bf16'"
+           if cfg.train.dtype == "fp16" else "")
+    return [f"parallel.param_dtype = 'bf16' with {why} or param_dtype = 'fp32'"] if why else []
 
 
 def _head_errors(cfg: Config) -> list[str]:

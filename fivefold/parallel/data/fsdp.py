@@ -113,9 +113,11 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         self.shards = ZeroShards(model, mesh, self.buckets)
         # The full weights live only while gathered, in parallel.param_dtype: with bf16 they are
         # gathered, computed with and get their gradients in bf16, which the reduce-scatter takes in
-        # reduce_dtype into the fp32 shards (FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
-        # reduce_dtype=fp32): torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py casts the
-        # unsharded bf16 gradients to reduce_dtype before its reduce-scatter).
+        # reduce_dtype into the fp32 shards, as FSDP2 with MixedPrecisionPolicy(param_dtype=bf16,
+        # reduce_dtype=fp32) does (torch 2.13, torch/distributed/fsdp/_fully_shard/: _fsdp_param.py
+        # casts the shard to param_dtype as all-gather input; _fsdp_collectives.py foreach_reduce
+        # copies the bf16 gradients into a reduce_dtype buffer, reduce-scatters it and casts the
+        # result to the sharded parameter's fp32).
         param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.param_dtype]
         for p in self.params:
             if p.dtype != param_dtype:
