@@ -34,7 +34,13 @@ class ParallelConfig:
     zero: int = 0  # 0 = DDP, 1/2 = ZeRO-1/2 optimizer/gradient sharding, 3 = FSDP
     bucket_mb: float = 25.0  # gradient bucket cap in MB (10^6 bytes) for DDP/ZeRO
     overlap_comm: bool = True  # start a bucket's collective during backward, as soon as it is complete
+    # buckets whose collective may be in flight at once while the backward fills the next; the oldest
+    # is waited for when one more would launch (1: each is finished before the next launches)
+    buckets_in_flight: int = 2
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients travel in (bf16 halves the bytes)
+    # zero=3: dtype the weights are gathered in and computed with (bf16 halves the gathers' bytes); the
+    # fp32 shards stay the masters the optimizer steps (FSDP2's MixedPrecisionPolicy.param_dtype)
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
     # zero=3: true frees a unit's gathered parameters after its forward and again after its backward,
     # gathering them around every use; false keeps them gathered from their first forward to their
     # chunk's last backward of the step, reduce-scattering the gradients once; auto: true, but false

@@ -228,9 +228,23 @@ def _mesh_errors(cfg: Config, world_size: int, dp: int) -> list[str]:
             "dp_collective = 'builtin'")
     if p.bucket_mb <= 0:
         err(f"parallel.bucket_mb = {p.bucket_mb}: must be > 0 (25 is the usual choice)")
+    errors += _param_dtype_errors(cfg)
+    if p.buckets_in_flight < 1:
+        err(f"parallel.buckets_in_flight = {p.buckets_in_flight}: must be >= 1 (2 is the default)")
     if p.collective_timeout_s <= 0:
         err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
     return errors
+
+
+def _param_dtype_errors(cfg: Config) -> list[str]:
+    """parallel.param_dtype = "bf16" needs gathered weights (ZeRO-3), no pipeline and no fp16 compute."""
+    p = cfg.parallel
+    why = ("" if p.param_dtype == "fp32" else
+           f"parallel.zero = {p.zero} keeps fp32 weights on every rank; set zero = 3" if p.zero != 3 else
+           f"parallel.pp = {p.pp}: stages exchange activations in fp32; set pp = 1" if p.pp > 1 else
+           "train.dtype = 'fp16' would compute bf16 weights in fp16; set train.dtype = 'bf16'"
+           if cfg.train.dtype == "fp16" else "")
+    return [f"parallel.param_dtype = 'bf16' with {why} or param_dtype = 'fp32'"] if why else []
 
 
 def _head_errors(cfg: Config) -> list[str]:

@@ -56,6 +56,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
+def gqa_in_kernel(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
+    """Does SDPA take grouped K/V heads itself (`enable_gqa`, torch >= 2.5) rather than a copy
+    repeated to the query heads? On CPU always (math and flash kernels both take it; the results
+    equal the copy's). On CUDA only for the flash kernel's case, unmasked fp16/bf16: in torch 2.11
+    flash is the one fused kernel with GQA (pytorch/pytorch#139586), so a mask or fp32 with
+    enable_gqa would fall back to the math kernel, O(T^2) memory, where the copy keeps the
+    memory-efficient or cuDNN kernel."""
+    return device_type != "cuda" or (not masked and dtype in (torch.float16, torch.bfloat16))
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Local attention core: q (B, T, H, D), k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv).
@@ -65,14 +75,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key j, causality included (model/masks.py's document mask). SDPA takes it on CPU forward and
     backward; FlexAttention would skip the masked blocks but has no CPU backward in torch 2.13.
     """
-    if k.shape[2] != q.shape[2]:  # grouped-query: each K/V head serves H/K query heads
-        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+    grouped = k.shape[2] != q.shape[2]  # grouped-query: each K/V head serves H/K query heads (h uses h // G)
+    if grouped and not gqa_in_kernel(q.device.type, q.dtype, mask is not None):
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # (B, T, H, D)
+        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)  # (B, T, H, Dv)
+        grouped = False
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, K, T, D), (B, K, T, Dv)
     if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
     return out.transpose(1, 2)  # (B, T, H, Dv)
 
 

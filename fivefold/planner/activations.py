@@ -11,7 +11,9 @@ dk = K x head_dim, f = ffn width, t = tp:
     its output, kept by the q/k/v projections (with sp those keep the gathered input instead:
     d per token, not split); the same four for the MLP norm                     6d + 2
   attention (split over tp):
-    the roped q and the k and v the kernel reads (repeated to H heads for GQA)   dq + 2 (dk or dq)
+    the roped q and the k and v the kernel reads (GQA: K heads, SDPA's enable_gqa;
+    model/attention.py repeats them to H heads only where the CUDA kernel for the case takes
+    no GQA, a document mask or fp32: 2 (dq - dk) more, not counted)             dq + 2 dk
     the kernel's output, which the out projection reads as its input (one storage), and the
     kernel's log-sum-exp (H per token)                                            dq + H
     (RoPE keeps only its cos/sin table, shared by every block, and not counted here: products
@@ -45,8 +47,8 @@ without RoPE and of values:
   heads of n + R; only the projections differ)
 
 Recompute: "full" keeps only each block's input (d, split with sp); "selective" recomputes the
-attention kernel, which then keeps no log-sum-exp, and keeps GQA's unrepeated k/v (the recompute
-repeats them again). Weights are not activations and are not counted.
+attention kernel, which then keeps no log-sum-exp, and keeps its inputs. Weights are not
+activations and are not counted.
 
 FP8 compute (fp8_matmul_input_elements): Transformer Engine's linear modules cast each linear
 layer's input to FP8 once in forward and keep that FP8 copy for the weight-gradient GEMM, and
@@ -84,9 +86,8 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         replicated = (4 * d + 2) / tp + 2 * d
         if moe:  # the MoE keeps its own T/tp tokens' input, not a gathered one
             replicated = (5 * d + 2) / tp + d
-    kv = dk if K == H else dq  # what the kernel reads
-    attention = dq + 2 * kv + dq + H
-    if recompute == "selective":  # the recomputed kernel keeps its inputs (k, v unrepeated) only
+    attention = dq + 2 * dk + dq + H
+    if recompute == "selective":  # the recomputed kernel keeps its inputs only
         attention = dq + 2 * dk + dq
     if m.qk_norm:
         attention += 2 * dq + H + 2 * dk + K

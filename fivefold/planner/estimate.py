@@ -120,9 +120,10 @@ class Estimate:
 
 def wire_element_bytes(cfg: Config, b: BytesPerParam, implementation: bool) -> tuple[float, float]:
     """(gradient, weight) bytes per element on the wire: the textbook's b_g and b_p, or what fivefold's
-    own code sends (gradients in parallel.reduce_dtype, fp32 weights)."""
+    own code sends (gradients in parallel.reduce_dtype, weights in parallel.param_dtype)."""
     if implementation:
-        return (2.0 if cfg.parallel.reduce_dtype == "bf16" else 4.0), 4.0
+        p = cfg.parallel
+        return (2.0 if p.reduce_dtype == "bf16" else 4.0), (2.0 if p.param_dtype == "bf16" else 4.0)
     return b.grad, b.param
 
 

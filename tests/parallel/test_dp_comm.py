@@ -133,6 +133,65 @@ def test_buckets_overlap_communication_with_backward(tmp_path):
     assert all(serial.index(("issue", k)) > final for k in range(n_buckets)), serial
 
 
+def _buckets_in_flight(rank, world, cfgs):
+    """DDP's backward under each of `cfgs`: its gradient all-reduces as ("issue", bytes, handle) and
+    ("wait", handle) in order, and the reduced gradients."""
+    from fivefold.model.transformer import cross_entropy_sum
+
+    issue, wait = collectives._issue, collectives.Pending.wait
+    x = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(rank))
+    runs = []
+    for cfg in cfgs:
+        mesh, derived = config_mesh(cfg, world)
+        model = build_model(cfg, 320)
+        dp = apply_data_parallel(model, mesh, cfg, derived)
+        events = []
+
+        def logged_issue(op, group, nbytes, *args, events=events, **kwargs):
+            handle = issue(op, group, nbytes, *args, **kwargs)
+            if op == "all_reduce" and group.name == "grad":
+                events.append(("issue", nbytes, id(handle)))
+            return handle
+
+        def logged_wait(self, part=None, events=events):
+            if self._op == "all_reduce" and self._group.name == "grad":
+                events.append(("wait", id(self)))
+            return wait(self, part)
+
+        collectives._issue, collectives.Pending.wait = logged_issue, logged_wait
+        try:
+            dp.backward(cross_entropy_sum(model(x), x) / x.numel(), last_micro_batch=True)
+        finally:
+            collectives._issue, collectives.Pending.wait = issue, wait
+        runs.append((events, [p.grad for p in dp.params]))
+    return runs
+
+
+def test_buckets_in_flight(tmp_path):
+    """parallel.buckets_in_flight = K: up to K all-reduces are in flight at once (issued, not yet
+    waited for), each waited for in the order issued, just before the (K+1)-th would be issued;
+    the reductions (which buckets, in which order) and the gradients are the same for every K."""
+    ks = (1, 2, 3)
+    cfgs = [tiny_config(tmp_path, "--parallel.bucket_mb=0.1", f"--parallel.buckets_in_flight={k}") for k in ks]
+    runs = run_workers(_buckets_in_flight, 2, cfgs)[0]
+    issued_bytes = [[e[1] for e in events if e[0] == "issue"] for events, _ in runs]
+    assert len(issued_bytes[0]) >= 4 and all(b == issued_bytes[0] for b in issued_bytes)  # the same reductions
+    for k, (events, grads) in zip(ks, runs, strict=True):
+        issued = [e[2] for e in events if e[0] == "issue"]
+        assert [e[1] for e in events if e[0] == "wait"] == issued  # each waited for once, in launch order
+        in_flight, most = set(), 0
+        for e in events:
+            if e[0] == "issue":
+                in_flight.add(e[2])
+                most = max(most, len(in_flight))
+            else:
+                in_flight.remove(e[1])
+        assert most == k, events
+        # The oldest is waited for only when one more would launch: K issues before the first wait.
+        assert [e[0] for e in events[:k + 1]] == ["issue"] * k + ["wait"], events
+        assert all(torch.equal(g, r) for g, r in zip(grads, runs[0][1], strict=True))
+
+
 def _collective_order(rank, world, cfg, micro_batches=1):
     """Every collective the backwards of a step's micro-batches issue, and every wait on one:
     ("issue" | "wait", op, group), with ("backward", micro-batch) before each backward."""

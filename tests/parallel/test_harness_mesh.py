@@ -92,6 +92,41 @@ def test_mesh_needs_every_axis():
         Mesh({"dp_shard": 2})
 
 
+class _OnAnotherDevice(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:1, as a GPU rank's tensor would (a CPU build has no
+    real one): `.cpu()` and every other op run on the values it wraps."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device="cuda:1")
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        unwrap = lambda t: t.inner if isinstance(t, _OnAnotherDevice) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_object_gathers_send_cpu_copies_of_tensors():
+    """What all_gather_object pickles holds every tensor as a plain CPU tensor (a GPU tensor pickled
+    as it is names its device, and each receiver would unpickle it onto the sender's GPU index)."""
+    import pickle
+
+    obj = {"norms": [_OnAnotherDevice(torch.arange(3.0)), torch.ones(2)], "step": 7,
+           "meta": torch.empty(2, device="meta")}
+    payload = collectives._pickled_on_cpu(obj)
+    assert b"cuda" not in payload and b"_OnAnotherDevice" not in payload
+    assert b"cuda" in pickle.dumps(obj)  # what pickling it as it is would send
+    got = pickle.loads(payload)
+    assert [(type(t), t.device.type) for t in got["norms"]] == [(torch.Tensor, "cpu")] * 2
+    assert torch.equal(got["norms"][0], torch.arange(3.0)) and got["step"] == 7
+    assert got["meta"].device.type == "meta"  # no values to copy: as it is
+
+
 def _gather_objects(rank, world):
     mesh = Mesh({"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1})
     got = collectives.all_gather_object({"rank": rank, "t": torch.tensor([rank])}, mesh.group("pp"))

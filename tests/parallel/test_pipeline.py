@@ -125,6 +125,17 @@ def test_pipeline_reproduces_single_process(tmp_path, reference, name):
         assert layout_event["stage_layers"] == UNEVEN[name]  # saved with the run
 
 
+@pytest.mark.parametrize("name", ["1f1b-pp2", "zb_v-pp2"])
+def test_pipeline_with_polled_sends_reproduces_single_process(tmp_path, reference, monkeypatch, name):
+    """The executor's send path as on CUDA (polled, parallel/pipeline/p2p.py) trains the same."""
+    from fivefold.parallel.pipeline import executor, p2p
+
+    monkeypatch.setattr(executor, "sends_for", lambda device: p2p.Sends(poll=True))
+    layout = LAYOUTS[name]
+    for result in run_workers(train_and_gather, layout.ranks, tiny_config(tmp_path, *EQUIVALENCE, *layout.overrides)):
+        assert_reproduces(result, reference, param_atol=layout.param_atol)
+
+
 @pytest.mark.parametrize("name", TIED)
 def test_tied_embeddings_stay_in_sync_across_stages(tmp_path, tied_reference, name):
     ref_losses, _, ref_state = tied_reference

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from helpers import mesh_of
 
+from fivefold.parallel.comm import collectives
 from fivefold.parallel.forked_ranks import run_workers
+from fivefold.parallel.pipeline import executor, p2p
 from fivefold.parallel.pipeline.executor import PipelineExecutor
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.simulate import Costs, simulate
@@ -143,3 +145,57 @@ def test_sent_activations_are_freed():
     assert last.freed_bytes == 0  # the last stage sends only gradients, and keeps its loss
     # 1F1B keeps 2 micro-batches on the first stage: without freeing, 2 inputs + 2 outputs.
     assert first.peak_held_bytes < 4 * activation
+
+
+@pytest.mark.parametrize("polled", [False, True], ids=["thread", "polled"])
+def test_sent_activations_are_freed_in_either_mode(monkeypatch, polled):
+    """The executor's sends freed by the helper thread (gloo) or polled as on CUDA: the same bytes
+    freed by the end of the step (gloo's sends report completion only once waited on, so polled on
+    gloo they go at finish(); test_pipeline.py trains through the polled path too)."""
+    monkeypatch.setattr(executor, "sends_for", lambda device: p2p.Sends(poll=polled))
+    first, last = run_workers(_measure, 2, "1f1b", 4, 1, True)
+    assert (first.freed_bytes, last.freed_bytes) == (4 * 2 * 4 * 8 * 4, 0)
+
+
+class _FakeWork:
+    """An NCCL-like work: completes when the test says so; logs every query and wait."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.done = name, log, False
+
+    def is_completed(self):
+        self.log.append(("query", self.name))
+        return self.done
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+        return True
+
+
+def test_polled_sends_free_a_buffer_once_its_send_has_completed():
+    """CUDA's mode, with fake works: poll() frees exactly the sends that report completion, in any
+    order, never waiting on one still in flight (a wait there would hold the stream); finish()
+    waits for the rest in posting order; no helper thread."""
+    assert p2p.sends_for(torch.device("cuda")).polled and not p2p.sends_for(torch.device("cpu")).polled
+    group = collectives.AxisGroup("pp", "pp", None, 2, 0, collectives.CommStats())
+    log, sends = [], p2p.sends_for(torch.device("cuda"))
+    works = {name: _FakeWork(name, log) for name in "abc"}
+    buffers = {"a": torch.zeros(4), "b": torch.zeros(8), "c": None}  # c: a gradient, kept (not freed)
+    for name, work in works.items():
+        sends.add(collectives.Pending([work], lambda e: e, group, "pp", f"send {name}"), buffers[name])
+
+    def waited():
+        return [n for kind, n in log if kind == "wait"]
+
+    sends.poll()
+    assert waited() == [] and sends.freed_bytes == 0 and len(log) == 3  # three queries, nothing done
+    works["b"].done = True  # the second send completes first
+    sends.poll()
+    assert waited() == ["b"] and sends.freed_bytes == 32
+    assert buffers["b"].untyped_storage().nbytes() == 0 and buffers["a"].untyped_storage().nbytes() == 16
+    works["c"].done = True
+    sends.poll()
+    assert waited() == ["b", "c"] and sends.freed_bytes == 32  # c carried nothing to free
+    sends.finish()  # a still in flight: waited for now
+    assert waited() == ["b", "c", "a"] and sends.freed_bytes == 48 and sends.in_flight == []
+    assert sends.thread is None

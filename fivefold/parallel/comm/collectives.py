@@ -115,6 +115,10 @@ class Pending:
         self._works, self._describe, self._group, self._label, self._op = works, describe, group, label, op
         self._flight = flight  # traced, and the work has no future: its span ends when waited on
 
+    def is_completed(self) -> bool:
+        """Done (or failed: wait() then names it), without blocking. gloo reports False until waited on."""
+        return all(work.is_completed() for work in self._works)
+
     def wait(self, part: str | None = None) -> None:
         """Block until done; the time waited counts to `part` when given ("bubble": a pipeline stage
         with nothing else to do), else to the axis's exposed time."""
@@ -338,7 +342,7 @@ def all_gather_object(obj: object, group: AxisGroup, name: str = "all_gather_obj
 class _CpuPickler(pickle.Pickler):
     def reducer_override(self, obj: object) -> object:
         if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-            return obj.cpu().__reduce_ex__(self.proto)
+            return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # (the C pickler keeps no .proto)
         return NotImplemented
 
 

@@ -16,8 +16,11 @@ module decides *when*, the same way for all of them, and calls the strategy's `R
   Buckets launch strictly in order, as soon as each is complete (with `parallel.overlap_comm`),
   so every rank issues the same collectives in the same order even when a parameter gets no
   gradient on one rank (an MoE expert without tokens): that bucket waits for the end of backward,
-  where missing gradients are zeros. The bucket in flight is finished when the next one launches:
-  one reduces while the next fills (the planner prices two buckets of buffers).
+  where missing gradients are zeros. Up to `parallel.buckets_in_flight` (K) buckets are in
+  flight at once: the oldest is finished (waited for, its buffers freed) just before the (K+1)-th
+  would launch, so on NCCL a bucket's reduction is never waited for while the ones after it could
+  still be queued behind it (the planner prices K + 1 buckets of buffers: K reducing, one filling).
+  Finishing is in launch order, whatever K: every rank issues the same collectives in one order.
 - Chunks: under pipeline parallel a rank runs the backward of each of its stage chunks at other
   times; a chunk's buckets reduce on *its* last backward of the step (Megatron-LM and
   torch.distributed.pipelining do the same). The peers of a rank hold the same chunks and run the
@@ -99,11 +102,13 @@ class BucketReducer:
     """Reduces `buckets` of `params` with `reduction` as backward completes them (module docstring).
 
     overlap: launch each bucket as soon as it is complete; False launches every bucket after the
-    backward (the serial baseline the overlap is measured against).
+    backward (the serial baseline the overlap is measured against). in_flight: how many buckets'
+    collectives may run at once (`parallel.buckets_in_flight`).
     """
 
-    def __init__(self, params: list[nn.Parameter], buckets: list[Bucket], reduction: Reduction, overlap: bool):
-        self.buckets, self.reduction, self.overlap = buckets, reduction, overlap
+    def __init__(self, params: list[nn.Parameter], buckets: list[Bucket], reduction: Reduction, overlap: bool,
+                 in_flight: int = 2):
+        self.buckets, self.reduction, self.overlap, self.in_flight = buckets, reduction, overlap, in_flight
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
         self.armed: list[Bucket] = []  # the buckets this backward reduces, in launch order
         self._next = 0  # index of the next armed bucket to launch
@@ -133,7 +138,8 @@ class BucketReducer:
         reduced, self.armed = self.armed, []
         if reduced:
             self._launch_ready(reduced, force=True)  # buckets with a parameter that got no gradient here
-            self.reduction.finish(reduced[-1], last_micro_batch)  # the others finished as the next launched
+            for b in reduced[-self.in_flight:]:  # still in flight, oldest first (finishing twice does nothing)
+                self.reduction.finish(b, last_micro_batch)
         for b in reduced:
             b.armed = False
         self.reduction.after_backward(reduced, last_micro_batch)
@@ -152,12 +158,12 @@ class BucketReducer:
             for p in b.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            # One bucket reduces while the next fills (the planner's buffer model: two buckets). The
-            # one in flight is finished before this one's buffer is made, so its send buffer and
-            # reduced copy are freed now, not at the end of backward (on NCCL its wait only orders
-            # the streams; it had the whole filling of this bucket to complete).
-            if self._next >= 1:
-                self.reduction.finish(armed[self._next - 1], self._last_micro_batch)
+            # At most `in_flight` buckets reduce while the next fills (the planner's buffer model:
+            # in_flight + 1 buckets). The oldest in flight is finished before this one's buffer is
+            # made, so its send buffer and reduced copy are freed now, not at the end of backward (on
+            # NCCL its wait only orders the streams; it had the filling of the later buckets to complete).
+            if self._next >= self.in_flight:
+                self.reduction.finish(armed[self._next - self.in_flight], self._last_micro_batch)
             self.reduction.launch(b, self._last_micro_batch)
             if b.work is None:  # it completed in the call (synchronous): its buffers go now
                 self.reduction.finish(b, self._last_micro_batch)

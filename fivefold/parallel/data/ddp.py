@@ -91,7 +91,8 @@ class DDP(ReducesInBuckets):
         self.buckets = dense_and_expert_buckets(self.params, mesh, parallel, chunks)
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
         reduction = AllReduce(mesh.group("grad"), reduce_dtype, parallel.dp_collective == "ring")
-        self.reducer = BucketReducer(self.params, self.buckets, reduction, parallel.overlap_comm)
+        self.reducer = BucketReducer(self.params, self.buckets, reduction, parallel.overlap_comm,
+                                     parallel.buckets_in_flight)
 
     # ---- optimizer ---------------------------------------------------------------------------
     def optimizer_params(self) -> list[torch.Tensor]:

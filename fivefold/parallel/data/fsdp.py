@@ -111,12 +111,24 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         self.buckets = unit_buckets(self.units, mesh, chunks)
         self.unit_of = {id(b): u for u in self.units for b in u.buckets}
         self.shards = ZeroShards(model, mesh, self.buckets)
+        # The full weights live only while gathered, in parallel.param_dtype: with bf16 they are
+        # gathered, computed with and get their gradients in bf16, which the reduce-scatter takes in
+        # reduce_dtype into the fp32 shards, as FSDP2 with MixedPrecisionPolicy(param_dtype=bf16,
+        # reduce_dtype=fp32) does (torch 2.13, torch/distributed/fsdp/_fully_shard/: _fsdp_param.py
+        # casts the shard to param_dtype as all-gather input; _fsdp_collectives.py foreach_reduce
+        # copies the bf16 gradients into a reduce_dtype buffer, reduce-scatters it and casts the
+        # result to the sharded parameter's fp32).
+        param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.param_dtype]
+        for p in self.params:
+            if p.dtype != param_dtype:
+                p.data = freed(p.to("meta", param_dtype), p.device)  # its values are in the shards now
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
         # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
         # chunk's last backward; the full gradients accumulate until then.
         self.sharded = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=reshard_after_forward,
                                         drop_full_grads=True)
-        self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm)
+        self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm,
+                                     parallel.buckets_in_flight)
         for unit in self.units:
             self._free(unit)
             unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
@@ -226,10 +238,9 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        for unit in self.units:
-            self._gather(unit)
-            out.update({self.shards.names[id(p)]: p.detach().clone() for p in unit.params})
-            self._free(unit)
+        for b in self.buckets:  # the fp32 masters, whatever dtype the weights compute in
+            _, full = self.shards.all_gather(b, dtype=torch.float32)
+            out.update(self.shards.gathered_copies(b, full))
         out.update({alias: out[name] for alias, name in self._aliases().items()})
         out.update({k: v.detach().clone() for k, v in self._buffers().items()})
         return gather_expert_shards(gather_tp_shards(out, self.model, self.mesh), self.model, self.mesh.group("ep"))

@@ -81,22 +81,39 @@ class ZeroShards:
         self.masters[id(p)][:valid] = p.detach().movedim(zd, 0)[r * c : r * c + valid]
 
     @torch.no_grad()
-    def all_gather(self, b: Bucket, async_op: bool = False) -> tuple[collectives.Pending | None, torch.Tensor]:
-        """Every rank's rows of the bucket's parameters, in their dtype: (work, (N sum(shard numel),)
-        rank-major); work is None when not async."""
+    def all_gather(self, b: Bucket, async_op: bool = False,
+                   dtype: torch.dtype | None = None) -> tuple[collectives.Pending | None, torch.Tensor]:
+        """Every rank's rows of the bucket's parameters, in `dtype` (None: the parameters' own, which
+        is parallel.param_dtype's for ZeRO-3): (work, (N sum(shard numel),) rank-major); work is
+        None when not async. The fp32 masters are cast as they are packed (one copy): casting
+        commutes with gathering, so every rank gets exactly its own cast of each shard."""
         group = self.bucket_group(b)
-        local = torch.cat([self.masters[id(p)].reshape(-1) for p in b.params]).to(b.params[0].dtype)
+        masters = [self.masters[id(p)].reshape(-1) for p in b.params]
+        local = masters[0].new_empty(sum(b.shard_numel), dtype=dtype or b.params[0].dtype)  # (sum(shard numel),)
+        torch.cat(masters, out=local)
         full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
         return collectives.all_gather(full, local, group, async_op=async_op), full
+
+    def _unpacked(self, b: Bucket, full: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(p, every rank's rows of p: (N c, ...) split dim first) of the gathered `full`."""
+        per_rank = full.view(self.bucket_group(b).size, -1)
+        return [(p, chunk.reshape(self.group_of(p).size * self.rows[id(p)],
+                                  *(d for i, d in enumerate(p.shape) if i != self.zero_dims[id(p)])))
+                for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True)]
 
     def write_gathered(self, b: Bucket, full: torch.Tensor, into_data: bool = False) -> None:
         """Every rank's rows `full` (all_gather's) into the bucket's full parameters (or their
         `.data`: a refill autograd must not see)."""
-        per_rank = full.view(self.bucket_group(b).size, -1)
-        for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True):
-            target = p.data if into_data else p
-            rows = target.movedim(self.zero_dims[id(p)], 0)
-            rows.copy_(chunk.reshape(self.group_of(p).size * self.rows[id(p)], *rows.shape[1:])[: rows.shape[0]])
+        for p, rows in self._unpacked(b, full):
+            target = (p.data if into_data else p).movedim(self.zero_dims[id(p)], 0)
+            target.copy_(rows[: target.shape[0]])
+
+    def gathered_copies(self, b: Bucket, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every rank's rows `full` as new tensors shaped like the bucket's parameters, in full's
+        dtype, by parameter name."""
+        zd = self.zero_dims
+        return {self.names[id(p)]: rows[: p.shape[zd[id(p)]]].movedim(0, zd[id(p)]).contiguous()
+                for p, rows in self._unpacked(b, full)}
 
     def dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
         """This rank's rows of p as a DTensor of the whole matrix, so a later layout can reshard it."""

@@ -156,7 +156,8 @@ class ZeroDataParallel(ReducesInBuckets, ShardedOptimizer):
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
         reduction = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=self.stage == 2,
                                      drop_full_grads=self.stage == 2)
-        self.reducer = BucketReducer(self.params, self.buckets, reduction, parallel.overlap_comm)
+        self.reducer = BucketReducer(self.params, self.buckets, reduction, parallel.overlap_comm,
+                                     parallel.buckets_in_flight)
 
     # ---- the optimizer (ShardedOptimizer: the shards it steps) ---------------------------------
     @torch.no_grad()

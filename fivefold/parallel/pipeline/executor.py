@@ -22,7 +22,7 @@ from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.data import DataParallel
 from fivefold.parallel.pipeline.messages import Batch, Message, check_plans, forward_schedule, message_plans
-from fivefold.parallel.pipeline.p2p import Mailbox, Sends
+from fivefold.parallel.pipeline.p2p import Mailbox, Sends, sends_for
 from fivefold.parallel.pipeline.schedules import Action, Schedule
 from fivefold.parallel.pipeline.split_backward import SplitBackward
 from fivefold.parallel.pipeline.stages import PipelineStages, StageChunk
@@ -180,7 +180,7 @@ class PipelineExecutor:
         Returns this rank's sum of micro-batch losses (non-zero on the last stage only), each
         already divided by the step's global token count.
         """
-        sends, act_dtype = Sends(), travel_dtype(autocast, self.device)
+        sends, act_dtype = sends_for(self.device), travel_dtype(autocast, self.device)
         if positions is None:
             positions = torch.arange(micro_batches[0][0].shape[1], device=micro_batches[0][0].device)
         step = _Step(micro_batches, positions, documents, autocast, global_tokens, loss_scale, act_dtype,
@@ -287,7 +287,7 @@ class PipelineExecutor:
             schedule, ends = forward_schedule(self.schedule, m)
             self.forward_plans[m] = schedule, check_plans(schedule, message_plans(schedule, ends))[self.rank]
         schedule, plan = self.forward_plans[m]
-        sends, act_dtype = Sends(), travel_dtype(autocast, self.device)
+        sends, act_dtype = sends_for(self.device), travel_dtype(autocast, self.device)
         mail = self._mailbox(schedule, plan, micro_batches, sends, act_dtype)
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, at the end
         for index, action in enumerate(schedule.actions[self.rank]):

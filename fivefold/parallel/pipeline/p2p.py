@@ -5,7 +5,7 @@ before each of its actions (one order per pair of ranks, as NCCL needs, proven n
 `Mailbox` posts exactly those batches for one run of `PipelineExecutor` (pipeline/executor.py): it keeps
 what an action produced until its batch and what arrived until the action that uses it, and hands
 over in memory between two stages of one rank (V layout). `Sends` watches the sends in flight and
-frees the storage of a stage output once it has left.
+frees the storage of a stage output once it has left (polled on CUDA, by a helper thread on gloo).
 """
 
 from __future__ import annotations
@@ -25,22 +25,53 @@ from fivefold.parallel.pipeline.schedules import Action, Schedule
 class Sends:
     """Outstanding sends. When one completes, the stage output it carried (if any) is freed.
 
-    Completion is observed by a helper thread that waits on each send in turn (the wait releases
-    the GIL): gloo's Work.is_completed() reports False until someone waits (measured, torch 2.13),
-    so polling from the executor would free nothing before the end of the step.
+    How completion is seen depends on the backend (`sends_for`):
+    - polled (CUDA, NCCL): the executor asks every send in flight `is_completed()` before each
+      action (`poll`), a query of the work's CUDA event that never blocks, and frees those done.
+      A helper thread blocking in NCCL's wait() would instead make the compute stream wait for the
+      whole batch at whatever point the thread reached it.
+    - a helper thread (CPU, gloo) that waits on each send in turn (the wait releases the GIL):
+      gloo's Work.is_completed() reports False until someone waits (measured, torch 2.13), so
+      polling would free nothing before the end of the step.
+    `finish()` waits for the rest in both: on NCCL that wait only orders the current stream after
+    the sends, so a buffer freed then is reused by later kernels only once its send has left.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, poll: bool = False) -> None:
+        self.polled = poll
         self.freed_bytes = 0  # storage released (read after finish())
+        self.in_flight: list[tuple[collectives.Pending, torch.Tensor | None]] = []  # polled: in posting order
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None  # started by the first send: pp = 1 sends nothing
 
     def add(self, pending: collectives.Pending, free: torch.Tensor | None) -> None:
+        if self.polled:
+            self.in_flight.append((pending, free))
+            return
         if self.thread is None:
             self.thread = threading.Thread(target=self._drain, daemon=True)
             self.thread.start()
         self.queue.put((pending, free))
+
+    def poll(self) -> None:
+        """Free what the completed sends carried (polled mode; the helper thread does it otherwise).
+        A completed send is still waited for: that returns at once, or names its failure."""
+        if not self.polled:
+            return
+        still = []
+        for pending, t in self.in_flight:
+            if pending.is_completed():
+                pending.wait()
+                self._free(t)
+            else:
+                still.append((pending, t))
+        self.in_flight = still
+
+    def _free(self, t: torch.Tensor | None) -> None:
+        if t is not None:
+            self.freed_bytes += t.untyped_storage().nbytes()
+            t.untyped_storage().resize_(0)  # shape and autograd node stay; the values are gone
 
     def _drain(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -50,18 +81,27 @@ class Sends:
             except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the executor's thread
                 self.error = self.error or e
                 continue
-            if t is not None:
-                self.freed_bytes += t.untyped_storage().nbytes()
-                t.untyped_storage().resize_(0)  # shape and autograd node stay; the values are gone
+            self._free(t)
 
     def finish(self) -> None:
         """Wait until every send has completed."""
+        if self.polled:
+            for pending, t in self.in_flight:
+                pending.wait()
+                self._free(t)
+            self.in_flight = []
+            return
         if self.thread is None:
             return
         self.queue.put(None)
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+
+def sends_for(device: torch.device) -> Sends:
+    """One run's `Sends` on `device`: polled on CUDA (NCCL), drained by a helper thread elsewhere (gloo)."""
+    return Sends(poll=device.type == "cuda")
 
 
 class Mailbox:
@@ -80,7 +120,9 @@ class Mailbox:
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, producing stage) -> tensor
 
     def post(self, index: int) -> None:
-        """Post batch `index` of the plan: before action `index`, or after the last one."""
+        """Post batch `index` of the plan: before action `index`, or after the last one (first
+        freeing what the sends completed since the last post carried, when polled)."""
+        self.sends.poll()
         batch = self.plan[index]
         sends = [collectives.P2P(self.outbox[m][0], m.dst, self.tag(m), f"send {m.kind} mb {m.microbatch} to stage "
                            f"{m.stage + (1 if m.kind == 'activation' else -1)}") for m in batch.sends]

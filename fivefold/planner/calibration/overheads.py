@@ -18,7 +18,8 @@ simulation sees them):
 - gradient accumulation: every micro-batch but the first adds its gradients into .grad, one op per
   parameter tensor (DDP and ZeRO-1; ZeRO-2/3 reduce each micro-batch's gradient instead);
 per step:
-- the pipeline's send thread (pipeline_p2p.Sends), started and joined once when pp > 1: thread_s;
+- the pipeline's send thread (pipeline/p2p.py Sends; on gloo: CUDA polls instead), started and joined once
+  when pp > 1: thread_s;
 - DDP's bucket packing after backward: each bucket concatenated into one flat tensor and the
   reduced result copied back per parameter, ops priced like any other (op_overhead_s and the
   elementwise curve).

@@ -1,0 +1,114 @@
+"""parallel.param_dtype = "bf16": ZeRO-3 gathers, and computes with, bf16 weights; the fp32 shards
+stay the masters the optimizer steps.
+
+The reference is one process under the same policy: fp32 weights cast to bf16 for each forward
+(`torch.func.functional_call` with bf16 copies), so their gradients come back through the cast in
+fp32, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) hands its bf16
+gradients to an fp32 reduce-scatter. Casting commutes with gathering (each rank casts its own rows),
+so the weights every forward sees are the same, bit for bit, and with the micro-batches the ranks
+run, in their order, the sum of the gradients too.
+"""
+
+import pytest
+import torch
+from helpers import EQUIVALENCE, tiny_config, train_and_gather
+
+from fivefold.model.transformer import count_parameters
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.train.loop import build_model
+from fivefold.train.metrics import read_metrics
+
+# No clipping: the norm is summed in another order over shards than over whole tensors (~1e-7
+# relative), and a clipped update would carry that difference into every weight.
+ARGS = (*EQUIVALENCE, "--train.grad_clip=0", "--parallel.zero=3", "--train.micro_batch=4")
+
+
+def _cast_reference(rank, world, cfg, ranks):
+    """One process: each step's micro-batches as `ranks` data-parallel ranks would hold them, rank
+    by rank; the forward on bf16 copies of the fp32 weights; AdamW on the fp32 weights."""
+    from torch.func import functional_call
+
+    from fivefold.data.batches import rank_slice
+    from fivefold.model.transformer import cross_entropy_sum
+    from fivefold.parallel.optimizer import build_optimizer, set_lr
+    from fivefold.train.loop import build_datasets
+    from fivefold.train.lr_schedule import lr_at
+
+    t = cfg.train
+    model = build_model(cfg, 320)
+    opt = build_optimizer(model, t)
+    train_set, _, loader = build_datasets(cfg, __import__("pathlib").Path(cfg.run.out_dir))
+    losses = []
+    for step in range(t.steps):
+        set_lr(opt, lr_at(step, t))
+        indices = loader.next_indices()
+        total = 0.0
+        for r in range(ranks):
+            batch = rank_slice(train_set, indices, t.global_batch, ranks, r, t.micro_batch)
+            for x, y in batch.micro_batches:
+                weights = {name: p.to(torch.bfloat16) for name, p in model.named_parameters()}
+                logits = functional_call(model, weights, (x,))
+                # fivefold leaves the padding ids (257..319) out of the softmax, as the oracles do
+                loss = cross_entropy_sum(logits[..., :257], y) / batch.global_tokens
+                loss.backward()
+                total += float(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_bf16_weights_reproduce_one_process_casting_its_weights(tmp_path):
+    """ZeRO-3 at dp 2 with bf16 weights equals the cast reference exactly: losses and final fp32
+    weights bit for bit. (Checked to fail: against fp32 weights, parameters differ by ~5e-2.)"""
+    out = tmp_path
+    losses, _, state = run_workers(train_and_gather, 2, tiny_config(out / "ours", *ARGS,
+                                                                    "--parallel.param_dtype=bf16"))[0]
+    ref_losses, ref_state = run_workers(_cast_reference, 1, tiny_config(out / "ref", *ARGS), 2)[0]
+    assert losses == ref_losses
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], ref), name
+
+
+def _train(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    return train(cfg, progress=False).losses
+
+
+def test_bf16_weights_halve_the_gathered_bytes(tmp_path):
+    """Counted by the collective layer, per step on rank 0 (dp 2, 2 micro-batches, resharding): the
+    gathers (twice a micro-batch, the head's unit once) move half the bytes; the reduce-scatters
+    still carry fp32 gradients (parallel.reduce_dtype), so they move as many as before."""
+    n, m = 2, 2
+    steps = ("--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0", "--parallel.zero=3",
+             "--train.micro_batch=2")
+    dp_bytes = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = tiny_config(tmp_path / dtype, *steps, f"--parallel.param_dtype={dtype}")
+        run_workers(_train, n, cfg)
+        dp_bytes[dtype] = [r["comm"]["dp"]["bytes"] for r in read_metrics(tmp_path / dtype / "tiny" / "metrics.jsonl")]
+    model = build_model(cfg, 320)
+    P, H = count_parameters(model), count_parameters(model.norm) + count_parameters(model.output)
+    gathered_fp32 = (2 * m * P - m * H) * 4  # bytes of the full tensors gathered in a step, fp32
+    assert len(dp_bytes["bf16"]) == 2
+    for fp32, bf16 in zip(dp_bytes["fp32"], dp_bytes["bf16"], strict=True):
+        assert fp32 - bf16 == gathered_fp32 / 2
+
+
+@pytest.mark.parametrize("layout,why", [
+    (("--parallel.zero=0",), "parallel.zero = 0"), (("--parallel.zero=2",), "parallel.zero = 2"),
+    (("--parallel.zero=3", "--parallel.pp=2"), "parallel.pp = 2"),
+    (("--parallel.zero=3", "--train.dtype=fp16"), "train.dtype = 'fp16'")])
+def test_bf16_weights_are_refused_where_a_layout_cannot_gather_them(tmp_path, layout, why):
+    from fivefold.validate import validate
+
+    errors = validate(tiny_config(tmp_path, "--parallel.param_dtype=bf16", *layout), 4)
+    assert len(errors) == 1 and errors[0].startswith("parallel.param_dtype = 'bf16' with " + why), errors
+
+
+def test_bf16_weights_validate_with_zero3(tmp_path):
+    from fivefold.validate import validate
+
+    assert validate(tiny_config(tmp_path, "--parallel.param_dtype=bf16", "--parallel.zero=3"), 4) == []
