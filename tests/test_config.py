@@ -152,7 +152,8 @@ def test_data_parallel_options():
     assert errors_of(2, "--parallel.zero=3", "--train.compile=true", "--model.tie_embeddings=true") == []
     one_error(errors_of(2, "--parallel.zero=1", "--parallel.dp_collective=ring"), "dp_collective = 'ring'")
     one_error(errors_of(2, "--parallel.bucket_mb=0"), "parallel.bucket_mb = 0", "25")
-    one_error(errors_of(2, "--parallel.buckets_in_flight=0"), "parallel.buckets_in_flight = 0", ">= 1", "2 is the default")
+    one_error(errors_of(2, "--parallel.buckets_in_flight=0"), "parallel.buckets_in_flight = 0", ">= 1",
+              "2 is the default")
     one_error(errors_of(2, "--parallel.buckets_in_flight=1.5"), "parallel.buckets_in_flight = 1.5", "an integer")
     msg = one_error(errors_of(6, "--parallel.dp_replicate=4", "--parallel.zero=1"),
                     "parallel.dp_replicate = 4 does not divide dp = 6")
