@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 from helpers import EQUIVALENCE, Layout, assert_reproduces, tiny_config, train_and_gather
 
-from fivefold.parallel.comm.compat import FLAT_COLLECTIVES, collective_name, torch_problem, version_tuple
+from fivefold.parallel.comm.compat import (
+    FLAT_COLLECTIVES,
+    collective_name,
+    torch_problem,
+    torch_version,
+    version_tuple,
+)
 from fivefold.parallel.forked_ranks import run_workers
 
 # The names of torch 2.13 that torch 2.11 lacks, among those fivefold calls: checked against a torch
@@ -94,6 +100,7 @@ def test_an_older_torch_is_refused_in_one_line(monkeypatch, capsys):
     assert version_tuple("2.11.0+cu130") == (2, 11) and version_tuple("2.13.0a0+git1234") == (2, 13)
     assert torch_problem("2.11.0+cu130") is None and torch_problem("2.13.0") is None
     assert torch_problem("3.0.0") is None
+    assert version_tuple(torch_version()) == version_tuple(torch.__version__)
     problem = torch_problem("2.10.2+cpu")
     assert "2.11" in problem and "2.10.2+cpu" in problem and "\n" not in problem
 

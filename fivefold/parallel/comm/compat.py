@@ -13,16 +13,20 @@ tests run on pins 2.13.0). What differs between them, for the code here:
 Everything else fivefold calls exists in torch 2.11 (the suite's collectives, ZeRO-3 and
 sequence-parallel runs were run on torch 2.11.0 as well as on 2.13.0). An older torch is refused
 where a command or a training run starts (`require_supported_torch`), with one line naming the
-version needed, instead of failing at its first collective.
+version needed, instead of failing at its first collective. The check reads the installed torch's
+version without importing it: a command refused for its config (a dry run's layout) stays free of
+torch's seconds of import.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
-from typing import Callable
+import sys
+from typing import TYPE_CHECKING, Callable
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 MIN_TORCH = (2, 11)
 
@@ -33,6 +37,8 @@ FLAT_COLLECTIVES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"
 
 def collective_name(op: str) -> str:
     """The torch.distributed function that runs the flat `op` ("all_gather", "reduce_scatter") on this torch."""
+    import torch.distributed as dist
+
     newer, older = FLAT_COLLECTIVES[op]
     return newer if hasattr(dist, newer) else older
 
@@ -40,6 +46,8 @@ def collective_name(op: str) -> str:
 def flat_collective(op: str) -> Callable[..., dist.Work | None]:
     """torch.distributed's flat `op` under the name this torch gives it: all_gather(output, input, group=,
     async_op=) and reduce_scatter(output, input, op=, group=, async_op=), as in every version supported."""
+    import torch.distributed as dist
+
     return getattr(dist, collective_name(op))
 
 
@@ -51,9 +59,20 @@ def version_tuple(version: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def torch_version() -> str:
+    """The running torch's version: torch.__version__ once imported, else its installed package's
+    (a torch built in place, with no package metadata, is imported to ask it)."""
+    if "torch" not in sys.modules:
+        try:
+            return importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            import torch  # noqa: F401 - only to read its version
+    return sys.modules["torch"].__version__
+
+
 def torch_problem(version: str | None = None) -> str | None:
     """Why this torch (or `version`) cannot run fivefold, in one line; None when it can."""
-    version = version or torch.__version__
+    version = version or torch_version()
     if version_tuple(version) >= MIN_TORCH:
         return None
     need = ".".join(map(str, MIN_TORCH))
