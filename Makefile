@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed
 .PHONY: install demo browser test lint clean
 
 # --no-compile: pip would byte-compile every module of torch and transformers (minutes here); Python
-# compiles, once, only what is imported.
+# compiles, once, only what is imported. torch==2.13.0: the suite's torch, the CPU wheel on a machine
+# without a GPU, within the range pyproject.toml states (2.11 to 2.13).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -e ".[test,tensorboard,wandb]"
+	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test,tensorboard,wandb]"
 	touch $(STAMP)
 
 install: $(STAMP)

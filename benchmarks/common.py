@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fivefold.config import TrainConfig
 from fivefold.parallel.comm.collectives import wire_bytes
+from fivefold.parallel.comm.compat import collective_name
 from fivefold.train.gc_policy import collect_between_steps
 
 LOSS_TOL = 1e-5  # first-step loss: same forward, same weights and data; only summation order could differ
@@ -112,26 +113,34 @@ def memory_over_ranks(results: list[dict]) -> dict:
 
 
 # ---- traffic ----------------------------------------------------------------------------------
-# torch.distributed's collectives a torch peer calls (FSDP2 in torch 2.13 calls the *_single forms),
-# with the op comms.wire_bytes prices and the argument holding the whole ring's tensor.
-COLLECTIVES = {"all_reduce": ("all_reduce", "tensor"), "reduce_scatter_single": ("reduce_scatter", "input"),
-               "all_gather_single": ("all_gather", "output_tensor")}
+# torch.distributed's collectives a torch peer calls (FSDP2 calls the flat all-gather and reduce-scatter
+# under the names its torch has: *_single in 2.13, all_gather_into_tensor / reduce_scatter_tensor in
+# 2.11 and 2.12, resolved as fivefold resolves them: parallel/comm/compat.py), per op comms.wire_bytes
+# prices: the argument holding the whole ring's tensor (the same name in every supported torch).
+COLLECTIVES = {"all_reduce": "tensor", "reduce_scatter": "input", "all_gather": "output_tensor"}
+
+
+def torch_collective_name(op: str) -> str:
+    """The torch.distributed function a torch peer calls for `op` (a key of COLLECTIVES) on this torch."""
+    return op if op == "all_reduce" else collective_name(op)
 
 
 @contextlib.contextmanager
 def counting_collectives(record: Callable[[str, dist.ProcessGroup | None, float], None],
-                         names: Iterable[str] = tuple(COLLECTIVES)) -> Iterator[None]:
+                         ops: Iterable[str] = tuple(COLLECTIVES)) -> Iterator[None]:
     """While the block runs, call record(op, group, wire bytes) for every call of the
-    torch.distributed functions `names` (keys of COLLECTIVES), with comms.wire_bytes' ring
-    formula, so that a torch peer's bytes are counted as fivefold counts its own; restores them after."""
+    torch.distributed functions that run `ops` (keys of COLLECTIVES) on this torch, with
+    comms.wire_bytes' ring formula, so that a torch peer's bytes are counted as fivefold counts its
+    own; restores them after."""
+    names = {torch_collective_name(op): op for op in ops}
     originals = {name: getattr(dist, name) for name in names}
 
     def counted(name: str):
-        signature, (op, whole) = inspect.signature(originals[name]), COLLECTIVES[name]
+        signature, op = inspect.signature(originals[name]), names[name]
 
         def call(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)  # FSDP2 passes them by keyword
-            group, tensor = bound.arguments.get("group"), bound.arguments[whole]
+            group, tensor = bound.arguments.get("group"), bound.arguments[COLLECTIVES[op]]
             record(op, group, wire_bytes(op, tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
             return originals[name](*args, **kwargs)
         return call

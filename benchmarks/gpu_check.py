@@ -1,60 +1,40 @@
-"""One-GPU check: fivefold's training step beside a plain PyTorch loop, tokens/s, MFU and peak memory.
+"""One-GPU check: fivefold's training step beside a plain PyTorch loop, then `fivefold calibrate`.
 
-Run on the GPU machine, from the source tree, with whatever CUDA build of torch it has (no install):
+Run on the GPU machine from the source tree, with the torch it has (2.11 or newer; nothing to install):
 
-    python3 benchmarks/gpu_check.py                       # debug + llama-1b, compile off and on (meant: < 5 min)
-    python3 benchmarks/gpu_check.py --models llama-1b --compile off --peak-tflops 989
-    python3 benchmarks/gpu_check.py --device cpu --quick  # the tiny model, fp32, 1 + 2 steps each way: a smoke test
+    python3 benchmarks/gpu_check.py                        # compile off, compile on, calibrate: under 8 min
+    python3 benchmarks/gpu_check.py --parts off --models llama-1b --peak-tflops 989
+    python3 benchmarks/gpu_check.py --device cpu --tiny    # the smoke test the suite runs (tests/test_gpu_check.py)
 
-What runs, on one device (world size 1: a process group of one), per model and per compile setting
-(`train.compile` false, then true), each case in this process one after the other:
-- `fivefold`: the runtime's own path, `train/loop.py` `setup()` (mesh, the model built on the meta
-  device and parallelized, the default corpus read and tokenized with the byte tokenizer up to a
-  small `data.max_bytes`, the seeded initialisation) then `train/step.py` `train_step()` for every
-  step: data -> pipeline executor (one stage) -> forward / backward under autocast -> clip ->
-  AdamW. Not run: the metrics log, the planner's prediction and the checkpoint `train()` writes at
-  its end (GBs for the 1B model), so `train()` itself is not called; `train_step()` is what its
-  loop runs per step.
-- `plain`: the same model code (`fivefold.model.transformer.Transformer`, built on the device, each matrix
-  normal(0, model.init_std), norms ones) trained by a bare loop: random token ids of the same
-  (micro_batch, seq_len), `torch.autocast(bf16)` around the forward, `cross_entropy_sum` / tokens,
-  backward, `clip_grad_norm_` to train.grad_clip, AdamW from `fivefold.parallel.optimizer.build_optimizer`
-  (foreach=False, as fivefold steps it), `loss.item()` each step (fivefold reads its loss and
-  gradient norm every step too). With compile, each block is `.compile()`d as fivefold does.
+Three parts, one after the other, each in its own process with its own time budget (`--budget
+PART=SECONDS`; defaults off=110, on=270, calibrate=60) inside one deadline (`--deadline-s`, 450):
+a part that fails or runs past its budget is stopped and printed as one line, and the next part
+runs. Each part prints its lines as it goes (one JSON object per line on stdout, flushed; progress
+on stderr):
 
-Models: `debug` (configs/debug.toml: dim 128, 4 layers, byte vocabulary 320; seq 128, micro-batch
-8) and `llama-1b`, the Llama 3.2 1B shape (dim 2048, 16 layers, 32 heads, 8 KV heads, ffn 8192,
-vocabulary 128256, tied embeddings, RoPE theta 5e5: 1.236B parameters by
-`fivefold.model.counts`), seq 2048, micro-batch 4 (8192 tokens per step; the planner predicts
-~40 GB: model state 19.8 GB, activations 20.3 GB). Both in bf16 (fp32 weights, autocast). Each
-case runs `--warmup` untimed steps (compile happens in the first) and `--steps` timed ones; the
-device is synchronized around every step. `--budget-s` (280) starts no new case after that many
-seconds, so a slow compile cannot push the whole run far past 5 minutes. Not yet run on a GPU.
+- `off` and `on` (`train.compile` false, then true), per model: `fivefold`, the runtime's own path
+  (train/loop.py `setup()`: mesh, model built on the meta device and parallelized, the default corpus
+  with the byte tokenizer, the seeded initialisation; then train/step.py `train_step()` per step; no
+  metrics log, no final checkpoint), and `plain`: the same `Transformer` trained by a bare loop
+  (random token ids, autocast, `cross_entropy_sum` / tokens, backward, `clip_grad_norm_`, the
+  optimizer `build_optimizer` makes, the loss read each step; with compile each block `.compile()`d
+  as fivefold does). Per case: tokens/s (timed steps' tokens over their wall time, the device
+  synchronized around each step), MFU (`flops_per_token`, causal attention counted in full as
+  PaLM, Megatron-LM and torchtitan count it, x tokens/s over the peak dense bf16 FLOP/s of the
+  planner's catalog entry for `torch.cuda.get_device_name()`: 989 TFLOP/s for an H200), peak
+  `torch.cuda.max_memory_allocated()` beside the planner's `predict_for_config` (model state +
+  activations + buffers) and their ratio; then the ratios fivefold / plain per model. A case that
+  raises is one line and the next runs; a case starts only if it would end within the part's budget
+  (guessed from the model's previous case; a model's first case within 60% of it).
+- `calibrate`: `python3 -m fivefold calibrate --device cuda --out PROFILE` (planner/calibration/gpu.py:
+  GEMM, FP8 GEMM, SDPA and HBM fractions of this GPU), its line, then the profile's measured fields.
 
-Printed per case (one JSON line each, with each figure's source):
-- tokens/s: the timed steps' tokens over their summed wall time (perf_counter, synchronized);
-  fivefold's own `tokens_per_s` metric (its step timer) beside it;
-- MFU: model FLOPs per token (`fivefold.model.counts.flops_per_token`: 6 x matmul parameters +
-  attention, the causal mask counted in full as PaLM, Megatron-LM and torchtitan count it, so the
-  figure compares with theirs) x tokens/s / the GPU's peak dense bf16 FLOP/s from the planner's catalog
-  (`fivefold.planner.machine.datasheet`, matched from `torch.cuda.get_device_name()`; `--peak-tflops`
-  for a GPU it does not list, e.g. PCIe and NVL parts, whose peaks differ from the SXM entries);
-- peak memory: `torch.cuda.max_memory_allocated()` over the case (reset before the model is
-  built), beside the planner's prediction for the layout (`selfcheck.predict_for_config`,
-  fivefold's own accounting: fp32 weights and gradients, AdamW moments, activations, buffers),
-  and their ratio. On a CPU there is no such counter: null.
-Then one line per model and compile setting with the ratios fivefold / plain (tokens/s, peak
-memory), and a summary line. A case that raises prints its exception and the others go on; the
-exit status is 0 whatever the figures are (1 only when the device asked for is not there).
-
-Requirements: Python >= 3.11 (fivefold's config reads TOML with tomllib); a torch recent enough for
-fivefold's runtime (torch.distributed.tensor and DeviceMesh._flatten; the plain loop needs less);
-numpy (fivefold's data pipeline, data/batches.py, holds tokens in numpy arrays). `rich` (the
-progress display, train/step_log.py) and `safetensors` (checkpoint/safetensors_io.py, for init_from
-weights) are imported at module level by train/loop.py but never called on this path: when one
-is missing, a stub stands in for it at import (listed under `stubbed` in the environment line),
-and would raise if anything called it. `tokenizers`, TensorBoard, W&B are not imported (byte
-tokenizer, JSONL-only sinks).
+Models, in this order: `llama-1b`, the Llama 3.2 1B shape (dim 2048, 16 layers, 32/8 heads, ffn 8192,
+vocabulary 128256, tied: 1.236B parameters; seq 2048, micro-batch 4), then `debug` (configs/debug.toml;
+seq 128, micro-batch 8), bf16, 3 warm-up steps (compile happens in the first) and 10 timed ones. `--tiny`:
+configs/tiny.toml in fp32, 1 + 2 steps, parts off and calibrate (`--quick`). Needs fivefold's runtime
+dependencies (pyproject.toml; the environment line lists any missing). Exit status 0 whatever the
+figures; 1 only when `--device cuda` finds no GPU.
 """
 
 from __future__ import annotations
@@ -63,18 +43,19 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import traceback
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,17 +63,18 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-STUBBABLE = ("rich", "safetensors")  # imported by train/loop.py's modules, never called by setup() / train_step()
-REQUIRED = ("numpy",)
-
 MODELS = {
     "debug": {"config": "configs/debug.toml", "overrides": [], "seq_len": 128, "micro_batch": 8},
     "llama-1b": {"config": None, "overrides": [
         "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=32", "--model.n_kv_heads=8",
         "--model.ffn_dim=8192", "--model.vocab_size=128256", "--model.rope_theta=500000.0",
         "--model.norm_eps=1e-5", "--model.tie_embeddings=true"], "seq_len": 2048, "micro_batch": 4},
-    "tiny": {"config": "configs/tiny.toml", "overrides": [], "seq_len": 32, "micro_batch": 2},  # --quick
+    "tiny": {"config": "configs/tiny.toml", "overrides": [], "seq_len": 32, "micro_batch": 2},  # --tiny
 }
+PARTS = ("off", "on", "calibrate")
+BUDGETS_S = {"off": 110.0, "on": 270.0, "calibrate": 60.0}  # on: a first compile per model
+DEADLINE_S = 450.0  # the whole check, under the 8 minutes a GPU session gives it
+NEW_CASE_FRACTION = 0.6  # a model's first case starts only within this share of the part's budget
 
 
 def log(*parts) -> None:
@@ -103,108 +85,51 @@ def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-# ---- environment ----------------------------------------------------------------------------------------
-class _Stub(types.ModuleType):
-    """A missing package at import time: any name imported from it is a class that refuses to be used."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        package = self.__name__
-
-        def refuse(*args, **kwargs):
-            raise RuntimeError(f"{package}.{name} was called, but {package.split('.')[0]} is not installed "
-                               f"(benchmarks/gpu_check.py stubs it for import only)")
-
-        stub = type(name, (), {"__init__": refuse, "__call__": refuse})
-        setattr(self, name, stub)
-        return stub
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: set[str]):
-        self.roots = roots
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _Stub(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module) -> None:
-        pass
-
-
 def environment(device: str) -> dict:
-    present = {m: importlib.util.find_spec(m) is not None for m in (*REQUIRED, *STUBBABLE, "tokenizers")}
-    stubbed = [m for m in STUBBABLE if not present[m]]
-    if stubbed:
-        sys.meta_path.append(_StubFinder(set(stubbed)))  # after the real finders: only what is not installed
+    """Python, torch, the device, and which of fivefold's runtime dependencies this Python lacks."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[=<>;\[ ]", d)[0] for d in deps]  # each is imported under its distribution's name
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
     env = {"environment": True, "python": sys.version.split()[0], "torch": torch.__version__,
            "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(), "device": device,
-           "modules_present": present, "stubbed": stubbed}
+           "missing_dependencies": missing}
     if device == "cuda" and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name()
         env["device_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)
-    problems = []
-    if sys.version_info < (3, 11):
-        problems.append("Python < 3.11: fivefold's config needs tomllib")
-    problems += [f"{m} missing: fivefold's data pipeline (data/batches.py) imports it, the fivefold cases will fail"
-                 for m in REQUIRED if not present[m]]
-    env["problems"] = problems
     return env
 
 
 def catalog_peak(device_name: str) -> tuple[float | None, str]:
     """Peak dense bf16 FLOP/s of this GPU from the planner's catalog, and where it comes from."""
+    from fivefold.planner.calibration.gpu import catalog_key
     from fivefold.planner.machine.datasheet import get_hardware
 
-    n = device_name.lower()
-    key = None
-    if ("nvl" in n or "pcie" in n) and ("h100" in n or "h200" in n):
-        key = None  # other clocks and peaks than the SXM entries of the catalog
-    elif "h200" in n:
-        key = "h200"
-    elif "h100" in n:
-        key = "h100"
-    elif "a100" in n:
-        key = "a100-40gb" if "40g" in n else "a100-80gb"  # the same 312 TFLOPS bf16 for both
-    elif "b200" in n:
-        key = "b200"
-    elif "mi300x" in n:
-        key = "mi300x"
-    if key is None:
-        return None, f"'{device_name}' is not in the planner's catalog: give --peak-tflops"
-    hw = get_hardware(key)
-    return hw.peak_flops, f"fivefold.planner.machine.datasheet '{key}': {hw.sources.get('peak_flops', '')}"
+    try:
+        hw = get_hardware(catalog_key(device_name))
+    except ValueError as e:
+        return None, f"{e}: give --peak-tflops"
+    return hw.peak_flops, f"fivefold.planner.machine.datasheet '{hw.name}': {hw.sources.get('peak_flops', '')}"
 
 
-# ---- configuration ----------------------------------------------------------------------------------------
-def make_config(model: str, device: str, dtype: str, compile_: bool, warmup: int, steps: int, micro_batch: int,
-                seq_len: int, out_dir: Path):
+# ---- one case: the two ways to train ------------------------------------------------------------------
+def make_config(model: str, args, compile_: bool, out_dir: Path):
     from fivefold.config import ConfigError, load_config
     from fivefold.validate import validate
 
     spec = MODELS[model]
-    tokens = (warmup + steps) * micro_batch * (seq_len + 1)
-    max_bytes = max(200_000, int(tokens * 1.5 / 0.95))  # one epoch covers every step (val_fraction 0.05 held out)
+    mb, seq = args.micro_batch or spec["micro_batch"], args.seq_len or spec["seq_len"]
+    steps = args.warmup + args.steps
+    max_bytes = max(200_000, int(steps * mb * (seq + 1) * 1.5 / 0.95))  # an epoch covers all (val_fraction 0.05)
     cfg = load_config(ROOT / spec["config"] if spec["config"] else None, [
-        *spec["overrides"], f"--train.seq_len={seq_len}", f"--train.micro_batch={micro_batch}",
-        f"--train.global_batch={micro_batch}", f"--train.dtype={dtype}", f"--train.device={device}",
-        f"--train.compile={'true' if compile_ else 'false'}", "--parallel.dp=1", f"--train.steps={warmup + steps}",
-        "--train.warmup_steps=1", "--train.eval_every=0", "--data.tokenizer=byte", f"--data.max_bytes={max_bytes}",
-        f"--run.out_dir={out_dir}", f"--run.name={model}"])
-    errors = validate(cfg, 1)
-    if errors:
+        *spec["overrides"], f"--train.seq_len={seq}", f"--train.micro_batch={mb}", f"--train.global_batch={mb}",
+        f"--train.dtype={args.dtype}", f"--train.device={args.device}", f"--train.compile={str(compile_).lower()}",
+        "--parallel.dp=1", f"--train.steps={steps}", "--train.warmup_steps=1", "--train.eval_every=0",
+        "--data.tokenizer=byte", f"--data.max_bytes={max_bytes}", f"--run.out_dir={out_dir}", f"--run.name={model}"])
+    if errors := validate(cfg, 1):
         raise ConfigError(errors)
     return cfg
 
 
-# ---- the two ways to train ---------------------------------------------------------------------------------
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -212,54 +137,38 @@ def sync(device: str) -> None:
 
 def free_device(device: str) -> None:
     gc.collect()
-    if "torch._dynamo" in sys.modules:  # only after a compiled case (importing it costs seconds)
-        sys.modules["torch._dynamo"].reset()  # compiled graphs hold the blocks they were traced from
+    if "torch._dynamo" in sys.modules:  # compiled graphs hold the blocks they were traced from
+        sys.modules["torch._dynamo"].reset()
         gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
 
 
-def fivefold_case(cfg, device: str, warmup: int, steps: int) -> dict:
+def fivefold_case(cfg, device: str, steps: int) -> dict:
     from fivefold.parallel.derive import derive
     from fivefold.train.loop import init_distributed, setup
     from fivefold.train.step import train_step
 
-    init_distributed(device)  # a process group of one, kept for the later cases
+    init_distributed(device)  # a process group of one, kept for the part's later cases
     began = time.perf_counter()
     run, _, _ = setup(cfg, derive(cfg, 1), device)
     sync(device)
     out = {"setup_s": time.perf_counter() - began, "times": [], "tokens": [], "losses": [], "reported": []}
-    for step in range(warmup + steps):
+    for step in range(steps):
         sync(device)
         t0 = time.perf_counter()
-        m = train_step(run, step).metrics  # reads the loss and the gradient norm: synchronizes itself
+        m = train_step(run, step).metrics  # reads the loss and the gradient norm
         sync(device)
         out["times"].append(time.perf_counter() - t0)
         out["tokens"].append(m["tokens"])
         out["losses"].append(m["loss"])
         out["reported"].append(m["tokens_per_s"])
-    del run
     return out
 
 
-def _build_optimizer(model, train_cfg):
-    """fivefold.parallel.optimizer.build_optimizer, or (only if that module cannot be imported) the same
-    AdamW written out here: decay on matrices, none on 1-D tensors, foreach=False."""
-    try:
-        from fivefold.parallel.optimizer import build_optimizer
-
-        return build_optimizer(model, train_cfg), "fivefold.parallel.optimizer.build_optimizer"
-    except ImportError as e:
-        tensors = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in tensors if p.ndim >= 2], "weight_decay": train_cfg.weight_decay},
-                  {"params": [p for p in tensors if p.ndim < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
-                                foreach=False)
-        return opt, f"torch.optim.AdamW as build_optimizer makes it (import failed: {e})"
-
-
-def plain_case(cfg, vocab: int, device: str, warmup: int, steps: int) -> dict:
+def plain_case(cfg, vocab: int, device: str, steps: int) -> dict:
     from fivefold.model.transformer import Transformer, cross_entropy_sum
+    from fivefold.parallel.optimizer import build_optimizer
 
     t = cfg.train
     began = time.perf_counter()
@@ -273,26 +182,23 @@ def plain_case(cfg, vocab: int, device: str, warmup: int, steps: int) -> dict:
             else:
                 p.fill_(1.0)
     if t.compile:
-        for name, block in list(model.layers.items()):
-            if hasattr(block, "compile"):  # nn.Module.compile (torch >= 2.2) keeps the parameter names
-                block.compile()
-            else:
-                model.layers[name] = torch.compile(block)
-    opt, opt_source = _build_optimizer(model, t)
+        for block in model.layers.values():
+            block.compile()  # as fivefold compiles: each block, its parameter names kept
+    opt = build_optimizer(model, t)
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.dtype)
     autocast = (lambda: torch.autocast(device_type=device, dtype=dtype)) if dtype else contextlib.nullcontext
     g = torch.Generator().manual_seed(t.seed)
     B, T = t.micro_batch, t.seq_len
     sync(device)
-    out = {"setup_s": time.perf_counter() - began, "times": [], "tokens": [], "losses": [], "optimizer": opt_source}
-    for _ in range(warmup + steps):
+    out = {"setup_s": time.perf_counter() - began, "times": [], "tokens": [], "losses": []}
+    for _ in range(steps):
         tokens = torch.randint(0, min(vocab, 257), (B, T + 1), generator=g)  # ids the byte tokenizer makes
         sync(device)
         t0 = time.perf_counter()
-        x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (B, T) each
         with autocast():
-            logits = model(x)
+            logits = model(x)  # (B, T, vocab)
         loss = cross_entropy_sum(logits, y) / y.numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
@@ -302,157 +208,190 @@ def plain_case(cfg, vocab: int, device: str, warmup: int, steps: int) -> dict:
         sync(device)
         out["times"].append(time.perf_counter() - t0)
         out["tokens"].append(B * T)
-    del model, opt, params
     return out
 
 
-# ---- one case: run, measure, print ---------------------------------------------------------------------------
 def measure(runtime: str, model: str, compile_: bool, args, out_dir: Path, peak: tuple[float | None, str]) -> dict:
     from fivefold.model.counts import flops_per_token, model_counts
     from fivefold.parallel.derive import derive
     from fivefold.planner.selfcheck import predict_for_config
 
-    cfg = make_config(model, args.device, args.dtype, compile_, args.warmup, args.steps,
-                      args.micro_batch or MODELS[model]["micro_batch"], args.seq_len or MODELS[model]["seq_len"],
-                      out_dir)
+    cfg = make_config(model, args, compile_, out_dir)
     vocab = derive(cfg, 1).vocab_size
     free_device(args.device)
-    if args.device == "cuda":
+    cuda = args.device == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    res = (fivefold_case(cfg, args.device, args.warmup, args.steps) if runtime == "fivefold"
-           else plain_case(cfg, vocab, args.device, args.warmup, args.steps))
-    peak_bytes = torch.cuda.max_memory_allocated() - base if args.device == "cuda" else None
+    steps = args.warmup + args.steps
+    res = (fivefold_case(cfg, args.device, steps) if runtime == "fivefold"
+           else plain_case(cfg, vocab, args.device, steps))
+    peak_bytes = torch.cuda.max_memory_allocated() - base if cuda else None
     timed = slice(args.warmup, None)
     tokens_per_s = sum(res["tokens"][timed]) / sum(res["times"][timed])
     fpt = flops_per_token(cfg.model, cfg.train.seq_len, vocab, causal="full")["total"]
     pred = predict_for_config(cfg, 1, device_type=args.device)
     predicted = pred["model_state_bytes"]["total"] + pred["activation_bytes"] + pred["buffer_bytes"]
     mfu = fpt * tokens_per_s / peak[0] if peak[0] else None
-    rec = {
-        "model": model, "runtime": runtime, "compile": compile_, "device": args.device, "dtype": cfg.train.dtype,
-        "params": model_counts(cfg.model, vocab).total, "micro_batch": cfg.train.micro_batch,
-        "seq_len": cfg.train.seq_len, "warmup_steps": args.warmup, "timed_steps": args.steps,
-        "setup_s": round(res["setup_s"], 2), "first_step_s": round(res["times"][0], 3),
-        "step_s_median": round(statistics.median(res["times"][timed]), 4),
-        "tokens_per_s": round(tokens_per_s, 1),
-        "model_flops_per_token": fpt, "peak_flops": peak[0], "mfu": round(mfu, 4) if mfu is not None else None,
-        "peak_memory_gb": round(peak_bytes / 1e9, 3) if peak_bytes is not None else None,
-        "predicted_memory_gb": round(predicted / 1e9, 3),
-        "predicted_parts_gb": {"model_state": round(pred["model_state_bytes"]["total"] / 1e9, 3),
-                               "activations": round(pred["activation_bytes"] / 1e9, 3),
-                               "buffers": round(pred["buffer_bytes"] / 1e9, 3)},
-        "memory_measured_over_predicted": round(peak_bytes / predicted, 3) if peak_bytes is not None else None,
-        "loss_first": round(res["losses"][0], 5), "loss_last": round(res["losses"][-1], 5),
-    }
+    rec = {"model": model, "runtime": runtime, "compile": compile_, "device": args.device, "dtype": cfg.train.dtype,
+           "params": model_counts(cfg.model, vocab).total, "micro_batch": cfg.train.micro_batch,
+           "seq_len": cfg.train.seq_len, "timed_steps": args.steps, "setup_s": round(res["setup_s"], 2),
+           "first_step_s": round(res["times"][0], 3), "step_s_median": round(statistics.median(res["times"][timed]), 4),
+           "tokens_per_s": round(tokens_per_s, 1), "mfu": round(mfu, 4) if mfu is not None else None,
+           "peak_memory_gb": round(peak_bytes / 1e9, 3) if peak_bytes is not None else None,
+           "predicted_memory_gb": round(predicted / 1e9, 3),
+           "memory_measured_over_predicted": round(peak_bytes / predicted, 3) if peak_bytes is not None else None,
+           "loss_first": round(res["losses"][0], 5), "loss_last": round(res["losses"][-1], 5)}
     if runtime == "fivefold":
-        rec["fivefold_reported_tokens_per_s_median"] = round(statistics.median(res["reported"][timed]), 1)
-    rec["sources"] = {
-        "tokens_per_s": "timed steps' tokens / their wall time (perf_counter, device synchronized around each step)",
-        "mfu": f"fivefold.model.counts.flops_per_token (causal attention in full) x tokens/s / peak ({peak[1]})",
-        "peak_memory_gb": ("torch.cuda.max_memory_allocated() minus the allocation before the model was built"
-                           if args.device == "cuda" else "none on a CPU"),
-        "predicted_memory_gb": "fivefold.planner.selfcheck.predict_for_config(cfg, 1): model state + activations "
-                               "+ buffers (implementation accounting)",
-        "data": ("the default corpus (this Python's standard library), byte tokenizer, data.max_bytes "
-                 f"{cfg.data.max_bytes}" if runtime == "fivefold" else "random token ids in [0, 257)"),
-    }
-    if runtime == "plain":
-        rec["sources"]["optimizer"] = res["optimizer"]
+        rec["reported_tokens_per_s_median"] = round(statistics.median(res["reported"][timed]), 1)
+    parts_gb = [pred["model_state_bytes"]["total"] / 1e9, pred["activation_bytes"] / 1e9, pred["buffer_bytes"] / 1e9]
+    rec["sources"] = {"mfu": f"{fpt:.4g} FLOPs/token (causal in full) x tokens/s / {peak[0]} ({peak[1]})",
+                      "predicted_memory_gb": "planner.selfcheck.predict_for_config: model state {:.3f} + activations "
+                                             "{:.3f} + buffers {:.3f} GB".format(*parts_gb)}
     return rec
 
 
+def run_training_part(compile_: bool, args, budget_s: float) -> int:
+    """One compile setting: every model's two cases, in this process, printed as they finish."""
+    began = time.monotonic()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # on a small shared CPU, OpenMP's threads waiting on a busy core slow a step 100x
+    peak = ((args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops
+            else catalog_peak(torch.cuda.get_device_name()) if args.device == "cuda"
+            else (None, "no peak for a CPU: give --peak-tflops"))
+    out_dir = Path(tempfile.mkdtemp(prefix="ff-gpu-check-"))
+    try:
+        for model in args.models:
+            done, took = {}, None  # took: the model's previous case's seconds, what its next one is guessed at
+            for runtime in ("fivefold", "plain"):
+                case = {"part": "on" if compile_ else "off", "model": model, "runtime": runtime, "compile": compile_}
+                elapsed = time.monotonic() - began
+                if elapsed + took > budget_s if took is not None else elapsed > NEW_CASE_FRACTION * budget_s:
+                    emit({**case, "skipped": f"{elapsed:.0f} s of the part's {budget_s:.0f} s gone"})
+                    continue
+                log(f"[{elapsed:5.0f} s] {model} {runtime} compile={compile_} ...")
+                try:
+                    done[runtime] = measure(runtime, model, compile_, args, out_dir, peak)
+                    emit({**case, **done[runtime]})
+                except Exception as e:  # noqa: BLE001 - one line, and the next case runs
+                    emit({**case, "error": repr(e)[:500]})
+                    log(traceback.format_exc())
+                finally:
+                    free_device(args.device)
+                    took = time.monotonic() - began - elapsed
+            if len(done) == 2:
+                ff, plain = done["fivefold"], done["plain"]
+                cmp = {"compare": True, "model": model, "compile": compile_,
+                       "tokens_per_s_fivefold_over_plain": round(ff["tokens_per_s"] / plain["tokens_per_s"], 4)}
+                if ff["peak_memory_gb"] and plain["peak_memory_gb"]:
+                    cmp["peak_memory_fivefold_over_plain"] = round(ff["peak_memory_gb"] / plain["peak_memory_gb"], 4)
+                emit(cmp)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+# ---- the parts, each in its own process under its own budget ----------------------------------------------
+def run_part(name: str, command: list[str], budget_s: float) -> dict:
+    """Run `command` (its output goes straight to ours), stopping it and its children at `budget_s`;
+    one line's record of how it ended."""
+    sys.stdout.flush()
+    began = time.monotonic()
+    # its own session: a stop reaches the compile workers it started too
+    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return {"part": name, "status": f"stopped at its budget of {budget_s:g} s", "wall_s": round(budget_s, 1)}
+    return {"part": name, "status": "ok" if rc == 0 else f"failed with exit status {rc}",
+            "wall_s": round(time.monotonic() - began, 1)}
+
+
+def part_command(part: str, args, argv: list[str], budget_s: float) -> list[str]:
+    """A part's process: calibrate, or this script on one compile setting (stops starting cases by `budget_s`)."""
+    if part == "calibrate":
+        return [sys.executable, "-m", "fivefold", "calibrate", "--device", args.device, "--out", str(args.profile),
+                *(["--quick"] if args.tiny else [])]
+    return [sys.executable, str(Path(__file__).resolve()), *argv, "--run-part", part, "--budget", f"{part}={budget_s}"]
+
+
+def profile_fields(path: Path) -> dict:
+    """The measured fields of a profile calibrate wrote (those its [sources] say it measured)."""
+    profile = tomllib.loads(path.read_text())
+    measured = [k for k, v in profile.get("sources", {}).items() if "measured" in v]
+    return {k: profile["hardware"][k] for k in measured if k in profile.get("hardware", {})}
+
+
+def parse_budgets(pairs: list[str]) -> dict[str, float]:
+    budgets = dict(BUDGETS_S)
+    for pair in pairs:
+        part, _, seconds = pair.partition("=")
+        if part not in PARTS or not seconds:
+            raise SystemExit(f"gpu_check: --budget {pair!r}: give PART=SECONDS with PART one of {', '.join(PARTS)}")
+        budgets[part] = float(seconds)
+    return budgets
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--quick", action="store_true", help="the tiny model, fp32, 1 warm-up + 2 timed steps, no compile")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
-                    help="default: debug llama-1b (--quick: tiny)")
-    ap.add_argument("--compile", choices=["both", "off", "on"], default=None, help="default: both (--quick: off)")
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (--quick: fp32)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --quick 1)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --quick 2)")
+    ap.add_argument("--tiny", action="store_true", help="configs/tiny.toml, fp32, 1 + 2 steps, parts off and "
+                    "calibrate (--quick): the suite's smoke test")
+    ap.add_argument("--parts", default=None, help="comma-separated, of off,on,calibrate (default: all; --tiny: "
+                    "off,calibrate)")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: llama-1b debug")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (--tiny: fp32)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     ap.add_argument("--micro-batch", type=int, default=0, help="override every model's micro-batch")
     ap.add_argument("--seq-len", type=int, default=0, help="override every model's sequence length")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense TFLOP/s, for a GPU not in the catalog")
-    ap.add_argument("--budget-s", type=float, default=280.0, help="start no new case after this many seconds")
+    ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
+                    help=f"a part's time budget (defaults {', '.join(f'{k}={v:.0f}' for k, v in BUDGETS_S.items())})")
+    ap.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="no part runs past this, from the start")
+    ap.add_argument("--profile", type=Path, default=ROOT / "runs" / "gpu_check_profile.toml",
+                    help="where calibrate writes the profile")
+    ap.add_argument("--run-part", choices=["off", "on"], default=None, help=argparse.SUPPRESS)  # a part's process
     args = ap.parse_args(argv)
-    args.models = args.models or (["tiny"] if args.quick else ["debug", "llama-1b"])
-    args.compile = args.compile or ("off" if args.quick else "both")
-    args.dtype = args.dtype or ("fp32" if args.quick else "bf16")
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.steps = args.steps if args.steps is not None else (2 if args.quick else 10)
-    began = time.perf_counter()
-    if args.device == "cpu":
-        # One thread: on a small shared CPU, OpenMP's threads waiting on a busy core make a step 100x slower.
-        torch.set_num_threads(1)
+    args.models = args.models or (["tiny"] if args.tiny else ["llama-1b", "debug"])
+    args.dtype = args.dtype or ("fp32" if args.tiny else "bf16")
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    args.steps = args.steps if args.steps is not None else (2 if args.tiny else 10)
+    budgets = parse_budgets(args.budget)
+    if args.run_part:
+        return run_training_part(args.run_part == "on", args, budgets[args.run_part])
 
-    env = environment(args.device)
-    emit(env)
+    began = time.monotonic()
+    emit(environment(args.device))
     if args.device == "cuda" and not torch.cuda.is_available():
-        log("gpu_check: --device cuda but torch.cuda.is_available() is False (use --device cpu --quick here)")
+        log("gpu_check: --device cuda but torch.cuda.is_available() is False (here: --device cpu --tiny)")
         return 1
-    if args.peak_tflops:
-        peak = (args.peak_tflops * 1e12, "--peak-tflops")
-    elif args.device == "cuda":
-        try:
-            peak = catalog_peak(env["device_name"])
-        except Exception as e:  # noqa: BLE001 - the planner itself failed to import: MFU is then unknown
-            peak = (None, f"catalog unavailable: {e!r}")
-    else:
-        peak = (None, "no peak for a CPU: give --peak-tflops")
-
-    compiles = {"both": [False, True], "off": [False], "on": [True]}[args.compile]
-    out_dir = Path(tempfile.mkdtemp(prefix="ff-gpu-check-"))
-    results: dict[tuple[str, str, bool], dict] = {}
-    errors: list[dict] = []
-    try:
-        for compile_ in compiles:
-            for model in args.models:
-                for runtime in ("fivefold", "plain"):
-                    case = {"model": model, "runtime": runtime, "compile": compile_}
-                    elapsed = time.perf_counter() - began
-                    if elapsed > args.budget_s:
-                        emit({**case, "skipped": f"time budget: {elapsed:.0f} s > --budget-s {args.budget_s:.0f}"})
-                        continue
-                    log(f"[{elapsed:5.0f} s] {model} {runtime} compile={compile_} ...")
-                    try:
-                        rec = measure(runtime, model, compile_, args, out_dir, peak)
-                        results[(model, runtime, compile_)] = rec
-                        emit(rec)
-                        log(f"        {rec['tokens_per_s']:.0f} tokens/s, step {rec['step_s_median'] * 1e3:.1f} ms, "
-                            f"MFU {rec['mfu']}, peak {rec['peak_memory_gb']} GB (predicted "
-                            f"{rec['predicted_memory_gb']} GB)")
-                    except Exception as e:  # noqa: BLE001 - print it and go on with the other cases
-                        tb = traceback.format_exc()
-                        errors.append({**case, "error": repr(e)})
-                        emit({**case, "error": repr(e), "traceback": tb.splitlines()[-12:]})
-                        log(tb)
-                    finally:
-                        free_device(args.device)
-                ff, plain = results.get((model, "fivefold", compile_)), results.get((model, "plain", compile_))
-                if ff and plain:
-                    cmp = {"compare": True, "model": model, "compile": compile_,
-                           "tokens_per_s_ratio_fivefold_over_plain": round(ff["tokens_per_s"] / plain["tokens_per_s"],
-                                                                           4)}
-                    if ff["peak_memory_gb"] and plain["peak_memory_gb"]:
-                        cmp["peak_memory_ratio_fivefold_over_plain"] = round(
-                            ff["peak_memory_gb"] / plain["peak_memory_gb"], 4)
-                    emit(cmp)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    summary = {"summary": True, "cases_run": len(results), "cases_failed": len(errors), "errors": errors,
-               "tokens_per_s": {f"{m}/{r}/compile={c}": v["tokens_per_s"] for (m, r, c), v in results.items()},
-               "mfu": {f"{m}/{r}/compile={c}": v["mfu"] for (m, r, c), v in results.items()},
-               "peak_memory_over_predicted": {f"{m}/{r}/compile={c}": v["memory_measured_over_predicted"]
-                                              for (m, r, c), v in results.items()},
-               "wall_s": round(time.perf_counter() - began, 1)}
-    emit(summary)
+    parts = (args.parts or ("off,calibrate" if args.tiny else ",".join(PARTS))).split(",")
+    if set(parts) - set(PARTS):
+        raise SystemExit(f"gpu_check: --parts {args.parts}: of {', '.join(PARTS)}")
+    args.profile.parent.mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        left = args.deadline_s - (time.monotonic() - began)
+        budget = min(budgets[part], left)
+        if budget < 1:
+            emit({"part": part, "status": f"not run: the deadline of {args.deadline_s:.0f} s has passed"})
+            continue
+        log(f"[{time.monotonic() - began:5.0f} s] part {part}, budget {budget:.0f} s")
+        result = run_part(part, part_command(part, args, argv, budget), budget)
+        if part == "calibrate" and result["status"] == "ok":
+            try:
+                result["profile"], result["measured"] = str(args.profile), profile_fields(args.profile)
+            except (OSError, ValueError) as e:  # ValueError: tomllib's TOMLDecodeError
+                result["status"] = f"ok, but its profile cannot be read: {e!r}"
+        emit(result)
+    emit({"summary": True, "parts": parts, "wall_s": round(time.monotonic() - began, 1)})
     return 0
 
 

@@ -21,12 +21,13 @@ FSDP2 averages over its 4 data-parallel ranks, so its loss is divided by this ra
 fivefold sums a loss divided by the global count: the same gradient. The first step's losses must
 agree (common.LOSS_TOL).
 
-Counted: every all_reduce, reduce_scatter_single and all_gather_single that either side calls on
-torch.distributed during its last step, by the group it runs on (a shard group, a replica group,
-or another: the loss and the gradient norm), as wire bytes per rank with comms.wire_bytes' ring
-formula. Printed per side: those bytes and calls per group kind, the ratios fivefold / each FSDP2
-side, and the step time fivefold / fsdp2 (median over the timed steps, sides alternating step
-by step: common.alternate; the machine's 2 cores run 4 ranks, so read the ratio, not the times).
+Counted: every all_reduce, flat reduce-scatter and all-gather (their names in the running torch:
+common.counting_collectives) that either side calls on torch.distributed during its last step, by
+the group it runs on (a shard group, a replica group, or another: the loss and the gradient norm),
+as wire bytes per rank with comms.wire_bytes' ring formula. Printed per side: those bytes and calls
+per group kind, the ratios fivefold / each FSDP2 side, and the step time fivefold / fsdp2 (median over
+the timed steps, sides alternating step by step: common.alternate; the machine's 2 cores run 4 ranks,
+so read the ratio, not the times).
 Progress and the indented summary go to stderr, the summary as one JSON line to stdout.
 """
 
@@ -93,7 +94,7 @@ class Counted:
             kind["wire_bytes"] += nbytes
             kind["calls"] += 1
 
-        with counting_collectives(record):  # all_reduce, reduce_scatter_single, all_gather_single
+        with counting_collectives(record):  # all_reduce, reduce_scatter, all_gather: this torch's names
             return self.side.step(x, y, clock)
 
 

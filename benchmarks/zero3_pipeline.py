@@ -32,10 +32,10 @@ inside a round; the side stepped first flips per round), the per-round ratios an
 the step-by-step median and IQR, CPU seconds (all ranks) per step, peak memory (one memory run
 per side, glibc returning freed memory: common.measure_peak) and the first step's loss on both
 sides (must agree within 1e-5). Beside them the dp wire bytes of one step per rank: fivefold's
-counted ones (mesh.stats, the "dp" axis, as train_step's metrics `comm`), torch's (all_gather_single
-and reduce_scatter_single counted while its step runs, with the same ring formula comms.wire_bytes
-uses), and the formula 2 (N-1)/N x P for one gather and one reduce-scatter of this rank's P
-parameter bytes per step.
+counted ones (mesh.stats, the "dp" axis, as train_step's metrics `comm`), torch's (its flat
+all-gathers and reduce-scatters under the names its torch has, common.counting_collectives, counted
+while its step runs, with the same ring formula comms.wire_bytes uses), and the formula 2 (N-1)/N x P
+for one gather and one reduce-scatter of this rank's P parameter bytes per step.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def counting_fsdp_collectives(counts: dict[str, float]) -> Iterator[None]:
         counts[op] = counts.get(op, 0.0) + nbytes
         counts["calls"] = counts.get("calls", 0) + 1
 
-    with counting_collectives(record, ("all_gather_single", "reduce_scatter_single")):
+    with counting_collectives(record, ("all_gather", "reduce_scatter")):
         yield
 
 

@@ -22,6 +22,7 @@ from fivefold.config import Config, ConfigError, read_config, replace
 from fivefold.launch.agent import LaunchError, RendezvousLost
 from fivefold.launch.agent import add_arguments as add_launch_arguments
 from fivefold.launch.elastic import Policy
+from fivefold.parallel.comm.compat import torch_problem
 from fivefold.parallel.derive import Derived, derive
 
 
@@ -252,6 +253,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    problem = torch_problem()  # an older torch: one line before anything runs (parallel/comm/compat.py)
+    if problem is not None:
+        print(f"fivefold: {problem}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="fivefold", description="Train LLMs with five kinds of parallelism.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)

@@ -34,6 +34,7 @@ from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.comm.compat import require_supported_torch
 from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parallelize import Parallelized, parallelize
@@ -162,6 +163,7 @@ def train(cfg: Config, derived: Derived | None = None, *, progress: bool = True,
     elastic: this round's layout decision in an elastic job (launch/elastic.py): logged as a `replan` event
     when it changed, and a SIGTERM then stops the job at the end of a step with a checkpoint.
     """
+    require_supported_torch()  # an older torch is refused here, not at its first collective
     device_type = resolve_device_type(cfg)
     owns_group = init_distributed(device_type, cfg.parallel.collective_timeout_s)
     try:

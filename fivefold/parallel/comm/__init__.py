@@ -8,4 +8,5 @@
 - timing.py       where a step's time goes: compute, exposed communication per axis, bubble
 - errors.py       a failed collective named: rank, operation, bytes, axis
 - arrivals.py     which ranks never arrived at a collective that timed out
+- compat.py       the torch versions supported (2.11 to 2.13) and the collective names each has
 """

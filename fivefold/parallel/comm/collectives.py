@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.parallel.comm.arrivals import Arrivals
+from fivefold.parallel.comm.compat import flat_collective
 
 # CollectiveError: what the calls here raise, so callers catch it as comms.CollectiveError.
 from fivefold.parallel.comm.errors import CollectiveError as CollectiveError
@@ -189,8 +190,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     async_op = async_op and input.device.type != "cpu"
     group.stats.record(group.label, "reduce_scatter", _nbytes(input), group.size)
     return _issue("reduce_scatter", group, _nbytes(input), group.label, async_op,
-                  lambda: dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group.pg,
-                                                     async_op=async_op), number=_count(group))
+                  lambda: flat_collective("reduce_scatter")(output, input, op=dist.ReduceOp.SUM, group=group.pg,
+                                                              async_op=async_op), number=_count(group))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
@@ -201,7 +202,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
         return None
     group.stats.record(group.label, "all_gather", _nbytes(output), group.size)
     return _issue("all_gather", group, _nbytes(output), group.label, async_op,
-                  lambda: dist.all_gather_single(output, input, group=group.pg, async_op=async_op),
+                  lambda: flat_collective("all_gather")(output, input, group=group.pg, async_op=async_op),
                   number=_count(group))
 
 

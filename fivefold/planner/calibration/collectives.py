@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from fivefold.parallel.comm.collectives import wire_bytes
+from fivefold.parallel.comm.compat import flat_collective
 from fivefold.planner.comm import ring_steps
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -43,8 +44,8 @@ def _collectives(full: torch.Tensor, part: torch.Tensor, ping_pong: Callable[[to
 
     return {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_gather": lambda: flat_collective("all_gather")(full, part),  # the name this torch has (compat.py)
+        "reduce_scatter": lambda: flat_collective("reduce_scatter")(part, full),
         "all_to_all": lambda: dist.all_to_all_single(full.clone(), full),
         "send": lambda: ping_pong(full),
     }

@@ -66,6 +66,8 @@ def noise_curve(durations: tuple[float, ...] = (1e-3, 4e-3, 1.6e-2, 6.4e-2, 2.56
     import torch
     import torch.distributed as dist
 
+    from fivefold.parallel.comm.compat import flat_collective
+
     world = dist.get_world_size()
     scale = expected_max_normal(world)
     if scale == 0:
@@ -92,7 +94,7 @@ def noise_curve(durations: tuple[float, ...] = (1e-3, 4e-3, 1.6e-2, 6.4e-2, 2.56
                 run()
             took = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
             every = torch.empty(world, dtype=torch.float64)
-            dist.all_gather_into_tensor(every, took)
+            flat_collective("all_gather")(every, took)  # the name this torch has (compat.py)
             waits.append(float(every.max() - every.mean()))
         waits.sort()
         kept = waits[: max(1, len(waits) - len(waits) // 10)]

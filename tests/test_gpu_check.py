@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.py, kept runnable without a GPU: its smallest run on the CPU, and its guard
+(a part that fails or runs past its budget is one line, and the next part still runs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_tiny_check_runs_on_cpu(tmp_path):
+    # calibrate's budget of 1 s stops it during its imports: the guard, at the cost of nothing (its
+    # measurements run in tests/planner/test_planner_search.py). The training part's budget is far
+    # above what it takes, so a loaded machine does not make it skip a case.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--budget", "off=600",
+                          "--budget", "calibrate=1", "--deadline-s", "900", "--profile", str(tmp_path / "p.toml")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = _lines(out.stdout)
+    env_line, *cases, compare, off, calibrate, summary = lines
+    assert env_line["environment"] and env_line["missing_dependencies"] == []
+    assert [(c["runtime"], c["model"], c["compile"]) for c in cases] == [("fivefold", "tiny", False),
+                                                                          ("plain", "tiny", False)]
+    for case in cases:
+        assert "error" not in case, case
+        assert case["tokens_per_s"] > 0 and case["predicted_memory_gb"] > 0 and case["loss_last"] > 0
+        assert case["mfu"] is None and case["peak_memory_gb"] is None  # a CPU has no peak, no allocator counter
+    assert compare["compare"] and compare["tokens_per_s_fivefold_over_plain"] > 0
+    assert off == {"part": "off", "status": "ok", "wall_s": off["wall_s"]}
+    assert calibrate["part"] == "calibrate" and calibrate["status"] == "stopped at its budget of 1 s"
+    assert summary["summary"] and summary["parts"] == ["off", "calibrate"]
+
+
+def test_a_failed_part_is_one_line(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.gpu_check import run_part
+    finally:
+        sys.path.remove(str(ROOT))
+    failed = run_part("off", [sys.executable, "-c", "import sys; sys.exit(3)"], 60.0)
+    assert failed["part"] == "off" and failed["status"] == "failed with exit status 3"
