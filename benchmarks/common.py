@@ -84,7 +84,7 @@ def prewarm() -> None:
     """Pay once, here, for what torch allocates on first use (an optimizer's first construction
     adds ~26 MB of RSS), so that no forked worker counts it in its peak."""
     lin = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(lin.parameters(), foreach=False)
+    opt = torch.optim.AdamW(lin.parameters(), foreach=True)  # as build_optimizer makes it on the CPU
     lin(torch.ones(2, 4)).sum().backward()
     torch.nn.utils.clip_grad_norm_(list(lin.parameters()), 1.0)
     opt.step()

@@ -128,7 +128,7 @@ TARGETS = {"ddp_ratio_step_time": 1.10, "zero3_ratio_step_time": 1.15}
 ZERO = {"fivefold_zero1": 1, "fivefold_zero3": 3}  # fivefold side -> parallel.zero (others: 0)
 
 
-def clip_fivefold(dp, max_norm: float) -> float:
+def clip_fivefold(dp, max_norm: float) -> torch.Tensor:
     """The wrapper's global-norm clipping, as Parallelized.optimizer_step does it."""
     return clip_grad_norm(dp.gradients(), max_norm, dp.norm_groups)  # groups the gradients are split over
 
@@ -176,7 +176,7 @@ class Side:
         if kind == "torch_ddp_zero1":  # build_optimizer's groups and hyper-parameters, the state sharded
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in self.opt.param_groups]
             self.opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=t.lr,
-                                               betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+                                               betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)  # as build_optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
 

@@ -30,7 +30,7 @@ and the schedule with `loss_fn` = fivefold's `cross_entropy_sum` / global token 
 `schedule.step(x, target=y, losses=..., return_outputs=False)` (x on the rank of the first stage,
 target and losses on the rank of the last; fivefold keeps no logits either), clips with torch's
 `get_total_norm` (the squared norm all-reduced over the pp group) and `clip_grads_with_norm_`, and
-steps its own AdamW. Both optimizers come from `build_optimizer` (AdamW, foreach=False).
+steps its own AdamW. Both optimizers come from `build_optimizer` (AdamW: foreach on the CPU, fused on CUDA).
 zero3_pipeline.py reuses both sides at dp = 2 (each dp rank stepping its rows of the global batch;
 TorchSide on the pp group of a (pp, dp) mesh, its stage modules wrapped by FSDP2 in `shard`).
 

@@ -115,11 +115,11 @@ class FivefoldSide:
         mine = slice(mesh.rank("batch") * rows, (mesh.rank("batch") + 1) * rows)
         micro = list(zip(x[mine].split(t.micro_batch), y[mine].split(t.micro_batch), strict=True))  # in order
         stats = par.pipeline.run(micro, x.numel(), clock=clock)
-        par.optimizer_step(t.lr, self.scaler, t.grad_clip, stop_on_nonfinite=True)
+        par.optimizer_step(t.lr, self.scaler, t.grad_clip)
         self.comm.append(mesh.stats.snapshot())  # this step's traffic per axis, as train_step's metrics "comm"
         if clock:
             self.timelines.append(stats.timeline)
-        return stats.loss  # this rank's sum of micro-batch losses (0 off the last stage)
+        return float(stats.loss)  # this rank's sum of micro-batch losses (0 off the last stage)
 
 
 class TorchSide:

@@ -47,6 +47,19 @@ class FeedForward(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+def grouped_dtype(x: torch.Tensor, dim: int, hidden: int) -> torch.dtype | None:
+    """bf16 when the experts' matmuls run as one grouped matmul (`torch._grouped_mm`), None for the
+    loop: it needs a torch that has it, bf16 compute (autocast's dtype, or bf16 inputs: on CUDA it
+    takes bf16 only) and rows of whole 16-byte multiples (dim and hidden multiples of 8). It runs on
+    the CPU too (torch 2.13), equal to the loop there (tests/model/test_model.py)."""
+    if not hasattr(torch, "_grouped_mm") or dim % 8 or hidden % 8:
+        return None
+    kind = x.device.type
+    autocasting = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    dtype = torch.get_autocast_dtype(kind) if autocasting else x.dtype
+    return dtype if dtype == torch.bfloat16 else None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights, so expert parallel shards them along dim 0."""
 
@@ -56,42 +69,65 @@ class GroupedExperts(nn.Module):
         self.up = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.down = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x (N, dim) sorted by expert, counts[e] rows for local expert e -> (N, dim)."""
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether forward runs one grouped matmul per weight (no host numbers needed) on x."""
+        return grouped_dtype(x, *self.gate.shape[1:]) is not None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """x (N, dim) sorted by expert, counts (E,) rows for each local expert on x's device -> (N, dim).
+        `sizes`: the same counts read to the host already (the loop needs them; read here if not given)."""
+        dtype = grouped_dtype(x, *self.gate.shape[1:])
+        if dtype is not None:
+            ends = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) one past each expert's last row
+            gate, up, down = (w.to(dtype) for w in (self.gate, self.up, self.down))
+            x = x.to(dtype)
+            h = F.silu(torch._grouped_mm(x, gate, offs=ends)) * torch._grouped_mm(x, up, offs=ends)  # (N, hidden)
+            return torch._grouped_mm(h, down, offs=ends)
         outs = []
         # unbind once: its backward stacks the experts' gradients in one pass, where indexing
         # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each
         gate, up, down = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
-        for e, chunk in enumerate(torch.split(x, counts)):
+        for e, chunk in enumerate(torch.split(x, counts.tolist() if sizes is None else sizes)):
             outs.append((F.silu(chunk @ gate[e]) * (chunk @ up[e])) @ down[e])
         return torch.cat(outs) if outs else x[:0]
+
+
+def histogram(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """Occurrences of 0..bins-1 in `values` (int64, (bins,)). Not torch.bincount: on CUDA that reads
+    the largest value to the host (its output size depends on it)."""
+    return torch.zeros(bins, dtype=torch.long, device=values.device).index_add_(0, values, torch.ones_like(values))
 
 
 def sort_by_expert(experts_idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Order of the token copies grouped by expert, and the copies each expert gets.
 
-    experts_idx (N, k) with -1 for a copy dropped over capacity -> order (M,) indices into the
-    flattened (N k) copies, dropped ones left out, and counts (E,). Stable, so inside one expert
-    the copies keep token order: the all-to-all of expert parallel relies on that to reproduce
-    one process's rows exactly.
+    experts_idx (N, k) with -1 for a copy dropped over capacity -> order (N k,) indices into the
+    flattened (N k) copies, the dropped ones first, and counts (1 + E,): slot 0 counts the dropped
+    (so order[counts[0]:] are the kept copies), slot 1 + e expert e's. Stable, so inside one expert
+    the copies keep token order: the all-to-all of expert parallel relies on that to reproduce one
+    process's rows exactly. Nothing is read to the host.
     """
     flat_idx = experts_idx.reshape(-1)  # (N k,)
     order = torch.argsort(flat_idx, stable=True)  # dropped copies (-1) sort first
-    counts = torch.bincount(flat_idx + 1, minlength=n_experts + 1)  # (1 + E,): slot 0 counts the dropped
-    return order[int(counts[0]):], counts[1:]
+    return order, histogram(flat_idx + 1, n_experts + 1)
 
 
 def local_dispatch(x: torch.Tensor, weights: torch.Tensor, experts_idx: torch.Tensor,
-                   experts: GroupedExperts) -> torch.Tensor:
+                   experts: GroupedExperts, drops: bool = True) -> torch.Tensor:
     """Send each token's copies to its experts and sum the weighted results, all in this process.
 
-    x (N, dim), weights and experts_idx (N, k) -> (N, dim); an index of -1 is a dropped copy. Expert
-    parallel replaces this with an all-to-all that sends the same sorted rows to the ranks owning
-    the experts.
+    x (N, dim), weights and experts_idx (N, k) -> (N, dim); an index of -1 is a dropped copy, which
+    only `drops` (capacity dropping on) allows. Expert parallel replaces this with an all-to-all that
+    sends the same sorted rows to the ranks owning the experts. Host reads: none when nothing can
+    be dropped and the experts run grouped; else one, of every count at once.
     """
-    order, counts = sort_by_expert(experts_idx, experts.gate.shape[0])  # (M,), (E,)
+    order, counts = sort_by_expert(experts_idx, experts.gate.shape[0])  # (N k,), (1 + E,)
+    sizes = None
+    if drops or not experts.grouped(x):
+        dropped, *sizes = counts.tolist()  # the layer's one read
+        order = order[dropped:]  # (M,) the kept copies
     token_of_copy = order // experts_idx.shape[1]  # (M,) source token of each sorted copy
-    y = experts(x[token_of_copy], counts.tolist())  # (M, dim)
+    y = experts(x[token_of_copy], counts[1:], sizes)  # (M, dim)
     y = y * weights.reshape(-1)[order, None].to(y.dtype)
     return y.new_zeros(x.shape).index_add_(0, token_of_copy, y)  # (N, dim)
 
@@ -128,7 +164,8 @@ def drop_over_capacity(idx: torch.Tensor, n_experts: int, capacity: int) -> torc
     Copies queue in token order (token t's k copies before token t+1's), so which ones are dropped
     depends on positions only: deterministic, and the same however often forward is recomputed.
     """
-    order, counts = sort_by_expert(idx, n_experts)  # (N k,), (E,)
+    order, counts = sort_by_expert(idx, n_experts)  # (N k,), (1 + E,): nothing dropped yet, slot 0 is 0
+    counts = counts[1:]  # (E,)
     first = torch.cumsum(counts, 0) - counts  # (E,) where each expert's run starts in `order`
     flat = idx.reshape(-1)
     place = torch.empty_like(flat)
@@ -242,14 +279,14 @@ class MoE(nn.Module):
         weights, idx = self.select(scores)
         training = torch.is_grad_enabled()  # evaluation neither counts nor adds the balance loss
         if training:
-            load = torch.bincount(idx.reshape(-1), minlength=self.n_experts)  # (E,) what the router chose
+            load = histogram(idx.reshape(-1), self.n_experts)  # (E,) what the router chose
             aux = None
             if self.aux_weight > 0:
                 aux = sequence_balance_loss(scores.view(B, T, -1), idx.view(B, T, -1), self.sequence_reduce).sum()
         if self.capacity_factor > 0:
             idx = drop_over_capacity(idx, self.n_experts,
                                      math.ceil(self.capacity_factor * idx.numel() / self.n_experts))
-        out = self.dispatch(flat, weights, idx, self.experts)
+        out = self.dispatch(flat, weights, idx, self.experts, drops=self.capacity_factor > 0)
         if self.shared is not None:
             out = out + self.shared(flat)
         if training and out.requires_grad:

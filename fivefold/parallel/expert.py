@@ -64,25 +64,31 @@ class ExpertParallelDispatch:
         self.group, self.n_experts = group, n_experts
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts_idx: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
+                 experts: GroupedExperts, drops: bool = True) -> torch.Tensor:
         ep, n_local = self.group.size, experts.gate.shape[0]  # n_local = E / ep
-        order, counts = sort_by_expert(experts_idx, self.n_experts)  # (M,) sorted kept copies, (E,)
-        token_of_copy = order // experts_idx.shape[1]  # (M,) source token of each copy
+        order, counts = sort_by_expert(experts_idx, self.n_experts)  # (N k,) dropped copies first, (1 + E,)
 
         # 1. Counts first: received[s, e] = rows source rank s sends to local expert e.
-        received = torch.empty_like(counts)  # (ep E/ep,)
-        collectives.all_to_all(received, counts, self.group, [n_local] * ep, [n_local] * ep)
-        received = received.view(ep, n_local)  # (ep, E/ep)
-        in_splits = counts.view(ep, n_local).sum(1).tolist()  # rows to each rank
-        out_splits = received.sum(1).tolist()  # rows from each rank
+        sent = counts[1:]  # (E,)
+        received = torch.empty_like(sent)  # (ep E/ep,)
+        collectives.all_to_all(received, sent, self.group, [n_local] * ep, [n_local] * ep)
+        # The layer's one read: every size the all-to-alls below need (`drops`: whether any copy can be dropped).
+        host = torch.cat([counts, received]).tolist()
+        dropped, sent_host, received_host = host[0], host[1:1 + self.n_experts], host[1 + self.n_experts:]
+        order = order[dropped:]  # (M,) the kept copies
+        token_of_copy = order // experts_idx.shape[1]  # (M,) source token of each copy
+        in_splits = [sum(sent_host[r * n_local:(r + 1) * n_local]) for r in range(ep)]  # rows to each rank
+        out_splits = [sum(received_host[s * n_local:(s + 1) * n_local]) for s in range(ep)]  # rows from each rank
+        local_sizes = [sum(received_host[s * n_local + e] for s in range(ep)) for e in range(n_local)]
 
         # 2. Dispatch: rows arrive source-major, (s, e) segments in that order.
         rows = regions.all_to_all_rows(x[token_of_copy], self.group, out_splits, in_splits)  # (R, dim)
 
         # 3. Regroup expert-major: stable sort of the rows by (expert, source).
-        segment = torch.arange(ep * n_local, device=x.device).repeat_interleave(received.reshape(-1))  # (R,) s E/ep + e
+        segment = torch.arange(ep * n_local, device=x.device).repeat_interleave(
+            received, output_size=sum(out_splits))  # (R,) s E/ep + e; its size given: no read
         regroup = torch.argsort((segment % n_local) * ep + segment // n_local, stable=True)  # (R,)
-        y = experts(rows[regroup], received.sum(0).tolist())  # (R, dim)
+        y = experts(rows[regroup], received.view(ep, n_local).sum(0), local_sizes)  # (R, dim)
         y = torch.empty_like(y).index_copy(0, regroup, y)  # back to source-major
 
         # 4. Combine: every row returns to the rank and slot it came from.

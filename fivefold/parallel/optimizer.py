@@ -19,16 +19,26 @@ from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 
 
+def fused_on(device: torch.device) -> bool:
+    """Whether AdamW runs fused on `device`: on CUDA, one kernel for every tensor, its step counter on
+    the device and a non-finite step skipped there (`found_inf`), so the step needs no host read.
+    Elsewhere foreach (the CPU's fused kernel rounds differently from the per-tensor one by an ulp;
+    foreach's is bitwise the same, measured on torch 2.13)."""
+    return device.type == "cuda"
+
+
 def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over a module's parameters or the given tensors (ZeRO steps fp32 shards); norms and
-    biases (1-D tensors) get no weight decay, as in GPT-3 and Llama."""
+    biases (1-D tensors) get no weight decay, as in GPT-3 and Llama. Fused on CUDA, foreach elsewhere
+    (`fused_on`)."""
     tensors = [p for p in params.parameters() if p.requires_grad] if isinstance(params, nn.Module) else list(params)
     groups = [
         {"params": [p for p in tensors if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in tensors if p.ndim < 2], "weight_decay": 0.0},
     ]
-    # foreach=False keeps the per-parameter arithmetic identical for 1 and N ranks.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    fused = bool(tensors) and fused_on(tensors[0].device)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused or None, foreach=not fused)
 
 
 @torch.no_grad()
@@ -39,8 +49,10 @@ def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not optimizer.state.get(p):
-                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+                # where AdamW keeps it: on the device when fused (or capturable), else on the CPU
+                on_device = group.get("fused") or group.get("capturable")
+                step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                optimizer.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -50,8 +62,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = (),
                    counted_elsewhere: list[torch.Tensor] = (),
-                   split_further: tuple[list[torch.Tensor], list[AxisGroup], list[AxisGroup]] | None = None) -> float:
-    """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm.
+                   split_further: tuple[list[torch.Tensor], list[AxisGroup], list[AxisGroup]] | None = None,
+                   ) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm,
+    a 0-dim float64 tensor on the gradients' device: nothing here waits for the device.
 
     With plain data parallel every rank holds the whole summed gradient, so the local norm is the
     global one. Gradients split over ranks (ZeRO shards, pipeline stages) pass the groups they are
@@ -61,14 +75,16 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[Axis
     (some of `grads`, the groups they alone are split over, the groups only the others are split
     over): experts over ep (and with ZeRO their shards over expert_dp) while the dense gradients'
     ZeRO shards are over dp_shard; `groups` are then the ones both are split over (pp, tp).
+
+    Each tensor's norm is taken in float64 without a float64 copy of it (torch._foreach_norm
+    accumulates in the dtype it is given); their squares are summed in float64. A non-finite norm
+    leaves the gradients as they are (the step is skipped; the caller names the culprits from them).
     """
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    device = grads[0].device if grads else None
     further, further_groups, dense_groups = split_further or ([], [], [])
-    sq_further = torch.zeros_like(sq)
-    for g in grads:
-        if not any(g is other for other in counted_elsewhere):
-            is_further = any(g is other for other in further)
-            (sq_further if is_further else sq).add_(g.double().pow(2).sum())
+    counted = [g for g in grads if not any(g is other for other in counted_elsewhere)]
+    sq = _sum_of_squares([g for g in counted if not any(g is other for other in further)], device)
+    sq_further = _sum_of_squares([g for g in counted if any(g is other for other in further)], device)
     for group in dense_groups:
         collectives.all_reduce(sq, group)
     for group in further_groups:
@@ -76,9 +92,16 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[Axis
     sq += sq_further
     for group in groups:
         collectives.all_reduce(sq, group)
-    norm = float(sq.sqrt())
-    if max_norm > 0:
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        for g in grads:
-            g.mul_(scale)
+    norm = sq.sqrt()
+    if max_norm > 0 and grads:
+        # min(1, max_norm / (norm + 1e-6)) in float64, then float32 as a Python scale would be; 1 when not finite
+        scale = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
     return norm
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """Sum over `grads` of their squared L2 norms, () float64 on `device`."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()

@@ -18,7 +18,7 @@ the gradients wherever they live.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -32,7 +32,7 @@ from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, init_optimizer_state, set_lr
+from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, fused_on, init_optimizer_state, set_lr
 from fivefold.parallel.pipeline.executor import PipelineExecutor
 from fivefold.parallel.pipeline.stages import apply_pipeline_parallel
 from fivefold.parallel.recompute import apply_recompute
@@ -50,19 +50,16 @@ class LossScale(Protocol):
     def update(self, finite: bool) -> None: ...
 
 
-class NonFiniteGradient(FloatingPointError):
-    """A NaN or Inf gradient with train.nonfinite = "stop"; `names` are the parameters, every rank's."""
-
-    def __init__(self, names: list[str]):
-        self.names = names
-        super().__init__(f"non-finite gradient in {names[0] if names else '?'} ({len(names)} parameters)")
-
-
 @dataclass(frozen=True)
 class StepOutcome:
-    grad_norm: float  # global L2 norm of the summed gradient before clipping (inf on an fp16 overflow)
-    applied: bool  # the optimizer stepped; False: the step was skipped, nothing changed
+    """What an optimizer step leaves on the device, for the training step to read once with its loss."""
+
+    grad_norm: torch.Tensor  # () float64: global L2 norm of the summed gradient before clipping (inf: fp16 overflow)
+    applied: torch.Tensor  # () bool: the optimizer stepped; False: the step was skipped, nothing changed
     overflow: bool  # skipped because fp16's scaled gradients overflowed (the scale halves)
+    # The gradients the norm was taken over, by parameter name: a non-finite norm names its culprits
+    # from them once it has been read (nonfinite_parameters), after the gradients were let go.
+    named_gradients: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -87,11 +84,16 @@ class Parallelized:
         return self.cp.positions(seq_len, device)
 
     # ---- the optimizer step ---------------------------------------------------------------------
-    def optimizer_step(self, lr: float, scaler: LossScale, grad_clip: float, stop_on_nonfinite: bool) -> StepOutcome:
+    def optimizer_step(self, lr: float, scaler: LossScale, grad_clip: float) -> StepOutcome:
         """Unscale (fp16), clip to the global norm, step, and let data parallel follow up (ZeRO's
-        gather). A non-finite gradient skips the step on every rank alike, or raises NonFiniteGradient
-        when `stop_on_nonfinite`. Collective: the norm and the overflow check reduce over the groups
-        the gradients are split across."""
+        gather). A non-finite gradient skips the step on every rank alike (every rank sees the same
+        global norm); the caller reads the norm and decides whether to stop (nonfinite_parameters
+        names the culprits). Collective: the norm and the overflow check reduce over the groups the
+        gradients are split across.
+
+        Host reads: none with fused AdamW (CUDA), which skips a non-finite step on the device
+        (`found_inf`); elsewhere, and with fp16's loss scaling, the norm is read here to decide
+        (on a CPU that waits for nothing)."""
         set_lr(self.optimizer, lr)
         self.experts.sum_partial_gradients(self.dp.params, self.dp.gradient_of)  # sp: MoE shares over tp
         both = [self.mesh.group("pp"), self.mesh.group("tp")]  # what dense and expert gradients are split over
@@ -101,20 +103,27 @@ class Parallelized:
         if not scaler.unscale(self.dp.gradients(), [*expert_groups, *self.dp.norm_groups, *both]):
             self._skip()  # fp16 overflow: the scale halves
             scaler.update(False)
-            return StepOutcome(float("inf"), applied=False, overflow=True)
+            inf = torch.full((), math.inf, dtype=torch.float64, device=self.pipeline.device)
+            return StepOutcome(inf, torch.zeros((), dtype=torch.bool, device=inf.device), overflow=True)
+        named = [(name, g) for name, p in self.model.named_parameters() if (g := self.dp.gradient_of(p)) is not None]
         grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, both, self._counted_elsewhere(),
                                    (self._expert_gradients(), expert_groups, self.dp.norm_groups))
-        finite = math.isfinite(grad_norm)  # every rank sees the same global norm
-        if finite:
+        finite = torch.isfinite(grad_norm)
+        if fused_on(grad_norm.device) and not scaler.enabled:  # decided on the device
+            self.optimizer.found_inf = (~finite).float()  # fused AdamW leaves everything as it was when 1
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.dp.after_step()
-        elif stop_on_nonfinite:
-            raise NonFiniteGradient(self._nonfinite_parameters())
+            return StepOutcome(grad_norm, finite, overflow=False, named_gradients=named)
+        applied = math.isfinite(float(grad_norm))  # the host decides: the norm's read
+        if applied:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.dp.after_step()
         else:
             self._skip()
-        scaler.update(finite)
-        return StepOutcome(grad_norm, applied=finite, overflow=False)
+        scaler.update(applied)
+        return StepOutcome(grad_norm, finite, overflow=False, named_gradients=named)
 
     def _skip(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)  # drop this step's gradients: nothing is applied
@@ -132,10 +141,10 @@ class Parallelized:
             out += [self.dp.gradient_of(p) for p in self.dp.params if not hasattr(p, "tp_dim")]
         return out
 
-    def _nonfinite_parameters(self) -> list[str]:
-        """Which gradients are NaN/Inf, gathered from every rank (they hold different parts)."""
-        local = [name for name, p in self.model.named_parameters()
-                 if (g := self.dp.gradient_of(p)) is not None and not torch.isfinite(g).all()]
+    def nonfinite_parameters(self, outcome: StepOutcome) -> list[str]:
+        """Which gradients of a step were NaN/Inf, gathered from every rank (they hold different parts).
+        Collective over the world; for the error after a non-finite norm was read."""
+        local = [name for name, g in outcome.named_gradients if not torch.isfinite(g).all()]
         found = collectives.all_gather_object(local, self.mesh.group("world"), "gather of the non-finite gradients")
         return [f"{n} (rank {r})" for r, part in enumerate(found) for n in part]
 

@@ -70,15 +70,18 @@ def expert_stats(model: nn.Module, *groups: AxisGroup, label: str | None = None)
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, stats: ExpertStats, rate: float) -> None:
+def update_expert_bias(model: nn.Module, stats: ExpertStats, rate: float, applied: torch.Tensor | bool = True) -> None:
     """DeepSeek-V3's auxiliary-loss-free update after an optimizer step: b_e += u sign(mean - load_e).
 
     `stats` must be summed over the grad view (expert_stats with mesh.group("grad"), and tp under
     sp), so every replica moves its bias identically. A block that saw no tokens stays where it is (sign(0) = 0).
+    `applied`: whether the optimizer stepped, a bool tensor on the device (decided there, not read):
+    a skipped step moves no bias.
     """
     for name, moe in moe_blocks(model).items():
         load = torch.tensor(stats.load[name], dtype=torch.float32, device=moe.expert_bias.device)  # (E,)
-        moe.expert_bias += rate * torch.sign(load.mean() - load)
+        moe.expert_bias += torch.where(torch.as_tensor(applied, device=load.device),
+                                       rate * torch.sign(load.mean() - load), 0.0)
 
 
 def reset_expert_counts(model: nn.Module) -> None:
@@ -102,12 +105,12 @@ class MoEBalancing:
     def before(self, loss_scale: float) -> None:
         set_balance_loss_scale(self.model, self.sequences, loss_scale)
 
-    def after(self, applied: bool) -> dict:
+    def after(self, applied: torch.Tensor | bool) -> dict:
         """Read, apply and reset the step's routing; returns its metrics for the step record (MoE only).
         Collective over the grad view (and, with several stages holding MoE blocks, over pp)."""
         routing = expert_stats(self.model, *self.groups, label="log")  # summed over every token of the step
-        if applied and self.rate:
-            update_expert_bias(self.model, routing, self.rate)
+        if self.rate:  # a skipped step (applied False on the device) moves nothing
+            update_expert_bias(self.model, routing, self.rate, applied)
         reset_expert_counts(self.model)
         return self._metrics(routing) if self.enabled else {}
 

@@ -16,6 +16,7 @@ over every token of the global batch, identical to one process running the whole
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from fivefold.model.masks import Documents
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.parallelize import NonFiniteGradient, Parallelized
+from fivefold.parallel.parallelize import Parallelized
 from fivefold.train.lr_schedule import lr_at
 from fivefold.train.moe_balance import MoEBalancing
 from fivefold.train.precision import LossScaler, autocast
@@ -90,25 +91,27 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, positions=positions,
                              clock=time.perf_counter if mesh.size("pp") > 1 else None, documents=documents)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
-        try:
-            outcome = par.optimizer_step(lr, run.scaler, t.grad_clip, stop_on_nonfinite=t.nonfinite == "stop")
-        except NonFiniteGradient as e:
-            raise FloatingPointError(nonfinite_message(step + 1, stats.loss, e.names)) from None
+        outcome = par.optimizer_step(lr, run.scaler, t.grad_clip)
         moe = run.balancing.after(outcome.applied)
     comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
-    loss = run.reduce_loss(torch.tensor(stats.loss, dtype=torch.float64, device=run.device))  # last stage's, else 0
+    loss = run.reduce_loss(stats.loss.clone())  # the last stage's, else 0
+    # The step's one read from the device: the logged loss and norm, and this rank's loss share (for an error).
+    loss_value, grad_norm, own_loss = torch.stack([loss, outcome.grad_norm, stats.loss]).tolist()
+    applied = not outcome.overflow and math.isfinite(grad_norm)
+    if not applied and not outcome.overflow and t.nonfinite == "stop":
+        raise FloatingPointError(nonfinite_message(step + 1, own_loss, par.nonfinite_parameters(outcome)))
     wall, parts = timer.end_step()
-    metrics = {"step": step + 1, "epoch": epoch, "loss": float(loss), "lr": lr, "grad_norm": outcome.grad_norm,
+    metrics = {"step": step + 1, "epoch": epoch, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                "tokens": batch.global_tokens, "samples": [first, first + len(indices)], "step_time_s": wall,
                "tokens_per_s": batch.global_tokens / wall, "comm": comm,
                "model_state_bytes": par.memory.pop_peak()}
     if run.scaler.enabled:
-        metrics.update(loss_scale=run.scaler.scale, skipped=not outcome.applied)
+        metrics.update(loss_scale=run.scaler.scale, skipped=not applied)
     metrics.update(moe)
     if hasattr(run.train_set, "tokens_by_source"):  # a mixture: what each source gave this step
         metrics["source_tokens"] = run.train_set.tokens_by_source(indices)
-    notes = [] if outcome.applied or outcome.overflow else [
-        f"step {step + 1}: gradient norm {outcome.grad_norm}; step skipped (train.nonfinite = 'skip')"]
+    notes = [] if applied or outcome.overflow else [
+        f"step {step + 1}: gradient norm {grad_norm}; step skipped (train.nonfinite = 'skip')"]
     return StepRecord(metrics, wall, parts, began, timer.events, stats.timeline,
                       samples=[int(i) for i in batch.indices], notes=notes)
 

@@ -50,7 +50,7 @@ def _held_bytes(slots: dict[tuple[int, int], _Slot]) -> int:
 
 @dataclass
 class PipelineStats:
-    loss: float = 0.0  # this rank's sum of micro-batch losses (last stage only), read from the device once
+    loss: torch.Tensor | None = None  # () float64 on the device: this rank's sum of micro-batch losses (last stage)
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, action)
     peak_held_bytes: int = 0  # most bytes of stage inputs and outputs kept for backward at once
     freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
@@ -273,7 +273,7 @@ class PipelineExecutor:
         if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
             param, group = self.tied
             collectives.all_reduce(self.dp.gradient_of(param), group)
-        step.stats.loss = float(step.loss_sum)
+        step.stats.loss = step.loss_sum  # not read here: the training step reads it with the norm
         return step.stats
 
     # ---- evaluation -----------------------------------------------------------------------------

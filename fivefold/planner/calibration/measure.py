@@ -19,7 +19,7 @@ What is measured, and what it becomes in the profile (every value's [sources] en
   chain of linear layers forward and backward -> matmul_curve (FLOPs of one matmul, FLOP/s
   achieved); peak_flops is its best rate and compute_efficiency its median / best (what the
   FLOPs-only estimate, and MFU, use);
-- fivefold's own optimizer step (parallel/optimizer.py: AdamW foreach=False, gradient clipping,
+- fivefold's own optimizer step (parallel/optimizer.py: AdamW foreach (fused on CUDA), gradient clipping,
   zero_grad) on many small and on a few large tensors -> optimizer_s_per_tensor and
   optimizer_s_per_element (two equations, two unknowns);
 - Python's fixed costs beyond the ops (host.py): an nn.Module call, a custom autograd
@@ -309,8 +309,8 @@ def profile(sessions: list[dict], nproc: int, threads: int, name: str = "local")
         "view_overhead_s": f"{host}: the same for a chain of views (its few kernels priced at op_overhead_s)",
         "elementwise_curve": f"{host}: the same chain at larger sizes, (bytes read + written per op, "
                              "bytes/s of the time beyond op_overhead_s)",
-        "optimizer_s_per_tensor": f"{host}: clip_grad_norm + AdamW(foreach=False) + zero_grad of parallel/optimizer.py "
-                                  "on 96 x 64 and 4 x 262144 elements, solved for per tensor and per element",
+        "optimizer_s_per_tensor": f"{host}: clip_grad_norm, build_optimizer's AdamW, zero_grad (parallel/optimizer.py)"
+                                  " on 96 x 64 and 4 x 262144 elements, solved for per tensor and per element",
         "optimizer_s_per_element": f"{host}: same measurement",
         "module_call_s": f"{host}: 100 multiplies each in an nn.Module's forward, less the bare chain, forward + "
                          "backward, per module",

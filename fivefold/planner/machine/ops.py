@@ -9,7 +9,8 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
   splits them: GQA's wq/wk/wv/wo by heads; MLA's per-head up-projections and wo by heads, its
   down-projections whole on Ts tokens; a dense SwiGLU's gate/up/down by hidden units; an MoE's
   router and shared experts whole on Ts tokens; each local routed expert (E / ep of them, one
-  matmul each: GroupedExperts loops over them) on the rows the ep group sends it: Ts x ep x top_k /
+  matmul each: GroupedExperts loops over them; in bf16 it runs them as one torch._grouped_mm per
+  weight, counted here as the loop, the same flops) on the rows the ep group sends it: Ts x ep x top_k /
   E, times the expert imbalance on the busiest expert rank (capped by a capacity factor, which
   drops the overflow); the head (V / tp) on the last stage;
 - the attention core as the fused kernel runs it: T queries over the sequence's keys, causal
