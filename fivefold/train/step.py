@@ -16,7 +16,6 @@ over every token of the global batch, identical to one process running the whole
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +87,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         documents = Documents.from_config(run.cfg.data, run.train_set.eod)  # None: plain causal attention
     run.balancing.before(run.scaler.scale)
     stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, positions=positions,
-                             clock=time.perf_counter if mesh.size("pp") > 1 else None, documents=documents)
+                             clock=timer.clock.mark if mesh.size("pp") > 1 else None, documents=documents)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
         try:
             outcome = par.optimizer_step(lr, run.scaler, t.grad_clip, stop_on_nonfinite=t.nonfinite == "stop")
@@ -98,6 +97,9 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
     loss = run.reduce_loss(torch.tensor(stats.loss, dtype=torch.float64, device=run.device))  # last stage's, else 0
     wall, parts = timer.end_step()
+    # The actions' marks as times, once the step is over: a GPU's events are complete only then.
+    ends = timer.host_times([m for start, end, _ in stats.timeline for m in (start, end)])
+    timeline = [(ends[2 * i], ends[2 * i + 1], name) for i, (_, _, name) in enumerate(stats.timeline)]
     metrics = {"step": step + 1, "epoch": epoch, "loss": float(loss), "lr": lr, "grad_norm": outcome.grad_norm,
                "tokens": batch.global_tokens, "samples": [first, first + len(indices)], "step_time_s": wall,
                "tokens_per_s": batch.global_tokens / wall, "comm": comm,
@@ -109,7 +111,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         metrics["source_tokens"] = run.train_set.tokens_by_source(indices)
     notes = [] if outcome.applied or outcome.overflow else [
         f"step {step + 1}: gradient norm {outcome.grad_norm}; step skipped (train.nonfinite = 'skip')"]
-    return StepRecord(metrics, wall, parts, began, timer.events, stats.timeline,
+    return StepRecord(metrics, wall, parts, began, timer.events, timeline,
                       samples=[int(i) for i in batch.indices], notes=notes)
 
 
