@@ -33,6 +33,7 @@ from fivefold.data.batches import GlobalBatches
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.arrivals import collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.mesh import Mesh
@@ -86,7 +87,9 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> bool:
     if "RANK" in os.environ:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        # The timeout the mesh's arrivals watch is set against (parallel/comm/arrivals.py).
+        timeout = timedelta(seconds=collective_deadlines(timeout_s, device_type).process_group_s)
+        dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
