@@ -30,6 +30,7 @@ from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
 from fivefold.checkpoint.weights import fill_weights, load_weights
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.data.batches import GlobalBatches
+from fivefold.launch.worker_report import note_missing
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
@@ -192,6 +193,8 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
     """
     run_dir = run_dir_of(cfg)
     mesh = Mesh.from_config(cfg, derived, device_type)
+    if mesh.arrivals is not None:  # the launcher's summary names whom the watch found missing (NCCL)
+        mesh.arrivals.on_found = note_missing
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))

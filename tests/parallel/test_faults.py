@@ -183,6 +183,24 @@ def test_the_launcher_names_a_stopped_rank_first_from_its_peers_reports(tmp_path
         assert missing_ranks(e) == {"1": why}
 
 
+def test_on_nccl_the_launcher_names_the_rank_the_watch_found_missing(tmp_path, monkeypatch):
+    """NCCL's watchdog ends every waiting rank at the timeout, with no error: the watch's finding,
+    kept in the waiting rank's file while it ran, names the culprit first; the waiter follows."""
+    from fivefold.launch.worker_report import WORKER_DIR, note_missing
+
+    why = "made 2 of these calls, this is call 3: it took another code path"
+    monkeypatch.setenv(WORKER_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    note_missing({1: why})  # rank 0's watch, before NCCL's watchdog aborts it
+    (tmp_path / "attempt0-rank1.json").write_text(json.dumps({"pid": 101, "state": "running"}))
+    pid = os.getpid()
+    assert culprit_summary(tmp_path).splitlines() == [
+        "the job failed; first cause:",
+        f"rank 1 (pid 101) never arrived at a collective rank 0 waited for: {why}",
+        f"rank 0 (pid {pid}) was ended waiting for them (parallel.collective_timeout_s)"]
+
+
 def test_the_summary_ends_with_the_first_causes_traceback_and_torchs_lines_are_one_each(tmp_path):
     """A rank that raised comes first with its error and, after the note, its traceback; the rank
     that failed as a consequence gets neither. torch's agent logs each failed worker as an
@@ -381,6 +399,9 @@ def test_the_watch_names_the_peers_behind_once_per_silence(monkeypatch, capsys):
     ranks that have not reached its last call on a group, once per silence."""
     store = torch.distributed.HashStore()
     waiting, late = arrivals.Arrivals(store, 0), arrivals.Arrivals(store, 1)  # watched by hand below
+    # Fresh reports while a look waits for them, whatever the load does to the threads' periods.
+    sleep = time.sleep
+    monkeypatch.setattr(arrivals.time, "sleep", lambda s: (waiting._publish(), late._publish(), sleep(s)))
     try:
         for _ in range(3):
             waiting.issue("7")
@@ -391,7 +412,10 @@ def test_the_watch_names_the_peers_behind_once_per_silence(monkeypatch, capsys):
         assert list(behind) == [(0, 1)] and behind[(0, 1)][1].startswith("made 2 of these calls, this is call 3")
         assert late.behind(groups) == {}  # rank 0 is ahead of it, not behind
         monkeypatch.setattr(waiting, "_groups_called", lambda: groups)  # no process group here
+        told = []
+        waiting.on_found = told.append  # train/loop.py: the worker's report file (launch/worker_report.py)
         waiting._watch(0.0)  # silent for 0 s or more
+        assert list(told[0]) == [1] and told[0][1].startswith("made 2 of these calls")
         line = capsys.readouterr().err
         assert line.startswith("rank 0: no collective launched for ")
         assert "of the group of ranks [0, 1]: rank 1 made 2 of these calls" in line

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed import constants
@@ -85,6 +86,7 @@ class Arrivals:
         self._counts: dict[str, int] = {}  # group name -> calls issued (only comm/collectives.py's thread adds keys)
         self._beat = 0
         self.watch_s = watch_s
+        self.on_found: Callable[[dict[int, str]], None] | None = None  # also told what the watch found
         self._last_issue = time.monotonic()  # when this rank last issued a collective
         self._looked_at = self._last_issue  # the silence last looked into (one look per silence)
         self._stop = threading.Event()
@@ -139,6 +141,8 @@ class Arrivals:
         found = self.behind(self._groups_called())
         if found:
             print(stalled_report(self.rank, time.monotonic() - last, found), file=sys.stderr, flush=True)
+            if self.on_found is not None:
+                self.on_found({r: why for late in found.values() for r, why in late.items()})
 
     def _groups_called(self) -> dict[str, list[int]]:
         """The groups this rank has called: name -> its members (global ranks)."""
