@@ -91,7 +91,7 @@ class TrainConfig:
     loss_scale_window: int = 1000  # fp16: clean steps before the scale doubles
     min_loss_scale: float = 1.0  # fp16: the scale never drops below this
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    compile: bool = False  # torch.compile each transformer block
+    compile: bool = False  # torch.compile each block's forward (not with zb_h1, zb_v, dualpipe_v past one stage)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf gradient: stop naming the parameter, or skip the step
     # Python's garbage collector runs between steps, every this many steps, instead of whenever

@@ -387,10 +387,17 @@ def _schedule_errors(cfg: Config, dp: int) -> list[str]:
                           f"train.micro_batch")
         else:
             try:
-                build_schedule(p.pp_schedule, p.pp, micro, p.virtual_stages)
+                schedule = build_schedule(p.pp_schedule, p.pp, micro, p.virtual_stages)
             except ValueError as e:
                 errors.append(f"parallel.pp_schedule = '{p.pp_schedule}' with pp = {p.pp}, virtual_stages = "
                               f"{p.virtual_stages} and {micro} micro-batches per step: {e}")
+            else:
+                if t.compile and schedule.splits_backward:
+                    # A compiled block's backward is one autograd node computing every gradient at
+                    # once: I and W would each run all of it, the backward twice.
+                    errors.append(f"train.compile = true with parallel.pp_schedule = '{p.pp_schedule}': its "
+                                  f"split backward (I, W) cannot split a compiled block's backward; use "
+                                  f"parallel.pp_schedule = '1f1b' or 'interleaved_1f1b', or train.compile = false")
     if p.pp_schedule in ("dualpipe_v", "zb_v") and p.virtual_stages != 2:
         errors.append(f"parallel.pp_schedule = '{p.pp_schedule}' runs 2 stages per rank; set "
                       f"parallel.virtual_stages = 2")

@@ -185,6 +185,20 @@ def test_pipeline_options():
                      "--train.micro_batch=2") == []  # explicit counts, where 8 layers do not divide by 3
 
 
+def test_compile_refuses_schedules_that_split_a_later_stage_backward():
+    # A compiled block's backward is one autograd node: I and W would each run all of it.
+    zb = ("--parallel.pp=2", "--parallel.dp=1", "--train.compile=true")
+    msg = one_error(errors_of(2, *zb, "--parallel.pp_schedule=zb_h1"), "train.compile = true", "'zb_h1'")
+    assert "'1f1b'" in msg and "train.compile = false" in msg
+    for name in ("zb_v", "dualpipe_v"):
+        one_error(errors_of(2, *zb, f"--parallel.pp_schedule={name}", "--parallel.virtual_stages=2",
+                            "--train.global_batch=16"), "train.compile = true", f"'{name}'")
+    assert errors_of(2, *zb) == []  # 1f1b runs whole backwards
+    # One stage: its I computes nothing and its W the whole backward, so nothing is split.
+    assert errors_of(1, "--parallel.pp_schedule=zb_h1", "--train.compile=true") == []
+    assert errors_of(2, *zb[:2], "--parallel.pp_schedule=zb_h1") == []  # without compile it splits
+
+
 def test_latent_attention_and_expert_group_options():
     mla = "--model.preset=tiny-mla"
     assert errors_of(8, mla, "--parallel.tp=2", "--parallel.ep=2", "--parallel.cp=2") == []

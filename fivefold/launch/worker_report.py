@@ -44,14 +44,29 @@ def _write(path: Path, **fields) -> None:
         os.replace(tmp, path)
 
 
+def _own_path() -> Path | None:
+    """This launched worker's file (None: not launched by fivefold's launcher)."""
+    folder = os.environ.get(WORKER_DIR)
+    if not folder:
+        return None
+    return _path(Path(folder), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ["RANK"]))
+
+
+def note_missing(missing: dict[int, str]) -> None:
+    """The peers the arrivals watch found missing (parallel/comm/arrivals.py), kept in this worker's
+    file while it still runs: on NCCL the watchdog ends the process at the timeout, before any error
+    reaches `reporting`, so this is how the launcher's summary learns who never arrived."""
+    if (path := _own_path()) is not None:
+        _write(path, state="running", missing={str(r): why for r, why in missing.items()})
+
+
 @contextlib.contextmanager
 def reporting() -> Iterator[None]:
     """Around a launched worker's work: its file says how it ended (nothing without the folder)."""
-    folder = os.environ.get(WORKER_DIR)
-    if not folder:
+    path = _own_path()
+    if path is None:
         yield
         return
-    path = _path(Path(folder), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ["RANK"]))
     _write(path, state="running")
 
     def stopped(signum, frame):  # noqa: ARG001
@@ -109,6 +124,8 @@ def culprit_summary(folder: Path, note: str = "") -> str | None:
         if rank in named and r["state"] in ("running", "stopped"):  # ended by the launcher, not by an error
             waiter, why = named[rank]
             first.append(f"rank {rank} (pid {r['pid']}) never arrived at a collective rank {waiter} waited for: {why}")
+        elif r["state"] == "running" and r.get("missing"):  # its watch named them; NCCL's watchdog ended it
+            after.append(f"rank {rank} (pid {r['pid']}) was ended waiting for them (parallel.collective_timeout_s)")
         elif r["state"] == "running":
             first.append(f"rank {rank} (pid {r['pid']}) died without an error: killed by a signal it cannot "
                          f"catch (SIGKILL: by hand, or the kernel's OOM killer) or crashed")

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fivefold.config import Config
-from fivefold.parallel.comm.arrivals import Arrivals
+from fivefold.parallel.comm.arrivals import Arrivals, collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats, world_group
 from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
 from fivefold.parallel.derive import Derived
@@ -90,7 +90,8 @@ class Mesh:
         # The dry run's fake world has no peers to wait for, and builds a mesh per position in one process.
         self.arrivals = None
         if dist.get_backend() != "fake":
-            self.arrivals = Arrivals(dist.distributed_c10d._get_default_store(), dist.get_rank())
+            self.arrivals = Arrivals(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                                     collective_deadlines(timeout_s, device_type).watch_s)
             weakref.finalize(self, self.arrivals.close)  # also at exit: the thread never outlives its mesh
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=AXES)
         self._groups: dict[str, AxisGroup] = {}

@@ -175,6 +175,22 @@ class Parallelized:
         return {k: v for part in parts for k, v in part.items()}
 
 
+def compile_blocks(model: Transformer, **options: object) -> None:
+    """torch.compile each transformer block's forward (`train.compile`); `options` go to
+    torch.compile (tests pass a backend that needs no C++ compiler).
+
+    The forward, not the module's `__call__` as Module.compile() would: module hooks then run
+    outside the compiled code, eagerly and without a graph break. Those are ZeRO-3's gather before a
+    unit's forward and its free after it (data/fsdp.py): collectives and storage resizes dynamo cannot
+    trace. Tensor parallel's region hooks run inside a block, on its attention and MLP; they and every
+    collective are excluded from tracing where they are defined (comm/regions.py, comm/collectives.py),
+    so each is one graph break (tests/parallel/test_compile.py counts them). Parameter names stay the
+    plain model's, so checkpoints do not depend on compile. Zero-bubble schedules that split a later
+    stage's backward are refused with compile (validate.py): a compiled block's backward is one node."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, **options)
+
+
 def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> Parallelized:
     """Apply every dimension of cfg.parallel to `model` in place, in the composition order."""
     stages = apply_pipeline_parallel(model, mesh, cfg, derived)
@@ -183,9 +199,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     cp = apply_context_parallel(model, mesh, cfg, derived)
     apply_recompute(model, mesh, cfg, derived)
     if cfg.train.compile:
-        # Module.compile() per block keeps parameter names, so checkpoints do not depend on it.
-        for block in model.layers.values():
-            block.compile()
+        compile_blocks(model)
     dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
     optimizer = build_optimizer(dp.optimizer_params(), cfg.train)  # its state comes with its first step
     memory = ModelStateMeter(dp.params, optimizer)

@@ -30,9 +30,11 @@ from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
 from fivefold.checkpoint.weights import fill_weights, load_weights
 from fivefold.config import Config, ConfigError, to_toml
 from fivefold.data.batches import GlobalBatches
+from fivefold.launch.worker_report import note_missing
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.arrivals import collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.comm.compat import require_supported_torch
 from fivefold.parallel.derive import Derived, derive
@@ -89,10 +91,11 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> bool:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # Joined under torch's default timeout, then given the collective timeout (as the mesh's groups
         # are, parallel/mesh.py): joining waits for the slowest rank to start, which a short collective
-        # timeout must not cut.
+        # timeout must not cut. The mesh's arrivals watch is set against the same timeout
+        # (parallel/comm/arrivals.py).
         dist.init_process_group(backend)
-        if timeout_s:
-            dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
+        timeout_s = collective_deadlines(timeout_s, device_type).process_group_s
+        dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
@@ -196,6 +199,8 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
     """
     run_dir = run_dir_of(cfg)
     mesh = Mesh.from_config(cfg, derived, device_type)
+    if mesh.arrivals is not None:  # the launcher's summary names whom the watch found missing (NCCL)
+        mesh.arrivals.on_found = note_missing
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))

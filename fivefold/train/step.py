@@ -17,7 +17,6 @@ over every token of the global batch, identical to one process running the whole
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +88,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         documents = Documents.from_config(run.cfg.data, run.train_set.eod)  # None: plain causal attention
     run.balancing.before(run.scaler.scale)
     stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, positions=positions,
-                             clock=time.perf_counter if mesh.size("pp") > 1 else None, documents=documents)
+                             clock=timer.clock.mark if mesh.size("pp") > 1 else None, documents=documents)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
         outcome = par.optimizer_step(lr, run.scaler, t.grad_clip)
         moe = run.balancing.after(outcome.applied)
@@ -101,6 +100,9 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     if not applied and not outcome.overflow and t.nonfinite == "stop":
         raise FloatingPointError(nonfinite_message(step + 1, own_loss, par.nonfinite_parameters(outcome)))
     wall, parts = timer.end_step()
+    # The actions' marks as times, once the step is over: a GPU's events are complete only then.
+    ends = timer.host_times([m for start, end, _ in stats.timeline for m in (start, end)])
+    timeline = [(ends[2 * i], ends[2 * i + 1], name) for i, (_, _, name) in enumerate(stats.timeline)]
     metrics = {"step": step + 1, "epoch": epoch, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                "tokens": batch.global_tokens, "samples": [first, first + len(indices)], "step_time_s": wall,
                "tokens_per_s": batch.global_tokens / wall, "comm": comm,
@@ -112,7 +114,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         metrics["source_tokens"] = run.train_set.tokens_by_source(indices)
     notes = [] if applied or outcome.overflow else [
         f"step {step + 1}: gradient norm {grad_norm}; step skipped (train.nonfinite = 'skip')"]
-    return StepRecord(metrics, wall, parts, began, timer.events, stats.timeline,
+    return StepRecord(metrics, wall, parts, began, timer.events, timeline,
                       samples=[int(i) for i in batch.indices], notes=notes)
 
 

@@ -16,7 +16,7 @@ import traceback
 
 import pytest
 import torch
-from helpers import config_mesh, tiny_config
+from helpers import ROOT, config_mesh, tiny_config
 
 from fivefold.checkpoint.run_state import latest_checkpoint
 from fivefold.data.batches import DataCacheError, epoch_order
@@ -181,6 +181,24 @@ def test_the_launcher_names_a_stopped_rank_first_from_its_peers_reports(tmp_path
             raise RuntimeError("wrapped") from e
     except RuntimeError as e:
         assert missing_ranks(e) == {"1": why}
+
+
+def test_on_nccl_the_launcher_names_the_rank_the_watch_found_missing(tmp_path, monkeypatch):
+    """NCCL's watchdog ends every waiting rank at the timeout, with no error: the watch's finding,
+    kept in the waiting rank's file while it ran, names the culprit first; the waiter follows."""
+    from fivefold.launch.worker_report import WORKER_DIR, note_missing
+
+    why = "made 2 of these calls, this is call 3: it took another code path"
+    monkeypatch.setenv(WORKER_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    note_missing({1: why})  # rank 0's watch, before NCCL's watchdog aborts it
+    (tmp_path / "attempt0-rank1.json").write_text(json.dumps({"pid": 101, "state": "running"}))
+    pid = os.getpid()
+    assert culprit_summary(tmp_path).splitlines() == [
+        "the job failed; first cause:",
+        f"rank 1 (pid 101) never arrived at a collective rank 0 waited for: {why}",
+        f"rank 0 (pid {pid}) was ended waiting for them (parallel.collective_timeout_s)"]
 
 
 def test_the_summary_ends_with_the_first_causes_traceback_and_torchs_lines_are_one_each(tmp_path):
@@ -353,3 +371,56 @@ def test_the_arrivals_thread_publishes_counts_and_stops_on_close():
     for thread in (first._thread, second._thread):
         thread.join(timeout=10 * arrivals.PUBLISH_PERIOD_S)
         assert not thread.is_alive()
+
+
+def test_on_nccl_the_watch_looks_before_the_process_groups_timeout_ends_the_process(tmp_path):
+    """On NCCL a timed-out collective never raises in Python: the watchdog aborts the process at the
+    process group's timeout. The arrivals watch must have looked and printed by then, with room for
+    the host running ahead of its stuck collective. The settings are those a CUDA run derives from
+    its config (train/loop.py's process group and the mesh's Arrivals both call collective_deadlines)."""
+    from fivefold.config import load_config
+
+    configs = [tiny_config(tmp_path), load_config(ROOT / "configs" / "debug.toml"),
+               tiny_config(tmp_path, "--parallel.collective_timeout_s=60")]
+    for cfg in configs:
+        d = arrivals.collective_deadlines(cfg.parallel.collective_timeout_s, "cuda")
+        assert d.process_group_s == cfg.parallel.collective_timeout_s
+        assert d.watch_s is not None and d.watch_s + d.look_s < d.process_group_s, d
+        assert d.process_group_s - (d.watch_s + d.look_s) >= d.look_s  # room for a step's run-ahead
+    assert arrivals.collective_deadlines(None, "cuda").process_group_s == 600  # NCCL's default: 10 min
+    # gloo raises at the timeout, where comm/errors.py asks who is missing: no watch
+    assert arrivals.collective_deadlines(300, "cpu").watch_s is None
+    # too short for a look to end before it: no watch rather than one that looks too late
+    assert arrivals.collective_deadlines(4 * arrivals.LOOK_S - 1, "cuda").watch_s is None
+
+
+def test_the_watch_names_the_peers_behind_once_per_silence(monkeypatch, capsys):
+    """A rank silent for watch_s (blocked on a collective) reads its peers' reports and prints the
+    ranks that have not reached its last call on a group, once per silence."""
+    store = torch.distributed.HashStore()
+    waiting, late = arrivals.Arrivals(store, 0), arrivals.Arrivals(store, 1)  # watched by hand below
+    # Fresh reports while a look waits for them, whatever the load does to the threads' periods.
+    sleep = time.sleep
+    monkeypatch.setattr(arrivals.time, "sleep", lambda s: (waiting._publish(), late._publish(), sleep(s)))
+    try:
+        for _ in range(3):
+            waiting.issue("7")
+        for _ in range(2):
+            late.issue("7")
+        groups = {"7": [0, 1]}
+        behind = waiting.behind(groups)
+        assert list(behind) == [(0, 1)] and behind[(0, 1)][1].startswith("made 2 of these calls, this is call 3")
+        assert late.behind(groups) == {}  # rank 0 is ahead of it, not behind
+        monkeypatch.setattr(waiting, "_groups_called", lambda: groups)  # no process group here
+        told = []
+        waiting.on_found = told.append  # train/loop.py: the worker's report file (launch/worker_report.py)
+        waiting._watch(0.0)  # silent for 0 s or more
+        assert list(told[0]) == [1] and told[0][1].startswith("made 2 of these calls")
+        line = capsys.readouterr().err
+        assert line.startswith("rank 0: no collective launched for ")
+        assert "of the group of ranks [0, 1]: rank 1 made 2 of these calls" in line
+        waiting._watch(0.0)  # the same silence: looked at already
+        assert capsys.readouterr().err == ""
+    finally:
+        waiting.close()
+        late.close()

@@ -305,3 +305,101 @@ def test_parts_come_from_the_clocks_marks_read_at_the_end_of_the_step():
     assert (parts["compute"], parts["exposed_tp"], parts["recompute"], parts["exposed_dp"]) == (3.0, 3.0, 1.5, 0.5)
     assert parts["unattributed"] == 2.0 and sum(parts.values()) == wall
     assert sorted(name for _, name, _, _ in timer.events) == ["F0s0", "all_reduce", "all_reduce wait", "recompute"]
+
+
+def test_spans_on_autograds_thread_are_booked_and_other_threads_are_not():
+    """On CUDA autograd runs a backward on its device thread while the step's thread waits: what a
+    span there measures (a recompute, a collective of backward) is booked to its part and taken
+    from the waiting action's compute. On a CPU the backward runs on the calling thread, so a
+    thread that runs the backward stands in for the device thread. A thread that is not running a
+    backward (the pipeline's send thread) books nothing: its waits overlap the step's work."""
+    import threading
+
+    import torch
+
+    from fivefold.parallel.comm.timing import StepTimer
+
+    class Scripted:  # marks are times in call order, whichever thread asks
+        def __init__(self):
+            self.now = 0.0
+
+        def mark(self):
+            self.now += 1.0
+            return self.now
+
+        def seconds(self, marks):
+            return [m - marks[0] for m in marks]
+
+    timer = StepTimer(Scripted())
+    timer.begin_step(trace=True)  # mark 1
+
+    class Recomputed(torch.autograd.Function):  # a backward that opens spans, as recompute.py's does
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            with timer.span("recompute"):  # marks 3, 6
+                with timer.blocked("tp", "all_reduce"):  # marks 4, 5
+                    pass
+            return grad * 2
+
+    def background():  # the send thread: not in a backward
+        with timer.blocked("pp", "send wait"):
+            pass
+
+    x = torch.ones(2, requires_grad=True)
+    with timer.span("compute", "compute", "B0s0"):  # marks 2, 7
+        y = Recomputed.apply(x).sum()
+        worker = threading.Thread(target=lambda: (background(), y.backward()))
+        worker.start()
+        worker.join()
+    wall, parts = timer.end_step()  # mark 8
+    assert x.grad is not None and wall == 7.0
+    # compute 2..7 holds recompute 3..6, which holds the tp wait 4..5
+    assert (parts["compute"], parts["recompute"], parts["exposed_tp"], parts["exposed_pp"]) == (2.0, 2.0, 1.0, 0.0)
+    assert parts["unattributed"] == 2.0
+    assert sorted(name for _, name, _, _ in timer.events) == ["B0s0", "all_reduce", "recompute"]
+
+
+def test_on_a_gpu_the_timeline_is_when_the_stream_ran_each_action(monkeypatch):
+    """CUDA's clock marks actions with events and reads them after the step's one synchronisation:
+    the pipeline's timeline is when the stream reached each mark, not when the host launched it.
+    A fake event class stands in for torch.cuda.Event: the stream's time is scripted, and runs
+    behind the host, which launches an action's kernels and moves on."""
+    import torch
+
+    from fivefold.parallel.comm.timing import CudaClock, StepTimer
+
+    stream = {"ms": 0.0}  # where the stream is when an event is recorded behind the launched kernels
+    syncs = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.ms = None
+
+        def record(self):
+            self.ms = stream["ms"]
+
+        def elapsed_time(self, end):
+            assert syncs, "an event read before the step's synchronisation"
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(1))
+    timer = StepTimer(CudaClock())
+    began = timer.begin_step()
+    marks = []
+    for action, ms in (("F0s0", 30.0), ("B0s0", 50.0)):  # as the executor marks around each action
+        start = timer.clock.mark()
+        stream["ms"] += ms  # its kernels run on the stream
+        marks.append((start, timer.clock.mark(), action))
+    with timer.span("optimizer"):
+        stream["ms"] += 20.0
+    wall, parts = timer.end_step()
+    assert len(syncs) == 1 and wall == pytest.approx(0.1) and parts["optimizer"] == pytest.approx(0.02)
+    times = timer.host_times([m for start, end, _ in marks for m in (start, end)])
+    assert len(syncs) == 1  # reading the timeline waits for nothing more
+    assert times == pytest.approx([began, began + 0.03, began + 0.03, began + 0.08])

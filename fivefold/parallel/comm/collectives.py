@@ -27,6 +27,12 @@ like a collective does; `batch` posts several sends and receives at once (the pi
 The time the calling thread is blocked in a collective or a message (a synchronous call, an async
 launch, a `wait()`) is reported to the group's `timer` (timing.py) as that axis's exposed
 communication.
+
+Every call here is excluded from torch.compile's tracing (`torch.compiler.disable`): inside a
+compiled block (`train.compile`) a collective is one graph break and runs as it does eagerly,
+counted, timed and named. Traced, its Python bookkeeping (these counters, the timer's spans, the
+arrivals' counts) and the backend's call each broke the graph again, or were replayed wrongly
+(tests/parallel/test_compile.py counts the breaks).
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class Pending:
         """Done (or failed: wait() then names it), without blocking. gloo reports False until waited on."""
         return all(work.is_completed() for work in self._works)
 
+    @torch.compiler.disable
     def wait(self, part: str | None = None) -> None:
         """Block until done; the time waited counts to `part` when given ("bubble": a pipeline stage
         with nothing else to do), else to the axis's exposed time."""
@@ -160,6 +167,7 @@ def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
     return Pending(works, describe, group, label, name, flight)
 
 
+@torch.compiler.disable
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                async_op: bool = False, label: str | None = None) -> Pending | None:
     """In-place all-reduce over `group`; returns the work handle when async_op.
@@ -175,6 +183,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
 
 
 
+@torch.compiler.disable
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                    async_op: bool = False) -> Pending | None:
     """Sum `input` (N x output.numel(), rank-major) over the group; rank r keeps chunk r in `output`.
@@ -194,6 +203,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                                                               async_op=async_op), number=_count(group))
 
 
+@torch.compiler.disable
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                async_op: bool = False) -> Pending | None:
     """Concatenate every rank's `input` into the flat `output` (N x input.numel()), in rank order."""
@@ -206,6 +216,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                   number=_count(group))
 
 
+@torch.compiler.disable
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                output_splits: list[int] | None = None, input_splits: list[int] | None = None,
                async_op: bool = False) -> Pending | None:
@@ -231,6 +242,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
 # Peers are group ranks. Only sends are counted (a message's bytes once, by the rank that sends them).
 
 
+@torch.compiler.disable
 def send(tensor: torch.Tensor, to: int, group: AxisGroup, name: str = "send", tag: int = 0) -> Pending:
     """Start sending `tensor` to group rank `to`; wait() on the handle (or on another thread) to finish."""
     nbytes = _nbytes(tensor)
@@ -239,6 +251,7 @@ def send(tensor: torch.Tensor, to: int, group: AxisGroup, name: str = "send", ta
                   lambda: dist.isend(tensor, group.global_rank(to), group=group.pg, tag=tag), name)
 
 
+@torch.compiler.disable
 def recv(tensor: torch.Tensor, frm: int, group: AxisGroup, name: str = "recv", tag: int = 0,
          part: str | None = None) -> None:
     """Receive into `tensor` from group rank `frm`, blocking. The time waited is the axis's exposed
@@ -248,6 +261,7 @@ def recv(tensor: torch.Tensor, frm: int, group: AxisGroup, name: str = "recv", t
         dist.irecv(tensor, group.global_rank(frm), group=group.pg, tag=tag).wait()
 
 
+@torch.compiler.disable
 def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to: int, frm: int, group: AxisGroup,
              name: str = "exchange", tag: int = 0) -> Pending:
     """Post a send to `to` and a receive from `frm` as one batch; wait() on the handle for both.
@@ -273,6 +287,7 @@ class P2P:
     name: str = "message"
 
 
+@torch.compiler.disable
 def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pending], list[Pending]]:
     """Post `sends` and `recvs` as one batch; one handle per send and per receive, in order.
 
@@ -318,6 +333,7 @@ def world_group(stats: CommStats | None = None, timeout_s: float | None = None, 
                      timeout_s, timer or StepTimer(), arrivals)
 
 
+@torch.compiler.disable
 def barrier(group: AxisGroup, name: str = "barrier") -> None:
     """Block until every rank of `group` has called this (a barrier of the same `name` is the same
     point of the run on every rank)."""
@@ -327,6 +343,7 @@ def barrier(group: AxisGroup, name: str = "barrier") -> None:
     _issue("barrier", group, 0, COORDINATION, False, lambda: dist.barrier(group=group.pg), name, number=_count(group))
 
 
+@torch.compiler.disable
 def all_gather_object(obj: object, group: AxisGroup, name: str = "all_gather_object") -> list:
     """Every rank's picklable `obj`, in group rank order. Tensors travel as CPU copies: pickled on a
     GPU, a tensor names its device index, and a receiver would unpickle it onto the sender's GPU."""

@@ -5,6 +5,10 @@ Tensor and sequence parallel's region boundaries (Megatron-LM's conjugate pairs,
 reduce-scatter out of it; and the all-to-all of expert dispatch and Ulysses, whose backward is the
 all-to-all with the splits swapped. The collectives themselves are collectives.py's: counted,
 timed and named on failure like any other.
+
+The functions that apply them are excluded from torch.compile's tracing (`torch.compiler.disable`),
+as the collectives are: a compiled block calls each as one opaque step (one graph break) instead of
+tracing the autograd Function, whose forward and backward hold collectives it cannot trace.
 """
 
 from __future__ import annotations
@@ -83,21 +87,25 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _seq_gather(grad, ctx.group), None
 
 
+@torch.compiler.disable
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: identity (every tp rank has x). Backward: all-reduce the partial input gradients."""
     return x if group.size == 1 else _CopyToRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: all-reduce the partial sums of a row-parallel product. Backward: identity."""
     return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: all-gather the sequence shards. Backward: reduce-scatter the gradient to them."""
     return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: reduce-scatter partial sums into sequence shards. Backward: all-gather."""
     return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
@@ -124,6 +132,7 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
+@torch.compiler.disable
 def all_to_all_rows(x: torch.Tensor, group: AxisGroup, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     """Autograd-aware all-to-all along dim 0: x's rows in_splits[j] go to rank j; receive out_splits[j]."""
     return _AllToAll.apply(x, group, out_splits, in_splits)

@@ -48,6 +48,13 @@ class _Null:
 _NULL = _Null()
 
 
+def _in_backward() -> bool:
+    """Is this thread running a backward (autograd's engine has a graph task on it)?"""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 class WallClock:
     """perf_counter on the calling thread: exact on a CPU, where the work runs on the thread that
     issues it."""
@@ -58,6 +65,10 @@ class WallClock:
     def seconds(self, marks: list[Any]) -> list[float]:
         """Each mark's time in seconds after the first."""
         return [m - marks[0] for m in marks]
+
+    def host_times(self, first: Any, began: float, marks: list[Any]) -> list[float]:
+        """Each mark as a perf_counter time: the marks are."""
+        return list(marks)
 
 
 class CudaClock:
@@ -77,26 +88,31 @@ class CudaClock:
         torch.cuda.synchronize()
         return [marks[0].elapsed_time(m) / 1e3 for m in marks]
 
+    def host_times(self, first: Any, began: float, marks: list[Any]) -> list[float]:
+        """Each event as a perf_counter time: `began` (the host's time at the step's `first` event)
+        plus the GPU's time from that event to it. Events of a step that ended are complete (its
+        end synchronised), so reading them waits for nothing."""
+        return [began + first.elapsed_time(m) / 1e3 for m in marks]
+
 
 class _Span:
-    """A measured `with` block: its time minus that of the spans inside it goes to `part`."""
+    """A measured `with` block: its time minus that of the spans inside it goes to `part`.
 
-    def __init__(self, timer: StepTimer, part: str, track: str, name: str):
+    It keeps its own two marks (no index into a list shared by threads): spans open on the step's
+    thread and on autograd's, each thread with its own stack of open spans."""
+
+    def __init__(self, timer: StepTimer, part: str, track: str, name: str, stack: list[_Span], parent: _Span | None):
         self.timer, self.part, self.track, self.name = timer, part, track, name
+        self.stack, self.parent = stack, parent
 
     def __enter__(self) -> None:
-        timer = self.timer
-        self.parent = timer._open[-1] if timer._open else None
-        self.start = len(timer._marks)
-        timer._marks.append(timer.clock.mark())
-        timer._open.append(self)
+        self.start = self.timer.clock.mark()
+        self.stack.append(self)
 
     def __exit__(self, *exc: Any) -> None:
-        timer = self.timer
-        self.end = len(timer._marks)
-        timer._marks.append(timer.clock.mark())
-        timer._open.pop()
-        timer._spans.append(self)
+        self.end = self.timer.clock.mark()
+        self.stack.pop()
+        self.timer._spans.append(self)  # one append: atomic under the GIL whichever thread closes it
 
 
 class Flight:
@@ -118,35 +134,45 @@ class StepTimer:
     A span records a mark of `clock` when it opens and when it closes; the step's parts are worked
     out from the marks at its end: wall clock on a CPU, CUDA events on a GPU (one synchronisation a
     step). Outside a step (evaluation, checkpoints, tests that run the parallel code alone) every
-    span is a no-op, and so is a span opened on another thread: the parts are the step thread's time.
+    span is a no-op.
+
+    Threads: the parts are the step thread's time. On CUDA autograd runs a backward on its own
+    device thread while the step's thread waits in `backward()`, so a span opened on another thread
+    *while it runs a backward* (a recomputed forward, a tp/sp/ep/cp collective of backward, a
+    bucket's reduction) is recorded, nested in the step thread's innermost open span (the action
+    waiting for that backward), whose exclusive time it is taken from; its marks are that thread's
+    CUDA events (on the stream autograd runs the node on) or its clock. A span on a thread not
+    running a backward (the pipeline's send thread, whose waits overlap the step's work) is a no-op.
     """
 
     def __init__(self, clock: WallClock | CudaClock | None = None) -> None:
         self.clock = clock or WallClock()
         self.active = False
         self.events: list[tuple[str, str, float, float]] | None = None  # (track, name, start, end) when tracing
-        self._marks: list[Any] = []
-        self._spans: list[_Span] = []
-        self._open: list[_Span] = []
+        self._first: Any = None  # the step's opening mark
+        self._spans: list[_Span] = []  # closed this step, on any thread
+        self._open: dict[int, list[_Span]] = {}  # thread ident -> its open spans, innermost last
         self._began = 0.0
         self._owner = 0
 
     def begin_step(self, trace: bool = False) -> float:
         """Start measuring a step (and keep its events when `trace`); returns its start (perf_counter)."""
         self.events = [] if trace else None
-        self._spans, self._open = [], []
         self._owner = threading.get_ident()
+        self._spans, self._open = [], {self._owner: []}
         self.active = True
         self._began = time.perf_counter()
-        self._marks = [self.clock.mark()]
+        self._first = self.clock.mark()
         return self._began
 
     def end_step(self) -> tuple[float, dict[str, float]]:
         """Stop measuring: (the step's seconds, {part: exclusive seconds} with unattributed)."""
-        self._marks.append(self.clock.mark())
+        last = self.clock.mark()
         self.active = False
-        at = self.clock.seconds(self._marks)  # each mark's seconds after the step's start
-        took = {id(s): at[s.end] - at[s.start] for s in self._spans}
+        marks = [self._first, *(m for s in self._spans for m in (s.start, s.end)), last]
+        seconds = self.clock.seconds(marks)  # each mark's seconds after the step's start
+        at = {id(s): (seconds[1 + 2 * i], seconds[2 + 2 * i]) for i, s in enumerate(self._spans)}
+        took = {id(s): at[id(s)][1] - at[id(s)][0] for s in self._spans}
         inner = dict.fromkeys(took, 0.0)  # seconds of the spans opened directly inside each span
         for s in self._spans:
             if s.parent is not None:
@@ -155,16 +181,33 @@ class StepTimer:
         for s in self._spans:
             parts[s.part] += took[id(s)] - inner[id(s)]  # a label missing from AXES fails here, loudly
             if self.events is not None:
-                self.events.append((s.track, s.name, self._began + at[s.start], self._began + at[s.end]))
-        wall = at[-1]
+                self.events.append((s.track, s.name, self._began + at[id(s)][0], self._began + at[id(s)][1]))
+        wall = seconds[-1]
         parts[UNATTRIBUTED] = wall - sum(parts.values())
         return wall, parts
 
+    def host_times(self, marks: list[Any]) -> list[float]:
+        """Marks of this timer's clock made during the step that just ended (`end_step`), as
+        perf_counter times: on a CPU the marks themselves, on a GPU when the stream reached each
+        event (the pipeline's timeline: when its kernels ran, not when they were launched)."""
+        return self.clock.host_times(self._first, self._began, marks)
+
     def span(self, part: str, track: str = "compute", name: str | None = None) -> _Span | _Null:
         """A `with` block whose exclusive time counts to `part`, shown on `track` in a trace."""
-        if not self.active or threading.get_ident() != self._owner:
+        if not self.active:
             return _NULL
-        return _Span(self, part, track, name or part)
+        me = threading.get_ident()
+        if me == self._owner:
+            stack = self._open[me]
+            return _Span(self, part, track, name or part, stack, stack[-1] if stack else None)
+        stack = self._open.get(me)
+        if not stack and not _in_backward():
+            return _NULL
+        if stack is None:
+            stack = self._open[me] = []
+        # Autograd's thread: nested in its own open span, or else in the one the step thread waits in.
+        owner = self._open[self._owner]
+        return _Span(self, part, track, name or part, stack, stack[-1] if stack else owner[-1] if owner else None)
 
     def blocked(self, axis: str, name: str) -> _Span | _Null:
         """A `with` block in which this thread waits for a collective of `axis`: exposed time."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ def _held_bytes(slots: dict[tuple[int, int], _Slot]) -> int:
 @dataclass
 class PipelineStats:
     loss: torch.Tensor | None = None  # () float64 on the device: this rank's sum of micro-batch losses (last stage)
-    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, action)
+    timeline: list[tuple[Any, Any, str]] = field(default_factory=list)  # (start, end, action): marks of `clock`
     peak_held_bytes: int = 0  # most bytes of stage inputs and outputs kept for backward at once
     freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
 
@@ -192,7 +192,7 @@ class PipelineExecutor:
             began = clock() if clock else 0.0
             with self.group.timer.span("compute", "compute", str(action)):  # minus the collectives inside
                 self.act[action.kind](step, index, action, received)
-            if clock:
+            if clock:  # marks of the step timer's clock (CUDA: events), read as times after the step
                 step.stats.timeline.append((began, clock(), str(action)))
             step.stats.peak_held_bytes = max(step.stats.peak_held_bytes, _held_bytes(step.slots))
         return self._finish(step)

@@ -61,6 +61,12 @@ class Schedule:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def splits_backward(self) -> bool:
+        """Does a stage other than the first run a backward split into I and W (split_backward.py)?
+        The first stage's I computes nothing and its W the whole backward: it splits nothing."""
+        return any(a.kind == "I" and a.stage > 0 for acts in self.actions for a in acts)
+
     def stage_to_rank(self, stage: int) -> int:
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} outside 0..{self.num_stages - 1}")
