@@ -157,12 +157,17 @@ def test_a_killed_rank_is_named_first(tmp_path):
     finally:
         job.kill()
     text = log.read_text()
-    # torch's agent logged rank 0's failure in one line, not its 60-line traceback; a rank killed or
-    # failed as a consequence prints none (launch/worker_report.py)
-    assert "Traceback" not in text and "failed (exitcode: 1) local_rank: 0" in text
+    # A rank killed or failed as a consequence prints no traceback (launch/worker_report.py).
+    assert "Traceback" not in text
     first = text.index(f"rank 1 (pid {ranks[1]}) died without an error")
-    assert text.index("the job failed; first cause:") < first < text.index(f"rank 0 (pid {ranks[0]}) failed as a "
-                                                                           f"consequence: rank 0: all_reduce")
+    # Rank 0 either finds its peer gone first (its all_reduce fails: torch's agent logs that in one
+    # line, not its 60-line traceback) or, on a loaded machine, the launcher sees rank 1's death first
+    # and stops it (seen under two busy loops): either way after the cause, never as the cause.
+    if "failed (exitcode: 1) local_rank: 0" in text:
+        after = text.index(f"rank 0 (pid {ranks[0]}) failed as a consequence: rank 0: all_reduce")
+    else:
+        after = text.index(f"rank 0 (pid {ranks[0]}) was stopped by the launcher")
+    assert text.index("the job failed; first cause:") < first < after
 
 
 def _state(pid: int) -> str:
