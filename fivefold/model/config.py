@@ -23,6 +23,18 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base frequency
+    # What a query may see beyond causality (model/masks.py). A sliding window of w tokens, the query
+    # included (Mistral, Gemma 2/3, gpt-oss); 0 = the whole causal prefix.
+    sliding_window: int = 0
+    # Which layers slide: "sliding" / "full", repeated over the layers (Gemma 3: five "sliding" then one
+    # "full"; gpt-oss: "sliding", "full"); empty = every layer slides when sliding_window > 0.
+    window_pattern: tuple[str, ...] = ()
+    attention_sinks: bool = False  # a learned logit per head joins every softmax's denominator (gpt-oss)
+    # The attention kernel: "auto" = SDPA (is_causal) when only causality masks, else FlexAttention on
+    # CUDA and the exact blockwise path elsewhere; "sdpa" = SDPA only (refuses documents, windows, sinks);
+    # "flex" = FlexAttention for every layer (CUDA: it has no backward on CPU); "blockwise" = the exact
+    # tiled path on any device (model/blockwise.py).
+    attention_backend: Literal["auto", "sdpa", "flex", "blockwise"] = "auto"
     # Multi-head latent attention (DeepSeek-V2 sec. 2.1, DeepSeek-V3 sec. 2.1.1); on when kv_lora_rank > 0,
     # then n_kv_heads and head_dim are unused. Widths are per token (latents) or per head.
     kv_lora_rank: int = 0  # width of the joint key/value latent (DeepSeek-V3: 512); 0 = grouped-query attention
@@ -51,3 +63,9 @@ class ModelConfig:
     # 0 = dropless; else an expert takes at most cf x (tokens x top_k / n_experts) copies per rank,
     # overflow dropped and counted
     moe_capacity_factor: float = 0.0
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of block `layer` (0: the whole causal prefix)."""
+        if not self.sliding_window or not self.window_pattern:
+            return self.sliding_window
+        return self.sliding_window if self.window_pattern[layer % len(self.window_pattern)] == "sliding" else 0
