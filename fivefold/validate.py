@@ -19,6 +19,7 @@ from fivefold.data.resolve import data_errors
 from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
+from fivefold.validate_attention import attention_errors
 
 
 def _non_finite_errors(cfg: Config) -> list[str]:
@@ -109,7 +110,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     dp = data_parallel_degree(cfg, world_size)
     return (errors + _mesh_errors(cfg, world_size, dp) + _head_errors(cfg) + _tp_split_errors(cfg)
             + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
-            + _sequence_errors(cfg) + _schedule_errors(cfg, dp))
+            + _sequence_errors(cfg) + attention_errors(cfg) + _schedule_errors(cfg, dp))
 
 
 def _size_errors(cfg: Config) -> list[str]:
@@ -351,8 +352,8 @@ def _batch_errors(cfg: Config, dp: int) -> list[str]:
 
 
 def _sequence_errors(cfg: Config) -> list[str]:
-    """The sequence splits over cp (and tp with sp), Ulysses' heads over cp, and what cp cannot do yet."""
-    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    """The sequence splits over cp (and tp with sp), and Ulysses' heads over cp."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     errors = []
     err = errors.append
     ring = p.cp > 1 and p.cp_method == "ring"
@@ -368,10 +369,6 @@ def _sequence_errors(cfg: Config) -> list[str]:
             err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
                 f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "
                 f"{{{_divisors_near(math.gcd(heads, kv), 64)}}}")
-    for name in ("document_mask", "reset_positions"):  # model/masks.py: masks and positions of whole rows only
-        if p.cp > 1 and getattr(d, name):
-            err(f"data.{name} with parallel.cp = {p.cp}: not built yet for ring attention / Ulysses; set "
-                f"parallel.cp = 1 or data.{name} = false")
     return errors
 
 

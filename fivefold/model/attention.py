@@ -6,10 +6,13 @@
   compressed into a low-rank latent, normalised and projected back up per head; RoPE acts only on
   a decoupled part: qk_rope_head_dim per query head, and one key of that width shared by all heads.
 
-Both hold their attention core in `self.core`, a callable (q, k, v[, mask]) -> out that context
-parallel swaps for ring attention or Ulysses. Heads are read from shapes, so a tensor-parallel rank
-holding H/tp heads needs no change. RMSNorm and RoPE live here because attention uses them (q/k
-norms, latent norms); the blocks in model/transformer.py import them from here.
+Both hold their attention core in `self.core`, a callable (q, k, v, mask) -> out that context
+parallel swaps for ring attention or Ulysses; `attend` is the local one, which picks the kernel
+for the mask (model/masks.py): SDPA for causality alone, FlexAttention or the blockwise path for
+documents, sliding windows and sinks. Each layer holds its window and its sinks (a learned logit
+per head, gpt-oss) and adds them to the micro-batch's document ids. Heads are read from shapes, so
+a tensor-parallel rank holding H/tp heads needs no change. RMSNorm and RoPE live here because
+attention uses them (q/k norms, latent norms); the blocks in model/transformer.py import them.
 
 Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim; for MLA, Dn/Dr the
 query/key widths without/with RoPE, Dv the value width, Cq/Ckv the query/key-value latent widths.
@@ -17,13 +20,17 @@ query/key widths without/with RoPE, Dv the value width, Cq/Ckv the query/key-val
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.model.blockwise import blockwise_attention
 from fivefold.model.config import ModelConfig
+from fivefold.model.flex import flex_attention_core
+from fivefold.model.masks import AttentionMask
 
 
 class RMSNorm(nn.Module):
@@ -56,42 +63,69 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
-def gqa_in_kernel(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
-    """Does SDPA take grouped K/V heads itself (`enable_gqa`, torch >= 2.5) rather than a copy
+def gqa_in_kernel(device_type: str, dtype: torch.dtype) -> bool:
+    """Does causal SDPA take grouped K/V heads itself (`enable_gqa`, torch >= 2.5) rather than a copy
     repeated to the query heads? On CPU always (math and flash kernels both take it; the results
-    equal the copy's). On CUDA only for the flash kernel's case, unmasked fp16/bf16: in torch 2.11
-    flash is the one fused kernel with GQA (pytorch/pytorch#139586), so a mask or fp32 with
-    enable_gqa would fall back to the math kernel, O(T^2) memory, where the copy keeps the
-    memory-efficient or cuDNN kernel."""
-    return device_type != "cuda" or (not masked and dtype in (torch.float16, torch.bfloat16))
+    equal the copy's). On CUDA only for the flash kernel's case, fp16/bf16: in torch 2.11 flash is
+    the one fused kernel with GQA (pytorch/pytorch#139586), so fp32 with enable_gqa would fall back
+    to the math kernel, O(T^2) memory, where the copy keeps the memory-efficient or cuDNN kernel."""
+    return device_type != "cuda" or dtype in (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Local attention core: q (B, T, H, D), k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv).
-
-    Scaled by 1/sqrt(D), the query/key width (MLA: Dn + Dr; its values may be narrower, Dv).
-    mask: None for plain causal attention, or a boolean (B, 1, T, T), True where query i may attend
-    key j, causality included (model/masks.py's document mask). SDPA takes it on CPU forward and
-    backward; FlexAttention would skip the masked blocks but has no CPU backward in torch 2.13.
-    """
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention through SDPA (`is_causal=True`: flash where it can): q (B, T, H, D),
+    k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv). Scaled by 1/sqrt(D), the query/key width (MLA:
+    Dn + Dr; its values may be narrower, Dv)."""
     grouped = k.shape[2] != q.shape[2]  # grouped-query: each K/V head serves H/K query heads (h uses h // G)
-    if grouped and not gqa_in_kernel(q.device.type, q.dtype, mask is not None):
+    if grouped and not gqa_in_kernel(q.device.type, q.dtype):
         k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # (B, T, H, D)
         v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)  # (B, T, H, Dv)
         grouped = False
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, K, T, D), (B, K, T, Dv)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     return out.transpose(1, 2)  # (B, T, H, Dv)
 
 
-class Attention(nn.Module):
+def backend_for(mask: AttentionMask | None, device_type: str, backend: str = "auto") -> str:
+    """Which kernel attends: "sdpa" for causality alone, else "flex" on CUDA and "blockwise"
+    elsewhere (FlexAttention has no CPU backward), unless model.attention_backend names one."""
+    if backend != "auto":
+        return backend
+    if mask is None or mask.plain:
+        return "sdpa"
+    return "flex" if device_type == "cuda" else "blockwise"
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None,
+           backend: str = "auto") -> torch.Tensor:
+    """Local attention core under `mask` (None: causal alone): q (B, T, H, D), k and v (B, T, K, D)
+    -> (B, T, H, D), through the kernel `backend_for` picks. validate() refuses "sdpa" with a mask."""
+    chosen = backend_for(mask, q.device.type, backend)
+    if chosen == "sdpa":
+        if mask is not None and not mask.plain:
+            raise ValueError("model.attention_backend = 'sdpa' does causal attention only; documents, sliding "
+                             "windows and sinks need 'auto', 'flex' or 'blockwise'")
+        return causal_attention(q, k, v)
+    if chosen == "flex":
+        return flex_attention_core(q, k, v, mask or AttentionMask())
+    return blockwise_attention(q, k, v, mask)
+
+
+class _LayerMask:
+    """What one attention layer adds to the micro-batch's documents: its window and its sinks."""
+
+    window: int
+    sinks: nn.Parameter | None
+
+    def _mask(self, doc: torch.Tensor | None) -> AttentionMask | None:
+        mask = AttentionMask(doc, self.window, self.sinks)
+        return None if mask.plain else mask
+
+
+class Attention(_LayerMask, nn.Module):
     """Grouped-query attention with RoPE at explicit positions (and QK-norm when cfg.qk_norm)."""
 
-    def __init__(self, cfg: ModelConfig, head_dim: int):
+    def __init__(self, cfg: ModelConfig, head_dim: int, layer: int = 0):
         super().__init__()
         self.head_dim = head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=False)
@@ -100,12 +134,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
         self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        # (q, k, v) -> out, and (q, k, v, mask) -> out when a document mask is given; context
-        # parallel's cores take the first form only (validate() refuses cp > 1 with a mask).
-        self.core: Callable[..., torch.Tensor] = causal_attention
+        self.window = cfg.layer_window(layer)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None  # (H,) logits
+        # (q, k, v, mask) -> out, mask None for causality alone; context parallel swaps in its own.
+        self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                doc: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, dim); doc: the micro-batch's (B, T) document ids of whole rows, or None."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
@@ -113,7 +149,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, D)
+        out = self.core(q, k, v, self._mask(doc))  # (B, T, H, D)
         return self.wo(out.reshape(B, T, -1))  # (B, T, dim)
 
 
@@ -121,7 +157,7 @@ def _unchanged(*latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return latents
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(_LayerMask, nn.Module):
     """Multi-head latent attention (DeepSeek-V2 sec. 2.1, eqs. 9-19), without a KV cache.
 
       c_q = RMSNorm(x W_qa)                          (Cq)    skipped when q_lora_rank = 0
@@ -141,7 +177,7 @@ class LatentAttention(nn.Module):
     not implemented: RoPE is plain, and checkpoint/hf.py refuses a scaled checkpoint by name.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         H, self.kv_rank = cfg.n_heads, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -157,11 +193,13 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
-        self.core: Callable[..., torch.Tensor] = causal_attention
+        self.window = cfg.layer_window(layer)
+        self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None  # (H,) logits
+        self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
         self.enter_heads: Callable[..., tuple[torch.Tensor, ...]] = _unchanged
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                doc: torch.Tensor | None = None) -> torch.Tensor:
         q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))  # (B, T, Cq) or (B, T, dim)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)  # (B, T, Ckv), (B, T, Dr)
         # With sequence parallel x holds T/tp tokens and enter_heads gathers all T (the positions
@@ -178,10 +216,10 @@ class LatentAttention(nn.Module):
         # GPU) and context parallel's cores take equal widths; without it SDPA falls back to its
         # math path, which keeps the (T, T) probabilities. The zero columns come out zero and are cut.
         v = F.pad(kv[..., self.nope:], (0, self.nope + self.rope - self.v_dim))  # (B, T, H, Dn + Dr)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)  # (B, T, H, Dn + Dr)
+        out = self.core(q, k, v, self._mask(doc))  # (B, T, H, Dn + Dr)
         return self.wo(out[..., :self.v_dim].reshape(B, T, -1))  # (B, T, dim)
 
 
-def attention(cfg: ModelConfig, head_dim: int) -> nn.Module:
-    """The attention a block of `cfg` uses: latent when cfg.kv_lora_rank > 0, else grouped-query."""
-    return LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, head_dim)
+def attention(cfg: ModelConfig, head_dim: int, layer: int = 0) -> nn.Module:
+    """The attention block `layer` of `cfg` uses: latent when cfg.kv_lora_rank > 0, else grouped-query."""
+    return LatentAttention(cfg, layer) if cfg.kv_lora_rank else Attention(cfg, head_dim, layer)

@@ -33,7 +33,7 @@ class ModelConfig:
     # The attention kernel: "auto" = SDPA (is_causal) when only causality masks, else FlexAttention on
     # CUDA and the exact blockwise path elsewhere; "sdpa" = SDPA only (refuses documents, windows, sinks);
     # "flex" = FlexAttention for every layer (CUDA: it has no backward on CPU); "blockwise" = the exact
-    # tiled path on any device (model/blockwise.py).
+    # tiled path on any device (model/blockwise.py). Ring attention always runs the blockwise path.
     attention_backend: Literal["auto", "sdpa", "flex", "blockwise"] = "auto"
     # Multi-head latent attention (DeepSeek-V2 sec. 2.1, DeepSeek-V3 sec. 2.1.1); on when kv_lora_rank > 0,
     # then n_kv_heads and head_dim are unused. Widths are per token (latents) or per head.

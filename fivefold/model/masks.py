@@ -1,17 +1,24 @@
-"""Packed documents kept apart: the attention mask and RoPE positions of one micro-batch.
+"""What a query may see, as data: causality plus documents, a sliding window and attention sinks.
 
 A training sample is a packed token stream: documents one after another, each ended by an
 end-of-document (eod) token, which belongs to the document it ends. A token's document within its
-row is the number of eod tokens strictly before it. Two data options use that:
-- `data.document_mask`: a token attends only to earlier tokens of its own document (Llama 3
-  masks so; Megatron-LM's reset_attention_mask): a boolean (B, 1, T, T) mask for SDPA;
-- `data.reset_positions`: RoPE positions restart at 0 at each document (Megatron-LM's
-  reset_position_ids): positions become per row, (B, T) instead of (T,).
+row is the number of eod tokens strictly before it. Query i may attend key j when
+  j <= i                                  (causal)
+  and doc[j] == doc[i]                    (data.document_mask: Llama 3; Megatron-LM's reset_attention_mask)
+  and i - j < w                           (model.sliding_window w on this layer: Mistral, Gemma, gpt-oss),
+and with attention sinks (gpt-oss) one learned logit per head joins the softmax's denominator as a
+key that is always visible and carries a zero value: the weights over real keys sum to less than 1.
 
-Both are derived from the token ids each rank already holds for the micro-batch (every pipeline
-stage has them, not only the first), so nothing is communicated. With both off there is no
-`Documents` at all and the model runs its plain causal path (`is_causal=True`, (T,) positions).
-This module is parallel-free, like model/transformer.py.
+Nothing here is a (T, T) tensor. A micro-batch's masking is the document id of every token of the
+whole row, (B, T), derived from the token ids each rank already holds (before context parallel
+splits the row, every pipeline stage has them), so nothing is communicated. Each layer adds its
+window and sinks (`AttentionMask`), and each kernel turns that into what it needs: `is_causal`
+alone (SDPA), a block mask (FlexAttention, model/flex.py), or per-tile decisions and small bias
+tiles (the exact blockwise path, model/blockwise.py, which ring attention shares). `keep` is the
+one definition of the rule; the kernels evaluate it on what they need, a tile or a block at a time.
+`data.reset_positions` restarts RoPE positions at each document (Megatron-LM's reset_position_ids):
+positions become per row, (B, T) instead of (T,). With both options off and no window or sinks,
+the model runs its plain causal path (`is_causal=True`). This module is parallel-free.
 """
 
 from __future__ import annotations
@@ -35,17 +42,6 @@ def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return ends.cumsum(1) - ends  # (B, T): the eod itself stays in the document it ends
 
 
-def document_mask(doc: torch.Tensor) -> torch.Tensor:
-    """doc (B, T) -> boolean (B, 1, T, T): query i may attend key j iff j <= i and same document.
-
-    The diagonal is always True, so no query row is fully masked (SDPA would give NaN there).
-    """
-    T = doc.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()  # (T, T)
-    same = doc[:, :, None] == doc[:, None, :]  # (B, T, T)
-    return (same & causal)[:, None]  # (B, 1, T, T): broadcast over heads (H/tp of them under tp)
-
-
 def document_positions(doc: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """doc (B, T), the row's positions (T,) -> positions restarting at each document (B, T)."""
     T = doc.shape[1]
@@ -55,6 +51,54 @@ def document_positions(doc: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     # Documents are contiguous, so the running maximum of the opening indices is each token's first.
     first = torch.where(starts, index, 0).cummax(1).values  # (B, T)
     return positions[index] - positions[first]  # (B, T)
+
+
+def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,
+         q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """The rule, on any broadcastable shapes: True where a query at q_pos may attend a key at k_pos.
+
+    Positions are places in the packed row (not RoPE positions); docs, when given, their documents.
+    """
+    allowed = k_pos <= q_pos
+    if window:
+        allowed = allowed & (q_pos - k_pos < window)
+    if q_doc is not None:
+        allowed = allowed & (q_doc == k_doc)
+    return allowed
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What one layer's queries may see in one micro-batch, beyond causality.
+
+    doc: (B, T) document ids of the whole row (all T tokens, also where a rank holds T/cp of them),
+    or None. window: the layer's sliding window (0: none). sinks: the layer's (H,) sink logits (the
+    heads this rank holds), or None.
+    """
+
+    doc: torch.Tensor | None = None
+    window: int = 0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Causality alone: what SDPA's `is_causal=True` does."""
+        return self.doc is None and not self.window and self.sinks is None
+
+    def head_slice(self, start: int, stop: int) -> AttentionMask:
+        """The same mask for heads start..stop-1 (Ulysses holds a part of the heads)."""
+        sinks = None if self.sinks is None else self.sinks[start:stop]
+        return AttentionMask(self.doc, self.window, sinks)
+
+
+def dense_keep(mask: AttentionMask, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """The rule as a dense boolean (B or 1, 1, T, T), for tests and small references only."""
+    pos = torch.arange(seq_len, device=device)
+    doc = mask.doc
+    q_doc = None if doc is None else doc[:, None, :, None]  # (B, 1, T, 1)
+    k_doc = None if doc is None else doc[:, None, None, :]  # (B, 1, 1, T)
+    return keep(pos[:, None], pos[None, :], mask.window, q_doc, k_doc).expand(
+        doc.shape[0] if doc is not None else 1, 1, seq_len, seq_len)
 
 
 @dataclass(frozen=True)
@@ -73,9 +117,10 @@ class Documents:
         return cls(eod, data.document_mask, data.reset_positions)
 
     def inputs(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A micro-batch's token ids (B, T) and row positions (T,) -> the RoPE positions ((B, T)
-        with reset_positions, else `positions`) and the attention mask ((B, 1, T, T) or None)."""
+        """Whole rows' token ids (B, T) and positions (T,) -> the RoPE positions ((B, T) with
+        reset_positions, else `positions`) and the document ids ((B, T) with document_mask, else None).
+        Both are of the whole row: context parallel takes each rank's part of the positions after."""
         doc = document_ids(tokens, self.eod)  # (B, T)
         if self.reset_positions:
             positions = document_positions(doc, positions)  # (B, T)
-        return positions, document_mask(doc) if self.mask else None
+        return positions, doc if self.mask else None

@@ -14,8 +14,8 @@ What the parallel code relies on (and why this file imports nothing from torch.d
 - the attention core and the MoE dispatch are attributes holding callables; context parallel swaps
   in ring attention, expert parallel swaps in an all-to-all dispatch (latent attention has one
   more, `enter_heads`, where tensor parallel's region begins);
-- a document mask (model/masks.py) is an argument of forward, handed through every block to its
-  attention core: the modules keep no per-batch state.
+- the micro-batch's document ids (model/masks.py) are an argument of forward, handed through every
+  block to its attention, which adds its window and sinks: the modules keep no per-batch state.
 
 Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim, E experts, V vocabulary.
 """
@@ -299,14 +299,14 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, head_dim: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = attention(cfg, head_dim)
+        self.attn = attention(cfg, head_dim, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         moe = cfg.n_experts > 0 and layer >= cfg.first_dense_layers
         self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, dim)
+                doc: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, doc)  # (B, T, dim)
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -334,23 +334,23 @@ class Transformer(nn.Module):
             init_tensor(name, p, self.cfg, seed)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
-                embed: bool = True, head: bool = True, mask: torch.Tensor | None = None) -> torch.Tensor:
+                embed: bool = True, head: bool = True, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or a part of that for one pipeline stage.
 
         positions: RoPE positions (T,), or (B, T) per row (documents restarting at 0); default 0..T-1.
         layers: the names of the blocks to run, in order (default: every block this model holds);
         embed=False: x is already hidden states (B, T, dim); head=False: return the last block's
         output (B, T, dim) without the final norm and head. An absent embedding, norm or head (a
-        pipeline stage deleted it) is passed through. mask: None (causal), or a boolean (B, 1, T, T)
-        that every block's attention core applies (model/masks.py), passed as an argument so the
-        blocks hold no per-batch state.
+        pipeline stage deleted it) is passed through. doc: None, or the (B, T) document ids of whole
+        rows (data.document_mask, model/masks.py), passed as an argument so the blocks hold no
+        per-batch state.
         """
         h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
         cos, sin = rope_cos_sin(positions, self.rope_dim, self.cfg.rope_theta)  # (T, D) or (B, T, D)
         for name in self.layers if layers is None else layers:
-            h = self.layers[name](h, cos, sin, mask)
+            h = self.layers[name](h, cos, sin, doc)
         if head and self.norm is not None:
             h = self.norm(h)
         if head and self.output is not None:

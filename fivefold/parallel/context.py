@@ -6,21 +6,28 @@ attention needs every earlier token's keys and values. Two ways to bring them (t
 the zig-zag arithmetic and the byte counts are in docs/context-parallel.md):
 
 Ring attention (Liu et al. 2023), `method="ring"`. Queries stay; each rank's K/V block (K heads
-only: grouped-query heads are repeated locally, after communication) travels around the ring,
-cp-1 hops, posted before the block in hand is computed so it travels while the rank computes.
-Partial results merge by log-sum-exp rescaling (the online softmax), so the result is exact.
-Backward is written by hand: the blocks go round again, each with a buffer accumulating its dK/dV,
-which arrives back at its owner after the last hop. Collectives: send/recv of (cp-1) K/V blocks
-forward; (cp-1) K/V blocks and cp fp32 dK/dV buffers backward. Layout "zigzag": rank i holds
-chunks i and 2cp-1-i of 2cp, so every rank computes the same number of causal query-key pairs.
+only) travels around the ring, cp-1 hops, posted before the block in hand is computed so it
+travels while the rank computes. Each (query chunk, key chunk) pair runs through an attention
+kernel that returns its log-sum-exp (CPU: PyTorch's flash op; CUDA: the memory-efficient one), and
+partial results merge by log-sum-exp rescaling (the online softmax), so the result is exact: this
+is model/blockwise.py's exact masked path with its blocks arriving from the ring, so documents,
+sliding windows and sinks apply as on one process, and a pair the mask empties is not computed
+(its K/V still travel; `take_blocks` counts). Backward: the blocks go round again, each with a
+buffer accumulating its dK/dV, which arrives back at its owner after the last hop. Collectives:
+send/recv of (cp-1) K/V blocks forward; (cp-1) K/V blocks and cp fp32 dK/dV buffers backward.
+Layout "zigzag": rank i holds chunks i and 2cp-1-i of 2cp, so every rank computes the same number
+of causal query-key pairs. Document ids are of whole rows, which every rank holds before the split:
+nothing about the mask travels.
 
 Ulysses (Jacobs et al. 2023), `method="ulysses"`. An all-to-all turns sequence-sharded q/k/v
 (B, T/cp, H, D) into head-sharded (B, T, H/cp, D); each rank runs plain causal attention for its
-heads over the whole sequence, and a second all-to-all turns the output back (backward: the same
-pair inverted). Layout "contiguous"; needs the query and K/V heads per tp rank divisible by cp.
+heads over the whole sequence (with the mask, as on one process), and a second all-to-all turns the
+output back (backward: the same pair inverted). Layout "contiguous"; needs the query and K/V heads
+per tp rank divisible by cp.
 
 What the training step must do (both methods): shard input ids and the already-shifted targets
-with `shard`, pass `positions` to the model for RoPE (true positions, not 0..T/cp-1), divide the
+with `shard`, pass `positions` to the model for RoPE (true positions, not 0..T/cp-1; with
+data.reset_positions those of the whole row, restarted per document, then sharded), divide the
 loss by the global token count, and sum parameter gradients over cp as well as dp (the mesh's
 "grad" view), because cp ranks hold different tokens of the same samples.
 """
@@ -31,7 +38,9 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.model.attention import causal_attention
+from fivefold.model.attention import attend
+from fivefold.model.blockwise import Layout, blockwise_attention
+from fivefold.model.masks import AttentionMask
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
@@ -39,7 +48,6 @@ from fivefold.parallel.mesh import Mesh
 
 LAYOUTS = ("zigzag", "contiguous")
 METHODS = {"ring": "zigzag", "ulysses": "contiguous"}  # cp method -> the token layout it uses
-_TAG_KV, _TAG_DKV = 1, 2  # distinct tags: a K/V block and a dK/dV buffer can be in flight together
 
 
 # ---- layouts: which tokens each rank holds ----
@@ -82,150 +90,21 @@ def attention_work(seq_len: int, cp: int, layout: str) -> list[int]:
 # ---- ring attention ----
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group: AxisGroup, tag: int) -> collectives.Pending | None:
-    """Post: send `send` to the next rank, receive `recv` from the previous one; wait() on the result.
+class _Ring:
+    """The cp group as model/blockwise.py's BlockSource: K/V blocks hop to the next rank, and the
+    chunk pairs each forward computed and skipped are counted for the step's record."""
 
-    A group of size 1 is its own neighbour: copy, nothing to wait for.
-    """
-    if group.size == 1:
-        recv.copy_(send)
-        return None
-    n, r = group.size, group.rank
-    return collectives.exchange(send, recv, (r + 1) % n, (r - 1) % n, group, "ring hop", tag)
+    def __init__(self, group: AxisGroup, counts: list[int]):
+        self.group, self.size, self.rank = group, group.size, group.rank
+        self.counts = counts  # [computed, skipped], the ContextParallel's
 
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> collectives.Pending:
+        n, r = self.size, self.rank
+        return collectives.exchange(send, recv, (r + 1) % n, (r - 1) % n, self.group, "ring hop", tag)
 
-def _wait(hop: collectives.Pending | None) -> None:
-    if hop is not None:
-        hop.wait()
-
-
-def _pair_mode(q_chunk: int, kv_chunk: int) -> str | None:
-    """Causal attention between two chunks of the true sequence: all, the diagonal, or nothing."""
-    if kv_chunk < q_chunk:
-        return "full"  # every key precedes every query
-    return "causal" if kv_chunk == q_chunk else None  # a later chunk is masked out entirely
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, mode: str, scale: float) -> torch.Tensor:
-    """q (B, K, G, c, D), k (B, K, c', D) -> scaled scores (B, K, G, c, c'), -inf above the diagonal."""
-    s = torch.einsum("bkgqd,bktd->bkgqt", q, k) * scale  # K/V heads broadcast over their G query heads
-    if mode == "causal":
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, T, H, D) -> fp32 (B, K, G, T, D): query head h uses K/V head h // G, as repeat_interleave."""
-    B, T, H, D = x.shape
-    return x.float().permute(0, 2, 1, 3).reshape(B, kv_heads, H // kv_heads, T, D)
-
-
-def _ungrouped(x: torch.Tensor) -> torch.Tensor:
-    """(B, K, G, T, D) -> (B, T, H, D)."""
-    B, K, G, T, D = x.shape
-    return x.reshape(B, K * G, T, D).permute(0, 2, 1, 3)
-
-
-class _RingAttention(torch.autograd.Function):
-    """Exact causal attention with K/V blocks passed around the cp ring; hand-written backward.
-
-    Blocks are computed with plain fp32 matmuls rather than a fused kernel: one code path on every
-    device (the CPU flash op's signature and outputs differ from CUDA's), and forward and backward
-    share `_scores`, so the probabilities the backward recomputes are those the forward summed. The
-    price is a (B, H, T/2cp, T/2cp) fp32 score tile per chunk pair; a fused kernel returning
-    (out, lse) can replace `_scores` + softmax without changing the ring or the merge.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, group: AxisGroup, layout: str):
-        n, K, D = group.size, k.shape[2], q.shape[-1]
-        scale = D ** -0.5
-        q_ids = _chunk_ids(n, group.rank, layout)
-        qg = _grouped(q, K).chunk(len(q_ids), dim=3)  # chunks of (B, K, G, c, D)
-        outs: list[torch.Tensor | None] = [None] * len(q_ids)  # normalised partial outputs, fp32
-        lses: list[torch.Tensor | None] = [None] * len(q_ids)  # (B, K, G, c) log-sum-exp so far
-        kv = torch.stack([k, v])  # (2, B, T/cp, K, D): one message per hop, K heads only
-        for step in range(n):
-            src = (group.rank - step) % n  # whose block is in hand
-            if step < n - 1:  # post the next hop first: it travels while this block is computed
-                kv_next = torch.empty_like(kv)
-                hop = _exchange(kv, kv_next, group, _TAG_KV)
-            kc = kv[0].float().transpose(1, 2).chunk(len(q_ids), dim=2)  # (B, K, c, D) each
-            vc = kv[1].float().transpose(1, 2).chunk(len(q_ids), dim=2)
-            for i, a in enumerate(q_ids):
-                for j, b in enumerate(_chunk_ids(n, src, layout)):
-                    mode = _pair_mode(a, b)
-                    if mode is None:
-                        continue
-                    s = _scores(qg[i], kc[j], mode, scale)  # (B, K, G, c, c)
-                    lse = torch.logsumexp(s, dim=-1)  # (B, K, G, c)
-                    out = torch.einsum("bkgqt,bktd->bkgqd", torch.exp(s - lse[..., None]), vc[j])
-                    if outs[i] is None:
-                        outs[i], lses[i] = out, lse
-                    else:  # online softmax: rescale both partial results to the merged normaliser
-                        merged = torch.logaddexp(lses[i], lse)
-                        outs[i] = (outs[i] * torch.exp(lses[i] - merged)[..., None]
-                                   + out * torch.exp(lse - merged)[..., None])
-                        lses[i] = merged
-            if step < n - 1:
-                _wait(hop)
-                kv = kv_next
-        # Every query chunk met its own diagonal block, so no entry of outs/lses is None here.
-        out = _ungrouped(torch.cat(outs, dim=3)).to(q.dtype)  # (B, T/cp, H, D)
-        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=3))
-        ctx.group, ctx.layout = group, layout
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, layout = ctx.group, ctx.layout
-        n, K, D = group.size, k.shape[2], q.shape[-1]
-        scale = D ** -0.5
-        q_ids = _chunk_ids(n, group.rank, layout)
-        nq = len(q_ids)
-        qg = _grouped(q, K).chunk(nq, dim=3)  # (B, K, G, c, D) each
-        dog = _grouped(dout, K)  # (B, K, G, T/cp, D)
-        # FlashAttention's backward: with P recomputed from the final lse, dS = P o (dP - rowsum(dO o O)).
-        delta = (dog * _grouped(out, K)).sum(-1).chunk(nq, dim=3)  # (B, K, G, c) each
-        dog, lse = dog.chunk(nq, dim=3), lse.chunk(nq, dim=3)
-        dq = [torch.zeros_like(x) for x in qg]  # stays here: the queries never move
-        kv = torch.stack([k, v])  # (2, B, T/cp, K, D)
-        incoming = None  # (handles, buffers) of the dK/dV buffer arriving for the block in hand
-        for step in range(n):
-            src = (group.rank - step) % n
-            if step < n - 1:
-                kv_next = torch.empty_like(kv)
-                hop = _exchange(kv, kv_next, group, _TAG_KV)
-            kc = kv[0].float().transpose(1, 2).chunk(nq, dim=2)  # (B, K, c, D) each
-            vc = kv[1].float().transpose(1, 2).chunk(nq, dim=2)
-            dkv = torch.zeros(2, *kc[0].shape[:2], kv.shape[2], D,
-                              device=q.device)  # (2, B, K, T/cp, D) fp32: this rank's share
-            dk, dv = dkv[0].chunk(nq, dim=2), dkv[1].chunk(nq, dim=2)  # views, accumulated in place
-            for i, a in enumerate(q_ids):
-                for j, b in enumerate(_chunk_ids(n, src, layout)):
-                    mode = _pair_mode(a, b)
-                    if mode is None:
-                        continue
-                    p = torch.exp(_scores(qg[i], kc[j], mode, scale) - lse[i][..., None])  # (B, K, G, c, c)
-                    dv[j].add_(torch.einsum("bkgqt,bkgqd->bktd", p, dog[i]))
-                    dp = torch.einsum("bkgqd,bktd->bkgqt", dog[i], vc[j])
-                    ds = p * (dp - delta[i][..., None]) * scale  # (B, K, G, c, c)
-                    dq[i].add_(torch.einsum("bkgqt,bktd->bkgqd", ds, kc[j]))
-                    dk[j].add_(torch.einsum("bkgqt,bkgqd->bktd", ds, qg[i]))
-            if incoming is not None:  # add what the ranks before us contributed to this block
-                _wait(incoming[0])
-                dkv.add_(incoming[1])
-            # Pass the block's gradient on; after the last step it reaches the block's owner.
-            buf = torch.empty_like(dkv)
-            incoming = (_exchange(dkv, buf, group, _TAG_DKV), buf, dkv)  # dkv kept alive while in flight
-            if step < n - 1:
-                _wait(hop)
-                kv = kv_next
-        _wait(incoming[0])
-        dkv = incoming[1].transpose(2, 3)  # (2, B, T/cp, K, D): this rank's own block, summed over the ring
-        dq = _ungrouped(torch.cat(dq, dim=3))  # (B, T/cp, H, D)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+    def count(self, computed: int, skipped: int) -> None:
+        self.counts[0] += computed
+        self.counts[1] += skipped
 
 
 def _check_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -235,16 +114,20 @@ def _check_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                   layout: str = "zigzag") -> torch.Tensor:
-    """Causal attention of this rank's tokens over the whole sequence, K/V passed around `group`.
-
-    q (B, T/cp, H, D), k and v (B, T/cp, K, D), tokens in `layout` order -> (B, T/cp, H, D).
-    """
+                   layout: str = "zigzag", mask: AttentionMask | None = None,
+                   counts: list[int] | None = None) -> torch.Tensor:
+    """Attention of this rank's tokens over the whole sequence under `mask` (None: causal alone),
+    K/V passed around `group`: the exact blockwise path of model/blockwise.py, its blocks arriving
+    from the ring. q (B, T/cp, H, D), k and v (B, T/cp, K, D), tokens in `layout` order ->
+    (B, T/cp, H, D); mask.doc holds the whole rows' (B, T) document ids. `counts` ([computed,
+    skipped] chunk pairs) grows by this call's."""
     _check_gqa(q, k, v)
-    _chunk_ids(group.size, group.rank, layout)  # a clear error for an unknown layout
-    if q.shape[1] % len(_chunk_ids(group.size, 0, layout)):
+    n = group.size
+    ids = tuple(tuple(_chunk_ids(n, r, layout)) for r in range(n))  # a clear error for an unknown layout
+    if q.shape[1] % len(ids[0]):
         raise ValueError(f"{q.shape[1]} local tokens do not split into the {layout} layout's chunks")
-    return _RingAttention.apply(q, k, v, group, layout)
+    ring = _Ring(group, counts if counts is not None else [0, 0])
+    return blockwise_attention(q, k, v, mask, ring, Layout(ids, q.shape[1] // len(ids[0])))
 
 
 # ---- Ulysses ----
@@ -258,9 +141,12 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, split: int, cat: int) -> torc
     return torch.cat(regions.all_to_all_rows(send, group, ones, ones).unbind(0), dim=cat)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """Causal attention by all-to-all over heads: q (B, T/cp, H, D), k and v (B, T/cp, K, D), tokens
-    in the contiguous layout -> (B, T/cp, H, D). One all-to-all in (q, k, v packed), one out."""
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
+                      mask: AttentionMask | None = None, backend: str = "auto") -> torch.Tensor:
+    """Attention by all-to-all over heads: q (B, T/cp, H, D), k and v (B, T/cp, K, D), tokens in the
+    contiguous layout -> (B, T/cp, H, D). One all-to-all in (q, k, v packed), one out. Each rank then
+    holds the whole sequence for its part of the heads, so `mask` (whole rows' documents, the window,
+    its heads' sinks) applies as on one process, through the local kernel `backend` picks."""
     _check_gqa(q, k, v)
     n, H, K = group.size, q.shape[2], k.shape[2]
     if H % n or K % n:
@@ -273,7 +159,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     packed = torch.cat(parts, dim=3).flatten(2, 3)  # (B, T/cp, H + 2K, D)
     full = _all_to_all(packed, group, 2, 1)  # (B, T, (H + 2K)/cp, D), rank order = token order
     qh, kh, vh = full.split([H // n, K // n, K // n], dim=2)
-    out = causal_attention(qh, kh, vh)  # (B, T, H/cp, D)
+    heads = H // n
+    own = None if mask is None else mask.head_slice(group.rank * heads, (group.rank + 1) * heads)
+    out = attend(qh, kh, vh, own, backend)  # (B, T, H/cp, D)
     return _all_to_all(out, group, 1, 2)  # (B, T/cp, H, D)
 
 
@@ -283,11 +171,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
 class ContextParallel:
     """One cp group and method: the token layout, the positions for RoPE, and the attention core."""
 
-    def __init__(self, group: AxisGroup, method: str = "ring"):
+    def __init__(self, group: AxisGroup, method: str = "ring", backend: str = "auto"):
         if method not in METHODS:
             raise ValueError(f"unknown cp_method '{method}'; choose one of {sorted(METHODS)}")
-        self.group, self.method = group, method
+        self.group, self.method, self.backend = group, method, backend
         self.layout = METHODS[method]
+        self.blocks = [0, 0]  # ring chunk pairs computed and skipped (fully masked) since take_blocks()
 
     def positions(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
         """True positions of this rank's tokens (T/cp,): what RoPE must rotate by."""
@@ -297,11 +186,19 @@ class ContextParallel:
         """This rank's tokens: (B, T, ...) -> (B, T/cp, ...). Shift targets before sharding."""
         return shard_sequence(x, self.group.size, self.group.rank, self.layout, dim)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Drop-in for Attention.core: (B, T/cp, H, D), (B, T/cp, K, D) x2 -> (B, T/cp, H, D)."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: AttentionMask | None = None) -> torch.Tensor:
+        """Drop-in for Attention.core: (B, T/cp, H, D), (B, T/cp, K, D) x2, mask -> (B, T/cp, H, D)."""
         if self.method == "ulysses":
-            return ulysses_attention(q, k, v, self.group)
-        return ring_attention(q, k, v, self.group, self.layout)
+            return ulysses_attention(q, k, v, self.group, mask, self.backend)
+        return ring_attention(q, k, v, self.group, self.layout, mask, self.blocks)
+
+    def take_blocks(self) -> dict[str, int]:
+        """Ring attention's chunk pairs since the last call: {"computed": .., "skipped": ..}, summed
+        over layers, micro-batches and forwards (a recomputed forward counts again)."""
+        computed, skipped = self.blocks
+        self.blocks[:] = [0, 0]
+        return {"computed": computed, "skipped": skipped}
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: Derived) -> ContextParallel:
@@ -310,7 +207,7 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: D
     At cp = 1 the model is left as it is (the local core is already exact) and the returned object
     shards nothing and gives positions 0..T-1, so the loop calls it the same way for any cp.
     """
-    cp = ContextParallel(mesh.group("cp"), cfg.parallel.cp_method)
+    cp = ContextParallel(mesh.group("cp"), cfg.parallel.cp_method, cfg.model.attention_backend)
     if cp.group.size > 1:
         for block in model.layers.values():
             block.attn.core = cp.core

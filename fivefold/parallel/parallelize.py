@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from fivefold.config import Config
+from fivefold.model.masks import Documents
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
@@ -33,7 +34,7 @@ from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, fused_on, init_optimizer_state, set_lr
-from fivefold.parallel.pipeline.executor import PipelineExecutor
+from fivefold.parallel.pipeline.executor import AttentionInputs, PipelineExecutor
 from fivefold.parallel.pipeline.stages import apply_pipeline_parallel
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.state_dict import is_expert_parameter
@@ -79,9 +80,18 @@ class Parallelized:
         Targets were shifted on the whole sequence, so each token keeps its true next token."""
         return [(self.cp.shard(x).to(device), self.cp.shard(y).to(device)) for x, y in micro_batches]
 
-    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """True positions (T/cp,) of this rank's tokens, for RoPE."""
-        return self.cp.positions(seq_len, device)
+    def attention_inputs(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], documents: Documents | None,
+                         device: torch.device) -> list[AttentionInputs]:
+        """Each whole-row micro-batch's attention inputs, before context parallel splits the rows:
+        the RoPE positions of this rank's tokens ((T/cp,), or (B, T/cp) restarting at each document)
+        and the (B, T) document ids of the whole rows (data.document_mask), else None. Positions
+        restart per document on the whole row, then this rank takes its part of them."""
+        seq_len = micro_batches[0][0].shape[1]
+        if documents is None:
+            return [(self.cp.positions(seq_len, device), None)] * len(micro_batches)
+        row = torch.arange(seq_len, device=device)  # (T,)
+        inputs = [documents.inputs(x.to(device), row) for x, _ in micro_batches]
+        return [(self.cp.shard(pos, dim=-1), doc) for pos, doc in inputs]
 
     # ---- the optimizer step ---------------------------------------------------------------------
     def optimizer_step(self, lr: float, scaler: LossScale, grad_clip: float) -> StepOutcome:

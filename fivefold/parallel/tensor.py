@@ -211,6 +211,8 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
             parent = getattr(block, parent_name)
             if parent in regions and isinstance(getattr(parent, child, None), nn.Linear):  # MLA has no wk, wv
                 setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
+        if block.attn.sinks is not None:  # one logit per query head: split as the heads are
+            block.attn.sinks = _shard(block.attn.sinks, 0, group)
         for region in regions:  # one entry per region, before its column-parallel layers
             if isinstance(region, LatentAttention):  # after the replicated down-projections instead
                 region.enter_heads = partial(_enter_heads, group=group, sequence_parallel=sequence_parallel)

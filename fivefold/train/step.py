@@ -84,11 +84,11 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         indices = run.loader.next_indices()
         batch = rank_slice(run.train_set, indices, t.global_batch, run.derived.dp, mesh.rank("batch"), t.micro_batch)
         micro = par.local_micro_batches(batch.micro_batches, run.device)
-        positions = par.positions(t.seq_len, run.device)
         documents = Documents.from_config(run.cfg.data, run.train_set.eod)  # None: plain causal attention
+        attention = par.attention_inputs(batch.micro_batches, documents, run.device)
     run.balancing.before(run.scaler.scale)
-    stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, positions=positions,
-                             clock=timer.clock.mark if mesh.size("pp") > 1 else None, documents=documents)
+    stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, attention=attention,
+                             clock=timer.clock.mark if mesh.size("pp") > 1 else None)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
         outcome = par.optimizer_step(lr, run.scaler, t.grad_clip)
         moe = run.balancing.after(outcome.applied)
@@ -137,8 +137,8 @@ def evaluate(run: Run) -> float:
         batch = rank_slice(run.val_set, indices, t.global_batch, run.derived.dp, run.mesh.rank("batch"), t.micro_batch)
         micro = par.local_micro_batches(batch.micro_batches, run.device)
         total[0] += par.pipeline.forward_only(micro, autocast=run.autocast,
-                                              positions=par.positions(cfg.train.seq_len, run.device),
-                                              documents=documents)
+                                              attention=par.attention_inputs(batch.micro_batches, documents,
+                                                                             run.device))
         if par.pipeline.has_last_stage:  # where the loss is; the sum over dp ranks is the global count
             total[1] += sum(int((y != IGNORE).sum()) for _, y in micro)
         if batches.state.epoch > 0:  # the validation set is smaller than eval_batches batches

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import DOCUMENTS_ON, MOE_ARGS, Layout, assert_reproduces, document_args, tiny_config, train_and_gather
 
-from fivefold.model.masks import Documents, document_ids, document_mask, document_positions
+from fivefold.model.masks import AttentionMask, Documents, dense_keep, document_ids, document_positions
 from fivefold.model.presets import PRESETS
 from fivefold.model.transformer import Transformer, cross_entropy_sum
 from fivefold.parallel.forked_ranks import run_workers
@@ -31,7 +31,7 @@ def test_document_ids_mask_and_positions_by_hand():
     doc = document_ids(tokens, EOD)
     assert doc.tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]  # an eod belongs to the document it ends
     assert document_positions(doc, torch.arange(6)).tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 0, 1, 2, 3]]
-    mask = document_mask(doc)  # (B, 1, T, T)
+    mask = dense_keep(AttentionMask(doc), 6)  # (B, 1, T, T): the rule, written out for a small row
     assert mask.shape == (2, 1, 6, 6)
     assert mask[0, 0, 3].tolist() == [False, False, True, True, False, False]  # own document, not later tokens
     assert mask.diagonal(dim1=-2, dim2=-1).all()  # no query row fully masked
@@ -55,9 +55,9 @@ def _packed_row():
     return tokens[:, :-1], tokens[:, 1:], spans  # (1, 16) each
 
 
-def _losses_and_grads(model, x, y, positions, mask):
+def _losses_and_grads(model, x, y, positions, doc):
     model.zero_grad()
-    logits = model(x, positions, mask=mask)  # (B, T, V)
+    logits = model(x, positions, doc=doc)  # (B, T, V)
     per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
     per_token.sum().backward()
     return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -69,8 +69,8 @@ def test_masked_packed_row_is_its_documents_run_apart(reset):
     document alone (its own row; positions from 0 with reset_positions, else where it sat)."""
     model = _tiny()
     x, y, spans = _packed_row()
-    positions, mask = Documents(EOD, mask=True, reset_positions=reset).inputs(x, torch.arange(16))
-    packed, packed_grads = _losses_and_grads(model, x, y, positions, mask)
+    positions, doc = Documents(EOD, mask=True, reset_positions=reset).inputs(x, torch.arange(16))
+    packed, packed_grads = _losses_and_grads(model, x, y, positions, doc)
     alone, alone_grads = [], {}
     for start, end in spans:
         pos = torch.arange(end - start) if reset else torch.arange(start, end)
@@ -90,8 +90,8 @@ def test_masked_packed_row_is_its_documents_run_apart(reset):
 def test_reset_positions_alone_restarts_rope_at_each_document():
     model = _tiny()
     x, y, _ = _packed_row()
-    positions, mask = Documents(EOD, mask=False, reset_positions=True).inputs(x, torch.arange(16))
-    assert mask is None
+    positions, doc = Documents(EOD, mask=False, reset_positions=True).inputs(x, torch.arange(16))
+    assert doc is None
     assert positions.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]]
     with torch.no_grad():
         restarted = model(x, positions)  # (1, 16, V): rope_cos_sin of (B, T) positions
@@ -103,13 +103,11 @@ def test_reset_positions_alone_restarts_rope_at_each_document():
     torch.testing.assert_close(restarted[:, :5], plain[:, :5], rtol=0, atol=0)
 
 
-def test_validate_refuses_context_parallel_with_documents(tmp_path):
+def test_validate_accepts_context_parallel_with_documents(tmp_path):
     for name in ("document_mask", "reset_positions"):
         for method in ("ring", "ulysses"):
             cfg = tiny_config(tmp_path, "--parallel.cp=2", f"--parallel.cp_method={method}", f"--data.{name}=true")
-            assert (f"data.{name} with parallel.cp = 2: not built yet for ring attention / Ulysses; set "
-                    f"parallel.cp = 1 or data.{name} = false") in validate(cfg, 2)
-        assert not [e for e in validate(tiny_config(tmp_path, f"--data.{name}=true"), 2) if name in e]
+            assert not [e for e in validate(cfg, 2) if name in e]
 
 
 # ---- whole training runs ---------------------------------------------------------------------
@@ -183,9 +181,9 @@ def test_sum_of_token_losses_is_unchanged_by_the_mask_for_one_document():
     model = _tiny()
     x = torch.randint(0, EOD, (2, 16))
     y = torch.randint(0, EOD, (2, 16))
-    positions, mask = Documents(EOD, mask=True, reset_positions=True).inputs(x, torch.arange(16))
+    positions, doc = Documents(EOD, mask=True, reset_positions=True).inputs(x, torch.arange(16))
     with torch.no_grad():
-        masked = cross_entropy_sum(model(x, positions, mask=mask), y)
+        masked = cross_entropy_sum(model(x, positions, doc=doc), y)
         plain = cross_entropy_sum(model(x), y)
     torch.testing.assert_close(masked, plain, rtol=1e-6, atol=0)
 

@@ -106,22 +106,20 @@ def test_grouped_query_attention_matches_explicit_softmax():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_grouped_query_attention_in_the_kernel_equals_the_copy(masked):
+def test_grouped_query_attention_in_the_kernel_equals_the_copy():
     """On CPU SDPA takes the grouped K/V heads itself (enable_gqa): forward and gradients equal,
-    bit for bit in fp32, those of K and V repeated to the query heads, with and without a mask."""
+    bit for bit in fp32, those of K and V repeated to the query heads."""
     import fivefold.model.attention as attention
 
     torch.manual_seed(0)
     # Dv = D as in every GQA model here (MLA's narrower values come with K = H: nothing to group; with
     # Dv != D the CPU kernels' sums differ from the copy's by ~4e-7, fp32 rounding).
     q, k, v = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
-    mask = (torch.rand(2, 1, 8, 8) > 0.5).tril() | torch.eye(8, dtype=torch.bool) if masked else None
     dout = torch.randn(2, 8, 4, 16)
 
     def run():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = causal_attention(*leaves, mask)
+        out = causal_attention(*leaves)
         return out, torch.autograd.grad(out, leaves, dout)
 
     calls = []
@@ -139,10 +137,9 @@ def test_grouped_query_attention_in_the_kernel_equals_the_copy(masked):
     assert calls == [(2, True), (4, False)]  # no K/V copy, then the copy
     assert torch.equal(grouped[0], copied[0])
     assert all(torch.equal(a, b) for a, b in zip(grouped[1], copied[1], strict=True))
-    # On CUDA only the flash kernel takes GQA (torch 2.11): unmasked half precision.
-    assert attention.gqa_in_kernel("cuda", torch.bfloat16, False)
-    assert not attention.gqa_in_kernel("cuda", torch.bfloat16, True)
-    assert not attention.gqa_in_kernel("cuda", torch.float32, False)
+    # On CUDA only the flash kernel takes GQA (torch 2.11): half precision.
+    assert attention.gqa_in_kernel("cuda", torch.bfloat16)
+    assert not attention.gqa_in_kernel("cuda", torch.float32)
 
 
 def _rms(x, weight, eps):

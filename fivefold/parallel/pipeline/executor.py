@@ -17,7 +17,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fivefold.model.masks import Documents
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.data import DataParallel
@@ -56,12 +55,16 @@ class PipelineStats:
     freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
 
 
-def _attention_inputs(tokens: torch.Tensor, positions: torch.Tensor,
-                      documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RoPE positions and attention mask of one micro-batch on any stage. Built from its token ids
-    (B, T), which every stage holds (a later stage's input is an activation, but micro_batches keep
-    the ids): no message carries a mask. Both options off: the row positions and no mask."""
-    return (positions, None) if documents is None else documents.inputs(tokens, positions)
+# One micro-batch's attention inputs, the same on every stage (built by the step from the token ids
+# of whole rows, which every stage holds: no message carries them): the RoPE positions of this
+# rank's tokens, (T_local,) or (B, T_local), and the (B, T) document ids of whole rows or None.
+AttentionInputs = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def _plain_inputs(micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[AttentionInputs]:
+    """Positions 0..T_local-1 and no documents, for every micro-batch."""
+    x = micro_batches[0][0]
+    return [(torch.arange(x.shape[1], device=x.device), None)] * len(micro_batches)
 
 
 def _values_unused(out: torch.Tensor) -> bool:
@@ -84,8 +87,7 @@ class _Step:
     """What one call of `PipelineExecutor.run` carries from action to action."""
 
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's (ids, targets), (B, T_local) each
-    positions: torch.Tensor  # (T_local,) true positions of this rank's tokens
-    documents: Documents | None
+    attention: list[AttentionInputs]  # per micro-batch: positions and document ids
     autocast: Callable[[], contextlib.AbstractContextManager]
     global_tokens: int  # every loss is divided by the step's global token count
     loss_scale: float
@@ -171,20 +173,18 @@ class PipelineExecutor:
     # ---- one step -------------------------------------------------------------------------------
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None,
-            positions: torch.Tensor | None = None, documents: Documents | None = None) -> PipelineStats:
+            attention: list[AttentionInputs] | None = None) -> PipelineStats:
         """Run this rank's actions for one step; gradients accumulate as in one process.
 
-        `micro_batches` hold this rank's tokens (B, T_local); `positions` (T_local,) are their
-        true positions (context parallel), 0..T_local-1 when not given. `documents`: keep packed
-        documents apart (document mask, per-document positions), None for plain causal attention.
+        `micro_batches` hold this rank's tokens (B, T_local); `attention` each one's positions and
+        document ids (AttentionInputs: Parallel.attention_inputs builds them), when not given
+        positions 0..T_local-1 and no documents.
         Returns this rank's sum of micro-batch losses (non-zero on the last stage only), each
         already divided by the step's global token count.
         """
         sends, act_dtype = sends_for(self.device), travel_dtype(autocast, self.device)
-        if positions is None:
-            positions = torch.arange(micro_batches[0][0].shape[1], device=micro_batches[0][0].device)
-        step = _Step(micro_batches, positions, documents, autocast, global_tokens, loss_scale, act_dtype,
-                     self._mailbox(self.schedule, self.plan, micro_batches, sends, act_dtype), sends,
+        step = _Step(micro_batches, attention or _plain_inputs(micro_batches), autocast, global_tokens, loss_scale,
+                     act_dtype, self._mailbox(self.schedule, self.plan, micro_batches, sends, act_dtype), sends,
                      loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))  # fp64, as a Python sum
         for index, action in enumerate(self.schedule.actions[self.rank]):
             step.mail.post(index)  # what the plan posts here: sends produced so far, receives due by now
@@ -214,10 +214,10 @@ class PipelineExecutor:
         mb, s, chunk = action.microbatch, action.stage, self.chunks[action.stage]
         tokens, targets = step.micro_batches[mb]
         slot = step.slots.setdefault((mb, s), _Slot())
-        pos, mask = _attention_inputs(tokens, step.positions, step.documents)
+        pos, doc = step.attention[mb]
         with step.autocast():
             slot.inp = chunk.embed(tokens if received is None else received)  # received, or the embeddings
-            out = chunk(slot.inp, pos, mask)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
+            out = chunk(slot.inp, pos, doc)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
         if s == self.n_stages - 1:
             out = self.loss_fn(out, targets) / step.global_tokens  # the loss: backward starts here
             step.loss_sum += out.detach()
@@ -279,8 +279,7 @@ class PipelineExecutor:
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     autocast=contextlib.nullcontext, positions: torch.Tensor | None = None,
-                     documents: Documents | None = None) -> float:
+                     autocast=contextlib.nullcontext, attention: list[AttentionInputs] | None = None) -> float:
         """Sum of token losses over the micro-batches (last stage only), for evaluation."""
         m = len(micro_batches)
         if m not in self.forward_plans:  # each micro-batch through the stages in order
@@ -290,16 +289,15 @@ class PipelineExecutor:
         sends, act_dtype = sends_for(self.device), travel_dtype(autocast, self.device)
         mail = self._mailbox(schedule, plan, micro_batches, sends, act_dtype)
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # read once, at the end
+        attention = attention or _plain_inputs(micro_batches)
         for index, action in enumerate(schedule.actions[self.rank]):
             mb, s = action.microbatch, action.stage
             x, y = micro_batches[mb]
-            if positions is None:
-                positions = torch.arange(x.shape[1], device=x.device)
             mail.post(index)
             h = mail.take(action).to(self.hidden_dtype) if s > 0 else x
-            pos, mask = _attention_inputs(x, positions, documents)
+            pos, doc = attention[mb]
             with autocast():
-                h = self.chunks[s](self.chunks[s].embed(h), pos, mask)
+                h = self.chunks[s](self.chunks[s].embed(h), pos, doc)
             if s == self.n_stages - 1:
                 total += self.loss_fn(h, y)
             else:

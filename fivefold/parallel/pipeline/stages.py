@@ -49,11 +49,12 @@ class StageChunk:
         mods += [self.model.tok_embeddings] if self.first else []
         return mods + ([self.model.norm, self.model.output] if self.last else [])
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim): the
-        model's own forward over this stage's layers (positions (T,) or (B, T); mask: model/masks.py's)."""
+        model's own forward over this stage's layers (positions (T,) or (B, T); doc: whole rows' (B, T)
+        document ids, model/masks.py)."""
         return self.model(h, positions, layers=self.layers, embed=False, head=self.last,
-                          mask=mask)  # (B, T, dim) or (B, T, V)
+                          doc=doc)  # (B, T, dim) or (B, T, V)
 
 
 def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:

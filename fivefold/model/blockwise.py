@@ -1,0 +1,367 @@
+"""Exact attention in tiles, each through a fused kernel that returns its log-sum-exp: the masked
+path on any device, and the engine ring attention runs on (parallel/context.py).
+
+The keys are cut into blocks; each (query tile, key tile) pair is one of
+- skipped: the mask keeps none of its pairs (a later tile, another document, beyond the window);
+- full: it keeps every pair (the kernel runs unmasked);
+- causal: a tile on the diagonal, kept below it (the kernel's own `is_causal`);
+- masked: anything else: the kernel gets a small additive bias tile (0 / -inf) built from the rule
+  in model/masks.py, at most `tile` x `tile` per row of the batch. Never a (T, T) tensor.
+The decision needs the document ids at tile boundaries only: one small read per call (`plan_tiles`).
+Partial results merge by their log-sum-exp (the online softmax, Milakov & Gimelshein 2018), in fp32.
+
+Backward is FlashAttention's (Dao et al. 2022, alg. 4), tile by tile through the kernel's own
+backward: given the *final* output O and log-sum-exp L of every query row, a tile's gradients are
+those of P = exp(S - L) with dS = P o (dP - rowsum(dO o O)), so each tile's backward needs nothing
+from the other tiles. Forward and backward run the same kernel pair in the same dtype (whatever
+autocast made q, k, v), so the probabilities the backward rebuilds are those the forward summed.
+
+Attention sinks (gpt-oss) are a key every query sees with logit s_h and a zero value: the final
+L' = logaddexp(L, s_h) and O' = O exp(L - L'). With O' and L' the tiles' backward is again exact
+for q, k, v (the sink adds nothing to dP), and ds_h = -sum over rows of exp(s_h - L') rowsum(dO o O').
+
+Where the key/value blocks come from is a `BlockSource`: this rank alone (`LOCAL`), or a ring of
+ranks passing them on (context parallel), posted before the block in hand is computed.
+Shapes: B batch, T tokens (this rank's), H query heads, K key/value heads, D head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from fivefold.model.masks import AttentionMask, keep
+
+SKIP, FULL, CAUSAL, MASKED = 0, 1, 2, 3
+TILE = 512  # the largest masked tile's side: its bias is (B, 1, TILE, TILE) in the compute dtype
+_TAG_KV, _TAG_DKV = 1, 2  # distinct tags: a K/V block and a dK/dV buffer can be in flight together
+
+
+class Hop(Protocol):
+    def wait(self) -> None: ...
+
+
+class BlockSource(Protocol):
+    """Where key/value blocks come from: `size` ranks in a ring, this one `rank`."""
+
+    size: int
+    rank: int
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop | None:
+        """Send `send` to the next rank, receive `recv` from the previous one."""
+
+    def count(self, computed: int, skipped: int) -> None:
+        """Chunk pairs this forward computed and skipped (a fully masked pair's K/V still travel)."""
+
+
+@dataclass(frozen=True)
+class _Local:
+    size: int = 1
+    rank: int = 0
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop | None:
+        raise AssertionError("a single rank exchanges nothing")
+
+    def count(self, computed: int, skipped: int) -> None:
+        pass
+
+
+LOCAL = _Local()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which chunks of the whole sequence each rank holds: `chunks[r]` in r's local order, each
+    `chunk` tokens (one chunk of T for a single rank; zig-zag's two of T/2cp under ring attention)."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Tile:
+    q: slice  # this rank's query rows
+    k: slice  # rows of the key/value block in hand (its owner's local order)
+    kind: int  # FULL, CAUSAL or MASKED
+    q_pos: int  # place in the row of the first query and the first key: a masked tile's bias
+    k_pos: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[tuple[Tile, ...], ...]  # per ring step: the tiles with the block of rank (rank - step)
+    computed: int  # chunk pairs with work
+    skipped: int  # chunk pairs the mask empties
+
+
+def _sub_tile(chunk: int, tile: int) -> int:
+    """The side of the tiles a chunk is cut into where the mask needs it: the largest divisor <= tile."""
+    return max(d for d in range(1, min(chunk, tile) + 1) if chunk % d == 0)
+
+
+def _tile_kinds(T: int, s: int, window: int, doc: torch.Tensor | None) -> list[list[int]]:
+    """The kind of every (query tile i, key tile j) of side s over the whole row: (T/s, T/s), read once.
+
+    Documents are contiguous and their ids grow along the row, so the ids at tile ends decide: every
+    pair shares one document iff key tile j's first token and query tile i's last are in the same
+    one; none does iff key tile j's last document ends before query tile i's first begins."""
+    n = T // s
+    i = torch.arange(n)[:, None]  # (n, 1) query tiles
+    j = torch.arange(n)[None, :]  # (1, n) key tiles
+    skip = j > i  # (n, n): causal
+    partial = torch.zeros(n, n, dtype=torch.bool)
+    if window:
+        skip |= (i - j) * s - (s - 1) >= window  # the nearest pair is already out of the window
+        partial |= (i - j) * s + (s - 1) >= window  # the farthest pair is
+    if doc is not None:
+        first, last = doc[:, ::s].cpu(), doc[:, s - 1::s].cpu()  # (B, n) each: ids at tile ends
+        same = (first[:, None, :] == last[:, :, None]).all(0)  # (n, n): [i, j], every row
+        apart = (last[:, None, :] < first[:, :, None]).all(0)
+        skip |= apart
+        partial |= ~same
+    kind = torch.where(partial, MASKED, torch.where(i == j, CAUSAL, FULL))
+    return torch.where(skip, SKIP, kind).tolist()
+
+
+def _whole(block: list[list[int]], diagonal: bool) -> int | None:
+    """One call for the chunk pair when its tiles allow (the kind), None to go tile by tile."""
+    flat = {k for row in block for k in row}
+    if flat == {SKIP}:
+        return SKIP
+    if not diagonal:
+        return FULL if flat == {FULL} else None
+    m = len(block)
+    lower = all(block[u][w] == (FULL if u > w else CAUSAL if u == w else SKIP) for u in range(m) for w in range(m))
+    return CAUSAL if lower else None
+
+
+def plan_tiles(layout: Layout, rank: int, window: int, doc: torch.Tensor | None, tile: int = TILE) -> Plan:
+    """Every tile rank `rank` computes, per ring step, and how many chunk pairs the mask empties."""
+    n, c = len(layout.chunks), layout.chunk
+    s = _sub_tile(c, tile)
+    m = c // s
+    kinds = _tile_kinds(c * sum(len(ids) for ids in layout.chunks), s, window, doc)
+    steps, computed, skipped = [], 0, 0
+    for step in range(n):
+        tiles = []
+        for i, a in enumerate(layout.chunks[rank]):
+            for j, b in enumerate(layout.chunks[(rank - step) % n]):
+                block = [row[b * m:(b + 1) * m] for row in kinds[a * m:(a + 1) * m]]
+                whole = _whole(block, a == b)
+                skipped += whole == SKIP
+                computed += whole != SKIP
+                if whole is not None:
+                    if whole != SKIP:
+                        tiles.append(Tile(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), whole, a * c, b * c))
+                    continue
+                for u in range(m):
+                    for w in range(m):
+                        if block[u][w] != SKIP:
+                            tiles.append(Tile(slice(i * c + u * s, i * c + (u + 1) * s),
+                                              slice(j * c + w * s, j * c + (w + 1) * s),
+                                              block[u][w], a * c + u * s, b * c + w * s))
+        steps.append(tuple(tiles))
+    return Plan(tuple(steps), computed, skipped)
+
+
+def _bias(tile: Tile, window: int, doc: torch.Tensor | None, dtype: torch.dtype,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A masked tile's additive bias (B or 1, 1, t, t) and which query rows see any key (B or 1, 1, t)."""
+    t = tile.q.stop - tile.q.start
+    qp = torch.arange(tile.q_pos, tile.q_pos + t, device=device)  # (t,)
+    kp = torch.arange(tile.k_pos, tile.k_pos + t, device=device)
+    q_doc = None if doc is None else doc[:, None, qp, None]  # (B, 1, t, 1)
+    k_doc = None if doc is None else doc[:, None, None, kp]  # (B, 1, 1, t)
+    allowed = keep(qp[:, None], kp[None, :], window, q_doc, k_doc)  # (B, 1, t, t) or (t, t)
+    allowed = allowed.view(-1, 1, t, t)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return bias, allowed.any(-1)
+
+
+# ---- the kernels: (B, H, t, D) queries, (B, K, t, D) keys and values, K dividing H ----
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _cpu_forward(q, k, v, causal: bool, bias, scale: float):
+    """PyTorch's CPU flash attention: (out, lse), grouped K/V heads taken as they are."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                      scale=scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal: bool, bias, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+
+
+# The memory-efficient kernel's log-sum-exp rows come padded to a multiple of 32 (not on ROCm,
+# pytorch/pytorch#146848), and its backward reads them so.
+_LSE_ALIGN = 1 if torch.version.hip else 32
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[1], dim=1).contiguous()  # (B, H, t, D)
+
+
+def _cuda_forward(q, k, v, causal: bool, bias, scale: float):
+    """CUDA's memory-efficient attention (xFormers' kernel in PyTorch): any dtype, an additive bias,
+    and the log-sum-exp. It takes K/V repeated to the query heads."""
+    H, t = q.shape[1], q.shape[2]
+    if bias is not None:
+        bias = bias.expand(q.shape[0], H, t, k.shape[2])
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), _repeat(k, H), _repeat(v, H), bias, True, 0.0, causal, scale=scale)
+    return out, lse[..., :t]
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal: bool, bias, scale: float):
+    B, H, t, _ = q.shape
+    K = k.shape[1]
+    if bias is not None:
+        bias = bias.expand(B, H, t, k.shape[2])
+    lse = torch.nn.functional.pad(lse, (0, -t % _LSE_ALIGN))  # (B, H, t rounded up)
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: the seed is never read
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q.contiguous(), _repeat(k, H), _repeat(v, H), bias, out.contiguous(), lse,
+        no_rng, no_rng, 0.0, [True, True, True, False], causal, scale=scale)
+    # A K/V head served H/K query heads: its gradient is their sum.
+    return dq, dk.view(B, K, H // K, *dk.shape[2:]).sum(2), dv.view(B, K, H // K, *dv.shape[2:]).sum(2)
+
+
+def kernels(device: torch.device) -> tuple[Forward, Backward]:
+    """The tile kernel pair for a device."""
+    return (_cuda_forward, _cuda_backward) if device.type == "cuda" else (_cpu_forward, _cpu_backward)
+
+
+# ---- the autograd function ----
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor) -> None:
+    """Fold a tile's (o, lse_o) into the running (out, lse) in place: fp32 (B, H, t, D) and (B, H, t).
+    Rows that have seen no key yet hold lse = -inf and count nothing."""
+    merged = torch.logaddexp(lse, lse_o)
+    base = merged.masked_fill(merged == float("-inf"), 0.0)  # exp(-inf - base) = 0, never exp(nan)
+    out.mul_(torch.exp(lse - base)[..., None]).add_(o.float() * torch.exp(lse_o - base)[..., None])
+    lse.copy_(merged)
+
+
+@dataclass(frozen=True)
+class _Call:
+    source: BlockSource
+    layout: Layout
+    window: int
+    tile: int
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, doc, call: _Call):
+        with torch.autocast(q.device.type, enabled=False):
+            plan = plan_tiles(call.layout, call.source.rank, call.window, doc, call.tile)
+            call.source.count(plan.computed, plan.skipped)
+            out, lse = _forward(q, k, v, sinks, doc, call, plan)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, doc)
+        ctx.call, ctx.plan = call, plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, sinks, doc = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, sinks, doc, ctx.call, ctx.plan)
+        return dq, dk, dv, dsinks, None, None
+
+
+def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, T, H, D) in q's dtype, lse (B, H, T) fp32) of this rank's queries over every block."""
+    source, n, dtype = call.source, call.source.size, q.dtype
+    fwd, _ = kernels(q.device)
+    scale = q.shape[-1] ** -0.5
+    qh = q.transpose(1, 2)  # (B, H, T, D)
+    out = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)  # normalised partial outputs
+    lse = torch.full(qh.shape[:3], float("-inf"), device=q.device)  # (B, H, T)
+    kv = torch.stack([k.to(dtype), v.to(dtype)])  # (2, B, T, K, D): one message per hop, K heads only
+    for step in range(n):
+        if step < n - 1:  # post the next hop first: it travels while this block is computed
+            kv_next = torch.empty_like(kv)
+            hop = source.exchange(kv, kv_next, _TAG_KV)
+        kh, vh = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, K, T, D)
+        for t in plan.steps[step]:
+            bias, seen = _bias(t, call.window, doc, dtype, q.device) if t.kind == MASKED else (None, None)
+            o, lse_o = fwd(qh[:, :, t.q], kh[:, :, t.k], vh[:, :, t.k], t.kind == CAUSAL, bias, scale)
+            if seen is not None:  # a row that sees no key of this tile: nothing (the kernel says lse 0)
+                lse_o = lse_o.masked_fill(~seen, float("-inf"))
+                o = o.masked_fill(~seen[..., None], 0.0)
+            _merge(out[:, :, t.q], lse[:, :, t.q], o, lse_o)
+        if step < n - 1:
+            if hop is not None:
+                hop.wait()
+            kv = kv_next
+    if sinks is not None:  # one more key, logit s_h, value 0: it only grows the denominator
+        final = torch.logaddexp(lse, sinks.float()[None, :, None])  # (B, H, T)
+        out.mul_(torch.exp(lse - final)[..., None])
+        lse = final
+    return out.to(dtype).transpose(1, 2), lse  # (B, T, H, D), (B, H, T)
+
+
+def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
+    source, n, dtype = call.source, call.source.size, q.dtype
+    _, bwd = kernels(q.device)
+    scale = q.shape[-1] ** -0.5
+    qh, oh = q.transpose(1, 2), out.transpose(1, 2)  # (B, H, T, D)
+    doh = dout.to(dtype).transpose(1, 2)  # (B, H, T, D)
+    dsinks = None
+    if sinks is not None:  # ds_h = -sum_rows p_sink * rowsum(dO o O)
+        delta = (doh.float() * oh.float()).sum(-1)  # (B, H, T)
+        dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+    dq = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)  # the queries never move
+    kv = torch.stack([k.to(dtype), v.to(dtype)])  # (2, B, T, K, D)
+    incoming = None  # (hop, buffer, kept) of the dK/dV arriving for the block in hand
+    for step in range(n):
+        if step < n - 1:
+            kv_next = torch.empty_like(kv)
+            hop = source.exchange(kv, kv_next, _TAG_KV)
+        kh, vh = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, K, T, D)
+        dkv = torch.zeros(2, *kh.shape, dtype=torch.float32, device=q.device)  # (2, B, K, T, D): our share
+        for t in plan.steps[step]:
+            bias = _bias(t, call.window, doc, dtype, q.device)[0] if t.kind == MASKED else None
+            gq, gk, gv = bwd(doh[:, :, t.q], qh[:, :, t.q], kh[:, :, t.k], vh[:, :, t.k], oh[:, :, t.q],
+                             lse[:, :, t.q].contiguous(), t.kind == CAUSAL, bias, scale)
+            dq[:, :, t.q] += gq
+            dkv[0, :, :, t.k] += gk
+            dkv[1, :, :, t.k] += gv
+        if n == 1:
+            incoming = (None, dkv, None)
+            break
+        if incoming is not None:  # add what the ranks before us contributed to this block
+            if incoming[0] is not None:
+                incoming[0].wait()
+            dkv.add_(incoming[1])
+        # Pass the block's gradient on; after the last step it reaches the block's owner.
+        buf = torch.empty_like(dkv)
+        incoming = (source.exchange(dkv, buf, _TAG_DKV), buf, dkv)  # dkv kept alive while in flight
+        if step < n - 1:
+            if hop is not None:
+                hop.wait()
+            kv = kv_next
+    if incoming[0] is not None:
+        incoming[0].wait()
+    dkv = incoming[1].transpose(2, 3)  # (2, B, T, K, D): this rank's own block, summed over the ring
+    return dq.transpose(1, 2).to(dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks
+
+
+@torch.compiler.disable  # host-side planning and Python loops: never traced
+def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
+                        source: BlockSource = LOCAL, layout: Layout | None = None, tile: int = TILE) -> torch.Tensor:
+    """Exact attention under `mask`: q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D).
+
+    Alone (`source` LOCAL, `layout` None) the T tokens are the whole row; in a ring they are this
+    rank's chunks of it, as `layout` says, and `mask.doc` is still the whole row's (B, T_all).
+    """
+    mask = mask or AttentionMask()
+    layout = layout or Layout(((0,),), q.shape[1])
+    call = _Call(source, layout, mask.window, tile)
+    return _BlockwiseAttention.apply(q, k, v, mask.sinks, mask.doc, call)
