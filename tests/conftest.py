@@ -18,6 +18,7 @@ import torch.distributed.tensor  # noqa: E402,F401
 from helpers import (  # noqa: E402
     DOCUMENTS_ON,
     EQUIVALENCE,
+    MASKS_ON,
     MLA_ARGS,
     MOE_ARGS,
     TIED_ARGS,
@@ -89,3 +90,15 @@ def documents_off_reference(tmp_path_factory, short_docs):
 def documents_moe_reference(tmp_path_factory, short_docs):
     """The MoE on the documents kept apart."""
     return _one_process(tmp_path_factory, "docs-moe", *document_args(short_docs, *DOCUMENTS_ON, *MOE_ARGS))
+
+
+@pytest.fixture(scope="session")
+def masks_reference(tmp_path_factory, short_docs):
+    """Documents, sliding windows and sinks at once (helpers.MASKS_ON)."""
+    return _one_process(tmp_path_factory, "masks", *document_args(short_docs, *MASKS_ON))
+
+
+@pytest.fixture(scope="session")
+def masks_moe_reference(tmp_path_factory, short_docs):
+    """The MoE with documents, sliding windows and sinks."""
+    return _one_process(tmp_path_factory, "masks-moe", *document_args(short_docs, *MASKS_ON, *MOE_ARGS))

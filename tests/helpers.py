@@ -44,6 +44,10 @@ MLA_ARGS = ("--model.preset=tiny-mla", "--model.moe_bias_update=0.01", "--model.
 
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.
 DOCUMENTS_ON = ("--data.document_mask=true", "--data.reset_positions=true")
+# Everything a query may be kept from (model/masks.py): documents, a sliding window of 6 tokens on every
+# other layer (as gpt-oss alternates), attention sinks; rows of 32 tokens, documents of at most 16.
+MASKS_ON = (*DOCUMENTS_ON, "--model.sliding_window=6", "--model.window_pattern=['sliding', 'full']",
+            "--model.attention_sinks=true")
 
 
 def short_documents(n: int = 88) -> list[bytes]:

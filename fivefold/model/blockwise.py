@@ -239,12 +239,17 @@ def kernels(device: torch.device) -> tuple[Forward, Backward]:
 # ---- the autograd function ----
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """What partial results and gradients add up in: fp32, or fp64 for fp64 inputs (the tests')."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor) -> None:
-    """Fold a tile's (o, lse_o) into the running (out, lse) in place: fp32 (B, H, t, D) and (B, H, t).
+    """Fold a tile's (o, lse_o) into the running (out, lse) in place: (B, H, t, D) and (B, H, t), fp32.
     Rows that have seen no key yet hold lse = -inf and count nothing."""
     merged = torch.logaddexp(lse, lse_o)
     base = merged.masked_fill(merged == float("-inf"), 0.0)  # exp(-inf - base) = 0, never exp(nan)
-    out.mul_(torch.exp(lse - base)[..., None]).add_(o.float() * torch.exp(lse_o - base)[..., None])
+    out.mul_(torch.exp(lse - base)[..., None]).add_(o.to(out.dtype) * torch.exp(lse_o - base)[..., None])
     lse.copy_(merged)
 
 
@@ -281,8 +286,9 @@ def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor
     fwd, _ = kernels(q.device)
     scale = q.shape[-1] ** -0.5
     qh = q.transpose(1, 2)  # (B, H, T, D)
-    out = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)  # normalised partial outputs
-    lse = torch.full(qh.shape[:3], float("-inf"), device=q.device)  # (B, H, T)
+    acc = _accumulator(dtype)
+    out = torch.zeros(qh.shape, dtype=acc, device=q.device)  # normalised partial outputs
+    lse = torch.full(qh.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H, T)
     kv = torch.stack([k.to(dtype), v.to(dtype)])  # (2, B, T, K, D): one message per hop, K heads only
     for step in range(n):
         if step < n - 1:  # post the next hop first: it travels while this block is computed
@@ -301,7 +307,7 @@ def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor
                 hop.wait()
             kv = kv_next
     if sinks is not None:  # one more key, logit s_h, value 0: it only grows the denominator
-        final = torch.logaddexp(lse, sinks.float()[None, :, None])  # (B, H, T)
+        final = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])  # (B, H, T)
         out.mul_(torch.exp(lse - final)[..., None])
         lse = final
     return out.to(dtype).transpose(1, 2), lse  # (B, T, H, D), (B, H, T)
@@ -315,9 +321,9 @@ def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
     doh = dout.to(dtype).transpose(1, 2)  # (B, H, T, D)
     dsinks = None
     if sinks is not None:  # ds_h = -sum_rows p_sink * rowsum(dO o O)
-        delta = (doh.float() * oh.float()).sum(-1)  # (B, H, T)
-        dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
-    dq = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)  # the queries never move
+        delta = (doh.to(lse.dtype) * oh.to(lse.dtype)).sum(-1)  # (B, H, T)
+        dsinks = -(torch.exp(sinks.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+    dq = torch.zeros(qh.shape, dtype=lse.dtype, device=q.device)  # the queries never move
     kv = torch.stack([k.to(dtype), v.to(dtype)])  # (2, B, T, K, D)
     incoming = None  # (hop, buffer, kept) of the dK/dV arriving for the block in hand
     for step in range(n):
@@ -325,7 +331,7 @@ def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
             kv_next = torch.empty_like(kv)
             hop = source.exchange(kv, kv_next, _TAG_KV)
         kh, vh = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # (B, K, T, D)
-        dkv = torch.zeros(2, *kh.shape, dtype=torch.float32, device=q.device)  # (2, B, K, T, D): our share
+        dkv = torch.zeros(2, *kh.shape, dtype=lse.dtype, device=q.device)  # (2, B, K, T, D): our share
         for t in plan.steps[step]:
             bias = _bias(t, call.window, doc, dtype, q.device)[0] if t.kind == MASKED else None
             gq, gk, gv = bwd(doh[:, :, t.q], qh[:, :, t.q], kh[:, :, t.k], vh[:, :, t.k], oh[:, :, t.q],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from fivefold.model.masks import AttentionMask, keep
 
@@ -40,8 +40,8 @@ def flex_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
     blocks = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device)
     attend = _compiled_flex() if compiled else flex_attention
-    out, lse = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=blocks,
-                      enable_gqa=k.shape[2] != H, return_lse=True)  # (B, H, T, D), (B, H, T)
-    if mask.sinks is not None:
-        out = out * torch.sigmoid(lse - mask.sinks.float()[None, :, None])[..., None].to(out.dtype)
+    out, aux = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=blocks,
+                      enable_gqa=k.shape[2] != H, return_aux=AuxRequest(lse=True))  # (B, H, T, D)
+    if mask.sinks is not None:  # aux.lse: (B, H, T), natural log
+        out = out * torch.sigmoid(aux.lse - mask.sinks.float()[None, :, None])[..., None].to(out.dtype)
     return out.transpose(1, 2)  # (B, T, H, D)

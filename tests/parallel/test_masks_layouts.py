@@ -1,0 +1,75 @@
+"""Documents, sliding windows and sinks (helpers.MASKS_ON) under every dimension, against one process.
+
+The same training runs as test_document_mask.py's table, with everything a query may be kept from
+switched on at once: packed documents with per-document positions, a window of 6 tokens on every
+other layer and a learned sink per head. Context parallel now takes them too (ring, zig-zag, at cp 2
+and 4; Ulysses), and the sinks are split over tp with the heads. A resharding chain then carries
+such a run across layouts through its checkpoints.
+"""
+
+import pytest
+from helpers import MASKS_ON, MOE_ARGS, Layout, assert_reproduces, document_args, tiny_config, train_and_gather
+
+from fivefold.checkpoint.run_state import complete_checkpoints
+from fivefold.parallel.forked_ranks import run_workers
+
+# Bounds as in test_document_mask.py (dp, pp: 1e-4; tp: 3e-4; ep: 2e-4) and test_context_parallel.py
+# (cp: 5e-4: blocks merged by log-sum-exp), with their reasons. The routing bias exactly.
+LAYOUTS = {
+    "cp2-ring": Layout(2, ("--parallel.cp=2",), "masks_reference", param_atol=5e-4),
+    "cp4-ring": Layout(4, ("--parallel.cp=4",), "masks_reference", param_atol=5e-4),
+    "cp2-ulysses": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), "masks_reference",
+                          param_atol=5e-4),
+    "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true"), "masks_reference", param_atol=3e-4),
+    "pp2-1f1b": Layout(2, ("--parallel.pp=2", "--train.micro_batch=2"), "masks_reference"),
+    "pp2-zb_v": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
+                           "--train.micro_batch=2"), "masks_reference"),
+    "dp2-zero3": Layout(2, ("--parallel.zero=3", "--train.micro_batch=2"), "masks_reference"),
+    "ep2-moe": Layout(2, (*MOE_ARGS, "--parallel.ep=2", "--train.micro_batch=4"), "masks_moe_reference",
+                      param_atol=2e-4, exact=("expert_bias",)),
+    "pp2-cp2-tp2-sp": Layout(8, ("--parallel.pp=2", "--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true",
+                                 "--train.micro_batch=4"), "masks_reference", param_atol=5e-4),
+    "dp2-cp2-ep2-moe": Layout(8, (*MOE_ARGS, "--parallel.cp=2", "--parallel.ep=2", "--parallel.zero=3",
+                                  "--train.micro_batch=2"), "masks_moe_reference", param_atol=5e-4,
+                              exact=("expert_bias",)),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layouts_with_every_mask_reproduce_single_process(tmp_path, request, short_docs, name):
+    layout = LAYOUTS[name]
+    cfg = tiny_config(tmp_path, *document_args(short_docs, *MASKS_ON, *layout.overrides))
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol,
+                          exact=layout.exact)
+
+
+def test_the_masks_change_the_run(masks_reference, documents_reference):
+    """Windows and sinks reach the model through the loop: the losses differ from documents alone."""
+    assert max(abs(a - b) for a, b in zip(masks_reference[0], documents_reference[0], strict=True)) > 1e-3
+
+
+def _train(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    r = train(cfg, progress=False, return_state=True)
+    return r.losses, r.grad_norms, r.state
+
+
+# Each job resumes the last one's checkpoint under another layout: the sinks go from split over tp
+# to whole (ZeRO-3 shards of them under cp) to split over pipeline stages.
+CHAIN = [(2, ("--parallel.tp=2", "--parallel.sp=true"), 2), (4, ("--parallel.cp=2", "--parallel.zero=3"), 4),
+         (2, ("--parallel.pp=2",), 5)]
+
+
+def test_checkpoints_of_masked_runs_reshard(tmp_path, short_docs, masks_reference):
+    losses, norms = [], []
+    for job, (world, layout, stop) in enumerate(CHAIN):
+        resume = ("--checkpoint.resume=true",) if job else ()
+        cfg = tiny_config(tmp_path, *document_args(short_docs, *MASKS_ON, "--train.micro_batch=2", *layout,
+                                                   f"--train.stop_after={stop}", *resume))
+        job_losses, job_norms, state = run_workers(_train, world, cfg)[0]
+        assert [p.name for p in complete_checkpoints(tmp_path / "tiny")] == [f"step_{stop:08d}"]
+        losses += job_losses
+        norms += job_norms
+    assert_reproduces((losses, norms, state), masks_reference, param_atol=5e-4)
