@@ -86,12 +86,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(1, 2)  # (B, T, H, Dv)
 
 
-def backend_for(mask: AttentionMask | None, device_type: str, backend: str = "auto") -> str:
+def backend_for(masked: bool, device_type: str, backend: str = "auto") -> str:
     """Which kernel attends: "sdpa" for causality alone, else "flex" on CUDA and "blockwise"
     elsewhere (FlexAttention has no CPU backward), unless model.attention_backend names one."""
     if backend != "auto":
         return backend
-    if mask is None or mask.plain:
+    if not masked:
         return "sdpa"
     return "flex" if device_type == "cuda" else "blockwise"
 
@@ -100,9 +100,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
            backend: str = "auto") -> torch.Tensor:
     """Local attention core under `mask` (None: causal alone): q (B, T, H, D), k and v (B, T, K, D)
     -> (B, T, H, D), through the kernel `backend_for` picks. validate() refuses "sdpa" with a mask."""
-    chosen = backend_for(mask, q.device.type, backend)
+    masked = mask is not None and not mask.plain
+    chosen = backend_for(masked, q.device.type, backend)
     if chosen == "sdpa":
-        if mask is not None and not mask.plain:
+        if masked:
             raise ValueError("model.attention_backend = 'sdpa' does causal attention only; documents, sliding "
                              "windows and sinks need 'auto', 'flex' or 'blockwise'")
         return causal_attention(q, k, v)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.model.attention import attend
+from fivefold.model.attention import attend, backend_for
 from fivefold.model.blockwise import Layout, blockwise_attention
 from fivefold.model.masks import AttentionMask
 from fivefold.parallel.comm import collectives, regions
@@ -192,6 +192,19 @@ class ContextParallel:
         if self.method == "ulysses":
             return ulysses_attention(q, k, v, self.group, mask, self.backend)
         return ring_attention(q, k, v, self.group, self.layout, mask, self.blocks)
+
+    def kernels(self, cfg: Config, device_type: str) -> dict[str, str]:
+        """What attends, by layer kind present ("causal": causality alone; "masked": documents, a
+        window or sinks): the local kernel (model/attention.py backend_for), behind Ulysses' all-to-all
+        ("ulysses/flex"), or ring attention's blockwise path. For the run's layout event."""
+        m = cfg.model
+        masked_always = cfg.data.document_mask or m.attention_sinks
+        windows = {m.layer_window(i) for i in range(m.n_layers)}
+        kinds = {"masked"} if masked_always else {"masked" if w else "causal" for w in windows}
+        local = {kind: backend_for(kind == "masked", device_type, self.backend) for kind in sorted(kinds)}
+        if self.group.size == 1:
+            return local
+        return {kind: "ring/blockwise" if self.method == "ring" else f"ulysses/{k}" for kind, k in local.items()}
 
     def take_blocks(self) -> dict[str, int]:
         """Ring attention's chunk pairs since the last call: {"computed": .., "skipped": ..}, summed

@@ -27,6 +27,7 @@ Keys of a step record (later features add keys; none is ever renamed):
 | step_breakdown | logging steps only (every `train.log_every` steps and the last): {part: seconds} of the step, the mean over ranks of each rank's own measurement (parallel/comm/timing.py); the parts add up to the ranks' mean step time: compute (F/B/I/W actions, timed directly), recompute (the forward run again in backward), bubble (a pipeline stage waiting to receive), exposed_dp/tp/pp/cp/ep (the thread blocked in that axis's collectives; asynchronous ones hidden behind compute are not counted), exposed_log (the metrics' own reductions: loss, expert loads), optimizer (unscale, clip, step), data (batch slicing and tensors), unattributed (the rest). A part no rank spent time in is left out; compute and unattributed are always there |
 | step_breakdown_max | logging steps only: the same parts, each the max over ranks (the slowest rank for that part; they do not add up) |
 | pipeline_timeline | pp > 1, every `train.log_every` steps: per pipeline rank (of rank 0's pipeline), its actions as [start_s, end_s, "F3s1"], seconds from the step's first action (on a GPU: when the stream ran it, CUDA events) |
+| attention_blocks | ring attention (cp > 1) only: {computed, skipped}: (query chunk, key chunk) pairs rank 0's attention forwards computed and skipped because the mask keeps none of their pairs (their K/V still travel), over layers and micro-batches, recomputed forwards included |
 | expert_load | MoE only: {block: copies the router sent to each expert during the step, all ranks} |
 | expert_max_over_mean | MoE only: {block: busiest expert's load / mean load} (1.0 = balanced) |
 | expert_dropped | MoE only: {block: copies dropped over capacity (moe_capacity_factor)} |
@@ -40,6 +41,7 @@ Keys of an event record (kinds in sinks.EVENT_KINDS; a new kind or field gets it
 | checkpoint | resume: the checkpoint's path |
 | restarts | restart: restarts so far (TORCHELASTIC_RESTART_COUNT) |
 | world_size, dp, tp, pp, cp, ep | layout: processes and parallel degrees (a job resuming on fewer processes shows the change) |
+| attention | layout: the attention kernel of each kind of layer the model has, {"causal": .., "masked": ..} ("masked": documents, a sliding window or sinks): "sdpa", "flex" or "blockwise" (model/attention.py), "ulysses/<kernel>" behind Ulysses' all-to-all, "ring/blockwise" for ring attention |
 | stage_layers | layout: blocks of each pipeline (virtual) stage in model order, as parallel/pipeline/stage_split.py chose them (parallel.stage_layers when given) |
 | world_size, from_world_size | replan: ranks of the new world, and of the checkpoint resumed (or of the launch, before the first checkpoint) |
 | from, to | replan: the layouts before and after, as planner/search.py's layout_name ("dp2 tp2 z0 mb2 -"); from is null when the checkpoint's world has no layout under the policy |

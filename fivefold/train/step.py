@@ -110,6 +110,8 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     if run.scaler.enabled:
         metrics.update(loss_scale=run.scaler.scale, skipped=not applied)
     metrics.update(moe)
+    if mesh.size("cp") > 1 and run.cfg.parallel.cp_method == "ring":
+        metrics["attention_blocks"] = par.cp.take_blocks()
     if hasattr(run.train_set, "tokens_by_source"):  # a mixture: what each source gave this step
         metrics["source_tokens"] = run.train_set.tokens_by_source(indices)
     notes = [] if applied or outcome.overflow else [

@@ -94,7 +94,8 @@ class StepLog:
             self.sinks.event(start, "restart", restarts=restarts)
         cfg = self.run.cfg
         self.sinks.event(start, "layout", world_size=dist.get_world_size(), ep=cfg.parallel.ep,
-                         **self.run.mesh.degrees, stage_layers=list(stage_split(cfg, self.run.derived.vocab_size)))
+                         **self.run.mesh.degrees, stage_layers=list(stage_split(cfg, self.run.derived.vocab_size)),
+                         attention=self.run.par.cp.kernels(cfg, self.run.device.type))
 
     def event(self, step: int, kind: str, **fields) -> None:
         """An event record at `step` (rank 0 writes it; the others have no sinks)."""

@@ -10,8 +10,10 @@ such a run across layouts through its checkpoints.
 import pytest
 from helpers import MASKS_ON, MOE_ARGS, Layout, assert_reproduces, document_args, tiny_config, train_and_gather
 
+from fivefold.checkpoint.run_dir import run_dir_of
 from fivefold.checkpoint.run_state import complete_checkpoints
 from fivefold.parallel.forked_ranks import run_workers
+from fivefold.train.metrics import read_events, read_metrics
 
 # Bounds as in test_document_mask.py (dp, pp: 1e-4; tp: 3e-4; ep: 2e-4) and test_context_parallel.py
 # (cp: 5e-4: blocks merged by log-sum-exp), with their reasons. The routing bias exactly.
@@ -42,6 +44,20 @@ def test_layouts_with_every_mask_reproduce_single_process(tmp_path, request, sho
     for result in run_workers(train_and_gather, layout.ranks, cfg):
         assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol,
                           exact=layout.exact)
+    # The run says which kernel attended; ring attention counts the chunk pairs the mask emptied.
+    metrics = run_dir_of(cfg) / cfg.run.metrics_file
+    ring = cfg.parallel.cp > 1 and cfg.parallel.cp_method == "ring"
+    kernel = "ring/blockwise" if ring else "ulysses/blockwise" if cfg.parallel.cp > 1 else "blockwise"
+    assert next(e for e in read_events(metrics) if e["event"] == "layout")["attention"] == {"masked": kernel}
+    blocks = [r.get("attention_blocks") for r in read_metrics(metrics)]
+    if ring:  # zig-zag alone skips 2cp - 1 of rank 0's 4cp pairs per layer and micro-batch; the masks more
+        p = cfg.parallel
+        micro_batches = 8 // (layout.ranks // (p.cp * p.tp * p.pp)) // cfg.train.micro_batch  # 8 rows over dp
+        pairs = 4 * p.cp * cfg.model.n_layers // p.pp * micro_batches
+        assert all(b["computed"] + b["skipped"] == pairs for b in blocks[:4])  # 4 full steps of 8 rows
+        assert all(b["skipped"] > pairs * (2 * p.cp - 1) // (4 * p.cp) for b in blocks)
+    else:
+        assert blocks == [None] * len(blocks)
 
 
 def test_the_masks_change_the_run(masks_reference, documents_reference):
