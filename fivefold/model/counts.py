@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fivefold.model.config import ModelConfig
+from fivefold.model.mask_counts import keys_per_query
 
 # Attention FLOPs of a causal sequence: "full" counts the whole T x T score matrix (PaLM's and
-# Megatron-LM's MFU convention), "half" only the part the mask keeps.
+# Megatron-LM's MFU convention), "half" only the part the mask keeps. Under documents and sliding
+# windows both count what the mask keeps, "full" twice over (the causal triangle as its square).
 CausalFlops = Literal["half", "full"]
 
 
@@ -72,20 +74,23 @@ def attention_head_dims(m: ModelConfig) -> tuple[int, int]:
 
 
 def attention_params(m: ModelConfig) -> tuple[int, int, int]:
-    """One block's attention (model/attention.py): (tp-split matmul, replicated matmul, norm) parameters.
+    """One block's attention (model/attention.py): (tp-split matmul, replicated matmul, other)
+    parameters, `other` being norms and sinks, no matmul's.
 
     Grouped-query: wq, wk, wv, wo split by heads; QK-norm weights. Latent (MLA): the per-head
     up-projections wq_b (or wq) and wkv_b and the output wo split; the down-projections wq_a and
-    wkv_a replicated, as are their norms (parallel/tensor.py).
+    wkv_a replicated, as are their norms (parallel/tensor.py). Attention sinks: one logit per query
+    head (gpt-oss), counted with the norms.
     """
     d, H = m.dim, m.n_heads
+    sinks = H if m.attention_sinks else 0
     if not m.kv_lora_rank:
         hd = head_dim(m)
-        return d * H * hd + 2 * d * m.n_kv_heads * hd + H * hd * d, 0, (2 * hd if m.qk_norm else 0)
+        return d * H * hd + 2 * d * m.n_kv_heads * hd + H * hd * d, 0, (2 * hd if m.qk_norm else 0) + sinks
     qk, v, rq, rkv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
     split = (rq or d) * H * qk + rkv * H * (m.qk_nope_head_dim + v) + H * v * d  # wq_b (or wq), wkv_b, wo
     down = d * rq + d * (rkv + m.qk_rope_head_dim)  # wq_a, wkv_a
-    return split, down, rq + rkv  # q_a_norm, kv_a_norm
+    return split, down, rq + rkv + sinks  # q_a_norm, kv_a_norm
 
 
 def block_params(m: ModelConfig, layer: int) -> BlockParams:
@@ -111,14 +116,17 @@ def block_rank_params(bp: BlockParams, tp: int, ep: int) -> int:
     return bp.tp_split // tp + bp.replicated + bp.experts // ep
 
 
-def block_forward_flops(m: ModelConfig, bp: BlockParams, seq_len: int, tp: int, sp: bool = False) -> int:
+def block_forward_flops(m: ModelConfig, bp: BlockParams, seq_len: int, tp: int, sp: bool = False,
+                        keys: float | None = None) -> int:
     """Forward FLOPs of one block per token on one tp rank: 2 per multiply-add of the matmul weights
     a token goes through (tp cuts attention and dense MLPs; the router, shared and routed experts run
     whole, on every token without sp, on this tp rank's T/tp tokens with sp: parallel/expert.py) plus
-    the causal attention core, s H (Dqk + Dv) (QK^T and PV, 2 per multiply-add, halved for the
-    mask; 2 s H hd when both widths are head_dim, MLA's differ). Integers: validate() makes heads,
-    key/value heads and ffn_dim divisible by tp."""
-    attention_core = seq_len * m.n_heads * sum(attention_head_dims(m))
+    the attention core, 2 k H (Dqk + Dv) for k keys per query (QK^T and PV, 2 per multiply-add):
+    `keys` from mask_counts.keys_per_query for the block's window and documents, by default s / 2,
+    the causal half (s H (Dqk + Dv); 2 s H hd when both widths are head_dim, MLA's differ).
+    Integers: validate() makes heads, key/value heads and ffn_dim divisible by tp."""
+    widths = m.n_heads * sum(attention_head_dims(m))
+    attention_core = seq_len * widths if keys is None else round(2 * keys * widths)
     whole = 2 * (bp.active_matmul - bp.tp_split)
     return (2 * bp.tp_split + attention_core) // tp + (whole // tp if sp else whole)
 
@@ -151,8 +159,17 @@ def count_on_meta(m: ModelConfig, vocab_size: int | None = None) -> int:
     return count_parameters(model)
 
 
+def attention_keys(m: ModelConfig, seq_len: int, document_tokens: float = 0) -> list[float]:
+    """Mean keys per query of each block (mask_counts.keys_per_query): seq_len / 2 for causality
+    alone, fewer under the block's sliding window (ModelConfig.layer_window) and documents of mean
+    length `document_tokens` (0: no document mask)."""
+    per_window = {w: keys_per_query(seq_len, w, document_tokens)
+                  for w in {m.layer_window(layer) for layer in range(m.n_layers)}}
+    return [per_window[m.layer_window(layer)] for layer in range(m.n_layers)]
+
+
 def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
-                    causal: CausalFlops = "full") -> dict[str, float]:
+                    causal: CausalFlops = "full", document_tokens: float = 0) -> dict[str, float]:
     """Training FLOPs per token (forward + backward), model FLOPs only (no recompute).
 
     - matmuls: 6 x active matmul parameters (2 per multiply-add forward, twice that backward;
@@ -164,6 +181,10 @@ def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
       full. causal="half" halves it for the masked half a fused kernel skips, which is what the
       step time prices (compute.py). MLA: Dqk = Dn + Dr, Dv; its down- and up-projections are
       matmul parameters like any other.
+    - masks beyond causality (sliding windows, documents of mean length `document_tokens`) count
+      the pairs they keep (mask_counts.py): per block 6 H (Dqk + Dv) x its mean kept keys per query
+      (attention_keys), times 2 under causal="full", which counts each kept causal triangle as its
+      square, as it counts the T x T square for the causal T (T + 1) / 2.
     Returns {"matmul", "attention", "total", "attention_forward"} (the last, the attention's forward
     under the same convention, is what selective recompute runs again).
     """
@@ -171,18 +192,19 @@ def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
         raise ValueError(f"causal = {causal!r}: expected 'full' or 'half'")
     c = model_counts(m, vocab_size)
     matmul = 6.0 * c.active_matmul
-    attention = 6.0 * m.n_layers * seq_len * m.n_heads * sum(attention_head_dims(m)) / (2 if causal == "half" else 1)
+    keys = sum(attention_keys(m, seq_len, document_tokens))
+    attention = 6.0 * m.n_heads * sum(attention_head_dims(m)) * keys * (2 if causal == "full" else 1)
     return {"matmul": matmul, "attention": attention, "total": matmul + attention, "attention_forward": attention / 3}
 
 
 def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, vocab_size: int | None = None,
-                              causal: CausalFlops = "full") -> float:
+                              causal: CausalFlops = "full", document_tokens: float = 0) -> float:
     """FLOPs per token that activation recomputation runs again (parallel/recompute.py), under the
     same causal convention: "full" one more forward of every block (its matmuls and attention core;
     the head is not recomputed), "selective" the attention core's forward (Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models"), "none" nothing. Model FLOPs +
     these are the hardware FLOPs of HFU, which that paper reports beside MFU."""
-    f = flops_per_token(m, seq_len, vocab_size, causal)
+    f = flops_per_token(m, seq_len, vocab_size, causal, document_tokens)
     if recompute == "full":
         blocks = sum(b.active_matmul for b in model_counts(m, vocab_size).blocks)
         return 2.0 * blocks + f["attention_forward"]

@@ -12,10 +12,17 @@ dk = K x head_dim, f = ffn width, t = tp:
     d per token, not split); the same four for the MLP norm                     6d + 2
   attention (split over tp):
     the roped q and the k and v the kernel reads (GQA: K heads, SDPA's enable_gqa;
-    model/attention.py repeats them to H heads only where the CUDA kernel for the case takes
-    no GQA, a document mask or fp32: 2 (dq - dk) more, not counted)             dq + 2 dk
+    model/attention.py repeats them to H heads only for SDPA on CUDA in fp32, whose kernel
+    there takes no GQA: 2 (dq - dk) more, not counted)                            dq + 2 dk
     the kernel's output, which the out projection reads as its input (one storage), and the
     kernel's log-sum-exp (H per token)                                            dq + H
+    Documents, sliding windows and sinks keep the same: their kernels (FlexAttention on CUDA,
+    with GQA; model/blockwise.py elsewhere, which repeats one tile's K/V at a time and rebuilds
+    each tile in backward from O and the log-sum-exp) save q, k, v, the output and the
+    log-sum-exp, and no (T, T) mask exists. Not counted: FlexAttention's block mask, a few int32
+    (B, 1, T/128, T/128) tables per layer (4 MB each at T = 128k, against gigabytes of the
+    above), and the blockwise path's one additive bias tile of at most (B, 1, 512, 512) in the
+    compute dtype, alive while its tile computes
     (RoPE keeps only its cos/sin table, shared by every block, and not counted here: products
     with a constant keep the constant, not the tensor)
     QK-norm adds, for q and k, the raw value and the value before the weight (2dq, 2dk) and

@@ -65,6 +65,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--causal-flops", choices=("full", "half"), default="full",
                    help="causal attention in the MFU/HFU numerator: full (PaLM, Megatron) or half (what the "
                         "kernels run); the step time prices the half either way")
+    p.add_argument("--document-tokens", type=float, default=None, metavar="N",
+                   help="with data.document_mask: the data's mean document length in tokens (geometric lengths "
+                        "assumed); attention FLOPs and time count the pairs the mask keeps (default: the whole row)")
     measured = p.add_mutually_exclusive_group()
     measured.add_argument("--step-time", type=float, default=None, metavar="SECONDS",
                           help="a measured step: report its MFU, HFU, tokens/s (no search)")
@@ -321,7 +324,7 @@ def _plan(args: argparse.Namespace, rest: list[str], hw, b: BytesPerParam) -> in
         raise ConfigError(["--token-budget needs a measured run: give --step-time, --tokens-per-s or --tflops"])
     req = read_request(args, rest, batch_default=bool(args.layout) or is_measured)
     if is_measured:
-        return _measured(args, req.cfg, req.options.causal_flops, hw)
+        return _measured(args, req.cfg, req.options, hw)
     if not args.layout:
         return _search(args, req.cfg, hw, b, req.options)
     cfg, est = estimate_request(req, args.gpus, hw, b, args.act_bytes)
@@ -334,13 +337,14 @@ def _plan(args: argparse.Namespace, rest: list[str], hw, b: BytesPerParam) -> in
     return 0
 
 
-def _measured(args: argparse.Namespace, cfg, causal: str, hw) -> int:
+def _measured(args: argparse.Namespace, cfg, options, hw) -> int:
     """A measured run restated (flops.measured): no layout, no search."""
     from fivefold.parallel.derive import padded_vocab
     from fivefold.planner.flops import convention_row, measured, parse_token_budget, step_flops, utilization_row
 
     budget = parse_token_budget(args.token_budget) if args.token_budget else None
-    f = step_flops(cfg, padded_vocab(cfg), causal)
+    causal = options.causal_flops
+    f = step_flops(cfg, padded_vocab(cfg), causal, options.document_tokens)
     result = measured(f, args.gpus, hw.peak_flops, step_time_s=args.step_time, tokens_per_s=args.tokens_per_s,
                    tflops=args.tflops, token_budget=budget)
     if args.json:
@@ -352,7 +356,8 @@ def _measured(args: argparse.Namespace, cfg, causal: str, hw) -> int:
     t.add_column("value", justify="right")
     t.add_row("GPUs", f"{args.gpus} x {hw.name} ({hw.peak_flops / 1e12:.0f} TFLOP/s peak)")
     t.add_row("tokens/step", f"{f.tokens_per_step:,} (seq {cfg.train.seq_len})")
-    t.add_row("convention", f"causal_flops={causal}, recompute={f.recompute}")
+    t.add_row("convention", f"causal_flops={causal}, recompute={f.recompute}"
+              + (f"; masks counted as kept: {f.masks}" if f.masks else ""))
     t.add_row("step time", f"{result.step_time_s:.3f} s")
     t.add_row("tokens/s/GPU", f"{result.tokens_per_s_per_gpu:,.0f}")
     t.add_row("model FLOPs/token", f"{f.model_per_token:.4e}")

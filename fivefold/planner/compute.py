@@ -3,18 +3,27 @@
 Forward FLOPs of a block (counts.block_forward_flops, which the pipeline's stage split balances
 too) are 2 per multiply-add of each matmul weight a token goes through
 (counts.BlockParams.active_matmul: attention projections, a dense SwiGLU or the router, shared and
-top_k routed experts) plus the causal attention core, s H (Dqk + Dv) per token (QK^T and PV, 2
-FLOPs per multiply-add, halved for the mask; 2 s H hd when both widths are head_dim, MLA's
-differ). Tensor parallel cuts attention's per-head part and dense MLPs by tp; MLA's
-down-projections, routed and shared experts and the router run whole on every tp rank. The last stage adds
-the head's V x d matmul (cut by tp over the vocabulary). The hardware's pricer then turns this work
+top_k routed experts) plus the attention core, 2 k H (Dqk + Dv) per token for k keys per query
+(QK^T and PV, 2 FLOPs per multiply-add): k = s / 2 for causality alone (the mask halves the
+scores; 2 s H hd when both widths are head_dim, MLA's differ), the pairs kept / s under the
+block's sliding window or documents of the stated mean length (model/mask_counts.py). Tensor
+parallel cuts attention's per-head part and dense MLPs by tp; MLA's down-projections, routed and
+shared experts and the router run whole on every tp rank. The last stage adds the head's V x d
+matmul (cut by tp over the vocabulary). (The pipeline's stage split, parallel/pipeline/stage_split.py,
+still weighs every block's attention as causal.) The hardware's pricer then turns this work
 into seconds (datasheet.ComputePricer).
 """
 
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.model.counts import ModelCounts, attention_head_dims, block_forward_flops, head_forward_flops
+from fivefold.model.counts import (
+    ModelCounts,
+    attention_head_dims,
+    attention_keys,
+    block_forward_flops,
+    head_forward_flops,
+)
 from fivefold.parallel.derive import Derived
 from fivefold.planner.layout import RankShare
 from fivefold.planner.machine.pricing import ChunkWork
@@ -27,15 +36,23 @@ def chunks_per_rank(cfg: Config) -> int:
     return p.virtual_stages if p.pp_schedule not in ("zb_v", "dualpipe_v") else 2
 
 
+def block_keys(cfg: Config, options: PlanOptions = DEFAULT) -> list[float]:
+    """Each block's mean keys per query as the step runs it (counts.attention_keys): its window, and
+    documents of options.document_tokens when data.document_mask is on."""
+    docs = options.document_tokens if cfg.data.document_mask else 0
+    return attention_keys(cfg.model, cfg.train.seq_len, docs)
+
+
 def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare],
                   options: PlanOptions = DEFAULT, act_bytes: int = 2) -> ChunkWork:
     """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * d.local_seq_len  # tokens of one micro-batch on one rank
-    attn_fwd_per_block = t.seq_len * m.n_heads * sum(attention_head_dims(m)) / p.tp  # causal: half of 2 s H (Dqk + Dv)
+    keys = block_keys(cfg, options)
+    attn_fwd = [2 * k * m.n_heads * sum(attention_head_dims(m)) / p.tp for k in keys]  # per token: 2 k H (Dqk + Dv)
     fwd_flops, moe_blocks = [], []
     for s in shares:
-        flops = sum(block_forward_flops(m, counts.blocks[blk], t.seq_len, p.tp, p.sp) for blk in s.blocks)
+        flops = sum(block_forward_flops(m, counts.blocks[blk], t.seq_len, p.tp, p.sp, keys[blk]) for blk in s.blocks)
         if s.last:
             flops += head_forward_flops(counts, p.tp)
         fwd_flops.append(float(flops * tokens))
@@ -44,5 +61,5 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     share = shares[worst]
     return ChunkWork(cfg=cfg, share=share, chunks=chunks_per_rank(cfg), vocab=d.vocab_size, local_seq=d.local_seq_len,
                      moe_blocks=moe_blocks[worst], forward_flops=fwd_flops[worst],
-                     attention_forward_flops=attn_fwd_per_block * tokens * len(share.blocks), options=options,
+                     attention_forward_flops=sum(attn_fwd[blk] for blk in share.blocks) * tokens, options=options,
                      act_bytes=act_bytes)

@@ -34,7 +34,8 @@ source of its formula. The step time is the textbook model, term by term:
 
 step = makespan + exposed dp + optimizer + step sync + per-step host time; MFU = model FLOPs /
 (step x GPUs x peak) as in PaLM (Chowdhery et al. 2022, App. B), HFU the same with recomputation
-counted, causal attention in full or halved as options.causal_flops says (flops.py).
+counted, causal attention in full or halved as options.causal_flops says, sliding windows and
+documents counted as the pairs they keep (flops.py).
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
     split = {"compute": units * (t.chunk.forward_s + t.chunk.backward_s), "tp_cp_ep": units * 2 * t.path.per_unit_s,
              "bubble": t.pipe.sim.makespan - t.pipe.ideal_s, "dp_exposed": t.dp.exposed_s, "optimizer": t.opt.seconds,
              "step_sync": t.sync.seconds, "host": units * (t.host.forward_s + t.host.backward_s) + t.host.step_s}
-    flops = step_flops(cfg, d.vocab_size, options.causal_flops)
+    flops = step_flops(cfg, d.vocab_size, options.causal_flops, options.document_tokens)
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
     stages = [("pipeline stages", split_note(cfg, tuple(where.sizes)).partition(": ")[2],
                "parallel/pipeline/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []

@@ -9,6 +9,15 @@
 - causal attention in the numerator: counted in full (PaLM, Megatron: the default) or halved for the
   masked half the kernels skip (PlanOptions.causal_flops). Only the report changes: the step time
   always prices the half the kernels run (compute.py).
+- masks beyond causality (sliding windows, documents): counted as the pairs they keep
+  (model/mask_counts.py), under either causal convention ("full" doubles them as it doubles the
+  causal half). Not the causal full sequence, which published MFU formulas count: those predate
+  such masks, and at long context they charge what no kernel runs (a window of 128 tokens at
+  131,072 or documents of 2k in a row of 128k keep 0.2% and 3% of the causal pairs), so a step
+  that runs at half the peak would report an MFU of several hundred percent. Kept pairs are the
+  FLOPs the model needs for those tokens, as an MoE's model FLOPs count only the experts a token
+  uses, and the step time prices the same pairs. The causal-full-sequence figure is shown beside
+  it (convention_row) for comparison with published runs.
 
 The measured mode turns a run's step time, tokens/s or achieved TFLOP/s into MFU, HFU and, with a
 token budget, days and GPU-hours, with no layout to search: a paper's claim checked by arithmetic.
@@ -16,6 +25,7 @@ token budget, days and GPU-hours, with no layout to search: a paper's claim chec
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +50,8 @@ class StepFlops:
     tokens_per_step: int  # global batch x sequence length
     causal: CausalFlops
     recompute: str
+    unmasked_attention_per_token: float = 0.0  # the same without windows and documents (the causal full sequence)
+    masks: str = ""  # the masks beyond causality, in words ("" for causality alone)
 
     @property
     def model_per_step(self) -> float:
@@ -59,29 +71,58 @@ class StepFlops:
                 "model_per_step": self.model_per_step, "hardware_per_step": self.hardware_per_step}
 
 
-def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full") -> StepFlops:
+def masks_in_words(cfg: Config, document_tokens: float = 0) -> str:
+    """The masks beyond causality the step's attention runs ("" for causality alone)."""
+    m, seq = cfg.model, cfg.train.seq_len
+    words = []
+    sliding = sum(1 for layer in range(m.n_layers) if 0 < m.layer_window(layer) < seq)
+    if sliding:
+        words.append(f"a window of {m.sliding_window} tokens in {sliding} of {m.n_layers} layers")
+    if cfg.data.document_mask:
+        words.append(f"documents of mean {document_tokens:g} tokens (geometric lengths)" if document_tokens
+                     else "documents of unstated length, priced as the whole row (--document-tokens N states it)")
+    return "; ".join(words)
+
+
+def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", document_tokens: float = 0) -> StepFlops:
     """The FLOPs of one step of `cfg` (its model, seq_len, global_batch and recompute) with the
-    padded vocabulary `vocab_size` (parallel/derive.py: padded_vocab)."""
+    padded vocabulary `vocab_size` (parallel/derive.py: padded_vocab), its sliding windows and,
+    under data.document_mask, documents of mean length `document_tokens` counted as kept."""
     m, t = cfg.model, cfg.train
-    f = flops_per_token(m, t.seq_len, vocab_size, causal)
-    extra = recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal)
+    docs = document_tokens if cfg.data.document_mask else 0
+    f = flops_per_token(m, t.seq_len, vocab_size, causal, docs)
+    extra = recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal, docs)
+    unmasked = flops_per_token(dataclasses.replace(m, sliding_window=0), t.seq_len, vocab_size, causal)
     return StepFlops(model_per_token=f["total"], hardware_per_token=f["total"] + extra,
                      attention_per_token=f["attention"], tokens_per_step=t.global_batch * t.seq_len, causal=causal,
-                     recompute=t.recompute)
+                     recompute=t.recompute, unmasked_attention_per_token=unmasked["attention"],
+                     masks=masks_in_words(cfg, docs))
 
 
 def convention_row(f: StepFlops) -> Row:
-    """The explain row naming the FLOP convention in use and its source."""
-    return ("FLOP convention", f"causal_flops={f.causal}: per token model {f.model_per_token:.4e} (attention "
-            f"{f.attention_per_token:.4e}), hardware {f.hardware_per_token:.4e} (recompute={f.recompute})",
-            _SOURCES[f.causal] + "; recompute in HFU: Korthikanti et al. 2022")
+    """The explain row naming the FLOP convention in use and its source, and for masks beyond
+    causality what counting the causal full sequence would give instead."""
+    text = (f"causal_flops={f.causal}: per token model {f.model_per_token:.4e} (attention "
+            f"{f.attention_per_token:.4e}), hardware {f.hardware_per_token:.4e} (recompute={f.recompute})")
+    source = _SOURCES[f.causal] + "; recompute in HFU: Korthikanti et al. 2022"
+    if f.masks:
+        text += (f"; masks: {f.masks}, attention counted as the pairs they keep, "
+                 f"{f.attention_per_token / f.unmasked_attention_per_token:.2%} of the causal full sequence's "
+                 f"{f.unmasked_attention_per_token:.4e}")
+        source += ("; masks counted as kept, not as the causal full sequence published formulas count: "
+                   "planner/flops.py says why, model/mask_counts.py how")
+    return ("FLOP convention", text, source)
 
 
 def utilization_row(f: StepFlops, step_s: float, gpus: int, peak_flops: float) -> Row:
     mfu, hfu = f.utilization(step_s, gpus, peak_flops)
     capacity = f"({step_s:.4g} s x {gpus} x {peak_flops:.3e})"
-    return ("MFU / HFU", f"model {f.model_per_step:.4e} / {capacity} = {mfu:.1%}; hardware "
-            f"{f.hardware_per_step:.4e} / {capacity} = {hfu:.1%}",
+    text = (f"model {f.model_per_step:.4e} / {capacity} = {mfu:.1%}; hardware "
+            f"{f.hardware_per_step:.4e} / {capacity} = {hfu:.1%}")
+    if f.masks:
+        unmasked = (f.model_per_token - f.attention_per_token + f.unmasked_attention_per_token) * f.tokens_per_step
+        text += f"; counting the causal full sequence instead: {unmasked / (step_s * gpus * peak_flops):.1%}"
+    return ("MFU / HFU", text,
             "MFU: PaLM (Chowdhery et al. 2022, App. B); HFU: recomputation counted (Korthikanti et al. 2022)")
 
 

@@ -8,6 +8,8 @@ choices a planner must still make are not in it:
   mask halves the attention FLOPs of the MFU numerator (PaLM, Chowdhery et al. 2022, App. B, and
   Megatron-LM, Narayanan et al. 2021, count it in full; the kernels skip the masked half either way,
   so the step time always prices the half they run);
+- what the data holds: the mean document length under `data.document_mask`, which sets how many
+  pairs the document mask keeps (model/mask_counts.py assumes geometric lengths of that mean);
 - overlap switches, each defaulting to what fivefold's runtime does (parallel/tensor.py's
   collectives block the compute that needs them; parallel/data/fsdp.py issues the next unit's gather
   before the current unit computes; parallel/expert.py's all-to-alls wait; DDP's buckets reduce
@@ -16,8 +18,8 @@ choices a planner must still make are not in it:
   compute and FP8 weights), which the planner prices so that a user can compare, and marks not
   runnable: such a layout is shown, never chosen by the search nor written as its TOML.
 
-`--layout` accepts these keys beside the config's (split_layout below); `--causal-flops` and
-`--expert-imbalance` are flags of their own.
+`--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
+`--document-tokens` and `--expert-imbalance` are flags of their own.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class PlanOptions:
     offload: Offload = "none"  # ZeRO-Offload (Ren et al. 2021) / ZeRO-Infinity (Rajbhandari et al. 2021)
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
+    # mean document length in tokens under data.document_mask; 0 = not stated, priced as causal
+    # attention over the whole row (what the mask keeps at most)
+    document_tokens: float = 0.0
 
     def not_runnable(self, parallel: ParallelConfig | None = None) -> list[str]:
         """Why `fivefold train` cannot run a layout under these options (empty: it can). Given the

@@ -35,6 +35,7 @@ from fivefold.config import Config
 from fivefold.model.counts import ModelCounts, attention_params, block_forward_flops, head_forward_flops
 from fivefold.parallel.derive import Derived
 from fivefold.planner.comm import AxisTraffic, time_of
+from fivefold.planner.compute import block_keys
 from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Row
 
@@ -140,7 +141,8 @@ def _moe_share(work: ChunkWork, counts: ModelCounts) -> float:
     """The MoE blocks' share of the rank's forward FLOPs."""
     m, t, p = work.cfg.model, work.cfg.train, work.cfg.parallel
     tokens = t.micro_batch * work.local_seq
-    moe = sum(block_forward_flops(m, counts.blocks[b], t.seq_len, p.tp, p.sp)
+    keys = block_keys(work.cfg, work.options)
+    moe = sum(block_forward_flops(m, counts.blocks[b], t.seq_len, p.tp, p.sp, keys[b])
               for b in work.share.blocks if counts.blocks[b].experts)
     return min(1.0, moe * tokens / work.forward_flops) if work.forward_flops else 0.0
 
@@ -221,10 +223,11 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
     kept = share.kept_unit > 0
     tied_here = counts.head == 0 and share.first  # the tied embedding shares the head's unit
     out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here)] if share.first else []
+    keys = block_keys(cfg, work.options)
     for blk in share.blocks:
         bp = counts.blocks[blk]
         params = bp.tp_split // p.tp + bp.replicated + bp.experts // p.ep
-        out.append(unit(block_forward_flops(m, bp, t.seq_len, p.tp, p.sp), params, bp.experts // p.ep))
+        out.append(unit(block_forward_flops(m, bp, t.seq_len, p.tp, p.sp, keys[blk]), params, bp.experts // p.ep))
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
         out.append(unit(head_forward_flops(counts, p.tp), (counts.head + tied_copy) // p.tp + counts.final_norm, 0,

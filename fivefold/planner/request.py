@@ -82,7 +82,8 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     elif args.model:
         preset = [f"--model.preset={args.model}"]
     layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
-    options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=args.expert_imbalance)
+    options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=args.expert_imbalance,
+                                  document_tokens=args.document_tokens or 0.0)
     extra = [f"--train.seq_len={args.seq}"] if args.seq else []
     overridden = set(parse_overrides(rest + layout)[0].get("train", {}))  # --train.KEY and --layout micro_batch
     given = overridden | _toml_train_keys(path)
@@ -104,9 +105,19 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     cfg, errors = read_config(path, preset + extra + rest + layout)
     if errors:
         raise ConfigError(errors)
+    check_document_tokens(cfg, options.document_tokens)
     if tokens is not None:  # sequences from tokens; the flag beats a TOML file's train.global_batch
         cfg = replace(cfg, train={"global_batch": max(1, tokens // cfg.train.seq_len)})
     return Request(cfg, options, tokens, bool(args.micro_batch) or "micro_batch" in given)
+
+
+def check_document_tokens(cfg: Config, document_tokens: float) -> None:
+    """--document-tokens states the data's mean document length: it needs the mask it describes."""
+    if document_tokens and document_tokens < 1:
+        raise ConfigError([f"--document-tokens {document_tokens:g}: a document holds at least one token"])
+    if document_tokens and not cfg.data.document_mask:
+        raise ConfigError([f"--document-tokens {document_tokens:g}: data.document_mask is off, so every query sees "
+                           "its whole causal prefix; add --data.document_mask=true or drop the flag"])
 
 
 def _dp(cfg: Config, world: int) -> int:

@@ -82,7 +82,8 @@ class DatasheetPricer:
                      "selective": work.attention_forward_flops / chunks / eff_flops}[recompute_mode]
         row = ("forward per chunk", f"{work.forward_flops / chunks:.3e} FLOP / ({hw.peak_flops:.3e} x "
                f"{hw.compute_efficiency}) = {forward * 1e3:.3f} ms; backward 2x + recompute {recompute * 1e3:.3f} ms",
-               "6N + causal attention (Kaplan 2020; PaLM App. B halved for the mask); recompute: Korthikanti 2022")
+               "6N + the attention the mask keeps (Kaplan 2020; PaLM App. B halved for the causal mask; windows "
+               "and documents: model/mask_counts.py); recompute: Korthikanti 2022")
         return ChunkPrice(forward, 2 * forward + recompute, [row])
 
     def host(self, work: HostWork, chunk: ChunkPrice, hw: Hardware) -> HostPrice:

@@ -16,7 +16,9 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
 - the attention core as the fused kernel runs it: T queries over the sequence's keys, causal
   (half the score matrix), H / tp heads, values padded to the query/key width for MLA (model/attention.py
   pads them so the flash kernel runs), at the sequence length one kernel call sees (seq / cp for
-  ring attention, which calls it per chunk; the whole sequence for Ulysses);
+  ring attention, which calls it per chunk; the whole sequence for Ulysses). Under a sliding window
+  or documents (model/mask_counts.py) its FLOPs are the pairs the mask keeps, and its work the
+  128 x 128 tiles FlexAttention computes: the causal kernel's times the ratio of their tiles;
 - elementwise kernels, each reading its inputs and writing its output once: RMSNorm (fp32 inside:
   upcast, square, mean, scale, downcast, weight), RoPE (fp32 inside: the rotated half, two
   products, a sum), GQA's repeated K/V, SwiGLU's silu and product, the residual adds, MLA's
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config import ModelConfig
 from fivefold.model.counts import head_dim
+from fivefold.model.mask_counts import keys_per_query, tile_ratio
 
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
 
@@ -60,7 +63,8 @@ class Ops:
     """What one part's forward runs on one rank (module docstring)."""
 
     matmuls: tuple[Matmul, ...] = ()
-    attention_flops: float = 0.0  # forward FLOPs of the attention kernel (causal half, kernel widths)
+    attention_flops: float = 0.0  # forward FLOPs of the attention kernel: the pairs the mask keeps, kernel widths
+    attention_work: float = 0.0  # the same in causal FLOPs x the tiles the kernel computes over causality's
     attention_seq: int = 0  # sequence length one attention kernel call sees
     elementwise_bytes: float = 0.0  # forward: read + written
     backward_elementwise_bytes: float = 0.0
@@ -80,6 +84,7 @@ class RankShapes:
     act_bytes: int = 2  # activations in the compute dtype (bf16)
     fused: bool = False  # train.compile: elementwise chains fused
     imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
+    document_tokens: float = 0.0  # mean document length under a document mask (0: none)
 
 
 class _Elementwise:
@@ -122,15 +127,24 @@ class _Elementwise:
         if a < FP32:
             self.add("weight casts", sum(mm.n * mm.k * mm.count for mm in matmuls) * (FP32 + a))
 
-    def ops(self, matmuls: list[Matmul], attention_flops: float = 0.0) -> Ops:
+    def ops(self, matmuls: list[Matmul], attention: tuple[float, float] = (0.0, 0.0)) -> Ops:
         self.weights(matmuls)
         forward = sum(self.parts.values())
-        return Ops(tuple(matmuls), attention_flops, self.s.kernel_seq if attention_flops else 0, forward,
+        return Ops(tuple(matmuls), attention[0], attention[1], self.s.kernel_seq if attention[0] else 0, forward,
                    2 * forward + self.extra_backward, dict(self.parts))
 
 
-def _attention(m: ModelConfig, s: RankShapes, ew: _Elementwise) -> tuple[list[Matmul], float]:
-    """The attention of one block: its projections, the kernel's FLOPs, its elementwise kernels."""
+def _masked(m: ModelConfig, layer: int, s: RankShapes, causal_flops: float) -> tuple[float, float]:
+    """(FLOPs, work) of an attention kernel whose causal FLOPs are `causal_flops`, under the layer's
+    window and the documents: the kept keys per query over the causal s / 2, and the kernel's
+    tiles over the causal kernel's (Ops.attention_flops, attention_work)."""
+    window = m.layer_window(layer)
+    keys = keys_per_query(s.seq_len, window, s.document_tokens)
+    return causal_flops * keys / (s.seq_len / 2), causal_flops * tile_ratio(s.seq_len, window, s.document_tokens)
+
+
+def _attention(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> tuple[list[Matmul], float]:
+    """The attention of one block: its projections, the kernel's causal FLOPs, its elementwise kernels."""
     T, Ts, tp, d = s.tokens, s.sp_tokens, s.tp, m.dim
     H = max(1, m.n_heads // tp)
     if not m.kv_lora_rank:
@@ -194,10 +208,10 @@ def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
     """model.Block number `layer` forward on one rank: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
     ew = _Elementwise(s)
     ew.norm("norms", 2 * s.sp_tokens * m.dim)
-    mms, attention_flops = _attention(m, s, ew)
+    mms, causal_flops = _attention(m, layer, s, ew)
     mms += _ffn(m, layer, s, ew)
     ew.copy("residual adds", 2 * 2 * s.sp_tokens * m.dim, 2 * s.sp_tokens * m.dim)
-    return ew.ops(mms, attention_flops)
+    return ew.ops(mms, _masked(m, layer, s, causal_flops))
 
 
 def end_ops(m: ModelConfig, vocab: int, s: RankShapes, first: bool, last: bool) -> Ops:

@@ -17,7 +17,11 @@ Each op takes the longer of its compute and its memory traffic:
   sequence length) (datasheet.py: the curves of Shah et al. 2024, FlashAttention-3, figs. 5-6,
   which measure FA2, the kernel PyTorch's SDPA flash backend runs); backward 2.5 x the forward's
   FLOPs (five matmuls of the forward's two: QK^T again, dV, dP, dQ, dK; Dao 2023, FlashAttention-2,
-  sec. 3.1.2) at the backward curve. It stays bf16 under FP8.
+  sec. 3.1.2) at the backward curve. It stays bf16 under FP8. Under sliding windows and documents
+  (FlexAttention on CUDA) the causal kernel's time scaled by the 128 x 128 tiles the block mask
+  keeps over the tiles causality keeps (ops.py, model/mask_counts.py): a partly masked tile costs
+  a whole one, and the tiles run at the causal kernel's measured rate (no FlexAttention
+  measurement is in the catalog).
 - elementwise kernels: memory-bound, bytes / (HBM bandwidth x hbm_efficiency).
 
 Recompute as the FLOP model had it: full runs the forward again, selective the attention core's
@@ -107,8 +111,10 @@ class OpsPrice:
     bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])  # elementwise forward, backward
     matmul_fractions: dict[str, float] = field(default_factory=dict)  # name -> forward fraction of peak
     parts: dict[str, float] = field(default_factory=dict)  # elementwise forward bytes by op
+    attention_work: float = 0.0  # forward: the attention kernel's tiles in causal FLOPs (ops.Ops.attention_work)
 
     def add(self, o: OpsPrice, times: float = 1.0) -> None:
+        self.attention_work += o.attention_work * times
         for mine, theirs in ((self.forward, o.forward), (self.backward, o.backward), (self.flops, o.flops)):
             for k, v in theirs.items():
                 mine[k] += v * times
@@ -135,8 +141,10 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
     if ops.attention_flops:
         f_eff = interpolate(hw.attention_fwd_curve, ops.attention_seq)
         b_eff = interpolate(hw.attention_bwd_curve, ops.attention_seq)
-        out.forward["attention"] = ops.attention_flops / (hw.peak_flops * f_eff)
-        out.backward["attention"] = FA2_BACKWARD_FLOPS * ops.attention_flops / (hw.peak_flops * b_eff)
+        work = ops.attention_work or ops.attention_flops  # the tiles the kernel computes, in causal FLOPs
+        out.attention_work = work
+        out.forward["attention"] = work / (hw.peak_flops * f_eff)
+        out.backward["attention"] = FA2_BACKWARD_FLOPS * work / (hw.peak_flops * b_eff)
         out.flops["attention"] = (1 + FA2_BACKWARD_FLOPS) * ops.attention_flops
     bw = hw.hbm_bw * hw.hbm_efficiency
     out.forward["elementwise"] = ops.elementwise_bytes / bw
@@ -154,7 +162,8 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
     kernel_seq = work.local_seq if p.cp_method == "ring" else t.seq_len
     return RankShapes(tokens=tokens, sp_tokens=tokens // p.tp if p.sp else tokens, seq_len=t.seq_len,
                       kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
-                      fused=t.compile, imbalance=work.options.expert_imbalance)
+                      fused=t.compile, imbalance=work.options.expert_imbalance,
+                      document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
 
 
 def _check_fp8(work: ChunkWork, hw: Hardware) -> bool:
@@ -171,13 +180,13 @@ def rank_price(work: ChunkWork, hw: Hardware, memo: Memo) -> OpsPrice:
     m = cfg.model
     shapes, fp8 = rank_shapes(work), _check_fp8(work, hw)
     total = OpsPrice()
-    kinds: dict[bool, tuple[int, int]] = {}  # MoE or not -> (a layer of that kind, how many)
+    kinds: dict[tuple[bool, int], tuple[int, int]] = {}  # (MoE or not, window) -> (a layer of that kind, how many)
     for blk in share.blocks:
-        moe = bool(m.n_experts) and blk >= m.first_dense_layers
-        layer, n = kinds.get(moe, (blk, 0))
-        kinds[moe] = (layer, n + 1)
-    for moe, (layer, n) in sorted(kinds.items()):
-        price = memo.get(("roofline block", m, moe, shapes, hw, fp8),
+        kind = (bool(m.n_experts) and blk >= m.first_dense_layers, m.layer_window(blk))
+        layer, n = kinds.get(kind, (blk, 0))
+        kinds[kind] = (layer, n + 1)
+    for kind, (layer, n) in sorted(kinds.items()):
+        price = memo.get(("roofline block", m, kind, shapes, hw, fp8),
                          lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8))
         total.add(price, n)
     if share.first or share.last:
@@ -205,6 +214,15 @@ def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
     return ChunkPrice(forward, backward, _rows(price, hw, work, forward, backward, recompute), price)
 
 
+def _masked_note(price: OpsPrice, chunks: int) -> str:
+    """What a sliding window or documents leave the kernel (nothing for causality alone)."""
+    kept = price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)
+    if abs(price.attention_work - kept) <= 1e-9 * kept:
+        return ""
+    return (f"; masked: {kept / chunks:.3e} FLOP kept forward, the kernel's 128 x 128 tiles "
+            f"{price.attention_work / chunks:.3e} (model/mask_counts.py), at the causal kernel's rate")
+
+
 def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backward: float,
           recompute: float) -> list[Row]:
     c, fp8 = work.chunks, work.options.fp8 != "none"
@@ -225,7 +243,8 @@ def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backwa
         rows.append(("compute: attention core", f"forward {ms(price.forward['attention'])} ms at "
                      f"{interpolate(hw.attention_fwd_curve, seq):.1%} of peak, backward (2.5x the FLOPs) "
                      f"{ms(price.backward['attention'])} ms at {interpolate(hw.attention_bwd_curve, seq):.1%} "
-                     f"(kernel sequence {seq})", hw.sources.get("attention_fwd_curve", "profile")))
+                     f"(kernel sequence {seq})" + _masked_note(price, c),
+                     hw.sources.get("attention_fwd_curve", "profile")))
     largest = sorted(price.parts.items(), key=lambda kv: -kv[1])[:3]
     rows.append(("compute: elementwise", f"{price.bytes[0] / c / 1e9:.2f} GB forward + {price.bytes[1] / c / 1e9:.2f} "
                  f"GB backward at {hw.hbm_efficiency:.0%} of {hw.hbm_bw / 1e12:.2f} TB/s: "
