@@ -3,8 +3,6 @@ and a kernel that can do them, sinks and packed documents. Part of `validate()` 
 
 from __future__ import annotations
 
-import torch
-
 from fivefold.config import Config
 
 PATTERN = ("sliding", "full")
@@ -42,6 +40,8 @@ def _backend_errors(cfg: Config) -> list[str]:
             errors.append(f"model.attention_backend = 'sdpa' does causal attention only, not {', '.join(needs)}; "
                           f"use 'auto' (FlexAttention on CUDA, the exact blockwise path elsewhere)")
     if m.attention_backend == "flex":
+        import torch  # here: the planner validates configs and imports no torch
+
         device = cfg.train.device
         if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
             errors.append("model.attention_backend = 'flex' trains on CUDA only (torch has no FlexAttention "
