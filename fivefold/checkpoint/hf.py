@@ -161,8 +161,11 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 def export_problems(m: ModelConfig) -> list[str]:
     """What a fivefold model has that the HF architecture it is written as (kind_of) cannot express."""
+    # None of the architectures written here has sliding windows or sinks (Mistral, Gemma and gpt-oss do).
+    masks = [what for bad, what in ((m.sliding_window > 0, "model.sliding_window > 0 (no sliding window)"),
+                                    (m.attention_sinks, "model.attention_sinks = true (no attention sinks)")) if bad]
     if kind_of(m) == "deepseek_v3":
-        return hf_deepseek.export_problems(m)
+        return masks + hf_deepseek.export_problems(m)
     moe = m.n_experts > 0
     checks = [(m.qk_norm, "model.qk_norm = true (Llama and Mixtral have no q/k norms)"),
               (m.n_shared_experts > 0, "model.n_shared_experts > 0 (Mixtral has no shared experts)"),
@@ -171,7 +174,7 @@ def export_problems(m: ModelConfig) -> list[str]:
               (moe and not m.norm_topk, "model.norm_topk = false (Mixtral renormalises its top-k weights)"),
               (moe and m.n_expert_groups > 1, "model.n_expert_groups > 1 (Mixtral routes without groups)"),
               (moe and m.moe_routed_scale != 1, "model.moe_routed_scale != 1 (Mixtral does not scale its experts)")]
-    problems = [what for bad, what in checks if bad]
+    problems = masks + [what for bad, what in checks if bad]
     deepseek_only = (m.n_shared_experts, m.first_dense_layers, m.router_score != "softmax", m.n_expert_groups > 1,
                      m.moe_routed_scale != 1)
     if moe and any(deepseek_only):

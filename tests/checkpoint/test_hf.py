@@ -291,6 +291,9 @@ def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
     problems = export_problems(grouped)
     assert any("n_expert_groups" in p for p in problems) and "kv_lora_rank > 0" in problems[-1]
     assert export_problems(PRESETS["tiny-moe"]) == []
+    windowed = dataclasses.replace(PRESETS["tiny"], sliding_window=8, attention_sinks=True)  # no Llama has these
+    assert export_problems(windowed) == ["model.sliding_window > 0 (no sliding window)",
+                                         "model.attention_sinks = true (no attention sinks)"]
     # A run that does not keep the routing bias (moe_bias_update = 0) would load the weights without it.
     model = {**dataclasses.asdict(HFSource(models["deepseek"]["hf"]).model_cfg), "moe_bias_update": 0.0}
     error = check_init_from(replace(tiny_config(tmp_path), model=model,
