@@ -6,8 +6,8 @@ Run on the GPU machine from the source tree, with the torch it has (2.11 or newe
     python3 benchmarks/gpu_check.py --parts off --models llama-1b --peak-tflops 989
     python3 benchmarks/gpu_check.py --device cpu --tiny    # the smoke test the suite runs (tests/test_gpu_check.py)
 
-Three parts, one after the other, each in its own process with its own time budget (`--budget
-PART=SECONDS`; defaults off=110, on=270, calibrate=60) inside one deadline (`--deadline-s`, 450):
+Four parts, one after the other, each in its own process with its own time budget (`--budget
+PART=SECONDS`; defaults off=110, attention=45, on=240, calibrate=55) inside one deadline (`--deadline-s`, 450):
 a part that fails or runs past its budget is stopped and printed as one line, and the next part
 runs. Each part prints its lines as it goes (one JSON object per line on stdout, flushed; progress
 on stderr):
@@ -26,14 +26,16 @@ on stderr):
   activations + buffers) and their ratio; then the ratios fivefold / plain per model. A case that
   raises is one line and the next runs; a case starts only if it would end within the part's budget
   (guessed from the model's previous case; a model's first case within 60% of it).
+- `attention`: benchmarks/attention_check.py: the masked attention kernels (blockwise, FlexAttention)
+  against the rule written out, and their time beside SDPA (its docstring).
 - `calibrate`: `python3 -m fivefold calibrate --device cuda --out PROFILE` (planner/calibration/gpu.py:
   GEMM, FP8 GEMM, SDPA and HBM fractions of this GPU), its line, then the profile's measured fields.
 
 Models, in this order: `llama-1b`, the Llama 3.2 1B shape (dim 2048, 16 layers, 32/8 heads, ffn 8192,
 vocabulary 128256, tied: 1.236B parameters; seq 2048, micro-batch 4), then `debug` (configs/debug.toml;
 seq 128, micro-batch 8), bf16, 3 warm-up steps (compile happens in the first) and 10 timed ones. `--tiny`:
-configs/tiny.toml in fp32, 1 + 2 steps, parts off and calibrate (`--quick`). Needs fivefold's runtime
-dependencies (pyproject.toml; the environment line lists any missing). Exit status 0 whatever the
+configs/tiny.toml in fp32, 1 + 2 steps, parts off, attention (`--tiny`) and calibrate (`--quick`). Needs
+fivefold's runtime dependencies (pyproject.toml; the environment line lists any missing). Exit status 0 whatever the
 figures; 1 only when `--device cuda` finds no GPU.
 """
 
@@ -71,8 +73,8 @@ MODELS = {
         "--model.norm_eps=1e-5", "--model.tie_embeddings=true"], "seq_len": 2048, "micro_batch": 4},
     "tiny": {"config": "configs/tiny.toml", "overrides": [], "seq_len": 32, "micro_batch": 2},  # --tiny
 }
-PARTS = ("off", "on", "calibrate")
-BUDGETS_S = {"off": 110.0, "on": 270.0, "calibrate": 60.0}  # on: a first compile per model
+PARTS = ("off", "attention", "on", "calibrate")
+BUDGETS_S = {"off": 110.0, "attention": 45.0, "on": 240.0, "calibrate": 55.0}  # on: a first compile per model
 DEADLINE_S = 450.0  # the whole check, under the 8 minutes a GPU session gives it
 NEW_CASE_FRACTION = 0.6  # a model's first case starts only within this share of the part's budget
 
@@ -318,6 +320,9 @@ def part_command(part: str, args, argv: list[str], budget_s: float) -> list[str]
     if part == "calibrate":
         return [sys.executable, "-m", "fivefold", "calibrate", "--device", args.device, "--out", str(args.profile),
                 *(["--quick"] if args.tiny else [])]
+    if part == "attention":
+        return [sys.executable, str(Path(__file__).resolve().parent / "attention_check.py"), "--device", args.device,
+                *(["--tiny"] if args.tiny else [])]
     return [sys.executable, str(Path(__file__).resolve()), *argv, "--run-part", part, "--budget", f"{part}={budget_s}"]
 
 
@@ -344,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="configs/tiny.toml, fp32, 1 + 2 steps, parts off and "
                     "calibrate (--quick): the suite's smoke test")
-    ap.add_argument("--parts", default=None, help="comma-separated, of off,on,calibrate (default: all; --tiny: "
-                    "off,calibrate)")
+    ap.add_argument("--parts", default=None, help="comma-separated, of off,attention,on,calibrate (default: all; "
+                    "--tiny: off,attention,calibrate)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: llama-1b debug")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (--tiny: fp32)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
@@ -373,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         log("gpu_check: --device cuda but torch.cuda.is_available() is False (here: --device cpu --tiny)")
         return 1
-    parts = (args.parts or ("off,calibrate" if args.tiny else ",".join(PARTS))).split(",")
+    parts = (args.parts or ("off,attention,calibrate" if args.tiny else ",".join(PARTS))).split(",")
     if set(parts) - set(PARTS):
         raise SystemExit(f"gpu_check: --parts {args.parts}: of {', '.join(PARTS)}")
     args.profile.parent.mkdir(parents=True, exist_ok=True)
