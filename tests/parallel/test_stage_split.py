@@ -57,6 +57,16 @@ def test_uneven_tiny_split_by_hand(tmp_path):
     assert "[1, 2, 2, 1, 1, 1]" in split_note(cfg, (1, 2, 2, 1, 1, 1))
 
 
+def test_a_sliding_layer_costs_its_window(tmp_path):
+    """The same model with a window of 4 on every other block: a sliding block's attention core is
+    2 x 4 x 16 x 2 x k for k = 3.8125 keys per query ((1 + 2 + 3 + 4 x 29) / 32 queries), not 16."""
+    cfg = tiny_config(tmp_path, *UNEVEN_TINY, "--model.sliding_window=4", "--model.window_pattern=['sliding', 'full']")
+    d = derive(cfg, 2)
+    flops = part_costs(cfg, model_counts(cfg.model, d.vocab_size)).flops
+    core = 2 * 32 * 4 * 16  # the full block's attention core: 4,096 of its 86,016
+    assert flops == (86_016 - core + round(2 * 3.8125 * 4 * 32), 86_016) * 4
+
+
 def test_balance_by_hand():
     # 7 blocks of 10 FLOPs, a head of 15, 3 stages: [3, 3, 1] costs 30, 30, 25; any split with 2 or
     # more blocks on the last stage costs it 35 or more

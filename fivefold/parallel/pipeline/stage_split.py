@@ -39,6 +39,7 @@ from typing import Callable
 from fivefold.config import Config
 from fivefold.model.counts import (
     ModelCounts,
+    attention_keys,
     block_forward_flops,
     block_rank_params,
     head_forward_flops,
@@ -60,7 +61,10 @@ def part_costs(cfg: Config, counts: ModelCounts) -> PartCosts:
     """The planner's costs of `cfg`'s parts (module docstring, points 1 and 2)."""
     m, p = cfg.model, cfg.parallel
     head = (counts.head or counts.embedding) // p.tp + counts.final_norm  # tied: the last stage keeps a copy
-    return PartCosts(flops=tuple(block_forward_flops(m, b, cfg.train.seq_len, p.tp, p.sp) for b in counts.blocks),
+    # A sliding layer attends to fewer keys (Gemma's local layers); documents' lengths are the data's.
+    keys = [k if m.layer_window(i) else None for i, k in enumerate(attention_keys(m, cfg.train.seq_len))]
+    return PartCosts(flops=tuple(block_forward_flops(m, b, cfg.train.seq_len, p.tp, p.sp, keys=k)
+                                 for b, k in zip(counts.blocks, keys, strict=True)),
                      params=tuple(block_rank_params(b, p.tp, p.ep) for b in counts.blocks),
                      first=(0, counts.embedding // p.tp), last=(head_forward_flops(counts, p.tp), head))
 
