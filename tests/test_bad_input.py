@@ -229,3 +229,46 @@ def test_a_partial_checkpoint_folder_of_a_dead_job_is_removed_at_the_next_start(
     (partial / "__0_0.distcp").write_bytes(b"half")
     train(tiny_config(tmp_path, *EQUIVALENCE, "--train.steps=2", "--checkpoint.resume=true"), progress=False)
     assert not partial.exists() and latest_checkpoint(tmp_path / "tiny").name == "step_00000002"
+
+
+# What attention may see (fivefold/validate_attention.py): one line each, naming the field.
+ATTENTION_ERRORS = {
+    "negative window": (("--model.sliding_window=-2",),
+                        "model.sliding_window = -2: a sliding window needs a window of at least 1 token"),
+    "pattern without a window": (("--model.window_pattern=['sliding', 'full']",),
+                                 "model.sliding_window = 0: sliding layers in model.window_pattern need a window"),
+    "window of the whole sequence": (("--model.sliding_window=32",),
+                                     "model.sliding_window = 32 is not shorter than train.seq_len = 32"),
+    "unknown layer kind": (("--model.sliding_window=4", "--model.window_pattern=['local']"),
+                           "model.window_pattern holds ['local']: each entry is 'sliding' or 'full'"),
+    "pattern of 3 over 8 layers": (("--model.sliding_window=4", "--model.window_pattern=['sliding', 'full', 'full']"),
+                                   "model.window_pattern has 3 entries, which do not divide model.n_layers = 8"),
+    "sinks with sdpa": (("--model.attention_sinks=true", "--model.attention_backend=sdpa"),
+                        "model.attention_backend = 'sdpa' does causal attention only, not model.attention_sinks"),
+    "flex on a CPU": (("--model.attention_backend=flex", "--train.device=cpu"),
+                      "model.attention_backend = 'flex' trains on CUDA only"),
+}
+
+
+@pytest.mark.parametrize("name", ATTENTION_ERRORS)
+def test_attention_options_are_refused_by_name(tmp_path, name):
+    args, message = ATTENTION_ERRORS[name]
+    errors = validate(tiny_config(tmp_path, *args), 1)
+    assert len(errors) == 1 and errors[0].startswith(message), errors
+
+
+def test_documents_need_an_end_of_document_token(tmp_path, capsys):
+    """A tokenizer with no eos_token and none of the usual names: named before anything starts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x): return x"] * 4, trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    code = main(["train", "configs/tiny.toml", f"--run.out_dir={tmp_path}", "--data.document_mask=true",
+                 f"--data.tokenizer={tmp_path / 'tokenizer.json'}", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no end-of-document token" in err and str(tmp_path / "tokenizer.json") in err
+    assert "Traceback" not in err
