@@ -20,10 +20,18 @@ from fivefold.validate import validate
 EOD = 319  # any id of the vocabulary; the model cannot tell it from another token
 
 
-def _tiny() -> Transformer:
-    m = Transformer(dataclasses.replace(PRESETS["tiny"], n_layers=2, n_kv_heads=2, vocab_size=320))
+def _tiny(**options) -> Transformer:
+    """Two blocks; `options` of the model config (a window, sinks: their logits drawn, not zero)."""
+    m = Transformer(dataclasses.replace(PRESETS["tiny"], n_layers=2, n_kv_heads=2, vocab_size=320, **options))
     m.init_weights(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(generator=torch.Generator().manual_seed(1))
     return m
+
+
+WINDOW_AND_SINKS = {"sliding_window": 3, "window_pattern": ("sliding", "full"), "attention_sinks": True}
 
 
 def test_document_ids_mask_and_positions_by_hand():
@@ -63,11 +71,13 @@ def _losses_and_grads(model, x, y, positions, doc):
     return per_token.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("options", [{}, WINDOW_AND_SINKS], ids=["causal", "window+sinks"])
 @pytest.mark.parametrize("reset", [False, True])
-def test_masked_packed_row_is_its_documents_run_apart(reset):
+def test_masked_packed_row_is_its_documents_run_apart(reset, options):
     """Per-token losses and summed parameter gradients of the packed row equal those of each
-    document alone (its own row; positions from 0 with reset_positions, else where it sat)."""
-    model = _tiny()
+    document alone (its own row; positions from 0 with reset_positions, else where it sat), also
+    with a window on one block and sinks on both (a window and a sink act within a document)."""
+    model = _tiny(**options)
     x, y, spans = _packed_row()
     positions, doc = Documents(EOD, mask=True, reset_positions=reset).inputs(x, torch.arange(16))
     packed, packed_grads = _losses_and_grads(model, x, y, positions, doc)

@@ -17,11 +17,12 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import EQUIVALENCE, Layout, assert_reproduces, dense_attention, mesh_of, tiny_config, train_and_gather
 
 from fivefold.config import Config, ModelConfig, replace
 from fivefold.model.attention import attend, causal_attention
-from fivefold.model.masks import AttentionMask, document_ids
+from fivefold.model.masks import AttentionMask, Documents, document_ids
 from fivefold.model.transformer import Transformer, cross_entropy_sum
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats
@@ -330,6 +331,59 @@ def _model_worker(rank, world, method):
         collectives.all_reduce(p.grad, mesh.group("cp"))  # cp ranks hold parts of the same samples: sum
         pairs.append((name, p.grad, p_ref.grad))
     return pairs
+
+
+def _packed_worker(rank, world, method):
+    """A packed row of three documents (eod 63) through the model on cp ranks, with documents,
+    per-document positions, a window of 3 on the first block and sinks on both, against each
+    document run alone on one process without any mask: per-token losses (this rank's tokens) and
+    parameter gradients (summed over cp). Also the same row under cp without the document mask."""
+    mesh = mesh_of(cp=world)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, sliding_window=3,
+                      window_pattern=("sliding", "full"), attention_sinks=True)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 63, (1, T + 1), generator=torch.Generator().manual_seed(2))
+    spans = [(0, 11), (11, 25), (25, 32)]
+    for _, end in spans:
+        ids[0, end - 1] = 63
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+
+    def losses_and_grads(m, x, y, positions, doc):
+        m.zero_grad()
+        per_token = F.cross_entropy(m(x, positions, doc=doc).flatten(0, 1), y.flatten(), reduction="none")
+        per_token.sum().backward()
+        return per_token.detach(), [p.grad.clone() for p in m.parameters()]
+
+    alone, alone_grads = [], None
+    for start, end in spans:
+        losses, grads = losses_and_grads(model, inputs[:, start:end], targets[:, start:end],
+                                         torch.arange(end - start), None)
+        alone.append(losses)
+        alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads, strict=True)]
+    run_cfg = replace(Config(), parallel={"cp": world, "cp_method": method})
+    cp = apply_context_parallel(model, mesh, run_cfg, derive(run_cfg, world))
+    positions, doc = Documents(63, mask=True, reset_positions=True).inputs(inputs, torch.arange(T))
+    local = cp.shard(positions, dim=-1)  # (1, T/cp): the row's per-document positions, this rank's part
+    packed, grads = losses_and_grads(model, cp.shard(inputs), cp.shard(targets), local, doc)
+    for g in grads:
+        collectives.all_reduce(g, mesh.group("cp"))
+    unmasked, _ = losses_and_grads(model, cp.shard(inputs), cp.shard(targets), local, None)
+    mine = cp.positions(T)
+    return packed, torch.cat(alone)[mine], grads, alone_grads, unmasked
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_a_packed_row_under_cp_is_its_documents_alone(method):
+    for packed, alone, grads, alone_grads, unmasked in run_workers(_packed_worker, 2, method):
+        torch.testing.assert_close(packed, alone, rtol=0, atol=2e-6)  # fp32, other summation orders
+        for ours, ref in zip(grads, alone_grads, strict=True):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        assert (unmasked - alone).abs().max() > 1e-3  # without the mask documents see each other
 
 
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
