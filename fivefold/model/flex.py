@@ -39,7 +39,8 @@ def flex_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         return keep(q_idx, kv_idx, window, q_doc, None if doc is None else doc[b, kv_idx])
 
     blocks = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device)
-    attend = _compiled_flex() if compiled else flex_attention
+    # Inside a compiled block (train.compile) the block's compilation takes flex_attention in whole.
+    attend = _compiled_flex() if compiled and not torch.compiler.is_compiling() else flex_attention
     out, aux = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=blocks,
                       enable_gqa=k.shape[2] != H, return_aux=AuxRequest(lse=True))  # (B, H, T, D)
     if mask.sinks is not None:  # aux.lse: (B, H, T), natural log
