@@ -21,11 +21,11 @@ Parts (`--only`):
   length T/8 tokens with the eod; `--doc-bytes` to change), each its own file. The sides alternate
   over rounds (A B C, C B A, ...); a step's time is rank 0's `step_time_s` from the metrics log, the
   median over the timed steps of every round. Each side's losses are checked to repeat from round
-  to round. Peak memory: after the timed rounds, one more run per side of warm-up + 1 steps with
-  glibc set to return freed memory at once (benchmarks/common.py `malloc_returns_memory`), each
-  rank's peak RSS (VmHWM, reset before `train`) less its anonymous RSS before `train` and its
-  file-backed pages: setup, model, optimizer and the steps, the maximum over ranks. The sides share
-  everything but attention, so their difference is what the mask costs.
+  to round. Peak memory: after the timed rounds, one more run per side of warm-up + 1 steps under
+  `LiveBytes` (below): the most bytes of tensor storages alive at once that `train` created (model,
+  gradients, optimizer state, activations, attention's temporaries), the larger rank's. The sides
+  share everything but attention, so their difference is what the mask costs. (Peak RSS was tried
+  first: file-backed pages mapped during the run and glibc's heap moved it by more than that.)
 - `core`: the attention core alone in this process, forward + backward, B 1, H 4, D 64, at T = 2k
   and 8k (2k only with --quick), documents of mean length T/8: `blockwise` (`attend` with an
   AttentionMask of the documents: the CPU exact path the model takes), `dense_sdpa`
@@ -124,6 +124,42 @@ def packed_documents(batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     return document_ids(tokens, 0)
 
 
+# ---- peak memory: live tensor bytes ----------------------------------------------------------
+
+
+class LiveBytes(TorchDispatchMode):
+    """While active: the most bytes of tensor storages created by operations and alive at once.
+
+    A storage counts from the operation that returned it (not one of the operation's inputs: a view
+    or an in-place result) until it is freed, which a finalizer on it sees (PyTorch keeps one Python
+    object per storage, so the finalizer runs when the storage itself goes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.held: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.held.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self.held:
+                continue
+            self.held.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+
 # ---- whole training steps --------------------------------------------------------------------
 
 
@@ -200,39 +236,6 @@ def step_part(name: str, args, overrides: list[str], out: Path, summary: dict) -
 
 
 # ---- the attention core alone ----------------------------------------------------------------
-
-
-class LiveBytes(TorchDispatchMode):
-    """While active: the most bytes of tensor storages created by operations and alive at once.
-
-    A storage counts from the operation that returned it (not one of the operation's inputs: a view
-    or an in-place result) until it is freed, which a finalizer on it sees (PyTorch keeps one Python
-    object per storage, so the finalizer runs when the storage itself goes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.held: set[int] = set()
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self.held.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = id(storage)
-            if key in inputs or key in self.held:
-                continue
-            self.held.add(key)
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
-        return out
 
 
 def _core_sides(seq_len: int) -> tuple[dict, list[torch.Tensor], int]:
