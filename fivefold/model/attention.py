@@ -30,7 +30,7 @@ from torch import nn
 from fivefold.model.blockwise import blockwise_attention
 from fivefold.model.config import ModelConfig
 from fivefold.model.flex import flex_attention_core
-from fivefold.model.masks import AttentionMask
+from fivefold.model.masks import AttentionMask, DocumentIds
 
 
 class RMSNorm(nn.Module):
@@ -118,8 +118,8 @@ class _LayerMask:
     window: int
     sinks: nn.Parameter | None
 
-    def _mask(self, doc: torch.Tensor | None) -> AttentionMask | None:
-        mask = AttentionMask(doc, self.window, self.sinks)
+    def _mask(self, doc: DocumentIds | torch.Tensor | None) -> AttentionMask | None:
+        mask = AttentionMask.of(doc, self.window, self.sinks)
         return None if mask.plain else mask
 
 
@@ -141,7 +141,7 @@ class Attention(_LayerMask, nn.Module):
         self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: torch.Tensor | None = None) -> torch.Tensor:
+                doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim); doc: the micro-batch's (B, T) document ids of whole rows, or None."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
@@ -200,7 +200,7 @@ class LatentAttention(_LayerMask, nn.Module):
         self.enter_heads: Callable[..., tuple[torch.Tensor, ...]] = _unchanged
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: torch.Tensor | None = None) -> torch.Tensor:
+                doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
         q_in = x if self.wq_a is None else self.q_a_norm(self.wq_a(x))  # (B, T, Cq) or (B, T, dim)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], dim=-1)  # (B, T, Ckv), (B, T, Dr)
         # With sequence parallel x holds T/tp tokens and enter_heads gathers all T (the positions

@@ -7,7 +7,8 @@ The keys are cut into blocks; each (query tile, key tile) pair is one of
 - causal: a tile on the diagonal, kept below it (the kernel's own `is_causal`);
 - masked: anything else: the kernel gets a small additive bias tile (0 / -inf) built from the rule
   in model/masks.py, at most `tile` x `tile` per row of the batch. Never a (T, T) tensor.
-The decision needs the document ids at tile boundaries only: one small read per call (`plan_tiles`).
+The decision needs the document ids at tile boundaries only (`plan_tiles`), read where they were
+computed, on the host (masks.DocumentIds): a plan waits for nothing on the device.
 Partial results merge by their log-sum-exp (the online softmax, Milakov & Gimelshein 2018), in fp32.
 
 Backward is FlashAttention's (Dao et al. 2022, alg. 4), tile by tile through the kernel's own
@@ -27,6 +28,7 @@ Shapes: B batch, T tokens (this rank's), H query heads, K key/value heads, D hea
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -259,13 +261,21 @@ class _Call:
     layout: Layout
     window: int
     tile: int
+    doc_host: torch.Tensor | None  # the document ids the plan reads (on the host when given so)
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off inside: the kernels run in the dtype autocast gave q, k, v, forward and backward."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()  # a device without autocast (meta: the fake-device test)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, doc, call: _Call):
-        with torch.autocast(q.device.type, enabled=False):
-            plan = plan_tiles(call.layout, call.source.rank, call.window, doc, call.tile)
+        with _no_autocast(q.device):
+            plan = plan_tiles(call.layout, call.source.rank, call.window, call.doc_host, call.tile)
             call.source.count(plan.computed, plan.skipped)
             out, lse = _forward(q, k, v, sinks, doc, call, plan)
         ctx.save_for_backward(q, k, v, out, lse, sinks, doc)
@@ -275,7 +285,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks, doc = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
+        with _no_autocast(q.device):
             dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, sinks, doc, ctx.call, ctx.plan)
         return dq, dk, dv, dsinks, None, None
 
@@ -369,5 +379,5 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """
     mask = mask or AttentionMask()
     layout = layout or Layout(((0,),), q.shape[1])
-    call = _Call(source, layout, mask.window, tile)
+    call = _Call(source, layout, mask.window, tile, mask.doc if mask.doc_host is None else mask.doc_host)
     return _BlockwiseAttention.apply(q, k, v, mask.sinks, mask.doc, call)

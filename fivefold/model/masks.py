@@ -24,7 +24,7 @@ the model runs its plain causal path (`is_causal=True`). This module is parallel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -67,18 +67,37 @@ def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,
     return allowed
 
 
+class DocumentIds(NamedTuple):
+    """A micro-batch's document ids of whole rows, (B, T), twice: on the compute device (bias tiles and
+    FlexAttention's mask read them there) and on the host, where they were computed from the loader's
+    token ids (the blockwise path plans its tiles from them there: no read from the device)."""
+
+    ids: torch.Tensor
+    host: torch.Tensor
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """What one layer's queries may see in one micro-batch, beyond causality.
 
     doc: (B, T) document ids of the whole row (all T tokens, also where a rank holds T/cp of them),
-    or None. window: the layer's sliding window (0: none). sinks: the layer's (H,) sink logits (the
+    or None; doc_host: the same on the CPU when they live on another device (else the plan reads
+    `doc`). window: the layer's sliding window (0: none). sinks: the layer's (H,) sink logits (the
     heads this rank holds), or None.
     """
 
     doc: torch.Tensor | None = None
     window: int = 0
     sinks: torch.Tensor | None = None
+    doc_host: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, doc: DocumentIds | torch.Tensor | None, window: int = 0,
+           sinks: torch.Tensor | None = None) -> AttentionMask:
+        """A layer's mask from the micro-batch's document ids (with their host copy, or a tensor alone)."""
+        if isinstance(doc, DocumentIds):
+            return cls(doc.ids, window, sinks, doc.host)
+        return cls(doc, window, sinks)
 
     @property
     def plain(self) -> bool:
@@ -88,7 +107,7 @@ class AttentionMask:
     def head_slice(self, start: int, stop: int) -> AttentionMask:
         """The same mask for heads start..stop-1 (Ulysses holds a part of the heads)."""
         sinks = None if self.sinks is None else self.sinks[start:stop]
-        return AttentionMask(self.doc, self.window, sinks)
+        return AttentionMask(self.doc, self.window, sinks, self.doc_host)
 
 
 def dense_keep(mask: AttentionMask, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -124,3 +143,10 @@ class Documents:
         if self.reset_positions:
             positions = document_positions(doc, positions)  # (B, T)
         return positions, doc if self.mask else None
+
+    def on_device(self, tokens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, DocumentIds | None]:
+        """`inputs` of host token ids (B, T), computed on the host and copied to `device`: the RoPE
+        positions there, and the document ids there and here (DocumentIds)."""
+        positions, doc = self.inputs(tokens, torch.arange(tokens.shape[1], device=tokens.device))
+        ids = None if doc is None else DocumentIds(doc.to(device, non_blocking=True), doc)
+        return positions.to(device, non_blocking=True), ids

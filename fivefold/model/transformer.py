@@ -31,6 +31,7 @@ from torch import nn
 
 from fivefold.model.attention import RMSNorm, attention, rope_cos_sin
 from fivefold.model.config import ModelConfig
+from fivefold.model.masks import DocumentIds
 from fivefold.model.seeded_init import init_tensor
 
 
@@ -305,7 +306,7 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: torch.Tensor | None = None) -> torch.Tensor:
+                doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x), cos, sin, doc)  # (B, T, dim)
         return h + self.ffn(self.ffn_norm(h))
 
@@ -334,7 +335,8 @@ class Transformer(nn.Module):
             init_tensor(name, p, self.cfg, seed)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
-                embed: bool = True, head: bool = True, doc: torch.Tensor | None = None) -> torch.Tensor:
+                embed: bool = True, head: bool = True,
+                doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or a part of that for one pipeline stage.
 
         positions: RoPE positions (T,), or (B, T) per row (documents restarting at 0); default 0..T-1.
@@ -342,8 +344,8 @@ class Transformer(nn.Module):
         embed=False: x is already hidden states (B, T, dim); head=False: return the last block's
         output (B, T, dim) without the final norm and head. An absent embedding, norm or head (a
         pipeline stage deleted it) is passed through. doc: None, or the (B, T) document ids of whole
-        rows (data.document_mask, model/masks.py), passed as an argument so the blocks hold no
-        per-batch state.
+        rows (data.document_mask, model/masks.py; DocumentIds when a host copy comes along), passed
+        as an argument so the blocks hold no per-batch state.
         """
         h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:

@@ -89,8 +89,7 @@ class Parallelized:
         seq_len = micro_batches[0][0].shape[1]
         if documents is None:
             return [(self.cp.positions(seq_len, device), None)] * len(micro_batches)
-        row = torch.arange(seq_len, device=device)  # (T,)
-        inputs = [documents.inputs(x.to(device), row) for x, _ in micro_batches]
+        inputs = [documents.on_device(x, device) for x, _ in micro_batches]  # from the loader's host ids
         return [(self.cp.shard(pos, dim=-1), doc) for pos, doc in inputs]
 
     # ---- the optimizer step ---------------------------------------------------------------------

@@ -32,11 +32,21 @@ from pathlib import Path
 
 import pytest
 from fake_device import fake_step
-from helpers import DOCUMENTS_ON, EQUIVALENCE, MLA_ARGS, MOE_ARGS, TIED_ARGS, Layout, document_args, tiny_config
+from helpers import (
+    DOCUMENTS_ON,
+    EQUIVALENCE,
+    MASKS_ON,
+    MLA_ARGS,
+    MOE_ARGS,
+    TIED_ARGS,
+    Layout,
+    document_args,
+    tiny_config,
+)
 
 TESTS = Path(__file__).resolve().parents[1]
 TABLES = [TESTS / "parallel" / f"test_{name}.py" for name in
-          ("data_parallel", "pipeline", "context_parallel", "tensor_parallel", "expert_parallel")]
+          ("data_parallel", "pipeline", "context_parallel", "tensor_parallel", "expert_parallel", "masks_layouts")]
 TABLES.append(TESTS / "model" / "test_document_mask.py")
 STEP = {"step.train_step": 1, "parallelize.optimizer_step": 1}
 LOGGING = {"breakdown.gather": 1}
@@ -48,7 +58,9 @@ def base_args(reference: str, docs: Path) -> tuple[str, ...]:
     known = {"reference": EQUIVALENCE, "tied_reference": TIED_ARGS, "moe_reference": (*EQUIVALENCE, *MOE_ARGS),
              "mla_reference": (*EQUIVALENCE, *MLA_ARGS),
              "documents_reference": document_args(docs, *DOCUMENTS_ON),
-             "documents_moe_reference": document_args(docs, *DOCUMENTS_ON, *MOE_ARGS)}
+             "documents_moe_reference": document_args(docs, *DOCUMENTS_ON, *MOE_ARGS),
+             "masks_reference": document_args(docs, *MASKS_ON),
+             "masks_moe_reference": document_args(docs, *MASKS_ON, *MOE_ARGS)}
     assert reference in known, f"a Layout names reference {reference!r}: add its arguments here"
     return known[reference]
 

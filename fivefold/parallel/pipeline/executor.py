@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fivefold.model.masks import DocumentIds
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.data import DataParallel
@@ -58,7 +59,7 @@ class PipelineStats:
 # One micro-batch's attention inputs, the same on every stage (built by the step from the token ids
 # of whole rows, which every stage holds: no message carries them): the RoPE positions of this
 # rank's tokens, (T_local,) or (B, T_local), and the (B, T) document ids of whole rows or None.
-AttentionInputs = tuple[torch.Tensor, "torch.Tensor | None"]
+AttentionInputs = tuple[torch.Tensor, DocumentIds | None]
 
 
 def _plain_inputs(micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[AttentionInputs]:

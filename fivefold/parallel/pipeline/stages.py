@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
+from fivefold.model.masks import DocumentIds
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
@@ -49,7 +50,7 @@ class StageChunk:
         mods += [self.model.tok_embeddings] if self.first else []
         return mods + ([self.model.norm, self.model.output] if self.last else [])
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, doc: DocumentIds | None = None) -> torch.Tensor:
         """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim): the
         model's own forward over this stage's layers (positions (T,) or (B, T); doc: whole rows' (B, T)
         document ids, model/masks.py)."""
