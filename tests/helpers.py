@@ -123,6 +123,15 @@ def assert_reproduces(result, reference, param_atol: float = 1e-4, exact: tuple[
         torch.testing.assert_close(state[name], ref, rtol=0, atol=tol, msg=name)
 
 
+def assert_layout_reproduces(request, cfg: Config, layout: Layout) -> None:
+    """Train `cfg` on the layout's ranks: each reproduces the reference fixture the layout names."""
+    from fivefold.parallel.forked_ranks import run_workers
+
+    reference = request.getfixturevalue(layout.reference)
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, reference, param_atol=layout.param_atol, exact=layout.exact)
+
+
 def parallelized(cfg: Config, world: int):
     """Worker: `cfg`'s layout over the job's `world` ranks as the training loop builds it (on the meta
     device, then this rank's tensors), with the seeded initial values."""

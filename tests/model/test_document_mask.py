@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import DOCUMENTS_ON, MOE_ARGS, Layout, assert_reproduces, document_args, tiny_config, train_and_gather
+from helpers import DOCUMENTS_ON, MOE_ARGS, Layout, assert_layout_reproduces, document_args, tiny_config
 
 from fivefold.model.masks import AttentionMask, Documents, dense_keep, document_ids, document_positions
 from fivefold.model.presets import PRESETS
@@ -180,9 +180,7 @@ def test_the_options_change_the_single_process_run(documents_reference, document
 def test_layouts_with_documents_reproduce_single_process(tmp_path, request, short_docs, name):
     layout = LAYOUTS[name]
     cfg = tiny_config(tmp_path, *document_args(short_docs, *DOCUMENTS_ON, *layout.overrides))
-    for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol,
-                          exact=layout.exact)
+    assert_layout_reproduces(request, cfg, layout)
 
 
 def test_sum_of_token_losses_is_unchanged_by_the_mask_for_one_document():

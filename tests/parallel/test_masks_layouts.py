@@ -8,7 +8,7 @@ such a run across layouts through its checkpoints.
 """
 
 import pytest
-from helpers import MASKS_ON, MOE_ARGS, Layout, assert_reproduces, document_args, tiny_config, train_and_gather
+from helpers import MASKS_ON, MOE_ARGS, Layout, assert_layout_reproduces, assert_reproduces, document_args, tiny_config
 
 from fivefold.checkpoint.run_dir import run_dir_of
 from fivefold.checkpoint.run_state import complete_checkpoints
@@ -41,9 +41,7 @@ LAYOUTS = {
 def test_layouts_with_every_mask_reproduce_single_process(tmp_path, request, short_docs, name):
     layout = LAYOUTS[name]
     cfg = tiny_config(tmp_path, *document_args(short_docs, *MASKS_ON, *layout.overrides))
-    for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol,
-                          exact=layout.exact)
+    assert_layout_reproduces(request, cfg, layout)
     # The run says which kernel attended; ring attention counts the chunk pairs the mask emptied.
     metrics = run_dir_of(cfg) / cfg.run.metrics_file
     ring = cfg.parallel.cp > 1 and cfg.parallel.cp_method == "ring"
