@@ -231,7 +231,7 @@ def test_a_partial_checkpoint_folder_of_a_dead_job_is_removed_at_the_next_start(
     assert not partial.exists() and latest_checkpoint(tmp_path / "tiny").name == "step_00000002"
 
 
-# What attention may see (fivefold/validate_attention.py): one line each, naming the field.
+# What attention may see (fivefold/validate/attention.py): one line each, naming the field.
 ATTENTION_ERRORS = {
     "negative window": (("--model.sliding_window=-2",),
                         "model.sliding_window = -2: a sliding window needs a window of at least 1 token"),

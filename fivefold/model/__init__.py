@@ -3,8 +3,11 @@
 - config.py       ModelConfig, the [model] section: the network's shape, nothing about its split
 - presets.py      named shapes from published model cards, and their published parameter counts
 - transformer.py  the Llama-style decoder (dense and MoE) with injected attention and dispatch
-- attention.py    grouped-query and multi-head latent attention, RoPE
-- masks.py        packed documents kept apart: masks and per-document positions, built per micro-batch
+- attention.py    grouped-query and multi-head latent attention, RoPE, and which kernel attends
+- masks.py        what a query may see (documents, sliding windows, sinks), as data per micro-batch
+- blockwise.py    exact masked attention in tiles through kernels that return their log-sum-exp
+- flex.py         masked attention through FlexAttention (CUDA)
 - seeded_init.py  every parameter a pure function of (seed, name, row block): any layout, same weights
 - counts.py       parameters and FLOPs by formula, split the way the parallel code splits them
+- mask_counts.py  the (query, key) pairs and tiles a mask keeps, for the FLOPs
 """

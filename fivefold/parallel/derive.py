@@ -1,7 +1,7 @@
 """The numbers a layout derives from its config: degrees, micro-batches, per-rank shapes.
 
 `derive(cfg, world_size)` computes, once, what follows from a config that `validate()` accepted
-(fivefold/validate.py): the data-parallel degree that fills the world, micro-batches per step, the
+(fivefold/validate/): the data-parallel degree that fills the world, micro-batches per step, the
 tokens a rank holds of one sequence, the padded vocabulary, ... Every dimension's `apply_<dim>`,
 the planner and the training loop read these from one `Derived`, so no module recomputes them its
 own way. Pure arithmetic; imports no torch (the checks that run before any process starts use it).

@@ -1,5 +1,5 @@
 """Config checks of what attention sees (model/masks.py): sliding windows, their per-layer pattern,
-and a kernel that can do them, sinks and packed documents. Part of `validate()` (validate.py)."""
+and a kernel that can do them, sinks and packed documents. Part of `validate()` (validate/__init__.py)."""
 
 from __future__ import annotations
 

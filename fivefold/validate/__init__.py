@@ -19,7 +19,7 @@ from fivefold.data.resolve import data_errors
 from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
-from fivefold.validate_attention import attention_errors
+from fivefold.validate.attention import attention_errors
 
 
 def _non_finite_errors(cfg: Config) -> list[str]:
