@@ -399,7 +399,10 @@ def test_the_watch_names_the_peers_behind_once_per_silence(monkeypatch, capsys):
     ranks that have not reached its last call on a group, once per silence."""
     store = torch.distributed.HashStore()
     waiting, late = arrivals.Arrivals(store, 0), arrivals.Arrivals(store, 1)  # watched by hand below
-    # Fresh reports while a look waits for them, whatever the load does to the threads' periods.
+    for a in (waiting, late):  # one writer per report, as in a run: the test's publishes only (a thread
+        a._stop.set()  # late on a loaded machine could set an older report over a newer one)
+        a._thread.join()
+    # Fresh reports while a look waits for them.
     sleep = time.sleep
     monkeypatch.setattr(arrivals.time, "sleep", lambda s: (waiting._publish(), late._publish(), sleep(s)))
     try:
