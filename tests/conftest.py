@@ -87,12 +87,6 @@ def documents_off_reference(tmp_path_factory, short_docs):
 
 
 @pytest.fixture(scope="session")
-def documents_moe_reference(tmp_path_factory, short_docs):
-    """The MoE on the documents kept apart."""
-    return _one_process(tmp_path_factory, "docs-moe", *document_args(short_docs, *DOCUMENTS_ON, *MOE_ARGS))
-
-
-@pytest.fixture(scope="session")
 def masks_reference(tmp_path_factory, short_docs):
     """Documents, sliding windows and sinks at once (helpers.MASKS_ON)."""
     return _one_process(tmp_path_factory, "masks", *document_args(short_docs, *MASKS_ON))

@@ -1,15 +1,16 @@
 """Document masking and per-document positions (data.document_mask, data.reset_positions).
 
-First the model alone: a packed row with the mask is its documents run apart. Then whole training
-runs of several layouts against one process with the same options, on data made of short
-documents (every row holds at least two), and validate()'s refusal of context parallel.
+First the model alone: a packed row with the mask is its documents run apart (also with a window
+and sinks). Then whole training runs on data made of short documents (every row holds at least
+two): the options change the run, and evaluation masks too. Every parallel layout with documents,
+windows and sinks against one process: tests/parallel/test_masks_layouts.py.
 """
 
 import dataclasses
 
 import pytest
 import torch
-from helpers import DOCUMENTS_ON, MOE_ARGS, Layout, assert_layout_reproduces, document_args, tiny_config
+from helpers import DOCUMENTS_ON, document_args, tiny_config
 
 from fivefold.model.masks import AttentionMask, Documents, dense_keep, document_ids, document_positions
 from fivefold.model.presets import PRESETS
@@ -150,37 +151,10 @@ def test_every_row_of_the_data_holds_several_documents(tmp_path, short_docs):
     assert min(seen) >= 2
 
 
-# Bounds: test_data_parallel.py's (dp, pp), test_tensor_parallel.py's (tp) and
-# test_expert_parallel.py's (ep), with their reasons (fp32 summation order, amplified by AdamW).
-# The routing bias exactly: it moves in +-0.01 steps, so one token routed differently shows.
-LAYOUTS = {  # on document_args(short_docs, *DOCUMENTS_ON)
-    "dp2-zero3": Layout(2, ("--parallel.zero=3", "--train.micro_batch=2"), "documents_reference"),
-    "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4"),
-                     "documents_reference", param_atol=3e-4),
-    "pp2-1f1b": Layout(2, ("--parallel.pp=2", "--train.micro_batch=2"), "documents_reference"),
-    "pp2-zb_v": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
-                           "--train.micro_batch=2"), "documents_reference"),
-    "ep2-moe": Layout(2, (*MOE_ARGS, "--parallel.ep=2", "--train.micro_batch=4"),
-                      "documents_moe_reference", param_atol=2e-4, exact=("expert_bias",)),
-    # Recomputation re-runs blocks (full) or the attention core (selective) with the same mask.
-    "pp2-zb_h1-recompute-full": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
-                                           "--train.recompute=full", "--train.micro_batch=2"), "documents_reference"),
-    "tp2-recompute-selective": Layout(2, ("--parallel.tp=2", "--train.recompute=selective", "--train.micro_batch=4"),
-                                      "documents_reference", param_atol=3e-4),
-}
-
-
 def test_the_options_change_the_single_process_run(documents_reference, documents_off_reference):
     on, off = documents_reference[0], documents_off_reference[0]
     assert on[0] != off[0]  # the first step's loss already: the flags reach the model through the loop
     assert max(abs(a - b) for a, b in zip(on, off, strict=True)) > 1e-3
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_layouts_with_documents_reproduce_single_process(tmp_path, request, short_docs, name):
-    layout = LAYOUTS[name]
-    cfg = tiny_config(tmp_path, *document_args(short_docs, *DOCUMENTS_ON, *layout.overrides))
-    assert_layout_reproduces(request, cfg, layout)
 
 
 def test_sum_of_token_losses_is_unchanged_by_the_mask_for_one_document():

@@ -1,6 +1,6 @@
 """Documents, sliding windows and sinks (helpers.MASKS_ON) under every dimension, against one process.
 
-The same training runs as test_document_mask.py's table, with everything a query may be kept from
+Training runs of every dimension against one process, with everything a query may be kept from
 switched on at once: packed documents with per-document positions, a window of 6 tokens on every
 other layer and a learned sink per head. Context parallel now takes them too (ring, zig-zag, at cp 2
 and 4; Ulysses), and the sinks are split over tp with the heads. A resharding chain then carries
@@ -31,6 +31,11 @@ LAYOUTS = {
                       param_atol=2e-4, exact=("expert_bias",)),
     "pp2-cp2-tp2-sp": Layout(8, ("--parallel.pp=2", "--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true",
                                  "--train.micro_batch=4"), "masks_reference", param_atol=5e-4),
+    # Recomputation re-runs blocks (full) or the attention core (selective) with the same mask.
+    "pp2-zb_h1-recompute-full": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
+                                           "--train.recompute=full", "--train.micro_batch=2"), "masks_reference"),
+    "tp2-recompute-selective": Layout(2, ("--parallel.tp=2", "--train.recompute=selective", "--train.micro_batch=4"),
+                                      "masks_reference", param_atol=3e-4),
     "dp2-cp2-ep2-moe": Layout(8, (*MOE_ARGS, "--parallel.cp=2", "--parallel.ep=2", "--parallel.zero=3",
                                   "--train.micro_batch=2"), "masks_moe_reference", param_atol=5e-4,
                               exact=("expert_bias",)),

@@ -2,13 +2,13 @@
 fake device, with its host reads held to a budget (fake_device.py says how, and what a CPU build
 of torch can and cannot fake).
 
-The layouts are collected from the tables themselves (every `Layout` of tests/parallel/*.py and
-tests/model/test_document_mask.py), on the arguments of the reference each row names, the model cut
-to the fewest layers the layout takes (pp x virtual stages, at least 2; rows that place layers or
-split them unevenly keep theirs): reads are per step and per MoE forward, and a step costs what its
-layers do (meta kernels are Python: ~0.1-0.2 s per layer here). Positions are the dry run's
-(train/dry_run.py): one per pipeline rank, whose ranks hold alike and run the same step (their
-tp / ep / cp / dp peers differ in data only).
+The layouts are collected from the tables themselves (every `Layout` of tests/parallel/*.py), on
+the arguments of the reference each row names, the model cut to the fewest layers the layout takes
+(pp x virtual stages, at least 2; rows that place layers or split them unevenly keep theirs):
+reads are per step and per MoE forward, and a step costs what its layers do (meta kernels are
+Python: ~0.1-0.2 s per layer here). Positions are the dry run's (train/dry_run.py): one per
+pipeline rank, whose ranks hold alike and run the same step (their tp / ep / cp / dp peers differ
+in data only).
 
 The budget of one step, read from the device (fake_device.py books each read to its function):
 - step.train_step: 1, the logged loss and gradient norm (and this rank's loss share) in one read;
@@ -47,7 +47,6 @@ from helpers import (
 TESTS = Path(__file__).resolve().parents[1]
 TABLES = [TESTS / "parallel" / f"test_{name}.py" for name in
           ("data_parallel", "pipeline", "context_parallel", "tensor_parallel", "expert_parallel", "masks_layouts")]
-TABLES.append(TESTS / "model" / "test_document_mask.py")
 STEP = {"step.train_step": 1, "parallelize.optimizer_step": 1}
 LOGGING = {"breakdown.gather": 1}
 MOE_SITES = ("transformer.local_dispatch", "expert.__call__")
@@ -58,7 +57,6 @@ def base_args(reference: str, docs: Path) -> tuple[str, ...]:
     known = {"reference": EQUIVALENCE, "tied_reference": TIED_ARGS, "moe_reference": (*EQUIVALENCE, *MOE_ARGS),
              "mla_reference": (*EQUIVALENCE, *MLA_ARGS),
              "documents_reference": document_args(docs, *DOCUMENTS_ON),
-             "documents_moe_reference": document_args(docs, *DOCUMENTS_ON, *MOE_ARGS),
              "masks_reference": document_args(docs, *MASKS_ON),
              "masks_moe_reference": document_args(docs, *MASKS_ON, *MOE_ARGS)}
     assert reference in known, f"a Layout names reference {reference!r}: add its arguments here"
