@@ -34,9 +34,10 @@ on stderr):
 Models, in this order: `llama-1b`, the Llama 3.2 1B shape (dim 2048, 16 layers, 32/8 heads, ffn 8192,
 vocabulary 128256, tied: 1.236B parameters; seq 2048, micro-batch 4), then `debug` (configs/debug.toml;
 seq 128, micro-batch 8), bf16, 3 warm-up steps (compile happens in the first) and 10 timed ones. `--tiny`:
-configs/tiny.toml in fp32, 1 + 2 steps, parts off, attention (`--tiny`) and calibrate (`--quick`). Needs
-fivefold's runtime dependencies (pyproject.toml; the environment line lists any missing). Exit status 0 whatever the
-figures; 1 only when `--device cuda` finds no GPU.
+configs/tiny.toml in fp32, 1 + 2 steps, parts off and calibrate (`--quick`; the suite runs
+attention_check.py's `--tiny` itself). Needs fivefold's runtime dependencies (pyproject.toml; the
+environment line lists any missing). Exit status 0 whatever the figures; 1 only when `--device
+cuda` finds no GPU.
 """
 
 from __future__ import annotations
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="configs/tiny.toml, fp32, 1 + 2 steps, parts off and "
                     "calibrate (--quick): the suite's smoke test")
     ap.add_argument("--parts", default=None, help="comma-separated, of off,attention,on,calibrate (default: all; "
-                    "--tiny: off,attention,calibrate)")
+                    "--tiny: off,calibrate)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: llama-1b debug")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (--tiny: fp32)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         log("gpu_check: --device cuda but torch.cuda.is_available() is False (here: --device cpu --tiny)")
         return 1
-    parts = (args.parts or ("off,attention,calibrate" if args.tiny else ",".join(PARTS))).split(",")
+    parts = (args.parts or ("off,calibrate" if args.tiny else ",".join(PARTS))).split(",")
     if set(parts) - set(PARTS):
         raise SystemExit(f"gpu_check: --parts {args.parts}: of {', '.join(PARTS)}")
     args.profile.parent.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,11 @@ LAYOUTS = {
     "cp4-ring": Layout(4, ("--parallel.cp=4",), "masks_reference", param_atol=5e-4),
     "cp2-ulysses": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), "masks_reference",
                           param_atol=5e-4),
-    "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true"), "masks_reference", param_atol=3e-4),
-    "pp2-1f1b": Layout(2, ("--parallel.pp=2", "--train.micro_batch=2"), "masks_reference"),
+    # Recomputation re-runs blocks (full) or the attention core (selective) with the same mask.
+    "tp2-sp-recompute-selective": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.recompute=selective"),
+                                         "masks_reference", param_atol=3e-4),
+    "pp2-1f1b-recompute-full": Layout(2, ("--parallel.pp=2", "--train.recompute=full", "--train.micro_batch=2"),
+                                      "masks_reference"),
     "pp2-zb_v": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2",
                            "--train.micro_batch=2"), "masks_reference"),
     "dp2-zero3": Layout(2, ("--parallel.zero=3", "--train.micro_batch=2"), "masks_reference"),
@@ -31,11 +34,6 @@ LAYOUTS = {
                       param_atol=2e-4, exact=("expert_bias",)),
     "pp2-cp2-tp2-sp": Layout(8, ("--parallel.pp=2", "--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true",
                                  "--train.micro_batch=4"), "masks_reference", param_atol=5e-4),
-    # Recomputation re-runs blocks (full) or the attention core (selective) with the same mask.
-    "pp2-zb_h1-recompute-full": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1",
-                                           "--train.recompute=full", "--train.micro_batch=2"), "masks_reference"),
-    "tp2-recompute-selective": Layout(2, ("--parallel.tp=2", "--train.recompute=selective", "--train.micro_batch=4"),
-                                      "masks_reference", param_atol=3e-4),
     "dp2-cp2-ep2-moe": Layout(8, (*MOE_ARGS, "--parallel.cp=2", "--parallel.ep=2", "--parallel.zero=3",
                                   "--train.micro_batch=2"), "masks_moe_reference", param_atol=5e-4,
                               exact=("expert_bias",)),
@@ -75,10 +73,9 @@ def _train(rank, world, cfg):
     return r.losses, r.grad_norms, r.state
 
 
-# Each job resumes the last one's checkpoint under another layout: the sinks go from split over tp
-# to whole (ZeRO-3 shards of them under cp) to split over pipeline stages.
-CHAIN = [(2, ("--parallel.tp=2", "--parallel.sp=true"), 2), (4, ("--parallel.cp=2", "--parallel.zero=3"), 4),
-         (2, ("--parallel.pp=2",), 5)]
+# The second job resumes the first's checkpoint under another layout: the sinks go from split over tp
+# (with the heads) to whole, in ZeRO-3 shards, under cp.
+CHAIN = [(2, ("--parallel.tp=2", "--parallel.sp=true"), 3), (4, ("--parallel.cp=2", "--parallel.zero=3"), 5)]
 
 
 def test_checkpoints_of_masked_runs_reshard(tmp_path, short_docs, masks_reference):
