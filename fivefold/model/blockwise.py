@@ -51,8 +51,8 @@ class BlockSource(Protocol):
     size: int
     rank: int
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop | None:
-        """Send `send` to the next rank, receive `recv` from the previous one."""
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop:
+        """Send `send` to the next rank, receive `recv` from the previous one (never called alone)."""
 
     def count(self, computed: int, skipped: int) -> None:
         """Chunk pairs this forward computed and skipped (a fully masked pair's K/V still travel)."""
@@ -63,7 +63,7 @@ class _Local:
     size: int = 1
     rank: int = 0
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop | None:
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Hop:
         raise AssertionError("a single rank exchanges nothing")
 
     def count(self, computed: int, skipped: int) -> None:
@@ -291,7 +291,8 @@ class _BlockwiseAttention(torch.autograd.Function):
 
 
 def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, T, H, D) in q's dtype, lse (B, H, T) fp32) of this rank's queries over every block."""
+    """(out (B, T, H, D) in q's dtype, lse (B, H, T) in the accumulator's dtype) of this rank's
+    queries over every block."""
     source, n, dtype = call.source, call.source.size, q.dtype
     fwd, _ = kernels(q.device)
     scale = q.shape[-1] ** -0.5
@@ -313,8 +314,7 @@ def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor
                 o = o.masked_fill(~seen[..., None], 0.0)
             _merge(out[:, :, t.q], lse[:, :, t.q], o, lse_o)
         if step < n - 1:
-            if hop is not None:
-                hop.wait()
+            hop.wait()
             kv = kv_next
     if sinks is not None:  # one more key, logit s_h, value 0: it only grows the denominator
         final = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])  # (B, H, T)
@@ -335,7 +335,7 @@ def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
         dsinks = -(torch.exp(sinks.to(lse.dtype)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
     dq = torch.zeros(qh.shape, dtype=lse.dtype, device=q.device)  # the queries never move
     kv = torch.stack([k.to(dtype), v.to(dtype)])  # (2, B, T, K, D)
-    incoming = None  # (hop, buffer, kept) of the dK/dV arriving for the block in hand
+    incoming = None  # (hop, buffer, kept) of the dK/dV arriving for the block in hand (a ring only)
     for step in range(n):
         if step < n - 1:
             kv_next = torch.empty_like(kv)
@@ -349,23 +349,21 @@ def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
             dq[:, :, t.q] += gq
             dkv[0, :, :, t.k] += gk
             dkv[1, :, :, t.k] += gv
-        if n == 1:
-            incoming = (None, dkv, None)
+        if n == 1:  # alone: the block in hand is this rank's own
             break
         if incoming is not None:  # add what the ranks before us contributed to this block
-            if incoming[0] is not None:
-                incoming[0].wait()
+            incoming[0].wait()
             dkv.add_(incoming[1])
         # Pass the block's gradient on; after the last step it reaches the block's owner.
         buf = torch.empty_like(dkv)
         incoming = (source.exchange(dkv, buf, _TAG_DKV), buf, dkv)  # dkv kept alive while in flight
         if step < n - 1:
-            if hop is not None:
-                hop.wait()
+            hop.wait()
             kv = kv_next
-    if incoming[0] is not None:
+    if incoming is not None:
         incoming[0].wait()
-    dkv = incoming[1].transpose(2, 3)  # (2, B, T, K, D): this rank's own block, summed over the ring
+        dkv = incoming[1]  # this rank's own block, summed over the ring
+    dkv = dkv.transpose(2, 3)  # (2, B, T, K, D)
     return dq.transpose(1, 2).to(dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks
 
 
