@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fivefold.model.blockwise import blockwise_attention  # noqa: E402
 from fivefold.model.flex import flex_attention_core  # noqa: E402
-from fivefold.model.masks import AttentionMask, dense_keep, document_ids  # noqa: E402
+from fivefold.model.masks import AttentionMask, dense_attention, dense_keep, document_ids  # noqa: E402
 
 
 def emit(record: dict) -> None:
@@ -56,13 +56,7 @@ def inputs(T: int, H: int, K: int, D: int, dtype: torch.dtype, device: str, seed
 
 def dense(q, k, v, mask: AttentionMask) -> torch.Tensor:
     """The rule written out, in fp32."""
-    T, H = q.shape[1], q.shape[2]
-    q, k, v = (x.float() for x in (q, k, v))
-    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
-    scores = torch.einsum("bqhd,bthd->bhqt", q, k) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~dense_keep(mask, T, q.device), float("-inf"))
-    sink = mask.sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
-    return torch.einsum("bhqt,bthd->bqhd", torch.cat([scores, sink], -1).softmax(-1)[..., :T], v)
+    return dense_attention(q.float(), k.float(), v.float(), mask)
 
 
 def outputs_and_grads(fn, q, k, v, mask, backward: bool) -> list[torch.Tensor]:

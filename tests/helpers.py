@@ -161,23 +161,3 @@ def config_mesh(cfg: Config, world: int):
     derived = derive(cfg, world)
     return Mesh.from_config(cfg, derived), derived
 
-
-def dense_attention(q, k, v, mask=None):
-    """The attention rule of model/masks.py written out densely, in q's dtype: q (B, T, H, D), k and v
-    (B, T, K, D), mask an AttentionMask or None -> (B, T, H, D). Sinks join the softmax as one more
-    column of logit s_h whose value is zero. A reference for small T only: (B, H, T, T) scores."""
-    import torch
-
-    from fivefold.model.masks import AttentionMask, dense_keep
-
-    mask = mask or AttentionMask()
-    B, T, H, D = q.shape
-    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
-    scores = torch.einsum("bqhd,bthd->bhqt", q, k) * D ** -0.5  # (B, H, T, T)
-    scores = scores.masked_fill(~dense_keep(mask, T, q.device), float("-inf"))
-    if mask.sinks is not None:
-        sink = mask.sinks.to(scores.dtype)[None, :, None, None].expand(B, H, T, 1)
-        weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :T]
-    else:
-        weights = scores.softmax(-1)
-    return torch.einsum("bhqt,bthd->bqhd", weights, v)

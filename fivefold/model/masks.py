@@ -9,12 +9,14 @@ row is the number of eod tokens strictly before it. Query i may attend key j whe
 and with attention sinks (gpt-oss) one learned logit per head joins the softmax's denominator as a
 key that is always visible and carries a zero value: the weights over real keys sum to less than 1.
 
-Nothing here is a (T, T) tensor. A micro-batch's masking is the document id of every token of the
-whole row, (B, T), derived from the token ids each rank already holds (before context parallel
-splits the row, every pipeline stage has them), so nothing is communicated. Each layer adds its
-window and sinks (`AttentionMask`), and each kernel turns that into what it needs: `is_causal`
-alone (SDPA), a block mask (FlexAttention, model/flex.py), or per-tile decisions and small bias
-tiles (the exact blockwise path, model/blockwise.py, which ring attention shares). `keep` is the
+Nothing here is a (T, T) tensor on a training path (`dense_keep` and `dense_attention` are the
+references tests and benchmarks/attention_check.py compare the kernels with). A micro-batch's
+masking is the document id of every token of the whole row, (B, T), derived from the token ids
+each rank already holds (before context parallel splits the row, every pipeline stage has them),
+so nothing is communicated. Each layer adds its window and sinks (`AttentionMask`), and each
+kernel turns that into what it needs: `is_causal` alone (SDPA), a block mask (FlexAttention,
+model/flex.py), or per-tile decisions and small bias tiles (the exact blockwise path,
+model/blockwise.py, which ring attention shares). `keep` is the
 one definition of the rule; the kernels evaluate it on what they need, a tile or a block at a time.
 `data.reset_positions` restarts RoPE positions at each document (Megatron-LM's reset_position_ids):
 positions become per row, (B, T) instead of (T,). With both options off and no window or sinks,
@@ -118,6 +120,24 @@ def dense_keep(mask: AttentionMask, seq_len: int, device: torch.device | None = 
     k_doc = None if doc is None else doc[:, None, None, :]  # (B, 1, 1, T)
     return keep(pos[:, None], pos[None, :], mask.window, q_doc, k_doc).expand(
         doc.shape[0] if doc is not None else 1, 1, seq_len, seq_len)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: AttentionMask | None = None) -> torch.Tensor:
+    """The rule written out densely, in q's dtype: q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D).
+    Sinks join the softmax as one more column of logit s_h whose value is zero. A reference for
+    tests and checks at small T only: it holds (B, H, T, T) scores."""
+    mask = mask or AttentionMask()
+    B, T, H, D = q.shape
+    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bthd->bhqt", q, k) * D ** -0.5  # (B, H, T, T)
+    scores = scores.masked_fill(~dense_keep(mask, T, q.device), float("-inf"))
+    if mask.sinks is not None:
+        sink = mask.sinks.to(scores.dtype)[None, :, None, None].expand(B, H, T, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :T]
+    else:
+        weights = scores.softmax(-1)
+    return torch.einsum("bhqt,bthd->bqhd", weights, v)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a query may see (model/masks.py), done by kernels without a (T, T) mask.
 
-The blockwise path (model/blockwise.py) against the rule written out densely (helpers.dense_attention)
+The blockwise path (model/blockwise.py) against the rule written out densely (masks.dense_attention)
 in fp64, where the only difference is summation order (~1e-15): forward, and the gradients of q, k, v
 and the sinks. Its tile plan by hand. FlexAttention's forward (the CUDA path; CPU has no backward)
 against it. The largest tensor attention allocates at T = 8k. Which kernel each case takes.
@@ -10,13 +10,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import dense_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fivefold.model.attention import attend, backend_for
 from fivefold.model.blockwise import CAUSAL, FULL, MASKED, SKIP, Layout, blockwise_attention, plan_tiles
 from fivefold.model.flex import flex_attention_core
-from fivefold.model.masks import AttentionMask, document_ids
+from fivefold.model.masks import AttentionMask, dense_attention, document_ids
 
 B, H, K, D = 2, 4, 2, 8
 

@@ -18,11 +18,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import EQUIVALENCE, Layout, assert_reproduces, dense_attention, mesh_of, tiny_config, train_and_gather
+from helpers import EQUIVALENCE, Layout, assert_reproduces, mesh_of, tiny_config, train_and_gather
 
 from fivefold.config import Config, ModelConfig, replace
 from fivefold.model.attention import attend, causal_attention
-from fivefold.model.masks import AttentionMask, Documents, document_ids
+from fivefold.model.masks import AttentionMask, Documents, dense_attention, document_ids
 from fivefold.model.transformer import Transformer, cross_entropy_sum
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats
@@ -194,7 +194,7 @@ WINDOW = 5
 
 def _masked_worker(rank, world, cp):
     """Ring (zig-zag) and Ulysses with documents + a window + sinks, against the rule written out
-    densely on the whole sequence (helpers.dense_attention), in fp64: outputs, q/k/v gradients, and
+    densely on the whole sequence (masks.dense_attention), in fp64: outputs, q/k/v gradients, and
     the sinks' gradient summed over cp (each rank's queries add their share). Also the chunk pairs
     ring attention skipped, with the mask and without."""
     mesh = mesh_of(dp_shard=world // cp, cp=cp)
