@@ -2,7 +2,9 @@
 
 - config.py       ModelConfig, the [model] section: the network's shape, nothing about its split
 - presets.py      named shapes from published model cards, and their published parameter counts
-- transformer.py  the Llama-style decoder (dense and MoE) with injected attention and dispatch
+- transformer.py  the decoder: blocks of attention and a feed-forward, embedding, head
+- ffn.py          the dense feed-forward (gated: SwiGLU)
+- moe.py          mixture of experts: routing, stacked experts, the local dispatch (expert parallel swaps it)
 - attention.py    grouped-query and multi-head latent attention, RoPE, and which kernel attends
 - masks.py        what a query may see (documents, sliding windows, sinks), as data per micro-batch
 - blockwise.py    exact masked attention in tiles through kernels that return their log-sum-exp

@@ -31,7 +31,7 @@ loss are summed over tp as over cp (the tp ranks hold other tokens of the same s
 
 Load balancing (the routing bias update, the balance loss's scale, the routing statistics) is a
 training concern: train/moe_balance.py (with sp it sums the counts over tp too). Capacity dropping
-(GShard, Switch) and the balance loss itself live in the model (fivefold/model/transformer.py).
+(GShard, Switch) and the balance loss itself live in the model (fivefold/model/moe.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.model.transformer import GroupedExperts, MoE, sort_by_expert
+from fivefold.model.moe import GroupedExperts, MoE, sort_by_expert
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived

@@ -34,7 +34,8 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.model.attention import LatentAttention
-from fivefold.model.transformer import FeedForward, Transformer
+from fivefold.model.ffn import FeedForward
+from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived

@@ -10,7 +10,7 @@
   b_e += u x sign(mean load - load_e), the same on every replica (`update_expert_bias`), then the
   counters start again (`reset_expert_counts`).
 
-The routing itself, capacity dropping and the balance loss live in the model (fivefold/model/transformer.py);
+The routing itself, capacity dropping and the balance loss live in the model (fivefold/model/moe.py);
 how experts are split over ranks in parallel/expert.py.
 """
 

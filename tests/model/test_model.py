@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from fivefold.config import ModelConfig
+from fivefold.model import moe as moe_module
 from fivefold.model import transformer as model_module
 from fivefold.model.attention import LatentAttention, causal_attention, rope_cos_sin
 from fivefold.model.counts import model_counts
 from fivefold.model.masks import dense_attention
+from fivefold.model.moe import MoE
 from fivefold.model.presets import PRESETS, PUBLISHED_PARAMS
-from fivefold.model.transformer import MoE, Transformer, count_parameters, cross_entropy_sum
+from fivefold.model.transformer import Transformer, count_parameters, cross_entropy_sum
 
 
 def tiny(**changes) -> Transformer:
@@ -263,7 +265,7 @@ def test_grouped_experts_equal_the_loop_in_bf16(monkeypatch, capacity):
     results = []
     for grouped in (True, False):
         if not grouped:
-            monkeypatch.setattr(model_module, "grouped_dtype", lambda *args: None)
+            monkeypatch.setattr(moe_module, "grouped_dtype", lambda *args: None)
         torch.manual_seed(0)
         moe = MoE(cfg)
         for p in moe.parameters():

@@ -18,15 +18,9 @@ from helpers import (
 )
 
 from fivefold.config import Config
+from fivefold.model.moe import MoE, drop_over_capacity, local_dispatch, sequence_balance_loss
 from fivefold.model.presets import PRESETS
-from fivefold.model.transformer import (
-    MoE,
-    Transformer,
-    cross_entropy_sum,
-    drop_over_capacity,
-    local_dispatch,
-    sequence_balance_loss,
-)
+from fivefold.model.transformer import Transformer, cross_entropy_sum
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats
 from fivefold.parallel.derive import derive
 from fivefold.parallel.expert import ExpertParallelDispatch, apply_expert_parallel, shard_experts

@@ -16,7 +16,7 @@ The budget of one step, read from the device (fake_device.py books each read to 
   (fake meta tensors, like the CPU): on CUDA fused AdamW skips a non-finite step on the device and
   this read is not made (test_train.py runs that path on the CPU);
 - MoE: one read of the split sizes per MoE forward (layer x micro-batch, recomputed forwards too:
-  `moe_forwards`, counted by hooks), in transformer.local_dispatch (ep = 1: the expert loop; on CUDA
+  `moe_forwards`, counted by hooks), in moe.local_dispatch (ep = 1: the expert loop; on CUDA
   in bf16 without capacity dropping the grouped matmul needs none) or expert.__call__ (ep > 1: the
   all-to-alls' sizes); plus moe_balance.expert_stats: 1 per step (the routing statistics);
 - a printed logging step adds breakdown.gather: 1 (every rank's step-time parts).
@@ -49,7 +49,7 @@ TABLES = [TESTS / "parallel" / f"test_{name}.py" for name in
           ("data_parallel", "pipeline", "context_parallel", "tensor_parallel", "expert_parallel", "masks_layouts")]
 STEP = {"step.train_step": 1, "parallelize.optimizer_step": 1}
 LOGGING = {"breakdown.gather": 1}
-MOE_SITES = ("transformer.local_dispatch", "expert.__call__")
+MOE_SITES = ("moe.local_dispatch", "expert.__call__")
 
 
 def base_args(reference: str, docs: Path) -> tuple[str, ...]:
