@@ -20,9 +20,35 @@ class ModelConfig:
     ffn_dim: int = 128  # SwiGLU hidden width of dense blocks
     vocab_size: int = 0  # 0 = the tokenizer's vocabulary padded to data.vocab_multiple
     tie_embeddings: bool = False  # output head shares the token embedding matrix
-    qk_norm: bool = False  # RMSNorm on each query/key head (Qwen3)
+    qk_norm: bool = False  # RMSNorm on queries and keys before RoPE (Qwen3, OLMo 2, Gemma 3)
+    qk_norm_span: Literal["head", "all"] = "head"  # over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)
+    # Where the block's norms sit: "pre" (Llama: x + f(norm(x))), "post" (OLMo 2: x + norm(f(x))),
+    # "sandwich" (Gemma 2/3: x + norm(f(norm(x)))).
+    norm_position: Literal["pre", "post", "sandwich"] = "pre"
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight); Gemma: 1, its weights stored as offsets
+    embed_scale: bool = False  # token embeddings times sqrt(dim) (Gemma)
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # the gate's nonlinearity: SwiGLU, or GeGLU (Gemma)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base frequency
+    # RoPE scaling, for contexts past the pre-training length (model/rope.py): "" = plain RoPE; "linear"
+    # (positions divided by rope_factor; Gemma 3's global layers); "llama3" (Llama 3.1+: low frequencies
+    # divided by rope_factor, a smooth ramp to the high ones); "yarn" (Peng et al. 2023, NTK-by-parts plus an
+    # attention factor on cos/sin; DeepSeek-V3, gpt-oss, Qwen's long-context variants).
+    rope_scaling: Literal["", "linear", "llama3", "yarn"] = ""
+    rope_factor: float = 1.0  # how much longer the extended context is than rope_original_context
+    rope_original_context: int = 0  # the pre-training context (HF original_max_position_embeddings); llama3, yarn
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original_context / this are fully scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_context / this are kept
+    rope_beta_fast: float = 32.0  # yarn: rotations below which a dimension is interpolated (ramp's start)
+    rope_beta_slow: float = 1.0  # yarn: rotations above which a dimension is kept (ramp's end)
+    rope_mscale: float = 0.0  # yarn: attention factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    rope_mscale_all_dim: float = 0.0  # (DeepSeek's form); both 0 = 0.1 ln(factor) + 1
+    rope_attention_factor: float = 0.0  # yarn: cos/sin times this; 0 = derived as above
+    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (gpt-oss: false)
+    local_rope_theta: float = 0.0  # RoPE base of sliding-window layers, unscaled (Gemma 3: 10000); 0 = rope_theta
+    attention_scale: float = 0.0  # softmax scale; 0 = 1/sqrt(q/k head width) (Gemma 3: query_pre_attn_scalar**-0.5)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2/2.5, gpt-oss)
+    out_bias: bool = False  # a bias on attention's output projection (gpt-oss)
     # What a query may see beyond causality (model/masks.py). A sliding window of w tokens, the query
     # included (Mistral, Gemma 2/3, gpt-oss); 0 = the whole causal prefix.
     sliding_window: int = 0
@@ -55,6 +81,10 @@ class ModelConfig:
     # scored by the sum of its top-2 scores; each token picks top_k experts within its topk_groups best groups.
     n_expert_groups: int = 0  # expert groups (DeepSeek-V3: 8); 0 or 1 = no group limit
     topk_groups: int = 0  # groups each token may use (DeepSeek-V3: 4); used when n_expert_groups > 1
+    moe_bias: bool = False  # biases on the router and on every expert's projections (gpt-oss)
+    # gpt-oss's clamped SwiGLU in the experts: gate <= limit, |up| <= limit, out = gate sigmoid(1.702 gate) (up + 1);
+    # 0 = plain SwiGLU
+    swiglu_limit: float = 0.0
     moe_routed_scale: float = 1.0  # factor on the routed experts' weights (DeepSeek-V3: 2.5); 1 = none
     # Load balancing (DeepSeek-V3 sec. 2.1.2): either or both.
     # aux-loss-free: per-expert routing bias step u after each step (DeepSeek-V3: 0.001); 0 = off
