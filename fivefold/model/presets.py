@@ -7,10 +7,25 @@ model cannot disagree about what "llama3-70b" is.
 
 from __future__ import annotations
 
+import math
+
 from fivefold.model.config import ModelConfig
 
 _LLAMA3 = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
 _QWEN3 = dict(head_dim=128, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True)
+_GPT_OSS = dict(dim=2880, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, moe_ffn_dim=2880, top_k=4,
+                vocab_size=201088, rope_theta=150000.0, rope_scaling="yarn", rope_factor=32.0,
+                rope_original_context=4096, rope_truncate=False, qkv_bias=True, out_bias=True, sliding_window=128,
+                window_pattern=("sliding", "full"), attention_sinks=True, moe_bias=True, swiglu_limit=7.0)
+
+
+def _yarn_mla(factor: float, beta_fast: float) -> dict:
+    """DeepSeek-V3's (and Kimi K2's) YaRN: mscale = mscale_all_dim = 1, so cos/sin keep factor 1 and the
+    softmax scale is 1/sqrt(128 + 64) times (0.1 ln(factor) + 1)^2 (transformers' DeepseekV3Attention;
+    YaRN, Peng et al. 2023, eq. 22's sqrt(1/t) = 0.1 ln(s) + 1, applied to both q and k)."""
+    return dict(rope_scaling="yarn", rope_factor=factor, rope_original_context=4096, rope_beta_fast=beta_fast,
+                rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                attention_scale=(128 + 64) ** -0.5 * (0.1 * math.log(factor) + 1) ** 2)
 
 PRESETS: dict[str, ModelConfig] = {
     # Test and demo sizes: every count divisible by 4, so tp/pp/cp/ep up to 4 (and 8 for layers) fit.
@@ -44,14 +59,28 @@ PRESETS: dict[str, ModelConfig] = {
     # prediction module: multi-head latent attention (128 heads, latents 1536 / 512, head widths
     # 128 + 64 rope, values 128), 3 dense blocks of width 18432, then 256 routed experts of width
     # 2048 plus 1 shared, top-8 within 4 of 8 groups, sigmoid scores, routed scale 2.5, and the
-    # bias-based balancing (gamma 0.001) with a sequence-wise loss of alpha 0.0001. Plain RoPE: the
-    # YaRN extension to 128K context (sec. 4.3) is not implemented.
+    # bias-based balancing (gamma 0.001) with a sequence-wise loss of alpha 0.0001. RoPE with the YaRN
+    # extension to 128K context (sec. 4.3) as its config.json (deepseek-ai/DeepSeek-V3) states it.
     "deepseek-v3": ModelConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_dim=18432,
                                vocab_size=129280, rope_theta=10000.0, norm_eps=1e-6, kv_lora_rank=512,
                                q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                                n_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=3,
                                router_score="sigmoid", n_expert_groups=8, topk_groups=4, moe_routed_scale=2.5,
-                               moe_bias_update=0.001, moe_aux_loss=0.0001),
+                               moe_bias_update=0.001, moe_aux_loss=0.0001, **_yarn_mla(40.0, 32.0)),
+    # Kimi K2 (Moonshot AI, arXiv 2507.20534, sec. 2.3 and its Table 2; moonshotai/Kimi-K2-Base config.json):
+    # DeepSeek-V3's architecture with 64 heads, 384 experts, 1 dense block, no expert groups, routed
+    # scale 2.827, RoPE base 50000 and YaRN to 128K with beta_fast = beta_slow = 1.
+    "kimi-k2": ModelConfig(dim=7168, n_layers=61, n_heads=64, n_kv_heads=64, ffn_dim=18432, vocab_size=163840,
+                           rope_theta=50000.0, norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=1536,
+                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=384, top_k=8,
+                           moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=1, router_score="sigmoid",
+                           moe_routed_scale=2.827, moe_bias_update=0.001, **_yarn_mla(32.0, 1.0)),
+    # gpt-oss (OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", 2025, sec. 2.1; openai/gpt-oss-*b
+    # config.json): every block MoE with biases and the clamped SwiGLU (limit 7), top-4 softmax router,
+    # 64 query / 8 key-value heads of 64 with biases and sinks, sliding (128) and full layers alternating,
+    # YaRN x32 of RoPE base 150000 without truncation.
+    "gpt-oss-20b": ModelConfig(n_layers=24, n_experts=32, **_GPT_OSS),
+    "gpt-oss-120b": ModelConfig(n_layers=36, n_experts=128, **_GPT_OSS),
 }
 
 # Totals as published (model cards / Hugging Face safetensors metadata).
@@ -65,6 +94,13 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "qwen3-30b-a3b": 30.5e9,
     "qwen3-235b-a22b": 235.1e9,
     "deepseek-v3": 671e9,
+    # Hugging Face's safetensors metadata of moonshotai/Kimi-K2-Instruct: 1026.5B, the fp8 block scales
+    # (~0.06B) included. The report's "1.04T" (arXiv 2507.20534, Table 2) is 1.3% above what the
+    # released architecture holds (1026.4B, counted here as transformers counts it), so it is not used.
+    "kimi-k2": 1026.5e9,
+    # gpt-oss model card (OpenAI, 2025), Table 1: 20.91B and 116.83B total parameters.
+    "gpt-oss-20b": 20.91e9,
+    "gpt-oss-120b": 116.83e9,
 }
 
 # Sequence length of each model's main pre-training stage, as its report states it: what `fivefold
@@ -79,4 +115,7 @@ PRETRAIN_SEQ_LEN: dict[str, int] = {
     "qwen3-30b-a3b": 4096,
     "qwen3-235b-a22b": 4096,
     "deepseek-v3": 4096,  # DeepSeek-V3 technical report (2024), sec. 4.2: maximum sequence length 4K
+    "kimi-k2": 4096,  # Kimi K2 report (2025), sec. 2.4 (training recipe): 4,096-token context for pre-training
+    "gpt-oss-20b": 4096,  # config.json's rope_scaling.original_max_position_embeddings (the card states no length)
+    "gpt-oss-120b": 4096,
 }
