@@ -37,7 +37,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, help="--to hf: the run's config (default: the run's config.toml)")
     p.add_argument("--hf-config", default=None,
                    help="--to hf: an HF config.json whose other keys (token ids, context length) to keep")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="--to hf: save in this dtype (default: as stored)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="--to hf: save in this dtype (default: as stored); --to fivefold: dequantize fp8 / MXFP4 "
+                        "weights to this dtype (default: config.json's torch_dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size")
 
 
@@ -93,7 +95,7 @@ def _convert(args: argparse.Namespace) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype] if args.dtype else None
     with _written_whole(out) as tmp:
         if args.to == "fivefold":
-            files = hf_to_fivefold(src, tmp, size)
+            files = hf_to_fivefold(src, tmp, size, dtype)
         else:
             files = fivefold_to_hf(src, tmp, Path(args.config) if args.config else None,
                                    Path(args.hf_config) if args.hf_config else None, dtype, size)

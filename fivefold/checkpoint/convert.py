@@ -19,6 +19,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -134,12 +135,15 @@ def copy_hf_tokenizer(src: Path, out: Path) -> bool:
     return True
 
 
-def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
+def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtype | None = None) -> list[Path]:
     """A Hugging Face directory of a family read here -> a seed directory (weights in their own
-    dtype, and the tokenizer files beside them when it has a tokenizer.json)."""
-    source = HFSource(src)
+    dtype, quantized ones dequantized to `dtype` (default: config.json's), and the tokenizer files
+    beside them when it has a tokenizer.json). What the reading dequantized or skipped is printed."""
+    source = HFSource(src, dtype=dtype)
     m = source.model_cfg
     check_fit(source, m, str(src))
+    for note in source.notes:
+        print(f"{src}: {note}")
     tensors = []
     for name, shape in _tensors(m).items():
         if name not in source.names():  # a buffer the checkpoint lacks (check_fit): the model's own zeros
@@ -203,6 +207,7 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
     # A family that keeps the routing bias always has it: written as zeros where the model keeps none.
     biased = dataclasses.replace(m, moe_bias_update=m.moe_bias_update or BIAS_UPDATE) if keeps_bias else m
     tensors = []
+    fused: dict[str, list[tuple[str, int, int]]] = {}  # HF name -> its fivefold parts (name, start, step)
     for name, shape in _tensors(biased).items():
         found = source_name(name, source, m.tie_embeddings)
         if name.endswith(".expert_bias"):
@@ -212,6 +217,14 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
                 tensors.append((family.hf_names(name, m)[0], torch.float32, shape, produce))
             continue  # a router without a bias (a non-zero one is refused above)
         to = dtype or source.dtype(found)
+        part = family.fused_part(name)
+        if part is not None:  # written below, once all its parts are known
+            hf = family.hf_names(name, m)[0]
+            if hf not in fused:
+                fused[hf] = []
+                tensors.append((hf, to, shape, None))  # its place in the order; shape and producer below
+            fused[hf].append((found, *part))
+            continue
         for e, hf in enumerate(family.hf_names(name, m)):
             if is_stacked(name):  # expert e of (E, in, out) is HF's (out, in) weight, transposed
                 box = (slice(e, e + 1), slice(0, shape[1]), slice(0, shape[2]))
@@ -225,6 +238,26 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
                     value = source.read(n)
                     return (value if back is None else value[back]).to(t)
                 tensors.append((hf, to, shape, produce))
+    tensors = [item if item[3] is not None else _fused(source, *item[:3], fused[item[0]]) for item in tensors]
     files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if base is not None and base.get("quantization_config"):
+        print(f"{out}: written unquantized in {config.get('torch_dtype', config.get('dtype'))} (the checkpoint it "
+              f"came from was {base['quantization_config'].get('quant_method')}, dequantized on import)")
     return files
+
+
+def _fused(source: WeightSource, hf: str, dtype: torch.dtype, shape: tuple[int, ...],
+           parts: list[tuple[str, int, int]]) -> tuple[str, torch.dtype, tuple[int, ...], Any]:
+    """One HF tensor made of fivefold tensors, each its [..., start::step] (gpt-oss's gate_up_proj),
+    written one expert (dim-0 row) at a time."""
+    whole = (*shape[:-1], sum(source.shape(n)[-1] for n, _, _ in parts))
+
+    def produce():
+        for e in range(whole[0]):
+            piece = torch.empty(1, *whole[1:], dtype=dtype)
+            for name, start, step in parts:
+                box = (slice(e, e + 1), *(slice(0, n) for n in source.shape(name)[1:]))
+                piece[..., start::step] = source.read(name, box)
+            yield piece
+    return hf, dtype, whole, produce

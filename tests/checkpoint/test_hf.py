@@ -277,7 +277,7 @@ def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
     from fivefold.model.presets import PRESETS
 
     config = json.loads((models["deepseek"]["hf"] / "config.json").read_text())
-    unsupported = {**config, "rms_norm_eps": 1e-5, "quantization_config": {"quant_method": "fp8"},
+    unsupported = {**config, "rms_norm_eps": 1e-5, "quantization_config": {"quant_method": "awq"},
                    "scoring_func": "softmax",
                    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}}
     del unsupported["rope_parameters"]  # DeepSeek's own config.json: the older rope_theta / rope_scaling keys

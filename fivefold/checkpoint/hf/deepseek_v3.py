@@ -27,7 +27,10 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   sec. 4.2, gamma). On the way out an absent bias is written as zeros, always in fp32 (transformers
   keeps it in fp32).
 - Multi-token prediction: the layers past num_hidden_layers (num_nextn_predict_layers of them) are
-  not read (fivefold has no MTP module); the way out writes num_nextn_predict_layers = 0.
+  not read (fivefold has no MTP module), and `fivefold convert` says which; the way out writes
+  num_nextn_predict_layers = 0.
+- As released (deepseek-ai/DeepSeek-V3, and Kimi K2: the same architecture, other sizes, n_group 1) the
+  weights are fp8 with 128 x 128 block scales: HFSource reads them dequantized (checkpoint/dequant.py).
 - A model with latent attention (model.kv_lora_rank > 0) is written as DeepSeek-V3.
 - The keys of DeepSeek's original config.json that transformers ignores (scoring_func, topk_method,
   moe_layer_freq) are refused unless they say what transformers computes (sigmoid, noaux_tc, 1).
@@ -35,6 +38,7 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -107,7 +111,10 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
                n_expert_groups=_get(hf, "n_group"), topk_groups=_get(hf, "topk_group"),
                moe_routed_scale=float(_get(hf, "routed_scaling_factor")), moe_bias_update=BIAS_UPDATE)
     heads = hf["num_attention_heads"]
+    scale = softmax_scale(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], rope.get("rope_scaling", ""),
+                          rope.get("rope_factor", 1.0), rope.get("rope_mscale_all_dim", 0.0))
     return dict(
+        attention_scale=scale,
         dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=heads,
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=_get(hf, "rms_norm_eps"),
@@ -117,9 +124,24 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
         **(moe if dense < hf["num_hidden_layers"] else {}))  # every block dense: no experts
 
 
+def softmax_scale(qk_head_dim: int, rope_scaling: str, factor: float, mscale_all_dim: float) -> float:
+    """The attention scale HF's DeepSeek-V3 computes, as model.attention_scale (0: fivefold's default
+    1/sqrt(Dn + Dr)). With scaled RoPE and mscale_all_dim set it is 1/sqrt(Dn + Dr) times
+    (0.1 mscale_all_dim ln(factor) + 1)^2 (DeepSeek's YaRN: the attention factor YaRN puts on cos/sin, Peng
+    et al. 2023 eq. 22, applied to q.k instead; transformers models/deepseek_v3 `yarn_apply_mscale`)."""
+    if not rope_scaling or not mscale_all_dim or factor <= 1 or not qk_head_dim:
+        return 0.0
+    return qk_head_dim ** -0.5 * (0.1 * mscale_all_dim * math.log(factor) + 1) ** 2
+
+
 def export_checks(m: ModelConfig) -> list[str]:
     """What a fivefold model has that HF's DeepSeek-V3 cannot express, beyond FAMILY.computes."""
-    checks = [(m.kv_lora_rank == 0, "model.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"),
+    scale = softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, m.rope_scaling, m.rope_factor,
+                          m.rope_mscale_all_dim)
+    checks = [(not math.isclose(m.attention_scale, scale, rel_tol=1e-12),
+               f"model.attention_scale = {m.attention_scale!r} (HF's DeepSeek-V3 computes {scale!r} from the head "
+               f"widths and RoPE scaling; 0 = 1/sqrt(qk_nope_head_dim + qk_rope_head_dim))"),
+              (m.kv_lora_rank == 0, "model.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"),
               (m.n_experts == 0, "model.n_experts = 0 (fivefold writes DeepSeek-V3 with its MoE blocks)"),
               (m.n_experts > 0 and m.n_shared_experts == 0,
                "model.n_shared_experts = 0 (every DeepSeek-V3 MoE block has shared experts)"),
@@ -160,15 +182,19 @@ def rope_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:
     return None
 
 
-def mtp_layer(name: str, hf: dict) -> bool:
-    """A tensor of the multi-token-prediction layers, which follow the num_hidden_layers blocks."""
+def mtp_layer(name: str, hf: dict) -> str:
+    """For a tensor of the multi-token-prediction layers, which follow the num_hidden_layers blocks: which
+    layer, and why it is not read; "" for every other tensor."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    return match is not None and int(match.group(1)) >= hf["num_hidden_layers"]
+    if match is None or int(match.group(1)) < hf["num_hidden_layers"]:
+        return ""
+    return (f"model.layers.{match.group(1)}.*, a multi-token-prediction layer (num_nextn_predict_layers = "
+            f"{hf.get('num_nextn_predict_layers', '?')}): fivefold builds no MTP module, the model trains without it")
 
 
 FAMILY = Family(title="DeepSeek-V3", architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", block=BLOCK,
                 read=read, write=write, experts=EXPERTS, required=REQUIRED, rows=rope_rows, skips=mtp_layer,
                 computes={"kv_lora_rank": ANY, "n_experts": ANY, "n_shared_experts": ANY, "first_dense_layers": ANY,
                           "router_score": ("sigmoid",), "norm_topk": ANY, "n_expert_groups": ANY,
-                          "moe_routed_scale": ANY},
+                          "moe_routed_scale": ANY, "attention_scale": ANY},
                 export_checks=export_checks)

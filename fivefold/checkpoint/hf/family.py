@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fivefold.checkpoint.dequant import QuantizationError, quantization
 from fivefold.model.config import ModelConfig
 
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -71,8 +72,12 @@ class Family:
     export_checks: Callable[[ModelConfig], list[str]] = lambda m: []  # what `computes` cannot say
     # (fivefold name, model, config.json) -> the HF row behind each fivefold row where they differ, else None
     rows: Callable[[str, ModelConfig, dict], torch.Tensor | None] = lambda name, m, hf: None
-    # (HF tensor name, config.json) -> True for a tensor that is not read (DeepSeek-V3's MTP layers)
-    skips: Callable[[str, dict], bool] = lambda name, hf: False
+    # (HF tensor name, config.json) -> "" for a tensor that is read, else what it belongs to and why it is
+    # skipped, said once for all the tensors it names (DeepSeek-V3's multi-token-prediction layers)
+    skips: Callable[[str, dict], str] = lambda name, hf: ""
+    # Experts HF saves fused, one (E, ...) tensor for all: per block, fivefold name -> (HF name, start, step),
+    # fivefold's tensor being HF's [..., start::step] (gpt-oss's gate_up_proj holds gate and up interleaved).
+    fused: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     top: dict[str, str] = field(default_factory=lambda: dict(TOP))
 
     def hf_names(self, name: str, m: ModelConfig) -> list[str]:
@@ -80,12 +85,17 @@ class Family:
         if name in self.top:
             return [self.top[name]]
         match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-        if match is None or (match.group(2) not in self.block and match.group(2) not in self.experts):
+        if match is None or all(match.group(2) not in names for names in (self.block, self.experts, self.fused)):
             raise KeyError(f"'{name}' has no counterpart in HF's {self.title}")
         layer, rest = match.groups()
-        if rest in self.block:
-            return [f"model.layers.{layer}.{self.block[rest]}"]
+        if rest in self.block or rest in self.fused:
+            return [f"model.layers.{layer}.{self.block[rest] if rest in self.block else self.fused[rest][0]}"]
         return [f"model.layers.{layer}.{self.experts[rest].format(e=e)}" for e in range(m.n_experts)]
+
+    def fused_part(self, name: str) -> tuple[int, int] | None:
+        """(start, step) of a fivefold tensor that is part of a fused HF tensor, else None."""
+        part = self.fused.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+        return None if part is None else part[1:]
 
     def export_problems(self, m: ModelConfig) -> list[str]:
         """What model `m` computes that this family's HF model does not, one line each."""
@@ -114,7 +124,10 @@ def refuse_common(hf: dict, problems: list[str]) -> None:
     """The options of a Llama-like config.json that no family here reads differently."""
     refuse(hf, problems, "attention_dropout", 0.0, "fivefold has no dropout")
     refuse(hf, problems, "mlp_bias", False, "fivefold's FFN has no bias")
-    refuse(hf, problems, "quantization_config", None, "quantized weights are not read; use the unquantized checkpoint")
+    try:  # fp8 with block scales and MXFP4 are dequantized on import (checkpoint/dequant.py)
+        quantization(hf)
+    except QuantizationError as e:
+        problems.append(str(e).removeprefix("config.json: "))
 
 
 def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:

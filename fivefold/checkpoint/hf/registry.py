@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.hf import deepseek_v3, llama, mixtral
+from fivefold.checkpoint.hf import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
 from fivefold.checkpoint.hf.family import Family, HFFormatError
 from fivefold.model.config import ModelConfig
 
 # Read by architecture; written, when no HF config says which, as the first that computes the model.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mixtral.FAMILY, deepseek_v3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mixtral.FAMILY, deepseek_v3.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)
 ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 COMMON_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -60,7 +60,7 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> d
     """config.json for the model `m` (vocab_size resolved) saved in `dtype`. `base`: an HF config
     whose other keys (token ids, context length, ...) are kept; its model keys are replaced."""
     family = family_to_write(m, base)
-    out = dict(base or {})
+    out = {k: v for k, v in (base or {}).items() if k != "quantization_config"}  # dequantized on import
     out.update(architectures=[family.architecture], model_type=family.model_type, hidden_size=m.dim,
                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, vocab_size=m.vocab_size,
                rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std)

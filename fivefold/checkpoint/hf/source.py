@@ -8,19 +8,25 @@ from pathlib import Path
 
 import torch
 
+from fivefold.checkpoint.dequant import DequantizedFiles, dequantizing
 from fivefold.checkpoint.hf.family import NOT_WEIGHTS, HFFormatError, is_stacked
-from fivefold.checkpoint.hf.registry import family_of, model_config_from_hf
+from fivefold.checkpoint.hf.registry import DTYPE_NAMES, family_of, model_config_from_hf
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
 from fivefold.model.transformer import Transformer
+
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 class HFSource:
     """A Hugging Face directory seen as fivefold's tensors (names, shapes, slices): the
     WeightSource `checkpoint/weights.py` loads from, and what `fivefold convert --to fivefold` writes.
     A tensor of the directory that no fivefold tensor reads is refused (the first ten named) here,
-    before anything is read or written; missing ones are for the caller's fit check, with their shapes."""
+    before anything is read or written; missing ones are for the caller's fit check, with their shapes.
+    Quantized weights (config.json quantization_config) are read dequantized to `dtype` (default: the
+    config's torch_dtype), through checkpoint/dequant.py. `notes`: what the reading changes or leaves
+    out (dequantized tensors, skipped layers), one line each, for the user to be told."""
 
-    def __init__(self, path: Path, field: str = ""):
+    def __init__(self, path: Path, field: str = "", dtype: torch.dtype | None = None):
         config = path / "config.json"
         if not path.is_dir():
             raise HFFormatError(f"{path} is not a directory: give a Hugging Face model directory (config.json and "
@@ -31,7 +37,10 @@ class HFSource:
             raise HFFormatError(f"{config}: not readable JSON ({e})") from None
         self.model_cfg = model_config_from_hf(self.hf_config, str(config))
         self.family = family_of(self.hf_config)
-        self.files = SafetensorsDir(path, field)
+        self.dtype_asked = dtype or DTYPES.get(self.hf_config.get("torch_dtype", self.hf_config.get("dtype")),
+                                               torch.bfloat16)
+        self.files = dequantizing(SafetensorsDir(path, field), self.hf_config, self.dtype_asked, str(config))
+        self.notes: list[str] = []
         with torch.device("meta"):
             model = Transformer(self.model_cfg)
         self.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -39,6 +48,17 @@ class HFSource:
         parts = {k: self.family.hf_names(k, self.model_cfg) for k in self.shapes}
         self._names = frozenset(k for k, names in parts.items() if all(n in have for n in names))
         read = {n for names in parts.values() for n in names}
+        if isinstance(self.files, DequantizedFiles):
+            count = len(read & (self.files.fp8 | self.files.mx))
+            what = (f"fp8 tensors ({self.files.block[0]} x {self.files.block[1]} block scales)" if self.files.fp8
+                    else "MXFP4 tensors (blocks of 32 with a shared scale)")
+            self.notes.append(f"dequantized {count} {what} to {str(self.dtype_asked).removeprefix('torch.')}")
+        skipped: dict[str, int] = {}
+        for n in have - read:
+            why = self.family.skips(n, self.hf_config)
+            if why:
+                skipped[why] = skipped.get(why, 0) + 1
+        self.notes += [f"skipped {count} tensors: {why}" for why, count in sorted(skipped.items())]
         extra = sorted(n for n in have - read if not NOT_WEIGHTS.match(n) and not self.family.skips(n, self.hf_config))
         if extra:
             more = f" and {len(extra) - 10} more" if len(extra) > 10 else ""
@@ -50,6 +70,10 @@ class HFSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         parts = self.family.hf_names(name, self.model_cfg)
+        fused = self.family.fused_part(name)
+        if fused is not None:
+            *lead, last = self.files.shape(parts[0])
+            return (*lead, (last - fused[0] + fused[1] - 1) // fused[1])
         if not is_stacked(name):
             return self.files.shape(parts[0])
         out_features, in_features = self.files.shape(parts[0])
@@ -63,6 +87,14 @@ class HFSource:
         is read from HF's (out, in) weight and transposed; for reordered rows (Family.rows), the HF rows
         spanning the box's are read and picked from."""
         parts = self.family.hf_names(name, self.model_cfg)
+        fused = self.family.fused_part(name)
+        if fused is not None:  # HF's [..., start::step]: its columns from the first to the last wanted
+            *lead, cols = index or tuple(slice(0, n) for n in self.shape(name))
+            start, step = fused
+            if cols.stop <= cols.start:
+                return torch.empty([max(0, s.stop - s.start) for s in (*lead, cols)], dtype=self.dtype(name))
+            span = slice(start + cols.start * step, start + (cols.stop - 1) * step + 1)
+            return self.files.read(parts[0], (*lead, span))[..., ::step].contiguous()
         if not is_stacked(name):
             order = self.family.rows(name, self.model_cfg, self.hf_config)
             if order is None:

@@ -1,0 +1,234 @@
+"""Qwen3-MoE, Kimi K2, gpt-oss, and DeepSeek-V3 as released (fp8 block scales, an MTP layer) in and out."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from helpers import tiny_config
+from safetensors.torch import load_file, save_file
+from test_hf import LAYOUTS, _logits
+
+from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
+from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
+from fivefold.checkpoint.safetensors_io import SafetensorsDir
+from fivefold.config import replace
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.validate import validate
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320,
+             initializer_range=0.2)  # std 0.2: logits of order 1, so errors show
+# Each published config's structural keys at toy width (widths, counts and vocabulary shrunk):
+# Qwen/Qwen3-30B-A3B (128 experts top-8 -> 8 top-4, head_dim 128 independent of dim / heads -> 32).
+QWEN3_MOE = dict(num_key_value_heads=2, head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                 rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# moonshotai/Kimi-K2-Base: DeepSeek-V3's architecture with no expert groups (n_group 1), one dense block,
+# routed scale 2.827 (384 experts top-8 -> 8 top-2; YaRN: with the RoPE scaling helper's work).
+KIMI_K2 = dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+               routed_scaling_factor=2.827, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_theta=50000.0, rms_norm_eps=1e-6,
+               num_nextn_predict_layers=0)
+# deepseek-ai/DeepSeek-V3 as in tests/checkpoint/test_hf.py, released as fp8 with one MTP layer (below).
+DEEPSEEK = {**KIMI_K2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "rope_theta": 10000.0}
+KINDS = {"qwen3-moe": ("Qwen3Moe", QWEN3_MOE),
+         "qwen3-moe-dense-first": ("Qwen3Moe", {**QWEN3_MOE, "mlp_only_layers": [0], "norm_topk_prob": False}),
+         "kimi-k2": ("DeepseekV3", KIMI_K2)}
+BLOCK = [32, 48]  # fp8 block scales of the toy: 96 x 64 and 64 x 96 weights end in partial blocks both ways
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+
+
+def hf_class(kind: str, what: str):
+    import transformers
+
+    return getattr(transformers, kind + what)
+
+
+def _random_model(kind: str, extra: dict):
+    torch.manual_seed(0)
+    hf = hf_class(kind, "ForCausalLM")(hf_class(kind, "Config")(**{**SHAPE, **extra})).eval()
+    with torch.no_grad():  # norms and the routing bias random too, so a swapped or lost one shows
+        for name, t in [*hf.named_parameters(), *hf.named_buffers()]:
+            if name.endswith("norm.weight"):
+                t.normal_(1, 0.2)
+            elif name.endswith(("e_score_correction_bias", "sinks")) or name.endswith("bias"):
+                t.normal_(0, 0.2)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Per kind: a random fp32 HF model saved by save_pretrained, its logits on a fixed batch, and the
+    seed directory `fivefold convert --to fivefold` makes of it."""
+    out = {}
+    for name, (kind, extra) in KINDS.items():
+        root = tmp_path_factory.mktemp(name)
+        hf = _random_model(kind, extra)
+        hf.save_pretrained(root / "hf", max_shard_size="60KB")
+        x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
+        with torch.no_grad():
+            logits = hf(x).logits  # (2, 16, 320)
+        hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
+        out[name] = dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits, kind=kind)
+    return out
+
+
+def _run_config(tmp_path, m, parallel):
+    cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(m["hf"]).model_cfg), parallel=parallel,
+                  train={"global_batch": 2, "micro_batch": 1})
+    return cfg
+
+
+CASES = [(layout, kind) for kind in KINDS for layout in ("single", "tp2", "dp2-ep2")
+         if layout == "single" or kind in ("qwen3-moe", "kimi-k2")]
+
+
+@pytest.mark.parametrize("layout,kind", CASES)
+def test_same_logits_as_transformers(tmp_path, models, layout, kind):
+    m = models[kind]
+    world, parallel = LAYOUTS[layout]
+    cfg = _run_config(tmp_path, m, parallel)
+    assert validate(cfg, world) == []
+    both = run_workers(_logits, world, cfg, [m["seed"], m["hf"]], m["x"])[-1]
+    assert len(both) == 2
+    for logits in both:
+        # The experts are summed in another order than transformers' (and DeepSeek-V3's attention pads its
+        # values): fp32 rounding, measured below 1e-5 on logits of order 5; a wrong mapping (a transposed
+        # expert, gate and up swapped, a lost q/k norm) moves them by O(0.1-1).
+        torch.testing.assert_close(logits, m["logits"], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
+    m = models[kind]
+    fivefold_to_hf(m["seed"], tmp_path / "back", max_shard_bytes=60_000)
+    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
+    assert before.names() == after.names()
+    for name in before.names():
+        assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
+    assert (json.loads((tmp_path / "back" / "config.json").read_text())
+            == json.loads((m["hf"] / "config.json").read_text()))
+    hf = hf_class(m["kind"], "ForCausalLM").from_pretrained(tmp_path / "back").eval()  # transformers reads it
+    with torch.no_grad():
+        torch.testing.assert_close(hf(m["x"]).logits, m["logits"], rtol=0, atol=0)
+
+
+def test_qwen3_moe_reads_leading_dense_blocks_and_refuses_other_layouts(models):
+    config = json.loads((models["qwen3-moe-dense-first"]["hf"] / "config.json").read_text())
+    m = model_config_from_hf(config)
+    assert (m.first_dense_layers, m.ffn_dim, m.moe_ffn_dim, m.norm_topk, m.qk_norm) == (1, 96, 32, False, True)
+    for bad, message in [({"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),
+                         ({"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
+                         ({"use_sliding_window": True}, "use_sliding_window = True")]:
+        with pytest.raises(HFFormatError) as e:
+            model_config_from_hf({**config, **bad})
+        assert message in str(e.value)
+
+
+# ---- DeepSeek-V3 as released: fp8 weights with block scales, a multi-token-prediction layer --------------------
+def _quantize(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (R, C) -> fp8 e4m3 and the fp32 scale of each block (its largest |value| / 448), as
+    DeepSeek's released weights are stored (W = fp8 x scale_inv)."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = torch.empty(grid)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = part.abs().max().clamp(min=1e-12) / FP8_MAX
+    wide = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return (weight / wide).to(torch.float8_e4m3fn), scale
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """A DeepSeek-V3 toy saved by transformers, then written as DeepSeek released its weights: every
+    projection fp8 with `weight_scale_inv`, quantization_config, and an MTP layer past the last block.
+    Beside it the same weights dequantized by transformers' own function, unquantized ("deq"): what the
+    conversion must read, and transformers' logits of it."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    root = tmp_path_factory.mktemp("released")
+    hf = _random_model("DeepseekV3", DEEPSEEK)
+    hf.save_pretrained(root / "saved")
+    tensors = load_file(str(root / "saved" / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+            q, scale = _quantize(t, BLOCK)
+            quantized |= {name: q, name + "_scale_inv": scale}
+            dequantized[name] = _dequantize_fp8_weight(q, scale, BLOCK, torch.float32)
+        else:
+            quantized[name] = dequantized[name] = t
+    layers = SHAPE["num_hidden_layers"]  # the MTP layer: a block plus its own norms, projection and head
+    mtp = {f"model.layers.{layers}.{k.split('.', 3)[3]}": v.clone() for k, v in quantized.items()
+           if k.startswith("model.layers.1.")}
+    mtp |= {f"model.layers.{layers}.{k}": torch.randn(s) for k, s in
+            [("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("shared_head.norm.weight", (64,)),
+             ("embed_tokens.weight", (320, 64)), ("shared_head.head.weight", (320, 64))]}
+    eh, eh_scale = _quantize(torch.randn(64, 128), BLOCK)
+    mtp |= {f"model.layers.{layers}.eh_proj.weight": eh, f"model.layers.{layers}.eh_proj.weight_scale_inv": eh_scale}
+    config = json.loads((root / "saved" / "config.json").read_text())
+    for name, weights, extra in [("deq", dequantized, {}),
+                                 ("fp8", quantized | mtp, {"num_nextn_predict_layers": 1, "quantization_config": {
+                                     "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": BLOCK}})]:
+        (root / name).mkdir()
+        save_file(weights, str(root / name / "model.safetensors"), {"format": "pt"})
+        (root / name / "config.json").write_text(json.dumps({**config, **extra}))
+    reference = hf_class("DeepseekV3", "ForCausalLM").from_pretrained(root / "deq").eval()
+    x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
+    with torch.no_grad():
+        logits = reference(x).logits
+    return dict(root=root, x=x, logits=logits, mtp=sum(not k.endswith("_scale_inv") for k in mtp),
+                fp8=len(quantized) - len(dequantized))
+
+
+def test_released_deepseek_converts_to_the_dequantized_weights(tmp_path, released, capsys):
+    root = released["root"]
+    hf_to_fivefold(root / "fp8", tmp_path / "seed", max_shard_bytes=10**9)
+    said = capsys.readouterr().out
+    assert f"dequantized {released['fp8']} fp8 tensors (32 x 48 block scales) to float32" in said
+    assert (f"skipped {released['mtp']} tensors: model.layers.2.*, a multi-token-prediction layer "
+            f"(num_nextn_predict_layers = 1)") in said  # its fp8 scales counted with their weights
+    hf_to_fivefold(root / "deq", tmp_path / "from-deq", max_shard_bytes=10**9)
+    ours, want = SafetensorsDir(tmp_path / "seed"), SafetensorsDir(tmp_path / "from-deq")
+    assert ours.names() == want.names()
+    for name in want.names():
+        assert ours.dtype(name) == want.dtype(name) and torch.equal(ours.read(name), want.read(name)), name
+    cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(root / "fp8").model_cfg),
+                  train={"global_batch": 2, "micro_batch": 1})
+    logits = run_workers(_logits, 1, cfg, [tmp_path / "seed"], released["x"])[-1][0]
+    torch.testing.assert_close(logits, released["logits"], rtol=0, atol=2e-5)  # as DeepSeek-V3 in test_hf.py
+
+    # Out again: unquantized, in the dtype asked, which transformers loads; the message says so.
+    fivefold_to_hf(tmp_path / "seed", tmp_path / "back", dtype=torch.bfloat16)
+    assert "written unquantized in bfloat16 (the checkpoint it came from was fp8" in capsys.readouterr().out
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 0
+    back = SafetensorsDir(tmp_path / "back")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert back.dtype(name) == torch.bfloat16 and torch.equal(back.read(name), want.read(
+        "layers.1.ffn.experts.up")[3].T.bfloat16())
+    hf_class("DeepseekV3", "ForCausalLM").from_pretrained(tmp_path / "back")
+
+
+def test_released_deepseek_dequantizes_to_the_dtype_asked(tmp_path, released):
+    source = HFSource(released["root"] / "fp8", dtype=torch.bfloat16)
+    name = "layers.0.attn.wo.weight"
+    assert source.dtype(name) == torch.bfloat16 and source.dtype("layers.0.attn_norm.weight") == torch.float32
+    deq = SafetensorsDir(released["root"] / "deq").read("model.layers.0.self_attn.o_proj.weight")
+    assert torch.equal(source.read(name), deq.bfloat16())  # one rounding of the fp32 product
+
+
+def test_fp8_weights_without_their_scales_are_refused(tmp_path, released):
+    tensors = load_file(str(released["root"] / "fp8" / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    (tmp_path / "bad").mkdir()
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
+    (tmp_path / "bad" / "config.json").write_text((released["root"] / "fp8" / "config.json").read_text())
+    with pytest.raises(ValueError, match="^model.layers.0.self_attn.o_proj.weight is fp8 without its block scales "
+                                         "model.layers.0.self_attn.o_proj.weight_scale_inv[^\n]*$"):
+        hf_to_fivefold(tmp_path / "bad", tmp_path / "out", max_shard_bytes=10**9)
+    assert not (tmp_path / "out").exists()
