@@ -39,6 +39,8 @@ class HFSource:
         parts = {k: self.family.hf_names(k, self.model_cfg) for k in self.shapes}
         self._names = frozenset(k for k, names in parts.items() if all(n in have for n in names))
         read = {n for names in parts.values() for n in names}
+        if self.model_cfg.tie_embeddings:  # a stored copy of the tied head (Qwen3-0.6B): transformers ties it anyway
+            read.add(self.family.top["output.weight"])
         extra = sorted(n for n in have - read if not NOT_WEIGHTS.match(n) and not self.family.skips(n, self.hf_config))
         if extra:
             more = f" and {len(extra) - 10} more" if len(extra) > 10 else ""
