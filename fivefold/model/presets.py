@@ -59,12 +59,12 @@ PRESETS: dict[str, ModelConfig] = {
     "olmo2-7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, **_OLMO2),
     # Gemma 3 1B (google/gemma-3-1b-pt config.json): sandwich norms as (1 + w), GeGLU, embeddings times
     # sqrt(dim), per-head q/k norms, softmax scale 256**-0.5, 5 local layers (window 512, RoPE base 1e4)
-    # to 1 global (1e6), tied.
+    # to 1 global (1e6) over its 26 layers (the pattern written whole: 6 does not divide 26), tied.
     "gemma3-1b": ModelConfig(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
                              vocab_size=262144, tie_embeddings=True, qk_norm=True, norm_position="sandwich",
                              norm_offset=1.0, embed_scale=True, activation="gelu_tanh", norm_eps=1e-6,
                              rope_theta=1e6, local_rope_theta=10000.0, attention_scale=256**-0.5,
-                             sliding_window=512, window_pattern=("sliding",) * 5 + ("full",)),
+                             sliding_window=512, window_pattern=(("sliding",) * 5 + ("full",)) * 4 + ("sliding",) * 2),
     # Mixtral (Mistral AI, "Mixtral of Experts", 2024): every FFN is 8 experts, top-2.
     "mixtral-8x7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                                 rope_theta=1e6, n_experts=8, top_k=2),

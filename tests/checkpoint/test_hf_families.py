@@ -256,3 +256,18 @@ def test_what_a_family_does_not_compute_is_refused(tmp_path):
     assert export_problems(dataclasses.replace(m, sliding_window=8), qwen) == [
         "model.sliding_window = 8: HF's Qwen2 computes sliding_window = 0"]
 
+
+
+def test_gemma3_1b_preset_is_what_transformers_builds_from_its_config():
+    """The preset's 26 layers slide as transformers' default pattern (every sixth full) lays them out,
+    and its export reads back as the preset."""
+    from transformers import Gemma3TextConfig
+
+    from fivefold.model.presets import PRESETS
+
+    m = PRESETS["gemma3-1b"]
+    written = hf_config(m, torch.bfloat16)
+    reference = Gemma3TextConfig(num_hidden_layers=26, sliding_window=512)  # sliding_window_pattern 6
+    assert written["layer_types"] == reference.layer_types
+    assert written["query_pre_attn_scalar"] == 256 and written["architectures"] == ["Gemma3ForCausalLM"]
+    assert model_config_from_hf(written) == m

@@ -162,9 +162,11 @@ def attention_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
 
 def pattern_of(layer_types: list[str]) -> tuple[str, ...]:
     """layer_types ("sliding_attention" / "full_attention" per layer) as fivefold's window_pattern:
-    its shortest period, () when every layer slides."""
+    its shortest period that divides the number of layers (the whole list for Gemma 3 1B's 26 layers
+    of period 6), () when every layer slides."""
     kinds = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
-    period = next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if len(kinds) % p == 0 and all(k == kinds[i % p] for i, k in enumerate(kinds)))
     return () if set(kinds) == {"sliding"} else tuple(kinds[:period])
 
 
