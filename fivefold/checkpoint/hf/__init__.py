@@ -11,7 +11,7 @@ What differs between a Hugging Face (HF) directory and fivefold, and what is don
 Weights are read only from safetensors (`checkpoint/safetensors_io.py`).
 
 family.py   `Family`: what one architecture is to fivefold, and the parts families share
-llama.py, mixtral.py, deepseek_v3.py: one family each
+llama.py, mistral.py, mixtral.py, qwen2.py, qwen3.py, olmo2.py, gemma3.py, deepseek_v3.py: one family each
 registry.py `FAMILIES`; config.json <-> ModelConfig through the family it names or the model needs
 source.py   `HFSource`: an HF directory read as fivefold's tensors
 """

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.hf.family import ANY, Family, refuse, refuse_common, rope_fields
+from fivefold.checkpoint.hf.family import ANY, Family, refuse, refuse_common, rope_fields, rope_keys
 from fivefold.model.config import ModelConfig
 
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm's default, not rms_norm_eps
@@ -162,7 +162,7 @@ def write(m: ModelConfig, base: dict) -> dict:
                 first_k_dense_replace=m.first_dense_layers, norm_topk_prob=m.norm_topk,
                 n_group=m.n_expert_groups if grouped else 1, topk_group=m.topk_groups if grouped else 1,
                 routed_scaling_factor=m.moe_routed_scale, num_nextn_predict_layers=0,
-                rope_interleave=bool(_get(base, "rope_interleave")))
+                rope_interleave=bool(_get(base, "rope_interleave")), **rope_keys(m, base))
 
 
 def rope_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:

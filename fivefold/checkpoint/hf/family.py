@@ -140,11 +140,20 @@ def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str
     return dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", default_theta))))
 
 
+def rope_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
+    """The RoPE keys of config.json for model `m`, in the style of `base` (transformers 5's
+    rope_parameters, else the older rope_theta, which transformers 4 and 5 both read)."""
+    if "rope_parameters" in base:
+        return dict(rope_parameters={**(base["rope_parameters"] or {}), "rope_theta": m.rope_theta})
+    return dict(rope_theta=m.rope_theta)
+
+
 def common_fields(hf: dict, defaults: dict, problems: list[str]) -> dict[str, Any]:
     """The ModelConfig fields every Llama-like config.json states the same way. `defaults`: what
-    transformers assumes for rms_norm_eps, rope_theta (and num_key_value_heads) when left out."""
+    transformers assumes for rms_norm_eps, rope_theta (and num_key_value_heads, head_dim,
+    tie_word_embeddings) when left out."""
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or 0
+    head_dim = hf.get("head_dim") or defaults.get("head_dim") or 0
     return dict(
         dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", heads),
@@ -156,9 +165,24 @@ def common_fields(hf: dict, defaults: dict, problems: list[str]) -> dict[str, An
 
 
 def attention_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
-    """num_key_value_heads and head_dim of a grouped-query attention model."""
-    out: dict[str, Any] = dict(num_key_value_heads=m.n_kv_heads)
+    """num_key_value_heads, head_dim and the RoPE keys of a grouped-query attention model."""
+    out: dict[str, Any] = dict(num_key_value_heads=m.n_kv_heads, **rope_keys(m, base))
     head_dim = m.head_dim or m.dim // m.n_heads
     if not (base.get("head_dim") is None and head_dim == m.dim // m.n_heads):  # keep a base's null default
         out["head_dim"] = head_dim
     return out
+
+
+def pattern_of(layer_types: list[str]) -> tuple[str, ...]:
+    """layer_types ("sliding_attention" / "full_attention" per layer) as fivefold's window_pattern:
+    its shortest period that divides the number of layers (the whole list for Gemma 3 1B's 26 layers
+    of period 6), () when every layer slides."""
+    kinds = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if len(kinds) % p == 0 and all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    return () if set(kinds) == {"sliding"} else tuple(kinds[:period])
+
+
+def layer_types(m: ModelConfig) -> list[str]:
+    """fivefold's sliding windows as transformers' layer_types."""
+    return ["sliding_attention" if m.layer_window(i) else "full_attention" for i in range(m.n_layers)]

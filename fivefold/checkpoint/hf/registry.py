@@ -6,12 +6,13 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.hf import deepseek_v3, gpt_oss, llama, mixtral, qwen3_moe
+from fivefold.checkpoint.hf import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, olmo2, qwen2, qwen3, qwen3_moe
 from fivefold.checkpoint.hf.family import Family, HFFormatError
 from fivefold.model.config import ModelConfig
 
 # Read by architecture; written, when no HF config says which, as the first that computes the model.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mixtral.FAMILY, deepseek_v3.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mixtral.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, olmo2.FAMILY,
+                                gemma3.FAMILY, deepseek_v3.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)
 ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 COMMON_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -65,10 +66,6 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> d
                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, vocab_size=m.vocab_size,
                rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std)
     out.update(family.write(m, out))
-    if "rope_parameters" in out:  # transformers 5 style
-        out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": m.rope_theta}
-    else:  # the older style, which transformers 4 and 5 both read
-        out["rope_theta"] = m.rope_theta
     out["torch_dtype" if "torch_dtype" in out else "dtype"] = DTYPE_NAMES[dtype]
     return out
 

@@ -48,6 +48,8 @@ class HFSource:
         parts = {k: self.family.hf_names(k, self.model_cfg) for k in self.shapes}
         self._names = frozenset(k for k, names in parts.items() if all(n in have for n in names))
         read = {n for names in parts.values() for n in names}
+        if self.model_cfg.tie_embeddings:  # a stored copy of the tied head (Qwen3-0.6B): transformers ties it anyway
+            read.add(self.family.top["output.weight"])
         if isinstance(self.files, DequantizedFiles):
             count = len(read & (self.files.fp8 | self.files.mx))
             what = (f"fp8 tensors ({self.files.block[0]} x {self.files.block[1]} block scales)" if self.files.fp8
