@@ -148,9 +148,9 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtyp
     for name, shape in _tensors(m).items():
         if name not in source.names():  # a buffer the checkpoint lacks (check_fit): the model's own zeros
             continue
-        if is_stacked(name):  # one expert at a time: HF holds each expert apart
+        if is_stacked(name):  # one expert at a time (HF holds each apart, or dequantizes a box): (E, ...) pieces
             def produce(n=name, s=shape):
-                return (source.read(n, (slice(e, e + 1), slice(0, s[1]), slice(0, s[2]))) for e in range(s[0]))
+                return (source.read(n, (slice(e, e + 1), *(slice(0, k) for k in s[1:]))) for e in range(s[0]))
         else:
             def produce(n=name):
                 return source.read(n)
