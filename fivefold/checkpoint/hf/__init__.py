@@ -6,12 +6,14 @@ What differs between a Hugging Face (HF) directory and fivefold, and what is don
   something else; so is a model option the HF family written does not compute (`export_problems`).
 - Names: `model.layers.{i}.self_attn.q_proj.weight` <-> `layers.{i}.attn.wq.weight`, ... (each family's
   `block`); stacked experts (E, in, out) <-> one (out, in) matrix per expert; rows reordered where a
-  family's RoPE layout differs (DeepSeek-V3).
+  family's RoPE layout differs (DeepSeek-V3); experts HF saves fused (gpt-oss) <-> slices of them (`Family.fused`).
+- Quantized releases (DeepSeek-V3 / Kimi K2 fp8, gpt-oss MXFP4) are read dequantized (`checkpoint/dequant.py`).
 - Tied embeddings: HF saves no `lm_head.weight`; fivefold saves `tok_embeddings.weight` once.
 Weights are read only from safetensors (`checkpoint/safetensors_io.py`).
 
 family.py   `Family`: what one architecture is to fivefold, and the parts families share
-llama.py, mistral.py, mixtral.py, qwen2.py, qwen3.py, olmo2.py, gemma3.py, deepseek_v3.py: one family each
+llama.py, mistral.py, mixtral.py, qwen2.py, qwen3.py, olmo2.py, gemma3.py, deepseek_v3.py, qwen3_moe.py,
+gpt_oss.py: one family each
 registry.py `FAMILIES`; config.json <-> ModelConfig through the family it names or the model needs
 source.py   `HFSource`: an HF directory read as fivefold's tensors
 """

@@ -6,13 +6,21 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.hf import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, olmo2, qwen2, qwen3, qwen3_moe
+from fivefold.checkpoint.hf.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from fivefold.checkpoint.hf.family import Family, HFFormatError
+from fivefold.checkpoint.hf.gemma3 import FAMILY as GEMMA3
+from fivefold.checkpoint.hf.gpt_oss import FAMILY as GPT_OSS
+from fivefold.checkpoint.hf.llama import FAMILY as LLAMA
+from fivefold.checkpoint.hf.mistral import FAMILY as MISTRAL
+from fivefold.checkpoint.hf.mixtral import FAMILY as MIXTRAL
+from fivefold.checkpoint.hf.olmo2 import FAMILY as OLMO2
+from fivefold.checkpoint.hf.qwen2 import FAMILY as QWEN2
+from fivefold.checkpoint.hf.qwen3 import FAMILY as QWEN3
+from fivefold.checkpoint.hf.qwen3_moe import FAMILY as QWEN3_MOE
 from fivefold.model.config import ModelConfig
 
 # Read by architecture; written, when no HF config says which, as the first that computes the model.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mixtral.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, olmo2.FAMILY,
-                                gemma3.FAMILY, deepseek_v3.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY)
+FAMILIES: tuple[Family, ...] = (LLAMA, MIXTRAL, MISTRAL, QWEN2, QWEN3, OLMO2, GEMMA3, DEEPSEEK_V3, QWEN3_MOE, GPT_OSS)
 ARCHITECTURES = {f.architecture: f for f in FAMILIES}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 COMMON_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
