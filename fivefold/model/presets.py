@@ -111,7 +111,8 @@ PRESETS: dict[str, ModelConfig] = {
                            rope_theta=50000.0, norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=1536,
                            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=384, top_k=8,
                            moe_ffn_dim=2048, n_shared_experts=1, first_dense_layers=1, router_score="sigmoid",
-                           moe_routed_scale=2.827, moe_bias_update=0.001, **_yarn_mla(32.0, 1.0)),
+                           n_expert_groups=1, topk_groups=1, moe_routed_scale=2.827, moe_bias_update=0.001,
+                           **_yarn_mla(32.0, 1.0)),
     # gpt-oss (OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", 2025, sec. 2.1; openai/gpt-oss-*b
     # config.json): every block MoE with biases and the clamped SwiGLU (limit 7), top-4 softmax router,
     # 64 query / 8 key-value heads of 64 with biases and sinks, sliding (128) and full layers alternating,
