@@ -40,13 +40,26 @@ GPT_OSS = dict(num_key_value_heads=2, head_dim=16, intermediate_size=32, num_loc
                sliding_window=8, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
                swiglu_limit=1.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+# Their YaRN as released (DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1, so a softmax scale of
+# (0.1 ln 40 + 1)^2 / sqrt(Dn + Dr); Kimi K2: factor 32, beta_fast 1; gpt-oss: factor 32, no truncation), with
+# an original context of 4 so that the scaling reaches the frequencies 16 tokens see.
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 KINDS = {"qwen3-moe": ("Qwen3Moe", QWEN3_MOE),
          "qwen3-moe-dense-first": ("Qwen3Moe", {**QWEN3_MOE, "mlp_only_layers": [0], "norm_topk_prob": False}),
-         "kimi-k2": ("DeepseekV3", KIMI_K2), "gpt-oss": ("GptOss", GPT_OSS)}
+         "kimi-k2": ("DeepseekV3", KIMI_K2), "gpt-oss": ("GptOss", GPT_OSS),
+         "deepseek-v3-yarn": ("DeepseekV3", {**KIMI_K2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                                             "rope_parameters": {**YARN, "rope_theta": 10000.0}}),
+         "kimi-k2-yarn": ("DeepseekV3", {**KIMI_K2, "rope_parameters": {
+             **YARN, "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0}}),
+         "gpt-oss-yarn": ("GptOss", {**GPT_OSS, "rope_parameters": {
+             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+             "truncate": False, "original_max_position_embeddings": 4}})}
 # Kinds whose model features are on other branches (blocks: attention biases; moe: expert biases and the
-# clamped SwiGLU): their tests wait until both are in this checkout.
-NEEDS = {"gpt-oss": ("blocks", "moe")}
-NEEDS_IN_LAYOUT = {("gpt-oss", "tp2"): "blocks-tp"}  # attention biases split with their columns under tp
+# clamped SwiGLU; rope: RoPE scaling read from config.json): their tests wait until they are in this checkout.
+NEEDS = {"gpt-oss": ("blocks", "moe"), "deepseek-v3-yarn": ("rope",), "kimi-k2-yarn": ("rope",),
+         "gpt-oss-yarn": ("blocks", "moe", "rope")}
+NEEDS_IN_LAYOUT = {(kind, "tp2"): "blocks-tp" for kind in ("gpt-oss", "gpt-oss-yarn")}  # attention biases under tp
 BLOCK = [32, 48]  # fp8 block scales of the toy: 96 x 64 and 64 x 96 weights end in partial blocks both ways
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 
@@ -55,6 +68,7 @@ def waiting(kind: str, layout: str = "single") -> None:
     """Skip, naming what is missing, while a feature `kind` needs (in `layout`) has not landed."""
     import inspect
 
+    from fivefold.checkpoint.hf.family import rope_fields
     from fivefold.model.config import ModelConfig
     from fivefold.model.transformer import Transformer
     from fivefold.parallel.tensor import ColumnParallelLinear
@@ -62,8 +76,10 @@ def waiting(kind: str, layout: str = "single") -> None:
     with torch.device("meta"):
         params = Transformer(ModelConfig(n_layers=1, vocab_size=8, qkv_bias=True, n_experts=2, moe_bias=True,
                                          swiglu_limit=7.0)).state_dict()
+    yarn: list[str] = []
+    rope_fields({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4}}, 1e4, yarn)
     have = {"blocks": "layers.0.attn.wq.bias" in params, "moe": "layers.0.ffn.experts.gate_bias" in params,
-            "blocks-tp": "bias" in inspect.getsource(ColumnParallelLinear)}
+            "blocks-tp": "bias" in inspect.getsource(ColumnParallelLinear), "rope": not yarn}
     lacking = [need for need in (*NEEDS.get(kind, ()), NEEDS_IN_LAYOUT.get((kind, layout))) if need and not have[need]]
     if lacking:
         pytest.skip(f"{kind} needs the {' and '.join(lacking)} features, not merged into this branch yet")
@@ -138,7 +154,7 @@ def _run_config(tmp_path, m, parallel):
 
 
 CASES = [(layout, kind) for kind in KINDS for layout in ("single", "tp2", "dp2-ep2")
-         if layout == "single" or kind in ("qwen3-moe", "kimi-k2", "gpt-oss")]
+         if layout == "single" or kind in ("qwen3-moe", "kimi-k2", "gpt-oss", "gpt-oss-yarn", "kimi-k2-yarn")]
 
 
 @pytest.mark.parametrize("layout,kind", CASES)
@@ -152,8 +168,9 @@ def test_same_logits_as_transformers(tmp_path, models, later, layout, kind):
     for logits in both:
         # The experts are summed in another order than transformers' (and DeepSeek-V3's attention pads its
         # values): fp32 rounding, measured on logits up to 6.8: Qwen3-MoE 1.9e-6 (tp2 3.9e-6), Kimi K2
-        # 6.7e-6 (tp2 6.9e-6), gpt-oss 3.8e-6 (one process and ep2); a wrong mapping (a transposed expert,
-        # gate and up swapped, a lost q/k norm, windows on every layer) moves them by O(0.1-1).
+        # 6.7e-6 (tp2 6.9e-6), gpt-oss 3.8e-6 (one process and ep2); with YaRN DeepSeek-V3 8.6e-6, Kimi K2
+        # 7.3e-6, gpt-oss 6.2e-6 (on a checkout with the RoPE helper's reading wired in); a wrong mapping (a
+        # transposed expert, gate and up swapped, a lost q/k norm, windows on every layer) moves them by O(0.1-1).
         torch.testing.assert_close(logits, m["logits"], rtol=0, atol=2e-5)
 
 
