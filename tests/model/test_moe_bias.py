@@ -176,3 +176,22 @@ def test_counts_include_the_moe_biases(changes):
     assert counts.active - plain.active == moe_layers * (TOP_K * per_expert + EXPERTS)
     assert counts.active_matmul == plain.active_matmul
 
+
+
+def test_switch_balance_loss_of_one_sequence_and_layer_is_top_k_times_ours():
+    """transformers' load_balancing_loss_func (Mixtral, Qwen3-MoE: Switch's E sum_e f_e P_e with f the
+    share of the k copies) pools a micro-batch and every layer; fivefold's balance loss is per sequence
+    and per layer (layout-independent). For one sequence and one layer of a softmax router the two are
+    the same loss up to the factor top_k, in value and gradient: what maps router_aux_loss_coef."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from fivefold.model.moe import sequence_balance_loss
+
+    logits = torch.randn(12, EXPERTS, requires_grad=True)  # (T, E)
+    theirs = load_balancing_loss_func((logits,), EXPERTS, TOP_K)
+    (grad_theirs,) = torch.autograd.grad(theirs, logits)
+    scores = logits.softmax(-1)
+    ours = sequence_balance_loss(scores[None], scores.topk(TOP_K, dim=-1).indices[None]).sum()
+    (grad_ours,) = torch.autograd.grad(ours, logits)
+    torch.testing.assert_close(theirs, TOP_K * ours)
+    torch.testing.assert_close(grad_theirs, TOP_K * grad_ours)
