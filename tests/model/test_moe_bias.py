@@ -195,3 +195,11 @@ def test_switch_balance_loss_of_one_sequence_and_layer_is_top_k_times_ours():
     (grad_ours,) = torch.autograd.grad(ours, logits)
     torch.testing.assert_close(theirs, TOP_K * ours)
     torch.testing.assert_close(grad_theirs, TOP_K * grad_ours)
+
+
+def test_weights_made_with_another_swiglu_limit_are_named():
+    """The limit changes no shape: init_from must name it, or gpt-oss weights would load into a plain SwiGLU."""
+    from fivefold.checkpoint.weights import config_differences
+
+    (problem,) = config_differences(moe_config(), moe_config(swiglu_limit=0.0))
+    assert "model.swiglu_limit = 7.0" in problem
