@@ -19,6 +19,8 @@ LAYOUTS = {
     # each tp rank routes its own half of every sequence: the router's bias gradient is summed over tp
     "tp2-sp-ep2": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2"), **ROW),
     "pp2-ep2": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=2"), **ROW),
+    # FSDP shards the (E/ep, hidden) biases over expert_dp along their second dim, as the weights
+    "dp4-ep2-zero3": Layout(4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1"), **ROW),
 }
 
 
