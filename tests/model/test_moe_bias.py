@@ -203,3 +203,21 @@ def test_weights_made_with_another_swiglu_limit_are_named():
 
     (problem,) = config_differences(moe_config(), moe_config(swiglu_limit=0.0))
     assert "model.swiglu_limit = 7.0" in problem
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (("--model.preset=tiny-moe", "--model.swiglu_limit=-1"), ("model.swiglu_limit = -1", "must be 0")),
+    (("--model.preset=tiny-moe", "--model.swiglu_limit=7", "--model.activation=gelu_tanh"),
+     ("model.swiglu_limit = 7", "activation = 'silu'")),
+    (("--model.moe_bias=true",), ("model.moe_bias applies to the experts only",)),
+    (("--model.swiglu_limit=7",), ("model.swiglu_limit applies to the experts only",)),
+])
+def test_bad_moe_settings_are_named(overrides, words):
+    from helpers import ROOT
+
+    from fivefold.config import read_config
+    from fivefold.validate import validate
+
+    cfg, errors = read_config(ROOT / "configs" / "tiny.toml", list(overrides))
+    hits = [e for e in errors + validate(cfg, 1) if all(w in e for w in words)]
+    assert len(hits) == 1, errors + validate(cfg, 1)
