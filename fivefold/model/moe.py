@@ -50,6 +50,9 @@ class GroupedExperts(nn.Module):
         self.gate_bias = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
         self.up_bias = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(n_experts, dim)) if bias else None
+        for b in (self.gate_bias, self.up_bias, self.down_bias):
+            if b is not None:  # biases, though 2-D (stacked): no weight decay (parallel/optimizer.py)
+                b.no_decay = True
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Whether forward runs one grouped matmul per weight (no host numbers needed) on x."""

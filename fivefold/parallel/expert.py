@@ -47,6 +47,7 @@ from fivefold.model.moe import GroupedExperts, MoE, sort_by_expert
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
+from fivefold.parallel.materialize import carry_marks
 from fivefold.parallel.mesh import Mesh
 
 
@@ -115,6 +116,7 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
         if full is None:  # no expert biases (moe_bias off)
             continue
         part = nn.Parameter(full.detach().chunk(group.size, dim=0)[group.rank].clone())  # (E/ep, ...)
+        carry_marks(full, part)
         part.ep_dim = 0
         setattr(experts, name, part)
 

@@ -221,3 +221,15 @@ def test_bad_moe_settings_are_named(overrides, words):
     cfg, errors = read_config(ROOT / "configs" / "tiny.toml", list(overrides))
     hits = [e for e in errors + validate(cfg, 1) if all(w in e for w in words)]
     assert len(hits) == 1, errors + validate(cfg, 1)
+
+
+def test_no_weight_decay_on_the_moe_biases():
+    from fivefold.config import TrainConfig
+    from fivefold.parallel.optimizer import build_optimizer
+
+    model = Transformer(moe_config(n_layers=2))
+    _, no_decay = build_optimizer(model, TrainConfig(weight_decay=0.1)).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    biases = {names[id(p)] for p in no_decay["params"] if names[id(p)].endswith("bias")}
+    assert biases == {f"layers.{i}.ffn.{b}" for i in range(2)
+                      for b in ("router.bias", "experts.gate_bias", "experts.up_bias", "experts.down_bias")}

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, MOE_ARGS, Layout, assert_reproduces, tiny_config, train_and_gather
+from helpers import EQUIVALENCE, MOE_ARGS, Layout, assert_reproduces, parallelized, tiny_config, train_and_gather
 
 from fivefold.parallel.forked_ranks import run_workers
 
@@ -63,3 +63,17 @@ def test_ep2_checkpoint_resumes_at_ep1(tmp_path):
     resumed = run_workers(_train_losses, 1, tiny_config(tmp_path, *args, "--parallel.ep=1",
                                                         "--checkpoint.resume=true"))[0]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-5, atol=0)
+
+
+def _undecayed_matrices(rank, world, cfg):
+    """The 2-D tensors the optimizer steps without weight decay (ZeRO: their fp32 masters)."""
+    _, no_decay = parallelized(cfg, world).optimizer.param_groups
+    return sum(1 for t in no_decay["params"] if t.ndim >= 2)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_expert_biases_get_no_weight_decay_in_any_layout(tmp_path, zero):
+    """train.weight_decay is never applied to biases: the experts' stacked (E/ep, w) biases keep their
+    no_decay mark through the meta device, the ep slicing and ZeRO's masters (8 blocks x 3 biases)."""
+    cfg = tiny_config(tmp_path, *BIAS_ARGS, "--parallel.ep=2", f"--parallel.zero={zero}")
+    assert run_workers(_undecayed_matrices, 2, cfg) == [8 * 3] * 2
