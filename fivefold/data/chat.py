@@ -19,7 +19,6 @@ do not.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from fivefold.data.sources import DataError
@@ -29,53 +28,56 @@ def _one_line(e: Exception) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
-@functools.lru_cache(maxsize=2)
-def _hf_tokenizer(folder: str):
-    """transformers' tokenizer of a directory (one load per process)."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise DataError("chat records need transformers to render the model's chat template; pip install "
-                        "'fivefold[hf]' (or transformers)") from None
-    return AutoTokenizer.from_pretrained(folder)
+class ChatTemplate:
+    """The chat template of a tokenizer directory, rendered by transformers (loaded at the first chat)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.found = (folder / "chat_template.jinja").is_file() or bool(_config(folder).get("chat_template"))
+        self._tok = None
+
+    def _tokenizer(self):
+        if self._tok is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise DataError("chat records need transformers to render the model's chat template; pip install "
+                                "'fivefold[hf]' (or transformers)") from None
+            self._tok = AutoTokenizer.from_pretrained(str(self.folder))
+        return self._tok
+
+    def render(self, messages: list[dict], name: str, add_generation_prompt: bool = False) -> str:
+        """The chat as text; a failure names the record in one line."""
+        if not self.found:
+            raise DataError(f"{name}: a chat record needs the model's chat template, and the tokenizer has none; "
+                            f"give --tokenizer (data.tokenizer) the model's directory, with chat_template.jinja or "
+                            f"tokenizer_config.json's chat_template")
+        tok = self._tokenizer()
+        try:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2's TemplateError, or what the template raises (raise_exception)
+            raise DataError(f"{name}: the chat template failed to render this record ({_one_line(e)}); fix the "
+                            f"record's messages or the template") from None
+
+    def assistant_spans(self, messages: list[dict], name: str) -> tuple[str, list[tuple[int, int]]]:
+        """(the chat's text, the [start, end) character spans of its assistant turns)."""
+        text = self.render(messages, name)
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:k], name, add_generation_prompt=True)
+            through = self.render(messages[: k + 1], name)
+            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+                raise DataError(f"{name}: the chat template renders messages[:{k}] as other than the start of the "
+                                f"whole chat, so assistant turn {k} cannot be located; give the chat up to that turn "
+                                f"as its own record, or a template that renders turns in place")
+            spans.append((len(before), len(through)))
+        return text, spans
 
 
-def has_template(folder: Path) -> bool:
-    """Whether the tokenizer directory names a chat template (where transformers looks)."""
+def _config(folder: Path) -> dict:
     import json
 
-    if (folder / "chat_template.jinja").is_file():
-        return True
-    config = folder / "tokenizer_config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
-
-
-def render(folder: Path, messages: list[dict], name: str, add_generation_prompt: bool = False) -> str:
-    """The chat as text, by the directory's template; a failure names the record in one line."""
-    if not has_template(folder):
-        raise DataError(f"{name}: a chat record needs the model's chat template, and the tokenizer has none; give "
-                        f"--tokenizer (data.tokenizer) the model's directory, with chat_template.jinja or "
-                        f"tokenizer_config.json's chat_template")
-    tok = _hf_tokenizer(str(folder))
-    try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja2's TemplateError, or what the template raises (raise_exception)
-        raise DataError(f"{name}: the chat template failed to render this record ({_one_line(e)}); fix the record's "
-                        f"messages or the template") from None
-
-
-def assistant_spans(folder: Path, messages: list[dict], name: str) -> tuple[str, list[tuple[int, int]]]:
-    """(the chat's text, the [start, end) character spans of its assistant turns)."""
-    text = render(folder, messages, name)
-    spans = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = render(folder, messages[:k], name, add_generation_prompt=True)
-        through = render(folder, messages[: k + 1], name)
-        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-            raise DataError(f"{name}: the chat template renders messages[:{k}] as other than the start of the whole "
-                            f"chat, so assistant turn {k} cannot be located; give the chat up to that turn as its own "
-                            f"record, or a template that renders turns in place")
-        spans.append((len(before), len(through)))
-    return text, spans
+    path = folder / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -80,9 +80,16 @@ def units(docs: Iterator[Document], val_fraction: float, shard_bytes: int) -> It
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer_at(folder: str) -> Tokenizer:
-    """One load per worker process (each task names the folder, not the tokenizer's bytes)."""
+def _tokenizer_of(folder: str, stamp: tuple) -> Tokenizer:
     return load_tokenizer(folder)
+
+
+def _tokenizer_at(folder: str) -> Tokenizer:
+    """One load per worker process (each task names the folder, not the tokenizer's bytes); the files'
+    sizes and times are in the key, so a folder written again (a new prepare into the same --out in
+    this process) is loaded again."""
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(folder).iterdir()))
+    return _tokenizer_of(folder, stamp)
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str | bytes]) -> list[np.ndarray]:
@@ -120,6 +127,7 @@ def write_shard(out: Path, name: str, ids: list[np.ndarray], dtype: np.dtype,
 def tokenize_unit(out: str, dtype: str, unit: Unit) -> tuple[str, int, tuple[int, int, int | None], int]:
     """Worker: tokenize one unit and write its shard. Returns (split, index, (tokens, documents, trained),
     text bytes)."""
+    from fivefold.data.chat import ChatTemplate
     from fivefold.data.records import encode_record
 
     folder = Path(out) / "tokenizer"
@@ -128,7 +136,8 @@ def tokenize_unit(out: str, dtype: str, unit: Unit) -> tuple[str, int, tuple[int
     if all(d.kind == "text" for d in unit.docs):  # no mask: every token trained
         counts = write_shard(Path(out), name, encode_documents(tokenizer, [d.text for d in unit.docs]), np.dtype(dtype))
     else:
-        ids, masks = zip(*(encode_record(tokenizer, d, folder) for d in unit.docs), strict=True)
+        chat = ChatTemplate(folder)  # transformers' tokenizer, loaded at the unit's first chat
+        ids, masks = zip(*(encode_record(tokenizer, d, chat) for d in unit.docs), strict=True)
         counts = write_shard(Path(out), name, list(ids), np.dtype(dtype), list(masks))
     return unit.split, unit.index, counts, unit.nbytes
 

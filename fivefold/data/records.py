@@ -17,10 +17,9 @@ of the text), so the ids are exactly the whole text's encoding, never pieces enc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
+from fivefold.data.chat import ChatTemplate
 from fivefold.data.sources import DataError, Document
 
 
@@ -43,9 +42,8 @@ def _spans_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], sp
     return mask
 
 
-def encode_record(tokenizer, doc: Document, folder: Path | None) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) of one document, ending with the end-of-document id; `folder` holds the tokenizer's
-    files (its chat template)."""
+def encode_record(tokenizer, doc: Document, chat: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one document, ending with the end-of-document id; `chat` renders chats."""
     eod = tokenizer.eod
     if doc.kind == "text":
         ids = np.asarray(tokenizer.encode(doc.text), dtype=np.int64)
@@ -61,9 +59,7 @@ def encode_record(tokenizer, doc: Document, folder: Path | None) -> tuple[np.nda
     if doc.kind == "completion":
         text, spans, special = doc.prompt + doc.text, [(len(doc.prompt), len(doc.prompt) + len(doc.text))], True
     else:
-        from fivefold.data.chat import assistant_spans
-
-        text, spans = assistant_spans(folder, doc.messages, doc.name)
+        text, spans = chat.assistant_spans(doc.messages, doc.name)
         special = False
     enc = tokenizer.tok.encode(text, add_special_tokens=special)
     ids = np.asarray(enc.ids, dtype=np.int64)
