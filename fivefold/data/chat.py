@@ -6,22 +6,29 @@ renders it: the same Jinja environment, special-token variables and filters as a
 text trained on is the text the model will be prompted with (transformers is an optional extra:
 `pip install 'fivefold[hf]'`).
 
-Which characters are an assistant's: for assistant message k, the rendering of messages[:k] with the
-generation prompt (what a model sees before it answers) and the rendering of messages[:k+1] must both
-be prefixes of the whole chat's rendering; the characters between their ends are the turn: its content
-and the end-of-turn marker the template closes it with, i.e. what a model must generate. This works for
-any template that renders a chat's prefix as a prefix of the chat, and it is checked per record (a
-template that rewrites earlier turns once later ones exist, as Qwen3's drops old reasoning, is refused
-for that record by name). transformers' `return_assistant_tokens_mask` would need the template to mark
-turns with `{% generation %}`, which the published templates of Llama 3, Mistral, Qwen2.5 and Gemma 3
-do not.
+Which tokens are an assistant's, two ways:
+- a template that marks the assistant's text with `{% generation %}` ... `{% endgeneration %}`: those
+  characters, as transformers' `return_assistant_tokens_mask` marks them (its ids checked against ours);
+- any other template: for assistant message k, the rendering of messages[:k] with the generation prompt
+  (what a model sees before it answers) and the rendering of messages[:k+1] must both be prefixes of the
+  whole chat's rendering; the characters between their ends are the turn: its content and the
+  end-of-turn marker the template closes it with, i.e. what a model must generate. Published templates
+  (Llama 3, Mistral, Qwen2.5, Gemma 3) have no `{% generation %}`, and this needs nothing of a template
+  beyond rendering a chat's prefix as a prefix of the chat; that is checked per record (a template that
+  rewrites earlier turns once later ones exist, as Qwen3's drops old reasoning, is refused for that
+  record by name, unless it marks its turns).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
+
 from fivefold.data.sources import DataError
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def _one_line(e: Exception) -> str:
@@ -58,6 +65,20 @@ class ChatTemplate:
         except Exception as e:  # jinja2's TemplateError, or what the template raises (raise_exception)
             raise DataError(f"{name}: the chat template failed to render this record ({_one_line(e)}); fix the "
                             f"record's messages or the template") from None
+
+    def marks_turns(self) -> bool:
+        """Whether the template marks the assistant's text with {% generation %}."""
+        return bool(GENERATION_TAG.search(self._tokenizer().get_chat_template()))
+
+    def generation_mask(self, messages: list[dict], name: str, ids: list[int]) -> np.ndarray:
+        """transformers' return_assistant_tokens_mask for the chat, whose ids must be `ids` (ours)."""
+        self.render(messages, name)  # a template that raises is named here, as on the other path
+        out = self._tokenizer().apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                    return_assistant_tokens_mask=True)
+        if list(out["input_ids"]) != list(ids):
+            raise DataError(f"{name}: transformers' tokenizer encodes this chat otherwise than the prepared "
+                            f"tokenizer.json; give the model's directory as saved by transformers")
+        return np.asarray(out["assistant_masks"], dtype=np.uint8)
 
     def assistant_spans(self, messages: list[dict], name: str) -> tuple[str, list[tuple[int, int]]]:
         """(the chat's text, the [start, end) character spans of its assistant turns)."""

@@ -8,7 +8,8 @@ only. Per kind of document (sources.py):
   straddles the boundary is the completion's: its last characters must be generated);
 - chat: the template's rendering (chat.py) encoded without the tokenizer's special tokens (the
   template writes its own, as transformers' apply_chat_template does), a token trained when its
-  characters overlap an assistant turn's span.
+  characters overlap an assistant turn's span (or, with a template's {% generation %} marks, as
+  transformers' return_assistant_tokens_mask says).
 The end-of-document id that ends each document (appended unless already there) is trained when the
 token before it is: after a completion the model learns to stop; after a prompt it learns nothing.
 Characters are mapped to tokens by the tokenizer's offsets (the `tokenizers` package's, in characters
@@ -57,10 +58,15 @@ def encode_record(tokenizer, doc: Document, chat: ChatTemplate) -> tuple[np.ndar
         mask = (np.arange(len(ids)) >= len(prompt)).astype(np.uint8)
         return _ends(ids, mask, eod)
     if doc.kind == "completion":
-        text, spans, special = doc.prompt + doc.text, [(len(doc.prompt), len(doc.prompt) + len(doc.text))], True
+        text = doc.prompt + doc.text
+        enc = tokenizer.tok.encode(text, add_special_tokens=True)
+        spans = [(len(doc.prompt), len(text))]
+    elif chat.found and chat.marks_turns():  # the template's {% generation %} marks
+        enc = tokenizer.tok.encode(chat.render(doc.messages, doc.name), add_special_tokens=False)
+        mask = chat.generation_mask(doc.messages, doc.name, enc.ids)
+        return _ends(np.asarray(enc.ids, dtype=np.int64), mask, eod)
     else:
         text, spans = chat.assistant_spans(doc.messages, doc.name)
-        special = False
-    enc = tokenizer.tok.encode(text, add_special_tokens=special)
+        enc = tokenizer.tok.encode(text, add_special_tokens=False)
     ids = np.asarray(enc.ids, dtype=np.int64)
     return _ends(ids, _spans_mask(enc.offsets, spans, enc.special_tokens_mask), eod)

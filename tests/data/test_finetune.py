@@ -150,6 +150,39 @@ def test_chats_render_as_transformers_and_train_the_assistant_turns(tmp_path, ma
                 theirs.apply_chat_template(chat[:-1] if gen else chat, tokenize=False, add_generation_prompt=gen)
 
 
+# Qwen3's way: only the last turn shows its (empty) reasoning, so a turn renders otherwise once later turns
+# exist. Marked with {% generation %}, its turns are found as transformers marks them; unmarked, refused.
+REWRITES = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+            "{% generation %}{% if loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+            "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+            "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+            "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_template_marking_its_turns_is_masked_as_transformers_marks_them(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    folder = chat_tokenizer_dir(tmp_path / "tok", REWRITES, specials, "<|endoftext|>", "<|im_end|>")
+    theirs, tok = AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+    prepare([write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CHATS])], str(folder), tmp_path / "out",
+            val_fraction=0.0)
+    for (ids, mask), chat in zip(documents_of(tmp_path / "out"), CHATS, strict=True):
+        out = theirs.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids.tolist() == out["input_ids"] + [tok.eod] and mask.tolist() == out["assistant_masks"] + [0]
+        turns = [m["content"] for m in chat if m["role"] == "assistant"]  # by hand: the marked text
+        marked = "".join(("<think>\n\n</think>\n\n" if i == len(turns) - 1 else "") + t + "<|im_end|>"
+                         for i, t in enumerate(turns))
+        assert tok.tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == marked
+    # Unmarked, the multi-turn chat is refused by name: its first turn renders otherwise later on.
+    unmarked = chat_tokenizer_dir(tmp_path / "plain", REWRITES.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", ""), specials, "<|endoftext|>", "<|im_end|>")
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CHATS])
+    err = _cli_error(capsys, ["prepare", path, "--tokenizer", str(unmarked), "--out", str(tmp_path / "out2"),
+                              "--no-progress", "--val-fraction", "0", "--workers", "1"])
+    assert "chats.jsonl:2: the chat template renders messages[:2] as other than the start of the whole chat" in err
+
+
 def _cli_error(capsys, argv) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
