@@ -41,13 +41,13 @@ def layer_is_local(cfg: ModelConfig, layer: int) -> bool:
     return cfg.local_rope_theta > 0 and cfg.layer_window(layer) > 0
 
 
-def _plain(theta: float, dim: int) -> torch.Tensor:
+def _plain(theta: float, dim: int, device: torch.device | None) -> torch.Tensor:
     """theta^(-2i/dim), i < dim/2, in fp32: (dim/2,)."""
-    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
 
 
-def _llama3(cfg: ModelConfig, dim: int) -> torch.Tensor:
-    w = _plain(cfg.rope_theta, dim)  # (dim/2,)
+def _llama3(cfg: ModelConfig, dim: int, device: torch.device | None) -> torch.Tensor:
+    w = _plain(cfg.rope_theta, dim, device)  # (dim/2,)
     factor, low, high, context = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                   cfg.rope_original_context)
     wavelength = 2 * math.pi / w
@@ -73,7 +73,7 @@ def yarn_attention_factor(cfg: ModelConfig) -> float:
     return _yarn_mscale(cfg.rope_factor)
 
 
-def _yarn(cfg: ModelConfig, dim: int) -> torch.Tensor:
+def _yarn(cfg: ModelConfig, dim: int, device: torch.device | None) -> torch.Tensor:
     theta, factor, context = cfg.rope_theta, cfg.rope_factor, cfg.rope_original_context
 
     def dimension(turns: float) -> float:  # the (fractional) pair index turning `turns` times over the context
@@ -85,31 +85,34 @@ def _yarn(cfg: ModelConfig, dim: int) -> torch.Tensor:
     start, end = max(start, 0), min(end, dim - 1)
     if start == end:
         end += 0.001  # a ramp of zero width would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - start) / (end - start)).clamp(0, 1)  # (dim/2,)
+    pair = torch.arange(dim // 2, dtype=torch.float32, device=device)  # (dim/2,)
+    ramp = ((pair - start) / (end - start)).clamp(0, 1)
     kept = 1 - ramp  # the share of each pair's original frequency
-    wavelength = theta ** (torch.arange(0, dim, 2).float() / dim)
+    wavelength = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     return 1.0 / (factor * wavelength) * (1 - kept) + 1.0 / wavelength * kept
 
 
-def inverse_frequencies(cfg: ModelConfig, dim: int, local: bool = False) -> tuple[torch.Tensor, float]:
-    """(w (dim/2,) fp32 on the CPU, the factor cos and sin are multiplied by) for a rotated width
-    `dim`: the local layers' plain base when `local`, else rope_theta with cfg.rope_scaling."""
+def inverse_frequencies(cfg: ModelConfig, dim: int, local: bool = False,
+                        device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """(w (dim/2,) fp32 on `device`, the factor cos and sin are multiplied by) for a rotated width
+    `dim`: the local layers' plain base when `local`, else rope_theta with cfg.rope_scaling.
+    Computed where the positions are: a copy from the host every forward would wait for the GPU."""
     if local:
-        return _plain(cfg.local_rope_theta, dim), 1.0
+        return _plain(cfg.local_rope_theta, dim, device), 1.0
     if cfg.rope_scaling == "linear":
-        return _plain(cfg.rope_theta, dim) / cfg.rope_factor, 1.0
+        return _plain(cfg.rope_theta, dim, device) / cfg.rope_factor, 1.0
     if cfg.rope_scaling == "llama3":
-        return _llama3(cfg, dim), 1.0
+        return _llama3(cfg, dim, device), 1.0
     if cfg.rope_scaling == "yarn":
-        return _yarn(cfg, dim), yarn_attention_factor(cfg)
-    return _plain(cfg.rope_theta, dim), 1.0
+        return _yarn(cfg, dim, device), yarn_attention_factor(cfg)
+    return _plain(cfg.rope_theta, dim, device), 1.0
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, cfg: ModelConfig,
                  local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each position's rotation angles, times the attention factor: (..., T) -> (..., T, dim)."""
-    w, factor = inverse_frequencies(cfg, dim, local)
-    angles = positions.float()[..., None] * w.to(positions.device)  # (..., T, dim/2)
+    w, factor = inverse_frequencies(cfg, dim, local, positions.device)
+    angles = positions.float()[..., None] * w  # (..., T, dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, dim): the "rotate half" layout Hugging Face uses
     if factor == 1.0:
         return angles.cos(), angles.sin()
