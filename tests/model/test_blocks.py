@@ -170,3 +170,13 @@ def test_embed_scale_casts_as_transformers_does():
 def test_counts_equal_the_meta_model(family):
     cfg = dataclasses.replace(PRESETS["tiny"], **FAMILIES[family])
     assert model_counts(cfg, 320).total == count_on_meta(cfg, 320)
+
+
+def test_the_planner_prices_a_sandwich_block_s_four_norms():
+    from fivefold.planner.machine.ops import RankShapes, block_ops
+
+    shapes = RankShapes(tokens=64, sp_tokens=64, seq_len=32, kernel_seq=32)
+    base = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
+    norms = {position: block_ops(dataclasses.replace(base, norm_position=position), 0, shapes).parts["norms"]
+             for position in ("pre", "post", "sandwich")}
+    assert norms["post"] == norms["pre"] and norms["sandwich"] == 2 * norms["pre"]

@@ -44,6 +44,7 @@ def test_projection_qk_norm_traffic_is_two_all_reduces_a_token_per_block_and_pas
     plus for each block a (B, T) fp32 sum of squares all-reduced for q and for k in forward and in
     backward; its weights are split, so unlike per-head norms no gradient of theirs is summed."""
     from fivefold.parallel.comm.collectives import wire_bytes
+    from fivefold.planner.comm import activation_traffic
     from fivefold.train.metrics import read_metrics
 
     n, L, B, T, d = 2, 4, 8, 32, 64
@@ -54,6 +55,9 @@ def test_projection_qk_norm_traffic_is_two_all_reduces_a_token_per_block_and_pas
     plain = 4 * L * AR(B * T * d * 4) + 2 * AR(B * T * d * 4) + 3 * AR(B * T * 4) + AR(8)
     assert tp["calls"] == 4 * L + 2 + 3 + 1 + 4 * L
     assert tp["wire_bytes"] == plain + 4 * L * AR(B * T * 4)
+    # The planner's figure: all of it but the gradient norm's sum (planner/terms.py's step sync).
+    planned = activation_traffic(cfg, L, 0, True, True, T, 1, 4, 0)["tp"]
+    assert planned.calls == tp["calls"] - 1 and planned.bytes == pytest.approx(tp["wire_bytes"] - AR(8))
 
 
 # A checkpoint of the tp2 run (q/k/v biases, the projection q/k norm split over tp; the output bias
