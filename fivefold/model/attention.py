@@ -220,7 +220,7 @@ class LatentAttention(_LayerMask, nn.Module):
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
         self.kv_a_norm = rms_norm(cfg, cfg.kv_lora_rank)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=cfg.out_bias)
         self.window = cfg.layer_window(layer)
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None  # (H,) logits
         self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)

@@ -166,9 +166,15 @@ def test_embed_scale_casts_as_transformers_does():
     assert torch.equal(m.embed(tokens), theirs(tokens))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_counts_equal_the_meta_model(family):
-    cfg = dataclasses.replace(PRESETS["tiny"], **FAMILIES[family])
+COUNTED = {**{family: ("tiny", keys) for family, keys in FAMILIES.items()},
+           "mla-out-bias": ("tiny-mla", dict(out_bias=True)),
+           "sinks-pre": ("tiny", dict(attention_sinks=True, qkv_bias=True, qk_norm=True, qk_norm_span="all"))}
+
+
+@pytest.mark.parametrize("case", COUNTED)
+def test_counts_equal_the_meta_model(case):
+    preset, keys = COUNTED[case]
+    cfg = dataclasses.replace(PRESETS[preset], **keys)
     assert model_counts(cfg, 320).total == count_on_meta(cfg, 320)
 
 
