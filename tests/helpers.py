@@ -48,7 +48,7 @@ MLA_ARGS = ("--model.preset=tiny-mla", "--model.moe_bias_update=0.01", "--model.
 # output bias and per-head q/k norms.
 BLOCK_STEPS = (*EQUIVALENCE, "--train.steps=2", "--model.n_layers=4")
 OLMO2_ARGS = (*BLOCK_STEPS, "--model.norm_position=post", "--model.qk_norm=true", "--model.qk_norm_span=all",
-              "--model.n_kv_heads=2")
+              "--model.n_kv_heads=2", "--model.norm_weight_fp32=true")
 GEMMA_ARGS = (*BLOCK_STEPS, "--model.norm_position=sandwich", "--model.norm_offset=1.0", "--model.embed_scale=true",
               "--model.activation=gelu_tanh", "--model.qkv_bias=true", "--model.out_bias=true",
               "--model.qk_norm=true")

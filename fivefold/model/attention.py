@@ -43,9 +43,10 @@ class RMSNorm(nn.Module):
     each rank sums its slice's squares, the callable adds the others' (an all-reduce), and the mean
     divides by the whole `width`."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, weight_fp32: bool = False):
         super().__init__()
         self.eps, self.offset, self.width = eps, offset, dim
+        self.weight_fp32 = weight_fp32 or bool(offset)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))  # a scale of 1 to start
         self.sum_over: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -57,14 +58,15 @@ class RMSNorm(nn.Module):
         else:
             mean_square = self.sum_over(xf.pow(2).sum(-1, keepdim=True)) / self.width  # (..., 1)
         xf = xf * torch.rsqrt(mean_square + self.eps)
-        if self.offset:  # the scale applied in fp32, then cast (transformers' Gemma3RMSNorm order)
-            return (xf * (self.offset + self.weight.float())).type_as(x)
+        if self.weight_fp32:  # scaled in fp32, then cast (transformers' Gemma3RMSNorm and Olmo2RMSNorm order)
+            scale = self.weight.float() + self.offset if self.offset else self.weight.float()  # (dim,)
+            return (xf * scale).type_as(x)
         return xf.type_as(x) * self.weight  # cast, then scaled (transformers' LlamaRMSNorm order)
 
 
 def rms_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
-    """A norm of the model `cfg` over `dim` features: its epsilon and its weight offset."""
-    return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset)
+    """A norm of the model `cfg` over `dim` features: its epsilon, weight offset and cast order."""
+    return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset, cfg.norm_weight_fp32)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

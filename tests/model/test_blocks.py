@@ -17,7 +17,7 @@ from fivefold.model.presets import PRESETS
 from fivefold.model.transformer import Transformer
 
 # The two families the tests train (tests/parallel/test_block_layouts.py uses the same keys).
-OLMO2_LIKE = dict(norm_position="post", qk_norm=True, qk_norm_span="all", n_kv_heads=2)
+OLMO2_LIKE = dict(norm_position="post", qk_norm=True, qk_norm_span="all", n_kv_heads=2, norm_weight_fp32=True)
 GEMMA_QWEN2_LIKE = dict(norm_position="sandwich", norm_offset=1.0, embed_scale=True, activation="gelu_tanh",
                         qkv_bias=True, out_bias=True, qk_norm=True)
 FAMILIES = {"olmo2-like": OLMO2_LIKE, "gemma-qwen2-like": GEMMA_QWEN2_LIKE}
@@ -138,20 +138,26 @@ def test_seeded_init_starts_biases_at_zero_and_offset_norms_at_a_scale_of_one():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_casts_as_transformers_does(dtype):
-    """Bit for bit against transformers' Llama norm (cast, then scaled) and Gemma 3's ((1 + w) applied in
-    fp32, then cast): they differ in bf16."""
+    """Bit for bit against transformers' Llama norm (cast, then scaled), OLMo 2's (scaled in fp32, then
+    cast: model.norm_weight_fp32) and Gemma 3's ((1 + w) applied in fp32, then cast): they differ in bf16."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(3, 5, 64, generator=g) * 4).to(dtype), torch.randn(64, generator=g).to(dtype)
-    for ours, theirs, offset in [(RMSNorm(64, 1e-6), LlamaRMSNorm(64, 1e-6), 0.0),
-                                 (RMSNorm(64, 1e-6, 1.0), Gemma3RMSNorm(64, 1e-6), 1.0)]:
+    pairs = {"llama": (RMSNorm(64, 1e-6), LlamaRMSNorm(64, 1e-6)),
+             "olmo2": (RMSNorm(64, 1e-6, weight_fp32=True), Olmo2RMSNorm(64, 1e-6)),
+             "gemma3": (RMSNorm(64, 1e-6, 1.0), Gemma3RMSNorm(64, 1e-6))}
+    outputs = {}
+    for family, (ours, theirs) in pairs.items():
         ours.to(dtype), theirs.to(dtype)
         with torch.no_grad():
             ours.weight.copy_(w)
             theirs.weight.copy_(w)
-        assert torch.equal(ours(x), theirs(x)), offset
+        outputs[family] = ours(x)
+        assert torch.equal(outputs[family], theirs(x)), family
+    assert torch.equal(outputs["llama"], outputs["olmo2"]) == (dtype == torch.float32)
 
 
 def test_embed_scale_casts_as_transformers_does():
