@@ -91,7 +91,8 @@ class Transformer(nn.Module):
         factor cast to the embeddings' dtype first, as transformers' Gemma3TextScaledWordEmbedding does)."""
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         if self.cfg.embed_scale:
-            h = h * torch.tensor(self.cfg.dim ** 0.5, device=h.device).to(h.dtype)
+            # a 0-dim CPU tensor: a scalar to any device's kernel, no copy to the device
+            h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
         return h
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
