@@ -113,7 +113,7 @@ class GlobalBatches:
 @dataclass
 class RankBatch:
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]]  # (inputs, targets), each (micro_batch, T)
-    global_tokens: int  # targets that count in the whole global batch, over all ranks
+    global_tokens: int  # targets that count (trained ones, under a loss mask) in the whole global batch, all ranks
     indices: np.ndarray  # this rank's sample indices (for tests and logs)
 
 

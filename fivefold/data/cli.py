@@ -13,12 +13,14 @@ from pathlib import Path
 
 
 def add_prepare_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="tokenize text, .jsonl(.gz) or .parquet into a prepared dataset",
+    p = sub.add_parser("prepare", help="tokenize text, .jsonl(.gz) (text, prompt/completion or chat messages) or "
+                                       ".parquet into a prepared dataset",
                        description=__doc__.split("\n")[0])
     p.add_argument("inputs", nargs="*", help="text files or folders, .jsonl / .jsonl.gz, .parquet (none: the "
                                              "Python standard library's sources)")
     p.add_argument("--tokenizer", default="byte", help="byte, bpe (trained here), or a Hugging Face tokenizer.json "
-                                                       "or its directory (default: byte)")
+                                                       "or a model's directory (tokenizer.json or a SentencePiece "
+                                                       "tokenizer.model; its chat template for chats) (default: byte)")
     p.add_argument("--out", required=True, help="the dataset directory to write (or to finish, if interrupted)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet columns")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out (by name)")
@@ -50,7 +52,9 @@ def run_prepare(args: argparse.Namespace) -> int:
     if warning:
         print(f"fivefold: warning: {warning}", file=sys.stderr)
     s = m["splits"]
-    print(f"{args.out}: {s['train']['tokens']:,} training tokens in {s['train']['documents']:,} documents "
+    trained = f" ({s['train']['trained']:,} of them trained: completions and assistant turns)" \
+        if "trained" in s["train"] else ""
+    print(f"{args.out}: {s['train']['tokens']:,} training tokens{trained} in {s['train']['documents']:,} documents "
           f"({len(s['train']['shards'])} shards), {s['val']['tokens']:,} held out in {s['val']['documents']:,}; "
           f"{m['tokenizer']['kind']} tokenizer, vocabulary {m['tokenizer']['vocab_size']:,}, {m['dtype']}")
     return 0

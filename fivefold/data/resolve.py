@@ -85,6 +85,8 @@ def _tokenizer_facts(spec: str, mtime_ns: int) -> tuple[int, str]:
 
 def tokenizer_facts(spec: str) -> tuple[int, str]:
     path = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+    if Path(spec).is_dir() and not path.exists():
+        path = Path(spec) / "tokenizer.model"  # a SentencePiece model, converted (tokenizer.py)
     return _tokenizer_facts(spec, path.stat().st_mtime_ns if path.exists() else 0)
 
 
@@ -95,7 +97,7 @@ def check_prepared(folder: Path) -> dict:
     for split in manifest["splits"].values():
         for shard in split["shards"]:
             name = shard["file"].removesuffix(".bin")
-            if shard_done(folder, name, itemsize) != (shard["tokens"], shard["documents"]):
+            if shard_done(folder, name, itemsize) != (shard["tokens"], shard["documents"], shard.get("trained")):
                 raise DataError(f"{folder / shard['file']}: missing or truncated (the manifest says {shard['tokens']} "
                                 f"tokens); prepare the dataset again")
     return manifest

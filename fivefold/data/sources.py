@@ -4,6 +4,11 @@ One order for everything: the paths as given, a folder's files sorted (hidden on
 records in file order. Each document has a name, stable when the corpus grows or shrinks: the file's
 path, or `path:line` (jsonl, 1-based) / `path:row` (parquet, 0-based); the validation split hashes it.
 
+A .jsonl record is text (its `text_field`), or fine-tuning data, told apart by its fields when it has
+no text field: `prompt` and `completion` (strings: only the completion is trained), or `messages` (a
+chat: a list of {"role", "content"}, rendered by the model's chat template; only the assistant turns
+are trained). fivefold/data/records.py tokenizes them and marks the trained tokens.
+
 A file that is neither of the record formats is text, unless it holds a NUL byte in its first 8 kB (a
 binary file inside a text folder): those are skipped, counted and named (`Skipped`), never silently.
 Prepared datasets and pre-tokenized token files are not documents: fivefold/data/resolve.py tells
@@ -28,7 +33,20 @@ class DataError(ValueError):
 @dataclass
 class Document:
     name: str
-    text: str | bytes  # bytes for text files (the byte tokenizer keeps them exact), str for records
+    text: str | bytes  # bytes for text files (the byte tokenizer keeps them exact), str for records; a
+    # prompt/completion record's completion; "" for a chat
+    prompt: str | None = None  # a prompt/completion record's prompt (not trained)
+    messages: list[dict] | None = None  # a chat record's messages
+
+    @property
+    def kind(self) -> str:
+        return "chat" if self.messages is not None else "completion" if self.prompt is not None else "text"
+
+    def __len__(self) -> int:
+        """Its size in characters (bytes for text files): what units and max_bytes count."""
+        if self.messages is not None:
+            return sum(len(str(m.get("content") or "")) for m in self.messages)
+        return len(self.text) + len(self.prompt or "")
 
 
 @dataclass
@@ -93,15 +111,40 @@ def input_files(paths: list[str] | tuple[str, ...]) -> list[Path]:
     return files
 
 
-def _record_text(record: object, text_field: str, where: str) -> str:
-    if not isinstance(record, dict) or text_field not in record:
-        keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-        raise DataError(f"{where}: no field '{text_field}' (has: {keys}); name the text field with --text-field "
-                        f"(prepare) or data.text_field")
-    text = record[text_field]
-    if not isinstance(text, str):
-        raise DataError(f"{where}: field '{text_field}' is {type(text).__name__}, not a string")
-    return text
+def _string(record: dict, key: str, where: str, fix: str) -> str:
+    if key not in record:
+        raise DataError(f"{where}: no field '{key}' (has: {', '.join(map(str, record))}); {fix}")
+    if not isinstance(record[key], str):
+        raise DataError(f"{where}: field '{key}' is {type(record[key]).__name__}, not a string")
+    return record[key]
+
+
+def _messages(record: dict, where: str) -> list[dict]:
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field 'messages' is not a non-empty list; a chat record holds a list of "
+                        f"{{\"role\": ..., \"content\": ...}}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise DataError(f"{where}: messages[{i}] has no 'role' string; each message is {{\"role\": ..., "
+                            f"\"content\": ...}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no message with role 'assistant', so nothing would be trained; give each chat "
+                        f"an assistant turn")
+    return messages
+
+
+def _record(record: object, text_field: str, where: str) -> Document:
+    """A record's document: its text field, else a prompt/completion pair, else a chat's messages."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a {type(record).__name__}, not a JSON object; each line holds one record")
+    if text_field not in record and "messages" in record:
+        return Document(where, "", messages=_messages(record, where))
+    if text_field not in record and ("prompt" in record or "completion" in record):
+        fix = "a prompt/completion record needs both as strings"
+        return Document(where, _string(record, "completion", where, fix), prompt=_string(record, "prompt", where, fix))
+    return Document(where, _string(record, text_field, where, "name the text field with --text-field (prepare) or "
+                                   "data.text_field, or give prompt and completion, or messages"))
 
 
 def _jsonl(path: Path, text_field: str) -> Iterator[Document]:
@@ -117,7 +160,7 @@ def _jsonl(path: Path, text_field: str) -> Iterator[Document]:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: not a JSON object ({e.msg}); each line of a .jsonl file holds one "
                                     f"record") from None
-                yield Document(where, _record_text(record, text_field, where))
+                yield _record(record, text_field, where)
     except (OSError, EOFError, UnicodeDecodeError) as e:  # a damaged .gz, or not UTF-8
         raise DataError(f"{path}: cannot be read as {'gzip ' if path.name.endswith('.gz') else ''}JSON lines "
                         f"({e})") from None
@@ -159,7 +202,9 @@ def documents(files: list[Path], text_field: str = "text", max_bytes: int = 0,
                 continue
             docs = iter([Document(str(path), content)])
         for doc in docs:
-            size = len(doc.text)
+            size = len(doc)
+            if max_bytes and total + size > max_bytes and doc.kind != "text":
+                return  # a record is whole or absent: half a chat or completion trains on a cut answer
             if max_bytes and total + size > max_bytes:
                 doc = Document(doc.name, doc.text[: max_bytes - total])
                 size = len(doc.text)

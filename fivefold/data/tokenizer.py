@@ -9,7 +9,10 @@ A Hugging Face tokenizer is a `tokenizer.json` (the `tokenizers` package's forma
 `transformers` saves one: its `tokenizer.json` and `tokenizer_config.json`. The special tokens a text gets
 are those its `tokenizer.json` post-processor adds (Llama 3: BOS; a TemplateProcessing "<s> $A </s>": BOS
 and EOS), which is what `transformers.AutoTokenizer` gives (transformers 5 applies the post-processor and
-does not read `add_bos_token` for tokenizer.json-backed tokenizers). The document end is the EOS token
+does not read `add_bos_token` for tokenizer.json-backed tokenizers). A directory with a SentencePiece
+`tokenizer.model` and no tokenizer.json is converted by transformers (convert_sentencepiece). The directory's
+chat template (`chat_template.jinja`; tokenizer_config.json's `chat_template` comes with that file) is
+kept with the tokenizer's files for chat records (chat.py). The document end is the EOS token
 named by `tokenizer_config.json` (`eos_token`), else one of the usual names found in the vocabulary;
 packing appends it to a document that does not already end with it (fivefold/data/prepare.py).
 """
@@ -17,12 +20,15 @@ packing appends it to a document that does not already end with it (fivefold/dat
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+# What converting a SentencePiece tokenizer.model needs: module -> package (the `hf` extra).
+SENTENCEPIECE_EXTRAS = {"transformers": "transformers", "sentencepiece": "sentencepiece", "google.protobuf": "protobuf"}
 EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eod|>", "<|im_end|>")  # when no config names one
 
 
@@ -81,7 +87,8 @@ class HFTokenizer:
 
     kind = "hf"
 
-    def __init__(self, json_bytes: bytes, config_bytes: bytes | None = None, where: str = "tokenizer.json"):
+    def __init__(self, json_bytes: bytes, config_bytes: bytes | None = None, where: str = "tokenizer.json",
+                 template: bytes | None = None):
         from tokenizers import Tokenizer as RustTokenizer
 
         try:
@@ -95,7 +102,7 @@ class HFTokenizer:
                 self.config = json.loads(config_bytes)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise TokenizerError(f"{Path(where).parent / 'tokenizer_config.json'}: not valid JSON ({e})") from None
-        self._json, self._config_bytes = json_bytes, config_bytes
+        self._json, self._config_bytes, self._template = json_bytes, config_bytes, template
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos = self._id(_token_content(self.config.get("bos_token")))
         self.eod = self._eod(where)
@@ -117,13 +124,20 @@ class HFTokenizer:
 
     @classmethod
     def from_path(cls, path: Path) -> HFTokenizer:
-        """A tokenizer.json file, or a directory holding one (and maybe tokenizer_config.json)."""
+        """A tokenizer.json file, or a directory holding one or a SentencePiece tokenizer.model (and maybe
+        tokenizer_config.json, chat_template.jinja)."""
         file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise TokenizerError(f"data.tokenizer: '{path}' holds no tokenizer.json; give a Hugging Face "
-                                 f"tokenizer.json or the directory transformers saved it in, or 'byte' / 'bpe'")
-        config = file.with_name("tokenizer_config.json")
-        return cls(file.read_bytes(), config.read_bytes() if config.is_file() else None, str(file))
+        if path.is_dir() and not file.is_file() and (path / "tokenizer.model").is_file():
+            json_bytes = convert_sentencepiece(path)
+        elif not file.is_file():
+            raise TokenizerError(f"data.tokenizer: '{path}' holds no tokenizer.json or tokenizer.model; give a "
+                                 f"Hugging Face tokenizer.json or the directory transformers saved it in, or 'byte' / "
+                                 f"'bpe'")
+        else:
+            json_bytes = file.read_bytes()
+        config, template = file.with_name("tokenizer_config.json"), file.with_name("chat_template.jinja")
+        return cls(json_bytes, config.read_bytes() if config.is_file() else None, str(file),
+                   template.read_bytes() if template.is_file() else None)
 
     def encode(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
@@ -140,7 +154,39 @@ class HFTokenizer:
         out = {"tokenizer.json": self._json}
         if self._config_bytes is not None:
             out["tokenizer_config.json"] = self._config_bytes
+        if self._template is not None:
+            out["chat_template.jinja"] = self._template
         return out
+
+
+def missing_extras() -> list[str]:
+    """The packages converting a tokenizer.model needs that do not import here."""
+    missing = []
+    for module, package in SENTENCEPIECE_EXTRAS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
+def convert_sentencepiece(folder: Path) -> bytes:
+    """The tokenizer.json transformers builds from `folder`'s SentencePiece tokenizer.model (Llama 2, Mistral,
+    Gemma): `AutoTokenizer` converts it, the tokenizer class its tokenizer_config.json or config.json names
+    choosing the normalizer, pre-tokenizer and special tokens, and that tokenizer's own tokenizer.json is
+    kept, so the ids are transformers' ids."""
+    missing = missing_extras()
+    if missing:
+        raise TokenizerError(f"{folder / 'tokenizer.model'}: converting a SentencePiece model needs "
+                             f"{', '.join(missing)}; pip install 'fivefold[hf]' (or: pip install {' '.join(missing)})")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # a damaged model: sentencepiece and protobuf raise their own types
+        raise TokenizerError(f"{folder / 'tokenizer.model'}: transformers could not convert it "
+                             f"({' '.join(str(e).split())}); give a SentencePiece model or a tokenizer.json") from None
+    return tok.backend_tokenizer.to_str().encode()
 
 
 def train_bpe(texts, vocab_size: int) -> HFTokenizer:

@@ -29,28 +29,46 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 
 class TokenStream:
     """Arrays of token ids (memory maps of token files, or arrays in memory) read as one sequence;
-    `eod` ends each document."""
+    `eod` ends each document. `masks` (a loss mask per part, 1 = trained, None for a part whose every
+    token is trained; prepare.py's .mask files), or None when no part has one."""
 
-    def __init__(self, parts: list[np.ndarray], eod: int):
-        self.maps = [p for p in parts if len(p)]
+    def __init__(self, parts: list[np.ndarray], eod: int, masks: list[np.ndarray | None] | None = None):
+        kept = [i for i, p in enumerate(parts) if len(p)]
+        self.maps = [parts[i] for i in kept]
+        self.masks = [masks[i] for i in kept] if masks is not None and any(m is not None for m in masks) else None
         self.starts = np.concatenate([[0], np.cumsum([len(m) for m in self.maps])]).astype(np.int64)
         self.n_tokens, self.eod = int(self.starts[-1]), eod
 
     @classmethod
-    def of_files(cls, files: list[tuple[Path, int]], dtype: np.dtype, eod: int) -> TokenStream:
-        """(file, token count) pairs, each mapped, nothing read."""
-        return cls([np.memmap(f, dtype=dtype, mode="r", shape=(n,)) for f, n in files if n], eod)
+    def of_files(cls, files: list[tuple[Path, int]], dtype: np.dtype, eod: int,
+                 masks: list[Path | None] | None = None) -> TokenStream:
+        """(file, token count) pairs, each mapped (and its mask file, if any), nothing read."""
+        maps = [np.memmap(f, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype) for f, n in files]
+        mask_maps = None if masks is None else [
+            np.memmap(m, dtype=np.uint8, mode="r", shape=(n,)) if m is not None and n else None
+            for m, (_, n) in zip(masks, files, strict=True)]
+        return cls(maps, eod, mask_maps)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) as int64, across file boundaries."""
+    def _read(self, arrays: list, start: int, stop: int, dtype, fill: int) -> np.ndarray:
         stop = min(stop, self.n_tokens)
         parts, i = [], int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
-            m, base = self.maps[i], int(self.starts[i])
-            take = min(stop, base + len(m)) - start
-            parts.append(np.asarray(m[start - base : start - base + take], dtype=np.int64))
+            m, base = arrays[i], int(self.starts[i])
+            take = min(stop, base + len(self.maps[i])) - start
+            parts.append(np.full(take, fill, dtype) if m is None else np.asarray(m[start - base : start - base + take],
+                                                                                 dtype=dtype))
             start, i = start + take, i + 1
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) as int64, across file boundaries."""
+        return self._read(self.maps, start, stop, np.int64, 0)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of tokens [start, stop) as bool (all True without masks)."""
+        if self.masks is None:
+            return np.ones(max(0, min(stop, self.n_tokens) - start), dtype=bool)
+        return self._read(self.masks, start, stop, np.bool_, 1)
 
 
 def _sized(path: Path, itemsize: int) -> int:
@@ -62,8 +80,10 @@ def _sized(path: Path, itemsize: int) -> int:
 
 
 def prepared_stream(folder: Path, manifest: dict, split: str) -> TokenStream:
-    files = [(folder / s["file"], s["tokens"]) for s in manifest["splits"][split]["shards"]]
-    return TokenStream.of_files(files, np.dtype(manifest["dtype"]), manifest["tokenizer"]["eod"])
+    shards = manifest["splits"][split]["shards"]
+    files = [(folder / s["file"], s["tokens"]) for s in shards]
+    masks = [folder / s["file"].replace(".bin", ".mask") if "trained" in s else None for s in shards]
+    return TokenStream.of_files(files, np.dtype(manifest["dtype"]), manifest["tokenizer"]["eod"], masks)
 
 
 def read_megatron_index(path: Path) -> tuple[np.dtype, int, int]:
@@ -107,7 +127,9 @@ def open_token_files(d: DataConfig, split: str) -> TokenStream | None:
 class PackedDataset:
     """A stream cut into samples of seq_len + 1 tokens that overlap by one (inputs = tokens[:-1],
     targets = tokens[1:]); sample i starts at token i * seq_len. The tail that does not fill a sample
-    becomes one padded sample whose missing targets are -100, so no token is dropped."""
+    becomes one padded sample whose missing targets are -100, so no token is dropped. With a loss mask
+    (fine-tuning records), a target that is not trained is -100 too: the loss and the step's token
+    count (the denominator, targets_in) skip it alike, in every layout."""
 
     def __init__(self, stream: TokenStream, seq_len: int):
         self.stream, self.seq_len = stream, seq_len
@@ -120,7 +142,11 @@ class PackedDataset:
         return self.n_samples
 
     def targets_in(self, indices: np.ndarray) -> int:
-        """Targets that count in these samples: seq_len each, the tail sample fewer."""
+        """Targets that count in these samples: seq_len each, the tail sample fewer; with a loss mask, the
+        trained ones (read from the mask: every rank counts the whole global batch alike)."""
+        if self.stream.masks is not None:
+            T = self.seq_len
+            return sum(int(self.stream.read_mask(int(i) * T + 1, int(i) * T + T + 1).sum()) for i in indices)
         short = int(np.count_nonzero(np.asarray(indices) == self.n_samples - 1))
         return len(indices) * self.seq_len - short * (self.seq_len - self.tail_targets)
 
@@ -132,9 +158,12 @@ class PackedDataset:
         targets = np.full(T, IGNORE, dtype=np.int64)
         inputs[: len(chunk) - 1] = chunk[:-1]
         targets[: len(chunk) - 1] = chunk[1:]
+        if self.stream.masks is not None:  # targets of untrained tokens count nothing
+            trained = self.stream.read_mask(i * T + 1, i * T + T + 1)  # (len(chunk) - 1,)
+            targets[: len(trained)][~trained] = IGNORE
         return inputs, targets
 
 
-def in_memory_stream(ids: np.ndarray, eod: int) -> TokenStream:
-    """A stream over ids already in memory (tests, and tiny corpora)."""
-    return TokenStream([np.asarray(ids)], eod)
+def in_memory_stream(ids: np.ndarray, eod: int, mask: np.ndarray | None = None) -> TokenStream:
+    """A stream over ids (and maybe their loss mask) already in memory (tests, and tiny corpora)."""
+    return TokenStream([np.asarray(ids)], eod, None if mask is None else [np.asarray(mask)])

@@ -116,11 +116,15 @@ def block_params(m: ModelConfig, layer: int) -> BlockParams:
     attn_matmul = attn + down
     if m.n_experts and layer >= m.first_dense_layers:
         h = m.moe_ffn_dim or m.ffn_dim
-        router, experts = d * m.n_experts, 3 * m.n_experts * d * h  # gate, up, down per expert
+        router, expert = d * m.n_experts, 3 * d * h  # gate, up, down per expert
         shared = 3 * d * h * m.n_shared_experts  # one SwiGLU of width h x n_shared
-        active = attn_matmul + router + shared + 3 * d * h * m.top_k
-        return BlockParams(tp_split=attn, replicated=replicated + router + shared, experts=experts,
-                           active_matmul=active, routed_active=3 * d * h * m.top_k, tp_split_other=attn_split_other)
+        active = attn_matmul + router + shared + expert * m.top_k
+        # moe_bias (gpt-oss): the router's bias (E, replicated) and each expert's gate, up and down biases
+        router_bias, expert_bias = (m.n_experts, 2 * h + d) if m.moe_bias else (0, 0)
+        return BlockParams(tp_split=attn, replicated=replicated + router + router_bias + shared,
+                           experts=m.n_experts * (expert + expert_bias), active_matmul=active,
+                           routed_active=(expert + expert_bias) * m.top_k,
+                           tp_split_other=attn_split_other)
     ffn = 3 * d * m.ffn_dim  # gate, up, down
     return BlockParams(tp_split=attn + ffn, replicated=replicated, experts=0, active_matmul=attn_matmul + ffn,
                        tp_split_other=attn_split_other)

@@ -1,6 +1,6 @@
 """Mixture-of-experts feed-forward blocks, free of any parallelism: routing, the experts, the local dispatch.
 
-`MoE` routes each token to top-k of E SwiGLU experts (`GroupedExperts`, stacked so expert parallel
+`MoE` routes each token to top-k of E gated experts (`GroupedExperts`, stacked so expert parallel
 shards them along dim 0), plus optional always-on shared experts. Its dispatch is a callable
 attribute: `local_dispatch` runs every expert in this process; expert parallel swaps in an
 all-to-all (parallel/expert.py). Balance losses, capacity dropping and the step's routing counts
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
-from fivefold.model.ffn import FeedForward
+from fivefold.model.ffn import FeedForward, gated
 
 
 def grouped_dtype(x: torch.Tensor, dim: int, hidden: int) -> torch.dtype | None:
@@ -36,13 +36,23 @@ def grouped_dtype(x: torch.Tensor, dim: int, hidden: int) -> torch.dtype | None:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked weights, so expert parallel shards them along dim 0."""
+    """E gated experts (SwiGLU, GeGLU or gpt-oss's clamped SwiGLU: ffn.gated) stored as stacked weights,
+    so expert parallel shards them along dim 0. With `bias` (gpt-oss) each projection has a bias per
+    expert, stacked the same way: gate_bias, up_bias (E, hidden) and down_bias (E, dim)."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, bias: bool = False, activation: str = "silu",
+                 limit: float = 0.0):
         super().__init__()
+        self.activation, self.limit = activation, limit
         self.gate = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.up = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.down = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.gate_bias = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.up_bias = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(n_experts, dim)) if bias else None
+        for b in (self.gate_bias, self.up_bias, self.down_bias):
+            if b is not None:  # biases, though 2-D (stacked): no weight decay (parallel/optimizer.py)
+                b.no_decay = True
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Whether forward runs one grouped matmul per weight (no host numbers needed) on x."""
@@ -50,21 +60,42 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """x (N, dim) sorted by expert, counts (E,) rows for each local expert on x's device -> (N, dim).
-        `sizes`: the same counts read to the host already (the loop needs them; read here if not given)."""
+        `sizes`: the same counts read to the host already (the loop needs them; read here if not given).
+
+        The grouped matmul and the loop differ in the matmuls only: activation and biases are the
+        same code on the same (N, ...) rows, so both give the same numbers."""
         dtype = grouped_dtype(x, *self.gate.shape[1:])
         if dtype is not None:
             ends = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) one past each expert's last row
             gate, up, down = (w.to(dtype) for w in (self.gate, self.up, self.down))
             x = x.to(dtype)
-            h = F.silu(torch._grouped_mm(x, gate, offs=ends)) * torch._grouped_mm(x, up, offs=ends)  # (N, hidden)
-            return torch._grouped_mm(h, down, offs=ends)
-        outs = []
-        # unbind once: its backward stacks the experts' gradients in one pass, where indexing
-        # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each
-        gate, up, down = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
-        for e, chunk in enumerate(torch.split(x, counts.tolist() if sizes is None else sizes)):
-            outs.append((F.silu(chunk @ gate[e]) * (chunk @ up[e])) @ down[e])
-        return torch.cat(outs) if outs else x[:0]
+
+            def matmul(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return torch._grouped_mm(rows, w, offs=ends)
+        else:
+            sizes = counts.tolist() if sizes is None else sizes
+            # unbind once: its backward stacks the experts' gradients in one pass, where indexing
+            # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each
+            gate, up, down = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
+
+            def matmul(rows: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                return torch.cat([chunk @ w_e for chunk, w_e in zip(torch.split(rows, sizes), w, strict=True)])
+        expert_of_row = None
+        if self.gate_bias is not None:  # each row's expert, from the counts on the device: no host read
+            expert_of_row = torch.arange(len(counts), device=x.device).repeat_interleave(
+                counts, output_size=x.shape[0])  # (N,)
+        h = gated(self._biased(matmul(x, gate), self.gate_bias, expert_of_row),
+                  self._biased(matmul(x, up), self.up_bias, expert_of_row), self.activation, self.limit)  # (N, hidden)
+        return self._biased(matmul(h, down), self.down_bias, expert_of_row)  # (N, dim)
+
+    @staticmethod
+    def _biased(y: torch.Tensor, bias: torch.Tensor | None, expert_of_row: torch.Tensor | None) -> torch.Tensor:
+        """y (N, w) + each row's expert's bias (E, w) in y's dtype (as nn.Linear's bias under autocast).
+        torch._grouped_mm takes no bias, so the rows' biases are looked up: an embedding, whose
+        backward sums each expert's rows (deterministically on CUDA, unlike index_add)."""
+        if bias is None:
+            return y
+        return y + F.embedding(expert_of_row, bias).to(y.dtype)  # (N, w)
 
 
 def histogram(values: torch.Tensor, bins: int) -> torch.Tensor:
@@ -183,7 +214,9 @@ class MoE(nn.Module):
 
     Routing (model/config.py): softmax or sigmoid scores, optionally group-limited (`select`), the
     top-k weights renormalised (norm_topk) and multiplied by moe_routed_scale (DeepSeek-V3: 2.5,
-    the routed experts' output only; the shared experts' is not scaled).
+    the routed experts' output only; the shared experts' is not scaled). With moe_bias the router's
+    logits have a bias (gpt-oss: softmax over the top-k logits, which is softmax, top-k and
+    renormalise: router_score "softmax" with norm_topk).
     Load balancing (all off by default, then the math is the plain top-k MoE):
     - `expert_bias` (E,): added to the scores to choose the top-k, never to the gate weights
       (DeepSeek-V3 sec. 2.1.2, auxiliary-loss-free); the training loop moves it after each step
@@ -205,9 +238,10 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.score, self.norm_topk = cfg.router_score, cfg.norm_topk
         self.n_groups, self.topk_groups, self.routed_scale = cfg.n_expert_groups, cfg.topk_groups, cfg.moe_routed_scale
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
-        self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=cfg.moe_bias)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden, cfg.moe_bias, cfg.activation, cfg.swiglu_limit)
+        self.shared = (FeedForward(cfg.dim, hidden * cfg.n_shared_experts, cfg.activation) if cfg.n_shared_experts
+                       else None)
         self.dispatch: Callable[..., torch.Tensor] = local_dispatch
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=cfg.moe_bias_update > 0)
         self.aux_weight, self.capacity_factor = cfg.moe_aux_loss, cfg.moe_capacity_factor

@@ -1,9 +1,9 @@
 """Expert parallel: the routed experts of each MoE block split over `ep` ranks, tokens sent to them.
 
-What is sharded: the stacked expert weights (E, dim, hidden) of every MoE block, along dim 0. The
-ep ranks of one group hold experts [r E/ep, (r+1) E/ep) each, and see different tokens (they are
-data- or context-parallel ranks). Everything else (attention, router, shared experts, the routing
-bias) stays replicated.
+What is sharded: the stacked expert weights (E, dim, hidden) of every MoE block, and their biases
+(E, hidden) / (E, dim) with moe_bias, along dim 0. The ep ranks of one group hold experts
+[r E/ep, (r+1) E/ep) each, and see different tokens (they are data- or context-parallel ranks).
+Everything else (attention, router and its bias, shared experts, the routing bias) stays replicated.
 
 Groups: the mesh's "ep" view (parallel/mesh.py carves it out of the grad view, dp_replicate x dp_shard x
 cp): the ep ranks of one group hold different experts and see different tokens. The grad ranks
@@ -47,6 +47,7 @@ from fivefold.model.moe import GroupedExperts, MoE, sort_by_expert
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
+from fivefold.parallel.materialize import carry_marks
 from fivefold.parallel.mesh import Mesh
 
 
@@ -110,9 +111,12 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
     Each kept tensor records the dim it was split along (`ep_dim`), as tensor parallel's `tp_dim`:
     data parallel and checkpoints tell expert weights apart by it (state_dict.is_expert_parameter).
     """
-    for name in ("gate", "up", "down"):
+    for name in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
         full = getattr(experts, name)
+        if full is None:  # no expert biases (moe_bias off)
+            continue
         part = nn.Parameter(full.detach().chunk(group.size, dim=0)[group.rank].clone())  # (E/ep, ...)
+        carry_marks(full, part)
         part.ep_dim = 0
         setattr(experts, name, part)
 

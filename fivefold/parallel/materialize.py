@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 # Attributes the parallel code sets on the tensors it slices (the dim they were split along) or
-# whose gradients it completes (tp_partial, expert.py): a replacement carries them over.
-_MARKS = ("tp_dim", "ep_dim", "tp_partial")
+# whose gradients it completes (tp_partial, expert.py), and the model's no_decay (the experts'
+# stacked biases, parallel/optimizer.py): a replacement carries them over.
+MARKS = ("tp_dim", "ep_dim", "tp_partial", "no_decay")
 # Set on every tensor made here: on the meta device (the dry run, dry_run.py) a made parameter is
 # still meta, and must not be made again (hooks and ZeRO-3's units hold the tensor itself).
 _MADE = "_materialized"
@@ -42,13 +43,18 @@ def freed(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _replacement(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    new = nn.Parameter(data, requires_grad=p.requires_grad)
-    setattr(new, _MADE, True)
-    for mark in _MARKS:
+def carry_marks(p: torch.Tensor, new: torch.Tensor, marks: tuple[str, ...] = MARKS) -> torch.Tensor:
+    """`new`, which replaces p (a slice, a materialised tensor), with p's `marks`."""
+    for mark in marks:
         if hasattr(p, mark):
             setattr(new, mark, getattr(p, mark))
     return new
+
+
+def _replacement(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    setattr(new, _MADE, True)
+    return carry_marks(p, new)
 
 
 def materialize(module: nn.Module, device: torch.device,

@@ -29,12 +29,13 @@ def fused_on(device: torch.device) -> bool:
 
 def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over a module's parameters or the given tensors (ZeRO steps fp32 shards); norms and
-    biases (1-D tensors) get no weight decay, as in GPT-3 and Llama. Fused on CUDA, foreach elsewhere
-    (`fused_on`)."""
+    biases (1-D tensors, and the experts' stacked biases, marked `no_decay`) get no weight decay, as in
+    GPT-3 and Llama. Fused on CUDA, foreach elsewhere (`fused_on`)."""
     tensors = [p for p in params.parameters() if p.requires_grad] if isinstance(params, nn.Module) else list(params)
+    decays = [p.ndim >= 2 and not getattr(p, "no_decay", False) for p in tensors]
     groups = [
-        {"params": [p for p in tensors if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in tensors if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p, d in zip(tensors, decays, strict=True) if d], "weight_decay": cfg.weight_decay},
+        {"params": [p for p, d in zip(tensors, decays, strict=True) if not d], "weight_decay": 0.0},
     ]
     fused = bool(tensors) and fused_on(tensors[0].device)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

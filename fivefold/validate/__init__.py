@@ -20,6 +20,7 @@ from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.validate.attention import attention_errors
+from fivefold.validate.rope import rope_errors
 
 
 def _non_finite_errors(cfg: Config) -> list[str]:
@@ -115,7 +116,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     dp = data_parallel_degree(cfg, world_size)
     return (errors + _mesh_errors(cfg, world_size, dp) + _head_errors(cfg) + _tp_split_errors(cfg)
             + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
-            + _sequence_errors(cfg) + attention_errors(cfg) + _schedule_errors(cfg, dp))
+            + _sequence_errors(cfg) + attention_errors(cfg) + rope_errors(cfg) + _schedule_errors(cfg, dp))
 
 
 def _size_errors(cfg: Config) -> list[str]:
@@ -334,8 +335,16 @@ def _expert_errors(cfg: Config, dp: int) -> list[str]:
             errors += _expert_group_errors(cfg)
         if m.first_dense_layers >= m.n_layers:
             err(f"model.first_dense_layers = {m.first_dense_layers} leaves no MoE block of {m.n_layers}; lower it")
+        if m.swiglu_limit < 0:
+            err(f"model.swiglu_limit = {m.swiglu_limit}: must be 0 (plain SwiGLU) or more (gpt-oss: 7.0)")
+        elif m.swiglu_limit and m.activation != "silu":
+            err(f"model.swiglu_limit = {m.swiglu_limit} is gpt-oss's clamped SwiGLU, but model.activation = "
+                f"'{m.activation}'; set activation = 'silu' or swiglu_limit = 0")
     elif p.ep > 1:
         err(f"parallel.ep = {p.ep} needs an MoE model; set model.n_experts > 0 or parallel.ep = 1")
+    for key, on in (("model.moe_bias", m.moe_bias), ("model.swiglu_limit", m.swiglu_limit)):
+        if on and not m.n_experts:
+            err(f"{key} applies to the experts only and this model has none; set it off or model.n_experts > 0")
     if dp and (dp * p.cp) % p.ep:
         err(f"parallel.ep = {p.ep} does not divide dp x cp = {dp * p.cp}; experts are sharded inside the "
             "data-parallel ranks")

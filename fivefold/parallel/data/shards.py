@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.data.buckets import Bucket
+from fivefold.parallel.materialize import carry_marks
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.state_dict import expert_zero_shard_as_dtensor, is_expert_parameter, zero_shard_as_dtensor
 
@@ -54,7 +55,9 @@ class ZeroShards:
                 # (a real parameter) or on load (from the meta device), so a memset of it is wasted.
                 master = torch.empty((self.rows[id(p)], *rows[1:]), dtype=torch.float32, device=p.device)
                 master[self.own_rows(p):].zero_()
-                self.masters[id(p)] = nn.Parameter(master, requires_grad=False)
+                # the optimizer's decay rule reads no_decay off the tensors it steps (the slicing marks
+                # describe p, not its shard)
+                self.masters[id(p)] = carry_marks(p, nn.Parameter(master, requires_grad=False), ("no_decay",))
                 if p.untyped_storage().nbytes():  # ZeRO-3 from the meta device: the shard is filled on load
                     self.copy_master_rows(p)
                 b.shard_numel.append(master.numel())

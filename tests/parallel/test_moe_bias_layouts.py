@@ -1,0 +1,79 @@
+"""gpt-oss's MoE features (router and expert biases, the clamped SwiGLU) under expert, tensor (with
+sp) and pipeline parallel, against one process; an ep2 checkpoint of them resumed at ep1."""
+
+import shutil
+
+import pytest
+import torch
+from helpers import EQUIVALENCE, MOE_ARGS, Layout, assert_reproduces, parallelized, tiny_config, train_and_gather
+
+from fivefold.parallel.forked_ranks import run_workers
+
+# The biases start at zero (seeded init) and move from the first step on. A limit of 0.1 (gpt-oss:
+# 7) clamps many of the tiny model's gate and up values (about 0.1-0.3 at init), so the clamp's
+# zero gradients are exercised too. Two steps: the second runs with moved biases.
+BIAS_ARGS = (*EQUIVALENCE, *MOE_ARGS, "--model.moe_bias=true", "--model.swiglu_limit=0.1", "--train.steps=2")
+ROW = dict(param_atol=2e-4, exact=("expert_bias",))  # as test_expert_parallel.py's MOE_ROW, and why
+LAYOUTS = {
+    "ep2": Layout(2, ("--parallel.ep=2",), **ROW),
+    # each tp rank routes its own half of every sequence: the router's bias gradient is summed over tp
+    "tp2-sp-ep2": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2"), **ROW),
+    "pp2-ep2": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=2"), **ROW),
+    # FSDP shards the (E/ep, hidden) biases over expert_dp along their second dim, as the weights
+    "dp4-ep2-zero3": Layout(4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1"), **ROW),
+}
+
+
+@pytest.fixture(scope="module")
+def bias_reference(tmp_path_factory):
+    cfg = tiny_config(tmp_path_factory.mktemp("moe-bias"), *BIAS_ARGS, "--train.micro_batch=8")
+    return run_workers(train_and_gather, 1, cfg)[0]
+
+
+def test_reference_trains_the_biases(bias_reference):
+    """The biases are there and moved: a layout that lost or froze them could not match."""
+    _, _, state = bias_reference
+    biases = {k: v for k, v in state.items() if k.endswith(("router.bias", "_bias")) and "expert_bias" not in k}
+    assert len(biases) == 8 * 4  # 8 blocks: router, gate, up, down
+    assert all(v.abs().max() > 0 for v in biases.values())
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_training_reproduces_single_process(tmp_path, bias_reference, name):
+    layout = LAYOUTS[name]
+    cfg = tiny_config(tmp_path, *BIAS_ARGS, *layout.overrides)
+    for result in run_workers(train_and_gather, layout.ranks, cfg):
+        assert_reproduces(result, bias_reference, param_atol=layout.param_atol, exact=layout.exact)
+
+
+def _train_losses(rank, world, cfg):
+    from fivefold.train.loop import train
+
+    return train(cfg, progress=False).losses
+
+
+def test_ep2_checkpoint_resumes_at_ep1(tmp_path):
+    """The expert biases are saved as shards of one (E, ...) tensor, like the expert weights: the step-1
+    checkpoint of an ep2 run resumes at ep1 and trains step 2 as the ep2 run did."""
+    from fivefold.checkpoint.run_state import complete_checkpoints
+
+    args = (*BIAS_ARGS, "--checkpoint.every=1", "--checkpoint.keep=2", "--train.micro_batch=1")
+    losses = run_workers(_train_losses, 2, tiny_config(tmp_path, *args, "--parallel.ep=2"))[0]
+    shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
+    resumed = run_workers(_train_losses, 1, tiny_config(tmp_path, *args, "--parallel.ep=1",
+                                                        "--checkpoint.resume=true"))[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(losses[1:]), rtol=1e-5, atol=0)
+
+
+def _undecayed_matrices(rank, world, cfg):
+    """The 2-D tensors the optimizer steps without weight decay (ZeRO: their fp32 masters)."""
+    _, no_decay = parallelized(cfg, world).optimizer.param_groups
+    return sum(1 for t in no_decay["params"] if t.ndim >= 2)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_expert_biases_get_no_weight_decay_in_any_layout(tmp_path, zero):
+    """train.weight_decay is never applied to biases: the experts' stacked (E/ep, w) biases keep their
+    no_decay mark through the meta device, the ep slicing and ZeRO's masters (8 blocks x 3 biases)."""
+    cfg = tiny_config(tmp_path, *BIAS_ARGS, "--parallel.ep=2", f"--parallel.zero={zero}")
+    assert run_workers(_undecayed_matrices, 2, cfg) == [8 * 3] * 2
