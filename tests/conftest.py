@@ -18,9 +18,11 @@ import torch.distributed.tensor  # noqa: E402,F401
 from helpers import (  # noqa: E402
     DOCUMENTS_ON,
     EQUIVALENCE,
+    GEMMA_ARGS,
     MASKS_ON,
     MLA_ARGS,
     MOE_ARGS,
+    OLMO2_ARGS,
     TIED_ARGS,
     document_args,
     short_documents,
@@ -63,6 +65,18 @@ def moe_reference(tmp_path_factory):
 def mla_reference(tmp_path_factory):
     """DeepSeek-V3's architecture in miniature (helpers.MLA_ARGS)."""
     return _one_process(tmp_path_factory, "mla", *EQUIVALENCE, *MLA_ARGS)
+
+
+@pytest.fixture(scope="session")
+def olmo2_reference(tmp_path_factory):
+    """OLMo 2's block features (helpers.OLMO2_ARGS)."""
+    return _one_process(tmp_path_factory, "olmo2", *OLMO2_ARGS)
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(tmp_path_factory):
+    """Gemma 3's block features with Qwen2's and gpt-oss's attention biases (helpers.GEMMA_ARGS)."""
+    return _one_process(tmp_path_factory, "gemma", *GEMMA_ARGS)
 
 
 @pytest.fixture(scope="session")

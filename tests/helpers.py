@@ -42,6 +42,17 @@ TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
 MOE_ARGS = ("--model.preset=tiny-moe", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
 MLA_ARGS = ("--model.preset=tiny-mla", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
 
+# The open families' block features (tests/parallel/test_block_layouts.py), 4 layers, 2 steps: OLMo 2's
+# post norms and q/k norm over the whole projection (2 key/value heads: one per tp rank); Gemma 3's
+# sandwich norms, (1 + weight) norms, sqrt(dim) embeddings and GeGLU with Qwen2's q/k/v biases, gpt-oss's
+# output bias and per-head q/k norms.
+BLOCK_STEPS = (*EQUIVALENCE, "--train.steps=2", "--model.n_layers=4")
+OLMO2_ARGS = (*BLOCK_STEPS, "--model.norm_position=post", "--model.qk_norm=true", "--model.qk_norm_span=all",
+              "--model.n_kv_heads=2", "--model.norm_weight_fp32=true")
+GEMMA_ARGS = (*BLOCK_STEPS, "--model.norm_position=sandwich", "--model.norm_offset=1.0", "--model.embed_scale=true",
+              "--model.activation=gelu_tanh", "--model.qkv_bias=true", "--model.out_bias=true",
+              "--model.qk_norm=true")
+
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.
 DOCUMENTS_ON = ("--data.document_mask=true", "--data.reset_positions=true")
 # Everything a query may be kept from (model/masks.py): documents, a sliding window of 6 tokens on every

@@ -204,6 +204,8 @@ def test_latent_attention_and_expert_group_options():
     assert errors_of(8, mla, "--parallel.tp=2", "--parallel.ep=2", "--parallel.cp=2") == []
     one_error(errors_of(1, mla, "--model.v_head_dim=32"), "model.v_head_dim = 32", "= 24")
     one_error(errors_of(1, mla, "--model.qk_rope_head_dim=7"), "model.qk_rope_head_dim = 7")
+    one_error(errors_of(1, mla, "--model.qkv_bias=true"), "model.qkv_bias = true", "set qkv_bias = false")
+    one_error(errors_of(1, mla, "--model.qk_norm=true"), "model.qk_norm = true", "set qk_norm = false")
     one_error(errors_of(1, mla, "--model.n_expert_groups=3"), "model.n_expert_groups = 3", "{1, 2, 4}")
     one_error(errors_of(1, mla, "--model.topk_groups=5"), "model.topk_groups = 5")
     one_error(errors_of(1, mla, "--model.topk_groups=1", "--model.top_k=3"), "model.top_k = 3", "raise topk_groups")

@@ -38,8 +38,8 @@ SEED_CONFIG = "fivefold.toml"  # beside a seed checkpoint's weights: the config 
 # Model fields that change the computation without changing any tensor's shape: weights made for
 # another value would load without complaint and compute something else.
 SHAPELESS_FIELDS = ("norm_eps", "rope_theta", "qk_norm", "tie_embeddings", "top_k", "router_score", "norm_topk",
-                    "n_expert_groups", "topk_groups", "moe_routed_scale",
-                    "swiglu_limit")
+                    "n_expert_groups", "topk_groups", "moe_routed_scale", "swiglu_limit", "norm_offset",
+                    "norm_weight_fp32", "embed_scale", "activation")
 
 
 class WeightSource(Protocol):

@@ -1,6 +1,7 @@
 """The attention variants of model/transformer.py, free of any parallelism: grouped-query and multi-head latent.
 
-- `Attention`: grouped-query attention (GQA; multi-head when K = H) with optional QK-norm (Qwen3).
+- `Attention`: grouped-query attention (GQA; multi-head when K = H) with optional QK-norm, per head
+  (Qwen3, Gemma 3) or over the whole projection (OLMo 2), and optional biases (Qwen2, gpt-oss).
 - `LatentAttention`: multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, sec. 2.1;
   as used by DeepSeek-V3, arXiv 2412.19437, sec. 2.1.1). Queries and keys/values are each
   compressed into a low-rank latent, normalised and projected back up per head; RoPE acts only on
@@ -39,16 +40,38 @@ from fivefold.model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) times the weight, or times (offset + weight) when `offset` is set (Gemma stores its
+    norm weights as offsets from 1).
+
+    `sum_over`: where the sum of squares spans more than this tensor holds. Tensor parallel sets it
+    on a norm over a whole projection (model.qk_norm_span = "all", OLMo 2) whose heads it splits:
+    each rank sums its slice's squares, the callable adds the others' (an all-reduce), and the mean
+    divides by the whole `width`."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, weight_fp32: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset, self.width = eps, offset, dim
+        self.weight_fp32 = weight_fp32 or bool(offset)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))  # a scale of 1 to start
+        self.sum_over: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32: under bf16 the mean of squares loses too many digits.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        if self.sum_over is None:
+            mean_square = xf.pow(2).mean(-1, keepdim=True)  # (..., 1)
+        else:
+            mean_square = self.sum_over(xf.pow(2).sum(-1, keepdim=True)) / self.width  # (..., 1)
+        xf = xf * torch.rsqrt(mean_square + self.eps)
+        if self.weight_fp32:  # scaled in fp32, then cast (transformers' Gemma3RMSNorm and Olmo2RMSNorm order)
+            scale = self.weight.float() + self.offset if self.offset else self.weight.float()  # (dim,)
+            return (xf * scale).type_as(x)
+        return xf.type_as(x) * self.weight  # cast, then scaled (transformers' LlamaRMSNorm order)
+
+
+def rms_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """A norm of the model `cfg` over `dim` features: its epsilon, weight offset and cast order."""
+    return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset, cfg.norm_weight_fp32)
 
 
 def gqa_in_kernel(device_type: str, dtype: torch.dtype) -> bool:
@@ -120,12 +143,15 @@ class Attention(_LayerMask, nn.Module):
     def __init__(self, cfg: ModelConfig, head_dim: int, layer: int = 0):
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=False)
-        self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=cfg.out_bias)
+        # QK-norm over each head (Qwen3, Gemma 3) or over the whole projection before the head split (OLMo 2)
+        self.qk_norm_all = cfg.qk_norm_span == "all"
+        q_width, k_width = (cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim) if self.qk_norm_all else (head_dim,) * 2
+        self.q_norm = rms_norm(cfg, q_width) if cfg.qk_norm else None
+        self.k_norm = rms_norm(cfg, k_width) if cfg.qk_norm else None
         self.window = cfg.layer_window(layer)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None  # (H,) logits
         self.scale = cfg.attention_scale or None
@@ -136,10 +162,13 @@ class Attention(_LayerMask, nn.Module):
                 doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim); doc: the micro-batch's (B, T) document ids of whole rows, or None."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        q, k = self.wq(x), self.wk(x)  # (B, T, H D), (B, T, K D)
+        if self.q_norm is not None and self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, K, D)
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, self._mask(doc), self.scale)  # (B, T, H, D)
@@ -177,15 +206,15 @@ class LatentAttention(_LayerMask, nn.Module):
         qk = self.nope + self.rope
         if cfg.q_lora_rank:
             self.wq_a: nn.Linear | None = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_a_norm: RMSNorm | None = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_a_norm: RMSNorm | None = rms_norm(cfg, cfg.q_lora_rank)
             self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
         else:  # queries straight from x (DeepSeek-V2-Lite)
             self.wq_a, self.q_a_norm = None, None
             self.wq = nn.Linear(cfg.dim, H * qk, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_a_norm = rms_norm(cfg, cfg.kv_lora_rank)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=cfg.out_bias)
         self.window = cfg.layer_window(layer)
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None  # (H,) logits
         self.scale = cfg.attention_scale or None  # DeepSeek-V3 under YaRN: model/rope.py yarn_softmax_scale

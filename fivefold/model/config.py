@@ -26,6 +26,9 @@ class ModelConfig:
     # "sandwich" (Gemma 2/3: x + norm(f(norm(x)))).
     norm_position: Literal["pre", "post", "sandwich"] = "pre"
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight); Gemma: 1, its weights stored as offsets
+    # RMSNorm's weight applied in fp32 before the cast back to the input's dtype (OLMo 2; Gemma's norms,
+    # with norm_offset, always are); false: cast, then weighted (Llama, Qwen, Mistral). Equal in fp32.
+    norm_weight_fp32: bool = False
     embed_scale: bool = False  # token embeddings times sqrt(dim) (Gemma)
     activation: Literal["silu", "gelu_tanh"] = "silu"  # the gate's nonlinearity: SwiGLU, or GeGLU (Gemma)
     norm_eps: float = 1e-5  # RMSNorm epsilon

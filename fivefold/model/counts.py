@@ -29,10 +29,12 @@ class BlockParams:
     experts: int  # routed experts: cut by ep, replicated over tp (README, expert parallel)
     active_matmul: int  # matmul weights one token goes through (top_k of the routed experts)
     routed_active: int = 0  # of `experts`, the top_k ones one token goes through
+    # no matmul's, cut by tp with the heads: q/k/v biases, sinks, q/k norms over the whole projection
+    tp_split_other: int = 0
 
     @property
     def total(self) -> int:
-        return self.tp_split + self.replicated + self.experts
+        return self.tp_split + self.tp_split_other + self.replicated + self.experts
 
 
 @dataclass(frozen=True)
@@ -73,31 +75,44 @@ def attention_head_dims(m: ModelConfig) -> tuple[int, int]:
     return head_dim(m), head_dim(m)
 
 
-def attention_params(m: ModelConfig) -> tuple[int, int, int]:
-    """One block's attention (model/attention.py): (tp-split matmul, replicated matmul, other)
-    parameters, `other` being norms and sinks, no matmul's.
+def attention_params(m: ModelConfig) -> tuple[int, int, int, int]:
+    """One block's attention (model/attention.py): (tp-split matmul, replicated matmul, tp-split other,
+    replicated other) parameters, `other` being biases, norms and sinks, no matmul's.
 
-    Grouped-query: wq, wk, wv, wo split by heads; QK-norm weights. Latent (MLA): the per-head
-    up-projections wq_b (or wq) and wkv_b and the output wo split; the down-projections wq_a and
-    wkv_a replicated, as are their norms (parallel/tensor.py). Attention sinks: one logit per query
-    head (gpt-oss), counted with the norms.
+    Grouped-query: wq, wk, wv, wo split by heads, with their q/k/v biases (Qwen2, gpt-oss); wo's
+    bias (gpt-oss) replicated, added once after the sum over tp; QK-norm weights replicated per head
+    (D each), split with the heads over the whole projection (H D and K D: OLMo 2). Latent (MLA): the
+    per-head up-projections wq_b (or wq) and wkv_b and the output wo split; the down-projections wq_a
+    and wkv_a replicated, as are their norms (parallel/tensor.py). Attention sinks: one logit per
+    query head (gpt-oss), split with the heads.
     """
     d, H = m.dim, m.n_heads
     sinks = H if m.attention_sinks else 0
+    out_bias = d if m.out_bias else 0
     if not m.kv_lora_rank:
-        hd = head_dim(m)
-        return d * H * hd + 2 * d * m.n_kv_heads * hd + H * hd * d, 0, (2 * hd if m.qk_norm else 0) + sinks
+        hd, K = head_dim(m), m.n_kv_heads
+        matmul = d * H * hd + 2 * d * K * hd + H * hd * d
+        biases = (H + 2 * K) * hd if m.qkv_bias else 0
+        split_norms = (H + K) * hd if m.qk_norm and m.qk_norm_span == "all" else 0
+        head_norms = 2 * hd if m.qk_norm and m.qk_norm_span == "head" else 0
+        return matmul, 0, biases + split_norms + sinks, head_norms + out_bias
     qk, v, rq, rkv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
     split = (rq or d) * H * qk + rkv * H * (m.qk_nope_head_dim + v) + H * v * d  # wq_b (or wq), wkv_b, wo
     down = d * rq + d * (rkv + m.qk_rope_head_dim)  # wq_a, wkv_a
-    return split, down, rq + rkv + sinks  # q_a_norm, kv_a_norm
+    return split, down, sinks, rq + rkv + out_bias  # q_a_norm, kv_a_norm
+
+
+def block_norms(m: ModelConfig) -> int:
+    """How many dim-wide norms a block holds (model.norm_position): two before its sub-layers ("pre"),
+    two after them ("post", OLMo 2), or both ("sandwich", Gemma 3)."""
+    return 4 if m.norm_position == "sandwich" else 2
 
 
 def block_params(m: ModelConfig, layer: int) -> BlockParams:
-    """model.Block: attn_norm, attention (attention_params), ffn_norm, FeedForward or MoE."""
+    """model.Block: its norms, attention (attention_params), FeedForward or MoE."""
     d = m.dim
-    attn, down, attn_norms = attention_params(m)
-    replicated = 2 * d + attn_norms + down  # attn_norm, ffn_norm, attention's norms and down-projections
+    attn, down, attn_split_other, attn_other = attention_params(m)
+    replicated = block_norms(m) * d + attn_other + down  # block norms, attention's norms and down-projections
     attn_matmul = attn + down
     if m.n_experts and layer >= m.first_dense_layers:
         h = m.moe_ffn_dim or m.ffn_dim
@@ -108,15 +123,17 @@ def block_params(m: ModelConfig, layer: int) -> BlockParams:
         router_bias, expert_bias = (m.n_experts, 2 * h + d) if m.moe_bias else (0, 0)
         return BlockParams(tp_split=attn, replicated=replicated + router + router_bias + shared,
                            experts=m.n_experts * (expert + expert_bias), active_matmul=active,
-                           routed_active=(expert + expert_bias) * m.top_k)
+                           routed_active=(expert + expert_bias) * m.top_k,
+                           tp_split_other=attn_split_other)
     ffn = 3 * d * m.ffn_dim  # gate, up, down
-    return BlockParams(tp_split=attn + ffn, replicated=replicated, experts=0, active_matmul=attn_matmul + ffn)
+    return BlockParams(tp_split=attn + ffn, replicated=replicated, experts=0, active_matmul=attn_matmul + ffn,
+                       tp_split_other=attn_split_other)
 
 
 def block_rank_params(bp: BlockParams, tp: int, ep: int) -> int:
-    """Parameters of one block on one rank: the tp-split part / tp, the replicated part whole, the
+    """Parameters of one block on one rank: the tp-split parts / tp, the replicated part whole, the
     routed experts / ep."""
-    return bp.tp_split // tp + bp.replicated + bp.experts // ep
+    return (bp.tp_split + bp.tp_split_other) // tp + bp.replicated + bp.experts // ep
 
 
 def block_forward_flops(m: ModelConfig, bp: BlockParams, seq_len: int, tp: int, sp: bool = False,

@@ -1,6 +1,7 @@
 """A Llama-style decoder (dense and mixture-of-experts), free of any parallelism.
 
-Pre-norm blocks: h = x + Attention(RMSNorm(x)); out = h + FFN(RMSNorm(h)), where FFN is SwiGLU or
+Pre-norm blocks: h = x + Attention(RMSNorm(x)); out = h + FFN(RMSNorm(h)) (or post-norm and sandwich
+blocks, model.norm_position: Block), where FFN is SwiGLU (GeGLU: model.activation) or
 a top-k routed mixture of SwiGLU experts (optionally group-limited, DeepSeek-V3). Attention
 (model/attention.py) is grouped-query, or multi-head latent when model.kv_lora_rank > 0, with RoPE
 applied at explicit token positions, so context parallel can hand each rank its true positions.
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.attention import RMSNorm, attention
+from fivefold.model.attention import RMSNorm, attention, rms_norm
 from fivefold.model.config import ModelConfig
 from fivefold.model.ffn import FeedForward
 from fivefold.model.masks import DocumentIds
@@ -37,19 +38,30 @@ from fivefold.model.rope import layer_is_local, rope_cos_sin
 from fivefold.model.seeded_init import init_tensor
 
 
+def _optional(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
+
+
 class Block(nn.Module):
+    """One block, its norms where model.norm_position puts them, for each sub-layer f (attention, then
+    the FFN): "pre" x + f(attn_norm(x)); "post" x + attn_post_norm(f(x)) (OLMo 2: no norm before);
+    "sandwich" x + attn_post_norm(f(attn_norm(x))) (Gemma 3); ffn_norm / ffn_post_norm alike."""
+
     def __init__(self, cfg: ModelConfig, layer: int, head_dim: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        before, after = cfg.norm_position in ("pre", "sandwich"), cfg.norm_position in ("post", "sandwich")
+        self.attn_norm = rms_norm(cfg, cfg.dim) if before else None
         self.attn = attention(cfg, head_dim, layer)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn_post_norm = rms_norm(cfg, cfg.dim) if after else None
+        self.ffn_norm = rms_norm(cfg, cfg.dim) if before else None
         moe = cfg.n_experts > 0 and layer >= cfg.first_dense_layers
-        self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation)
+        self.ffn_post_norm = rms_norm(cfg, cfg.dim) if after else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, doc)  # (B, T, dim)
-        return h + self.ffn(self.ffn_norm(h))
+        h = x + _optional(self.attn_post_norm, self.attn(_optional(self.attn_norm, x), cos, sin, doc))  # (B, T, dim)
+        return h + _optional(self.ffn_post_norm, self.ffn(_optional(self.ffn_norm, h)))
 
 
 class Transformer(nn.Module):
@@ -64,7 +76,7 @@ class Transformer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim if cfg.kv_lora_rank else self.head_dim  # MLA ropes a part only
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.head_dim) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: RMSNorm | None = rms_norm(cfg, cfg.dim)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -74,6 +86,15 @@ class Transformer(nn.Module):
         ranks draw for their slices, here drawn whole."""
         for name, p in self.named_parameters():
             init_tensor(name, p, self.cfg, seed)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> embeddings (B, T, dim), times sqrt(dim) with model.embed_scale (Gemma; the
+        factor cast to the embeddings' dtype first, as transformers' Gemma3TextScaledWordEmbedding does)."""
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        if self.cfg.embed_scale:
+            # a 0-dim CPU tensor: a scalar to any device's kernel, no copy to the device
+            h = h * torch.tensor(self.cfg.dim ** 0.5).to(h.dtype)
+        return h
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
                 embed: bool = True, head: bool = True,
@@ -89,7 +110,7 @@ class Transformer(nn.Module):
         rows (data.document_mask, model/masks.py; DocumentIds when a host copy comes along), passed
         as an argument so the blocks hold no per-batch state.
         """
-        h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
+        h = self.embed(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
         names = list(self.layers if layers is None else layers)

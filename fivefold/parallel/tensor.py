@@ -17,6 +17,12 @@ Collectives per transformer block, forward (backward has the conjugates):
   moving the same bytes as the all-reduce they replace (an all-reduce is a reduce-scatter plus an
   all-gather) while norms and residuals hold T/tp tokens. Norm weights then see different tokens
   on each rank, so their gradients are all-reduced over tp.
+- a q/k norm over the whole projection (OLMo 2) sums its sums of squares over tp: one small
+  all-reduce (a number per token) for q and one for k, forward and backward.
+
+Biases: a column-parallel layer's (q, k, v: Qwen2) are split with its output features; a
+row-parallel layer's (attention's output: gpt-oss) is whole on every rank and added once, after
+the sum (with sp each rank adds it to its own T/tp tokens, so its gradient is summed as norms' are).
 
 Every layer is built from the full layer and keeps its slice, so every layout starts from the
 same weights. Each sharded weight records the dim it is split along (`tp_dim`), so checkpoints
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.model.attention import LatentAttention
+from fivefold.model.attention import LatentAttention, RMSNorm
 from fivefold.model.ffn import FeedForward
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
@@ -69,26 +75,32 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sp, self.enter_region = group, sequence_parallel, enter_region
         self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
+        # a bias (Qwen2's q/k/v) split with its output features
+        self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)  # (out/tp,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tensor_parallel_region(x, self.group, self.sp)  # (B, T, in)
-        return F.linear(x, self.weight)  # (B, T, out/tp)
+        return F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's columns (input features) split: partial products are summed over tp."""
+    """y = x W^T + b with W's columns (input features) split: partial products are summed over tp,
+    then the bias (gpt-oss's attention output), whole on every rank, is added once to the sum."""
 
     def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool):
         super().__init__()
         self.group, self.sp = group, sequence_parallel
         self.weight = _shard(linear.weight, 1, group)  # (out, in/tp)
+        self.bias = linear.bias  # (out,) or None: replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
         if self.sp:
-            return regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
-        return regions.reduce_from_tensor_parallel_region(partial, self.group)
+            y = regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
+        else:
+            y = regions.reduce_from_tensor_parallel_region(partial, self.group)  # (B, T, out)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -214,6 +226,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
                 setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
         if block.attn.sinks is not None:  # one logit per query head: split as the heads are
             block.attn.sinks = _shard(block.attn.sinks, 0, group)
+        if getattr(block.attn, "qk_norm_all", False) and block.attn.q_norm is not None:
+            _split_projection_norm(block.attn.q_norm, group)
+            _split_projection_norm(block.attn.k_norm, group)
         for region in regions:  # one entry per region, before its column-parallel layers
             if isinstance(region, LatentAttention):  # after the replicated down-projections instead
                 region.enter_heads = partial(_enter_heads, group=group, sequence_parallel=sequence_parallel)
@@ -230,13 +245,17 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
             # (On separate pipeline stages each keeps its slice; tied_embedding_group sums their
             # gradients between the ranks at the same tp place.)
             model.output.weight = model.tok_embeddings.weight
-    for name, _ in list(model.named_parameters()):
+    for name, param in list(model.named_parameters()):
         # Replicated weights that saw different data on each tp rank need the others' gradients:
         # QK-norm weights (each rank normalises its own heads) and, with sp, every norm (each rank
         # normalises its own T/tp tokens; so do latent attention's down-projections, which run before
         # the region's entry). Without sp the block norms' inputs are identical. The hook lives on
         # the tensor, so a meta one gets its (small) storage first.
-        seq_local = "norm" in name or name.endswith(("attn.wq_a.weight", "attn.wkv_a.weight"))
+        # So does attention's output bias with sp (added after the reduce-scatter, to T/tp tokens).
+        # Weights split with the heads (an OLMo 2 q/k norm over the whole projection) are not replicated.
+        if getattr(param, "tp_dim", None) is not None:
+            continue
+        seq_local = "norm" in name or name.endswith(("attn.wq_a.weight", "attn.wkv_a.weight", "attn.wo.bias"))
         if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and seq_local):
             materialize_parameter(model, name, mesh.device).register_hook(lambda g: _summed_over(g, group))
     return state
@@ -252,6 +271,15 @@ def _enter_heads(*latents: torch.Tensor, group: AxisGroup, sequence_parallel: bo
     widths = [t.shape[-1] for t in latents]
     joined = enter_tensor_parallel_region(torch.cat(latents, dim=-1), group, sequence_parallel)  # (B, T, sum w)
     return tuple(joined.split(widths, dim=-1))
+
+
+def _split_projection_norm(norm: RMSNorm, group: AxisGroup) -> None:
+    """A q/k norm over the whole projection (model.qk_norm_span = "all", OLMo 2) under tp: this rank holds
+    H/tp heads of it, so its weight is split with them, and its mean of squares is the sum of every
+    rank's sum of squares (one all-reduce of a number per token, its gradient summed back) over the
+    whole width."""
+    norm.weight = _shard(norm.weight, 0, group)  # (H D / tp,) or (K D / tp,)
+    norm.sum_over = partial(regions.sum_over_tensor_parallel_ranks, group=group)
 
 
 def _summed_over(grad: torch.Tensor, group: AxisGroup) -> torch.Tensor:

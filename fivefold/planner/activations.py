@@ -10,6 +10,11 @@ dk = K x head_dim, f = ffn width, t = tp:
     attention norm: its input x, the rsqrt (1 per token), the normalised value before the weight;
     its output, kept by the q/k/v projections (with sp those keep the gathered input instead:
     d per token, not split); the same four for the MLP norm                     6d + 2
+    Post norms (model.norm_position "post", OLMo 2) keep the same: the projections keep the
+    block's input or h instead of a norm's output, and a norm on a sub-layer's output keeps that
+    output, the rsqrt and the value before the weight (its own output only enters the residual
+    add); sandwich norms (Gemma 3) keep both, the post norms' 2 (2d + 1) more. A norm scaling by
+    (1 + weight) keeps the same; so do biases (none of their adds keeps a tensor) and GeGLU.
   attention (split over tp):
     the roped q and the k and v the kernel reads (GQA: K heads, SDPA's enable_gqa;
     model/attention.py repeats them to H heads only for SDPA on CUDA in fp32, whose kernel
@@ -26,7 +31,7 @@ dk = K x head_dim, f = ffn width, t = tp:
     (RoPE keeps only its cos/sin table, shared by every block, and not counted here: products
     with a constant keep the constant, not the tensor)
     QK-norm adds, for q and k, the raw value and the value before the weight (2dq, 2dk) and
-    the rsqrt per head (H, K)
+    the rsqrt per head (H, K), or per token over the whole projection (1 each, OLMo 2)
   SwiGLU (split over tp): gate output, its silu, up output, their product        4f
   or an MoE block (experts not split by tp: whole on every token without sp, on this tp rank's
   T/tp tokens with sp, whose MLP norm output then stays split: it is not gathered), with h the
@@ -93,11 +98,13 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         replicated = (4 * d + 2) / tp + 2 * d
         if moe:  # the MoE keeps its own T/tp tokens' input, not a gathered one
             replicated = (5 * d + 2) / tp + d
+    if m.norm_position == "sandwich":  # two more norms, on the sub-layers' outputs (T/tp tokens with sp)
+        replicated += (4 * d + 2) / (tp if sp else 1)
     attention = dq + 2 * dk + dq + H
     if recompute == "selective":  # the recomputed kernel keeps its inputs only
         attention = dq + 2 * dk + dq
-    if m.qk_norm:
-        attention += 2 * dq + H + 2 * dk + K
+    if m.qk_norm:  # an rsqrt per head, or one per token for q and for k over the whole projection
+        attention += 2 * dq + 2 * dk + (2 if m.qk_norm_span == "all" else H + K)
     return replicated + attention / tp + _ffn_elements(m, tp, sp)
 
 

@@ -20,7 +20,8 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   bytes, and the MoE blocks' gradients (each tp rank routed its own tokens) are all-reduced once a
   step. Full recompute runs forward again (+1 per region). The vocabulary-parallel embedding and
   head add one each, and the loss three small ones of (b, s/cp) fp32 values (the max, the sum of
-  exponentials, the target logit).
+  exponentials, the target logit). A q/k norm over the whole projection (OLMo 2) adds, per block,
+  two all-reduces of (b, s/cp) fp32 sums of squares in each forward pass and two in backward.
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
   (b s d elements, / t with sp), 2 M per chunk not at the model's ends, less the boundaries
   between two stages of one rank (a V schedule's turn), handed over in memory.
@@ -179,12 +180,16 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
     out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last)))
     if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
         out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
+    fwd_passes = 2 if t.recompute == "full" else 1
+    if m.qk_norm and m.qk_norm_span == "all" and not m.kv_lora_rank:
+        # OLMo 2's q/k norm over the whole projection, split with the heads: each token's fp32 sum of
+        # squares of q and of k summed over tp in every forward pass, and their gradients in backward
+        out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * blocks * 2 * (fwd_passes + 1))
     # pp: the activation out of a stage boundary's lower side, its gradient back from the upper.
     out["pp"].add("send", act / (p.tp if p.sp else 1), p.pp, micro * wire_boundaries)
     # cp: ring K/V (per tp rank's kv heads), or Ulysses' all-to-alls of q, k, v, out.
     hd = m.head_dim or m.dim // m.n_heads
     kv = 2 * b * local_seq * (m.n_kv_heads // p.tp) * hd * act_bytes  # K and V of one block
-    fwd_passes = 2 if t.recompute == "full" else 1
     if p.cp > 1 and p.cp_method == "ring":
         # each hop sends this rank's current block: (C-1) K/V sends per pass, forward and backward;
         # in backward also C sends of the fp32 dK/dV buffer (the last one home to the block's owner)

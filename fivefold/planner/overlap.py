@@ -32,7 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import Config
-from fivefold.model.counts import ModelCounts, attention_params, block_forward_flops, head_forward_flops
+from fivefold.model.counts import (
+    ModelCounts,
+    attention_params,
+    block_forward_flops,
+    block_rank_params,
+    head_forward_flops,
+)
 from fivefold.parallel.derive import Derived
 from fivefold.planner.comm import AxisTraffic, time_of
 from fivefold.planner.compute import block_keys
@@ -226,7 +232,7 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
     keys = block_keys(cfg, work.options)
     for blk in share.blocks:
         bp = counts.blocks[blk]
-        params = bp.tp_split // p.tp + bp.replicated + bp.experts // p.ep
+        params = block_rank_params(bp, p.tp, p.ep)
         out.append(unit(block_forward_flops(m, bp, t.seq_len, p.tp, p.sp, keys[blk]), params, bp.experts // p.ep))
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0

@@ -78,6 +78,11 @@ def _latent_attention_errors(cfg: Config) -> list[str]:
     if not 1 <= m.v_head_dim <= qk:  # values are padded to the query/key width for the attention core
         errors.append(f"model.v_head_dim = {m.v_head_dim}: latent attention needs a value width between 1 and "
                       f"qk_nope_head_dim + qk_rope_head_dim = {qk} (DeepSeek-V3: 128 of 192)")
+    for key, on, why in [("qkv_bias", m.qkv_bias, "has no q/k/v projections to bias"),
+                         ("qk_norm", m.qk_norm, "normalises its latents instead (q_a_norm, kv_a_norm)")]:
+        if on:
+            errors.append(f"model.{key} = true: latent attention (model.kv_lora_rank = {m.kv_lora_rank}) {why}; "
+                          f"set {key} = false")
     return errors
 
 

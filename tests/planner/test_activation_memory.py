@@ -56,7 +56,11 @@ CASES = [(1, False, "none"), (2, False, "none"), (4, False, "none"), (2, True, "
 
 
 ATTENTION = {"mha": (), "gqa": ("--model.n_kv_heads=2",),
-             "mla": ("--model.preset=tiny-mla", "--model.n_experts=0")}  # latent attention, dense blocks
+             "mla": ("--model.preset=tiny-mla", "--model.n_experts=0"),  # latent attention, dense blocks
+             # OLMo 2's post norms and q/k norm over the projection; Gemma 3's sandwich norms with biases
+             "olmo2": ("--model.norm_position=post", "--model.qk_norm=true", "--model.qk_norm_span=all"),
+             "gemma": ("--model.norm_position=sandwich", "--model.norm_offset=1.0", "--model.qk_norm=true",
+                       "--model.activation=gelu_tanh", "--model.qkv_bias=true", "--model.out_bias=true")}
 
 
 @pytest.mark.parametrize("attention", ATTENTION)

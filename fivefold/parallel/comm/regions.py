@@ -3,7 +3,8 @@
 Tensor and sequence parallel's region boundaries (Megatron-LM's conjugate pairs, Shoeybi et al.
 2019 and Korthikanti et al. 2022): copy to the region / all-reduce out of it, all-gather into it /
 reduce-scatter out of it; and the all-to-all of expert dispatch and Ulysses, whose backward is the
-all-to-all with the splits swapped. The collectives themselves are collectives.py's: counted,
+all-to-all with the splits swapped; and a sum over tp ranks whose backward sums too (a norm's
+statistics over features split by tp). The collectives themselves are collectives.py's: counted,
 timed and named on failure like any other.
 
 The functions that apply them are excluded from torch.compile's tracing (`torch.compiler.disable`),
@@ -109,6 +110,29 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> t
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """Forward: reduce-scatter partial sums into sequence shards. Backward: all-gather."""
     return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+@torch.compiler.disable
+def sum_over_tensor_parallel_ranks(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Forward: the sum over tp of a statistic each rank computed from its slice of the features (a
+    norm's sum of squares over heads split by tp), which every rank then uses. Backward: the sum over
+    tp of its gradient, since each rank's own features reached the loss through every rank's use of it."""
+    return x if group.size == 1 else _SumOverRanks.apply(x, group)
 
 
 # ---- autograd-aware all-to-all (expert dispatch, Ulysses) ----

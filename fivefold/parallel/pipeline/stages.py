@@ -41,7 +41,7 @@ class StageChunk:
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """The stage input: token ids (B, T) -> embeddings (B, T, dim) on the first stage, else x."""
-        return self.model.tok_embeddings(x) if self.first else x
+        return self.model.embed(x) if self.first else x
 
     def modules(self) -> list[nn.Module]:
         """What this chunk computes with: its blocks, the embedding if first, norm and head if last

@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from fivefold.config import ModelConfig
-from fivefold.model.counts import head_dim
+from fivefold.model.counts import block_norms, head_dim
 from fivefold.model.mask_counts import keys_per_query, tile_ratio
 
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
@@ -205,9 +205,10 @@ def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Ma
 
 
 def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
-    """model.Block number `layer` forward on one rank: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+    """model.Block number `layer` forward on one rank: h = x + attn(norm(x)); out = h + ffn(norm(h)) (or
+    its norms after the sub-layers, or both: model.norm_position, counts.block_norms)."""
     ew = _Elementwise(s)
-    ew.norm("norms", 2 * s.sp_tokens * m.dim)
+    ew.norm("norms", block_norms(m) * s.sp_tokens * m.dim)
     mms, causal_flops = _attention(m, layer, s, ew)
     mms += _ffn(m, layer, s, ew)
     ew.copy("residual adds", 2 * 2 * s.sp_tokens * m.dim, 2 * s.sp_tokens * m.dim)
