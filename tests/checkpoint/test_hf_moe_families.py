@@ -24,7 +24,7 @@ QWEN3_MOE = dict(num_key_value_heads=2, head_dim=32, intermediate_size=96, moe_i
                  num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 # moonshotai/Kimi-K2-Base: DeepSeek-V3's architecture with no expert groups (n_group 1), one dense block,
-# routed scale 2.827 (384 experts top-8 -> 8 top-2; YaRN: with the RoPE scaling helper's work).
+# routed scale 2.827 (384 experts top-8 -> 8 top-2; with its YaRN below).
 KIMI_K2 = dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                routed_scaling_factor=2.827, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
@@ -34,8 +34,7 @@ KIMI_K2 = dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_siz
 DEEPSEEK = {**KIMI_K2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "rope_theta": 10000.0}
 # openai/gpt-oss-20b: q/k/v/o biases, sinks, sliding (128 -> 8, so that it cuts 16 tokens) and full layers
 # alternating, 32 experts top-4 -> 4 top-2 with biases, head_dim 64 apart from dim / heads -> 16, the clamped
-# SwiGLU (its limit 7 -> 1, so that the clamp acts on logits of order 1). RoPE plain here: YaRN comes with
-# the RoPE helper's checkpoint/hf_rope.py.
+# SwiGLU (its limit 7 -> 1, so that the clamp acts on logits of order 1). RoPE plain here, YaRN below.
 GPT_OSS = dict(num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                sliding_window=8, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
                swiglu_limit=1.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -55,34 +54,8 @@ KINDS = {"qwen3-moe": ("Qwen3Moe", QWEN3_MOE),
          "gpt-oss-yarn": ("GptOss", {**GPT_OSS, "rope_parameters": {
              "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
              "truncate": False, "original_max_position_embeddings": 4}})}
-# Kinds whose model features are on other branches (blocks: attention biases; moe: expert biases and the
-# clamped SwiGLU; rope: RoPE scaling read from config.json): their tests wait until they are in this checkout.
-NEEDS = {"gpt-oss": ("blocks", "moe"), "deepseek-v3-yarn": ("rope",), "kimi-k2-yarn": ("rope",),
-         "gpt-oss-yarn": ("blocks", "moe", "rope")}
-NEEDS_IN_LAYOUT = {(kind, "tp2"): "blocks-tp" for kind in ("gpt-oss", "gpt-oss-yarn")}  # attention biases under tp
 BLOCK = [32, 48]  # fp8 block scales of the toy: 96 x 64 and 64 x 96 weights end in partial blocks both ways
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
-
-
-def waiting(kind: str, layout: str = "single") -> None:
-    """Skip, naming what is missing, while a feature `kind` needs (in `layout`) has not landed."""
-    import inspect
-
-    from fivefold.checkpoint.hf.family import rope_fields
-    from fivefold.model.config import ModelConfig
-    from fivefold.model.transformer import Transformer
-    from fivefold.parallel.tensor import ColumnParallelLinear
-
-    with torch.device("meta"):
-        params = Transformer(ModelConfig(n_layers=1, vocab_size=8, qkv_bias=True, n_experts=2, moe_bias=True,
-                                         swiglu_limit=7.0)).state_dict()
-    yarn: list[str] = []
-    rope_fields({"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4}}, 1e4, yarn)
-    have = {"blocks": "layers.0.attn.wq.bias" in params, "moe": "layers.0.ffn.experts.gate_bias" in params,
-            "blocks-tp": "bias" in inspect.getsource(ColumnParallelLinear), "rope": not yarn}
-    lacking = [need for need in (*NEEDS.get(kind, ()), NEEDS_IN_LAYOUT.get((kind, layout))) if need and not have[need]]
-    if lacking:
-        pytest.skip(f"{kind} needs the {' and '.join(lacking)} features, not merged into this branch yet")
 
 
 def hf_class(kind: str, what: str):
@@ -109,8 +82,6 @@ def models(tmp_path_factory):
     seed directory `fivefold convert --to fivefold` makes of it."""
     out = {}
     for name, (kind, extra) in KINDS.items():
-        if name in NEEDS:  # built when its test runs (models_needing)
-            continue
         root = tmp_path_factory.mktemp(name)
         hf = _random_model(kind, extra)
         hf.save_pretrained(root / "hf", max_shard_size="60KB")
@@ -122,31 +93,6 @@ def models(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def later(tmp_path_factory):
-    """The kinds of NEEDS, built on first use once their features are in: {name: as `models` holds them}."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            kind, extra = KINDS[name]
-            root = tmp_path_factory.mktemp(name)
-            hf = _random_model(kind, extra)
-            hf.save_pretrained(root / "hf", max_shard_size="60KB")
-            x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
-            with torch.no_grad():
-                logits = hf(x).logits  # (2, 16, 320)
-            hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
-            built[name] = dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits, kind=kind)
-        return built[name]
-    return get
-
-
-def _model(name, models, later, layout="single"):
-    waiting(name, layout)
-    return later(name) if name in NEEDS else models[name]
-
-
 def _run_config(tmp_path, m, parallel):
     cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(m["hf"]).model_cfg), parallel=parallel,
                   train={"global_batch": 2, "micro_batch": 1})
@@ -154,12 +100,13 @@ def _run_config(tmp_path, m, parallel):
 
 
 CASES = [(layout, kind) for kind in KINDS for layout in ("single", "tp2", "dp2-ep2")
-         if layout == "single" or kind in ("qwen3-moe", "kimi-k2", "gpt-oss", "gpt-oss-yarn", "kimi-k2-yarn")]
+         if layout == "single" or kind in ("qwen3-moe", "kimi-k2", "gpt-oss", "deepseek-v3-yarn", "kimi-k2-yarn",
+                                           "gpt-oss-yarn")]
 
 
 @pytest.mark.parametrize("layout,kind", CASES)
-def test_same_logits_as_transformers(tmp_path, models, later, layout, kind):
-    m = _model(kind, models, later, layout)
+def test_same_logits_as_transformers(tmp_path, models, layout, kind):
+    m = models[kind]
     world, parallel = LAYOUTS[layout]
     cfg = _run_config(tmp_path, m, parallel)
     assert validate(cfg, world) == []
@@ -167,16 +114,17 @@ def test_same_logits_as_transformers(tmp_path, models, later, layout, kind):
     assert len(both) == 2
     for logits in both:
         # The experts are summed in another order than transformers' (and DeepSeek-V3's attention pads its
-        # values): fp32 rounding, measured on logits up to 6.8: Qwen3-MoE 1.9e-6 (tp2 3.9e-6), Kimi K2
-        # 6.7e-6 (tp2 6.9e-6), gpt-oss 3.8e-6 (one process and ep2); with YaRN DeepSeek-V3 8.6e-6, Kimi K2
-        # 7.3e-6, gpt-oss 6.2e-6 (on a checkout with the RoPE helper's reading wired in); a wrong mapping (a
-        # transposed expert, gate and up swapped, a lost q/k norm, windows on every layer) moves them by O(0.1-1).
+        # values): fp32 rounding, measured on logits up to 6.8 (one process / tp2 / ep2): Qwen3-MoE 1.9e-6 /
+        # 3.9e-6 / 1.9e-6, Kimi K2 6.7e-6 / 6.9e-6 / 6.7e-6, gpt-oss 3.8e-6 in all three; with YaRN DeepSeek-V3
+        # 8.6e-6 / 7.6e-6 / 8.6e-6, Kimi K2 7.3e-6 / 8.7e-6 / 7.3e-6, gpt-oss 6.2e-6 / 5.4e-6 / 6.2e-6. A wrong
+        # mapping (a transposed expert, gate and up swapped, a lost q/k norm, windows on every layer, a lost
+        # softmax scale) moves them by O(0.1-1).
         torch.testing.assert_close(logits, m["logits"], rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, later, kind):
-    m = _model(kind, models, later)
+def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
+    m = models[kind]
     fivefold_to_hf(m["seed"], tmp_path / "back", max_shard_bytes=60_000)
     before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
     assert before.names() == after.names()
@@ -242,22 +190,17 @@ RELEASED = {
         quantization_config=dict(quant_method="mxfp4"), torch_dtype="bfloat16")
         for size, layers, experts in [("20b", 24, 32), ("120b", 36, 128)]},
 }
-ROPE_FIELDS = ("rope_scaling", "rope_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow",
-               "rope_mscale", "rope_mscale_all_dim", "rope_truncate", "attention_scale")
 
 
 @pytest.mark.parametrize("preset", RELEASED)
 def test_released_configs_convert_to_their_presets(preset):
-    """A preset and the conversion of its model's released config.json agree field by field, but for the
-    RoPE scaling (read from config.json by the RoPE helper's checkpoint/hf_rope.py: compared once it is
-    here) and the training options config.json does not state (DeepSeek-V3's balance-loss weight)."""
+    """A preset and the conversion of its model's released config.json agree field by field (YaRN and
+    DeepSeek's softmax scale included), but for what config.json does not state (DeepSeek-V3's
+    balance-loss weight, a training option)."""
     from fivefold.model.presets import PRESETS
 
-    config = {k: v for k, v in RELEASED[preset].items() if k != "rope_scaling"}
-    read = model_config_from_hf(config)
-    want = dataclasses.replace(PRESETS[preset], moe_aux_loss=0.0,
-                               **{f: getattr(read, f) for f in ROPE_FIELDS})
-    assert read == want
+    read = model_config_from_hf(RELEASED[preset])
+    assert read == dataclasses.replace(PRESETS[preset], moe_aux_loss=0.0)
 
 
 # ---- DeepSeek-V3 as released: fp8 weights with block scales, a multi-token-prediction layer --------------------
@@ -376,7 +319,6 @@ def test_released_gpt_oss_converts_to_the_dequantized_experts(tmp_path, capsys):
     transformers' on the dequantized model; written back unquantized, which transformers loads."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    waiting("gpt-oss")
     hf = _random_model("GptOss", GPT_OSS)
     hf.save_pretrained(tmp_path / "saved")
     tensors = load_file(str(tmp_path / "saved" / "model.safetensors"))
