@@ -17,7 +17,7 @@ _LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_conte
                      rope_high_freq_factor=4.0)
 _QWEN25 = dict(vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True)
 _OLMO2 = dict(vocab_size=100352, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True, qk_norm_span="all",
-              norm_position="post")
+              norm_position="post", norm_weight_fp32=True)
 
 PRESETS: dict[str, ModelConfig] = {
     # Test and demo sizes: every count divisible by 4, so tp/pp/cp/ep up to 4 (and 8 for layers) fit.
