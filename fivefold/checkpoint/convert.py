@@ -156,7 +156,11 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
     # Training on the converted model must feed it the ids it was trained with, not bytes. The path is
     # written as `out` was given, as checkpoint.init_from is (write_seed_config): relative to the cwd.
     data = {"tokenizer": str(out)} if copy_hf_tokenizer(src, out) else {}
-    write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data), out)
+    # A sliding window must be shorter than the sequence (validate refuses a window that cuts nothing): the
+    # first power of two above a window as long as the default seq_len (Gemma 3 1B's 512, Mistral v0.1's 4096).
+    seq_len = Config().train.seq_len
+    train = {"seq_len": 1 << m.sliding_window.bit_length()} if m.sliding_window >= seq_len else {}
+    write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data, train=train), out)
     return files
 
 

@@ -266,3 +266,17 @@ def test_gemma3_1b_preset_is_what_transformers_builds_from_its_config():
     assert written["layer_types"] == reference.layer_types
     assert written["query_pre_attn_scalar"] == 256 and written["architectures"] == ["Gemma3ForCausalLM"]
     assert model_config_from_hf(written) == m
+
+
+def test_a_converted_window_longer_than_the_default_sequence_trains(tmp_path, models):
+    """`fivefold train SEED/fivefold.toml` must accept what convert wrote: a window of 100 tokens (Gemma 3
+    1B has 512, Mistral v0.1 4096) gets a train.seq_len it cuts, not the default 64 it would not."""
+    from fivefold.config import load_config
+
+    shutil.copytree(models("mistral")["hf"], tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 100}))
+    hf_to_fivefold(tmp_path / "hf", tmp_path / "seed", max_shard_bytes=10**9)
+    cfg = load_config(tmp_path / "seed" / "fivefold.toml")
+    assert cfg.model.sliding_window == 100 and cfg.train.seq_len == 128
+    assert validate(cfg, 1) == []
