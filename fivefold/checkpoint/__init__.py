@@ -6,6 +6,6 @@
 - run_dir.py       where a run lives and which of its checkpoints are complete (no torch)
 - safetensors_io.py, seed.py, weights.py: seed directories written tensor by tensor, and
                    `checkpoint.init_from` read slice by slice into this rank's shards
-- hf.py, hf_deepseek.py: Hugging Face models in and out
+- hf/: Hugging Face models in and out, one module per model family
 - convert.py, cli.py: `fivefold init` and `fivefold convert`
 """

@@ -25,19 +25,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fivefold.checkpoint import hf_deepseek
 from fivefold.checkpoint.files import first_failure
 from fivefold.checkpoint.hf import (
     HFFormatError,
     HFSource,
-    export_problems,
+    family_to_write,
     hf_config,
-    hf_names,
-    hf_rows,
     is_stacked,
-    kind_of,
     model_config_from_hf,
 )
+from fivefold.checkpoint.hf.deepseek_v3 import BIAS_UPDATE
 from fivefold.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.checkpoint.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
 from fivefold.checkpoint.seed import write_seed_config
@@ -138,7 +135,7 @@ def copy_hf_tokenizer(src: Path, out: Path) -> bool:
 
 
 def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int) -> list[Path]:
-    """A Hugging Face Llama/Mixtral/DeepSeek-V3 directory -> a seed directory (weights in their own
+    """A Hugging Face directory of a family read here -> a seed directory (weights in their own
     dtype, and the tokenizer files beside them when it has a tokenizer.json)."""
     source = HFSource(src)
     m = source.model_cfg
@@ -192,35 +189,37 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
         base = json.loads(hf_base.read_text())
     if base is not None:
         model_config_from_hf(base, str(hf_base or "the HF config it came from"))  # refuses options we do not write
-    kind = kind_of(m)
-    problems = export_problems(m)
+    family = family_to_write(m, base)
+    problems = family.export_problems(m)
+    keeps_bias = "ffn.expert_bias" in family.block  # DeepSeek-V3: the routing bias, in every MoE block
     for name in sorted(source.names()):
-        if kind != "deepseek_v3" and name.endswith(".expert_bias") and source.read(name).any():
-            problems.append(f"{name} is not zero (model.moe_bias_update): Mixtral's router has no bias")
+        if not keeps_bias and name.endswith(".expert_bias") and source.read(name).any():
+            problems.append(f"{name} is not zero (model.moe_bias_update): {family.title}'s router has no bias")
     if problems:
-        raise HFFormatError(f"{src}: the model has what HF's {kind} cannot express:\n  " + "\n  ".join(problems))
+        raise HFFormatError(f"{src}: the model has what HF's {family.title} cannot express:\n  "
+                            + "\n  ".join(problems))
     check_fit(source, m, str(src))
     config = hf_config(m, dtype or source.dtype("tok_embeddings.weight"), base)
-    # DeepSeek-V3 checkpoints always hold the routing bias: written as zeros where the model keeps none.
-    biased = dataclasses.replace(m, moe_bias_update=hf_deepseek.BIAS_UPDATE) if kind == "deepseek_v3" else m
+    # A family that keeps the routing bias always has it: written as zeros where the model keeps none.
+    biased = dataclasses.replace(m, moe_bias_update=m.moe_bias_update or BIAS_UPDATE) if keeps_bias else m
     tensors = []
     for name, shape in _tensors(biased).items():
         found = source_name(name, source, m.tie_embeddings)
         if name.endswith(".expert_bias"):
-            if kind == "deepseek_v3":  # fp32 whatever `dtype`, as transformers keeps it
+            if keeps_bias:  # fp32 whatever `dtype`, as transformers keeps it
                 def produce(n=found, s=shape):
                     return torch.zeros(s) if n is None else source.read(n).float()
-                tensors.append((hf_names(name, m)[0], torch.float32, shape, produce))
-            continue  # Mixtral has no bias (a non-zero one is refused above)
+                tensors.append((family.hf_names(name, m)[0], torch.float32, shape, produce))
+            continue  # a router without a bias (a non-zero one is refused above)
         to = dtype or source.dtype(found)
-        for e, hf in enumerate(hf_names(name, m)):
+        for e, hf in enumerate(family.hf_names(name, m)):
             if is_stacked(name):  # expert e of (E, in, out) is HF's (out, in) weight, transposed
                 box = (slice(e, e + 1), slice(0, shape[1]), slice(0, shape[2]))
                 def produce(n=found, b=box, t=to):
                     return source.read(n, b)[0].T.contiguous().to(t)
                 tensors.append((hf, to, (shape[2], shape[1]), produce))
             else:
-                rows = hf_rows(name, m, config)
+                rows = family.rows(name, m, config)
                 back = None if rows is None else torch.argsort(rows)  # hf = fivefold[back]
                 def produce(n=found, t=to, back=back):
                     value = source.read(n)

@@ -1,9 +1,10 @@
 """Start a run from weights on disk (`checkpoint.init_from`), reading only this rank's slices.
 
 The source is a directory of safetensors: a seed checkpoint (`fivefold init`, `fivefold convert
---to fivefold`: fivefold's names and layouts) or a Hugging Face Llama/Mixtral directory (read
-through the name and layout mapping of `fivefold/checkpoint/hf.py`). Either way it is a WeightSource: names,
-whole shapes, and `read(name, index)` returning one box of a tensor in fivefold's layout.
+--to fivefold`: fivefold's names and layouts) or a Hugging Face directory (read through the name
+and layout mapping of its family, `fivefold/checkpoint/hf/`). Either way it is a WeightSource: names,
+whole shapes,
+and `read(name, index)` returning one box of a tensor in fivefold's layout.
 
 Which box a rank needs comes from the layout itself: `par.model_state_dict()` describes every
 entry this rank holds, a plain tensor (the whole thing: pp stages simply lack other stages' names)

@@ -11,6 +11,13 @@ from fivefold.model.config import ModelConfig
 
 _LLAMA3 = dict(n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5)
 _QWEN3 = dict(head_dim=128, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True)
+# Llama 3.1+ RoPE (Hugging Face config.json rope_scaling: rope_type llama3): low frequencies divided by the
+# factor (8 for 3.1, 32 for 3.2), high ones kept, a ramp between; pre-training context 8192.
+_LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_context=8192, rope_low_freq_factor=1.0,
+                     rope_high_freq_factor=4.0)
+_QWEN25 = dict(vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True)
+_OLMO2 = dict(vocab_size=100352, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True, qk_norm_span="all",
+              norm_position="post")
 
 PRESETS: dict[str, ModelConfig] = {
     # Test and demo sizes: every count divisible by 4, so tp/pp/cp/ep up to 4 (and 8 for layers) fit.
@@ -29,6 +36,35 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3),
     "llama3-70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA3),
     "llama3-405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **_LLAMA3),
+    # Llama 3.1 and 3.2 (Meta, Hugging Face config.json): 3.1 is Llama 3's shape with llama3 RoPE; 3.2's
+    # small models share their embedding with the head.
+    "llama3.1-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3, **_LLAMA31_ROPE),
+    "llama3.2-1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, ffn_dim=8192, tie_embeddings=True, **_LLAMA3,
+                               **{**_LLAMA31_ROPE, "rope_factor": 32.0}),
+    "llama3.2-3b": ModelConfig(dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, tie_embeddings=True, **_LLAMA3,
+                               **{**_LLAMA31_ROPE, "rope_factor": 32.0}),
+    # Mistral 7B v0.3 (mistralai/Mistral-7B-v0.3 config.json): no sliding window (v0.1 had 4096).
+    "mistral-7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
+                              rope_theta=1e6),
+    # Qwen2.5 (Qwen team, 2024; config.json): biases on q, k and v.
+    "qwen2.5-0.5b": ModelConfig(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, tie_embeddings=True,
+                                **_QWEN25),
+    "qwen2.5-7b": ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                              **{**_QWEN25, "vocab_size": 152064}),
+    "qwen3-0.6b": ModelConfig(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=3072, tie_embeddings=True,
+                              **_QWEN3),
+    # OLMo 2 (Ai2, "2 OLMo 2 Furious", 2024; allenai/OLMo-2-0425-1B and OLMo-2-1124-7B config.json): norms
+    # after each sub-layer, q/k norms over the whole projection.
+    "olmo2-1b": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=8192, **_OLMO2),
+    "olmo2-7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, **_OLMO2),
+    # Gemma 3 1B (google/gemma-3-1b-pt config.json): sandwich norms as (1 + w), GeGLU, embeddings times
+    # sqrt(dim), per-head q/k norms, softmax scale 256**-0.5, 5 local layers (window 512, RoPE base 1e4)
+    # to 1 global (1e6) over its 26 layers (the pattern written whole: 6 does not divide 26), tied.
+    "gemma3-1b": ModelConfig(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
+                             vocab_size=262144, tie_embeddings=True, qk_norm=True, norm_position="sandwich",
+                             norm_offset=1.0, embed_scale=True, activation="gelu_tanh", norm_eps=1e-6,
+                             rope_theta=1e6, local_rope_theta=10000.0, attention_scale=256**-0.5,
+                             sliding_window=512, window_pattern=(("sliding",) * 5 + ("full",)) * 4 + ("sliding",) * 2),
     # Mixtral (Mistral AI, "Mixtral of Experts", 2024): every FFN is 8 experts, top-2.
     "mixtral-8x7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
                                 rope_theta=1e6, n_experts=8, top_k=2),
@@ -59,6 +95,19 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.55e9,
     "llama3-405b": 405.85e9,
+    # Hugging Face safetensors totals (the Hub's count of every stored tensor):
+    "llama3.1-8b": 8.030261248e9,  # meta-llama/Llama-3.1-8B: 8,030,261,248 (model card: 8B)
+    "llama3.2-1b": 1.235814400e9,  # meta-llama/Llama-3.2-1B: 1,235,814,400 (model card: 1.23B)
+    "llama3.2-3b": 3.212749824e9,  # meta-llama/Llama-3.2-3B: 3,212,749,824 (model card: 3.21B)
+    "mistral-7b": 7.248023552e9,  # mistralai/Mistral-7B-v0.3: 7,248,023,552
+    "qwen2.5-0.5b": 0.494032768e9,  # Qwen/Qwen2.5-0.5B: 494,032,768 (model card: 0.49B)
+    "qwen2.5-7b": 7.615616512e9,  # Qwen/Qwen2.5-7B: 7,615,616,512 (model card: 7.61B)
+    # Qwen/Qwen3-0.6B stores its tied embedding twice (lm_head.weight too): 751,632,384 less one
+    # 151936 x 1024 copy; the model card's 0.6B = 0.44B non-embedding + 0.16B embedding.
+    "qwen3-0.6b": 0.751632384e9 - 151936 * 1024,
+    "olmo2-1b": 1.484916736e9,  # allenai/OLMo-2-0425-1B: 1,484,916,736
+    "olmo2-7b": 7.298617344e9,  # allenai/OLMo-2-1124-7B: 7,298,617,344
+    "gemma3-1b": 0.999885952e9,  # google/gemma-3-1b-pt: 999,885,952 (model card: 1B)
     "mixtral-8x7b": 46.70e9,
     "mixtral-8x22b": 140.6e9,
     "qwen3-8b": 8.19e9,
@@ -79,4 +128,11 @@ PRETRAIN_SEQ_LEN: dict[str, int] = {
     "qwen3-30b-a3b": 4096,
     "qwen3-235b-a22b": 4096,
     "deepseek-v3": 4096,  # DeepSeek-V3 technical report (2024), sec. 4.2: maximum sequence length 4K
+    "llama3.1-8b": 8192,  # the Llama 3 report above (Llama 3.1 is the model it describes)
+    "qwen2.5-0.5b": 4096,  # Qwen2.5 technical report (2024), long-context pre-training: 4,096 tokens at first
+    "qwen2.5-7b": 4096,
+    "qwen3-0.6b": 4096,  # as qwen3-8b
+    "olmo2-1b": 4096,  # OLMo 2 report (2024): the context of 4,096 tokens kept from OLMo-0424
+    "olmo2-7b": 4096,
+    "gemma3-1b": 32768,  # Gemma 3 technical report (2025): pre-trained on 32K sequences (1B: no 128K stage)
 }

@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V3 (`DeepseekV3ForCausalLM`) in and out: what differs from Llama/Mixtral (checkpoint/hf.py).
+"""Hugging Face DeepSeek-V3 (`DeepseekV3ForCausalLM`, transformers models/deepseek_v3) in and out.
 
 Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in tests/checkpoint/test_hf.py):
 - Attention is multi-head latent (model/attention.py `LatentAttention`); names in BLOCK below. Queries
@@ -16,7 +16,7 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   converts exactly, and another is refused both ways by name.
 - Experts: saved one nn.Linear per expert, `mlp.experts.{e}.gate_proj/up_proj/down_proj` (transformers
   5 fuses gate_up_proj (E, 2I, H) in memory but save_pretrained writes this layout, as DeepSeek's own
-  checkpoints have it); stacked and transposed as Mixtral's (checkpoint/hf.py). The shared experts are one
+  checkpoints have it); stacked and transposed as Mixtral's (mixtral.py). The shared experts are one
   SwiGLU of width n_shared_experts x moe_intermediate_size in both.
 - Router `mlp.gate`: sigmoid scores, groups scored by their top-2 biased scores, top-k within the
   topk_group best, renormalised (norm_topk_prob) and times routed_scaling_factor: fivefold's
@@ -28,19 +28,21 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   keeps it in fp32).
 - Multi-token prediction: the layers past num_hidden_layers (num_nextn_predict_layers of them) are
   not read (fivefold has no MTP module); the way out writes num_nextn_predict_layers = 0.
+- A model with latent attention (model.kv_lora_rank > 0) is written as DeepSeek-V3.
 - The keys of DeepSeek's original config.json that transformers ignores (scoring_func, topk_method,
   moe_layer_freq) are refused unless they say what transformers computes (sigmoid, noaux_tc, 1).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
+from fivefold.checkpoint.hf.family import ANY, Family, refuse, refuse_common, rope_fields, rope_keys
 from fivefold.model.config import ModelConfig
 
-ARCHITECTURE = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm's default, not rms_norm_eps
 BIAS_UPDATE = 0.001  # DeepSeek-V3's bias update speed gamma (sec. 4.2): keeps expert_bias in the state dict
 BLOCK = {  # per block: fivefold name -> HF name
@@ -72,8 +74,8 @@ def _get(hf: dict, key: str) -> Any:
 
 
 def config_problems(hf: dict) -> list[str]:
-    """What of a DeepSeek-V3 config.json fivefold cannot compute (beyond checkpoint/hf.py's common checks)."""
-    problems = []
+    """What of a DeepSeek-V3 config.json fivefold cannot compute (beyond the common checks)."""
+    problems: list[str] = []
     eps = _get(hf, "rms_norm_eps")
     if eps != LATENT_NORM_EPS:
         problems.append(f"rms_norm_eps = {eps!r}: HF's DeepSeek-V3 latent norms use {LATENT_NORM_EPS} whatever it "
@@ -91,8 +93,13 @@ def config_problems(hf: dict) -> list[str]:
     return problems
 
 
-def model_config(hf: dict, rope_theta: float) -> ModelConfig:
-    """fivefold's ModelConfig for a DeepSeek-V3 config.json that config_problems found nothing in."""
+def read(hf: dict, problems: list[str]) -> dict[str, Any]:
+    """The ModelConfig fields of a DeepSeek-V3 config.json; what fivefold cannot compute into `problems`."""
+    refuse_common(hf, problems)
+    refuse(hf, problems, "hidden_act", "silu", "fivefold's FFN is SwiGLU (silu)")
+    refuse(hf, problems, "attention_bias", False, "fivefold reads DeepSeek-V3 without attention biases")
+    problems += config_problems(hf)
+    rope = rope_fields(hf, DEFAULTS["rope_theta"], problems)
     dense = _get(hf, "first_k_dense_replace")
     moe = dict(n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
                moe_ffn_dim=hf["moe_intermediate_size"], n_shared_experts=_get(hf, "n_shared_experts"),
@@ -100,22 +107,20 @@ def model_config(hf: dict, rope_theta: float) -> ModelConfig:
                n_expert_groups=_get(hf, "n_group"), topk_groups=_get(hf, "topk_group"),
                moe_routed_scale=float(_get(hf, "routed_scaling_factor")), moe_bias_update=BIAS_UPDATE)
     heads = hf["num_attention_heads"]
-    return ModelConfig(
+    return dict(
         dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=heads,
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=_get(hf, "rms_norm_eps"),
-        rope_theta=rope_theta, init_std=hf.get("initializer_range", 0.02),
+        init_std=hf.get("initializer_range", 0.02), **rope,
         kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=_get(hf, "q_lora_rank") or 0,
         qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
         **(moe if dense < hf["num_hidden_layers"] else {}))  # every block dense: no experts
 
 
-def export_problems(m: ModelConfig) -> list[str]:
-    """What a latent-attention fivefold model has that HF's DeepSeek-V3 cannot express."""
-    checks = [(m.qk_norm, "model.qk_norm = true (DeepSeek-V3 has no per-head q/k norms)"),
+def export_checks(m: ModelConfig) -> list[str]:
+    """What a fivefold model has that HF's DeepSeek-V3 cannot express, beyond FAMILY.computes."""
+    checks = [(m.kv_lora_rank == 0, "model.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"),
               (m.n_experts == 0, "model.n_experts = 0 (fivefold writes DeepSeek-V3 with its MoE blocks)"),
-              (m.n_experts > 0 and m.router_score != "sigmoid",
-               "model.router_score = 'softmax' (DeepSeek-V3's router is a sigmoid)"),
               (m.n_experts > 0 and m.n_shared_experts == 0,
                "model.n_shared_experts = 0 (every DeepSeek-V3 MoE block has shared experts)"),
               (m.norm_eps != LATENT_NORM_EPS,
@@ -124,10 +129,10 @@ def export_problems(m: ModelConfig) -> list[str]:
     return [what for bad, what in checks if bad]
 
 
-def hf_keys(m: ModelConfig, base: dict) -> dict:
-    """The DeepSeek-V3 keys of config.json for model `m` (checkpoint/hf.py writes the common ones)."""
+def write(m: ModelConfig, base: dict) -> dict:
+    """The DeepSeek-V3 keys of config.json for model `m` (registry.hf_config writes the common ones)."""
     grouped = m.n_expert_groups > 1
-    return dict(intermediate_size=m.ffn_dim, moe_intermediate_size=m.moe_ffn_dim or m.ffn_dim,
+    return dict(hidden_act="silu", intermediate_size=m.ffn_dim, moe_intermediate_size=m.moe_ffn_dim or m.ffn_dim,
                 num_key_value_heads=m.n_heads, kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None,
                 qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                 qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, head_dim=m.qk_rope_head_dim,
@@ -135,12 +140,15 @@ def hf_keys(m: ModelConfig, base: dict) -> dict:
                 first_k_dense_replace=m.first_dense_layers, norm_topk_prob=m.norm_topk,
                 n_group=m.n_expert_groups if grouped else 1, topk_group=m.topk_groups if grouped else 1,
                 routed_scaling_factor=m.moe_routed_scale, num_nextn_predict_layers=0,
-                rope_interleave=bool(_get(base, "rope_interleave")))
+                rope_interleave=bool(_get(base, "rope_interleave")), **rope_keys(m, base))
 
 
-def rope_rows(name: str, m: ModelConfig) -> torch.Tensor | None:
-    """For a weight whose rows include interleaved RoPE features: the HF row behind each of fivefold's
-    rows (fivefold = hf[rows]); None for every other tensor."""
+def rope_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:
+    """For a weight whose rows include interleaved RoPE features (when config.json `hf` says
+    rope_interleave): the HF row behind each of fivefold's rows (fivefold = hf[rows]); None for every
+    other tensor."""
+    if not _get(hf, "rope_interleave"):
+        return None
     rope = m.qk_rope_head_dim
     pairs = torch.arange(rope).view(rope // 2, 2).T.reshape(-1)  # (Dr,) 0, 2, 4, ..., 1, 3, 5, ...
     if name.endswith((".attn.wq_b.weight", ".attn.wq.weight")):
@@ -150,3 +158,17 @@ def rope_rows(name: str, m: ModelConfig) -> torch.Tensor | None:
     if name.endswith(".attn.wkv_a.weight"):
         return torch.cat([torch.arange(m.kv_lora_rank), m.kv_lora_rank + pairs])  # (Ckv + Dr,)
     return None
+
+
+def mtp_layer(name: str, hf: dict) -> bool:
+    """A tensor of the multi-token-prediction layers, which follow the num_hidden_layers blocks."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= hf["num_hidden_layers"]
+
+
+FAMILY = Family(title="DeepSeek-V3", architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", block=BLOCK,
+                read=read, write=write, experts=EXPERTS, required=REQUIRED, rows=rope_rows, skips=mtp_layer,
+                computes={"kv_lora_rank": ANY, "n_experts": ANY, "n_shared_experts": ANY, "first_dense_layers": ANY,
+                          "router_score": ("sigmoid",), "norm_topk": ANY, "n_expert_groups": ANY,
+                          "moe_routed_scale": ANY},
+                export_checks=export_checks)

@@ -1,0 +1,175 @@
+"""What one Hugging Face model family is to fivefold (`Family`), and the parts families share.
+
+A family module (llama.py, mixtral.py, deepseek_v3.py, ...) declares one `Family`: the architecture
+and model_type it reads and writes, its tensor names, how its config.json becomes a ModelConfig and
+back, and which ModelConfig values its HF model computes (everything else is refused on export).
+registry.py lists the families; nothing else needs to know one from another.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fivefold.model.config import ModelConfig
+
+TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+# The Llama block (LlamaDecoderLayer), which most families keep or extend: fivefold name -> HF name.
+LLAMA_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+    "attn.wq.bias": "self_attn.q_proj.bias", "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias", "attn.wo.bias": "self_attn.o_proj.bias",
+    "ffn.gate.weight": "mlp.gate_proj.weight", "ffn.up.weight": "mlp.up_proj.weight",
+    "ffn.down.weight": "mlp.down_proj.weight",
+}
+QK_NORMS = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
+# Every model is stored without these (transformers computes them): an old checkpoint may still hold them.
+NOT_WEIGHTS = re.compile(r".*\.rotary_emb\.inv_freq$")
+ANY = None  # in Family.computes: the family computes whatever the field says
+
+# The features a family's HF model has or lacks, as the ModelConfig values of a plain Llama: a family
+# lists in `computes` the values it takes where it differs (a tuple of values, or ANY).
+PLAIN: dict[str, tuple] = {
+    "qkv_bias": (False,), "out_bias": (False,), "qk_norm": (False,), "norm_position": ("pre",), "norm_offset": (0.0,),
+    "embed_scale": (False,), "activation": ("silu",), "sliding_window": (0,), "window_pattern": ((),),
+    "attention_sinks": (False,), "local_rope_theta": (0.0,), "attention_scale": (0.0,), "kv_lora_rank": (0,),
+    "n_experts": (0,), "rope_scaling": ANY, "head_dim": ANY, "qk_norm_span": ANY,
+}
+# ... and of a Mixtral MoE block, checked only for models with experts.
+PLAIN_MOE: dict[str, tuple] = {
+    "n_shared_experts": (0,), "first_dense_layers": (0,), "router_score": ("softmax",), "norm_topk": (True,),
+    "n_expert_groups": (0, 1), "moe_routed_scale": (1.0,), "moe_bias": (False,), "swiglu_limit": (0.0,),
+}
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face config or checkpoint fivefold cannot represent; nothing was converted."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture, both ways."""
+
+    title: str  # for messages: "Llama"
+    architecture: str  # config.json "architectures": ["LlamaForCausalLM"]
+    model_type: str  # config.json "model_type"
+    block: dict[str, str]  # per block: fivefold name -> HF name under model.layers.{i}.
+    # (config.json, problems) -> ModelConfig fields; appends what it cannot represent to problems.
+    read: Callable[[dict, list[str]], dict[str, Any]]
+    # (model, config.json written so far: the base's keys and the common ones) -> this family's keys
+    write: Callable[[ModelConfig, dict], dict[str, Any]]
+    experts: dict[str, str] = field(default_factory=dict)  # stacked experts -> HF per-expert name with {e}
+    required: tuple[str, ...] = ()  # integer keys config.json must have, beyond the common ones
+    computes: dict[str, tuple | None] = field(default_factory=dict)  # overrides of PLAIN / PLAIN_MOE
+    export_checks: Callable[[ModelConfig], list[str]] = lambda m: []  # what `computes` cannot say
+    # (fivefold name, model, config.json) -> the HF row behind each fivefold row where they differ, else None
+    rows: Callable[[str, ModelConfig, dict], torch.Tensor | None] = lambda name, m, hf: None
+    # (HF tensor name, config.json) -> True for a tensor that is not read (DeepSeek-V3's MTP layers)
+    skips: Callable[[str, dict], bool] = lambda name, hf: False
+    top: dict[str, str] = field(default_factory=lambda: dict(TOP))
+
+    def hf_names(self, name: str, m: ModelConfig) -> list[str]:
+        """The HF tensors behind one fivefold tensor: one, or for stacked experts one per expert."""
+        if name in self.top:
+            return [self.top[name]]
+        match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if match is None or (match.group(2) not in self.block and match.group(2) not in self.experts):
+            raise KeyError(f"'{name}' has no counterpart in HF's {self.title}")
+        layer, rest = match.groups()
+        if rest in self.block:
+            return [f"model.layers.{layer}.{self.block[rest]}"]
+        return [f"model.layers.{layer}.{self.experts[rest].format(e=e)}" for e in range(m.n_experts)]
+
+    def export_problems(self, m: ModelConfig) -> list[str]:
+        """What model `m` computes that this family's HF model does not, one line each."""
+        rules = {**PLAIN, **(PLAIN_MOE if m.n_experts else {}), **self.computes}
+        problems = []
+        for name, fine in rules.items():
+            value = getattr(m, name)
+            if fine is not ANY and value not in fine:
+                problems.append(f"model.{name} = {value!r}: HF's {self.title} computes {name} = "
+                                f"{' or '.join(repr(v) for v in fine)}")
+        return problems + self.export_checks(m)
+
+
+def is_stacked(name: str) -> bool:
+    """Experts stacked into one (E, in, out) tensor: HF saves one matrix per expert."""
+    return name.split(".")[-2] == "experts"
+
+
+def refuse(hf: dict, problems: list[str], key: str, fine: Any, what: str) -> None:
+    """Note config key `key` unless it is absent, null or `fine`."""
+    if hf.get(key, fine) not in (fine, None):
+        problems.append(f"{key} = {hf[key]!r}: {what}")
+
+
+def refuse_common(hf: dict, problems: list[str]) -> None:
+    """The options of a Llama-like config.json that no family here reads differently."""
+    refuse(hf, problems, "attention_dropout", 0.0, "fivefold has no dropout")
+    refuse(hf, problems, "mlp_bias", False, "fivefold's FFN has no bias")
+    refuse(hf, problems, "quantization_config", None, "quantized weights are not read; use the unquantized checkpoint")
+
+
+def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:
+    """RoPE fields from either config style: v5's rope_parameters or the older rope_theta/rope_scaling."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        problems.append(f"rope type '{kind}': fivefold implements plain RoPE only (no scaled or extended RoPE)")
+    return dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", default_theta))))
+
+
+def rope_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
+    """The RoPE keys of config.json for model `m`, in the style of `base` (transformers 5's
+    rope_parameters, else the older rope_theta, which transformers 4 and 5 both read)."""
+    if "rope_parameters" in base:
+        return dict(rope_parameters={**(base["rope_parameters"] or {}), "rope_theta": m.rope_theta})
+    return dict(rope_theta=m.rope_theta)
+
+
+def common_fields(hf: dict, defaults: dict, problems: list[str]) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-like config.json states the same way. `defaults`: what
+    transformers assumes for rms_norm_eps, rope_theta (and num_key_value_heads, head_dim,
+    tie_word_embeddings) when left out."""
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or defaults.get("head_dim") or 0
+    return dict(
+        dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", heads),
+        head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,  # 0: fivefold's "dim // n_heads"
+        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
+        norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]), init_std=hf.get("initializer_range", 0.02),
+        **rope_fields(hf, defaults["rope_theta"], problems))
+
+
+def attention_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
+    """num_key_value_heads, head_dim and the RoPE keys of a grouped-query attention model."""
+    out: dict[str, Any] = dict(num_key_value_heads=m.n_kv_heads, **rope_keys(m, base))
+    head_dim = m.head_dim or m.dim // m.n_heads
+    if not (base.get("head_dim") is None and head_dim == m.dim // m.n_heads):  # keep a base's null default
+        out["head_dim"] = head_dim
+    return out
+
+
+def pattern_of(layer_types: list[str]) -> tuple[str, ...]:
+    """layer_types ("sliding_attention" / "full_attention" per layer) as fivefold's window_pattern:
+    its shortest period that divides the number of layers (the whole list for Gemma 3 1B's 26 layers
+    of period 6), () when every layer slides."""
+    kinds = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if len(kinds) % p == 0 and all(k == kinds[i % p] for i, k in enumerate(kinds)))
+    return () if set(kinds) == {"sliding"} else tuple(kinds[:period])
+
+
+def layer_types(m: ModelConfig) -> list[str]:
+    """fivefold's sliding windows as transformers' layer_types."""
+    return ["sliding_attention" if m.layer_window(i) else "full_attention" for i in range(m.n_layers)]

@@ -1,0 +1,100 @@
+"""Hugging Face Gemma 3, text only (`Gemma3ForCausalLM`, model_type gemma3_text; transformers models/gemma3).
+
+- Norms before and after each of attention and the MLP (norm_position "sandwich"): `input_layernorm`
+  -> attn_norm, `post_attention_layernorm` -> attn_post_norm, `pre_feedforward_layernorm` -> ffn_norm,
+  `post_feedforward_layernorm` -> ffn_post_norm; every RMSNorm scales by (1 + weight) (norm_offset 1,
+  the weights copied as stored), the per-head q/k norms included.
+- Embeddings times sqrt(hidden_size) (embed_scale); GELU-tanh gating (hidden_activation
+  gelu_pytorch_tanh: activation "gelu_tanh"); tied embeddings unless tie_word_embeddings = false.
+- Softmax scale query_pre_attn_scalar**-0.5 (attention_scale), whatever head_dim is.
+- Sliding-window layers beside full ones: layer_types (or the older sliding_window_pattern: every
+  pattern-th layer full) -> window_pattern; rope_parameters per layer type: "full_attention" is the
+  model's RoPE (rope_theta, its scaling), "sliding_attention" plain RoPE with its own base (local_rope_theta).
+The multimodal Gemma3ForConditionalGeneration (4B and up as released) stores its language model under
+other names and is not read; its text config is this one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fivefold.checkpoint.hf.family import (
+    ANY,
+    QK_NORMS,
+    Family,
+    common_fields,
+    layer_types,
+    pattern_of,
+    refuse,
+    refuse_common,
+)
+from fivefold.model.config import ModelConfig
+
+# Gemma3TextConfig's, for keys a config.json leaves out.
+DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "local_rope_theta": 10000.0, "head_dim": 256,
+            "num_key_value_heads": 4, "tie_word_embeddings": True, "sliding_window": 4096,
+            "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}
+BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_post_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight", "ffn_post_norm.weight": "post_feedforward_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight", **QK_NORMS,
+    "ffn.gate.weight": "mlp.gate_proj.weight", "ffn.up.weight": "mlp.up_proj.weight",
+    "ffn.down.weight": "mlp.down_proj.weight",
+}
+
+
+def _get(hf: dict, key: str) -> Any:
+    return hf[key] if hf.get(key) is not None else DEFAULTS[key]
+
+
+def read(hf: dict, problems: list[str]) -> dict[str, Any]:
+    refuse_common(hf, problems)
+    refuse(hf, problems, "hidden_activation", "gelu_pytorch_tanh", "fivefold's Gemma FFN is GeGLU (gelu_pytorch_tanh)")
+    refuse(hf, problems, "attention_bias", False, "fivefold reads Gemma 3 without attention biases")
+    refuse(hf, problems, "final_logit_softcapping", None, "fivefold does not soft-cap logits")
+    refuse(hf, problems, "attn_logit_softcapping", None, "fivefold does not soft-cap attention logits")
+    refuse(hf, problems, "use_bidirectional_attention", False, "fivefold's attention is causal")
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.sliding_attention.rope_type = {local['rope_type']!r}: fivefold's "
+                        f"sliding-window layers use plain RoPE (local_rope_theta)")
+    # The global layers' RoPE is the model's: read as a flat config of the older style or of v5's.
+    flat = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    if "full_attention" in params:
+        flat["rope_parameters"] = params["full_attention"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % _get(hf, "sliding_window_pattern") else "full_attention"
+        for i in range(hf["num_hidden_layers"])]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        problems.append(f"layer_types {unknown}: fivefold reads sliding_attention and full_attention layers")
+    window = _get(hf, "sliding_window") if "sliding_attention" in types else 0
+    return dict(common_fields(flat, DEFAULTS, problems), qk_norm=True, qk_norm_span="head", norm_position="sandwich",
+                norm_offset=1.0, embed_scale=True, activation="gelu_tanh",
+                attention_scale=float(_get(hf, "query_pre_attn_scalar")) ** -0.5,
+                sliding_window=window, window_pattern=pattern_of(types) if window else (),
+                local_rope_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq",
+                                                                         DEFAULTS["local_rope_theta"]))))
+
+
+def write(m: ModelConfig, base: dict) -> dict[str, Any]:
+    head_dim = m.head_dim or m.dim // m.n_heads
+    scalar = (m.attention_scale or head_dim**-0.5) ** -2
+    local = {"rope_type": "default", "rope_theta": m.local_rope_theta or m.rope_theta}
+    full = {**((base.get("rope_parameters") or {}).get("full_attention") or {"rope_type": "default"}),
+            "rope_theta": m.rope_theta}
+    whole = round(scalar)
+    return dict(intermediate_size=m.ffn_dim, hidden_activation="gelu_pytorch_tanh", num_key_value_heads=m.n_kv_heads,
+                head_dim=head_dim, query_pre_attn_scalar=whole if abs(scalar - whole) < 1e-6 else scalar,
+                sliding_window=m.sliding_window or None, layer_types=layer_types(m),
+                rope_parameters={"sliding_attention": local, "full_attention": full})
+
+
+FAMILY = Family(title="Gemma 3", architecture="Gemma3ForCausalLM", model_type="gemma3_text", block=BLOCK, read=read,
+                write=write,
+                computes={"qk_norm": (True,), "qk_norm_span": ("head",), "norm_position": ("sandwich",),
+                          "norm_offset": (1.0,), "embed_scale": (True,), "activation": ("gelu_tanh",),
+                          "attention_scale": ANY, "sliding_window": ANY, "window_pattern": ANY,
+                          "local_rope_theta": ANY})
