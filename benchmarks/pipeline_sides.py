@@ -26,7 +26,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # noqa
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fivefold.config import Config, replace  # noqa: E402
-from fivefold.model.attention import rope_cos_sin  # noqa: E402
+from fivefold.model.rope import rope_cos_sin  # noqa: E402
 from fivefold.model.transformer import Transformer, cross_entropy_sum  # noqa: E402
 from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
@@ -79,11 +79,11 @@ class TorchStage(nn.Module):
         self.layers = nn.ModuleList(model.layers[name] for name in layers)
         self.norm = model.norm if last else None
         self.output = model.output if last else None
-        self.head_dim, self.rope_theta = model.head_dim, model.cfg.rope_theta
+        self.head_dim, self.cfg = model.head_dim, model.cfg
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, dim)
-        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.head_dim, self.cfg)
         for block in self.layers:
             h = block(h, cos, sin)
         if self.output is not None:

@@ -6,13 +6,17 @@
   compressed into a low-rank latent, normalised and projected back up per head; RoPE acts only on
   a decoupled part: qk_rope_head_dim per query head, and one key of that width shared by all heads.
 
-Both hold their attention core in `self.core`, a callable (q, k, v, mask) -> out that context
-parallel swaps for ring attention or Ulysses; `attend` is the local one, which picks the kernel
-for the mask (model/masks.py): SDPA for causality alone, FlexAttention or the blockwise path for
-documents, sliding windows and sinks. Each layer holds its window and its sinks (a learned logit
+Both hold their attention core in `self.core`, a callable (q, k, v, mask, scale) -> out that context
+parallel swaps for ring attention or Ulysses. scale is the softmax scale (model.attention_scale;
+None: 1/sqrt(q/k head width)), handed to every kernel as an argument (SDPA, FlexAttention and
+aten's flash / memory-efficient ops all take one), so q is never pre-scaled: no extra pass over q,
+and the kernels' own fp32 scaling stays the only rounding. `attend` is the local core, which picks
+the kernel for the mask (model/masks.py): SDPA for causality alone, FlexAttention or the blockwise
+path for documents, sliding windows and sinks. Each layer holds its window and its sinks (a learned logit
 per head, gpt-oss) and adds them to the micro-batch's document ids. Heads are read from shapes, so
-a tensor-parallel rank holding H/tp heads needs no change. RMSNorm and RoPE live here because
-attention uses them (q/k norms, latent norms); the blocks in model/transformer.py import them.
+a tensor-parallel rank holding H/tp heads needs no change. RMSNorm lives here because attention
+uses it (q/k norms, latent norms); the blocks in model/transformer.py import it. RoPE (with its
+scalings and per-layer base) is model/rope.py's.
 
 Shapes: B batch, T sequence, H query heads, K key/value heads, D head_dim; for MLA, Dn/Dr the
 query/key widths without/with RoPE, Dv the value width, Cq/Ckv the query/key-value latent widths.
@@ -31,6 +35,7 @@ from fivefold.model.blockwise import blockwise_attention
 from fivefold.model.config import ModelConfig
 from fivefold.model.flex import flex_attention_core
 from fivefold.model.masks import AttentionMask, DocumentIds
+from fivefold.model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -46,23 +51,6 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's rotation angles: (..., T) -> (..., T, D)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (..., T, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (..., T, D): the "rotate half" layout Hugging Face uses
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i+D/2}) of x (B, T, H, D) by the angles in cos/sin (T, D), or (B, T, D) when
-    each row has its own positions (data.reset_positions)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (T, 1, D) or (B, T, 1, D): broadcast over heads
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
-
-
 def gqa_in_kernel(device_type: str, dtype: torch.dtype) -> bool:
     """Does causal SDPA take grouped K/V heads itself (`enable_gqa`, torch >= 2.5) rather than a copy
     repeated to the query heads? On CPU always (math and flash kernels both take it; the results
@@ -72,17 +60,17 @@ def gqa_in_kernel(device_type: str, dtype: torch.dtype) -> bool:
     return device_type != "cuda" or dtype in (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Plain causal attention through SDPA (`is_causal=True`: flash where it can): q (B, T, H, D),
-    k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv). Scaled by 1/sqrt(D), the query/key width (MLA:
-    Dn + Dr; its values may be narrower, Dv)."""
+    k (B, T, K, D), v (B, T, K, Dv) -> (B, T, H, Dv). Scaled by `scale`, None for 1/sqrt(D), the
+    query/key width (MLA: Dn + Dr; its values may be narrower, Dv)."""
     grouped = k.shape[2] != q.shape[2]  # grouped-query: each K/V head serves H/K query heads (h uses h // G)
     if grouped and not gqa_in_kernel(q.device.type, q.dtype):
         k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # (B, T, H, D)
         v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)  # (B, T, H, Dv)
         grouped = False
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, K, T, D), (B, K, T, Dv)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped, scale=scale)
     return out.transpose(1, 2)  # (B, T, H, Dv)
 
 
@@ -97,26 +85,29 @@ def backend_for(masked: bool, device_type: str, backend: str = "auto") -> str:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None,
-           backend: str = "auto") -> torch.Tensor:
+           scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Local attention core under `mask` (None: causal alone): q (B, T, H, D), k and v (B, T, K, D)
-    -> (B, T, H, D), through the kernel `backend_for` picks. validate() refuses "sdpa" with a mask."""
+    -> (B, T, H, D), through the kernel `backend_for` picks, softmax scale `scale` (None:
+    1/sqrt(D)). validate() refuses "sdpa" with a mask."""
     masked = mask is not None and not mask.plain
     chosen = backend_for(masked, q.device.type, backend)
     if chosen == "sdpa":
         if masked:
             raise ValueError("model.attention_backend = 'sdpa' does causal attention only; documents, sliding "
                              "windows and sinks need 'auto', 'flex' or 'blockwise'")
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, scale)
     if chosen == "flex":
-        return flex_attention_core(q, k, v, mask or AttentionMask())
-    return blockwise_attention(q, k, v, mask)
+        return flex_attention_core(q, k, v, mask or AttentionMask(), scale=scale)
+    return blockwise_attention(q, k, v, mask, scale=scale)
 
 
 class _LayerMask:
-    """What one attention layer adds to the micro-batch's documents: its window and its sinks."""
+    """What one attention layer adds to the micro-batch's documents: its window and its sinks; and
+    the softmax scale its core is called with (None: 1/sqrt(q/k head width))."""
 
     window: int
     sinks: nn.Parameter | None
+    scale: float | None
 
     def _mask(self, doc: DocumentIds | torch.Tensor | None) -> AttentionMask | None:
         mask = AttentionMask.of(doc, self.window, self.sinks)
@@ -137,7 +128,8 @@ class Attention(_LayerMask, nn.Module):
         self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.window = cfg.layer_window(layer)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None  # (H,) logits
-        # (q, k, v, mask) -> out, mask None for causality alone; context parallel swaps in its own.
+        self.scale = cfg.attention_scale or None
+        # (q, k, v, mask, scale) -> out, mask None for causality alone; context parallel swaps in its own.
         self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -150,7 +142,7 @@ class Attention(_LayerMask, nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, self._mask(doc))  # (B, T, H, D)
+        out = self.core(q, k, v, self._mask(doc), self.scale)  # (B, T, H, D)
         return self.wo(out.reshape(B, T, -1))  # (B, T, dim)
 
 
@@ -165,7 +157,7 @@ class LatentAttention(_LayerMask, nn.Module):
       [q_n, q_r] = c_q W_qb  per head                (H, Dn + Dr);  q_r <- RoPE(q_r)
       [c_kv, k_r] = x W_kva                          (Ckv + Dr);    k_r <- RoPE(k_r), one for all heads
       [k_n, v] = RMSNorm(c_kv) W_kvb  per head       (H, Dn + Dv)
-      k = [k_n, k_r],  out = softmax(q k^T / sqrt(Dn + Dr)) v,  then W_o
+      k = [k_n, k_r],  out = softmax(q k^T / sqrt(Dn + Dr)) v,  then W_o  (or model.attention_scale)
     (v is padded with zeros to Dn + Dr for the core and its output cut back to Dv: see forward.)
 
     The down-projections (wq_a, wkv_a) and their norms act on every token whole; everything after
@@ -174,8 +166,8 @@ class LatentAttention(_LayerMask, nn.Module):
     latent and the shared key before RoPE, and returns them unchanged here. Tensor parallel
     installs its region entry there (parallel/tensor.py), so the replicated down-projections get
     whole gradients.
-    Rope scaling (YaRN, which DeepSeek-V3 adds for its long-context extension, report sec. 4.3) is
-    not implemented: RoPE is plain, and checkpoint/hf.py refuses a scaled checkpoint by name.
+    RoPE follows model/rope.py's rules (DeepSeek-V3: YaRN, its long-context extension, report sec.
+    4.3; its softmax scale comes in as model.attention_scale, rope.py's yarn_softmax_scale).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
@@ -196,6 +188,7 @@ class LatentAttention(_LayerMask, nn.Module):
         self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
         self.window = cfg.layer_window(layer)
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None  # (H,) logits
+        self.scale = cfg.attention_scale or None  # DeepSeek-V3 under YaRN: model/rope.py yarn_softmax_scale
         self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
         self.enter_heads: Callable[..., tuple[torch.Tensor, ...]] = _unchanged
 
@@ -217,7 +210,7 @@ class LatentAttention(_LayerMask, nn.Module):
         # GPU) and context parallel's cores take equal widths; without it SDPA falls back to its
         # math path, which keeps the (T, T) probabilities. The zero columns come out zero and are cut.
         v = F.pad(kv[..., self.nope:], (0, self.nope + self.rope - self.v_dim))  # (B, T, H, Dn + Dr)
-        out = self.core(q, k, v, self._mask(doc))  # (B, T, H, Dn + Dr)
+        out = self.core(q, k, v, self._mask(doc), self.scale)  # (B, T, H, Dn + Dr)
         return self.wo(out[..., :self.v_dim].reshape(B, T, -1))  # (B, T, dim)
 
 

@@ -262,6 +262,7 @@ class _Call:
     window: int
     tile: int
     doc_host: torch.Tensor | None  # the document ids the plan reads (on the host when given so)
+    scale: float | None  # the softmax scale; None: 1/sqrt(D)
 
 
 def _no_autocast(device: torch.device):
@@ -295,7 +296,7 @@ def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor
     queries over every block."""
     source, n, dtype = call.source, call.source.size, q.dtype
     fwd, _ = kernels(q.device)
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
     qh = q.transpose(1, 2)  # (B, H, T, D)
     acc = _accumulator(dtype)
     out = torch.zeros(qh.shape, dtype=acc, device=q.device)  # normalised partial outputs
@@ -326,7 +327,7 @@ def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor
 def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
     source, n, dtype = call.source, call.source.size, q.dtype
     _, bwd = kernels(q.device)
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
     qh, oh = q.transpose(1, 2), out.transpose(1, 2)  # (B, H, T, D)
     doh = dout.to(dtype).transpose(1, 2)  # (B, H, T, D)
     dsinks = None
@@ -369,13 +370,15 @@ def _backward(dout, q, k, v, out, lse, sinks, doc, call: _Call, plan: Plan):
 
 @torch.compiler.disable  # host-side planning and Python loops: never traced
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
-                        source: BlockSource = LOCAL, layout: Layout | None = None, tile: int = TILE) -> torch.Tensor:
+                        source: BlockSource = LOCAL, layout: Layout | None = None, tile: int = TILE,
+                        scale: float | None = None) -> torch.Tensor:
     """Exact attention under `mask`: q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D).
 
     Alone (`source` LOCAL, `layout` None) the T tokens are the whole row; in a ring they are this
     rank's chunks of it, as `layout` says, and `mask.doc` is still the whole row's (B, T_all).
+    `scale`: the softmax scale, handed to the kernels (None: 1/sqrt(D)).
     """
     mask = mask or AttentionMask()
     layout = layout or Layout(((0,),), q.shape[1])
-    call = _Call(source, layout, mask.window, tile, mask.doc if mask.doc_host is None else mask.doc_host)
+    call = _Call(source, layout, mask.window, tile, mask.doc if mask.doc_host is None else mask.doc_host, scale)
     return _BlockwiseAttention.apply(q, k, v, mask.sinks, mask.doc, call)

@@ -28,9 +28,9 @@ def _compiled_flex():
 
 
 def flex_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-                        compiled: bool = True) -> torch.Tensor:
-    """q (B, T, H, D), k and v (B, T, K, D) under `mask` -> (B, T, H, D). `compiled=False` runs the
-    eager kernel (what runs on CPU, forward only)."""
+                        compiled: bool = True, scale: float | None = None) -> torch.Tensor:
+    """q (B, T, H, D), k and v (B, T, K, D) under `mask` -> (B, T, H, D), softmax scale `scale` (None:
+    1/sqrt(D)). `compiled=False` runs the eager kernel (what runs on CPU, forward only)."""
     B, T, H, _ = q.shape
     doc, window = mask.doc, mask.window
 
@@ -41,7 +41,7 @@ def flex_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     blocks = create_block_mask(mask_mod, B if doc is not None else None, None, T, T, device=q.device)
     # Inside a compiled block (train.compile) the block's compilation takes flex_attention in whole.
     attend = _compiled_flex() if compiled and not torch.compiler.is_compiling() else flex_attention
-    out, aux = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=blocks,
+    out, aux = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=blocks, scale=scale,
                       enable_gqa=k.shape[2] != H, return_aux=AuxRequest(lse=True))  # (B, H, T, D)
     if mask.sinks is not None:  # aux.lse: (B, H, T), natural log
         out = out * torch.sigmoid(aux.lse - mask.sinks.float()[None, :, None])[..., None].to(out.dtype)

@@ -123,14 +123,14 @@ def dense_keep(mask: AttentionMask, seq_len: int, device: torch.device | None = 
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: AttentionMask | None = None) -> torch.Tensor:
+                    mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
     """The rule written out densely, in q's dtype: q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D).
     Sinks join the softmax as one more column of logit s_h whose value is zero. A reference for
-    tests and checks at small T only: it holds (B, H, T, T) scores."""
+    tests and checks at small T only: it holds (B, H, T, T) scores. `scale`: the softmax scale (None: 1/sqrt(D))."""
     mask = mask or AttentionMask()
     B, T, H, D = q.shape
     k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
-    scores = torch.einsum("bqhd,bthd->bhqt", q, k) * D ** -0.5  # (B, H, T, T)
+    scores = torch.einsum("bqhd,bthd->bhqt", q, k) * (D ** -0.5 if scale is None else scale)  # (B, H, T, T)
     scores = scores.masked_fill(~dense_keep(mask, T, q.device), float("-inf"))
     if mask.sinks is not None:
         sink = mask.sinks.to(scores.dtype)[None, :, None, None].expand(B, H, T, 1)

@@ -36,9 +36,10 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3),
     "llama3-70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA3),
     "llama3-405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, ffn_dim=53248, **_LLAMA3),
-    # Llama 3.1 and 3.2 (Meta, Hugging Face config.json): 3.1 is Llama 3's shape with llama3 RoPE; 3.2's
+    # Llama 3.1-3.3 (Meta, Hugging Face config.json): 3.1 and 3.3 are Llama 3's shapes with llama3 RoPE; 3.2's
     # small models share their embedding with the head.
     "llama3.1-8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, **_LLAMA3, **_LLAMA31_ROPE),
+    "llama3.3-70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA3, **_LLAMA31_ROPE),
     "llama3.2-1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, ffn_dim=8192, tie_embeddings=True, **_LLAMA3,
                                **{**_LLAMA31_ROPE, "rope_factor": 32.0}),
     "llama3.2-3b": ModelConfig(dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, tie_embeddings=True, **_LLAMA3,
@@ -97,6 +98,7 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "llama3-405b": 405.85e9,
     # Hugging Face safetensors totals (the Hub's count of every stored tensor):
     "llama3.1-8b": 8.030261248e9,  # meta-llama/Llama-3.1-8B: 8,030,261,248 (model card: 8B)
+    "llama3.3-70b": 70.553706496e9,  # meta-llama/Llama-3.3-70B-Instruct: 70,553,706,496 (model card: 70B)
     "llama3.2-1b": 1.235814400e9,  # meta-llama/Llama-3.2-1B: 1,235,814,400 (model card: 1.23B)
     "llama3.2-3b": 3.212749824e9,  # meta-llama/Llama-3.2-3B: 3,212,749,824 (model card: 3.21B)
     "mistral-7b": 7.248023552e9,  # mistralai/Mistral-7B-v0.3: 7,248,023,552
@@ -129,6 +131,7 @@ PRETRAIN_SEQ_LEN: dict[str, int] = {
     "qwen3-235b-a22b": 4096,
     "deepseek-v3": 4096,  # DeepSeek-V3 technical report (2024), sec. 4.2: maximum sequence length 4K
     "llama3.1-8b": 8192,  # the Llama 3 report above (Llama 3.1 is the model it describes)
+    "llama3.3-70b": 8192,
     "qwen2.5-0.5b": 4096,  # Qwen2.5 technical report (2024), long-context pre-training: 4,096 tokens at first
     "qwen2.5-7b": 4096,
     "qwen3-0.6b": 4096,  # as qwen3-8b

@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.attention import RMSNorm, attention, rope_cos_sin
+from fivefold.model.attention import RMSNorm, attention
 from fivefold.model.config import ModelConfig
 from fivefold.model.ffn import FeedForward
 from fivefold.model.masks import DocumentIds
 from fivefold.model.moe import MoE
+from fivefold.model.rope import layer_is_local, rope_cos_sin
 from fivefold.model.seeded_init import init_tensor
 
 
@@ -83,16 +84,20 @@ class Transformer(nn.Module):
         layers: the names of the blocks to run, in order (default: every block this model holds);
         embed=False: x is already hidden states (B, T, dim); head=False: return the last block's
         output (B, T, dim) without the final norm and head. An absent embedding, norm or head (a
-        pipeline stage deleted it) is passed through. doc: None, or the (B, T) document ids of whole
+        pipeline stage deleted it) is passed through. Each block gets the rotation of its layer
+        (model/rope.py: sliding-window layers may have their own base). doc: None, or the (B, T) document ids of whole
         rows (data.document_mask, model/masks.py; DocumentIds when a host copy comes along), passed
         as an argument so the blocks hold no per-batch state.
         """
         h = self.tok_embeddings(x) if embed and self.tok_embeddings is not None else x  # (B, T, dim)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
-        cos, sin = rope_cos_sin(positions, self.rope_dim, self.cfg.rope_theta)  # (T, D) or (B, T, D)
-        for name in self.layers if layers is None else layers:
-            h = self.layers[name](h, cos, sin, doc)
+        names = list(self.layers if layers is None else layers)
+        local = {name: layer_is_local(self.cfg, int(name)) for name in names}  # its RoPE base: local or global
+        # Each distinct rotation once per forward: (cos, sin), each (T, D) or (B, T, D).
+        rotations = {kind: rope_cos_sin(positions, self.rope_dim, self.cfg, kind) for kind in set(local.values())}
+        for name in names:
+            h = self.layers[name](h, *rotations[local[name]], doc)
         if head and self.norm is not None:
             h = self.norm(h)
         if head and self.output is not None:

@@ -115,19 +115,19 @@ def _check_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
                    layout: str = "zigzag", mask: AttentionMask | None = None,
-                   counts: list[int] | None = None) -> torch.Tensor:
+                   counts: list[int] | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence under `mask` (None: causal alone),
     K/V passed around `group`: the exact blockwise path of model/blockwise.py, its blocks arriving
     from the ring. q (B, T/cp, H, D), k and v (B, T/cp, K, D), tokens in `layout` order ->
     (B, T/cp, H, D); mask.doc holds the whole rows' (B, T) document ids. `counts` ([computed,
-    skipped] chunk pairs) grows by this call's."""
+    skipped] chunk pairs) grows by this call's. `scale`: the softmax scale (None: 1/sqrt(D))."""
     _check_gqa(q, k, v)
     n = group.size
     ids = tuple(tuple(_chunk_ids(n, r, layout)) for r in range(n))  # a clear error for an unknown layout
     if q.shape[1] % len(ids[0]):
         raise ValueError(f"{q.shape[1]} local tokens do not split into the {layout} layout's chunks")
     ring = _Ring(group, counts if counts is not None else [0, 0])
-    return blockwise_attention(q, k, v, mask, ring, Layout(ids, q.shape[1] // len(ids[0])))
+    return blockwise_attention(q, k, v, mask, ring, Layout(ids, q.shape[1] // len(ids[0])), scale=scale)
 
 
 # ---- Ulysses ----
@@ -142,11 +142,13 @@ def _all_to_all(x: torch.Tensor, group: AxisGroup, split: int, cat: int) -> torc
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                      mask: AttentionMask | None = None, backend: str = "auto") -> torch.Tensor:
+                      mask: AttentionMask | None = None, backend: str = "auto",
+                      scale: float | None = None) -> torch.Tensor:
     """Attention by all-to-all over heads: q (B, T/cp, H, D), k and v (B, T/cp, K, D), tokens in the
     contiguous layout -> (B, T/cp, H, D). One all-to-all in (q, k, v packed), one out. Each rank then
     holds the whole sequence for its part of the heads, so `mask` (whole rows' documents, the window,
-    its heads' sinks) applies as on one process, through the local kernel `backend` picks."""
+    its heads' sinks) applies as on one process, through the local kernel `backend` picks, with the
+    softmax scale `scale` (None: 1/sqrt(D))."""
     _check_gqa(q, k, v)
     n, H, K = group.size, q.shape[2], k.shape[2]
     if H % n or K % n:
@@ -161,7 +163,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     qh, kh, vh = full.split([H // n, K // n, K // n], dim=2)
     heads = H // n
     own = None if mask is None else mask.head_slice(group.rank * heads, (group.rank + 1) * heads)
-    out = attend(qh, kh, vh, own, backend)  # (B, T, H/cp, D)
+    out = attend(qh, kh, vh, own, scale, backend)  # (B, T, H/cp, D)
     return _all_to_all(out, group, 1, 2)  # (B, T/cp, H, D)
 
 
@@ -187,11 +189,12 @@ class ContextParallel:
         return shard_sequence(x, self.group.size, self.group.rank, self.layout, dim)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             mask: AttentionMask | None = None) -> torch.Tensor:
-        """Drop-in for Attention.core: (B, T/cp, H, D), (B, T/cp, K, D) x2, mask -> (B, T/cp, H, D)."""
+             mask: AttentionMask | None = None, scale: float | None = None) -> torch.Tensor:
+        """Drop-in for Attention.core: (B, T/cp, H, D), (B, T/cp, K, D) x2, mask, softmax scale ->
+        (B, T/cp, H, D)."""
         if self.method == "ulysses":
-            return ulysses_attention(q, k, v, self.group, mask, self.backend)
-        return ring_attention(q, k, v, self.group, self.layout, mask, self.blocks)
+            return ulysses_attention(q, k, v, self.group, mask, self.backend, scale)
+        return ring_attention(q, k, v, self.group, self.layout, mask, self.blocks, scale)
 
     def kernels(self, cfg: Config, device_type: str) -> dict[str, str]:
         """What attends, by layer kind present ("causal": causality alone; "masked": documents, a

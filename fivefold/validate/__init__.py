@@ -20,6 +20,7 @@ from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.validate.attention import attention_errors
+from fivefold.validate.rope import rope_errors
 
 
 def _non_finite_errors(cfg: Config) -> list[str]:
@@ -110,7 +111,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     dp = data_parallel_degree(cfg, world_size)
     return (errors + _mesh_errors(cfg, world_size, dp) + _head_errors(cfg) + _tp_split_errors(cfg)
             + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
-            + _sequence_errors(cfg) + attention_errors(cfg) + _schedule_errors(cfg, dp))
+            + _sequence_errors(cfg) + attention_errors(cfg) + rope_errors(cfg) + _schedule_errors(cfg, dp))
 
 
 def _size_errors(cfg: Config) -> list[str]:

@@ -231,8 +231,9 @@ def test_what_fivefold_cannot_represent_is_refused(tmp_path, models):
     with pytest.raises(HFFormatError, match=r"architectures \['GPT2LMHeadModel'\]: fivefold reads LlamaForCausalLM, "
                                             r".*DeepseekV3ForCausalLM"):
         model_config_from_hf({**config, "architectures": ["GPT2LMHeadModel"]})
-    scaled = {**config, "mlp_bias": True, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
-    with pytest.raises(HFFormatError, match="(?s)mlp_bias = True.*rope type 'llama3'"):
+    scaled = {**config, "mlp_bias": True, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5}}
+    with pytest.raises(HFFormatError, match="(?s)mlp_bias = True.*rope type 'dynamic': fivefold reads default, "
+                                            "linear, llama3, yarn"):
         model_config_from_hf(scaled)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "config.json").write_text(json.dumps(config))
@@ -279,10 +280,10 @@ def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
     config = json.loads((models["deepseek"]["hf"] / "config.json").read_text())
     unsupported = {**config, "rms_norm_eps": 1e-5, "quantization_config": {"quant_method": "fp8"},
                    "scoring_func": "softmax",
-                   "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}}
+                   "rope_scaling": {"type": "dynamic", "factor": 40}}
     del unsupported["rope_parameters"]  # DeepSeek's own config.json: the older rope_theta / rope_scaling keys
     with pytest.raises(HFFormatError, match="(?s)quantization_config.*rms_norm_eps = 1e-05.*latent norms.*"
-                                            "scoring_func = 'softmax'.*rope type 'yarn'"):
+                                            "scoring_func = 'softmax'.*rope type 'dynamic'"):
         model_config_from_hf(unsupported)
     assert export_problems(PRESETS["deepseek-v3"]) == []
     assert export_problems(PRESETS["tiny-mla"]) == []  # its norm_eps is DeepSeek-V3's 1e-6

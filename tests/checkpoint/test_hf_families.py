@@ -248,6 +248,9 @@ def test_what_a_family_does_not_compute_is_refused(tmp_path):
     gemma = hf_config_json("gemma3", tmp_path)
     with pytest.raises(HFFormatError, match="(?s)final_logit_softcapping = 30.0.*use_bidirectional_attention = True"):
         model_config_from_hf({**gemma, "final_logit_softcapping": 30.0, "use_bidirectional_attention": True})
+    llama = hf_config_json("llama3.2", tmp_path)
+    with pytest.raises(HFFormatError, match="rope type 'longrope': fivefold reads default, linear, llama3, yarn"):
+        model_config_from_hf({**llama, "rope_parameters": {**llama["rope_parameters"], "rope_type": "longrope"}})
     qwen = hf_config_json("qwen2", tmp_path)
     with pytest.raises(HFFormatError, match="use_sliding_window = True"):
         model_config_from_hf({**qwen, "use_sliding_window": True})

@@ -135,4 +135,4 @@ def test_the_kernel_each_case_takes():
     assert AttentionMask().plain and not AttentionMask(window=4).plain
     doc, q = torch.zeros(1, 8, dtype=torch.long), torch.randn(1, 8, 4, 8)
     with pytest.raises(ValueError, match="attention_backend = 'sdpa' does causal attention only"):
-        attend(q, q, q, AttentionMask(doc), "sdpa")
+        attend(q, q, q, AttentionMask(doc), backend="sdpa")

@@ -11,11 +11,12 @@ import torch
 from fivefold.config import ModelConfig
 from fivefold.model import moe as moe_module
 from fivefold.model import transformer as model_module
-from fivefold.model.attention import LatentAttention, causal_attention, rope_cos_sin
+from fivefold.model.attention import LatentAttention, causal_attention
 from fivefold.model.counts import model_counts
 from fivefold.model.masks import dense_attention
 from fivefold.model.moe import MoE
 from fivefold.model.presets import PRESETS, PUBLISHED_PARAMS
+from fivefold.model.rope import rope_cos_sin
 from fivefold.model.transformer import Transformer, count_parameters, cross_entropy_sum
 
 
@@ -165,7 +166,7 @@ def test_latent_attention_matches_per_head_math(q_lora_rank):
         torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.2)  # norm weights away from 1 too
     B, T, H, Dn, Dr, Dv = 2, 6, cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     x, pos = torch.randn(B, T, cfg.dim), torch.arange(T) + 3
-    cos, sin = rope_cos_sin(pos, Dr, cfg.rope_theta)  # what Transformer hands its blocks (its rope_dim = Dr)
+    cos, sin = rope_cos_sin(pos, Dr, cfg)  # what Transformer hands its blocks (its rope_dim = Dr)
     out = attn(x, cos, sin)  # (B, T, dim)
 
     eps, theta = cfg.norm_eps, cfg.rope_theta

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fivefold.config import ModelConfig
-from fivefold.model.attention import rope_cos_sin
+from fivefold.model.rope import rope_cos_sin
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.pipeline.split_backward import SplitBackward
 
@@ -34,7 +34,7 @@ def _stage(first: bool, seed: int = 0):
     if not first:
         model.tok_embeddings = None
     x = torch.randint(0, 64, (2, 8)) if first else torch.randn(2, 8, 32, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg)
 
     def forward():
         inp = model.tok_embeddings(x) if first else x  # (2, 8, 32)
@@ -100,7 +100,7 @@ def test_moe_stage_accumulates_each_weight_once():
     model = Transformer(cfg)
     model.init_weights()
     block, params = model.layers["0"], list(model.layers.parameters())
-    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg)
     x = torch.randn(2, 8, 32, requires_grad=True)
     out = block(x, cos, sin)
     grad = torch.randn_like(out)

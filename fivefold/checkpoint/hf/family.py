@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fivefold.checkpoint.hf_rope import rope_fields_from_hf, rope_to_hf
 from fivefold.model.config import ModelConfig
 
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -118,21 +119,15 @@ def refuse_common(hf: dict, problems: list[str]) -> None:
 
 
 def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:
-    """RoPE fields from either config style: v5's rope_parameters or the older rope_theta/rope_scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        problems.append(f"rope type '{kind}': fivefold implements plain RoPE only (no scaled or extended RoPE)")
-    return dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", default_theta))))
+    """The RoPE fields of config.json `hf` in either style (checkpoint/hf_rope.py); `default_theta`:
+    the family's base when the file states none. A rope type fivefold does not read goes to problems."""
+    return {"rope_theta": default_theta, **rope_fields_from_hf(hf, problems)}
 
 
 def rope_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
     """The RoPE keys of config.json for model `m`, in the style of `base` (transformers 5's
-    rope_parameters, else the older rope_theta, which transformers 4 and 5 both read)."""
-    if "rope_parameters" in base:
-        return dict(rope_parameters={**(base["rope_parameters"] or {}), "rope_theta": m.rope_theta})
-    return dict(rope_theta=m.rope_theta)
+    rope_parameters unless base has the older rope_theta / rope_scaling)."""
+    return rope_to_hf(m, base)
 
 
 def common_fields(hf: dict, defaults: dict, problems: list[str]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from fivefold.checkpoint.hf.family import (
     pattern_of,
     refuse,
     refuse_common,
+    rope_keys,
 )
 from fivefold.model.config import ModelConfig
 
@@ -55,15 +56,6 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     refuse(hf, problems, "final_logit_softcapping", None, "fivefold does not soft-cap logits")
     refuse(hf, problems, "attn_logit_softcapping", None, "fivefold does not soft-cap attention logits")
     refuse(hf, problems, "use_bidirectional_attention", False, "fivefold's attention is causal")
-    params = hf.get("rope_parameters") or {}
-    local = params.get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        problems.append(f"rope_parameters.sliding_attention.rope_type = {local['rope_type']!r}: fivefold's "
-                        f"sliding-window layers use plain RoPE (local_rope_theta)")
-    # The global layers' RoPE is the model's: read as a flat config of the older style or of v5's.
-    flat = {k: v for k, v in hf.items() if k != "rope_parameters"}
-    if "full_attention" in params:
-        flat["rope_parameters"] = params["full_attention"]
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % _get(hf, "sliding_window_pattern") else "full_attention"
         for i in range(hf["num_hidden_layers"])]
@@ -71,25 +63,31 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     if unknown:
         problems.append(f"layer_types {unknown}: fivefold reads sliding_attention and full_attention layers")
     window = _get(hf, "sliding_window") if "sliding_attention" in types else 0
-    return dict(common_fields(flat, DEFAULTS, problems), qk_norm=True, qk_norm_span="head", norm_position="sandwich",
+    fields = common_fields(hf, DEFAULTS, problems)  # RoPE per layer type (hf_rope): global scaled, local plain
+    if not _states_local(hf) and fields["rope_theta"] != DEFAULTS["local_rope_theta"]:
+        fields["local_rope_theta"] = DEFAULTS["local_rope_theta"]  # transformers' default for the local layers
+    return dict(fields, qk_norm=True, qk_norm_span="head", norm_position="sandwich",
                 norm_offset=1.0, embed_scale=True, activation="gelu_tanh",
                 attention_scale=float(_get(hf, "query_pre_attn_scalar")) ** -0.5,
-                sliding_window=window, window_pattern=pattern_of(types) if window else (),
-                local_rope_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq",
-                                                                         DEFAULTS["local_rope_theta"]))))
+                sliding_window=window, window_pattern=pattern_of(types) if window else ())
+
+
+def _states_local(hf: dict) -> bool:
+    """Whether config.json states the local layers' RoPE base."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return "rope_theta" in local or "rope_local_base_freq" in hf
 
 
 def write(m: ModelConfig, base: dict) -> dict[str, Any]:
     head_dim = m.head_dim or m.dim // m.n_heads
     scalar = (m.attention_scale or head_dim**-0.5) ** -2
-    local = {"rope_type": "default", "rope_theta": m.local_rope_theta or m.rope_theta}
-    full = {**((base.get("rope_parameters") or {}).get("full_attention") or {"rope_type": "default"}),
-            "rope_theta": m.rope_theta}
+    if not any(key in base for key in ("rope_parameters", "rope_theta", "rope_scaling")):
+        base = {**base, "rope_parameters": {"sliding_attention": {"rope_type": "default"},
+                                            "full_attention": {"rope_type": "default"}}}  # transformers 5's layout
     whole = round(scalar)
     return dict(intermediate_size=m.ffn_dim, hidden_activation="gelu_pytorch_tanh", num_key_value_heads=m.n_kv_heads,
                 head_dim=head_dim, query_pre_attn_scalar=whole if abs(scalar - whole) < 1e-6 else scalar,
-                sliding_window=m.sliding_window or None, layer_types=layer_types(m),
-                rope_parameters={"sliding_attention": local, "full_attention": full})
+                sliding_window=m.sliding_window or None, layer_types=layer_types(m), **rope_keys(m, base))
 
 
 FAMILY = Family(title="Gemma 3", architecture="Gemma3ForCausalLM", model_type="gemma3_text", block=BLOCK, read=read,

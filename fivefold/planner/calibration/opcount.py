@@ -191,7 +191,8 @@ class Part:
         import torch
         from torch import nn
 
-        from fivefold.model.attention import RMSNorm, rope_cos_sin
+        from fivefold.model.attention import RMSNorm
+        from fivefold.model.rope import layer_is_local, rope_cos_sin
         from fivefold.model.seeded_init import init_tensor
         from fivefold.model.transformer import Block
         from fivefold.parallel.comm.collectives import AxisGroup, CommStats
@@ -209,7 +210,7 @@ class Part:
                 init_tensor(name, p, rm, seed=0)  # the block's own seeded init: routing, hence ops, are fixed
             x = torch.randn(b, s, m.dim, requires_grad=True)
             rope_dim = rm.qk_rope_head_dim if rm.kv_lora_rank else rm.head_dim  # MLA ropes a part of each head
-            cos, sin = rope_cos_sin(torch.arange(s), rope_dim, m.rope_theta)
+            cos, sin = rope_cos_sin(torch.arange(s), rope_dim, m, layer_is_local(m, self.layer))
             return (lambda: block(x, cos, sin)), list(block.parameters()), [x]
         v = max(1, self.vocab // self.tp)  # the vocabulary is split over tp
         alone = AxisGroup("tp", "tp", None, 1, 0, CommStats())
