@@ -129,3 +129,9 @@ def test_qwen3_converted_fine_tuned_at_tp2_dp2_exported_and_loaded_by_transforme
     # One process, fp32, the same weights: measured bit-equal; a wrong q/k norm or RoPE moves them by O(1).
     torch.testing.assert_close(logits, ours, rtol=0, atol=2e-5)
     assert (logits - before).abs().max() > 1e-2  # the exported weights are the trained ones, not the seed's
+
+    # Exported from elsewhere, where the config's relative data.tokenizer names nothing: the run's own copy.
+    monkeypatch.chdir(tmp_path / "runs")
+    assert main(["convert", str(checkpoint), str(tmp_path / "elsewhere"), "--to", "hf"]) == 0
+    again = AutoTokenizer.from_pretrained(tmp_path / "elsewhere")
+    assert [again.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in CHATS[:2]] == ids
