@@ -8,7 +8,8 @@ A seed directory (`init`, `convert --to fivefold`) holds safetensors in fivefold
 layouts plus `fivefold.toml`, the config that trains from it (`checkpoint.init_from`); converted
 from HF, also the model's tokenizer files (`data.tokenizer` names the directory). `--to hf`
 reads a run checkpoint (torch.distributed.checkpoint, through `checkpoint/safe_load.py`: data only) or a
-seed directory and writes config.json + safetensors, sharded with an index past --max-shard-size.
+seed directory and writes config.json + safetensors, sharded with an index past --max-shard-size,
+and the tokenizer the weights were trained with beside them (checkpoint/tokenizer_files.py).
 Every step holds one tensor (an MoE block's stacked experts: one expert of it when reading HF).
 """
 
