@@ -8,7 +8,8 @@ A seed directory (`init`, `convert --to fivefold`) holds safetensors in fivefold
 layouts plus `fivefold.toml`, the config that trains from it (`checkpoint.init_from`); converted
 from HF, also the model's tokenizer files (`data.tokenizer` names the directory). `--to hf`
 reads a run checkpoint (torch.distributed.checkpoint, through `checkpoint/safe_load.py`: data only) or a
-seed directory and writes config.json + safetensors, sharded with an index past --max-shard-size.
+seed directory and writes config.json + safetensors, sharded with an index past --max-shard-size,
+and the tokenizer the weights were trained with beside them (checkpoint/tokenizer_files.py).
 Every step holds one tensor (an MoE block's stacked experts: one expert of it when reading HF).
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,14 +39,13 @@ from fivefold.checkpoint.hf.deepseek_v3 import BIAS_UPDATE
 from fivefold.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.checkpoint.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
 from fivefold.checkpoint.seed import write_seed_config
+from fivefold.checkpoint.tokenizer_files import copy_hf_tokenizer, trained_tokenizer
 from fivefold.checkpoint.weights import SEED_CONFIG, WeightsMismatchError, WeightSource, fit_problems, source_name
 from fivefold.config import Config, ConfigError, ModelConfig, load_config, replace
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.derive import padded_vocab
 
 HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
-# What of a Hugging Face directory makes its tokenizer (tokenizer.json is required; the rest when present).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 class DCPSource:
@@ -123,22 +122,11 @@ def check_fit(source: WeightSource, m: ModelConfig, what: str) -> None:
         raise WeightsMismatchError(f"{what} does not fit its model config:\n  " + "\n  ".join(problems[:10]))
 
 
-def copy_hf_tokenizer(src: Path, out: Path) -> bool:
-    """Copy the tokenizer of Hugging Face directory `src` into `out`; False when it has no
-    tokenizer.json (a SentencePiece-only tokenizer.model is not something fivefold reads)."""
-    if not (src / "tokenizer.json").is_file():
-        return False
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    return True
-
-
 def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtype | None = None) -> list[Path]:
     """A Hugging Face directory of a family read here -> a seed directory (weights in their own
-    dtype, quantized ones dequantized to `dtype` (default: config.json's), and the tokenizer files
-    beside them when it has a tokenizer.json). What the reading dequantized or skipped is printed."""
+    dtype, quantized ones dequantized to `dtype` (default: config.json's), and its tokenizer files
+    beside them when it has a tokenizer: checkpoint/tokenizer_files.py). What the reading dequantized or
+    skipped is printed."""
     source = HFSource(src, dtype=dtype)
     m = source.model_cfg
     check_fit(source, m, str(src))
@@ -160,13 +148,18 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtyp
     # Training on the converted model must feed it the ids it was trained with, not bytes. The path is
     # written as `out` was given, as checkpoint.init_from is (write_seed_config): relative to the cwd.
     data = {"tokenizer": str(out)} if copy_hf_tokenizer(src, out) else {}
-    write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data), out)
+    # A sliding window must be shorter than the sequence (validate refuses a window that cuts nothing): the
+    # first power of two above a window as long as the default seq_len (Gemma 3 1B's 512, Mistral v0.1's 4096).
+    seq_len = Config().train.seq_len
+    train = {"seq_len": 1 << m.sliding_window.bit_length()} if m.sliding_window >= seq_len else {}
+    write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data, train=train), out)
     return files
 
 
-def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelConfig, dict | None]:
-    """A run checkpoint or a seed directory: its tensors, its model config (vocab resolved), and
-    the HF config it came from, when it did (its non-model keys are kept on the way back)."""
+def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelConfig, dict | None, Path | None]:
+    """A run checkpoint or a seed directory: its tensors, its model config (vocab resolved), the HF
+    config it came from, when it did (its non-model keys are kept on the way back), and the directory
+    of the tokenizer it trains with, when it has one of Hugging Face's."""
     if not src.is_dir():
         raise WeightsFileError(f"{src} is not a directory: give a run checkpoint (runs/NAME/checkpoints/step_X) "
                                f"or a seed directory")
@@ -182,13 +175,15 @@ def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelCo
         if candidate.is_file():
             base = json.loads(candidate.read_text())
             break
-    return source, dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)), base
+    tokenizer = trained_tokenizer(src, is_dcp, cfg.data.tokenizer)
+    return source, dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)), base, tokenizer
 
 
 def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Path | None = None,
                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
-    """A run checkpoint or seed directory -> a Hugging Face directory (config.json + safetensors)."""
-    source, m, base = open_fivefold(src, config)
+    """A run checkpoint or seed directory -> a Hugging Face directory (config.json + safetensors, and
+    the tokenizer files the run trained with, when it had a Hugging Face tokenizer)."""
+    source, m, base, tokenizer = open_fivefold(src, config)
     if hf_base is not None:
         base = json.loads(hf_base.read_text())
     if base is not None:
@@ -241,6 +236,8 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
     tensors = [item if item[3] is not None else _fused(source, *item[:3], fused[item[0]]) for item in tensors]
     files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        copy_hf_tokenizer(tokenizer, out)
     if base is not None and base.get("quantization_config"):
         print(f"{out}: written unquantized in {config.get('torch_dtype', config.get('dtype'))} (the checkpoint it "
               f"came from was {base['quantization_config'].get('quant_method')}, dequantized on import)")

@@ -12,6 +12,7 @@ Shapes: N tokens (B T flattened), E experts, k experts per token.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable
 
 import torch
@@ -62,40 +63,44 @@ class GroupedExperts(nn.Module):
         """x (N, dim) sorted by expert, counts (E,) rows for each local expert on x's device -> (N, dim).
         `sizes`: the same counts read to the host already (the loop needs them; read here if not given).
 
-        The grouped matmul and the loop differ in the matmuls only: activation and biases are the
-        same code on the same (N, ...) rows, so both give the same numbers."""
+        Both paths run the same unit (`_unit`) on the same rows: one grouped matmul per weight with each
+        row's bias looked up, or expert by expert with that expert's bias; the same numbers either way."""
         dtype = grouped_dtype(x, *self.gate.shape[1:])
+        biases = (self.gate_bias, self.up_bias, self.down_bias)
         if dtype is not None:
             ends = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) one past each expert's last row
-            gate, up, down = (w.to(dtype) for w in (self.gate, self.up, self.down))
-            x = x.to(dtype)
+            weights = [w.to(dtype) for w in (self.gate, self.up, self.down)]
+            row_biases = (None,) * 3
+            if self.gate_bias is not None:
+                # torch._grouped_mm takes no bias: each row's expert, from the counts on the device (no host
+                # read), looks its bias up; an embedding, whose backward sums each expert's rows
+                # (deterministically on CUDA, unlike index_add)
+                expert_of_row = torch.arange(len(counts), device=x.device).repeat_interleave(
+                    counts, output_size=x.shape[0])  # (N,)
+                row_biases = tuple(F.embedding(expert_of_row, b) for b in biases)  # (N, hidden), (N, hidden), (N, dim)
+            return self._unit(x.to(dtype), *weights, *row_biases, matmul=partial(torch._grouped_mm, offs=ends))
+        sizes = counts.tolist() if sizes is None else sizes
+        # unbind once: its backward stacks the experts' gradients in one pass, where indexing
+        # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each
+        stacks = [t.unbind(0) if t is not None else (None,) * len(sizes)
+                  for t in (self.gate, self.up, self.down, *biases)]
+        outs = [self._unit(chunk, *per_expert, matmul=torch.matmul)
+                for chunk, *per_expert in zip(torch.split(x, sizes), *stacks, strict=True)]
+        return torch.cat(outs) if outs else x[:0]
 
-            def matmul(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return torch._grouped_mm(rows, w, offs=ends)
-        else:
-            sizes = counts.tolist() if sizes is None else sizes
-            # unbind once: its backward stacks the experts' gradients in one pass, where indexing
-            # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each
-            gate, up, down = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
+    def _unit(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+              matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The gated unit on rows x (n, dim) -> (n, dim); biases (w,) or one per row (n, w), added in the
+        product's dtype (as nn.Linear's bias under autocast). A (w,) bias is expanded to the rows before
+        its cast, so its gradient is summed over the rows in the bias's own dtype (fp32), as the grouped
+        path's per-row lookup sums it, not in the product's (bf16)."""
+        def biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return y if bias is None else y + bias.expand_as(y).to(y.dtype)
 
-            def matmul(rows: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
-                return torch.cat([chunk @ w_e for chunk, w_e in zip(torch.split(rows, sizes), w, strict=True)])
-        expert_of_row = None
-        if self.gate_bias is not None:  # each row's expert, from the counts on the device: no host read
-            expert_of_row = torch.arange(len(counts), device=x.device).repeat_interleave(
-                counts, output_size=x.shape[0])  # (N,)
-        h = gated(self._biased(matmul(x, gate), self.gate_bias, expert_of_row),
-                  self._biased(matmul(x, up), self.up_bias, expert_of_row), self.activation, self.limit)  # (N, hidden)
-        return self._biased(matmul(h, down), self.down_bias, expert_of_row)  # (N, dim)
-
-    @staticmethod
-    def _biased(y: torch.Tensor, bias: torch.Tensor | None, expert_of_row: torch.Tensor | None) -> torch.Tensor:
-        """y (N, w) + each row's expert's bias (E, w) in y's dtype (as nn.Linear's bias under autocast).
-        torch._grouped_mm takes no bias, so the rows' biases are looked up: an embedding, whose
-        backward sums each expert's rows (deterministically on CUDA, unlike index_add)."""
-        if bias is None:
-            return y
-        return y + F.embedding(expert_of_row, bias).to(y.dtype)  # (N, w)
+        h = gated(biased(matmul(x, gate), gate_bias), biased(matmul(x, up), up_bias), self.activation,
+                  self.limit)  # (n, hidden)
+        return biased(matmul(h, down), down_bias)  # (n, dim)
 
 
 def histogram(values: torch.Tensor, bins: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ _LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_conte
                      rope_high_freq_factor=4.0)
 _QWEN25 = dict(vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True)
 _OLMO2 = dict(vocab_size=100352, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True, qk_norm_span="all",
-              norm_position="post")
+              norm_position="post", norm_weight_fp32=True)
 _GPT_OSS = dict(dim=2880, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880, moe_ffn_dim=2880, top_k=4,
                 vocab_size=201088, rope_theta=150000.0, rope_scaling="yarn", rope_factor=32.0,
                 rope_original_context=4096, rope_truncate=False, qkv_bias=True, out_bias=True, sliding_window=128,

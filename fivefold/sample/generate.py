@@ -144,7 +144,7 @@ def resolve_source(path: Path, config: Path | None = None) -> Source:
 def load_model(source: Source, device: torch.device | str = "cpu") -> Transformer:
     """The whole model in this process, its values from `source` (a checkpoint of any layout or a seed
     directory), in eval mode. Built on the meta device: no initialisation is computed and thrown away."""
-    weights, model_cfg, _ = open_fivefold(source.weights, source.config)
+    weights, model_cfg, _, _ = open_fivefold(source.weights, source.config)
     check_fit(weights, model_cfg, str(source.weights))  # every tensor present with its shape, before any is read
     with torch.device("meta"):
         model = Transformer(model_cfg)

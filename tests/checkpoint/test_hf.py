@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import parallelized, tiny_config
+from helpers import SPECIAL_EOS, parallelized, tiny_bpe, tiny_config
 
 from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
@@ -248,8 +248,6 @@ def test_what_fivefold_cannot_represent_is_refused(tmp_path, models):
 def test_convert_copies_the_tokenizer_and_names_it(tmp_path, models, capsys):
     """An HF directory with a tokenizer: the seed directory gets its files and data.tokenizer names it,
     so training and sampling on the converted model use the model's own ids."""
-    from test_sample import SPECIAL_EOS, tiny_bpe
-
     from fivefold.cli import main
     from fivefold.config import load_config
     from fivefold.data.tokenizer import load_tokenizer

@@ -48,25 +48,17 @@ FAMILIES = {
 }
 
 
-# Families whose model features are still on other branches (blocks: biases, norms; rope: scaled and
-# per-layer RoPE, the softmax scale): their tests wait until the features are in this checkout.
-NEEDS = {"qwen2": ("blocks",), "olmo2": ("blocks",), "gemma3": ("blocks", "rope"), "llama3.2": ("rope",)}
-
-
-def waiting(kind: str) -> None:
-    """Skip, naming what is missing, while a feature `kind` needs has not landed."""
-    import importlib.util
-
-    from fivefold.model.config import ModelConfig
-    from fivefold.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(ModelConfig(n_layers=1, vocab_size=8, qkv_bias=True))
-    biased = "layers.0.attn.wq.bias" in model.state_dict()
-    have = {"blocks": biased, "rope": importlib.util.find_spec("fivefold.checkpoint.hf_rope") is not None}
-    lacking = [need for need in NEEDS.get(kind, ()) if not have[need]]
-    if lacking:
-        pytest.skip(f"{kind} needs the {' and '.join(lacking)} features, not merged into this branch yet")
+# What each family's config.json must become beyond the shapes: the features its HF model computes.
+EXPECTED = {
+    "mistral": dict(sliding_window=8, window_pattern=()),
+    "qwen2": dict(qkv_bias=True, out_bias=False, tie_embeddings=True, rope_theta=1e6),
+    "qwen3": dict(qk_norm=True, qk_norm_span="head", head_dim=24, qkv_bias=False),
+    "olmo2": dict(qk_norm=True, qk_norm_span="all", norm_position="post", norm_weight_fp32=True, rope_theta=5e5),
+    "llama3.2": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_context=8, tie_embeddings=True),
+    "gemma3": dict(norm_position="sandwich", norm_offset=1.0, embed_scale=True, activation="gelu_tanh", qk_norm=True,
+                   attention_scale=20**-0.5, sliding_window=8, window_pattern=("sliding", "full"),
+                   rope_theta=1e6, local_rope_theta=10000.0, tie_embeddings=True),
+}
 
 
 def hf_class(kind: str, what: str):
@@ -104,7 +96,6 @@ def models(tmp_path_factory):
     cache = {}
 
     def get(kind):
-        waiting(kind)
         if kind not in cache:
             cache[kind] = _build(tmp_path_factory.mktemp(kind), kind)
         return cache[kind]
@@ -124,10 +115,10 @@ def test_config_round_trip(tmp_path, kind):
     """config.json -> ModelConfig -> config.json gives every key back; written without the original,
     it reads back as the same model (the family chosen by what the model computes), and transformers
     reads it as the same architecture."""
-    waiting(kind)
     original = hf_config_json(kind, tmp_path)
     config = hf_class(kind, "Config").from_pretrained(tmp_path)
     m = model_config_from_hf(original)
+    assert {k: getattr(m, k) for k in EXPECTED[kind]} == EXPECTED[kind]
     assert hf_config(m, torch.float32, original) == {**original, "dtype": "float32"}
     fresh = hf_config(m, torch.float32)
     assert fresh["architectures"] == original["architectures"]
@@ -244,7 +235,6 @@ def test_missing_and_extra_tensors_are_listed_before_anything_is_written(tmp_pat
 
 
 def test_what_a_family_does_not_compute_is_refused(tmp_path):
-    waiting("gemma3")
     gemma = hf_config_json("gemma3", tmp_path)
     with pytest.raises(HFFormatError, match="(?s)final_logit_softcapping = 30.0.*use_bidirectional_attention = True"):
         model_config_from_hf({**gemma, "final_logit_softcapping": 30.0, "use_bidirectional_attention": True})
@@ -276,3 +266,17 @@ def test_gemma3_1b_preset_is_what_transformers_builds_from_its_config():
     assert written["layer_types"] == reference.layer_types
     assert written["query_pre_attn_scalar"] == 256 and written["architectures"] == ["Gemma3ForCausalLM"]
     assert model_config_from_hf(written) == m
+
+
+def test_a_converted_window_longer_than_the_default_sequence_trains(tmp_path, models):
+    """`fivefold train SEED/fivefold.toml` must accept what convert wrote: a window of 100 tokens (Gemma 3
+    1B has 512, Mistral v0.1 4096) gets a train.seq_len it cuts, not the default 64 it would not."""
+    from fivefold.config import load_config
+
+    shutil.copytree(models("mistral")["hf"], tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 100}))
+    hf_to_fivefold(tmp_path / "hf", tmp_path / "seed", max_shard_bytes=10**9)
+    cfg = load_config(tmp_path / "seed" / "fivefold.toml")
+    assert cfg.model.sliding_window == 100 and cfg.train.seq_len == 128
+    assert validate(cfg, 1) == []

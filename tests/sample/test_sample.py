@@ -1,13 +1,11 @@
 """`fivefold sample` and `generate()`: decoding rules, loading a run of any layout, one-line errors."""
 
-import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, tiny_config, train_and_gather
+from helpers import ROOT, tiny_bpe, tiny_config, train_and_gather
 
 from fivefold.checkpoint.run_dir import latest_checkpoint
 from fivefold.cli import main
@@ -16,27 +14,6 @@ from fivefold.data.tokenizer import ByteTokenizer
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.sample.generate import SampleError, complete, generate, load_model, resolve_source
-
-SPECIAL_EOS = "<|end|>"  # not one of tokenizer.EOD_NAMES: found only through tokenizer_config.json
-
-
-def tiny_bpe(folder: Path, added: int = 0) -> Path:
-    """A byte-level BPE of at most 300 ids (+ `added` plain tokens after them) saved as transformers
-    does: tokenizer.json and a tokenizer_config.json naming its eos_token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[SPECIAL_EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer=trainer)
-    if added:
-        tok.add_tokens([f"word{i}" for i in range(added)])
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": SPECIAL_EOS}))
-    return folder
 
 
 # ---- generate() ------------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ ANY = None  # in Family.computes: the family computes whatever the field says
 # lists in `computes` the values it takes where it differs (a tuple of values, or ANY).
 PLAIN: dict[str, tuple] = {
     "qkv_bias": (False,), "out_bias": (False,), "qk_norm": (False,), "norm_position": ("pre",), "norm_offset": (0.0,),
-    "embed_scale": (False,), "activation": ("silu",), "sliding_window": (0,), "window_pattern": ((),),
+    "norm_weight_fp32": (False,), "embed_scale": (False,), "activation": ("silu",), "sliding_window": (0,),
+    "window_pattern": ((),),
     "attention_sinks": (False,), "local_rope_theta": (0.0,), "attention_scale": (0.0,), "kv_lora_rank": (0,),
     "n_experts": (0,), "rope_scaling": ANY, "head_dim": ANY, "qk_norm_span": ANY,
 }

@@ -93,6 +93,7 @@ def write(m: ModelConfig, base: dict) -> dict[str, Any]:
 FAMILY = Family(title="Gemma 3", architecture="Gemma3ForCausalLM", model_type="gemma3_text", block=BLOCK, read=read,
                 write=write,
                 computes={"qk_norm": (True,), "qk_norm_span": ("head",), "norm_position": ("sandwich",),
-                          "norm_offset": (1.0,), "embed_scale": (True,), "activation": ("gelu_tanh",),
+                          "norm_offset": (1.0,), "norm_weight_fp32": ANY, "embed_scale": (True,),
+                          "activation": ("gelu_tanh",),
                           "attention_scale": ANY, "sliding_window": ANY, "window_pattern": ANY,
                           "local_rope_theta": ANY})

@@ -2,7 +2,8 @@
 before the residual add (`post_attention_layernorm` -> attn_post_norm, `post_feedforward_layernorm` ->
 ffn_post_norm, and no norm before either: model.norm_position "post"), and an RMSNorm over the whole
 query and key projections before RoPE (`self_attn.q_norm` (H head_dim,), `k_norm` (K head_dim,):
-qk_norm_span "all"). attention_bias puts a bias on all four projections."""
+qk_norm_span "all"). Its RMSNorm weighs in fp32 before the cast back (norm_weight_fp32), unlike
+Llama's. attention_bias puts a bias on all four projections."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     refuse(hf, problems, "hidden_act", "silu", "fivefold's FFN is SwiGLU (silu)")
     bias = bool(hf.get("attention_bias", False))
     return dict(common_fields(hf, DEFAULTS, problems), qk_norm=True, qk_norm_span="all", norm_position="post",
-                qkv_bias=bias, out_bias=bias)
+                norm_weight_fp32=True, qkv_bias=bias, out_bias=bias)
 
 
 def write(m: ModelConfig, base: dict) -> dict[str, Any]:
@@ -41,4 +42,4 @@ def write(m: ModelConfig, base: dict) -> dict[str, Any]:
 FAMILY = Family(title="OLMo 2", architecture="Olmo2ForCausalLM", model_type="olmo2", block=BLOCK, read=read,
                 write=write, export_checks=same_biases,
                 computes={"qk_norm": (True,), "qk_norm_span": ("all",), "norm_position": ("post",),
-                          "qkv_bias": (False, True), "out_bias": (False, True)})
+                          "norm_weight_fp32": (True,), "qkv_bias": (False, True), "out_bias": (False, True)})
