@@ -28,7 +28,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None, help="TOML file (see configs/)")
     p.add_argument("--out", default=None, help="directory to write (default: RUN_DIR/seed)")
     p = sub.add_parser("convert", help="convert weights: Hugging Face <-> fivefold",
-                       description="Hugging Face Llama/Mixtral/DeepSeek-V3 directory -> seed directory "
+                       description="Hugging Face model directory (Llama 3.x, Mistral, Mixtral, Qwen2.5, Qwen3, "
+                                   "Qwen3-MoE, OLMo 2, Gemma 3, gpt-oss, DeepSeek-V3, Kimi K2) -> seed directory "
                                    "(--to fivefold), or run checkpoint / seed directory -> Hugging Face directory "
                                    "(--to hf).")
     p.add_argument("src", help="--to fivefold: an HF directory; --to hf: checkpoints/step_X or a seed directory")

@@ -20,7 +20,9 @@ from fivefold.data.sources import path_kind
 from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.validate.attention import attention_errors
+from fivefold.validate.hints import divisors_near, multiples_near
 from fivefold.validate.rope import rope_errors
+from fivefold.validate.shape import expert_group_errors, head_errors
 
 
 def _non_finite_errors(cfg: Config) -> list[str]:
@@ -32,15 +34,6 @@ def _non_finite_errors(cfg: Config) -> list[str]:
             if hint is float and isinstance(value, float) and not math.isfinite(value):  # (a str: a type error)
                 errors.append(f"{section}.{key} = {value!r}: must be a finite number")
     return errors
-
-
-def _divisors_near(n: int, limit: int) -> str:
-    return ", ".join(str(d) for d in range(1, limit + 1) if n % d == 0)
-
-
-def _multiples_near(value: int, k: int) -> str:
-    lo = max(k, value // k * k)
-    return f"{lo} or {lo + k}" if lo != value else str(lo)
 
 
 def _sink_errors(cfg: Config) -> list[str]:
@@ -67,42 +60,6 @@ def _sink_errors(cfg: Config) -> list[str]:
     return errors
 
 
-def _latent_attention_errors(cfg: Config) -> list[str]:
-    """Multi-head latent attention (model.kv_lora_rank > 0): its head widths."""
-    m = cfg.model
-    errors = []
-    if m.qk_rope_head_dim < 2 or m.qk_rope_head_dim % 2:
-        errors.append(f"model.qk_rope_head_dim = {m.qk_rope_head_dim}: latent attention needs an even RoPE width "
-                      f"of at least 2 (RoPE rotates pairs; DeepSeek-V3: 64)")
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    if not 1 <= m.v_head_dim <= qk:  # values are padded to the query/key width for the attention core
-        errors.append(f"model.v_head_dim = {m.v_head_dim}: latent attention needs a value width between 1 and "
-                      f"qk_nope_head_dim + qk_rope_head_dim = {qk} (DeepSeek-V3: 128 of 192)")
-    for key, on, why in [("qkv_bias", m.qkv_bias, "has no q/k/v projections to bias"),
-                         ("qk_norm", m.qk_norm, "normalises its latents instead (q_a_norm, kv_a_norm)")]:
-        if on:
-            errors.append(f"model.{key} = true: latent attention (model.kv_lora_rank = {m.kv_lora_rank}) {why}; "
-                          f"set {key} = false")
-    return errors
-
-
-def _expert_group_errors(cfg: Config) -> list[str]:
-    """Group-limited routing (model.n_expert_groups > 1): groups of equal size, at least 2 experts
-    each (a group is scored by its top 2), enough experts in the chosen groups for top_k."""
-    m = cfg.model
-    groups, chosen = m.n_expert_groups, m.topk_groups
-    if m.n_experts % groups or m.n_experts // groups < 2:
-        return [f"model.n_expert_groups = {groups} must divide model.n_experts = {m.n_experts} into groups of at "
-                f"least 2 (a group's score is its top-2 sum); use one of "
-                f"{{{_divisors_near(m.n_experts, m.n_experts // 2)}}}"]
-    if not 1 <= chosen <= groups:
-        return [f"model.topk_groups = {chosen}: must be between 1 and model.n_expert_groups = {groups}"]
-    if m.top_k > chosen * (m.n_experts // groups):
-        return [f"model.top_k = {m.top_k} exceeds the {chosen * (m.n_experts // groups)} experts of "
-                f"model.topk_groups = {chosen} groups; raise topk_groups or lower top_k"]
-    return []
-
-
 def validate(cfg: Config, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` processes, one message each (empty = valid)."""
     errors = type_errors(cfg) + _non_finite_errors(cfg)
@@ -114,7 +71,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     if bad_sizes:  # the arithmetic below assumes positive sizes
         return errors
     dp = data_parallel_degree(cfg, world_size)
-    return (errors + _mesh_errors(cfg, world_size, dp) + _head_errors(cfg) + _tp_split_errors(cfg)
+    return (errors + _mesh_errors(cfg, world_size, dp) + head_errors(cfg) + _tp_split_errors(cfg)
             + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
             + _sequence_errors(cfg) + attention_errors(cfg) + rope_errors(cfg) + _schedule_errors(cfg, dp))
 
@@ -221,7 +178,7 @@ def _mesh_errors(cfg: Config, world_size: int, dp: int) -> list[str]:
         err(f"parallel.dp x pp x cp x tp = {dp} x {p.pp} x {p.cp} x {p.tp} = {dp * rest} but {world_size} "
             f"processes were launched; set parallel.dp = 0 (fill the rest) or launch {dp * rest} processes")
     if dp and dp % p.dp_replicate:
-        err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {_divisors_near(dp, dp)}")
+        err(f"parallel.dp_replicate = {p.dp_replicate} does not divide dp = {dp}; use one of {divisors_near(dp, dp)}")
     if p.zero not in (0, 1, 2, 3):
         err(f"parallel.zero = {p.zero}: must be 0 (DDP), 1, 2 or 3 (FSDP)")
     elif p.dp_replicate > 1 and p.zero == 0:
@@ -254,24 +211,6 @@ def _param_dtype_errors(cfg: Config) -> list[str]:
     return [f"parallel.param_dtype = 'bf16' with {why} or param_dtype = 'fp32'"] if why else []
 
 
-def _head_errors(cfg: Config) -> list[str]:
-    """Attention heads: their width splits into RoPE pairs, query heads into key/value groups."""
-    m = cfg.model
-    if m.kv_lora_rank:  # latent attention: head_dim and n_kv_heads are unused
-        return _latent_attention_errors(cfg)
-    errors = []
-    if m.head_dim == 0 and m.dim % m.n_heads:
-        errors.append(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}; "
-                      f"use n_heads in {{{_divisors_near(m.dim, 128)}}} or set model.head_dim")
-    head_dim = m.head_dim or m.dim // m.n_heads
-    if head_dim % 2:
-        errors.append(f"head dimension {head_dim} is odd; RoPE rotates pairs, so choose an even model.head_dim")
-    if m.n_heads % m.n_kv_heads:
-        errors.append(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}; "
-                      f"use n_kv_heads in {{{_divisors_near(m.n_heads, m.n_heads)}}}")
-    return errors
-
-
 def _tp_split_errors(cfg: Config) -> list[str]:
     """The widths tensor parallelism splits are divisible by tp."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -279,7 +218,7 @@ def _tp_split_errors(cfg: Config) -> list[str]:
     if not m.kv_lora_rank:
         split_by_tp.insert(1, ("model.n_kv_heads", m.n_kv_heads))
     return [f"{key} = {value} is not divisible by parallel.tp = {tp}; use tp in "
-            f"{{{_divisors_near(value, 64)}}} or {key} = {_multiples_near(value, tp)}"
+            f"{{{divisors_near(value, 64)}}} or {key} = {multiples_near(value, tp)}"
             for key, value in split_by_tp if value % tp]
 
 
@@ -322,7 +261,7 @@ def _expert_errors(cfg: Config, dp: int) -> list[str]:
             err(f"model.top_k = {m.top_k}: must be between 1 and model.n_experts = {m.n_experts}")
         if m.n_experts % p.ep:
             err(f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; "
-                f"use ep in {{{_divisors_near(m.n_experts, 64)}}}")
+                f"use ep in {{{divisors_near(m.n_experts, 64)}}}")
         for key, value in (("model.moe_bias_update", m.moe_bias_update), ("model.moe_aux_loss", m.moe_aux_loss)):
             if value < 0:
                 err(f"{key} = {value}: must be 0 (off) or more")
@@ -332,7 +271,7 @@ def _expert_errors(cfg: Config, dp: int) -> list[str]:
         if m.moe_routed_scale <= 0:
             err(f"model.moe_routed_scale = {m.moe_routed_scale}: must be > 0 (1 = unscaled; DeepSeek-V3: 2.5)")
         if m.n_expert_groups > 1:
-            errors += _expert_group_errors(cfg)
+            errors += expert_group_errors(cfg)
         if m.first_dense_layers >= m.n_layers:
             err(f"model.first_dense_layers = {m.first_dense_layers} leaves no MoE block of {m.n_layers}; lower it")
         if m.swiglu_limit < 0:
@@ -358,11 +297,11 @@ def _batch_errors(cfg: Config, dp: int) -> list[str]:
     if not dp or t.global_batch % k == 0:
         return []
     # Only hints that can fix it: a micro_batch can only help when dp divides the global batch.
-    other = (f"a micro_batch in {{{_divisors_near(t.global_batch // dp, t.global_batch // dp)}}}"
+    other = (f"a micro_batch in {{{divisors_near(t.global_batch // dp, t.global_batch // dp)}}}"
              if t.global_batch % dp == 0 else
-             f"a dp (processes / (pp x cp x tp)) in {{{_divisors_near(t.global_batch, t.global_batch)}}}")
+             f"a dp (processes / (pp x cp x tp)) in {{{divisors_near(t.global_batch, t.global_batch)}}}")
     return [f"train.global_batch = {t.global_batch} is not divisible by dp x train.micro_batch = {dp} x "
-            f"{t.micro_batch} = {k}; use global_batch = {_multiples_near(t.global_batch, k)} or {other}"]
+            f"{t.micro_batch} = {k}; use global_batch = {multiples_near(t.global_batch, k)} or {other}"]
 
 
 def _sequence_errors(cfg: Config) -> list[str]:
@@ -375,14 +314,14 @@ def _sequence_errors(cfg: Config) -> list[str]:
     if t.seq_len % seq_multiple:
         why = "2 x cp zig-zag chunks" if ring else "cp shards"
         err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} ({why}"
-            f"{', x tp with sp' if p.sp else ''}); use seq_len = {_multiples_near(t.seq_len, seq_multiple)}")
+            f"{', x tp with sp' if p.sp else ''}); use seq_len = {multiples_near(t.seq_len, seq_multiple)}")
     kv_heads = m.n_heads if m.kv_lora_rank else m.n_kv_heads  # latent attention: every head has its k, v
     if p.cp > 1 and p.cp_method == "ulysses" and m.n_heads % p.tp == 0 and kv_heads % p.tp == 0:
         heads, kv = m.n_heads // p.tp, kv_heads // p.tp
         if heads % p.cp or kv % p.cp:
             err(f"parallel.cp_method = 'ulysses' splits each tp rank's heads over cp: {heads} query and {kv} "
                 f"key/value heads are not both divisible by cp = {p.cp}; use cp_method = 'ring' or a cp in "
-                f"{{{_divisors_near(math.gcd(heads, kv), 64)}}}")
+                f"{{{divisors_near(math.gcd(heads, kv), 64)}}}")
     return errors
 
 
