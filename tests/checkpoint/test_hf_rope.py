@@ -1,4 +1,4 @@
-"""RoPE keys of a Hugging Face config.json, both styles, both ways (checkpoint/hf_rope.py).
+"""RoPE keys of a Hugging Face config.json, both styles, both ways (checkpoint/hf/rope.py).
 
 Each published configuration's RoPE keys (as released: the older rope_theta / rope_scaling, and as
 transformers 5.23 saves them: rope_parameters, per layer type for Gemma 3) become ModelConfig
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from fivefold.checkpoint.hf_rope import rope_fields_from_hf, rope_to_hf
+from fivefold.checkpoint.hf.rope import rope_fields_from_hf, rope_to_hf
 from fivefold.model.config import ModelConfig
 from fivefold.model.rope import inverse_frequencies
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fivefold.checkpoint.dequant import QuantizationError, quantization
-from fivefold.checkpoint.hf_rope import rope_fields_from_hf, rope_to_hf
+from fivefold.checkpoint.hf.rope import rope_fields_from_hf, rope_to_hf
 from fivefold.model.config import ModelConfig
 
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -133,7 +133,7 @@ def refuse_common(hf: dict, problems: list[str]) -> None:
 
 
 def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:
-    """The RoPE fields of config.json `hf` in either style (checkpoint/hf_rope.py); `default_theta`:
+    """The RoPE fields of config.json `hf` in either style (checkpoint/hf/rope.py); `default_theta`:
     the family's base when the file states none. A rope type fivefold does not read goes to problems."""
     return {"rope_theta": default_theta, **rope_fields_from_hf(hf, problems)}
 

@@ -63,7 +63,7 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     if unknown:
         problems.append(f"layer_types {unknown}: fivefold reads sliding_attention and full_attention layers")
     window = _get(hf, "sliding_window") if "sliding_attention" in types else 0
-    fields = common_fields(hf, DEFAULTS, problems)  # RoPE per layer type (hf_rope): global scaled, local plain
+    fields = common_fields(hf, DEFAULTS, problems)  # RoPE per layer type (hf/rope.py): global scaled, local plain
     if not _states_local(hf) and fields["rope_theta"] != DEFAULTS["local_rope_theta"]:
         fields["local_rope_theta"] = DEFAULTS["local_rope_theta"]  # transformers' default for the local layers
     return dict(fields, qk_norm=True, qk_norm_span="head", norm_position="sandwich",
