@@ -194,3 +194,17 @@ def tiny_bpe(folder: Path, added: int = 0) -> Path:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": SPECIAL_EOS}))
     return folder
+
+
+def assert_same_hf_directory(expected: Path, got: Path) -> None:
+    """Two Hugging Face directories hold the same tensors (names, dtypes, values, bit for bit) and the
+    same config.json: what a round trip through fivefold must give back."""
+    import torch
+
+    from fivefold.checkpoint.safetensors_io import SafetensorsDir
+
+    before, after = SafetensorsDir(expected), SafetensorsDir(got)
+    assert before.names() == after.names()
+    for name in before.names():
+        assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
+    assert json.loads((got / "config.json").read_text()) == json.loads((expected / "config.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import SPECIAL_EOS, parallelized, tiny_bpe, tiny_config
+from helpers import SPECIAL_EOS, assert_same_hf_directory, parallelized, tiny_bpe, tiny_config
 
 from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
@@ -196,12 +196,7 @@ def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
     m = models[kind]
     fivefold_to_hf(m["seed"], tmp_path / "back", max_shard_bytes=30_000)
     assert (tmp_path / "back" / "model.safetensors.index.json").is_file()  # sharded on the way out too
-    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
-    assert before.names() == after.names()
-    for name in before.names():
-        assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
-    assert (json.loads((tmp_path / "back" / "config.json").read_text())
-            == json.loads((m["hf"] / "config.json").read_text()))
+    assert_same_hf_directory(m["hf"], tmp_path / "back")
 
 
 @pytest.mark.parametrize("layout,kind", [("tp2", "llama"), ("dp2-ep2", "mixtral"), ("tp2", "deepseek")])
@@ -215,12 +210,7 @@ def test_run_checkpoint_to_hf_is_exact(tmp_path, models, layout, kind):
     run_workers(_logits, world, cfg, [m["hf"]], m["x"], tmp_path / "step")
     fivefold_to_hf(tmp_path / "step", tmp_path / "back", config=m["seed"] / "fivefold.toml",
                    hf_base=m["hf"] / "config.json")
-    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
-    assert before.names() == after.names()
-    for name in before.names():
-        assert torch.equal(before.read(name), after.read(name)), name
-    assert (json.loads((tmp_path / "back" / "config.json").read_text())
-            == json.loads((m["hf"] / "config.json").read_text()))
+    assert_same_hf_directory(m["hf"], tmp_path / "back")
     hf = hf_class(kind, "ForCausalLM").from_pretrained(tmp_path / "back").eval()  # transformers itself reads it back
     with torch.no_grad():
         torch.testing.assert_close(hf(m["x"]).logits, m["logits"], rtol=0, atol=0)

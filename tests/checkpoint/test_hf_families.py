@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import parallelized, tiny_config
+from helpers import assert_same_hf_directory, parallelized, tiny_config
 
 from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, hf_config, model_config_from_hf
@@ -198,12 +198,7 @@ def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
     """Every tensor and every config key back as they were, and transformers loads the result."""
     m = models(kind)
     fivefold_to_hf(m["seed"], tmp_path / "back", max_shard_bytes=30_000)
-    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
-    assert before.names() == after.names()
-    for name in before.names():
-        assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
-    assert (json.loads((tmp_path / "back" / "config.json").read_text())
-            == json.loads((m["hf"] / "config.json").read_text()))
+    assert_same_hf_directory(m["hf"], tmp_path / "back")
     hf = hf_class(kind, "ForCausalLM").from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(m["x"]).logits, m["logits"], rtol=0, atol=0)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import assert_same_hf_directory, tiny_config
 from safetensors.torch import load_file, save_file
 from test_hf import LAYOUTS, _logits
 
@@ -126,12 +126,7 @@ def test_same_logits_as_transformers(tmp_path, models, layout, kind):
 def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
     m = models[kind]
     fivefold_to_hf(m["seed"], tmp_path / "back", max_shard_bytes=60_000)
-    before, after = SafetensorsDir(m["hf"]), SafetensorsDir(tmp_path / "back")
-    assert before.names() == after.names()
-    for name in before.names():
-        assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
-    assert (json.loads((tmp_path / "back" / "config.json").read_text())
-            == json.loads((m["hf"] / "config.json").read_text()))
+    assert_same_hf_directory(m["hf"], tmp_path / "back")
     hf = hf_class(m["kind"], "ForCausalLM").from_pretrained(tmp_path / "back").eval()  # transformers reads it
     with torch.no_grad():
         torch.testing.assert_close(hf(m["x"]).logits, m["logits"], rtol=0, atol=0)
