@@ -18,7 +18,6 @@ LAYOUTS = {
     "ep2": Layout(2, ("--parallel.ep=2",), **ROW),
     # each tp rank routes its own half of every sequence: the router's bias gradient is summed over tp
     "tp2-sp-ep2": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2"), **ROW),
-    "pp2-ep2": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--train.micro_batch=2"), **ROW),
     # FSDP shards the (E/ep, hidden) biases over expert_dp along their second dim, as the weights
     "dp4-ep2-zero3": Layout(4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1"), **ROW),
 }
@@ -71,7 +70,7 @@ def _undecayed_matrices(rank, world, cfg):
     return sum(1 for t in no_decay["params"] if t.ndim >= 2)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [0, 3])
 def test_expert_biases_get_no_weight_decay_in_any_layout(tmp_path, zero):
     """train.weight_decay is never applied to biases: the experts' stacked (E/ep, w) biases keep their
     no_decay mark through the meta device, the ep slicing and ZeRO's masters (8 blocks x 3 biases)."""
