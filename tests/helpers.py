@@ -208,3 +208,33 @@ def assert_same_hf_directory(expected: Path, got: Path) -> None:
     for name in before.names():
         assert before.dtype(name) == after.dtype(name) and torch.equal(before.read(name), after.read(name)), name
     assert json.loads((got / "config.json").read_text()) == json.loads((expected / "config.json").read_text())
+
+
+def converted_hf(hf, root: Path, vocab: int, max_shard_size: str = "40KB") -> dict:
+    """A random transformers model `hf` saved by save_pretrained in small shards (the sharded index path),
+    its logits on a fixed batch (drawn after the model, from the test's seeded RNG) and the seed
+    directory `fivefold convert --to fivefold` makes of it."""
+    import torch
+
+    from fivefold.checkpoint.convert import hf_to_fivefold
+
+    hf.save_pretrained(root / "hf", max_shard_size=max_shard_size)
+    x = torch.randint(0, vocab, (2, 16))
+    with torch.no_grad():
+        logits = hf(x).logits  # (2, 16, vocab)
+    hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
+    return dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits)
+
+
+def sentencepiece_model(words: list[str], vocab_size: int, lines: int = 200) -> bytes:
+    """A real SentencePiece model, trained here in a moment: BPE with byte fallback, as Llama 2's and Gemma's."""
+    import io
+
+    import sentencepiece as spm
+
+    text = [" ".join(words[i % 7:] + words[: i % 5]) + f" {i} déjà vu" for i in range(lines)]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=out, vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1,
+                                   eos_id=2, pad_id=-1, minloglevel=2, num_threads=1)
+    return out.getvalue()

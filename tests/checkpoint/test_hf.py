@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import SPECIAL_EOS, assert_same_hf_directory, parallelized, tiny_bpe, tiny_config
+from helpers import SPECIAL_EOS, assert_same_hf_directory, converted_hf, parallelized, tiny_bpe, tiny_config
 
 from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
@@ -59,12 +59,7 @@ def models(tmp_path_factory):
                     t.normal_(1, 0.2)
                 elif name.endswith("e_score_correction_bias"):
                     t.normal_(0, 0.2)
-        hf.save_pretrained(root / "hf", max_shard_size="40KB")
-        x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
-        with torch.no_grad():
-            logits = hf(x).logits  # (2, 16, 320)
-        hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
-        out[kind] = dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits)
+        out[kind] = converted_hf(hf, root, SHAPE["vocab_size"])
     return out
 
 

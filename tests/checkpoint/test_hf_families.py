@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_same_hf_directory, parallelized, tiny_config
+from helpers import assert_same_hf_directory, converted_hf, parallelized, tiny_config
 
 from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, hf_config, model_config_from_hf
@@ -82,12 +82,7 @@ def _build(root, kind):
                 t.normal_(offset, 0.2)
             elif name.endswith(".bias"):
                 t.normal_(0, 0.2)
-    hf.save_pretrained(root / "hf", max_shard_size="40KB")
-    x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
-    with torch.no_grad():
-        logits = hf(x).logits  # (2, 16, 320)
-    hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
-    return dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits)
+    return converted_hf(hf, root, SHAPE["vocab_size"])
 
 
 @pytest.fixture(scope="module")

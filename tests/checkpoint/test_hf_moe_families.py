@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_same_hf_directory, tiny_config
+from helpers import assert_same_hf_directory, converted_hf, tiny_config
 from safetensors.torch import load_file, save_file
 from test_hf import LAYOUTS, _logits
 
@@ -84,12 +84,7 @@ def models(tmp_path_factory):
     for name, (kind, extra) in KINDS.items():
         root = tmp_path_factory.mktemp(name)
         hf = _random_model(kind, extra)
-        hf.save_pretrained(root / "hf", max_shard_size="60KB")
-        x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
-        with torch.no_grad():
-            logits = hf(x).logits  # (2, 16, 320)
-        hf_to_fivefold(root / "hf", root / "seed", max_shard_bytes=10**9)
-        out[name] = dict(root=root, hf=root / "hf", seed=root / "seed", x=x, logits=logits, kind=kind)
+        out[name] = dict(converted_hf(hf, root, SHAPE["vocab_size"], max_shard_size="60KB"), kind=kind)
     return out
 
 

@@ -2,10 +2,10 @@
 every chat template (chat_template.jinja, additional_chat_templates/) reach the seed directory and come
 back beside the exported weights, where transformers reads them as it read the original."""
 
-import io
 import json
 
 import torch
+from helpers import sentencepiece_model
 
 from fivefold.cli import main
 from fivefold.config import load_config
@@ -13,20 +13,8 @@ from fivefold.data.tokenizer import load_tokenizer
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}</s>{% endfor %}"
 TOOL_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+WORDS = "the quick brown fox jumps over a lazy dog while seven zebras sing".split()  # the SentencePiece corpus
 TEXTS = ["the quick brown fox", "a lazy dog, déjà vu 42", ""]
-
-
-def sentencepiece_model() -> bytes:
-    """A SentencePiece BPE with byte fallback (as Llama 2's), trained here in a moment."""
-    import sentencepiece as spm
-
-    words = "the quick brown fox jumps over a lazy dog while seven zebras sing".split()
-    lines = [" ".join(words[i % 5:] + words[: i % 3]) + f" {i}" for i in range(100)]
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=320, model_type="bpe",
-                                   byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2,
-                                   pad_id=-1, minloglevel=2, num_threads=1)
-    return out.getvalue()
 
 
 def test_sentencepiece_model_and_chat_templates_come_along_both_ways(tmp_path, monkeypatch):
@@ -37,7 +25,7 @@ def test_sentencepiece_model_and_chat_templates_come_along_both_ways(tmp_path, m
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                  vocab_size=320)).save_pretrained(hf)
-    (hf / "tokenizer.model").write_bytes(sentencepiece_model())  # no tokenizer.json: converted when read
+    (hf / "tokenizer.model").write_bytes(sentencepiece_model(WORDS, 320))  # no tokenizer.json: converted when read
     (hf / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     (hf / "chat_template.jinja").write_text(TEMPLATE)
     (hf / "additional_chat_templates").mkdir()

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import sentencepiece_model
 
 from fivefold.cli import main
 from fivefold.data.batches import IGNORE
@@ -225,27 +226,13 @@ def test_a_template_that_raises_names_the_record(tmp_path, capsys):
                      err), err
 
 
-def sentencepiece_model() -> bytes:
-    """A real SentencePiece model, trained here in a moment: BPE with byte fallback, as Llama 2's and Gemma's."""
-    import io
-
-    import sentencepiece as spm
-
-    lines = [" ".join(WORDS[i % 7 :] + WORDS[: i % 5]) + f" {i} déjà vu" for i in range(200)]
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=out, vocab_size=300, model_type="bpe",
-                                   byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2,
-                                   pad_id=-1, minloglevel=2, num_threads=1)
-    return out.getvalue()
-
-
 @pytest.mark.parametrize("tokenizer_class", ["LlamaTokenizer", "GemmaTokenizer", None])
 def test_sentencepiece_model_converts_to_transformers_ids(tmp_path, tokenizer_class):
     from transformers import AutoTokenizer
 
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "tokenizer.model").write_bytes(sentencepiece_model())
+    (folder / "tokenizer.model").write_bytes(sentencepiece_model(WORDS, 300))
     if tokenizer_class:
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class}))
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
