@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # without a GPU, within the range pyproject.toml states (2.11 to 2.13).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test,hf,tensorboard,wandb]"
+	$(PY) -m pip install -q --no-compile "torch==2.13.0" -e ".[test,hf,tensorboard,wandb,fp8]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -58,6 +58,19 @@ class ParallelConfig:
     cp: int = 1  # context-parallel degree (sequence of one sample split over cp ranks)
     cp_method: Literal["ring", "ulysses"] = "ring"
     ep: int = 1  # expert-parallel degree; divides dp x cp
+    # with sp: split each region's all-gather and reduce-scatter into tp chunks passed around the ring
+    # while the matmul works on the chunk already there (the collective matmul of Wang et al. 2022)
+    tp_overlap: bool = False
+    # dualpipe_v: run a forward chunk of one micro-batch beside a backward chunk of another, each one's
+    # expert all-to-alls in flight while the other computes (DeepSeek-V3 technical report, sec. 3.2.1)
+    ep_overlap: bool = False
+    # ZeRO-Offload (Ren et al. 2021): the fp32 master shards and AdamW moments live in host memory and
+    # the optimizer steps there; "params" (ZeRO-3 only) keeps the parameter shards there too and
+    # brings each unit to the device before its gather (ZeRO-Infinity, Rajbhandari et al. 2021)
+    offload: Literal["none", "optimizer", "params"] = "none"
+    # zero=3 with train.fp8 = "tensorwise": gather the blocks' linear weights as FP8 with their scales
+    # (half the bytes of bf16), the masters staying fp32
+    fp8_gather: bool = False
     # Seconds any collective (and the process group's start) waits for its peers before failing with
     # a message naming the rank, axis and operation: a rank died or took another code path. It covers
     # every wait, e.g. while rank 0 trains the BPE tokenizer (torchtitan: comm.train_timeout_seconds;
@@ -93,6 +106,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False  # torch.compile each block's forward (not with zb_h1, zb_v, dualpipe_v past one stage)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    # the blocks' linear layers compute in FP8 with dynamic scales, one per tensor or one per row
+    # (Micikevicius et al. 2022); embedding, output head and router stay in the compute dtype
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/Inf gradient: stop naming the parameter, or skip the step
     # Python's garbage collector runs between steps, every this many steps, instead of whenever
     # allocations trigger it inside one (torchtitan's gc_freq, Megatron's --manual-gc-interval);

@@ -23,6 +23,7 @@ from fivefold.validate.attention import attention_errors
 from fivefold.validate.hints import divisors_near, multiples_near
 from fivefold.validate.rope import rope_errors
 from fivefold.validate.shape import expert_group_errors, head_errors
+from fivefold.validate.speed import speed_errors
 
 
 def _non_finite_errors(cfg: Config) -> list[str]:
@@ -73,7 +74,8 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     dp = data_parallel_degree(cfg, world_size)
     return (errors + _mesh_errors(cfg, world_size, dp) + head_errors(cfg) + _tp_split_errors(cfg)
             + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
-            + _sequence_errors(cfg) + attention_errors(cfg) + rope_errors(cfg) + _schedule_errors(cfg, dp))
+            + _sequence_errors(cfg) + attention_errors(cfg) + rope_errors(cfg) + _schedule_errors(cfg, dp)
+            + speed_errors(cfg))
 
 
 def _size_errors(cfg: Config) -> list[str]:
