@@ -4,7 +4,7 @@
     fivefold plan --model llama3-8b --gpus 8 --gpu a100-80gb --layout dp=8,zero=1 --seq 4096 --global-batch 64 --explain
     fivefold plan --params 7.5e9 --gpus 8 --gpu a100-80gb --bytes 2,2,8        # does a 7.5B model fit?
     fivefold plan --params 70e9 --gpus 64 --mp 8 --largest-layer 1.05e9 --layout offload=optimizer
-    fivefold plan --model llama3-8b --gpus 8 --consider offload,fp8 --out /tmp/plan.toml   # and what others run
+    fivefold plan --model llama3-8b --gpus 8 --consider offload,fp8 --out /tmp/plan.toml   # FP8, offload too
     fivefold calibrate --out local.toml && fivefold plan ... --hardware local.toml
     fivefold plan --model deepseek-v3 --gpus 2048 --seq 4096 --tokens-per-s 3.16e6 --token-budget 14.8T  # measured
 
@@ -211,7 +211,7 @@ def _print_explain(rows: list[tuple[str, str, str]]) -> None:
 
 
 def _search(args, cfg, hw, b: BytesPerParam, options) -> int:
-    from fivefold.planner.search import layout_name, options_name, parse_consider, search
+    from fivefold.planner.search import layout_name, parse_consider, search
 
     res = search(cfg, args.gpus, hw, b, args.act_bytes, keep=args.top, options=options,
                  consider=parse_consider(args.consider))
@@ -231,14 +231,16 @@ def _search(args, cfg, hw, b: BytesPerParam, options) -> int:
                  f"{e.memory['total'] / GB:.1f}", f"{state / GB:.1f}", f"{e.memory['activations'] / GB:.1f}",
                  f"{e.bubble_fraction:.1%}", f"{e.time_split['tp_cp_ep']:.2f}", f"{e.exposed_dp_s:.2f}"]
         if res.not_runnable:
-            cells += [f"{e.host_memory_bytes / GB:.0f}", "no: " + options_name(e.options) if e.not_runnable else "yes"]
+            cells += [f"{e.host_memory_bytes / GB:.0f}",
+                      "no: " + ", ".join(w.split(" = ")[0].split(":")[0] for w in e.not_runnable) if e.not_runnable
+                      else "yes"]
         t.add_row(layout_name(lc), *cells)
     c.print(t)
     for reason, n in res.rejected.most_common():
         c.print(f"rejected {n:>6}: {reason}", highlight=False)
     if not res.ranked:
         c.print("no runnable layout fits: more GPUs, a larger --gpu, or a smaller model"
-                + (f" ({len(res.not_runnable)} fit under options fivefold's trainer lacks)" if res.not_runnable
+                + (f" ({len(res.not_runnable)} fit under options fivefold does not run)" if res.not_runnable
                    else ""))
         return 1
     best_cfg, best = res.ranked[0]

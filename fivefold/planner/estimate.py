@@ -15,7 +15,7 @@ source of its formula. The step time is the textbook model, term by term:
 2. traffic (comm.py): bytes per axis by ring accounting, timed alpha-beta: steps x alpha + wire
    bytes / (bandwidth x efficiency), on the node's links or the NIC.
 3. the critical path (terms.py): what overlap.py leaves exposed of the tp and ep collectives (all
-   of it by default: fivefold's block; options.tp_overlap, ep_overlap hide them under matmuls or
+   of it by default: fivefold's block; parallel.tp_overlap, ep_overlap hide them under matmuls or
    another micro-batch) and the cp ones are added to every forward and backward; ring attention's
    K/V hops overlap the block's attention, so only what exceeds it is added; with a pricer that
    knows the machine's noise, each collective also waits for its slowest rank.
@@ -28,7 +28,7 @@ source of its formula. The step time is the textbook model, term by term:
    its first unit's gather and what each later one exceeds the previous unit's compute (overlap.py).
 6. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
    parameter of its shard at the HBM bandwidth (a measured pricer: fivefold's own step, timed);
-   with offload (options.py, not runnable by fivefold) the host steps it instead, and the host
+   with offload (parallel.offload) the host steps it instead, and the host
    link's copies that the compute does not hide are added (offload.py).
 7. the scalar all-reduces of every step (gradient norm, logged loss), latency only.
 
@@ -137,12 +137,14 @@ def estimate(cfg: Config, world_size: int, hw: Hardware, b: BytesPerParam | None
     gradients, memory.fivefold_state_bytes) and gradients travel in parallel.reduce_dtype: the
     self-check against real runs; False is the textbook accounting with `b`. memo: results shared
     with other estimates of the same caller (search() passes one); by default this estimate's own.
-    options: the FLOP convention, overlap switches and options of other trainers (options.py).
+    options: the FLOP convention and the switches beyond `cfg`'s (options.py); a speed switch on in
+    either `cfg` or `options` is priced on, and the estimate is runnable when fivefold runs
+    options.switched_config(cfg, options).
 
     In three parts: where things live (`_where`), each term of the step priced (`_price`, the
     module docstring's 1-7), and the estimate assembled with its explain rows (`_assemble`).
     """
-    b, memo = b or BytesPerParam(), memo or Memo()
+    b, memo, options = b or BytesPerParam(), memo or Memo(), options.with_config(cfg)
     check_offload(cfg, options)
     if options.expert_imbalance < 1:
         raise ValueError(f"--expert-imbalance {options.expert_imbalance:g}: the busiest expert rank's tokens over "
@@ -210,8 +212,10 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
                        chunk, hw)
     busy = units * (chunk.forward_s + chunk.backward_s + host.forward_s + host.backward_s)  # one rank's compute
-    tp = tp_hidden(work, d, where.counts, chunk, traffic["tp"], hw, act_bytes, options.tp_overlap)
-    ep = ep_hidden(work, d, where.counts, chunk, traffic["ep"], options.ep_overlap)
+    blocked = options.not_runnable(cfg)  # a switch validate refuses here prices what fivefold does not run
+    runs = {sw: not any(r.startswith(f"parallel.{sw} ") for r in blocked) for sw in ("tp_overlap", "ep_overlap")}
+    tp = tp_hidden(work, d, where.counts, chunk, traffic["tp"], hw, act_bytes, options.tp_overlap, runs["tp_overlap"])
+    ep = ep_hidden(work, d, where.counts, chunk, traffic["ep"], options.ep_overlap, runs["ep_overlap"])
     path = critical_path(work, d, hw, traffic, act_bytes, busy, memo, tp, ep)
     f_cost = chunk.forward_s + path.per_unit_s + host.forward_s
     b_cost = chunk.backward_s + path.per_unit_s + host.backward_s
@@ -253,7 +257,7 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=t.mem.fits,
                     time_split=split, explain=explain, dp_overlap=t.dp.overlap, options=options, hfu=hfu,
                     flops=flops.to_json(), host_memory_bytes=t.mem.host_bytes, overlaps=t.overlaps,
-                    not_runnable=options.not_runnable(cfg.parallel), comm_by_pp_rank=t.by_rank,
+                    not_runnable=options.not_runnable(cfg), comm_by_pp_rank=t.by_rank,
                     memory_by_pp_rank=t.mem.per_rank)
 
 

@@ -10,13 +10,18 @@ choices a planner must still make are not in it:
   so the step time always prices the half they run);
 - what the data holds: the mean document length under `data.document_mask`, which sets how many
   pairs the document mask keeps (model/mask_counts.py assumes geometric lengths of that mean);
-- overlap switches, each defaulting to what fivefold's runtime does (parallel/tensor.py's
-  collectives block the compute that needs them; parallel/data/fsdp.py issues the next unit's gather
-  before the current unit computes; parallel/expert.py's all-to-alls wait; DDP's buckets reduce
-  during backward unless `parallel.overlap_comm = false`, the one switch the config carries);
-- options fivefold's trainer does not have (optimizer and parameter offload to the host, FP8
-  compute and FP8 weights), which the planner prices so that a user can compare, and marks not
-  runnable: such a layout is shown, never chosen by the search nor written as its TOML.
+- overlap switches, each defaulting to what fivefold's runtime does by default (parallel/tensor.py's
+  collectives block the compute that needs them unless `parallel.tp_overlap`; parallel/data/fsdp.py
+  issues the next unit's gather before the current unit computes; parallel/expert.py's all-to-alls
+  wait unless `parallel.ep_overlap`; DDP's buckets reduce during backward unless
+  `parallel.overlap_comm = false`);
+- the runtime's speed options, each also a config switch: `tp_overlap` (parallel.tp_overlap),
+  `ep_overlap` (parallel.ep_overlap), `offload` (parallel.offload) and `fp8` ("compute":
+  train.fp8; "weights": ZeRO-3's gathers in FP8 too, parallel.fp8_gather). An estimate takes each
+  from its config or from these options, whichever turns it on (`with_config`), and prices the
+  config `switched_config` writes; the layout is runnable when `validate` accepts that config's
+  switches (validate/speed.py: tp_overlap needs sp, ep_overlap dualpipe_v, offload ZeRO, fp8
+  weights ZeRO-3). `zero3_prefetch = false` is the one option fivefold does not run.
 
 `--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
 `--document-tokens` and `--expert-imbalance` are flags of their own.
@@ -26,12 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from fivefold.config import Config, replace
 from fivefold.model.counts import CausalFlops
-
-if TYPE_CHECKING:
-    from fivefold.config import ParallelConfig
+from fivefold.validate.speed import speed_errors
 
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
 Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
@@ -52,23 +56,37 @@ class PlanOptions:
     # attention over the whole row (what the mask keeps at most)
     document_tokens: float = 0.0
 
-    def not_runnable(self, parallel: ParallelConfig | None = None) -> list[str]:
-        """Why `fivefold train` cannot run a layout under these options (empty: it can). Given the
-        layout's `parallel` section, a switch its layout never uses (tp_overlap at tp = 1,
-        zero3_prefetch without ZeRO-3, ep_overlap at ep = 1) changes no second and is not a reason."""
-        tp, zero, ep = (parallel.tp, parallel.zero, parallel.ep) if parallel is not None else (2, 3, 2)
-        out = []
-        if self.tp_overlap and tp > 1:
-            out.append("tp_overlap: fivefold's tp collectives block their region's compute")
-        if not self.zero3_prefetch and zero == 3:
-            out.append("zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit")
-        if self.ep_overlap and ep > 1:
-            out.append("ep_overlap: fivefold's expert all-to-alls are not overlapped with another micro-batch")
-        if self.offload != "none":
-            out.append(f"offload={self.offload}: fivefold keeps all state on the device")
-        if self.fp8 != "none":
-            out.append(f"fp8={self.fp8}: fivefold computes in bf16 or fp32")
-        return out
+    def with_config(self, cfg: Config) -> PlanOptions:
+        """These options with the speed switches `cfg` turns on (a switch on in either is on)."""
+        p, t = cfg.parallel, cfg.train
+        fp8 = "weights" if p.fp8_gather else "compute" if t.fp8 != "none" else "none"
+        return dataclasses.replace(
+            self, tp_overlap=self.tp_overlap or p.tp_overlap, ep_overlap=self.ep_overlap or p.ep_overlap,
+            offload=p.offload if p.offload != "none" else self.offload,
+            fp8=max(fp8, self.fp8, key=("none", "compute", "weights").index))
+
+    def not_runnable(self, cfg: Config | None = None) -> list[str]:
+        """Why `fivefold train` cannot run `cfg` under these options (empty: it can): what validate
+        refuses of `switched_config(cfg, self)`'s speed switches, and zero3_prefetch = false under
+        ZeRO-3. A switch its layout never uses (tp_overlap at tp = 1, zero3_prefetch without ZeRO-3,
+        ep_overlap at ep = 1) changes no second and is not a reason. Without a layout, only the
+        options no layout can run."""
+        out = [] if self.zero3_prefetch or (cfg is not None and cfg.parallel.zero != 3) else [
+            "zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit"]
+        return out + (speed_errors(switched_config(cfg, self)) if cfg is not None else [])
+
+
+def switched_config(cfg: Config, options: PlanOptions) -> Config:
+    """`cfg` with the speed switches `options` turns on and its layout uses: what `fivefold train`
+    runs for an estimate under `options` (the search writes it). FP8 compute is torchao's
+    tensorwise recipe unless `cfg` names another."""
+    p, t = cfg.parallel, cfg.train
+    fp8 = t.fp8 if t.fp8 != "none" or options.fp8 == "none" else "tensorwise"
+    return replace(cfg, parallel={"tp_overlap": p.tp_overlap or (options.tp_overlap and p.tp > 1),
+                                  "ep_overlap": p.ep_overlap or (options.ep_overlap and p.ep > 1),
+                                  "offload": p.offload if p.offload != "none" else options.offload,
+                                  "fp8_gather": p.fp8_gather or options.fp8 == "weights"},
+                   train={"fp8": fp8})
 
 
 DEFAULT = PlanOptions()

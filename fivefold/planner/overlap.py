@@ -1,16 +1,18 @@
 """What each overlap switch of the layout (options.py) hides, and what it leaves on the critical path.
 
-Each switch defaults to what fivefold's runtime does; `--explain` shows its value, whether that is
-the runtime's behaviour, the traffic it governs and how much of it stays exposed (Hidden.row):
+Each switch defaults to what fivefold's runtime does by default; `--explain` shows its value,
+whether fivefold runs it in this layout, the traffic it governs and how much of it stays exposed
+(Hidden.row):
 
-- tp_overlap (fivefold: off, parallel/tensor.py's collectives block the compute that needs them).
-  On: each tensor-parallel region's collective is decomposed with the region's matmuls into tp
-  pieces, each piece's communication running under the next piece's matmul (Wang et al. 2022,
-  "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
-  Models"; Megatron-LM / Transformer Engine's userbuffers comm-GEMM overlap), so one piece always
-  stays exposed: per region and pass, max(comm / tp, comm - (tp-1)/tp x matmul) (decomposed_exposure).
-  The embedding's forward all-reduce (a lookup: no matmul), the loss's three scalar all-reduces
-  and sp's once-a-step MoE gradient sum have nothing to hide under and stay exposed.
+- tp_overlap = parallel.tp_overlap (off: parallel/tensor.py's collectives block the compute that
+  needs them; on, with sp: parallel/comm/collective_matmul.py). On: each tensor-parallel region's
+  collective is decomposed with the region's matmuls into tp pieces, each piece's communication
+  running under the next piece's matmul (Wang et al. 2022, "Overlap Communication with Dependent
+  Computation via Decomposition in Large Deep Learning Models"; Megatron-LM / Transformer Engine's
+  userbuffers comm-GEMM overlap), so one piece always stays exposed: per region and pass,
+  max(comm / tp, comm - (tp-1)/tp x matmul) (decomposed_exposure). The embedding's forward
+  all-reduce (a lookup: no matmul), the loss's three scalar all-reduces and sp's once-a-step MoE
+  gradient sum have nothing to hide under and stay exposed.
 - zero3_prefetch (fivefold: on, parallel/data/fsdp.py issues the next unit's all-gather as the current
   unit starts). Exposure is modelled unit by unit (prefetch_pass): per micro-batch and pass, the
   first unit's gather is exposed and each later one exposes what it exceeds the previous unit's
@@ -18,7 +20,8 @@ the runtime's behaviour, the traffic it governs and how much of it stays exposed
   (Derived.reshard_after_forward false, the default with pp > 1) the units are gathered in the
   first micro-batch's forward only and reduce-scattered in the last one's backward. Off: every
   gather waits on its own, and a reduce-scatter queued before it on the same stream with it: all exposed.
-- ep_overlap (fivefold: off, parallel/expert.py's all-to-alls block). On: DualPipe's pairing of a
+- ep_overlap = parallel.ep_overlap (off: parallel/expert.py's all-to-alls block; on, with
+  dualpipe_v: the pipeline executor runs the pairs). On: DualPipe's pairing of a
   forward with another micro-batch's backward (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
   sec. 3.2.1): each pass's dispatch and combine run under the other pass's compute of the MoE
   blocks, exposed = max(0, a2a - that compute); the step's first forward and last backward have
@@ -47,8 +50,8 @@ from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Row
 
 SWITCHES = ("tp_overlap", "zero3_prefetch", "ep_overlap", "dp_overlap")
 # what fivefold's runtime does, in words, for each switch's row
-RUNTIME = {"tp_overlap": "blocking", "zero3_prefetch": "prefetches the next unit", "ep_overlap": "blocking",
-           "dp_overlap": "runs parallel.overlap_comm as set"}
+RUNTIME = {"tp_overlap": "runs parallel.tp_overlap as set", "zero3_prefetch": "prefetches the next unit",
+           "ep_overlap": "runs parallel.ep_overlap as set", "dp_overlap": "runs parallel.overlap_comm as set"}
 SOURCES = {
     "tp_overlap": "Wang et al. 2022 (decomposition); Megatron-LM / Transformer Engine userbuffers comm-GEMM overlap",
     "zero3_prefetch": "parallel/data/fsdp.py (one unit ahead); Zhao et al. 2023, \"PyTorch FSDP\" (prefetch)",
@@ -63,7 +66,7 @@ class Hidden:
 
     switch: str  # one of SWITCHES
     on: bool
-    runtime: bool  # the value is what fivefold's runtime does
+    runtime: bool  # fivefold's runtime runs this value in this layout
     traffic_s: float
     exposed_s: float
     note: str = ""  # what the traffic is, or why there is none
@@ -76,7 +79,8 @@ class Hidden:
     def row(self) -> Row:
         name = self.switch.replace("_", " ")
         runtime = (f"fivefold: {RUNTIME[self.switch]}" if self.runtime
-                   else f"not fivefold's: it {RUNTIME[self.switch].replace('blocking', 'blocks')}")
+                   else "not fivefold's: it prefetches the next unit" if self.switch == "zero3_prefetch"
+                   else "not runnable in this layout: see runnable")
         head = f"{'on' if self.on else 'off'} ({runtime}): "
         if not self.traffic_s:
             return (name, head + (self.note or "no traffic"), SOURCES[self.switch])
@@ -108,14 +112,14 @@ def _one(hw: Hardware, inter_node: bool, op: str, nbytes: float, n: int) -> floa
 
 
 def tp_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPrice, tp: AxisTraffic, hw: Hardware,
-              act_bytes: int, on: bool) -> Hidden:
+              act_bytes: int, on: bool, runs: bool = True) -> Hidden:
     """The tp traffic of a step and what stays exposed (module docstring). Per micro-batch, each
     attention region (every block) and MLP region (dense blocks) has one collective of the
     (b, s/cp, d) activation in forward and one in backward (+1 there with full recompute), and the
     head one in backward (comm.activation_traffic); a region's matmul time is the rank's forward
     (backward) seconds times the region's share of the forward FLOPs."""
     cfg, p = work.cfg, work.cfg.parallel
-    runtime, note = not on, "tp traffic"
+    runtime, note = runs or not on, "tp traffic"
     if p.tp <= 1 or not tp.time_s:
         return Hidden("tp_overlap", on, runtime, 0.0, 0.0, "no tp traffic (tp = 1)")
     if not on or work.forward_flops <= 0:
@@ -154,12 +158,12 @@ def _moe_share(work: ChunkWork, counts: ModelCounts) -> float:
 
 
 def ep_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPrice, ep: AxisTraffic,
-              on: bool) -> Hidden:
+              on: bool, runs: bool = True) -> Hidden:
     """The expert all-to-alls of a step and what stays exposed (module docstring). Per micro-batch
     and chunk, a forward's dispatch and combine (1 of the fwd_passes + 1 passes comm.py counts)
     run under another micro-batch's backward of the MoE blocks, the backward's (recompute's
     included) under another's forward; of the M x chunks passes of each kind one has no partner."""
-    runtime, note = not on, "expert all-to-alls"
+    runtime, note = runs or not on, "expert all-to-alls"
     if not ep.time_s:
         return Hidden("ep_overlap", on, runtime, 0.0, 0.0, "no expert all-to-alls (ep = 1 or no MoE block here)")
     if not on:

@@ -10,11 +10,17 @@ rejection is counted under its reason, so "nothing fits" says why. All the estim
 share one Memo, so each pipeline shape is simulated, and each model part traced, once.
 
 ZeRO-2 and ZeRO-3 with pipelines and ZeRO with experts are among the candidates (fivefold's
-trainer runs them). Options it does not have (offload, FP8: options.py) are priced only when asked
-for (`consider`, the CLI's `--consider offload,fp8`): each valid layout is then estimated again
-under every such variant its ZeRO stage allows (offload=optimizer from ZeRO-1, offload=params with
-ZeRO-3; fp8 compute and weights), and those that fit are kept apart, marked not runnable: shown,
-never the best, never written as the TOML.
+trainer runs them), and so are the overlap switches: every sequence-parallel layout runs
+parallel.tp_overlap (the decomposition never exposes more than the blocking collective,
+overlap.decomposed_exposure, so the layout without it is never faster and is not priced), and
+MoE pipelines with expert parallelism are tried under dualpipe_v with parallel.ep_overlap.
+FP8 and offload change the numerics or trade speed for memory, so they are priced only when
+asked for (`consider`, the CLI's `--consider offload,fp8`): each valid layout is then estimated
+again under every such variant its ZeRO stage allows (offload=optimizer from ZeRO-1,
+offload=params with ZeRO-3; fp8 compute, and weights with ZeRO-3), and ranked among the others
+with its switches set (options.switched_config), so the TOML written runs them. What fivefold
+cannot run (options.not_runnable: zero3_prefetch = false, or a switch its layout refuses) is kept
+apart: shown, never the best, never written.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ from fivefold.planner.estimate import Estimate, estimate
 from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import Memo
 from fivefold.planner.memory import BytesPerParam
-from fivefold.planner.options import DEFAULT, PlanOptions
+from fivefold.planner.options import DEFAULT, PlanOptions, switched_config
 from fivefold.validate import validate
 
-CONSIDER = ("offload", "fp8")  # what `consider` may name: options.py's options of other trainers
+CONSIDER = ("offload", "fp8")  # what `consider` may name: the switches the search tries only when asked
 
 
 @dataclass
@@ -40,7 +46,7 @@ class SearchResult:
     ranked: list[tuple[Config, Estimate]]  # fitting layouts fivefold's trainer runs, fastest first
     rejected: Counter = field(default_factory=Counter)  # reason -> count
     tried: int = 0
-    not_runnable: list[tuple[Config, Estimate]] = field(default_factory=list)  # fitting, under `consider`'s options
+    not_runnable: list[tuple[Config, Estimate]] = field(default_factory=list)  # fitting, but not what fivefold runs
 
 
 def parse_consider(text: str) -> tuple[str, ...]:
@@ -54,14 +60,15 @@ def parse_consider(text: str) -> tuple[str, ...]:
 
 def option_variants(cfg: Config, options: PlanOptions, consider: tuple[str, ...],
                     has_fp8: bool = True) -> list[PlanOptions]:
-    """The variants of `options` that `consider` asks for, cfg's ZeRO stage allows (offload.check_offload)
-    and the GPU can run (FP8 only with FP8 tensor cores), `options` itself left out."""
+    """The variants of `options` that `consider` asks for, cfg's ZeRO stage allows (offload.check_offload;
+    FP8 gathers with ZeRO-3) and the GPU can run (FP8 only with FP8 tensor cores), `options` itself
+    left out. fivefold does not gather FP8 weights into host-offloaded shards (validate/speed.py)."""
     zero = cfg.parallel.zero
     offloads = ["none"] + ([*(["optimizer"] if zero else []), *(["params"] if zero == 3 else [])]
                            if "offload" in consider else [])
-    fp8s = ["none"] + (["compute", "weights"] if "fp8" in consider and has_fp8 else [])
+    fp8s = ["none"] + ([*["compute"], *(["weights"] if zero == 3 else [])] if "fp8" in consider and has_fp8 else [])
     return [dataclasses.replace(options, offload=o, fp8=f) for o, f in itertools.product(offloads, fp8s)
-            if (o, f) != ("none", "none")]
+            if (o, f) != ("none", "none") and not (o != "none" and f == "weights")]
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -93,9 +100,12 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
             # ZB-V's lists grow as p x m and it is slow to build: tried for up to 64 micro-batches
             schedules = ([("1f1b", 1), ("interleaved_1f1b", 2)] + ([("zb_v", 2)] if micro <= 64 else [])
                          if pp > 1 else [("1f1b", 1)])
+            # DualPipe-V pays off with expert all-to-alls to hide: tried with its overlap, as DeepSeek-V3 ran it
+            schedules += [("dualpipe_v", 2)] if pp > 1 and ep > 1 and micro <= 64 else []
             for sched, v in schedules:
                 out.append(replace(base, parallel={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero,
-                                                   "sp": sp, "pp_schedule": sched, "virtual_stages": v},
+                                                   "sp": sp, "pp_schedule": sched, "virtual_stages": v,
+                                                   "tp_overlap": sp, "ep_overlap": sched == "dualpipe_v"},
                                    train={"micro_batch": mb, "recompute": rc}))
     return out
 
@@ -103,8 +113,8 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
 def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = None, act_bytes: int = 2,
            keep: int = 10, options: PlanOptions = DEFAULT, consider: tuple[str, ...] = ()) -> SearchResult:
     """Rank every valid, fitting layout of `base` on `world` GPUs of kind `hw`, each estimated under
-    `options` (the search writes the best, so they should be runnable: any that are not put every
-    candidate among `not_runnable`) and, with `consider`, under its variants too (module docstring)."""
+    `options` (its speed switches set in the layout; options fivefold cannot run put every candidate
+    among `not_runnable`) and, with `consider`, under its variants too (module docstring)."""
     result, memo = SearchResult(ranked=[]), Memo()
     checked: dict[Config, list[str]] = {}
     # One pricing for every candidate (a measured profile's drops its layer times: they cover only
@@ -122,17 +132,16 @@ def search(base: Config, world: int, hw: Hardware, b: BytesPerParam | None = Non
         if errors:
             result.rejected[_reason(errors[0])] += 1
             continue
-        est = estimate(cfg, world, hw, b, act_bytes, memo=memo, options=options)
-        if not est.fits:
-            result.rejected["does not fit in memory"] += 1
-        else:
-            (result.not_runnable if est.not_runnable else result.ranked).append((cfg, est))
-        for variant in option_variants(cfg, options, consider, has_fp8=hw.fp8_peak_flops > 0):
-            est = estimate(cfg, world, hw, b, act_bytes, memo=memo, options=variant)
-            if est.fits:
-                result.not_runnable.append((cfg, est))
+        for variant in [options, *option_variants(cfg, options, consider, has_fp8=hw.fp8_peak_flops > 0)]:
+            # fivefold's overlapped tp matmuls are not FP8 ones (validate/speed.py): FP8 runs the blocking path
+            vcfg = replace(cfg, parallel={"tp_overlap": False}) if variant.fp8 != "none" else cfg
+            est = estimate(vcfg, world, hw, b, act_bytes, memo=memo, options=variant)
+            if not est.fits:
+                result.rejected["does not fit in memory" + ("" if variant is options else
+                                                            " (under --consider's options)")] += 1
             else:
-                result.rejected["does not fit in memory (under --consider's options)"] += 1
+                (result.not_runnable if est.not_runnable else result.ranked).append(
+                    (switched_config(vcfg, variant), est))
     for ranked in (result.ranked, result.not_runnable):
         ranked.sort(key=lambda ce: ce[1].step_time_s)
         del ranked[keep:]
@@ -149,9 +158,7 @@ def layout_name(cfg: Config) -> str:
     if p.pp > 1:
         parts.append({"interleaved_1f1b": "i1f1b"}.get(p.pp_schedule, p.pp_schedule)
                      + (f"v{p.virtual_stages}" if p.pp_schedule == "interleaved_1f1b" else ""))
+    parts += [s for on, s in ((p.tp_overlap, "tpo"), (p.ep_overlap, "epo"), (p.offload != "none", f"off-{p.offload}"),
+                              (t.fp8 != "none", "fp8" + ("-gather" if p.fp8_gather else ""))) if on]
     return " ".join(parts + [f"mb{t.micro_batch}", {"none": "-", "selective": "sel", "full": "full"}[t.recompute]])
 
-
-def options_name(options: PlanOptions) -> str:
-    """"offload=optimizer fp8=weights": the options of other trainers an estimate assumed ("" for none)."""
-    return " ".join(f"{k}={getattr(options, k)}" for k in CONSIDER if getattr(options, k) != "none")

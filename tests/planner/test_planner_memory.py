@@ -79,7 +79,9 @@ def test_optimizer_offload_moves_the_optimizer_and_prices_the_host_step():
     host_adam = shard * (4 + 2 * 12 + 2) / (76.8e9 * 0.8)
     weights_up = shard * 2 / (64e9 * 0.8)
     assert est.time_split["optimizer"] == pytest.approx(host_adam + weights_up)
-    assert est.not_runnable == ["offload=optimizer: fivefold keeps all state on the device"]
+    assert est.not_runnable == []  # parallel.offload runs it; the config switch prices the same
+    switched = estimate(_8b("--parallel.dp=8", "--parallel.zero=1", "--parallel.offload=optimizer"), 8, H100)
+    assert switched.step_time_s == est.step_time_s and switched.options == est.options
     base = estimate(cfg, 8, H100)
     assert base.memory["optimizer"] == pytest.approx(12 * P / 8) and base.host_memory_bytes == 0
 
@@ -144,7 +146,9 @@ def test_fp8_weights_gather_one_byte_per_block_weight():
                 + M * wire_bytes("reduce_scatter", 2 * c.total, 8))
     assert est.comm["dp"].bytes == pytest.approx(expected)
     assert est.memory["params"] == pytest.approx(weights / 8)
-    assert "fp8=weights: fivefold computes in bf16 or fp32" in est.not_runnable
+    assert est.not_runnable == []  # train.fp8 with parallel.fp8_gather; not without ZeRO-3:
+    assert estimate(_8b("--parallel.dp=8", "--parallel.zero=1"), 8, H100,
+                    options=PlanOptions(fp8="weights")).not_runnable[0].startswith("parallel.fp8_gather = true")
 
 
 @pytest.mark.parametrize("recompute,per_token", [
@@ -207,33 +211,45 @@ def test_pp2_traffic_is_the_same_on_both_ranks_as_the_runtime_counts():
     assert not any(what == "pp traffic, heaviest sender" for what, _, _ in est.explain)
 
 
-def test_search_shows_what_the_trainer_cannot_run_and_never_writes_it(tmp_path, capsys):
-    """Llama 3 8B on 2 x A100-40GB: no runnable layout fits (ZeRO-3 alone needs 16 x 8B / 2 = 64 GB),
-    offload makes some fit: shown, marked not runnable, no TOML written."""
+def test_search_writes_offload_when_only_offload_fits(tmp_path, capsys):
+    """Llama 3 8B on 2 x A100-40GB: nothing fits on the device (ZeRO-3 alone needs 16 x 8B / 2 = 64 GB);
+    offload makes some fit, and the best is written with its switch, which `fivefold train` runs."""
     out = tmp_path / "plan.toml"
     args = ["plan", "--model", "llama3-8b", "--gpus", "2", "--gpu", "a100-40gb", "--seq", "2048", "--global-batch",
             "8", "--out", str(out)]
-    assert main([*args, "--consider", "offload,fp8"]) == 1
-    text = capsys.readouterr().out
-    assert "no: offload=" in text and "fit under options fivefold's trainer lacks" in text
-    assert not out.exists()
+    assert main(args) == 1 and not out.exists()
+    assert main([*args, "--consider", "offload,fp8"]) == 0
+    written = load_config(out)
+    assert written.parallel.offload != "none" and not validate(written, 2)
     assert main([*args, "--consider", "nvme"]) == 2
     assert "--consider nvme" in capsys.readouterr().err
 
 
-def test_search_ranks_runnable_layouts_only_and_covers_zero_with_pipelines_and_experts():
+def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipelines_and_experts():
     cfg = _cfg("tiny-moe", "--train.seq_len=64", "--train.global_batch=16")
-    res = search(cfg, 8, H100, keep=100_000, consider=("offload", "fp8"))
-    assert res.ranked and res.not_runnable
-    assert all(not e.not_runnable for _, e in res.ranked) and all(e.not_runnable for _, e in res.not_runnable)
+    res = search(cfg, 4, H100, keep=100_000, consider=("offload", "fp8"))
+    assert res.ranked and not res.not_runnable and all(not e.not_runnable for _, e in res.ranked)
     layouts = [c.parallel for c, _ in res.ranked]
     assert any(p.pp > 1 and p.zero == 2 for p in layouts) and any(p.pp > 1 and p.zero == 3 for p in layouts)
     assert any(p.ep > 1 and p.zero >= 1 for p in layouts)
-    offloads = {e.options.offload for c, e in res.not_runnable if c.parallel.zero != 3}
-    assert "params" not in offloads  # parameter offload only with ZeRO-3
-    # options the search runs every candidate under, not runnable: nothing can be the best
-    fp8 = search(cfg, 8, H100, keep=5, options=PlanOptions(fp8="compute"))
-    assert not fp8.ranked and fp8.not_runnable
+    # the switches are set in the configs the search would write, each one `fivefold train` accepts
+    firsts = {}
+    for c, e in res.ranked:
+        p = c.parallel
+        for name, on in (("tp_overlap", p.tp_overlap), ("ep_overlap", p.ep_overlap), ("offload", p.offload),
+                         ("fp8", c.train.fp8), ("fp8_gather", p.fp8_gather)):
+            if on and on != "none":
+                firsts.setdefault((name, on), (c, e))
+    assert set(firsts) == {("tp_overlap", True), ("ep_overlap", True), ("offload", "optimizer"),
+                           ("offload", "params"), ("fp8", "tensorwise"), ("fp8_gather", True)}
+    for c, e in firsts.values():
+        assert not validate(c, 4) and e.options == e.options.with_config(c)
+    assert all(p.offload != "params" or p.zero == 3 for p in layouts)  # parameter offload only with ZeRO-3
+    assert all(not p.ep_overlap or p.pp_schedule == "dualpipe_v" for p in layouts)
+    # an option fivefold does not run puts every candidate it changes apart: never the best
+    off = search(cfg, 4, H100, keep=5, options=PlanOptions(zero3_prefetch=False))
+    assert off.not_runnable and {c.parallel.zero for c, _ in off.not_runnable} == {3}
+    assert off.ranked and all(c.parallel.zero != 3 for c, _ in off.ranked)
 
 
 def test_the_catalogs_host_figures_come_from_the_memory_channels():
@@ -246,5 +262,5 @@ def test_offload_reaches_the_json(capsys):
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--seq", "4096",
                  "--layout", "dp=8,zero=3,offload=optimizer,micro_batch=1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["runnable"] is False and out["not_runnable"] and out["host_memory_gb"] > 0
+    assert out["runnable"] is True and out["not_runnable"] == [] and out["host_memory_gb"] > 0
     assert out["host_memory_gb"] == pytest.approx(16 * model_counts(_8b().model).total / GB)  # 8 x 16 P / 8

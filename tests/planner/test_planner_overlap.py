@@ -261,14 +261,20 @@ def test_defaults_are_what_the_runtime_does(tmp_path):
 
 def test_a_switch_the_layout_never_uses_is_no_reason_it_cannot_run(tmp_path):
     """zero3_prefetch=false prices nothing without ZeRO-3, tp_overlap nothing at tp = 1, ep_overlap
-    nothing at ep = 1: such an estimate is what fivefold runs; with the axis in use it is not."""
+    nothing at ep = 1: such an estimate is what fivefold runs. With the axis in use, fivefold runs
+    tp_overlap with sp and ep_overlap with dualpipe_v (validate/speed.py says so otherwise), and never
+    zero3_prefetch = false."""
     off = PlanOptions(tp_overlap=True, zero3_prefetch=False, ep_overlap=True)
     plain = _llama(8, "--parallel.zero=1", "--train.global_batch=8")
     assert estimate(plain, 8, H100, options=off).not_runnable == []
-    assert [w.split(":")[0] for w in off.not_runnable()] == ["tp_overlap", "zero3_prefetch=false", "ep_overlap"]
+    assert [w.split(":")[0] for w in off.not_runnable()] == ["zero3_prefetch=false"]  # in any layout
     used = estimate(_llama(8, "--parallel.tp=2", "--parallel.zero=3", "--train.global_batch=8"), 8, H100, options=off)
-    assert [w.split(":")[0] for w in used.not_runnable] == ["tp_overlap", "zero3_prefetch=false"]
-    assert [w.split(":")[0] for w in estimate(_moe(tmp_path), 2, H100, options=off).not_runnable] == ["ep_overlap"]
+    assert [w.split(" needs")[0].split(":")[0] for w in used.not_runnable] == [
+        "zero3_prefetch=false", "parallel.tp_overlap = true"]
+    with_sp = _llama(8, "--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=1", "--train.global_batch=8")
+    assert estimate(with_sp, 8, H100, options=off).not_runnable == []
+    moe = estimate(_moe(tmp_path), 2, H100, options=off).not_runnable
+    assert len(moe) == 1 and moe[0].startswith("parallel.ep_overlap = true pairs DualPipe's")
 
 
 def _changed(a, b) -> set[str]:
@@ -304,13 +310,17 @@ def test_ep_overlap_moves_only_the_critical_path(tmp_path):
     cfg = _moe(tmp_path, "--train.micro_batch=1")  # dp's one bucket is exposed whole: no window moves it
     a, b = estimate(cfg, 2, hw), estimate(cfg, 2, hw, options=PlanOptions(ep_overlap=True))
     assert _changed(a, b) == {"tp_cp_ep"}
-    assert b.overlaps["ep_overlap"].hidden_s > 0 and b.not_runnable  # fivefold's all-to-alls do not overlap
+    assert b.overlaps["ep_overlap"].hidden_s > 0 and b.not_runnable  # fivefold overlaps them under dualpipe_v only
 
 
 def test_explain_names_every_switch_and_whether_fivefold_runs_it():
     cfg = _llama(8, "--parallel.tp=2", "--parallel.zero=3", "--train.global_batch=8")
     rows = {what: text for what, text, _ in estimate(cfg, 8, H100, options=PlanOptions(tp_overlap=True)).explain}
-    assert rows["tp overlap"].startswith("on (not fivefold's: it blocks): ") and "hidden" in rows["tp overlap"]
+    assert rows["tp overlap"].startswith("on (not runnable in this layout: see runnable): ")  # no sp
+    assert "hidden" in rows["tp overlap"]
     assert rows["zero3 prefetch"].startswith("on (fivefold: prefetches the next unit): ")
-    assert rows["ep overlap"].startswith("off (fivefold: blocking): no expert all-to-alls")
+    assert rows["ep overlap"].startswith("off (fivefold: runs parallel.ep_overlap as set): no expert all-to-alls")
+    sp = _llama(8, "--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true", "--train.global_batch=8")
+    rows = {what: text for what, text, _ in estimate(sp, 8, H100).explain}
+    assert rows["tp overlap"].startswith("on (fivefold: runs parallel.tp_overlap as set): ")
     assert rows["dp overlap"].startswith("on (fivefold: runs parallel.overlap_comm as set): ")
