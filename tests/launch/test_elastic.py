@@ -123,24 +123,6 @@ def replans(metrics: Path) -> list[dict]:
     return [e for e in read_events(metrics) if e["event"] == "replan"]
 
 
-def test_a_lost_node_leaves_the_job_on_the_other_which_finishes_with_the_same_losses(tmp_path, uninterrupted):
-    node0, _, metrics = shrink(tmp_path)
-    try:
-        assert node0.wait(timeout=300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
-    finally:
-        node0.kill()
-    (event,) = replans(metrics)
-    # dp = world / (tp pp cp) = 2; global batch 8 = dp x micro-batch 2 x accumulation 2 (was 1 on dp4)
-    assert (event["world_size"], event["from_world_size"], event["from"], event["to"]) == (
-        2, 4, "dp4 z0 mb2 -", "dp2 z0 mb2 -")
-    assert event["grad_accum"] == [1, 2] and event["micro_batch"] == [2, 2]
-    assert event["predicted_step_time_s"] == {"from": None, "to": None}  # no run.hardware, no --gpu
-    # From the last complete checkpoint (every 3 steps); the steps after it ran again, logged once.
-    assert event["step"] % 3 == 0 and event["step"] < STEPS
-    assert_same_run(read_metrics(metrics), uninterrupted)
-    assert "re-planned for 2 ranks (was 4): dp4 z0 mb2 - -> dp2 z0 mb2 -" in (tmp_path / "node0.log").read_text()
-
-
 def test_keep_tp_shrinks_tp2_dp2_to_tp2(tmp_path, uninterrupted):
     node0, _, metrics = shrink(tmp_path, "--parallel.tp=2", "--keep", "tp")
     try:
@@ -153,7 +135,9 @@ def test_keep_tp_shrinks_tp2_dp2_to_tp2(tmp_path, uninterrupted):
     assert_same_run(read_metrics(metrics), uninterrupted)  # tp2 x dp2, then tp2: dp4's losses
 
 
-def test_a_node_that_comes_back_grows_the_job_again(tmp_path, uninterrupted):
+def test_a_lost_node_leaves_the_job_on_the_other_and_grows_it_again_when_it_comes_back(tmp_path, uninterrupted):
+    """Node 1 is killed: node 0 goes on alone from the last checkpoint; node 1 comes back: the job grows
+    to 4 ranks again; the run is the uninterrupted one's, every step logged once."""
     node0, port, metrics = shrink(tmp_path)
     node1 = None
     try:
@@ -181,7 +165,14 @@ def test_a_node_that_comes_back_grows_the_job_again(tmp_path, uninterrupted):
     events = read_events(metrics)
     shrunk, grown = replans(metrics)
     (stop,) = [e for e in events if e["event"] == "stop"]
-    assert (shrunk["from_world_size"], shrunk["world_size"]) == (4, 2)
+    # dp = world / (tp pp cp) = 2; global batch 8 = dp x micro-batch 2 x accumulation 2 (was 1 on dp4)
+    assert (shrunk["world_size"], shrunk["from_world_size"], shrunk["from"], shrunk["to"]) == (
+        2, 4, "dp4 z0 mb2 -", "dp2 z0 mb2 -")
+    assert shrunk["grad_accum"] == [1, 2] and shrunk["micro_batch"] == [2, 2]
+    assert shrunk["predicted_step_time_s"] == {"from": None, "to": None}  # no run.hardware, no --gpu
+    # From the last complete checkpoint (every 3 steps); the steps after it ran again, logged once.
+    assert shrunk["step"] % 3 == 0 and shrunk["step"] < STEPS
+    assert "re-planned for 2 ranks (was 4): dp4 z0 mb2 - -> dp2 z0 mb2 -" in (tmp_path / "node0.log").read_text()
     # The join made node 0's agent SIGTERM its workers: they agreed on a step, saved there and stopped;
     # the grown world resumed from that checkpoint, so no step ran twice after the shrink.
     assert (grown["from_world_size"], grown["world_size"], grown["to"]) == (2, 4, "dp4 z0 mb2 -")
