@@ -272,3 +272,42 @@ def test_documents_need_an_end_of_document_token(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "no end-of-document token" in err and str(tmp_path / "tokenizer.json") in err
     assert "Traceback" not in err
+
+
+SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or named as not built yet
+    "tp_overlap without sp": (("--parallel.tp=2", "--parallel.tp_overlap=true"), 2,
+                              "parallel.tp_overlap = true needs sequence parallel"),
+    "ep_overlap without dualpipe_v": (("--parallel.ep_overlap=true",), 1,
+                                      "parallel.ep_overlap = true pairs DualPipe's forward and backward chunks, "
+                                      "but parallel.pp_schedule = '1f1b'"),
+    "ep_overlap with dualpipe_v": (("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
+                                    "--parallel.ep_overlap=true"), 2, "parallel.ep_overlap = true is not built yet"),
+    "offload params without ZeRO-3": (("--parallel.dp=2", "--parallel.zero=1", "--parallel.offload=params"), 2,
+                                      "parallel.offload = 'params' moves ZeRO-3's parameter shards to the host"),
+    "offload optimizer without ZeRO": (("--parallel.offload=optimizer",), 1,
+                                       "parallel.offload = 'optimizer' moves the optimizer's shards to the host"),
+    "fp8_gather without ZeRO-3": (("--train.fp8=tensorwise", "--parallel.fp8_gather=true"), 1,
+                                  "parallel.fp8_gather = true gathers ZeRO-3's weights in FP8"),
+    "fp8_gather": (("--train.fp8=tensorwise", "--parallel.dp=2", "--parallel.zero=3", "--parallel.fp8_gather=true"),
+                   2, "parallel.fp8_gather = true is not built yet"),
+}
+
+
+@pytest.mark.parametrize("name", SPEED_ERRORS)
+def test_speed_switches_are_refused_by_name(tmp_path, name):
+    args, world, message = SPEED_ERRORS[name]
+    errors = validate(tiny_config(tmp_path, *args), world)
+    assert len(errors) == 1 and errors[0].startswith(message), errors
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_names_the_device(tmp_path, monkeypatch):
+    """An A100 (compute capability 8.0) has no FP8 matmul: one line naming it; an H100 (9.0) passes."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    cfg = tiny_config(tmp_path, "--train.fp8=rowwise", "--train.device=cuda")
+    assert [e for e in validate(cfg, 1) if "fp8" in e] == [
+        "train.fp8 = 'rowwise' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell), "
+        "but NVIDIA A100-SXM4-80GB is 8.0: set train.fp8 = 'none'"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert not [e for e in validate(cfg, 1) if "fp8" in e]

@@ -1,7 +1,8 @@
 """THE composition order: how one model becomes this rank's part of a parallel layout.
 
     split into pipeline stages (keep this rank's layers)
-      -> tensor parallel -> expert parallel -> context parallel
+      -> tensor parallel -> FP8 (train.fp8: on the layers as tp split them) -> expert parallel
+      -> context parallel
       -> activation checkpointing / compile
       -> data parallel / ZeRO / FSDP (last: it wraps whatever parameters the others left)
 
@@ -32,6 +33,7 @@ from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
+from fivefold.parallel.fp8 import apply_fp8
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, fused_on, init_optimizer_state, set_lr
 from fivefold.parallel.pipeline.executor import AttentionInputs, PipelineExecutor
@@ -204,6 +206,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     """Apply every dimension of cfg.parallel to `model` in place, in the composition order."""
     stages = apply_pipeline_parallel(model, mesh, cfg, derived)
     tp = apply_tensor_parallel(model, mesh, cfg, derived)
+    apply_fp8(model, mesh, cfg)  # on the layers as tp split them: it reduces each amax over the splits
     experts = apply_expert_parallel(model, mesh, cfg, derived)
     cp = apply_context_parallel(model, mesh, cfg, derived)
     apply_recompute(model, mesh, cfg, derived)

@@ -45,6 +45,7 @@ from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
+from fivefold.parallel.fp8 import Float8Scaling, linear
 from fivefold.parallel.materialize import materialize_parameter
 from fivefold.parallel.mesh import Mesh
 
@@ -71,6 +72,9 @@ class ColumnParallelLinear(nn.Module):
     attention or the MLP, so one collective serves them all.
     """
 
+    tp_splits = "outputs"  # the matmul dim tp splits: FP8's amax reductions read it (fp8.py)
+    scaling: Float8Scaling | None = None  # set by apply_fp8 (train.fp8)
+
     def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, enter_region: bool = False):
         super().__init__()
         self.group, self.sp, self.enter_region = group, sequence_parallel, enter_region
@@ -81,12 +85,15 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_tensor_parallel_region(x, self.group, self.sp)  # (B, T, in)
-        return F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        return linear(x, self.weight, self.bias, self.scaling)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split: partial products are summed over tp,
     then the bias (gpt-oss's attention output), whole on every rank, is added once to the sum."""
+
+    tp_splits = "inputs"
+    scaling: Float8Scaling | None = None
 
     def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool):
         super().__init__()
@@ -95,7 +102,7 @@ class RowParallelLinear(nn.Module):
         self.bias = linear.bias  # (out,) or None: replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
+        partial = linear(x, self.weight, None, self.scaling)  # (B, T, out), this rank's share of the sum
         if self.sp:
             y = regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
         else:

@@ -22,7 +22,30 @@ def speed_errors(cfg: Config) -> list[str]:
     if p.offload == "optimizer" and p.zero == 0:
         errors.append("parallel.offload = 'optimizer' moves the optimizer's shards to the host, but "
                       "parallel.zero = 0 has none: set zero = 1, 2 or 3")
+    if p.ep_overlap and p.pp_schedule == "dualpipe_v":
+        errors.append("parallel.ep_overlap = true is not built yet (the dualpipe_v executor runs a forward and a "
+                      "backward chunk one after the other): set ep_overlap = false")
     if p.fp8_gather and (p.zero != 3 or t.fp8 != "tensorwise"):
         errors.append(f"parallel.fp8_gather = true gathers ZeRO-3's weights in FP8 with one scale per tensor, "
                       f"but zero = {p.zero} and train.fp8 = '{t.fp8}': set zero = 3 and train.fp8 = 'tensorwise'")
+    elif p.fp8_gather:
+        errors.append("parallel.fp8_gather = true is not built yet (ZeRO-3 gathers the fp32 weights, then each "
+                      "layer quantizes its own): set fp8_gather = false")
+    errors += _fp8_device_errors(cfg)
     return errors
+
+
+def _fp8_device_errors(cfg: Config) -> list[str]:
+    """FP8 matmuls on CUDA need FP8 tensor cores: compute capability 8.9 (Ada) or 9.0 (Hopper) and up."""
+    t = cfg.train
+    if t.fp8 == "none" or t.device == "cpu":
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []  # on the CPU FP8 is emulated exactly (parallel/fp8.py's scaled_mm)
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) >= (8, 9):
+        return []
+    return [f"train.fp8 = '{t.fp8}' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+            f"Blackwell), but {torch.cuda.get_device_name()} is {major}.{minor}: set train.fp8 = 'none'"]
