@@ -52,7 +52,7 @@ def test_tensor_parallel_fp8_matmuls_equal_one_process(recipe, sp):
     if recipe == "rowwise":
         return
     unreduced = _gathered(run_workers(_chain, 2, recipe, sp, False), sp)
-    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(unreduced, ref)) > 1e-3
+    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(unreduced, ref, strict=True)) > 1e-3
 
 
 def test_fp8_layout_reproduces_one_process_running_the_same_micro_batches(tmp_path):
