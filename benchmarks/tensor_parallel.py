@@ -7,7 +7,14 @@ What is compared, on 2 ranks (tp = 2, dp = 1, pp = 1, gloo, CPU, fp32), the same
 weights and batches:
 1. `tp`:    fivefold `--parallel.tp=2`                    vs torch `parallelize_module` without
                                                              sequence parallel;
-2. `tp_sp`: fivefold `--parallel.tp=2 --parallel.sp=true` vs the same with `SequenceParallel`.
+2. `tp_sp`: fivefold `--parallel.tp=2 --parallel.sp=true` vs the same with `SequenceParallel`;
+3. `tp_sp_overlap`: fivefold with `--parallel.tp_overlap=true` too (comm/collective_matmul.py) vs
+   the same torch side. torch's own overlap (async TP: `enable_symm_mem_for_group` and the
+   micro-pipelined TP passes of torch.compile) runs on CUDA with symmetric memory only, so the
+   native peer here is blocking DTensor sp. fivefold's side also reports its exposed tp time per
+   step (the step timer's `exposed_tp`: the time its thread is blocked in tp communication), and
+   the summary sets the overlapped variant beside the blocking `tp_sp`: `tp_overlap_ratio_step_time`
+   and `tp_overlap_ratio_exposed_tp` (overlapped / blocking, from the two variants' runs).
 The model is fivefold's Transformer (`build_model`, seeded) from configs/tiny.toml with dim 256,
 8 heads (4 per rank), ffn 768, 4 layers, seq 128, one micro-batch of 8 sequences per step (both
 ranks see the same batch, as tp ranks do), byte vocabulary padded to 320.
@@ -117,6 +124,7 @@ from benchmarks.common import (  # noqa: E402
     memory_runs,
     parse,
     prewarm,
+    ratio,
     report,
     slowest_rank,
     timed_rounds,
@@ -137,12 +145,13 @@ torch.set_num_threads(1)
 # deprecated in favour of *_single; the forked workers inherit this filter.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
-VARIANTS = {"tp": False, "tp_sp": True}  # name -> sequence parallel
+VARIANTS = {"tp": (False, False), "tp_sp": (True, False), "tp_sp_overlap": (True, True)}  # name -> (sp, tp_overlap)
 TARGETS = {f"{name}_ratio_step_time": 1.10 for name in VARIANTS}  # fivefold / torch at tp = 2, from the issue
 
 
 def variant_cfg(cfg: Config, name: str) -> Config:
-    return replace(cfg, parallel={"sp": VARIANTS[name]})
+    sp, overlap = VARIANTS[name]
+    return replace(cfg, parallel={"sp": sp, "tp_overlap": overlap})
 
 
 # ---- the two sides ----------------------------------------------------------------------------------
@@ -158,11 +167,14 @@ class FivefoldSide:
         self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.exposed_tp: list[float] = []  # seconds per step this thread was blocked in tp communication
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         t, par = self.cfg.train, self.par
+        self.mesh.timer.begin_step()
         stats = par.pipeline.run([(x, y)], x.numel())  # one stage, one micro-batch
         par.optimizer_step(t.lr, self.scaler, t.grad_clip)
+        self.exposed_tp.append(self.mesh.timer.end_step()[1]["exposed_tp"])
         return float(stats.loss)  # the whole loss (/ tokens), the same on every tp rank
 
 
@@ -269,7 +281,11 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
     cfg = variant_cfg(cfg, name)
     mesh = Mesh.from_config(cfg, derive(cfg, world))
     sides = [_make_side(kind, cfg, world, mesh) for kind in kinds]
-    return alternate(sides, global_batches(cfg, warmup + steps), warmup, _timed_step)
+    results = alternate(sides, global_batches(cfg, warmup + steps), warmup, _timed_step)
+    for side, result in zip(sides, results, strict=True):
+        if isinstance(side, FivefoldSide):
+            result["exposed_tp"] = side.exposed_tp[warmup:]
+    return results
 
 
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
@@ -311,7 +327,10 @@ def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, 
 # ---- driver ----------------------------------------------------------------------------------------------
 def run_timed(name: str, kinds: tuple[str, str], cfg: Config, world: int, warmup: int, steps: int) -> dict:
     results = run_workers(_timed_worker, world, name, kinds, cfg, warmup, steps, timeout=300.0)  # [rank][side]
-    return slowest_rank(results, kinds)
+    out = slowest_rank(results, kinds)
+    side = kinds.index("fivefold")  # exposed tp: the most any rank was blocked, step by step
+    out["fivefold"]["exposed_tp"] = [max(ts) for ts in zip(*(r[side]["exposed_tp"] for r in results), strict=True)]
+    return out
 
 
 def run_memory(name: str, kind: str, cfg: Config, world: int, steps: int) -> dict:
@@ -319,14 +338,16 @@ def run_memory(name: str, kind: str, cfg: Config, world: int, steps: int) -> dic
 
 
 def summarize(name: str, runs: dict[str, list[dict]], mem: dict[str, dict], steps: int, rounds: int) -> dict:
-    sp = VARIANTS[name]
-    head = {"name": name, "fivefold": f"fivefold tp=2 sp={str(sp).lower()}",
+    sp, overlap = VARIANTS[name]
+    head = {"name": name, "fivefold": f"fivefold tp=2 sp={str(sp).lower()}" + (" tp_overlap=true" if overlap else ""),
             "torch": "parallelize_module Colwise/Rowwise" + (" + SequenceParallel" if sp else "")
                      + ", vocab-parallel embedding/head, loss_parallel"}
     memory = (memory_fields(mem["fivefold"], mem["torch"], fields=("peak_mb", "ratio", "per_rank", "peak_rss_mb",
                                                                    "malloc_set"))
               if mem else {"ratio_peak_memory": None})  # --no-memory
-    return comparison_record(head, runs["fivefold"], runs["torch"], memory, steps, rounds)
+    record = comparison_record(head, runs["fivefold"], runs["torch"], memory, steps, rounds)
+    record["fivefold_exposed_tp_s"] = round(median([x for r in runs["fivefold"] for x in r["exposed_tp"]]), 4)
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,6 +391,15 @@ def main(argv: list[str] | None = None) -> None:
         if name in profiles:
             out["profile_rank0"] = profiles[name]
         report(name, out, summary)
+    if {"tp_sp", "tp_sp_overlap"} <= set(args.only):  # the overlap against fivefold's own blocking path
+        def of(key: str) -> tuple[float, float]:
+            return tuple(median([x for r in runs[n]["fivefold"] for x in r[key]]) for n in ("tp_sp", "tp_sp_overlap"))
+
+        (steps_b, steps_o), (tp_b, tp_o) = of("times"), of("exposed_tp")
+        summary["tp_overlap_ratio_step_time"] = ratio(steps_o, steps_b)
+        summary["tp_overlap_ratio_exposed_tp"] = ratio(tp_o, tp_b)
+        log(f"tp_overlap against blocking sp: step {steps_o:.4f} / {steps_b:.4f} s, "
+            f"exposed tp {tp_o:.4f} / {tp_b:.4f} s")
     finish_summary(summary, TARGETS, began)
 
 

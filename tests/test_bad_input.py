@@ -277,6 +277,13 @@ def test_documents_need_an_end_of_document_token(tmp_path, capsys):
 SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or named as not built yet
     "tp_overlap without sp": (("--parallel.tp=2", "--parallel.tp_overlap=true"), 2,
                               "parallel.tp_overlap = true needs sequence parallel"),
+    "tp_overlap with fp8": (("--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true",
+                             "--train.fp8=tensorwise"), 2,
+                            "parallel.tp_overlap = true is not built yet with train.fp8 = 'tensorwise'"),
+    "tp_overlap with a split backward": (("--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true",
+                                          "--parallel.pp=2", "--parallel.pp_schedule=zb_h1"), 4,
+                                         "parallel.tp_overlap = true is not built yet with "
+                                         "parallel.pp_schedule = 'zb_h1'"),
     "ep_overlap without dualpipe_v": (("--parallel.ep_overlap=true",), 1,
                                       "parallel.ep_overlap = true pairs DualPipe's forward and backward chunks, "
                                       "but parallel.pp_schedule = '1f1b'"),

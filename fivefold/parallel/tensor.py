@@ -17,6 +17,12 @@ Collectives per transformer block, forward (backward has the conjugates):
   moving the same bytes as the all-reduce they replace (an all-reduce is a reduce-scatter plus an
   all-gather) while norms and residuals hold T/tp tokens. Norm weights then see different tokens
   on each rank, so their gradients are all-reduced over tp.
+- with sp and `parallel.tp_overlap`, each region's all-gather is cut into tp pieces that travel
+  around the ring while its column-parallel layers multiply the piece already here, and the
+  row-parallel layer's reduce-scatter likewise (comm/collective_matmul.py): the same bytes, hidden
+  under the matmuls. A region's column layers then run in one step at its entry
+  (`_OverlappedEntry`); latent attention's entry, whose gathered latents also feed RoPE's shared
+  key, stays blocking.
 - a q/k norm over the whole projection (OLMo 2) sums its sums of squares over tp: one small
   all-reduce (a number per token) for q and one for k, forward and backward.
 
@@ -43,6 +49,7 @@ from fivefold.model.attention import LatentAttention, RMSNorm
 from fivefold.model.ffn import FeedForward
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
+from fivefold.parallel.comm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.fp8 import Float8Scaling, linear
@@ -70,19 +77,29 @@ class ColumnParallelLinear(nn.Module):
     enter_region: begin a tensor-parallel region here (the output head). Inside a block the region
     begins once for all of its column-parallel layers (q, k and v share one input), on entry to
     attention or the MLP, so one collective serves them all.
+    overlap: with sp, the entry's gather overlapped with this layer's matmul (parallel.tp_overlap);
+    inside a block the region's entry computes the output instead (`_OverlappedEntry`) and leaves
+    it in `computed`, which forward returns.
     """
 
     tp_splits = "outputs"  # the matmul dim tp splits: FP8's amax reductions read it (fp8.py)
     scaling: Float8Scaling | None = None  # set by apply_fp8 (train.fp8)
+    computed: torch.Tensor | None = None  # (B, T, out/tp): set by the region's overlapped entry
 
-    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, enter_region: bool = False):
+    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, enter_region: bool = False,
+                 overlap: bool = False):
         super().__init__()
-        self.group, self.sp, self.enter_region = group, sequence_parallel, enter_region
+        self.group, self.sp, self.enter_region, self.overlap = group, sequence_parallel, enter_region, overlap
         self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
         # a bias (Qwen2's q/k/v) split with its output features
         self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)  # (out/tp,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.computed is not None:  # the region's overlapped entry ran this layer's matmul already
+            y, self.computed = self.computed, None
+            return y
+        if self.enter_region and self.overlap:
+            return all_gather_matmul(x, [self.weight], [self.bias], self.group)[0]  # (B, T, out/tp)
         if self.enter_region:
             x = enter_tensor_parallel_region(x, self.group, self.sp)  # (B, T, in)
         return linear(x, self.weight, self.bias, self.scaling)  # (B, T, out/tp)
@@ -95,13 +112,16 @@ class RowParallelLinear(nn.Module):
     tp_splits = "inputs"
     scaling: Float8Scaling | None = None
 
-    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool):
+    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
-        self.group, self.sp = group, sequence_parallel
+        self.group, self.sp, self.overlap = group, sequence_parallel, overlap
         self.weight = _shard(linear.weight, 1, group)  # (out, in/tp)
         self.bias = linear.bias  # (out,) or None: replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.overlap:  # the reduce-scatter's pieces travel while the next one's partial sum is computed
+            y = matmul_reduce_scatter(x, self.weight, self.group)  # (B, T/tp, out)
+            return y if self.bias is None else y + self.bias
         partial = linear(x, self.weight, None, self.scaling)  # (B, T, out), this rank's share of the sum
         if self.sp:
             y = regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
@@ -218,6 +238,7 @@ class TensorParallel:
 def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> TensorParallel:
     """Swap the model's layers for their tensor-parallel versions in place (no-op at tp = 1)."""
     group, sequence_parallel = mesh.group("tp"), cfg.parallel.sp
+    overlap = sequence_parallel and cfg.parallel.tp_overlap  # validate refuses tp_overlap without sp
     state = TensorParallel(group, sequence_parallel, derived.vocab_limit)
     if group.size == 1:
         return state
@@ -230,7 +251,7 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
             parent_name, child = name.split(".")
             parent = getattr(block, parent_name)
             if parent in regions and isinstance(getattr(parent, child, None), nn.Linear):  # MLA has no wk, wv
-                setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel))
+                setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel, overlap=overlap))
         if block.attn.sinks is not None:  # one logit per query head: split as the heads are
             block.attn.sinks = _shard(block.attn.sinks, 0, group)
         if getattr(block.attn, "qk_norm_all", False) and block.attn.q_norm is not None:
@@ -240,12 +261,15 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
             if isinstance(region, LatentAttention):  # after the replicated down-projections instead
                 region.enter_heads = partial(_enter_heads, group=group, sequence_parallel=sequence_parallel)
                 continue
+            if overlap:
+                region.register_forward_pre_hook(_OverlappedEntry(region, group))
+                continue
             region.register_forward_pre_hook(
                 lambda mod, args: (enter_tensor_parallel_region(args[0], group, sequence_parallel), *args[1:]))
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
     if model.output is not None:  # logits stay vocabulary-sharded, for vocab_parallel_cross_entropy
-        model.output = ColumnParallelLinear(model.output, group, sequence_parallel, enter_region=True)
+        model.output = ColumnParallelLinear(model.output, group, sequence_parallel, enter_region=True, overlap=overlap)
         if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             # Both are split along the vocabulary into the same rows: rank r's embedding rows are its
             # head's output features, so the tie holds slice by slice and needs no communication.
@@ -266,6 +290,30 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
         if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and seq_local):
             materialize_parameter(model, name, mesh.device).register_hook(lambda g: _summed_over(g, group))
     return state
+
+
+class _OverlappedEntry:
+    """A region's entry with tp_overlap (a forward pre-hook on attention or the MLP): the gather of
+    the region's input overlapped with all of its column-parallel layers' matmuls at once (q, k and
+    v, or gate and up, share the gathered input), each output left in its layer's `computed` for the
+    region's forward to take when it calls the layer. The region then receives a stand-in for the
+    gathered input of its shape, (B, T, d), that holds no tokens: NaN, so a read of it shows in the loss."""
+
+    def __init__(self, region: nn.Module, group: AxisGroup):
+        self.columns = [m for m in region.children() if isinstance(m, ColumnParallelLinear)]  # called in forward
+        self.group = group
+
+    def __call__(self, region: nn.Module, args: tuple) -> tuple:
+        x = args[0]  # (B, T/tp, d)
+        outs = all_gather_matmul(x, [c.weight for c in self.columns], [c.bias for c in self.columns], self.group)
+        for layer, y in zip(self.columns, outs, strict=True):
+            if layer.computed is not None:
+                raise RuntimeError(f"{type(region).__name__} did not call every column-parallel layer of its "
+                                   "region in its last forward, as parallel.tp_overlap needs: set tp_overlap = false")
+            layer.computed = y  # (B, T, out/tp)
+        B, t, d = x.shape
+        stand_in = x.new_full((1, 1, 1), float("nan")).expand(B, t * self.group.size, d)  # (B, T, d), no storage
+        return (stand_in, *args[1:])
 
 
 def _enter_heads(*latents: torch.Tensor, group: AxisGroup, sequence_parallel: bool) -> tuple[torch.Tensor, ...]:

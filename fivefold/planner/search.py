@@ -12,7 +12,8 @@ share one Memo, so each pipeline shape is simulated, and each model part traced,
 ZeRO-2 and ZeRO-3 with pipelines and ZeRO with experts are among the candidates (fivefold's
 trainer runs them), and so are the overlap switches: every sequence-parallel layout runs
 parallel.tp_overlap (the decomposition never exposes more than the blocking collective,
-overlap.decomposed_exposure, so the layout without it is never faster and is not priced), and
+overlap.decomposed_exposure, so the layout without it is never faster and is not priced) unless
+its schedule splits the backward (zb_v, dualpipe_v: validate refuses the pair), and
 MoE pipelines with expert parallelism are tried under dualpipe_v with parallel.ep_overlap.
 FP8 and offload change the numerics or trade speed for memory, so they are priced only when
 asked for (`consider`, the CLI's `--consider offload,fp8`): each valid layout is then estimated
@@ -39,6 +40,7 @@ from fivefold.planner.options import DEFAULT, PlanOptions, switched_config
 from fivefold.validate import validate
 
 CONSIDER = ("offload", "fp8")  # what `consider` may name: the switches the search tries only when asked
+SPLIT_BACKWARD = ("zb_v", "dualpipe_v")  # the schedules tried whose backward splits into I and W: no tp_overlap
 
 
 @dataclass
@@ -105,7 +107,8 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
             for sched, v in schedules:
                 out.append(replace(base, parallel={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero,
                                                    "sp": sp, "pp_schedule": sched, "virtual_stages": v,
-                                                   "tp_overlap": sp, "ep_overlap": sched == "dualpipe_v"},
+                                                   "tp_overlap": sp and sched not in SPLIT_BACKWARD,
+                                                   "ep_overlap": sched == "dualpipe_v"},
                                    train={"micro_batch": mb, "recompute": rc}))
     return out
 

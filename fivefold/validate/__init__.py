@@ -350,6 +350,12 @@ def _schedule_errors(cfg: Config, dp: int) -> list[str]:
                     errors.append(f"train.compile = true with parallel.pp_schedule = '{p.pp_schedule}': its "
                                   f"split backward (I, W) cannot split a compiled block's backward; use "
                                   f"parallel.pp_schedule = '1f1b' or 'interleaved_1f1b', or train.compile = false")
+                if p.tp_overlap and p.sp and p.tp > 1 and schedule.splits_backward:
+                    # Each overlapped matmul is one autograd node computing dx and dW together, its ring
+                    # inside: W would run the ring again (comm/collective_matmul.py).
+                    errors.append(f"parallel.tp_overlap = true is not built yet with parallel.pp_schedule = "
+                                  f"'{p.pp_schedule}': its split backward (I, W) cannot split an overlapped "
+                                  f"matmul's; use pp_schedule = '1f1b' or 'interleaved_1f1b', or tp_overlap = false")
     if p.pp_schedule in ("dualpipe_v", "zb_v") and p.virtual_stages != 2:
         errors.append(f"parallel.pp_schedule = '{p.pp_schedule}' runs 2 stages per rank; set "
                       f"parallel.virtual_stages = 2")

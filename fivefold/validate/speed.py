@@ -12,6 +12,10 @@ def speed_errors(cfg: Config) -> list[str]:
     if p.tp_overlap and not p.sp:
         errors.append("parallel.tp_overlap = true needs sequence parallel (its all-gathers and reduce-scatters "
                       "are what it splits): set parallel.sp = true, or tp_overlap = false")
+    elif p.tp_overlap and t.fp8 != "none":
+        errors.append(f"parallel.tp_overlap = true is not built yet with train.fp8 = '{t.fp8}' (its pieces' "
+                      "matmuls run in the compute dtype, and FP8's scales are taken over whole tensors): "
+                      "set tp_overlap = false, or train.fp8 = 'none'")
     if p.ep_overlap and p.pp_schedule != "dualpipe_v":
         errors.append(f"parallel.ep_overlap = true pairs DualPipe's forward and backward chunks, but "
                       f"parallel.pp_schedule = '{p.pp_schedule}': set pp_schedule = 'dualpipe_v', "

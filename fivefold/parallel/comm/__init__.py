@@ -5,6 +5,8 @@
 - regions.py      the same as autograd Functions: tp/sp region boundaries, the all-to-all
 - wire.py         the bytes formula (torch-free), shared with the planner
 - ring.py         ring reduce-scatter / all-gather / all-reduce written out with send and recv
+- collective_matmul.py  sp's all-gather and reduce-scatter as ring pieces under their matmuls
+                  (parallel.tp_overlap)
 - timing.py       where a step's time goes: compute, exposed communication per axis, bubble
 - errors.py       a failed collective named: rank, operation, bytes, axis
 - arrivals.py     which ranks never arrived at a collective that timed out

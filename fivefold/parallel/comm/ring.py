@@ -46,12 +46,12 @@ def _check_n(n: int) -> None:
         raise ValueError(f"a ring needs at least 1 rank, got n={n}")
 
 
-def _reduce_scatter_step(n: int, rank: int, step: int) -> RingStep:
+def reduce_scatter_step(n: int, rank: int, step: int) -> RingStep:
     # Sends at step s the chunk received at step s-1 (plus its own part), so partial sums flow on.
     return RingStep(rank, (rank + 1) % n, (rank - 1) % n, (rank - step - 1) % n, (rank - step - 2) % n)
 
 
-def _all_gather_step(n: int, rank: int, step: int) -> RingStep:
+def all_gather_step(n: int, rank: int, step: int) -> RingStep:
     # Step 0 sends the chunk this rank completed itself; later steps forward what just arrived.
     return RingStep(rank, (rank + 1) % n, (rank - 1) % n, (rank - step) % n, (rank - step - 1) % n)
 
@@ -59,13 +59,13 @@ def _all_gather_step(n: int, rank: int, step: int) -> RingStep:
 def ring_reduce_scatter_schedule(n: int) -> list[list[RingStep]]:
     """The n-1 reduce-scatter steps, indexed [step][rank]; rank r ends with chunk r reduced."""
     _check_n(n)
-    return [[_reduce_scatter_step(n, r, s) for r in range(n)] for s in range(n - 1)]
+    return [[reduce_scatter_step(n, r, s) for r in range(n)] for s in range(n - 1)]
 
 
 def ring_all_gather_schedule(n: int) -> list[list[RingStep]]:
     """The n-1 all-gather steps, indexed [step][rank]; rank r starts with chunk r complete."""
     _check_n(n)
-    return [[_all_gather_step(n, r, s) for r in range(n)] for s in range(n - 1)]
+    return [[all_gather_step(n, r, s) for r in range(n)] for s in range(n - 1)]
 
 
 def ring_all_reduce_schedule(n: int) -> list[list[RingStep]]:
@@ -94,9 +94,9 @@ def _reduce_scatter_chunks(chunks: tuple[torch.Tensor, ...], group: AxisGroup) -
     # Two scratch buffers used in turn: one carries the partial sum being sent while the other
     # receives the next one, so the caller's tensor is never written.
     bufs = (torch.empty_like(chunks[0]), torch.empty_like(chunks[0]))  # (S/n,) each
-    send = chunks[_reduce_scatter_step(n, group.rank, 0).send_chunk]  # (S/n,) own part only
+    send = chunks[reduce_scatter_step(n, group.rank, 0).send_chunk]  # (S/n,) own part only
     for s in range(n - 1):
-        step = _reduce_scatter_step(n, group.rank, s)
+        step = reduce_scatter_step(n, group.rank, s)
         recv = bufs[s % 2]  # (S/n,) never the buffer being sent this step
         _exchange(send, recv, step, group)
         recv.add_(chunks[step.recv_chunk])  # (S/n,) partial sum now includes this rank
@@ -107,7 +107,7 @@ def _reduce_scatter_chunks(chunks: tuple[torch.Tensor, ...], group: AxisGroup) -
 def _all_gather_chunks(chunks: tuple[torch.Tensor, ...], group: AxisGroup) -> None:
     """Run the all-gather steps in place: chunks[rank] is complete on entry, all are on exit."""
     for s in range(group.size - 1):
-        step = _all_gather_step(group.size, group.rank, s)
+        step = all_gather_step(group.size, group.rank, s)
         # Send and receive chunks differ at every step, so both can be views of one tensor.
         _exchange(chunks[step.send_chunk], chunks[step.recv_chunk], step, group)
 
