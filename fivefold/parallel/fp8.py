@@ -95,9 +95,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
     On CUDA: torch._scaled_mm, the FP8 tensor-core GEMM. Elsewhere the same arithmetic on fp32
     units: FP8 values are exact in fp32 and so are their products (4 x 4 significant bits), so this
-    differs from the FP8 GEMM only in the order of the fp32 sums. (torch 2.13's CPU _scaled_mm
-    runs e4m3 x e4m3 with per-tensor scales 2,400 times slower than an fp32 matmul of the same
-    shape, 0.12 s at 256 x 64 x 192, measured; e5m2 x e4m3 at fp32's speed.)"""
+    differs from the FP8 GEMM only in the order of the fp32 sums, and a CPU run does not depend on
+    which FP8 kernel its torch build has. (torch 2.13's CPU _scaled_mm takes 2 to 3 times an fp32
+    matmul's time at 256 x 64 x 192 and 256 x 128 x 384, measured; an earlier reading of 2,400
+    times did not reproduce.)"""
     if a.device.type == "cuda":
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     with torch.autocast(a.device.type, enabled=False):  # autocast would make the sums bf16's
