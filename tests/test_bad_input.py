@@ -296,8 +296,6 @@ SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or nam
                                        "parallel.offload = 'optimizer' moves the optimizer's shards to the host"),
     "fp8_gather without ZeRO-3": (("--train.fp8=tensorwise", "--parallel.fp8_gather=true"), 1,
                                   "parallel.fp8_gather = true gathers ZeRO-3's weights in FP8"),
-    "fp8_gather": (("--train.fp8=tensorwise", "--parallel.dp=2", "--parallel.zero=3", "--parallel.fp8_gather=true"),
-                   2, "parallel.fp8_gather = true is not built yet"),
 }
 
 

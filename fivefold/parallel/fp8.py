@@ -31,7 +31,11 @@ either; a rowwise amax covers only the contraction dimension, so it is reduced o
 splits that one (x's rows in forward: tp for a row-parallel layer; x's columns in dW: cp).
 Data parallel is never reduced over: each rank's micro-batches are a single process's micro-batches
 (the loader slices a global batch contiguously), and a dp all-reduce per matmul would cost what it
-saves. ZeRO-3 gathers whole weights before they are used, so it changes nothing here.
+saves. ZeRO-3 gathers whole weights before they are used, so it changes nothing here; with
+`parallel.fp8_gather` it gathers them already in FP8 (data/fp8_gather.py): each weight's amax is
+then the MAX over its ZeRO shards and its tp splits, the same number, so the same FP8 values, in a
+quarter of fp32's bytes on the wire. The layer's matmuls read them (`Float8Weight`) instead of
+quantizing a weight that was never gathered in full precision.
 
 Why our own autograd Function rather than torchao's Float8Linear: torchao reduces an amax over
 ranks only for DTensors; fivefold's tensor, sequence and context parallel split plain tensors, so a
@@ -57,6 +61,21 @@ from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.mesh import Mesh
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@dataclass
+class Float8Weight:
+    """A weight ZeRO-3 gathered in FP8 (parallel.fp8_gather, data/fp8_gather.py): its e4m3 values and
+    inverse scale, refilled at each gather and dropped when the unit is freed."""
+
+    q: torch.Tensor | None = None  # (N, K) e4m3
+    inv_scale: torch.Tensor | None = None  # () fp32
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q is None:
+            raise RuntimeError("an FP8 weight gathered by parallel.fp8_gather was used after its unit was freed: "
+                               "set parallel.fp8_gather = false")
+        return self.q, self.inv_scale
 
 
 @dataclass(frozen=True)
@@ -114,19 +133,20 @@ class _Float8Matmul(torch.autograd.Function):
     """y = x W^T with all three matmuls in FP8; x (M, K), W (N, K), y (M, N) in `out_dtype`."""
 
     @staticmethod
-    def forward(ctx, x, weight, scaling: Float8Scaling, out_dtype: torch.dtype):
+    def forward(ctx, x, weight, scaling: Float8Scaling, out_dtype: torch.dtype, gathered: Float8Weight | None):
         rowwise = scaling.recipe == "rowwise"
         dim = 1 if rowwise else None  # the contraction dim K, or the whole tensor
         x_groups = scaling.inputs if rowwise else scaling.tokens + scaling.inputs
         w_groups = scaling.inputs if rowwise else scaling.inputs + scaling.outputs
         qx, sx = quantize(x, E4M3, dim, x_groups, rowwise)  # (M, K), () | (M, 1)
-        qw, sw = quantize(weight, E4M3, dim, w_groups, rowwise)  # (N, K), () | (N, 1)
+        # (N, K), () | (N, 1): gathered in FP8 (tensorwise only), or quantized here
+        qw, sw = gathered.get() if gathered is not None else quantize(weight, E4M3, dim, w_groups, rowwise)
         y = scaled_mm(qx, qw.t(), sx, sw.view(1, -1) if rowwise else sw, out_dtype)  # (M, N)
         # tensorwise keeps x in FP8 (a quarter of fp32's bytes): dW's x has the same one scale;
         # rowwise needs x again, scaled along the other dim. W is quantized again in backward
         # rather than kept: under ZeRO-3 a kept copy would hold every gathered weight until backward.
         ctx.save_for_backward(*((x, weight) if rowwise else (qx, sx, weight)))
-        ctx.scaling, ctx.x_dtype = scaling, x.dtype
+        ctx.scaling, ctx.x_dtype, ctx.gathered = scaling, x.dtype, gathered
         return y
 
     @staticmethod
@@ -144,20 +164,23 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             qx, sx, weight = ctx.saved_tensors
             qg, sg = quantize(dy, E5M2, None, s.tokens + s.outputs)  # (M, N), ()
-            qw, sw = quantize(weight, E4M3, None, s.inputs + s.outputs)  # (N, K), the forward's scale
+            # (N, K), the forward's scale; gathered again before this backward (fsdp.py's pre-backward)
+            qw, sw = ctx.gathered.get() if ctx.gathered is not None else quantize(weight, E4M3, None,
+                                                                                  s.inputs + s.outputs)
             dx = scaled_mm(qg, _column_major(qw), sg, sw, dy.dtype)  # (M, K)
             dw = scaled_mm(qg.t().contiguous(), _column_major(qx), sg, sx, dy.dtype)  # (N, K)
-        return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None
+        return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           scaling: Float8Scaling | None) -> torch.Tensor:
-    """F.linear, in FP8 when `scaling` says how; the output in the compute dtype (autocast's, or x's)."""
+           scaling: Float8Scaling | None, gathered: Float8Weight | None = None) -> torch.Tensor:
+    """F.linear, in FP8 when `scaling` says how (with the weight ZeRO-3 gathered in FP8 when
+    `gathered`); the output in the compute dtype (autocast's, or x's)."""
     if scaling is None:
         return F.linear(x, weight, bias)
     kind = x.device.type
     out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling, out_dtype)  # (M, N)
+    y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling, out_dtype, gathered)  # (M, N)
     y = y.view(*x.shape[:-1], weight.shape[0])  # (..., N)
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -166,9 +189,10 @@ class Float8Linear(nn.Linear):
     """An nn.Linear (the same parameters, the same state-dict keys) computing in FP8."""
 
     scaling: Float8Scaling | None = None
+    fp8_weight: Float8Weight | None = None  # set by ZeRO-3 with parallel.fp8_gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.scaling)
+        return linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)
 
 
 def _float8(layer: nn.Linear, scaling: Float8Scaling) -> Float8Linear:

@@ -52,7 +52,7 @@ from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.derive import Derived
-from fivefold.parallel.fp8 import Float8Scaling, linear
+from fivefold.parallel.fp8 import Float8Scaling, Float8Weight, linear
 from fivefold.parallel.materialize import materialize_parameter
 from fivefold.parallel.mesh import Mesh
 
@@ -84,6 +84,7 @@ class ColumnParallelLinear(nn.Module):
 
     tp_splits = "outputs"  # the matmul dim tp splits: FP8's amax reductions read it (fp8.py)
     scaling: Float8Scaling | None = None  # set by apply_fp8 (train.fp8)
+    fp8_weight: Float8Weight | None = None  # set by ZeRO-3 with parallel.fp8_gather
     computed: torch.Tensor | None = None  # (B, T, out/tp): set by the region's overlapped entry
 
     def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, enter_region: bool = False,
@@ -102,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
             return all_gather_matmul(x, [self.weight], [self.bias], self.group)[0]  # (B, T, out/tp)
         if self.enter_region:
             x = enter_tensor_parallel_region(x, self.group, self.sp)  # (B, T, in)
-        return linear(x, self.weight, self.bias, self.scaling)  # (B, T, out/tp)
+        return linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -111,6 +112,7 @@ class RowParallelLinear(nn.Module):
 
     tp_splits = "inputs"
     scaling: Float8Scaling | None = None
+    fp8_weight: Float8Weight | None = None
 
     def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
@@ -122,7 +124,7 @@ class RowParallelLinear(nn.Module):
         if self.overlap:  # the reduce-scatter's pieces travel while the next one's partial sum is computed
             y = matmul_reduce_scatter(x, self.weight, self.group)  # (B, T/tp, out)
             return y if self.bias is None else y + self.bias
-        partial = linear(x, self.weight, None, self.scaling)  # (B, T, out), this rank's share of the sum
+        partial = linear(x, self.weight, None, self.scaling, self.fp8_weight)  # (B, T, out): this rank's share
         if self.sp:
             y = regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
         else:

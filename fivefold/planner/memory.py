@@ -130,11 +130,11 @@ def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, in
 def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
                      options: PlanOptions = DEFAULT) -> dict[str, float]:
     """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`,
-    which has neither offload nor FP8) over state_parts, under `options`' offload and FP8 weights;
-    "host" is what offload keeps on the host for this rank."""
+    which has no offload, and whose ZeRO-3 counts no gathered weights, FP8 or not) over state_parts,
+    under `options`' offload and FP8 weights; "host" is what offload keeps on the host for this rank."""
     p = cfg.parallel
-    if implementation and (options.offload != "none" or options.fp8 == "weights"):
-        raise ValueError("fivefold's own state (implementation=True) has no offload or FP8 weights")
+    if implementation and options.offload != "none":
+        raise ValueError("fivefold's own state (implementation=True) has no offload")
     states = []
     for n_params, n, vocab in state_parts(cfg, d, share):
         if implementation:

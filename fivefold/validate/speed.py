@@ -32,9 +32,6 @@ def speed_errors(cfg: Config) -> list[str]:
     if p.fp8_gather and (p.zero != 3 or t.fp8 != "tensorwise"):
         errors.append(f"parallel.fp8_gather = true gathers ZeRO-3's weights in FP8 with one scale per tensor, "
                       f"but zero = {p.zero} and train.fp8 = '{t.fp8}': set zero = 3 and train.fp8 = 'tensorwise'")
-    elif p.fp8_gather:
-        errors.append("parallel.fp8_gather = true is not built yet (ZeRO-3 gathers the fp32 weights, then each "
-                      "layer quantizes its own): set fp8_gather = false")
     errors += _fp8_device_errors(cfg)
     return errors
 

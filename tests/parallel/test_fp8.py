@@ -118,3 +118,40 @@ def test_the_blocks_linear_layers_compute_in_fp8_and_nothing_else(tmp_path):
     assert fp8 == sorted(expected)
     # The layers tp leaves whole became Float8Linear: latent attention's down-projections, shared experts
     assert sorted(plain_swapped) == sorted(n for n in expected if n.endswith(("wq_a", "wkv_a")) or ".shared." in n)
+
+
+def _fp8_gather_run(tmp_path, name, world, *args):
+    from fivefold.train.metrics import read_metrics
+
+    cfg = tiny_config(tmp_path / name, *EQUIVALENCE, "--parallel.dp=2", "--parallel.zero=3", "--train.fp8=tensorwise",
+                      "--train.micro_batch=4", *args)
+    result = run_workers(train_and_gather, world, cfg)[0]
+    return result, read_metrics(tmp_path / name / "tiny" / "metrics.jsonl")[0]["comm"]["dp"]
+
+
+@pytest.mark.parametrize("world,micro,args", [(2, 1, ()), (4, 2, ("--parallel.tp=2", "--train.micro_batch=2"))],
+                         ids=["dp2-zero3", "dp2-tp2-zero3"])
+def test_zero3_gathers_fp8_weights_in_a_quarter_of_the_bytes_and_the_same_numbers(tmp_path, world, micro, args):
+    """parallel.fp8_gather (data/fp8_gather.py): each weight's amax is the MAX over its shards (and
+    tp splits) and quantization is elementwise, so every rank gets the e4m3 values it would have
+    made from the whole weight: losses, gradient norms and parameters bit for bit those of ZeRO-3
+    gathering fp32. The dp traffic of one step: per gather of a block's bucket (forward and
+    backward, per micro-batch) the FP8 weights move 1 byte an element instead of 4,
+    and their amaxes (4 bytes each) are all-reduced: one all-gather and one all-reduce more."""
+    from fivefold.parallel.comm.collectives import wire_bytes
+
+    plain, plain_dp = _fp8_gather_run(tmp_path, "plain", world, *args)
+    fp8, fp8_dp = _fp8_gather_run(tmp_path, "fp8", world, *args, "--parallel.fp8_gather=true")
+    assert fp8[:2] == plain[:2]
+    for key, value in plain[2].items():
+        assert torch.equal(fp8[2][key], value), key
+    n, blocks, tp = 2, 8, world // 2
+    weights = [k for k in plain[2] if k.startswith("layers.0.") and k.endswith(
+        tuple(f"{m}.weight" for m in ("wq", "wk", "wv", "wo", "gate", "up", "down")))]
+    assert len(weights) == 7
+    elements = sum(plain[2][k].numel() for k in weights) // tp  # one tp rank's slices: divisible by n here
+    gathers = 2 * blocks * micro
+    saved = gathers * (wire_bytes("all_gather", 4 * elements, n) - wire_bytes("all_gather", elements, n))
+    amax = gathers * wire_bytes("all_reduce", 4 * len(weights), n)
+    assert plain_dp["wire_bytes"] - fp8_dp["wire_bytes"] == saved - amax
+    assert fp8_dp["calls"] - plain_dp["calls"] == 2 * gathers

@@ -146,8 +146,7 @@ def test_fp8_weights_gather_one_byte_per_block_weight():
                 + M * wire_bytes("reduce_scatter", 2 * c.total, 8))
     assert est.comm["dp"].bytes == pytest.approx(expected)
     assert est.memory["params"] == pytest.approx(weights / 8)
-    assert est.not_runnable == ["parallel.fp8_gather = true is not built yet (ZeRO-3 gathers the fp32 weights, "
-                                "then each layer quantizes its own): set fp8_gather = false"]  # priced, not run
+    assert est.not_runnable == []  # parallel.fp8_gather runs it (parallel/data/fp8_gather.py)
     assert estimate(_8b("--parallel.dp=8", "--parallel.zero=1"), 8, H100,
                     options=PlanOptions(fp8="weights")).not_runnable[0].startswith("parallel.fp8_gather = true")
 
@@ -232,7 +231,7 @@ def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipel
     assert res.ranked and all(not e.not_runnable for _, e in res.ranked)
     # what it set aside is what fivefold does not build yet (validate/speed.py), nothing else
     assert {r.split(" is not built yet")[0] for _, e in res.not_runnable for r in e.not_runnable} <= {
-        "parallel.ep_overlap = true", "parallel.fp8_gather = true"}
+        "parallel.ep_overlap = true"}
     layouts = [c.parallel for c, _ in res.ranked]
     assert any(p.pp > 1 and p.zero == 2 for p in layouts) and any(p.pp > 1 and p.zero == 3 for p in layouts)
     assert any(p.ep > 1 and p.zero >= 1 for p in layouts)
@@ -245,7 +244,7 @@ def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipel
             if on and on != "none":
                 firsts.setdefault((name, on), (c, e))
     assert set(firsts) == {("tp_overlap", True), ("offload", "optimizer"), ("offload", "params"),
-                           ("fp8", "tensorwise")}
+                           ("fp8", "tensorwise"), ("fp8_gather", True)}
     for c, e in firsts.values():
         assert not validate(c, 4) and e.options == e.options.with_config(c)
     assert all(p.offload != "params" or p.zero == 3 for p in layouts)  # parameter offload only with ZeRO-3

@@ -88,14 +88,15 @@ def _train(rank, world, cfg):
 # the log's figures are rank 0's, whose stage sends half what a middle stage does.
 @pytest.mark.parametrize("world, layout", [
     (2, ("--parallel.zero=0",)), (2, ("--parallel.zero=1",)), (2, ("--parallel.tp=2",)),
-    (2, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true")), (2, ("--parallel.pp=2",)),
+    (2, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true")),
+    (2, ("--parallel.zero=3", "--train.fp8=tensorwise", "--parallel.fp8_gather=true")), (2, ("--parallel.pp=2",)),
     (2, ("--parallel.cp=2",)), (2, ("--parallel.cp=2", "--parallel.zero=1")),
     (4, ("--parallel.zero=2", "--parallel.dp_replicate=2", "--train.micro_batch=1")),
     (4, ("--parallel.zero=3", "--parallel.dp_replicate=2", "--train.micro_batch=1")),
     (2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2", "--train.micro_batch=1")),
     (4, ("--parallel.pp=4", "--train.micro_batch=1"))],
-    ids=["dp2", "dp2-zero1", "tp2", "tp2-sp-overlap", "pp2", "cp2", "cp2-zero1", "hsdp2x2-zero2", "hsdp2x2-zero3",
-         "pp2-zb_v", "pp4"])
+    ids=["dp2", "dp2-zero1", "tp2", "tp2-sp-overlap", "zero3-fp8-gather", "pp2", "cp2", "cp2-zero1", "hsdp2x2-zero2",
+         "hsdp2x2-zero3", "pp2-zb_v", "pp4"])
 def test_the_logged_prediction_matches_a_real_run(tmp_path, world, layout):
     """`fivefold train` logs the planner's prediction beside what it measures: model-state bytes
     and every axis's wire bytes agree within 5% (the self-check)."""

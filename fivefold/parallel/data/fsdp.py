@@ -28,7 +28,8 @@ weights are freed.
 
 How a parameter is freed: its storage is resized to zero and back (the tensor object, which
 autograd saved for backward, stays the same), so the model code is untouched. Checkpoints save
-the DTensor shards and reshard to any layout.
+the DTensor shards and reshard to any layout. With `parallel.fp8_gather` the FP8 layers' weights
+are gathered in e4m3 instead and their full-precision storage stays empty (fp8_gather.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 
 from fivefold.config import ParallelConfig
 from fivefold.parallel.data.buckets import Bucket, BucketReducer, ReducesInBuckets, chunk_index
+from fivefold.parallel.data.fp8_gather import Finish, Float8Gather
 from fivefold.parallel.data.shards import ShardedOptimizer, ZeroShards
 from fivefold.parallel.data.zero import ShardedReduction
 from fivefold.parallel.materialize import freed, materialize
@@ -53,7 +55,7 @@ class Unit:
     params: list[nn.Parameter]
     gathered: bool = True  # full parameters materialised (true at construction)
     kept_for_backward: bool = False  # the head's unit without a pipeline: gathered from its forward to its backward
-    pending: list | None = None  # (work, flat buffer, bucket) of each all-gather in flight
+    pending: list | None = None  # of each all-gather in flight: what waits for it and writes what it brings
     buckets: list[Bucket] = field(default_factory=list)  # its experts' (ep > 1: over expert_dp), then the rest
     prev: "Unit | None" = field(default=None, repr=False)  # neighbours in forward order, for prefetch
     next: "Unit | None" = field(default=None, repr=False)
@@ -111,6 +113,7 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         self.buckets = unit_buckets(self.units, mesh, chunks)
         self.unit_of = {id(b): u for u in self.units for b in u.buckets}
         self.shards = ZeroShards(model, mesh, self.buckets)
+        self.fp8 = Float8Gather(model, self.shards, self.buckets) if parallel.fp8_gather else None
         # The full weights live only while gathered, in parallel.param_dtype: with bf16 they are
         # gathered, computed with and get their gradients in bf16, which the reduce-scatter takes in
         # reduce_dtype into the fp32 shards, as FSDP2 with MixedPrecisionPolicy(param_dtype=bf16,
@@ -138,7 +141,8 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
     def _issue_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.pending is not None:
             return
-        unit.pending = [(*self.shards.all_gather(b, async_op=True), b) for b in unit.buckets]
+        unit.pending = [f for b in unit.buckets
+                        for f in (self.fp8.issue(b, self._issue_plain) if self.fp8 else [self._issue_plain(b)])]
         in_use = sum(u.gathered or u.pending is not None for u in self.units)
         self.max_gathered = max(self.max_gathered, in_use)
 
@@ -148,7 +152,15 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         if unit.gathered:
             return
         self._issue_gather(unit)
-        for work, full, b in unit.pending:
+        for finish in unit.pending:
+            finish()
+        unit.pending, unit.gathered = None, True
+
+    def _issue_plain(self, b: Bucket) -> Finish:
+        """Start gathering the bucket's parameters in their dtype; the returned call waits and fills them."""
+        work, full = self.shards.all_gather(b, async_op=True)
+
+        def finish() -> None:
             if work is not None:
                 work.wait()
             for p in b.params:
@@ -156,13 +168,16 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
             # Through .data: a refill is not a modification autograd must see (the values are the
             # ones forward used), and bumping p's version would fail the saved-tensor check.
             self.shards.write_gathered(b, full, into_data=True)
-        unit.pending, unit.gathered = None, True
+
+        return finish
 
     def _free(self, unit: Unit, params: list[nn.Parameter] | None = None) -> None:
         """Free the unit's full parameters (`params`: only those; the unit counts as freed, so its
         next use gathers it whole)."""
         for p in unit.params if params is None else params:
             p.untyped_storage().resize_(0)
+        if self.fp8 is not None:
+            self.fp8.free(unit.params if params is None else params)
         unit.gathered = False
 
     # ---- hooks ----------------------------------------------------------------------------------

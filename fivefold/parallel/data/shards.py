@@ -97,7 +97,7 @@ class ZeroShards:
         full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
         return collectives.all_gather(full, local, group, async_op=async_op), full
 
-    def _unpacked(self, b: Bucket, full: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def unpacked(self, b: Bucket, full: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(p, every rank's rows of p: (N c, ...) split dim first) of the gathered `full`."""
         per_rank = full.view(self.bucket_group(b).size, -1)
         return [(p, chunk.reshape(self.group_of(p).size * self.rows[id(p)],
@@ -107,7 +107,7 @@ class ZeroShards:
     def write_gathered(self, b: Bucket, full: torch.Tensor, into_data: bool = False) -> None:
         """Every rank's rows `full` (all_gather's) into the bucket's full parameters (or their
         `.data`: a refill autograd must not see)."""
-        for p, rows in self._unpacked(b, full):
+        for p, rows in self.unpacked(b, full):
             target = (p.data if into_data else p).movedim(self.zero_dims[id(p)], 0)
             target.copy_(rows[: target.shape[0]])
 
@@ -116,7 +116,7 @@ class ZeroShards:
         dtype, by parameter name."""
         zd = self.zero_dims
         return {self.names[id(p)]: rows[: p.shape[zd[id(p)]]].movedim(0, zd[id(p)]).contiguous()
-                for p, rows in self._unpacked(b, full)}
+                for p, rows in self.unpacked(b, full)}
 
     def dtensor(self, p: nn.Parameter, local: torch.Tensor) -> DTensor:
         """This rank's rows of p as a DTensor of the whole matrix, so a later layout can reshard it."""
