@@ -294,6 +294,8 @@ SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or nam
                                       "parallel.offload = 'params' moves ZeRO-3's parameter shards to the host"),
     "offload optimizer without ZeRO": (("--parallel.offload=optimizer",), 1,
                                        "parallel.offload = 'optimizer' moves the optimizer's shards to the host"),
+    "offload params": (("--parallel.dp=2", "--parallel.zero=3", "--parallel.offload=params"), 2,
+                       "parallel.offload = 'params' is not built yet"),
     "fp8_gather without ZeRO-3": (("--train.fp8=tensorwise", "--parallel.fp8_gather=true"), 1,
                                   "parallel.fp8_gather = true gathers ZeRO-3's weights in FP8"),
 }

@@ -5,6 +5,7 @@
       -> context parallel
       -> activation checkpointing / compile
       -> data parallel / ZeRO / FSDP (last: it wraps whatever parameters the others left)
+      -> optimizer offload (parallel.offload: the optimizer steps host copies of ZeRO's shards)
 
 Each step is one `apply_<dim>(model, mesh, cfg, derived)` that changes the model in place, returns
 what the rest of the step needs from that dimension, and is a no-op at size 1. Data parallel comes
@@ -31,6 +32,7 @@ from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
+from fivefold.parallel.data.offload import HostOffload, apply_offload
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.fp8 import apply_fp8
@@ -75,6 +77,7 @@ class Parallelized:
     experts: ExpertParallel  # the group experts are split over (of size 1 without ep); sp's MoE gradient sum
     optimizer: torch.optim.Optimizer  # AdamW over dp.optimizer_params()
     memory: ModelStateMeter  # this rank's model-state bytes, sampled after each chunk's first and last backward
+    offload: HostOffload | None = None  # parallel.offload = "optimizer": the optimizer steps host copies of the shards
 
     def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -106,6 +109,8 @@ class Parallelized:
         (`found_inf`); elsewhere, and with fp16's loss scaling, the norm is read here to decide
         (on a CPU that waits for nothing)."""
         set_lr(self.optimizer, lr)
+        if self.offload is not None:
+            self.offload.reset_counts()
         self.experts.sum_partial_gradients(self.dp.params, self.dp.gradient_of)  # sp: MoE shares over tp
         both = [self.mesh.group("pp"), self.mesh.group("tp")]  # what dense and expert gradients are split over
         # Expert gradients (ep > 1) are split over ep, and with ZeRO their shards over expert_dp.
@@ -120,7 +125,8 @@ class Parallelized:
         grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, both, self._counted_elsewhere(),
                                    (self._expert_gradients(), expert_groups, self.dp.norm_groups))
         finite = torch.isfinite(grad_norm)
-        if fused_on(grad_norm.device) and not scaler.enabled:  # decided on the device
+        # offload: the host's AdamW is foreach, and the host must read the norm anyway before it steps
+        if fused_on(grad_norm.device) and not scaler.enabled and self.offload is None:  # decided on the device
             self.optimizer.found_inf = (~finite).float()  # fused AdamW leaves everything as it was when 1
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -128,8 +134,12 @@ class Parallelized:
             return StepOutcome(grad_norm, finite, overflow=False, named_gradients=named)
         applied = math.isfinite(float(grad_norm))  # the host decides: the norm's read
         if applied:
+            if self.offload is not None:
+                self.offload.to_host()  # the clipped gradient shards down, waited for
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.offload is not None:
+                self.offload.to_device()  # the updated shards up, before data parallel gathers them
+            self._zero_grad()
             self.dp.after_step()
         else:
             self._skip()
@@ -137,7 +147,12 @@ class Parallelized:
         return StepOutcome(grad_norm, finite, overflow=False, named_gradients=named)
 
     def _skip(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)  # drop this step's gradients: nothing is applied
+        self._zero_grad()  # drop this step's gradients: nothing is applied
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.offload is not None:  # the optimizer steps the host copies: the device's shards hold gradients too
+            self.offload.zero_grad()
 
     def _expert_gradients(self) -> list[torch.Tensor]:
         """Gradients of the experts this rank holds (the ep group holds the other experts)."""
@@ -165,6 +180,8 @@ class Parallelized:
 
     def load_model_state_dict(self, state: dict) -> None:
         self.dp.load_model_state_dict(state)
+        if self.offload is not None:  # the device's shards were refilled: the host masters follow
+            self.offload.pull_masters()
 
     def optim_state_dict(self) -> dict:
         """Every moment of every tensor the optimizer steps (created now if no step has yet: a
@@ -213,9 +230,10 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     if cfg.train.compile:
         compile_blocks(model)
     dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
+    offload = apply_offload(dp, cfg)  # with it dp.optimizer_params() are host copies of the shards
     optimizer = build_optimizer(dp.optimizer_params(), cfg.train)  # its state comes with its first step
-    memory = ModelStateMeter(dp.params, optimizer)
+    memory = ModelStateMeter(dp.params, optimizer, offload)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,
                                 after_backward=memory.sample)
-    return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory)
+    return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory, offload)

@@ -5,17 +5,26 @@ device, the meta device included (what the dry run builds has shapes and no memo
 freed storage (ZeRO-3 resizes a parameter's storage to zero between uses; a pipeline frees a stage
 output once sent) counts nothing. The optimizer's share is its state (AdamW's moments) plus the
 tensors it steps that are not the model's parameters (ZeRO's fp32 master shards), and their
-gradients count as gradients. The metrics log reports the largest sample of a step; the planner's
+gradients count as gradients. With ZeRO-Offload (data/offload.py) the optimizer steps host copies:
+what is counted is the device's, the fp32 shards it keeps, not the host's (the metrics record's
+"offload" entry has those). The metrics log reports the largest sample of a step; the planner's
 memory model (planner/memory.py) predicts the same numbers.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from fivefold.parallel.data.offload import HostOffload
 
-def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """{params, grads, optimizer, total} bytes held now for the model's `params` and `optimizer`."""
+
+def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                      offload: HostOffload | None = None) -> dict[str, int]:
+    """{params, grads, optimizer, total} bytes held now for the model's `params` and `optimizer`
+    on the device (`offload`: the optimizer's tensors are on the host; the device keeps the shards)."""
     seen: set[int] = set()
 
     def size(tensors: list[torch.Tensor | None]) -> int:
@@ -34,6 +43,8 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     masters = [p for p in stepped if id(p) not in model]  # ZeRO's shards: optimizer state, not weights
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    if offload is not None:  # the stepped tensors and their state are the host's
+        masters, state = offload.device_masters, []
     out = {"params": size(list(params)),
            "grads": size([p.grad for p in params] + [p.grad for p in masters]),
            "optimizer": size(state + masters)}
@@ -43,12 +54,13 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
 class ModelStateMeter:
     """The largest model_state_bytes() sampled (after a chunk's first and last backward) since the last pop."""
 
-    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer):
-        self.params, self.optimizer = params, optimizer
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 offload: HostOffload | None = None):
+        self.params, self.optimizer, self.offload = params, optimizer, offload
         self._peak: dict[str, int] = {}
 
     def sample(self) -> None:
-        now = model_state_bytes(self.params, self.optimizer)
+        now = model_state_bytes(self.params, self.optimizer, self.offload)
         if now["total"] > self._peak.get("total", -1):
             self._peak = now
 

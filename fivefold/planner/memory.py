@@ -13,7 +13,7 @@ Activations use the shared per-block formula (activations.py) times the blocks o
 times the chunks a schedule keeps in flight (simulate().peak_inflight), plus the logits of the
 last stage. Buffers are the communication staging the parallel code allocates (below).
 
-Options of other trainers (options.py; both not runnable by fivefold):
+Options of other trainers (options.py; fivefold runs offload = "optimizer", not "params" nor FP8 weights):
 - offload (offload_state): ZeRO-Offload (Ren et al. 2021) keeps the optimizer state, fp32 master
   included, on the host, with the fp32 gradient partition the CPU's Adam reads; ZeRO-Infinity
   (Rajbhandari et al. 2021) moves the ZeRO-3 parameter shards there too. Per parameter of the
@@ -103,8 +103,12 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
     computes in bf16), AdamW keeps two fp32 moments (DDP), and ZeRO steps fp32 master shards
     (4 + 8 bytes per parameter over N). ZeRO-1 keeps the full gradient across micro-batches and
     frees it once reduced into the shard; ZeRO-2/3 never keep it; ZeRO-3 frees gathered weights.
+    With parallel.offload = "optimizer" (parallel/data/offload.py) the moments go to the host, the
+    fp32 shard stays on the device (ZeRO-1/2 gather from it; for ZeRO-3 it is the parameter), and
+    the host holds master, both moments and the gradient shard's buffer: 16 bytes per shard element
+    under "host" (0 without offload), what offload_state counts for ZeRO's accounting too.
     """
-    zero = cfg.parallel.zero
+    zero, offload = cfg.parallel.zero, cfg.parallel.offload == "optimizer" and cfg.parallel.zero > 0
     if zero == 0:
         out = {"params": 4.0 * params, "grads": 4.0 * params, "optimizer": 8.0 * params}
     else:
@@ -112,8 +116,9 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
         # held and the shard's gradient not yet made (it is dropped after each optimizer step)
         grads = 4.0 * params if zero == 1 and grad_accum > 1 else 4.0 * params / n
         out = {"params": 0.0 if zero == 3 else 4.0 * params, "grads": grads,
-               "optimizer": 12.0 * params / n}
-    return {**out, "total": sum(out.values())}
+               "optimizer": (4.0 if offload else 12.0) * params / n}
+    host = (12.0 + HOST_GRAD_BYTES) * params / n if offload else 0.0  # master + 2 moments, gradient buffer
+    return {**out, "total": sum(out.values()), "host": host}
 
 
 def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, int, bool]]:
@@ -130,15 +135,18 @@ def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, in
 def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
                      options: PlanOptions = DEFAULT) -> dict[str, float]:
     """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`,
-    which has no offload, and whose ZeRO-3 counts no gathered weights, FP8 or not) over state_parts,
-    under `options`' offload and FP8 weights; "host" is what offload keeps on the host for this rank."""
+    which has optimizer offload but no parameter offload, and whose ZeRO-3 counts no gathered weights,
+    FP8 or not) over state_parts, under `options`' offload and FP8 weights; "host" is what offload
+    keeps on the host for this rank."""
     p = cfg.parallel
-    if implementation and options.offload != "none":
-        raise ValueError("fivefold's own state (implementation=True) has no offload")
+    if implementation and options.offload == "params":
+        raise ValueError("fivefold's own state (implementation=True) has no parameter offload")
+    if implementation and options.offload != p.offload:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=options.offload))
     states = []
     for n_params, n, vocab in state_parts(cfg, d, share):
         if implementation:
-            states.append({**fivefold_state_bytes(cfg, n_params, n, d.grad_accum), "host": 0.0})
+            states.append(fivefold_state_bytes(cfg, n_params, n, d.grad_accum))
             continue
         state = model_state_bytes(n_params, b if vocab else with_fp8_weights(b, options), p.zero, n)
         states.append(offload_state(state, n_params, p.zero, n, options.offload))

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.parallel.data import DataParallel
+from fivefold.parallel.data.offload import HostOffload
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import AXES, Mesh
 from fivefold.parallel.optimizer import init_optimizer_state
@@ -112,11 +113,13 @@ def positions(cfg: Config, derived: Derived, every: bool = False) -> list[Positi
     return [Position(*key, rank=first, ranks=n) for key, (first, n) in found.items()]
 
 
-def hold_gradients(dp: DataParallel, zero: int, grad_accum: int) -> None:
+def hold_gradients(dp: DataParallel, zero: int, grad_accum: int, offload: HostOffload | None = None) -> None:
     """Give the tensors the gradients data parallel holds after a micro-batch's backward, at the
-    largest such sample (module docstring), as meta tensors of their exact shapes."""
+    largest such sample (module docstring), as meta tensors of their exact shapes. With `offload` the
+    optimizer steps host copies; the gradients are the device's fp32 shards' all the same."""
     full = zero == 0 or (zero == 1 and grad_accum > 1)
-    tensors = dp.params if full else dp.optimizer_params()  # else the fp32 master shards' gradients
+    shards = offload.device_masters if offload is not None else dp.optimizer_params()
+    tensors = dp.params if full else shards  # else the fp32 master shards' gradients
     for t in tensors:
         t.grad = torch.empty_like(t)
 
@@ -134,8 +137,8 @@ def build(cfg: Config, derived: Derived, rank: int) -> dict[str, int]:
             raise RuntimeError(f"the build of rank {rank} made collectives ({mesh.stats.snapshot()}); a fake "
                                "process group returns this rank's own data, so the dry run cannot trust it")
         init_optimizer_state(par.optimizer)
-        hold_gradients(par.dp, cfg.parallel.zero, derived.grad_accum)
-        return model_state_bytes(par.dp.params, par.optimizer)
+        hold_gradients(par.dp, cfg.parallel.zero, derived.grad_accum, par.offload)
+        return model_state_bytes(par.dp.params, par.optimizer, par.offload)
     finally:
         dist.destroy_process_group()
 

@@ -107,6 +107,8 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
                "tokens": batch.global_tokens, "samples": [first, first + len(indices)], "step_time_s": wall,
                "tokens_per_s": batch.global_tokens / wall, "comm": comm,
                "model_state_bytes": par.memory.pop_peak()}
+    if par.offload is not None:  # apart from "comm": the host link is no mesh axis
+        metrics["offload"] = par.offload.stats(par.optimizer)
     if run.scaler.enabled:
         metrics.update(loss_scale=run.scaler.scale, skipped=not applied)
     metrics.update(moe)

@@ -17,7 +17,8 @@ over one rank. With pipelines each of a rank's chunks reduces at its own last ba
 The folder: buckets.py is the one bucket machinery (when a bucket of gradients is reduced, for all
 three); ddp.py, zero.py and fsdp.py each say what a reduction is (all-reduce; reduce-scatter into
 the fp32 shards of shards.py; that, and freeing a unit's gathered weights) and use the machinery as
-a part, not as a base class. `DataParallel` below is what the step asks of any of them.
+a part, not as a base class; offload.py moves ZeRO's optimizer state to the host (ZeRO-Offload,
+parallel.offload = "optimizer"). `DataParallel` below is what the step asks of any of them.
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ class ZeroShards:
                 if p.untyped_storage().nbytes():  # ZeRO-3 from the meta device: the shard is filled on load
                     self.copy_master_rows(p)
                 b.shard_numel.append(master.numel())
+        # What the optimizer steps for each parameter, keying its state: the masters, or their host
+        # copies with parallel.offload = "optimizer" (offload.py replaces this)
+        self.stepped: dict[int, nn.Parameter] = self.masters
 
     def group_of(self, p: nn.Parameter) -> collectives.AxisGroup:
         """The ranks p's state is sharded over: expert_dp for an expert, dp_shard for the rest."""
@@ -127,7 +130,7 @@ class ZeroShards:
     def optim_state_dict(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
         out = {}
         for p in params:
-            state, name = optimizer.state[self.masters[id(p)]], self.names[id(p)]
+            state, name = optimizer.state[self.stepped[id(p)]], self.names[id(p)]
             out[f"state.{name}.exp_avg"] = self.dtensor(p, state["exp_avg"])
             out[f"state.{name}.exp_avg_sq"] = self.dtensor(p, state["exp_avg_sq"])
             out[f"state.{name}.step"] = state["step"]
@@ -136,7 +139,7 @@ class ZeroShards:
     @torch.no_grad()
     def load_optim_state_dict(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, state: dict) -> None:
         for p in params:
-            mine, name, zd = optimizer.state[self.masters[id(p)]], self.names[id(p)], self.zero_dims[id(p)]
+            mine, name, zd = optimizer.state[self.stepped[id(p)]], self.names[id(p)], self.zero_dims[id(p)]
             for key in ("exp_avg", "exp_avg_sq"):
                 rows = state[f"state.{name}.{key}"].to_local().movedim(zd, 0)
                 target = mine[key][: rows.shape[0]]
@@ -155,7 +158,8 @@ class ShardedOptimizer:
     params: list[nn.Parameter]
 
     def optimizer_params(self) -> list[torch.Tensor]:
-        return [self.shards.masters[id(p)] for p in self.params]  # the fp32 masters, in parameter order
+        # the fp32 masters (offload: their host copies), in parameter order
+        return [self.shards.stepped[id(p)] for p in self.params]
 
     def gradients(self) -> list[torch.Tensor]:
         return [s.grad for s in self.shards.masters.values() if s.grad is not None]

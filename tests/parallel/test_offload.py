@@ -1,0 +1,122 @@
+"""ZeRO-Offload (parallel.offload = "optimizer", parallel/data/offload.py): the same training as the
+device's optimizer, the bytes each way per step, the host memory the planner predicts, and proof
+that the optimizer really steps host copies."""
+
+import shutil
+
+import pytest
+import torch
+from helpers import EQUIVALENCE, parallelized, tiny_config, train_and_gather
+
+from fivefold.checkpoint.run_state import complete_checkpoints
+from fivefold.model.transformer import count_parameters
+from fivefold.parallel.derive import derive
+from fivefold.parallel.forked_ranks import run_workers
+from fivefold.planner.estimate import estimate
+from fivefold.planner.hardware import get_hardware
+from fivefold.train.loop import build_model, train
+from fivefold.train.metrics import read_metrics
+
+DP2 = (*EQUIVALENCE, "--parallel.dp=2")
+OFFLOAD = "--parallel.offload=optimizer"
+
+
+def _run(tmp_path, zero: int, *extra: str):
+    """dp2 with ZeRO `zero` (5 steps, 2 micro-batches a rank): rank 0's (losses, norms, full state),
+    and the step records."""
+    cfg = tiny_config(tmp_path, *DP2, f"--parallel.zero={zero}", *extra)
+    result = run_workers(train_and_gather, 2, cfg)[0]
+    return cfg, result, read_metrics(tmp_path / "tiny" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_offload_trains_as_the_device_optimizer_bit_for_bit(tmp_path, zero):
+    """The same foreach AdamW on the same fp32 values (clipped on the device before the copy): the
+    losses, gradient norms and final weights are identical, bit for bit (measured so on CPU); the
+    traffic over the mesh is unchanged and the host link's bytes are the formula's:
+    4 bytes per element of this rank's fp32 shard (P / dp, no padding here) each way, every step."""
+    cfg, (losses, norms, state), steps = _run(tmp_path / "off", zero, OFFLOAD)
+    _, (ref_losses, ref_norms, ref_state), ref_steps = _run(tmp_path / "ref", zero)
+    assert losses == ref_losses and norms == ref_norms
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        assert torch.equal(state[name], ref), name
+    shard_bytes = 4 * count_parameters(build_model(cfg, derive(cfg, 2).vocab_size)) // 2
+    assert [s["offload"]["d2h_bytes"] for s in steps] == [shard_bytes] * len(steps)  # fp32 gradient shard down
+    assert [s["offload"]["h2d_bytes"] for s in steps] == [shard_bytes] * len(steps)  # updated fp32 shard up
+    assert [s["comm"] for s in steps] == [s["comm"] for s in ref_steps]  # not mixed into the mesh's counts
+    assert all("offload" not in s for s in ref_steps)
+
+
+def test_host_memory_is_the_planners(tmp_path):
+    """dp2 zero=1: the host tensors the run holds per rank are the planner's host bytes per rank,
+    16 per shard element (fp32 master, both moments, the fp32 gradient buffer) in fivefold's own
+    accounting and ZeRO's alike, plus AdamW's 0-dim step counters (4 bytes per tensor), which no
+    per-parameter formula has; on the device the moments are gone and the fp32 shard stays."""
+    cfg, _, steps = _run(tmp_path, 1, OFFLOAD)
+    model = build_model(cfg, derive(cfg, 2).vocab_size)
+    P, tensors = count_parameters(model), len([p for p in model.parameters() if p.requires_grad])
+    hw = get_hardware("h100")
+    ranks_per_node = min(2, hw.gpus_per_node)
+    for implementation in (True, False):
+        planned = estimate(cfg, 2, hw, implementation=implementation).host_memory_bytes / ranks_per_node
+        assert planned == 16 * P / 2
+        assert steps[-1]["offload"]["host_bytes"] == planned + 4 * tensors
+    measured, predicted = steps[-1]["model_state_bytes"], steps[-1]["predicted"]["model_state_bytes"]
+    assert measured["optimizer"] == 4 * P / 2  # the device's fp32 shard: no moments
+    assert measured["optimizer"] == pytest.approx(predicted["optimizer"])
+
+
+def _offload_at_work(rank, world, cfg):
+    from fivefold.parallel.optimizer import init_optimizer_state
+
+    par = parallelized(cfg, world)
+    off = par.offload
+    stepped = {id(p) for group in par.optimizer.param_groups for p in group["params"]}  # decay groups apart
+    assert off is not None and stepped == {id(h) for h in off.host_masters}
+    device_ptrs = {m.untyped_storage().data_ptr() for m in off.device_masters}
+    host = [*off.host_masters, *off.host_grads]
+    assert not device_ptrs & {t.untyped_storage().data_ptr() for t in host}  # separate memory
+    assert all(torch.equal(h, m) for h, m in zip(off.host_masters, off.device_masters, strict=True))  # pulled
+    before = [m.clone() for m in off.device_masters]
+    for m in off.device_masters:
+        m.grad = torch.full_like(m, 0.5)
+    off.to_host()
+    assert all(h.grad is g and torch.equal(g, m.grad)
+               for h, g, m in zip(off.host_masters, off.host_grads, off.device_masters, strict=True))
+    par.optimizer.step()
+    init_optimizer_state(par.optimizer)
+    moments = [par.optimizer.state[h]["exp_avg"] for h in off.host_masters]
+    assert not device_ptrs & {t.untyped_storage().data_ptr() for t in moments}  # the state is the host's
+    changed_on_host = all(not torch.equal(h, b) for h, b in zip(off.host_masters, before, strict=True))
+    still = all(torch.equal(m, b) for m, b in zip(off.device_masters, before, strict=True))  # until copied up
+    off.to_device()
+    arrived = all(torch.equal(m, h) for m, h in zip(off.device_masters, off.host_masters, strict=True))
+    n = sum(m.numel() for m in off.device_masters)
+    return changed_on_host, still, arrived, off.d2h_bytes, off.h2d_bytes, 4 * n
+
+
+def test_the_optimizer_steps_the_host_copies(tmp_path):
+    """Fails if offload silently does nothing: the optimizer steps tensors of their own memory, the
+    gradients travel down into them, and the device's shards change only when the copy up is made."""
+    cfg = tiny_config(tmp_path, "--parallel.dp=2", "--parallel.zero=1", OFFLOAD)
+    for changed_on_host, still, arrived, d2h, h2d, shard_bytes in run_workers(_offload_at_work, 2, cfg):
+        assert changed_on_host and still and arrived
+        assert d2h == h2d == shard_bytes > 0
+
+
+def _losses(rank, world, cfg):
+    return train(cfg, progress=False).losses
+
+
+@pytest.mark.parametrize("zero,saved,resumed", [(1, True, False), (1, False, True), (3, True, True)])
+def test_a_checkpoint_moves_between_offload_and_none(tmp_path, zero, saved, resumed):
+    """Saved with or without offload, resumed with or without it: the same master weights and
+    moments (the state dicts read the host copies), so the resumed steps are the uninterrupted
+    run's, bit for bit."""
+    args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=4", "--checkpoint.every=2",
+            "--parallel.dp=2", f"--parallel.zero={zero}")
+    losses = run_workers(_losses, 2, tiny_config(tmp_path, *args, *[OFFLOAD] * saved))[0]
+    shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
+    again = run_workers(_losses, 2, tiny_config(tmp_path, *args, *[OFFLOAD] * resumed, "--checkpoint.resume=true"))[0]
+    assert again == losses[2:]
