@@ -1,10 +1,11 @@
 """How a model becomes this rank's part of a layout: one module per dimension, composed in order.
 
-parallelize.py holds THE composition order: pipeline -> tensor -> expert -> context ->
-recompute -> data parallel, each an `apply_<dim>(model, mesh, cfg, derived)`.
+parallelize.py holds THE composition order: pipeline -> tensor -> FP8 -> expert -> context ->
+recompute -> data parallel -> offload, each an `apply_<dim>(...)` that is a no-op when off.
 - derive.py       the numbers a layout derives from its config (Derived), torch-free
 - mesh.py         the named DeviceMesh and its views (batch, grad, ep, expert_dp)
 - tensor.py       tensor + sequence parallel (Column/RowParallelLinear, vocab-parallel loss)
+- fp8.py          FP8 training of the blocks' linear layers, amaxes reduced over the splits
 - context.py      context parallel: ring attention (zig-zag) and Ulysses
 - expert.py       expert parallel: all-to-all dispatch and combine
 - recompute.py    activation checkpointing
