@@ -287,9 +287,12 @@ SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or nam
     "ep_overlap without dualpipe_v": (("--parallel.ep_overlap=true",), 1,
                                       "parallel.ep_overlap = true pairs DualPipe's forward and backward chunks, "
                                       "but parallel.pp_schedule = '1f1b'"),
-    "ep_overlap with dualpipe_v": (("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
-                                    "--parallel.virtual_stages=2", "--parallel.ep_overlap=true"), 2,
-                                   "parallel.ep_overlap = true is not built yet"),
+    "ep_overlap with ZeRO-3 resharding": (("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
+                                           "--parallel.virtual_stages=2", "--parallel.dp=2", "--parallel.zero=3",
+                                           "--parallel.reshard_after_forward=true", "--parallel.ep_overlap=true",
+                                           "--train.micro_batch=1"), 4,
+                                          "parallel.ep_overlap = true is not built yet with ZeRO-3's "
+                                          "reshard_after_forward = true"),
     "offload params without ZeRO-3": (("--parallel.dp=2", "--parallel.zero=1", "--parallel.offload=params"), 2,
                                       "parallel.offload = 'params' moves ZeRO-3's parameter shards to the host"),
     "offload optimizer without ZeRO": (("--parallel.offload=optimizer",), 1,

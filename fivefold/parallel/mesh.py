@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fivefold.config import Config
 from fivefold.parallel.comm.arrivals import Arrivals, collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats, world_group
+from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
 from fivefold.parallel.derive import Derived
 
@@ -89,6 +90,7 @@ class Mesh:
         self.timer = StepTimer(CudaClock() if device_type == "cuda" else WallClock())  # step time, by part
         # The dry run's fake world has no peers to wait for, and builds a mesh per position in one process.
         self.arrivals = None
+        self.lanes: Lanes | None = None  # the side lane of DualPipe's pairs (add_side_lane), with ep_overlap
         if dist.get_backend() != "fake":
             self.arrivals = Arrivals(dist.distributed_c10d._get_default_store(), dist.get_rank(),
                                      collective_deadlines(timeout_s, device_type).watch_s)
@@ -110,8 +112,31 @@ class Mesh:
     def from_config(cls, cfg: Config, derived: Derived, device_type: str = "cpu",
                     device: torch.device | None = None) -> "Mesh":
         p = cfg.parallel
-        return cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": derived.dp_shard, "cp": p.cp, "tp": p.tp},
+        mesh = cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": derived.dp_shard, "cp": p.cp, "tp": p.tp},
                    device_type, p.collective_timeout_s, ep=p.ep, device=device)
+        if p.ep_overlap and dist.get_backend() != "fake":  # the dry run runs no pair: no twins to make
+            mesh.add_side_lane()
+        return mesh
+
+    def add_side_lane(self) -> None:
+        """A twin process group for every group of the mesh but "world", for the side lane of
+        DualPipe's overlapped pairs (comm/lanes.py). Collective: every rank learns every group's ranks
+        (one object gather) and makes the twins in one order; groups of the same ranks share a twin
+        (one lane's calls on it are in one order whichever view makes them)."""
+        mine = {name: tuple(dist.get_process_group_ranks(g.pg)) for name, g in self._groups.items()
+                if name != "world" and g.pg is not None and g.size > 1}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        self.lanes = Lanes(self.device)
+        twins: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in sorted({r for groups in everyone for r in groups.values()}):
+            pg = dist.new_group(list(ranks))  # collective over the world: every rank makes every twin
+            if dist.get_rank() in ranks:
+                twins[ranks] = self._collective_timeout(pg)
+        for name, ranks in mine.items():
+            g = self._groups[name]
+            g.side = dataclasses.replace(g, pg=twins[ranks], side=None)
+            g.lanes = self.lanes
 
     def _add_expert_views(self, ep: int) -> DeviceMesh | None:
         """The "ep" and "expert_dp" views; returns the ep group as a 1-D DeviceMesh (ep > 1), on which
@@ -197,6 +222,8 @@ class Mesh:
         """Stop publishing this rank's collective counts (before the process group is destroyed)."""
         if self.arrivals is not None:
             self.arrivals.close()
+        if self.lanes is not None:
+            self.lanes.close()
 
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(f"{a}={n}" for a, n in self.degrees.items()) + ")"

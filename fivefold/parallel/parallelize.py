@@ -235,5 +235,5 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     memory = ModelStateMeter(dp.params, optimizer, offload)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,
-                                after_backward=memory.sample)
+                                after_backward=memory.sample, lanes=mesh.lanes)
     return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory, offload)

@@ -122,8 +122,9 @@ def pipeline(cfg: Config, d: Derived, chunks: int, f_cost: float, b_cost: float,
         paired = simulate_scaled(p.pp_schedule, p.pp, M, 2, f_cost, b_cost, 0.0, memo, fb=f_cost + b_cost)
         rows.append(("dualpipe_v bubble", f"DeepSeek's (PP/2-1)(F&B+B-3W), PP = {2 * p.pp} stages on {p.pp} ranks, "
                      f"F&B = F + B, W = B/2: {dualpipe_bubble(p.pp, f_cost, b_cost) * 1e3:.2f} ms; simulate with "
-                     f"each F&B pair started together: {max(paired.idle) * 1e3:.2f} ms; as fivefold runs a pair "
-                     f"(F, then B, the F starting before the B's gradient arrives), without messages: "
+                     f"each F&B pair started together (parallel.ep_overlap): {max(paired.idle) * 1e3:.2f} ms; as "
+                     f"fivefold runs a pair without it (F, then B, the F starting before the B's gradient "
+                     f"arrives), without messages: "
                      f"{max(simulate_scaled(p.pp_schedule, p.pp, M, 2, f_cost, b_cost, 0.0, memo).idle) * 1e3:.2f} ms",
                      "DeepSeek-V3 technical report (2024), Table 2; github.com/deepseek-ai/DualPipe README"))
     return Pipeline(sim, M * chunks * (f_cost + b_cost), rows)

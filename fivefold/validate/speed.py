@@ -20,6 +20,10 @@ def speed_errors(cfg: Config) -> list[str]:
         errors.append(f"parallel.ep_overlap = true pairs DualPipe's forward and backward chunks, but "
                       f"parallel.pp_schedule = '{p.pp_schedule}': set pp_schedule = 'dualpipe_v', "
                       "or ep_overlap = false")
+    if p.ep_overlap and p.zero == 3 and p.reshard_after_forward is True:
+        errors.append("parallel.ep_overlap = true is not built yet with ZeRO-3's reshard_after_forward = true (the "
+                      "pair's two halves would gather, prefetch and free units side by side): set "
+                      "reshard_after_forward = 'auto' (kept gathered under a pipeline), or ep_overlap = false")
     if p.offload == "params" and p.zero != 3:
         errors.append(f"parallel.offload = 'params' moves ZeRO-3's parameter shards to the host, but "
                       f"parallel.zero = {p.zero}: set zero = 3, or offload = 'optimizer'")
@@ -29,9 +33,6 @@ def speed_errors(cfg: Config) -> list[str]:
     if p.offload == "params" and p.zero == 3:
         errors.append("parallel.offload = 'params' is not built yet (ZeRO-3's parameter shards stay on the device; "
                       "offload = 'optimizer' moves the optimizer state): set offload = 'optimizer' or 'none'")
-    if p.ep_overlap and p.pp_schedule == "dualpipe_v":
-        errors.append("parallel.ep_overlap = true is not built yet (the dualpipe_v executor runs a forward and a "
-                      "backward chunk one after the other): set ep_overlap = false")
     if p.fp8_gather and (p.zero != 3 or t.fp8 != "tensorwise"):
         errors.append(f"parallel.fp8_gather = true gathers ZeRO-3's weights in FP8 with one scale per tensor, "
                       f"but zero = {p.zero} and train.fp8 = '{t.fp8}': set zero = 3 and train.fp8 = 'tensorwise'")

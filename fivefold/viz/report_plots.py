@@ -148,13 +148,14 @@ def timeline_figure(ranks: Sequence[Sequence[Sequence]]) -> str:
     for rank, row in enumerate(ranks):
         for start, end, action in row:
             match = ACTION.match(action)
-            kind = match.group(1) if match else "F"
+            kind = "F&B" if "&" in action else match.group(1) if match else "F"  # "F3s0&B1s3": DualPipe's pair
             kinds.add(kind)
             ax.broken_barh([((start - t0) * 1e3, (end - start) * 1e3)], (rank - 0.4, 0.8),
                            facecolors=KIND_COLOURS[kind], edgecolors="white", linewidth=0.5)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_xlabel("ms from the step's first action")
-    ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=f"{k}: {KIND_LABELS[k]}") for k in "FBIW" if k in kinds],
+    handles = [Patch(color=KIND_COLOURS[k], label=f"{k}: {KIND_LABELS[k]}") for k in KIND_COLOURS if k in kinds]
+    ax.legend(handles=handles,
               frameon=False, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     return svg_data_url(fig)

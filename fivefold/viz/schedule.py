@@ -16,9 +16,9 @@ from fivefold.parallel.pipeline.schedules import SCHEDULES, Schedule, build_sche
 from fivefold.parallel.pipeline.simulate import Costs, SimResult, simulate
 
 # Colour per action kind; I and W are shades that read as "parts of B".
-KIND_COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8C6BB1"}
+KIND_COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8C6BB1", "F&B": "#2A9D8F"}
 KIND_LABELS = {"F": "forward", "B": "backward", "I": "backward (input grad)",
-               "W": "backward (weight grad)"}
+               "W": "backward (weight grad)", "F&B": "a forward and a backward overlapped (parallel.ep_overlap)"}
 
 
 def _lighten(colour: str, amount: float) -> tuple[float, float, float]:

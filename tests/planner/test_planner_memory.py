@@ -231,7 +231,7 @@ def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipel
     assert res.ranked and all(not e.not_runnable for _, e in res.ranked)
     # what it set aside is what fivefold does not build yet (validate/speed.py), nothing else
     assert {r.split(" is not built yet")[0] for _, e in res.not_runnable for r in e.not_runnable} <= {
-        "parallel.ep_overlap = true", "parallel.offload = 'params'"}
+        "parallel.offload = 'params'"}
     # parameter offload is priced (with ZeRO-3 only) and set aside as not built
     params = [(c, e) for c, e in res.not_runnable if c.parallel.offload == "params"]
     assert params and all(c.parallel.zero == 3 and any(r.startswith("parallel.offload = 'params' is not built yet")
@@ -247,8 +247,8 @@ def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipel
                          ("fp8", c.train.fp8), ("fp8_gather", p.fp8_gather)):
             if on and on != "none":
                 firsts.setdefault((name, on), (c, e))
-    assert set(firsts) == {("tp_overlap", True), ("offload", "optimizer"), ("fp8", "tensorwise"),
-                           ("fp8_gather", True)}
+    assert set(firsts) == {("tp_overlap", True), ("ep_overlap", True), ("offload", "optimizer"),
+                           ("fp8", "tensorwise"), ("fp8_gather", True)}
     for c, e in firsts.values():
         assert not validate(c, 4) and e.options == e.options.with_config(c)
     assert all(p.offload != "params" for p in layouts)  # parameter offload is not built (validate/speed.py)

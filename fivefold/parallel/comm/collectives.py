@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,6 +53,7 @@ from fivefold.parallel.comm.compat import flat_collective
 # CollectiveError: what the calls here raise, so callers catch it as comms.CollectiveError.
 from fivefold.parallel.comm.errors import CollectiveError as CollectiveError
 from fivefold.parallel.comm.errors import group_name, named_error, named_errors
+from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.comm.timing import Flight, StepTimer
 from fivefold.parallel.comm.wire import wire_bytes
 
@@ -68,13 +70,16 @@ class CommStats:
     """Calls and bytes per axis label ("dp", "tp", "pp", "cp", "ep"; "log" for metrics)."""
 
     axes: dict[str, AxisCounter] = field(default_factory=lambda: defaultdict(AxisCounter))
+    # Two lanes (lanes.py) count at once: a += between threads could lose one of two increments.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, label: str, op: str, nbytes: int, n: int, wire: float | None = None) -> None:
         """One call of `op` over n ranks on nbytes; `wire` overrides the ring formula when known."""
-        c = self.axes[label]
-        c.calls += 1
-        c.bytes += nbytes
-        c.wire_bytes += wire_bytes(op, nbytes, n) if wire is None else wire
+        with self.lock:
+            c = self.axes[label]
+            c.calls += 1
+            c.bytes += nbytes
+            c.wire_bytes += wire_bytes(op, nbytes, n) if wire is None else wire
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {k: {"calls": v.calls, "bytes": v.bytes, "wire_bytes": v.wire_bytes}
@@ -97,6 +102,12 @@ class AxisGroup:
     timeout_s: float | None = None  # what the process group waits for its peers (None: torch's default)
     timer: StepTimer = field(default_factory=StepTimer)  # the mesh's step timer: where blocked time goes
     arrivals: Arrivals | None = None  # the mesh's collective counts (None: a timeout names no missing rank)
+    side: "AxisGroup | None" = field(default=None, repr=False)  # its twin on the side lane (lanes.py), if any
+    lanes: Lanes | None = field(default=None, repr=False)
+
+    def current(self) -> "AxisGroup":
+        """This group as the calling thread's lane uses it: its side-lane twin on the side lane's thread."""
+        return self.side if self.side is not None and self.lanes.on_side() else self
 
     def global_rank(self, group_rank: int) -> int:
         """The world rank of this group's rank `group_rank` (point-to-point calls address world ranks)."""
@@ -175,6 +186,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: dist.ReduceOp.RedOpTy
     `label` charges the traffic elsewhere than the group's axis (metrics use "log", so the
     per-axis counts stay those of training itself).
     """
+    group = group.current()
     if group.size == 1:
         return None
     group.stats.record(label or group.label, "all_reduce", _nbytes(tensor), group.size)
@@ -193,6 +205,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     and keeps a copy of the whole input alive until it is waited on, a bucket's size more at the peak
     of a ZeRO backward (measured: benchmarks/startup_memory.py); the sync form frees it at once.
     """
+    group = group.current()
     if group.size == 1:
         output.copy_(input)
         return None
@@ -207,6 +220,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
                async_op: bool = False) -> Pending | None:
     """Concatenate every rank's `input` into the flat `output` (N x input.numel()), in rank order."""
+    group = group.current()
     if group.size == 1:
         output.copy_(input)
         return None
@@ -225,6 +239,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
     Equal splits when none are given. Counted by the rows this rank sends to the others (its own
     rows never leave it): the wire bytes are then exactly the payload that crosses the network.
     """
+    group = group.current()
     if group.size == 1:
         output.copy_(input)
         return None
@@ -245,6 +260,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: AxisGroup,
 @torch.compiler.disable
 def send(tensor: torch.Tensor, to: int, group: AxisGroup, name: str = "send", tag: int = 0) -> Pending:
     """Start sending `tensor` to group rank `to`; wait() on the handle (or on another thread) to finish."""
+    group = group.current()
     nbytes = _nbytes(tensor)
     group.stats.record(group.label, "send", nbytes, group.size)
     return _issue("send", group, nbytes, group.label, True,
@@ -256,6 +272,7 @@ def recv(tensor: torch.Tensor, frm: int, group: AxisGroup, name: str = "recv", t
          part: str | None = None) -> None:
     """Receive into `tensor` from group rank `frm`, blocking. The time waited is the axis's exposed
     time, or `part`'s ("bubble": a pipeline stage that has nothing else to do)."""
+    group = group.current()
     span = group.timer.span(part, group.label, name) if part else group.timer.blocked(group.label, name)
     with span, named_errors(name, group, _nbytes(tensor)):
         dist.irecv(tensor, group.global_rank(frm), group=group.pg, tag=tag).wait()
@@ -269,6 +286,7 @@ def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to: int, frm: int, 
     One batch, because in a ring every rank sends and receives at once: if each did a blocking send
     first, all would wait for a receiver that is itself stuck sending.
     """
+    group = group.current()
     nbytes = _nbytes(send_buf)
     group.stats.record(group.label, "send", nbytes, group.size)
     ops = [dist.P2POp(dist.isend, send_buf, group.global_rank(to), group=group.pg, tag=tag),
@@ -296,6 +314,7 @@ def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pe
     order they are posted. Where the backend returns one work for the whole batch (NCCL), every
     handle waits for all of it; gloo returns one per operation.
     """
+    group = group.current()
     if not sends and not recvs:
         return [], []
     ops = [dist.P2POp(op, m.tensor, group.global_rank(m.peer), group=group.pg, tag=m.tag)
@@ -337,6 +356,7 @@ def world_group(stats: CommStats | None = None, timeout_s: float | None = None, 
 def barrier(group: AxisGroup, name: str = "barrier") -> None:
     """Block until every rank of `group` has called this (a barrier of the same `name` is the same
     point of the run on every rank)."""
+    group = group.current()
     if group.size == 1:
         return
     group.stats.record(COORDINATION, "barrier", 0, group.size, wire=0.0)
@@ -347,6 +367,7 @@ def barrier(group: AxisGroup, name: str = "barrier") -> None:
 def all_gather_object(obj: object, group: AxisGroup, name: str = "all_gather_object") -> list:
     """Every rank's picklable `obj`, in group rank order. Tensors travel as CPU copies: pickled on a
     GPU, a tensor names its device index, and a receiver would unpickle it onto the sender's GPU."""
+    group = group.current()
     if group.size == 1:
         return [obj]
     group.stats.record(COORDINATION, "all_gather_object", 0, group.size, wire=0.0)

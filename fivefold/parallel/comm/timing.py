@@ -13,6 +13,13 @@ wall time minus the spans opened inside it. So the parts of a step never overlap
 - optimizer, data: the loop's own spans (train/step.py);
 - unattributed: the step's wall time minus all of the above, reported as its own part.
 
+DualPipe's overlapped pairs (parallel.ep_overlap, comm/lanes.py) run a forward on a second thread,
+the side lane, while the step's thread runs a backward. The parts stay the step thread's time, and
+where the lanes overlap they say what the rank did: a wait of the step thread while the side lane
+computes is compute, not exposed (the rank was busy), and the step thread's wait for the side lane
+to finish (`lane_wait`) is the side lane's: compute while it computes, exposed_<axis> while it waits
+for a collective of that axis. So exposed_<axis> is the time neither lane computes and a lane waits.
+
 Marks of a clock, read at the end of the step: wall clock (perf_counter) on a CPU, where the work
 runs on the thread that issues it; CUDA events on a GPU, where the thread only launches kernels and
 the events time the stream (one synchronisation per step, in end_step).
@@ -25,8 +32,10 @@ point-to-point works have no future, so theirs end when they are waited on (an u
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 # Every label comm/collectives.py charges traffic to; "log": the metrics' own reductions (loss, expert loads).
@@ -101,9 +110,11 @@ class _Span:
     It keeps its own two marks (no index into a list shared by threads): spans open on the step's
     thread and on autograd's, each thread with its own stack of open spans."""
 
-    def __init__(self, timer: StepTimer, part: str, track: str, name: str, stack: list[_Span], parent: _Span | None):
+    def __init__(self, timer: StepTimer, part: str, track: str, name: str, stack: list[_Span], parent: _Span | None,
+                 lane: str = "main"):
         self.timer, self.part, self.track, self.name = timer, part, track, name
         self.stack, self.parent = stack, parent
+        self.lane = lane  # "main", "side" (the side lane's thread) or "wait" (the main lane waiting for the side)
 
     def __enter__(self) -> None:
         self.start = self.timer.clock.mark()
@@ -152,6 +163,7 @@ class StepTimer:
         self._first: Any = None  # the step's opening mark
         self._spans: list[_Span] = []  # closed this step, on any thread
         self._open: dict[int, list[_Span]] = {}  # thread ident -> its open spans, innermost last
+        self._side: set[int] = set()  # the side lane's thread while it runs a pair's half (side_lane)
         self._began = 0.0
         self._owner = 0
 
@@ -179,9 +191,12 @@ class StepTimer:
                 inner[id(s.parent)] += took[id(s)]
         parts = dict.fromkeys(PARTS, 0.0)
         for s in self._spans:
-            parts[s.part] += took[id(s)] - inner[id(s)]  # a label missing from AXES fails here, loudly
+            if s.lane != "side":  # the side lane's time overlaps the step thread's: _overlapped charges it
+                parts[s.part] += took[id(s)] - inner[id(s)]  # a label missing from AXES fails here, loudly
             if self.events is not None:
-                self.events.append((s.track, s.name, self._began + at[id(s)][0], self._began + at[id(s)][1]))
+                track = s.track + (" (side lane)" if s.lane == "side" else "")
+                self.events.append((track, s.name, self._began + at[id(s)][0], self._began + at[id(s)][1]))
+        _overlapped(self._spans, at, parts)
         wall = seconds[-1]
         parts[UNATTRIBUTED] = wall - sum(parts.values())
         return wall, parts
@@ -197,6 +212,9 @@ class StepTimer:
         if not self.active:
             return _NULL
         me = threading.get_ident()
+        if me in self._side:  # its own stack; its time is charged where it overlaps the step thread's
+            stack = self._open.setdefault(me, [])
+            return _Span(self, part, track, name or part, stack, stack[-1] if stack else None, "side")
         if me == self._owner:
             stack = self._open[me]
             return _Span(self, part, track, name or part, stack, stack[-1] if stack else None)
@@ -209,6 +227,25 @@ class StepTimer:
         owner = self._open[self._owner]
         return _Span(self, part, track, name or part, stack, stack[-1] if stack else owner[-1] if owner else None)
 
+    @contextlib.contextmanager
+    def side_lane(self) -> Iterator[None]:
+        """The calling thread runs the side lane's half of a pair (comm/lanes.py) until the block ends:
+        its spans are recorded, each on its own stack (module docstring)."""
+        me = threading.get_ident()
+        self._side.add(me)
+        try:
+            yield
+        finally:
+            self._side.discard(me)
+
+    def lane_wait(self, name: str) -> _Span | _Null:
+        """The step thread waiting for the side lane's half of a pair to end (charged as the side
+        lane spends that time)."""
+        span = self.span("compute", "compute", name)
+        if isinstance(span, _Span):
+            span.lane = "wait"
+        return span
+
     def blocked(self, axis: str, name: str) -> _Span | _Null:
         """A `with` block in which this thread waits for a collective of `axis`: exposed time."""
         return self.span(f"exposed_{axis}", axis, name) if self.active else _NULL
@@ -218,3 +255,35 @@ class StepTimer:
         if self.events is None or not self.active:
             return None
         return Flight(self.events, axis, name)
+
+
+def _overlap(a: tuple[float, float], intervals: list[tuple[float, float]]) -> float:
+    """Seconds of `a` inside `intervals` (disjoint)."""
+    return sum(max(0.0, min(a[1], b) - max(a[0], s)) for s, b in intervals)
+
+
+def _overlapped(spans: list[_Span], at: dict[int, tuple[float, float]], parts: dict[str, float]) -> None:
+    """Charge the time two lanes overlap as the rank spent it (module docstring): a step-thread wait
+    while the side lane computes moves to compute; the step thread's wait for the side lane goes to
+    what the side lane did meanwhile. Nothing to do without a side lane's spans."""
+    side = [s for s in spans if s.lane == "side"]
+    if not side:
+        return
+    waits = [s for s in side if s.part.startswith("exposed_")]
+    computing: list[tuple[float, float]] = []  # the side lane's compute spans less the waits inside them
+    for c in (s for s in side if s.part == "compute"):
+        start, end = at[id(c)]
+        for w in sorted((w for w in waits if at[id(w)][0] >= start and at[id(w)][1] <= end), key=lambda w: at[id(w)]):
+            computing.append((start, at[id(w)][0]))
+            start = at[id(w)][1]
+        computing.append((start, end))
+    for s in spans:
+        if s.lane == "main" and s.part.startswith("exposed_"):
+            hidden = _overlap(at[id(s)], computing)
+            parts[s.part] -= hidden
+            parts["compute"] += hidden
+        elif s.lane == "wait":
+            for w in waits:
+                seconds = _overlap(at[id(s)], [at[id(w)]])
+                parts["compute"] -= seconds
+                parts[w.part] += seconds

@@ -20,8 +20,10 @@ from torch import nn
 from fivefold.model.masks import DocumentIds
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.comm import collectives
+from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.data import DataParallel
 from fivefold.parallel.pipeline.messages import Batch, Message, check_plans, forward_schedule, message_plans
+from fivefold.parallel.pipeline.overlap import chunk_streams, on_stream, paired_plans, run_pair
 from fivefold.parallel.pipeline.p2p import Mailbox, Sends, sends_for
 from fivefold.parallel.pipeline.schedules import Action, Schedule
 from fivefold.parallel.pipeline.split_backward import SplitBackward
@@ -108,12 +110,14 @@ class PipelineExecutor:
     of the action's kind: `_forward` (F), `_backward` (B), and for zero-bubble schedules
     `_backward_input` (I) and `_backward_weights` (W). after_backward: called after the first and
     the last action of each chunk that accumulates gradients (B, W), e.g. to sample the model
-    state's memory.
+    state's memory. With `lanes` (parallel.ep_overlap under dualpipe_v) the F right before a B of the
+    other chunk runs with it as one overlapped pair (`_pair`, pipeline/overlap.py).
     """
 
     def __init__(self, stages: PipelineStages, dp: DataParallel, device: torch.device, dim: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
-                 seq_divisor: int = 1, after_backward: Callable[[], None] = lambda: None):
+                 seq_divisor: int = 1, after_backward: Callable[[], None] = lambda: None,
+                 lanes: Lanes | None = None):
         self.schedule, self.chunks, self.group, self.dp = stages.schedule, stages.chunks, stages.group, dp
         self.loss_fn = loss_fn  # sum of token losses from the last stage's output (vocab-parallel under tp)
         self.seq_divisor = seq_divisor  # activations between stages hold T / seq_divisor tokens (sp)
@@ -139,6 +143,8 @@ class PipelineExecutor:
         firsts = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind in ("B", "W")}
         self.sampled = {*firsts.values(), *self.last_backward.values()}
         self.forward_plans: dict[int, tuple[Schedule, list[Batch]]] = {}  # micro-batches -> forward_only's
+        self.lanes = lanes  # the side lane of DualPipe's pairs, or None: every action alone
+        self.streams = chunk_streams(device, list(self.chunks)) if lanes else dict.fromkeys(self.chunks)
         self.act = {"F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weights}
 
     @functools.cached_property
@@ -146,8 +152,15 @@ class PipelineExecutor:
         """What this rank posts before each action, proven to match and complete when the first
         step asks for it, before any message is posted: a schedule whose messages would hang on
         NCCL stops there. A fraction of a second for the largest schedules, paid on first use so
-        that building many positions and running none (train/dry_run.py) does not pay it each time."""
-        return check_plans(self.schedule)[self.rank]
+        that building many positions and running none (train/dry_run.py) does not pay it each time.
+        With lanes, the plan that runs the pairs (overlap.paired_plans)."""
+        return self._paired[1] if self.lanes else check_plans(self.schedule)[self.rank]
+
+    @functools.cached_property
+    def _paired(self) -> tuple[set[int], list[Batch]]:
+        """This rank's pairs (positions of their F's) and its plan of the paired schedule."""
+        pairs, plans = paired_plans(self.schedule)
+        return pairs[self.rank], plans[self.rank]
 
     def copies_counted_elsewhere(self) -> list[torch.Tensor]:
         """Gradients another rank holds too (the last stage's tied embedding copy): count them once."""
@@ -187,16 +200,46 @@ class PipelineExecutor:
         step = _Step(micro_batches, attention or _plain_inputs(micro_batches), autocast, global_tokens, loss_scale,
                      act_dtype, self._mailbox(self.schedule, self.plan, micro_batches, sends, act_dtype), sends,
                      loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))  # fp64, as a Python sum
-        for index, action in enumerate(self.schedule.actions[self.rank]):
+        actions, pairs = self.schedule.actions[self.rank], self._paired[0] if self.lanes else set()
+        index = 0
+        while index < len(actions):
+            action = actions[index]
+            if index in pairs:
+                self._pair(step, index, action, actions[index + 1], clock)
+                index += 2
+                continue
             step.mail.post(index)  # what the plan posts here: sends produced so far, receives due by now
             received = self._receive(step, action)  # inputs first, then the clock: waiting shows as gaps
             began = clock() if clock else 0.0
-            with self.group.timer.span("compute", "compute", str(action)):  # minus the collectives inside
-                self.act[action.kind](step, index, action, received)
+            with self.group.timer.span("compute", "compute", str(action)), on_stream(self.streams[action.stage]):
+                self.act[action.kind](step, index, action, received)  # minus the collectives inside
             if clock:  # marks of the step timer's clock (CUDA: events), read as times after the step
                 step.stats.timeline.append((began, clock(), str(action)))
             step.stats.peak_held_bytes = max(step.stats.peak_held_bytes, _held_bytes(step.slots))
+            index += 1
         return self._finish(step)
+
+    def _pair(self, step: _Step, index: int, f: Action, b: Action, clock) -> None:
+        """DualPipe's F&B (pipeline/overlap.py): the F at `index` on the side lane, the B after it on
+        this thread, at once; one action of the timeline, "F<mb>s<stage>&B<mb>s<stage>"."""
+        step.mail.post(index)  # both halves' inputs (paired_plans moved the B's here)
+        f_in, b_in = self._receive(step, f), self._receive(step, b)
+        step.mail.post(index + 1)  # empty: only the polling of sends done
+        began, name = clock() if clock else 0.0, f"{f}&{b}"
+
+        def forward() -> None:
+            with on_stream(self.streams[f.stage]):
+                self._forward(step, index, f, f_in)
+
+        def backward() -> None:
+            with on_stream(self.streams[b.stage]):
+                self._backward(step, index + 1, b, b_in)
+
+        with self.group.timer.span("compute", "compute", name):
+            run_pair(forward, backward, self.lanes, self.group.timer, name)
+        if clock:
+            step.stats.timeline.append((began, clock(), name))
+        step.stats.peak_held_bytes = max(step.stats.peak_held_bytes, _held_bytes(step.slots))
 
     def _receive(self, step: _Step, action: Action) -> torch.Tensor | None:
         """What `action` needs from a neighbouring stage: F of a later stage its input activation (a

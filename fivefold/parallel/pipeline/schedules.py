@@ -200,9 +200,10 @@ def dualpipe_v(p: int, m: int) -> Schedule:
     on the way up). The phases below follow DeepSeek's published DualPipeV
     algorithm. In the steady phase each rank pairs a forward of one chunk with
     a full backward of the other; DualPipe runs such a pair concurrently to
-    hide MoE all-to-all, which this simulator does not model, so the pair is
-    listed as F then B. Warm-up and cool-down split backwards into I + W and
-    defer the W's into the gaps. Needs m >= 2p (as PyTorch's DualPipeV).
+    hide MoE all-to-all, so the pair is listed as F then B and run at once with
+    parallel.ep_overlap (pipeline/overlap.py; simulate's Costs.fb times it).
+    Warm-up and cool-down split backwards into I + W and defer the W's into
+    the gaps. Needs m >= 2p (as PyTorch's DualPipeV).
     """
     _check_pm(p, m)
     if m < 2 * p:

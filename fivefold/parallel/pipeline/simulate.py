@@ -28,7 +28,8 @@ class Costs:
     overlapped pair (DeepSeek-V3 technical report, 2024, sec. 3.2.1: one's all-to-all hidden under
     the other's compute). Each F that `dualpipe_v` lists right before a B of its other chunk then
     runs with that B as one action of this length, started once both have their inputs. None: the
-    pair runs as two actions, F then B, as fivefold's executor runs it.
+    pair runs as two actions, F then B, as fivefold's executor runs it without parallel.ep_overlap
+    (with it, pipeline/overlap.py runs the pair at once, posting the F's output at the pair's end).
     """
 
     f: float = 1.0
@@ -115,7 +116,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
             return [("I", mb, s)]
         return [("F", mb, s)] + ([("G", mb, s + 1)] if s < last else [])
 
-    pairs = _overlapped_pairs(schedule) if costs.fb is not None else [set() for _ in range(p)]
+    pairs = overlapped_pairs(schedule) if costs.fb is not None else [set() for _ in range(p)]
     ptr, free = [0] * p, [0.0] * p
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(p)]
     remaining = sum(len(seq) for seq in schedule.actions)
@@ -165,9 +166,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     )
 
 
-def _overlapped_pairs(schedule: Schedule) -> list[set[int]]:
+def overlapped_pairs(schedule: Schedule) -> list[set[int]]:
     """Per rank, the positions of the F's that run overlapped with the B after them: in
-    `dualpipe_v`, an F directly followed by a B of the rank's other chunk (its steady phases)."""
+    `dualpipe_v`, an F directly followed by a B of the rank's other chunk (its steady phases). The
+    executor runs those pairs with parallel.ep_overlap (pipeline/overlap.py)."""
     if schedule.name != "dualpipe_v":
         return [set() for _ in schedule.actions]
     return [{k for k in range(len(seq) - 1) if seq[k].kind == "F" and seq[k + 1].kind == "B"
