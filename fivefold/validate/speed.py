@@ -26,9 +26,6 @@ def speed_errors(cfg: Config) -> list[str]:
     if p.offload == "optimizer" and p.zero == 0:
         errors.append("parallel.offload = 'optimizer' moves the optimizer's shards to the host, but "
                       "parallel.zero = 0 has none: set zero = 1, 2 or 3")
-    if p.offload == "params" and p.zero == 3:
-        errors.append("parallel.offload = 'params' is not built yet (ZeRO-3's parameter shards stay on the device; "
-                      "offload = 'optimizer' moves the optimizer state): set offload = 'optimizer' or 'none'")
     if p.ep_overlap and p.pp_schedule == "dualpipe_v":
         errors.append("parallel.ep_overlap = true is not built yet (the dualpipe_v executor runs a forward and a "
                       "backward chunk one after the other): set ep_overlap = false")
