@@ -297,8 +297,6 @@ SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or nam
                                       "parallel.offload = 'params' moves ZeRO-3's parameter shards to the host"),
     "offload optimizer without ZeRO": (("--parallel.offload=optimizer",), 1,
                                        "parallel.offload = 'optimizer' moves the optimizer's shards to the host"),
-    "offload params": (("--parallel.dp=2", "--parallel.zero=3", "--parallel.offload=params"), 2,
-                       "parallel.offload = 'params' is not built yet"),
     "fp8_gather without ZeRO-3": (("--train.fp8=tensorwise", "--parallel.fp8_gather=true"), 1,
                                   "parallel.fp8_gather = true gathers ZeRO-3's weights in FP8"),
 }
@@ -309,6 +307,11 @@ def test_speed_switches_are_refused_by_name(tmp_path, name):
     args, world, message = SPEED_ERRORS[name]
     errors = validate(tiny_config(tmp_path, *args), world)
     assert len(errors) == 1 and errors[0].startswith(message), errors
+
+
+def test_parameter_offload_with_zero3_is_accepted(tmp_path):
+    """Built (parallel/data/offload.py): only its ZeRO stage is checked, for the device and the host."""
+    assert validate(tiny_config(tmp_path, "--parallel.dp=2", "--parallel.zero=3", "--parallel.offload=params"), 2) == []
 
 
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_names_the_device(tmp_path, monkeypatch):

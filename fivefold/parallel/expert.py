@@ -143,16 +143,18 @@ class ExpertParallel:
     group: AxisGroup
     token_group: AxisGroup  # tp: each rank routes its own T/tp tokens (sp); only tp_partial gradients use it
 
-    def sum_partial_gradients(self, params: list[nn.Parameter],
-                              gradient_of: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    def sum_partial_gradients(self, params: list[nn.Parameter], gradient_of: Callable[[nn.Parameter], torch.Tensor],
+                              device: torch.device | None = None) -> None:
         """Sum the tp_partial gradients over tp, in place, once per step after backward (data
         parallel has summed them over the grad view already: the sums commute). `gradient_of`:
         the gradient the optimizer applies (ZeRO: this rank's rows, the same rows on every tp rank).
-        Collective over tp, one all-reduce of them all (as the planner prices it); nothing without sp."""
+        Collective over tp, one all-reduce of them all (as the planner prices it), on `device` when
+        the gradients are elsewhere (offload = "params": on the host); nothing without sp."""
         grads = [gradient_of(p) for p in params if is_tp_partial(p)]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,): the same sums, one collective
+        flat = flat.to(device) if device is not None else flat
         collectives.all_reduce(flat, self.token_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))

@@ -64,9 +64,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = (),
                    counted_elsewhere: list[torch.Tensor] = (),
                    split_further: tuple[list[torch.Tensor], list[AxisGroup], list[AxisGroup]] | None = None,
-                   ) -> torch.Tensor:
+                   device: torch.device | None = None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm (0: no clipping); return the norm,
-    a 0-dim float64 tensor on the gradients' device: nothing here waits for the device.
+    a 0-dim float64 tensor on `device` (None: the gradients'): nothing here waits for the device.
 
     With plain data parallel every rank holds the whole summed gradient, so the local norm is the
     global one. Gradients split over ranks (ZeRO shards, pipeline stages) pass the groups they are
@@ -80,12 +80,15 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[Axis
     Each tensor's norm is taken in float64 without a float64 copy of it (torch._foreach_norm
     accumulates in the dtype it is given); their squares are summed in float64. A non-finite norm
     leaves the gradients as they are (the step is skipped; the caller names the culprits from them).
+    With offload = "params" the gradients are on the host and `device` is the mesh's: the partial
+    sums are taken on the host and go to the device for the reductions, the same float64 numbers.
     """
-    device = grads[0].device if grads else None
+    here = grads[0].device if grads else device
+    device = device or here
     further, further_groups, dense_groups = split_further or ([], [], [])
     counted = [g for g in grads if not any(g is other for other in counted_elsewhere)]
-    sq = _sum_of_squares([g for g in counted if not any(g is other for other in further)], device)
-    sq_further = _sum_of_squares([g for g in counted if any(g is other for other in further)], device)
+    sq = _sum_of_squares([g for g in counted if not any(g is other for other in further)], here).to(device)
+    sq_further = _sum_of_squares([g for g in counted if any(g is other for other in further)], here).to(device)
     for group in dense_groups:
         collectives.all_reduce(sq, group)
     for group in further_groups:
@@ -97,7 +100,7 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[Axis
     if max_norm > 0 and grads:
         # min(1, max_norm / (norm + 1e-6)) in float64, then float32 as a Python scale would be; 1 when not finite
         scale = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
-        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        torch._foreach_mul_(grads, scale.to(here, grads[0].dtype))
     return norm
 
 

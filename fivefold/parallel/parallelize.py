@@ -5,7 +5,8 @@
       -> context parallel
       -> activation checkpointing / compile
       -> data parallel / ZeRO / FSDP (last: it wraps whatever parameters the others left)
-      -> optimizer offload (parallel.offload: the optimizer steps host copies of ZeRO's shards)
+      -> offload (parallel.offload: the optimizer steps host copies of ZeRO's shards, or with "params"
+         ZeRO-3's shards live on the host and come up for each gather)
 
 Each step is one `apply_<dim>(model, mesh, cfg, derived)` that changes the model in place, returns
 what the rest of the step needs from that dimension, and is a no-op at size 1. Data parallel comes
@@ -32,7 +33,7 @@ from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
-from fivefold.parallel.data.offload import HostOffload, apply_offload
+from fivefold.parallel.data.offload import HostOffload, ParamOffload, apply_offload
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.fp8 import apply_fp8
@@ -51,7 +52,8 @@ class LossScale(Protocol):
 
     scale: float
 
-    def unscale(self, grads: list[torch.Tensor], groups: list[AxisGroup]) -> bool: ...
+    def unscale(self, grads: list[torch.Tensor], groups: list[AxisGroup],
+                device: torch.device | None = None) -> bool: ...
     def update(self, finite: bool) -> None: ...
 
 
@@ -77,7 +79,7 @@ class Parallelized:
     experts: ExpertParallel  # the group experts are split over (of size 1 without ep); sp's MoE gradient sum
     optimizer: torch.optim.Optimizer  # AdamW over dp.optimizer_params()
     memory: ModelStateMeter  # this rank's model-state bytes, sampled after each chunk's first and last backward
-    offload: HostOffload | None = None  # parallel.offload = "optimizer": the optimizer steps host copies of the shards
+    offload: HostOffload | ParamOffload | None = None  # parallel.offload: the optimizer steps host tensors
 
     def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,21 +111,22 @@ class Parallelized:
         (`found_inf`); elsewhere, and with fp16's loss scaling, the norm is read here to decide
         (on a CPU that waits for nothing)."""
         set_lr(self.optimizer, lr)
+        device = self.pipeline.device  # where the collectives run: offload = "params" keeps gradients on the host
         if self.offload is not None:
-            self.offload.reset_counts()
-        self.experts.sum_partial_gradients(self.dp.params, self.dp.gradient_of)  # sp: MoE shares over tp
+            self.offload.grads_ready()  # "params": the gradient shards' copies down are complete
+        self.experts.sum_partial_gradients(self.dp.params, self.dp.gradient_of, device)  # sp: MoE shares over tp
         both = [self.mesh.group("pp"), self.mesh.group("tp")]  # what dense and expert gradients are split over
         # Expert gradients (ep > 1) are split over ep, and with ZeRO their shards over expert_dp.
         expert_groups = [*self.dp.expert_norm_groups, self.experts.group] if self.experts.group.size > 1 else []
         # The verdict travels over every group any gradient is split over, so every rank agrees.
-        if not scaler.unscale(self.dp.gradients(), [*expert_groups, *self.dp.norm_groups, *both]):
+        if not scaler.unscale(self.dp.gradients(), [*expert_groups, *self.dp.norm_groups, *both], device):
             self._skip()  # fp16 overflow: the scale halves
             scaler.update(False)
-            inf = torch.full((), math.inf, dtype=torch.float64, device=self.pipeline.device)
+            inf = torch.full((), math.inf, dtype=torch.float64, device=device)
             return StepOutcome(inf, torch.zeros((), dtype=torch.bool, device=inf.device), overflow=True)
         named = [(name, g) for name, p in self.model.named_parameters() if (g := self.dp.gradient_of(p)) is not None]
         grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, both, self._counted_elsewhere(),
-                                   (self._expert_gradients(), expert_groups, self.dp.norm_groups))
+                                   (self._expert_gradients(), expert_groups, self.dp.norm_groups), device)
         finite = torch.isfinite(grad_norm)
         # offload: the host's AdamW is foreach, and the host must read the norm anyway before it steps
         if fused_on(grad_norm.device) and not scaler.enabled and self.offload is None:  # decided on the device
@@ -135,10 +138,10 @@ class Parallelized:
         applied = math.isfinite(float(grad_norm))  # the host decides: the norm's read
         if applied:
             if self.offload is not None:
-                self.offload.to_host()  # the clipped gradient shards down, waited for
+                self.offload.to_host()  # "optimizer": the clipped gradient shards down, waited for
             self.optimizer.step()
             if self.offload is not None:
-                self.offload.to_device()  # the updated shards up, before data parallel gathers them
+                self.offload.to_device()  # "optimizer": the updated shards up, before data parallel gathers them
             self._zero_grad()
             self.dp.after_step()
         else:

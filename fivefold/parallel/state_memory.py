@@ -6,9 +6,10 @@ freed storage (ZeRO-3 resizes a parameter's storage to zero between uses; a pipe
 output once sent) counts nothing. The optimizer's share is its state (AdamW's moments) plus the
 tensors it steps that are not the model's parameters (ZeRO's fp32 master shards), and their
 gradients count as gradients. With ZeRO-Offload (data/offload.py) the optimizer steps host copies:
-what is counted is the device's, the fp32 shards it keeps, not the host's (the metrics record's
-"offload" entry has those). The metrics log reports the largest sample of a step; the planner's
-memory model (planner/memory.py) predicts the same numbers.
+what is counted is the device's, the fp32 shards it keeps (none with offload = "params", whose
+host masters are ZeRO-3's shards), not the host's (the metrics record's "offload" entry has
+those). The metrics log reports the largest sample of a step; the planner's memory model
+(planner/memory.py) predicts the same numbers.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from fivefold.parallel.data.offload import HostOffload
+    from fivefold.parallel.data.offload import HostOffload, ParamOffload
 
 
 def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-                      offload: HostOffload | None = None) -> dict[str, int]:
+                      offload: HostOffload | ParamOffload | None = None) -> dict[str, int]:
     """{params, grads, optimizer, total} bytes held now for the model's `params` and `optimizer`
     on the device (`offload`: the optimizer's tensors are on the host; the device keeps the shards)."""
     seen: set[int] = set()
@@ -55,7 +56,7 @@ class ModelStateMeter:
     """The largest model_state_bytes() sampled (after a chunk's first and last backward) since the last pop."""
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-                 offload: HostOffload | None = None):
+                 offload: HostOffload | ParamOffload | None = None):
         self.params, self.optimizer, self.offload = params, optimizer, offload
         self._peak: dict[str, int] = {}
 

@@ -13,14 +13,15 @@ Activations use the shared per-block formula (activations.py) times the blocks o
 times the chunks a schedule keeps in flight (simulate().peak_inflight), plus the logits of the
 last stage. Buffers are the communication staging the parallel code allocates (below).
 
-Options of other trainers (options.py; fivefold runs offload = "optimizer", not "params" nor FP8 weights):
+Options of other trainers (options.py; fivefold runs both offloads and FP8 weights' gathers):
 - offload (offload_state): ZeRO-Offload (Ren et al. 2021) keeps the optimizer state, fp32 master
   included, on the host, with the fp32 gradient partition the CPU's Adam reads; ZeRO-Infinity
   (Rajbhandari et al. 2021) moves the ZeRO-3 parameter shards there too. Per parameter of the
   rank's shard the host holds b_o + 4 (+ b_p with parameters): 16 and 18 bytes at 2,2,12, the
   figures of DeepSpeed's memory estimator (estimate_zero3_model_states_mem_needs, without its 1.5
   buffer margin). On the device the optimizer state goes, and from ZeRO-2 on the gradient shard
-  (it leaves for the host as it is reduced; its buckets stay in the buffers).
+  (it leaves for the host as it is reduced; its buckets stay in the buffers). fivefold's own
+  (fivefold_state_bytes) keeps fp32 weights, so its host master is the parameter: 16 either way.
 - fp8 = "weights": the blocks' weights at rest in 1 byte, the fp32 master in the optimizer state
   as before; the embedding and head stay in bf16 (torchtitan's float8 converts the linear layers
   but the output head; the embedding is no linear layer). fp8 compute keeps FP8 copies of the
@@ -106,18 +107,21 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
     With parallel.offload = "optimizer" (parallel/data/offload.py) the moments go to the host, the
     fp32 shard stays on the device (ZeRO-1/2 gather from it; for ZeRO-3 it is the parameter), and
     the host holds master, both moments and the gradient shard's buffer: 16 bytes per shard element
-    under "host" (0 without offload), what offload_state counts for ZeRO's accounting too.
+    under "host" (0 without offload), what offload_state counts for ZeRO's accounting too. With
+    "params" (ZeRO-3) the host master is the parameter shard: the same 16 bytes on the host (no
+    parameter copy beside it, where ZeRO's accounting adds b_p), and the device keeps neither the
+    fp32 shard nor its gradient (each gather's staging buffer lives only while the gather runs).
     """
-    zero, offload = cfg.parallel.zero, cfg.parallel.offload == "optimizer" and cfg.parallel.zero > 0
+    zero, offload = cfg.parallel.zero, cfg.parallel.offload if cfg.parallel.zero > 0 else "none"
     if zero == 0:
         out = {"params": 4.0 * params, "grads": 4.0 * params, "optimizer": 8.0 * params}
     else:
         # ZeRO-1 with accumulation: the largest sample is a non-last micro-batch's, full gradient
         # held and the shard's gradient not yet made (it is dropped after each optimizer step)
         grads = 4.0 * params if zero == 1 and grad_accum > 1 else 4.0 * params / n
-        out = {"params": 0.0 if zero == 3 else 4.0 * params, "grads": grads,
-               "optimizer": (4.0 if offload else 12.0) * params / n}
-    host = (12.0 + HOST_GRAD_BYTES) * params / n if offload else 0.0  # master + 2 moments, gradient buffer
+        out = {"params": 0.0 if zero == 3 else 4.0 * params, "grads": 0.0 if offload == "params" else grads,
+               "optimizer": {"none": 12.0, "optimizer": 4.0, "params": 0.0}[offload] * params / n}
+    host = (12.0 + HOST_GRAD_BYTES) * params / n if offload != "none" else 0.0  # master + 2 moments, gradient
     return {**out, "total": sum(out.values()), "host": host}
 
 
@@ -135,12 +139,10 @@ def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, in
 def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
                      options: PlanOptions = DEFAULT) -> dict[str, float]:
     """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`,
-    which has optimizer offload but no parameter offload, and whose ZeRO-3 counts no gathered weights,
-    FP8 or not) over state_parts, under `options`' offload and FP8 weights; "host" is what offload
-    keeps on the host for this rank."""
+    whose ZeRO-3 counts no gathered weights, FP8 or not, and whose parameter offload keeps no
+    parameter copy beside the host master) over state_parts, under `options`' offload and FP8
+    weights; "host" is what offload keeps on the host for this rank."""
     p = cfg.parallel
-    if implementation and options.offload == "params":
-        raise ValueError("fivefold's own state (implementation=True) has no parameter offload")
     if implementation and options.offload != p.offload:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=options.offload))
     states = []

@@ -64,7 +64,8 @@ def option_variants(cfg: Config, options: PlanOptions, consider: tuple[str, ...]
                     has_fp8: bool = True) -> list[PlanOptions]:
     """The variants of `options` that `consider` asks for, cfg's ZeRO stage allows (offload.check_offload;
     FP8 gathers with ZeRO-3) and the GPU can run (FP8 only with FP8 tensor cores), `options` itself
-    left out. fivefold does not gather FP8 weights into host-offloaded shards (validate/speed.py)."""
+    left out. Offload with FP8 weights is not tried, to keep the variants few (the runtime runs both
+    together, offload = "params" included: parallel/data/offload.py)."""
     zero = cfg.parallel.zero
     offloads = ["none"] + ([*(["optimizer"] if zero else []), *(["params"] if zero == 3 else [])]
                            if "offload" in consider else [])

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from fivefold.config import Config
 from fivefold.parallel.data import DataParallel
-from fivefold.parallel.data.offload import HostOffload
+from fivefold.parallel.data.offload import HostOffload, ParamOffload
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import AXES, Mesh
 from fivefold.parallel.optimizer import init_optimizer_state
@@ -113,10 +113,12 @@ def positions(cfg: Config, derived: Derived, every: bool = False) -> list[Positi
     return [Position(*key, rank=first, ranks=n) for key, (first, n) in found.items()]
 
 
-def hold_gradients(dp: DataParallel, zero: int, grad_accum: int, offload: HostOffload | None = None) -> None:
+def hold_gradients(dp: DataParallel, zero: int, grad_accum: int,
+                   offload: HostOffload | ParamOffload | None = None) -> None:
     """Give the tensors the gradients data parallel holds after a micro-batch's backward, at the
     largest such sample (module docstring), as meta tensors of their exact shapes. With `offload` the
-    optimizer steps host copies; the gradients are the device's fp32 shards' all the same."""
+    optimizer steps host copies; the gradients are the device's fp32 shards' all the same (offload =
+    "params": the device keeps no shard, and its gradients are the host's)."""
     full = zero == 0 or (zero == 1 and grad_accum > 1)
     shards = offload.device_masters if offload is not None else dp.optimizer_params()
     tensors = dp.params if full else shards  # else the fp32 master shards' gradients

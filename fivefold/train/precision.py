@@ -41,18 +41,20 @@ class LossScaler:
         self.clean_steps = 0
 
     @torch.no_grad()
-    def unscale(self, grads: list[torch.Tensor], groups: list[AxisGroup]) -> bool:
+    def unscale(self, grads: list[torch.Tensor], groups: list[AxisGroup], device: torch.device | None = None) -> bool:
         """Divide gradients by the scale; True when all are finite on every rank.
 
         With gradients split over ranks each sees only its part, so the verdict is agreed over the
-        groups they are split over: every rank must skip, or none.
+        groups they are split over: every rank must skip, or none. `device`: where those reductions
+        run, when not where the gradients are (offload = "params" keeps them on the host).
         """
         if not self.enabled:
             return True
-        bad = torch.zeros((), device=grads[0].device if grads else None)  # beside the gradients: no copies
+        bad = torch.zeros((), device=grads[0].device if grads else device)  # beside the gradients: no copies
         for g in grads:
             g.mul_(1.0 / self.scale)
             bad += (~torch.isfinite(g)).any().float()
+        bad = bad.to(device) if device is not None else bad
         for group in groups:
             collectives.all_reduce(bad, group)
         return bool(bad == 0)

@@ -78,6 +78,8 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     timer = mesh.timer
     began = timer.begin_step(trace=trace)
     mesh.stats.reset()
+    if par.offload is not None:  # its copies are counted from here: "params" copies during forward and backward
+        par.offload.reset_counts()
     lr = lr_at(step, t)
     with timer.span("data"):
         epoch, first = run.loader.state.epoch, run.loader.state.cursor

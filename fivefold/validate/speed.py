@@ -30,9 +30,6 @@ def speed_errors(cfg: Config) -> list[str]:
     if p.offload == "optimizer" and p.zero == 0:
         errors.append("parallel.offload = 'optimizer' moves the optimizer's shards to the host, but "
                       "parallel.zero = 0 has none: set zero = 1, 2 or 3")
-    if p.offload == "params" and p.zero == 3:
-        errors.append("parallel.offload = 'params' is not built yet (ZeRO-3's parameter shards stay on the device; "
-                      "offload = 'optimizer' moves the optimizer state): set offload = 'optimizer' or 'none'")
     if p.fp8_gather and (p.zero != 3 or t.fp8 != "tensorwise"):
         errors.append(f"parallel.fp8_gather = true gathers ZeRO-3's weights in FP8 with one scale per tensor, "
                       f"but zero = {p.zero} and train.fp8 = '{t.fp8}': set zero = 3 and train.fp8 = 'tensorwise'")

@@ -1,6 +1,7 @@
-"""ZeRO-Offload (parallel.offload = "optimizer", parallel/data/offload.py): the same training as the
-device's optimizer, the bytes each way per step, the host memory the planner predicts, and proof
-that the optimizer really steps host copies."""
+"""ZeRO-Offload (parallel.offload = "optimizer") and ZeRO-Infinity's parameter offload ("params"),
+parallel/data/offload.py: the same training as on the device, the bytes each way per step, the host
+memory the planner predicts, proof that the optimizer really steps host copies, and checkpoints
+moving between the modes."""
 
 import shutil
 
@@ -10,6 +11,7 @@ from helpers import EQUIVALENCE, parallelized, tiny_config, train_and_gather
 
 from fivefold.checkpoint.run_state import complete_checkpoints
 from fivefold.model.transformer import count_parameters
+from fivefold.parallel.data.offload import step_bytes
 from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.estimate import estimate
@@ -19,6 +21,7 @@ from fivefold.train.metrics import read_metrics
 
 DP2 = (*EQUIVALENCE, "--parallel.dp=2")
 OFFLOAD = "--parallel.offload=optimizer"
+PARAMS = "--parallel.offload=params"
 
 
 def _run(tmp_path, zero: int, *extra: str):
@@ -67,6 +70,43 @@ def test_host_memory_is_the_planners(tmp_path):
     assert measured["optimizer"] == pytest.approx(predicted["optimizer"])
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_params_offload_trains_as_zero3_on_the_device_bit_for_bit(tmp_path, reshard):
+    """offload = "params": the host masters are ZeRO-3's shards, brought up for every gather and the
+    reduced rows sent down (and added there) at every reduce-scatter; unscaled, clipped and stepped on
+    the host. The same fp32 adds, float64 norm and foreach AdamW on the same values: losses, norms and
+    final weights bit for bit ZeRO-3's on the device (measured so on CPU), the mesh's traffic
+    unchanged, and the host link's bytes offload.step_bytes' formula: resharding, M = 2 micro-batches
+    of two gathers a unit (the head's unit one) and a reduce-scatter; kept gathered, one of each."""
+    keep = f"--parallel.reshard_after_forward={str(reshard).lower()}"
+    cfg, (losses, norms, state), steps = _run(tmp_path / "off", 3, PARAMS, keep)
+    _, (ref_losses, ref_norms, ref_state), ref_steps = _run(tmp_path / "ref", 3, keep)
+    assert losses == ref_losses and norms == ref_norms
+    assert state.keys() == ref_state.keys()
+    for name, ref in ref_state.items():
+        assert torch.equal(state[name], ref), name
+    assert [s["comm"] for s in steps] == [s["comm"] for s in ref_steps]
+    derived = derive(cfg, 2)
+    model = build_model(cfg, derived.vocab_size)
+    P, tensors = count_parameters(model), len(list(model.parameters()))
+    head = count_parameters(model.norm) + count_parameters(model.output)
+    expected = step_bytes(P // 2, head // 2, derived.grad_accum, reshard, pipeline=False)  # no padding at dp 2
+    assert derived.grad_accum == 2 and expected["h2d_bytes"] > 0
+    assert [{k: s["offload"][k] for k in expected} for s in steps] == [expected] * len(steps)
+    # The device keeps no fp32 shard, gradient shard or moment: the planner's fivefold accounting says
+    # the same, and its host bytes are the run's, 16 per shard element (the master is the parameter
+    # shard), plus AdamW's step counters; ZeRO's accounting adds a bf16 parameter copy, 18.
+    measured, predicted = steps[-1]["model_state_bytes"], steps[-1]["predicted"]["model_state_bytes"]
+    assert measured["optimizer"] == predicted["optimizer"] == 0
+    if reshard:  # kept gathered, the step's full weights and gradients stay until the last backward
+        assert measured["total"] == 0 and predicted["grads"] == 0
+    hw = get_hardware("h100")
+    per_rank = min(2, hw.gpus_per_node)
+    assert estimate(cfg, 2, hw, implementation=True).host_memory_bytes / per_rank == 16 * P / 2
+    assert steps[-1]["offload"]["host_bytes"] == 16 * P / 2 + 4 * tensors
+    assert estimate(cfg, 2, hw).host_memory_bytes / per_rank == 18 * P / 2
+
+
 def _offload_at_work(rank, world, cfg):
     from fivefold.parallel.optimizer import init_optimizer_state
 
@@ -105,18 +145,43 @@ def test_the_optimizer_steps_the_host_copies(tmp_path):
         assert d2h == h2d == shard_bytes > 0
 
 
+def _params_at_work(rank, world, cfg):
+    par = parallelized(cfg, world)
+    off, shards = par.offload, par.dp.shards
+    stepped = {id(p) for group in par.optimizer.param_groups for p in group["params"]}
+    b = par.dp.buckets[0]
+    staged = off.stage(b)  # what a gather sends: a device buffer of its own
+    host = {t.untyped_storage().data_ptr() for t in [*off.host_masters, *off.host_grads]}
+    return (stepped == {id(h) for h in off.host_masters} and off.device_masters == [],
+            all(shards.masters[id(p)] is h for p, h in zip(par.dp.params, off.host_masters, strict=True)),
+            staged.untyped_storage().data_ptr() not in host,
+            torch.equal(staged, torch.cat([shards.masters[id(p)].reshape(-1) for p in b.params])),
+            off.h2d_bytes == 4 * sum(b.shard_numel))
+
+
+def test_params_offload_gathers_from_staged_copies_of_the_host_shards(tmp_path):
+    """Fails if parameter offload silently keeps device shards: the optimizer steps the host masters,
+    which are ZeRO-3's shards (no other fp32 shard is kept), and a gather sends a staged copy of them."""
+    cfg = tiny_config(tmp_path, "--parallel.dp=2", "--parallel.zero=3", PARAMS)
+    for checks in run_workers(_params_at_work, 2, cfg):
+        assert all(checks), checks
+
+
 def _losses(rank, world, cfg):
     return train(cfg, progress=False).losses
 
 
-@pytest.mark.parametrize("zero,saved,resumed", [(1, True, False), (1, False, True), (3, True, True)])
-def test_a_checkpoint_moves_between_offload_and_none(tmp_path, zero, saved, resumed):
-    """Saved with or without offload, resumed with or without it: the same master weights and
-    moments (the state dicts read the host copies), so the resumed steps are the uninterrupted
-    run's, bit for bit."""
+@pytest.mark.parametrize("zero,saved,resumed", [(1, "optimizer", "none"), (1, "none", "optimizer"),
+                                                (3, "optimizer", "optimizer"), (3, "params", "none"),
+                                                (3, "optimizer", "params")])
+def test_a_checkpoint_moves_between_offload_modes(tmp_path, zero, saved, resumed):
+    """Saved under one parallel.offload, resumed under another: the same master weights and moments
+    (the state dicts read the host copies, or with "params" the host shards), so the resumed steps
+    are the uninterrupted run's, bit for bit."""
     args = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=4", "--checkpoint.every=2",
             "--parallel.dp=2", f"--parallel.zero={zero}")
-    losses = run_workers(_losses, 2, tiny_config(tmp_path, *args, *[OFFLOAD] * saved))[0]
+    losses = run_workers(_losses, 2, tiny_config(tmp_path, *args, f"--parallel.offload={saved}"))[0]
     shutil.rmtree(complete_checkpoints(tmp_path / "tiny")[-1])
-    again = run_workers(_losses, 2, tiny_config(tmp_path, *args, *[OFFLOAD] * resumed, "--checkpoint.resume=true"))[0]
+    again = run_workers(_losses, 2, tiny_config(tmp_path, *args, f"--parallel.offload={resumed}",
+                                                "--checkpoint.resume=true"))[0]
     assert again == losses[2:]

@@ -114,6 +114,11 @@ def test_parameter_offload_empties_the_device_state():
     est = estimate(cfg, 8, H100, options=PlanOptions(offload="params"))
     assert est.memory["params"] == est.memory["grads"] == est.memory["optimizer"] == 0
     assert est.host_memory_bytes == pytest.approx(18 * P)
+    assert est.not_runnable == []  # parallel/data/offload.py runs it
+    # fivefold's own state: the fp32 host master is the parameter shard, so 16 bytes per element, 8 x 16 P / 8
+    own = estimate(cfg, 8, H100, implementation=True, options=PlanOptions(offload="params"))
+    assert own.memory["params"] == own.memory["grads"] == own.memory["optimizer"] == 0
+    assert own.host_memory_bytes == pytest.approx(16 * P)
 
 
 def test_offload_refusals_are_one_line(capsys):
@@ -231,12 +236,11 @@ def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipel
     assert res.ranked and all(not e.not_runnable for _, e in res.ranked)
     # what it set aside is what fivefold does not build yet (validate/speed.py), nothing else
     assert {r.split(" is not built yet")[0] for _, e in res.not_runnable for r in e.not_runnable} <= {
-        "parallel.offload = 'params'"}
-    # parameter offload is priced (with ZeRO-3 only) and set aside as not built
-    params = [(c, e) for c, e in res.not_runnable if c.parallel.offload == "params"]
-    assert params and all(c.parallel.zero == 3 and any(r.startswith("parallel.offload = 'params' is not built yet")
-                                                       for r in e.not_runnable) for c, e in params)
+        "parallel.ep_overlap = true"}
     layouts = [c.parallel for c, _ in res.ranked]
+    # parameter offload is priced with ZeRO-3 only, and ranked: parallel/data/offload.py runs it
+    assert any(p.offload == "params" for p in layouts)
+    assert all(p.zero == 3 for p in layouts if p.offload == "params")
     assert any(p.pp > 1 and p.zero == 2 for p in layouts) and any(p.pp > 1 and p.zero == 3 for p in layouts)
     assert any(p.ep > 1 and p.zero >= 1 for p in layouts)
     # the switches are set in the configs the search would write, each one `fivefold train` accepts
@@ -247,11 +251,10 @@ def test_search_ranks_every_switch_as_a_layout_choice_and_covers_zero_with_pipel
                          ("fp8", c.train.fp8), ("fp8_gather", p.fp8_gather)):
             if on and on != "none":
                 firsts.setdefault((name, on), (c, e))
-    assert set(firsts) == {("tp_overlap", True), ("ep_overlap", True), ("offload", "optimizer"),
+    assert set(firsts) == {("tp_overlap", True), ("ep_overlap", True), ("offload", "optimizer"), ("offload", "params"),
                            ("fp8", "tensorwise"), ("fp8_gather", True)}
     for c, e in firsts.values():
         assert not validate(c, 4) and e.options == e.options.with_config(c)
-    assert all(p.offload != "params" for p in layouts)  # parameter offload is not built (validate/speed.py)
     assert all(not p.ep_overlap or p.pp_schedule == "dualpipe_v" for p in layouts)
     # an option fivefold does not run puts every candidate it changes apart: never the best
     off = search(cfg, 4, H100, keep=5, options=PlanOptions(zero3_prefetch=False))

@@ -181,6 +181,7 @@ def test_every_position_holds_what_its_pipeline_rank_holds(tmp_path, layout, wor
     ["--parallel.zero=1"],  # 2 micro-batches a step: full gradients held between them
     ["--parallel.zero=1", "--train.micro_batch=4"],  # one micro-batch: only the shards' gradients
     ["--parallel.zero=3"],
+    ["--parallel.zero=3", "--parallel.offload=params"],  # nothing kept on the device: the shards are the host's
     ["--parallel.tp=2"],
 ])
 def test_built_bytes_equal_what_a_real_run_holds(tmp_path, layout):

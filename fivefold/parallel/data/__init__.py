@@ -18,8 +18,9 @@ The folder: buckets.py is the one bucket machinery (when a bucket of gradients i
 three); ddp.py, zero.py and fsdp.py each say what a reduction is (all-reduce; reduce-scatter into
 the fp32 shards of shards.py; that, and freeing a unit's gathered weights) and use the machinery as
 a part, not as a base class; offload.py moves ZeRO's optimizer state to the host (ZeRO-Offload,
-parallel.offload = "optimizer"); fp8_gather.py gathers ZeRO-3's FP8 weights in e4m3
-(parallel.fp8_gather). `DataParallel` below is what the step asks of any of them.
+parallel.offload = "optimizer"), and with "params" ZeRO-3's parameter shards too (ZeRO-Infinity);
+fp8_gather.py gathers ZeRO-3's FP8 weights in e4m3 (parallel.fp8_gather). `DataParallel` below is
+what the step asks of any of them.
 """
 
 from __future__ import annotations

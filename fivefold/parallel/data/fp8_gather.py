@@ -61,7 +61,8 @@ class Float8Gather:
     @torch.no_grad()
     def _issue_fp8(self, b: Bucket) -> Finish:
         group = self.shards.bucket_group(b)
-        rows = [self.shards.masters[id(p)].to(p.dtype) for p in b.params]  # as the plain gather would cast them
+        # as the plain gather would cast them (device_rows: staged up from the host with offload = "params")
+        rows = [r.to(p.dtype) for p, r in zip(b.params, self.shards.device_rows(b), strict=True)]
         amax = torch.stack([r.abs().amax().float() for r in rows])  # (n,) of this rank's rows
         collectives.all_reduce(amax, group, op=dist.ReduceOp.MAX)
         self._reduce_over_tp(b, amax)

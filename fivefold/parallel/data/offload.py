@@ -1,10 +1,10 @@
-"""ZeRO-Offload: the optimizer state of this rank's ZeRO shard lives in host memory and steps there.
+"""ZeRO-Offload and ZeRO-Infinity's parameter offload: this rank's ZeRO shard state in host memory.
 
 ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Model Training") keeps
 what the optimizer needs only once a step, the fp32 master weights and the AdamW moments, in the
 host's memory, and runs the AdamW step on the host's CPU; the device keeps what forward and
 backward need every micro-batch. `parallel.offload = "optimizer"` (with zero = 1, 2 or 3) does so
-for this rank's ZeRO shard (shards.py) of S elements:
+for this rank's ZeRO shard (shards.py) of S elements (`HostOffload`):
 
 | where | what | bytes |
 | --- | --- | --- |
@@ -27,7 +27,38 @@ back; fivefold's weights are fp32 whatever train.dtype, autocast computing in bf
 shard comes back.) The paper's one-step delayed update (overlapping the host step
 with the next step's compute) changes the optimizer's semantics and is not done: the results are
 the device optimizer's, bit for bit on a CPU (the same foreach AdamW on the same fp32 values).
-ZeRO-Infinity's parameter offload (`offload = "params"`) is not built (validate/speed.py).
+
+`parallel.offload = "params"` (ZeRO-3 only, `ParamOffload`) is ZeRO-Infinity's parameter offload
+(Rajbhandari et al. 2021, "ZeRO-Infinity: Breaking the GPU Memory Wall for Extreme Scale Deep
+Learning", sec. 5, to CPU memory; no NVMe) on top of that: the host master IS ZeRO-3's parameter
+shard, and the device keeps neither an fp32 shard nor a gradient shard between uses.
+
+| where | what | bytes |
+| --- | --- | --- |
+| host | fp32 parameter shard (the master), AdamW's two moments, the fp32 gradient shard | 16 S |
+| device | a staging buffer per gather in flight: its unit's shard, fp32 | none kept |
+
+- up, per gather of a unit (fsdp.py; prefetched one unit ahead, as the gathers are): the unit's
+  shards are copied into a device staging buffer (ZeroShards.packed), cast to param_dtype unless
+  that is fp32, and all-gathered from it; the buffer goes with the gather. 4 bytes per element;
+- down, per reduce-scatter: the rank's reduced rows go into the host gradient buffer, or (a later
+  micro-batch's, resharding) are added to it there, the fp32 add the device would make: 4 bytes;
+- the step: gradients are unscaled and clipped where they are, on the host (the norm's float64
+  partial sums of squares go to the device for the mesh's all-reduces: the same numbers), the
+  host's AdamW steps the masters, and nothing comes back: the next forward's gathers bring them.
+Bytes per step, this rank's shard of S elements (S_head of them the head's unit: final norm and
+output), M micro-batches:
+    h2d = 4 M (2 S - S_head)   resharding without a pipeline (each unit gathered for its forward
+                               and its backward, the head's unit once: kept for its backward)
+    h2d = 4 M 2 S              resharding with a pipeline, one chunk a rank (no unit kept across)
+    h2d = 4 S                  kept gathered (parallel.reshard_after_forward = false, the default
+                               with pipelines): each unit gathered once a step
+    d2h = 4 S M resharding, 4 S kept gathered (one reduce-scatter a step)
+(`step_bytes`), and with HSDP or cp replicas at M > 1 resharding the accumulated rows go up once
+more, 4 S, for the replicas' all-reduce. On CPU the run is ZeRO-3 on the device bit for bit (the
+same fp32 adds, norm and foreach AdamW on the same values). On CUDA the copies are asynchronous
+from pinned memory but ordered with the compute on the current stream (no side copy stream), so a
+prefetch's copy up waits behind the kernels issued before it.
 
 On a CPU device host and device are the same memory; the host copies are separate tensors all the
 same and every copy is made, so the mechanism runs and its bytes are counted as on a GPU.
@@ -39,34 +70,30 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
+from fivefold.parallel.data.buckets import Bucket
 from fivefold.parallel.data.shards import ShardedOptimizer, ZeroShards
 from fivefold.parallel.materialize import carry_marks
 
 
-class HostOffload:
-    """This rank's ZeRO shards' optimizer state on the host (module docstring): the host masters the
-    optimizer steps, their gradient buffers, and the copies each way with their bytes."""
+class HostCopies:
+    """What both offloads share: this rank's host masters and their gradient buffers (pinned on
+    CUDA), the bytes copied each way this step, and the wait for the copies in flight."""
 
     def __init__(self, shards: ZeroShards, params: list[nn.Parameter]):
         self.shards = shards
-        self.device_masters = [shards.masters[id(p)] for p in params]  # the device's fp32 shards, parameter order
-        device = self.device_masters[0].device if self.device_masters else torch.device("cpu")
-        self.device = device
+        masters = [shards.masters[id(p)] for p in params]  # the device's fp32 shards, parameter order
+        self.device = masters[0].device if masters else torch.device("cpu")
         # A meta device (the dry run) keeps the host copies on meta too: shapes, no memory.
-        host = torch.device("meta") if device.type == "meta" else torch.device("cpu")
-        pin = device.type == "cuda"  # pinned: the copies each way can be asynchronous DMA
+        host = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
+        pin = self.device.type == "cuda"  # pinned: the copies each way can be asynchronous DMA
         self.host_masters: list[nn.Parameter] = []
         self.host_grads: list[torch.Tensor] = []  # persistent: pinned once, reused every step
-        for m in self.device_masters:
+        for m in masters:
             master = torch.empty(m.shape, dtype=torch.float32, device=host, pin_memory=pin)  # (c, ...) as m
             # AdamW's decay rule reads no_decay off the tensors it steps (optimizer.build_optimizer)
             self.host_masters.append(carry_marks(m, nn.Parameter(master, requires_grad=False), ("no_decay",)))
             self.host_grads.append(torch.empty(m.shape, dtype=torch.float32, device=host, pin_memory=pin))
-        # What the optimizer steps (dp.optimizer_params()) and the key of the state the shards' state
-        # dicts read and load: the host's, so checkpoints carry the host moments under DDP's keys.
-        shards.stepped = {id(p): h for p, h in zip(params, self.host_masters, strict=True)}
-        self.d2h_bytes = self.h2d_bytes = 0  # this step's (reset_counts at each optimizer step)
-        self.pull_masters()
+        self.d2h_bytes = self.h2d_bytes = 0  # this step's: the training step resets them as it begins
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of the host tensors held for this rank: masters, gradient buffers and `optimizer`'s
@@ -75,8 +102,36 @@ class HostOffload:
         return sum(t.numel() * t.element_size() for t in [*self.host_masters, *self.host_grads, *state])
 
     def reset_counts(self) -> None:
-        """A new step: nothing moved yet (a skipped step moves nothing)."""
+        """A new step: nothing moved yet (a skipped step's optimizer moves nothing)."""
         self.d2h_bytes = self.h2d_bytes = 0
+
+    def stats(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """This step's bytes each way and the host's bytes, for the metrics record's "offload"."""
+        return {"d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes, "host_bytes": self.host_bytes(optimizer)}
+
+    def _wait(self) -> None:
+        """Block the host until the copies issued so far on the device's stream are done (CUDA: an
+        event on the current stream; elsewhere the copies were synchronous)."""
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
+
+
+class HostOffload(HostCopies):
+    """offload = "optimizer" (module docstring): host copies of the device's fp32 shards, which the
+    optimizer steps, their gradient buffers, and the copies each way at each step."""
+
+    def __init__(self, shards: ZeroShards, params: list[nn.Parameter]):
+        super().__init__(shards, params)
+        self.device_masters = [shards.masters[id(p)] for p in params]  # kept: ZeRO's gathers read them
+        # What the optimizer steps (dp.optimizer_params()) and the key of the state the shards' state
+        # dicts read and load: the host's, so checkpoints carry the host moments under DDP's keys.
+        shards.stepped = {id(p): h for p, h in zip(params, self.host_masters, strict=True)}
+        self.pull_masters()
+
+    def grads_ready(self) -> None:
+        """The step unscales and clips the device's gradient shards: nothing to wait for."""
 
     @torch.no_grad()
     def pull_masters(self) -> None:
@@ -116,22 +171,91 @@ class HostOffload:
         for m in self.device_masters:
             m.grad = None
 
-    def stats(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """This step's bytes each way and the host's bytes, for the metrics record's "offload"."""
-        return {"d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes, "host_bytes": self.host_bytes(optimizer)}
 
-    def _wait(self) -> None:
-        """Block the host until the copies issued so far on the device's stream are done (CUDA: an
-        event on the current stream; elsewhere the copies were synchronous)."""
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            done.synchronize()
+class ParamOffload(HostCopies):
+    """offload = "params" (module docstring): ZeRO-3's fp32 parameter shards are the host masters;
+    the shards (shards.HostMasters) call `stage` before each gather and `add_grad` at each reduction."""
+
+    def __init__(self, shards: ZeroShards, params: list[nn.Parameter]):
+        super().__init__(shards, params)
+        self.grad_buffer: dict[int, torch.Tensor] = {}  # id(host master) -> its gradient buffer
+        for p, h, buf in zip(params, self.host_masters, self.host_grads, strict=True):
+            h.copy_(shards.masters[id(p)])  # the padding rows' zeros (the rest is filled on load)
+            shards.masters[id(p)] = h  # the device's shard goes: the host master is the parameter shard
+            self.grad_buffer[id(h)] = buf
+        shards.host = self  # shards.stepped is shards.masters: the optimizer steps the host masters
+        self.device_masters: list[torch.Tensor] = []  # no fp32 shard stays on the device
+
+    @torch.no_grad()
+    def stage(self, b: Bucket) -> torch.Tensor:
+        """The bucket's host shards copied up into a new device buffer, (sum(shard numel),) fp32."""
+        staged = torch.empty(sum(b.shard_numel), dtype=torch.float32, device=self.device)
+        for p, part in zip(b.params, staged.split(b.shard_numel), strict=True):
+            part.copy_(self.shards.masters[id(p)].reshape(-1), non_blocking=True)  # (shard numel,)
+        self.h2d_bytes += staged.numel() * staged.element_size()
+        return staged
+
+    @torch.no_grad()
+    def add_grad(self, p: nn.Parameter, rows: torch.Tensor) -> None:
+        """Reduced rows of p (device, in reduce_dtype) down into its host gradient: a step's first
+        become it, a later micro-batch's are added to it there in fp32 (the add the device would make)."""
+        h = self.shards.masters[id(p)]
+        rows = rows.view_as(h).float()  # (c, ...) fp32
+        if h.grad is None:
+            buf = self.grad_buffer[id(h)]
+            buf.copy_(rows, non_blocking=True)  # waited for by grads_ready, or by a later add's copy
+            h.grad = buf
+        else:  # on CUDA a blocking copy down (after every copy before it on the stream), then the add
+            h.grad.add_(rows.to(h.grad.device))
+        self.d2h_bytes += rows.numel() * rows.element_size()
+
+    @torch.no_grad()
+    def take_accumulated(self, b: Bucket) -> torch.Tensor | None:
+        """The bucket's accumulated host gradients up, flat (sum(shard numel),) fp32, for the replicas'
+        all-reduce (HSDP, cp) to sum with the last micro-batch's rows; the host's cleared."""
+        grads = [self.shards.masters[id(p)].grad for p in b.params]
+        if grads[0] is None:
+            return None
+        self._wait()  # a copy down into them may still be in flight
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
+        for p in b.params:
+            self.shards.masters[id(p)].grad = None
+        self.h2d_bytes += flat.numel() * flat.element_size()
+        return flat
+
+    def grads_ready(self) -> None:
+        """Before the step reads the host gradients (unscale, clip, AdamW): the copies down are done."""
+        self._wait()
+
+    def pull_masters(self) -> None:
+        """Nothing: loads write the host masters themselves (they are the shards)."""
+
+    def to_host(self) -> None:
+        """Nothing: the gradient shards came down as they were reduced."""
+
+    def to_device(self) -> None:
+        """Nothing: the next forward's gathers bring the updated shards up."""
+
+    def zero_grad(self) -> None:
+        """Nothing: the device holds no gradient shard (the optimizer lets go of the host masters')."""
 
 
-def apply_offload(dp: ShardedOptimizer, cfg: Config) -> HostOffload | None:
-    """The host copies of a ZeRO strategy's shards with parallel.offload = "optimizer" (`dp`: ZeRO-1/2
-    or 3; validate/speed.py refuses offload without ZeRO, and "params"); None otherwise."""
-    if cfg.parallel.offload != "optimizer":
-        return None
-    return HostOffload(dp.shards, dp.params)
+def step_bytes(shard: int, head: int, micro_batches: int, reshard_after_forward: bool, pipeline: bool
+               ) -> dict[str, int]:
+    """offload = "params": the bytes each way of one step (module docstring) for a shard of `shard`
+    fp32 elements, `head` of them the head's unit's, without replicas."""
+    if not reshard_after_forward:
+        return {"h2d_bytes": 4 * shard, "d2h_bytes": 4 * shard}
+    gathered = 2 * shard - (0 if pipeline else head)  # per micro-batch
+    return {"h2d_bytes": 4 * micro_batches * gathered, "d2h_bytes": 4 * micro_batches * shard}
+
+
+def apply_offload(dp: ShardedOptimizer, cfg: Config) -> HostOffload | ParamOffload | None:
+    """The host side of a ZeRO strategy's shards: parallel.offload = "optimizer" (`dp`: ZeRO-1/2 or
+    3) or "params" (`dp`: ZeRO-3; validate/speed.py refuses offload without ZeRO, and "params"
+    without ZeRO-3); None without offload."""
+    if cfg.parallel.offload == "optimizer":
+        return HostOffload(dp.shards, dp.params)
+    if cfg.parallel.offload == "params":
+        return ParamOffload(dp.shards, dp.params)
+    return None

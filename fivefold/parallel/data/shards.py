@@ -22,6 +22,8 @@ holds, and they are rebuilt from them on load (ZeRO-3 loads its shards directly)
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -31,6 +33,20 @@ from fivefold.parallel.data.buckets import Bucket
 from fivefold.parallel.materialize import carry_marks
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.state_dict import expert_zero_shard_as_dtensor, is_expert_parameter, zero_shard_as_dtensor
+
+
+class HostMasters(Protocol):
+    """Where ZeRO-3's masters live on the host (offload = "params", offload.py's ParamOffload): what
+    the shards ask of it to bring rows up for a gather and to take reduced gradient rows down."""
+
+    def stage(self, b: Bucket) -> torch.Tensor:
+        """The bucket's master rows copied up into a new device buffer, (sum(shard numel),) fp32."""
+
+    def add_grad(self, p: nn.Parameter, rows: torch.Tensor) -> None:
+        """This rank's reduced rows of p (on the device, shaped as its master) into its host gradient."""
+
+    def take_accumulated(self, b: Bucket) -> torch.Tensor | None:
+        """The rows the bucket's host gradients accumulated, flat on the device; the gradients cleared."""
 
 
 class ZeroShards:
@@ -64,6 +80,9 @@ class ZeroShards:
         # What the optimizer steps for each parameter, keying its state: the masters, or their host
         # copies with parallel.offload = "optimizer" (offload.py replaces this)
         self.stepped: dict[int, nn.Parameter] = self.masters
+        # offload = "params": the masters are host tensors and this brings them up and gradients
+        # down (offload.py sets it); None: the masters are on the device
+        self.host: HostMasters | None = None
 
     def group_of(self, p: nn.Parameter) -> collectives.AxisGroup:
         """The ranks p's state is sharded over: expert_dp for an expert, dp_shard for the rest."""
@@ -94,11 +113,52 @@ class ZeroShards:
         None when not async. The fp32 masters are cast as they are packed (one copy): casting
         commutes with gathering, so every rank gets exactly its own cast of each shard."""
         group = self.bucket_group(b)
-        masters = [self.masters[id(p)].reshape(-1) for p in b.params]
-        local = masters[0].new_empty(sum(b.shard_numel), dtype=dtype or b.params[0].dtype)  # (sum(shard numel),)
-        torch.cat(masters, out=local)
+        local = self.packed(b, dtype or b.params[0].dtype)  # (sum(shard numel),)
         full = local.new_empty(group.size * local.numel())  # (N sum(shard numel),) rank-major
         return collectives.all_gather(full, local, group, async_op=async_op), full
+
+    def packed(self, b: Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's master rows of the bucket, concatenated on the device in `dtype`, (sum(shard
+        numel),): host masters (offload = "params") come up into a staging buffer first, which is
+        what is returned in fp32 (freed with the gather that sends it), else cast from it."""
+        if self.host is not None:
+            staged = self.host.stage(b)  # (sum(shard numel),) fp32 on the device
+            return staged if staged.dtype == dtype else staged.to(dtype)
+        masters = [self.masters[id(p)].reshape(-1) for p in b.params]
+        local = masters[0].new_empty(sum(b.shard_numel), dtype=dtype)  # (sum(shard numel),)
+        return torch.cat(masters, out=local)
+
+    def device_rows(self, b: Bucket) -> list[torch.Tensor]:
+        """Each parameter's fp32 master rows on the device, (c, ...) split dim first (staged up from
+        the host with offload = "params")."""
+        if self.host is None:
+            return [self.masters[id(p)] for p in b.params]
+        parts = self.packed(b, torch.float32).split(b.shard_numel)
+        return [part.view_as(self.masters[id(p)]) for p, part in zip(b.params, parts, strict=True)]
+
+    @torch.no_grad()
+    def add_grad(self, p: nn.Parameter, rows: torch.Tensor) -> None:
+        """This rank's reduced rows of p (a micro-batch's, or the step's) into its master's gradient:
+        the first become it, later ones add to it in fp32 (on the host with offload = "params")."""
+        if self.host is not None:
+            self.host.add_grad(p, rows)
+            return
+        shard = self.masters[id(p)]
+        rows = rows.view_as(shard).float()
+        shard.grad = rows if shard.grad is None else shard.grad.add_(rows)
+
+    @torch.no_grad()
+    def take_accumulated(self, b: Bucket) -> torch.Tensor | None:
+        """The rows the bucket's master gradients accumulated over earlier micro-batches, flat
+        (sum(shard numel),) on the device, and those gradients cleared; None when there are none."""
+        if self.host is not None:
+            return self.host.take_accumulated(b)
+        accumulated = [self.masters[id(p)].grad for p in b.params]
+        if accumulated[0] is None:
+            return None
+        for p in b.params:
+            self.masters[id(p)].grad = None
+        return torch.cat([g.reshape(-1) for g in accumulated])
 
     def unpacked(self, b: Bucket, full: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(p, every rank's rows of p: (N c, ...) split dim first) of the gathered `full`."""

@@ -109,13 +109,10 @@ class ShardedReduction:
         """Add the rows the earlier micro-batches accumulated in b's shard gradients into b.out, the
         last micro-batch's, and clear them: b.out is then the step's sum over this rank's dp_shard
         group, which the replicas' all-reduce completes."""
-        accumulated = [self.shards.masters[id(p)].grad for p in b.params]
-        if accumulated[0] is None:  # one micro-batch, or ZeRO-1: nothing accumulated yet
+        accumulated = self.shards.take_accumulated(b)  # (sum(shard numel),) fp32, or None
+        if accumulated is None:  # one micro-batch, or ZeRO-1: nothing accumulated yet
             return
-        joined = b.out.float() + torch.cat([g.reshape(-1) for g in accumulated])  # (sum(shard numel),) fp32
-        b.out = joined.to(b.out.dtype)  # on the wire in parallel.reduce_dtype, as every reduction
-        for p in b.params:
-            self.shards.masters[id(p)].grad = None
+        b.out = (b.out.float() + accumulated).to(b.out.dtype)  # on the wire in reduce_dtype, as every reduction
 
     @torch.no_grad()
     def _settle(self) -> None:
@@ -131,9 +128,7 @@ class ShardedReduction:
 
     def _accumulate(self, b: Bucket) -> None:
         for p, rows in zip(b.params, b.out.split(b.shard_numel), strict=True):
-            shard = self.shards.masters[id(p)]
-            rows = rows.view_as(shard).float()
-            shard.grad = rows if shard.grad is None else shard.grad.add_(rows)
+            self.shards.add_grad(p, rows)
             p.grad = None
         b.work = b.out = None
 
