@@ -219,7 +219,7 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     path = critical_path(work, d, hw, traffic, act_bytes, busy, memo, tp, ep)
     f_cost = chunk.forward_s + path.per_unit_s + host.forward_s
     b_cost = chunk.backward_s + path.per_unit_s + host.backward_s
-    pipe = pipeline(cfg, d, work.chunks, f_cost, b_cost, path.p2p_s, memo)
+    pipe = pipeline(cfg, d, work.chunks, f_cost, b_cost, path.p2p_s, memo, paired=options.ep_overlap)
     units3 = (zero3_units(cfg, d, where.counts, work, hw, traffic["dp"].inter_node, grad_b, param_b)
               if p.zero == 3 else [])
     zero3 = zero3_hidden(cfg, d, units3, work.chunks * f_cost, work.chunks * b_cost, options.zero3_prefetch)

@@ -110,12 +110,16 @@ class Pipeline:
 
 
 def pipeline(cfg: Config, d: Derived, chunks: int, f_cost: float, b_cost: float, p2p_s: float,
-             memo: Memo) -> Pipeline:
-    """The step's compute as the schedule runs it: `simulate(build_schedule(...), Costs(f, b, comm))`.
+             memo: Memo, paired: bool = False) -> Pipeline:
+    """The step's compute as the schedule runs it: `simulate(build_schedule(...), Costs(f, b, comm))`,
+    with `paired` (parallel.ep_overlap under dualpipe_v) each F&B pair started together as the
+    executor runs it (pipeline/overlap.py), F&B = F + B: what the pair hides is ep_overlap's.
     For dualpipe_v, explain also checks the simulator against DeepSeek's bubble formula."""
     p, M = cfg.parallel, d.grad_accum
-    sim = simulate_scaled(p.pp_schedule, p.pp, M, p.virtual_stages, f_cost, b_cost, p2p_s, memo)
-    rows = [("pipeline", f"{p.pp_schedule} p={p.pp} m={M} v={p.virtual_stages}: makespan {sim.makespan * 1e3:.2f} ms, "
+    fb = f_cost + b_cost if paired and p.pp_schedule == "dualpipe_v" else None
+    sim = simulate_scaled(p.pp_schedule, p.pp, M, p.virtual_stages, f_cost, b_cost, p2p_s, memo, fb=fb)
+    rows = [("pipeline", f"{p.pp_schedule} p={p.pp} m={M} v={p.virtual_stages}"
+             + (" (F&B pairs started together)" if fb else "") + f": makespan {sim.makespan * 1e3:.2f} ms, "
              f"bubble {sim.bubble_ratio:.1%} of compute, {sim.bubble_fraction:.1%} of time",
              "pipeline/simulate.py on pipeline/schedules.py (1F1B: (p-1)/m and (p-1)/(m+p-1), Narayanan 2021)")]
     if p.pp_schedule == "dualpipe_v":
