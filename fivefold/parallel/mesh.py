@@ -22,8 +22,10 @@ returns at once. Views by purpose:
 The mesh also owns this rank's communication counters (`stats`), step timer (`timer`) and
 collective counts (`arrivals`, published for naming the ranks a timed-out collective waits for:
 parallel/comm/arrivals.py), which every group carries, so the code that talks and computes reports to
-them without any global. Nothing here is global: the Mesh is passed to whoever needs it; `close()`
-(or the mesh's collection, or the interpreter's exit) stops the arrivals' publishing thread.
+them without any global. With parallel.ep_overlap every group also gets a twin for the side lane of
+DualPipe's overlapped pairs (`add_side_lane`, comm/lanes.py). Nothing here is global: the Mesh is
+passed to whoever needs it; `close()` (or the mesh's collection, or the interpreter's exit) stops
+the arrivals' publishing thread.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fivefold.config import Config
 from fivefold.parallel.comm.arrivals import Arrivals, collective_deadlines
-from fivefold.parallel.comm.collectives import AxisGroup, CommStats, world_group
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats, all_gather_object, world_group
 from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
 from fivefold.parallel.derive import Derived
@@ -125,8 +127,7 @@ class Mesh:
         (one lane's calls on it are in one order whichever view makes them)."""
         mine = {name: tuple(dist.get_process_group_ranks(g.pg)) for name, g in self._groups.items()
                 if name != "world" and g.pg is not None and g.size > 1}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_object(mine, self._groups["world"], "gather of the mesh's groups for the side lane")
         self.lanes = Lanes(self.device)
         twins: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks in sorted({r for groups in everyone for r in groups.values()}):
