@@ -82,3 +82,14 @@ def test_ep_overlap_trains_bit_for_bit_as_the_schedule_run_in_order(tmp_path):
         expected = [f"{a}&{schedule.actions[r][k + 1]}" if k in overlapped_pairs(schedule)[r] else str(a)
                     for k, a in enumerate(schedule.actions[r]) if k - 1 not in overlapped_pairs(schedule)[r]]
         assert [name for _, _, name in row] == expected
+
+
+def test_the_report_draws_a_pair_as_one_overlapped_action():
+    """The run report's executed timeline names a pair's kind in its legend (viz/report_plots.py)."""
+    import base64
+
+    from fivefold.viz.report_plots import timeline_figure
+
+    url = timeline_figure([[[0.0, 0.001, "F0s0"], [0.001, 0.003, "F1s0&B0s3"]]])
+    svg = base64.b64decode(url.split(",", 1)[1]).decode()
+    assert "a forward and a backward overlapped" in svg and "backward (input grad)" not in svg
