@@ -213,9 +213,7 @@ class PipelineExecutor:
             began = clock() if clock else 0.0
             with self.group.timer.span("compute", "compute", str(action)), on_stream(self.streams[action.stage]):
                 self.act[action.kind](step, index, action, received)  # minus the collectives inside
-            if clock:  # marks of the step timer's clock (CUDA: events), read as times after the step
-                step.stats.timeline.append((began, clock(), str(action)))
-            step.stats.peak_held_bytes = max(step.stats.peak_held_bytes, _held_bytes(step.slots))
+            self._record(step, began, str(action), clock)
             index += 1
         return self._finish(step)
 
@@ -237,7 +235,11 @@ class PipelineExecutor:
 
         with self.group.timer.span("compute", "compute", name):
             run_pair(forward, backward, self.lanes, self.group.timer, name)
-        if clock:
+        self._record(step, began, name, clock)
+
+    def _record(self, step: _Step, began: Any, name: str, clock) -> None:
+        """After an action (or a pair): its span on the timeline, and the bytes the slots hold now."""
+        if clock:  # marks of the step timer's clock (CUDA: events), read as times after the step
             step.stats.timeline.append((began, clock(), name))
         step.stats.peak_held_bytes = max(step.stats.peak_held_bytes, _held_bytes(step.slots))
 

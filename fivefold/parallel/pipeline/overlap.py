@@ -28,10 +28,13 @@ What changes and what does not:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable
 
 import torch
 
+from fivefold.parallel.comm.lanes import Lanes
+from fivefold.parallel.comm.timing import StepTimer
 from fivefold.parallel.pipeline.messages import Batch, check_plans, message_plans
 from fivefold.parallel.pipeline.schedules import Schedule
 from fivefold.parallel.pipeline.simulate import Costs, overlapped_pairs, simulate
@@ -43,7 +46,9 @@ def paired_plans(schedule: Schedule) -> tuple[list[set[int]], list[list[Batch]]]
     (Costs.fb), its F's output made at the pair's end (the executor posts it then); what a rank
     would post between the two halves is posted after the pair."""
     pairs = overlapped_pairs(schedule)
-    ends = [[end for _, end, _ in events] for events in simulate(schedule, Costs(fb=3.0)).timeline]
+    unit = Costs()  # simulate's default durations; a pair as long as its two halves
+    paired = dataclasses.replace(unit, fb=unit.f + unit.b)
+    ends = [[end for _, end, _ in events] for events in simulate(schedule, paired).timeline]
     for r, ks in enumerate(pairs):
         for k in ks:
             ends[r][k] = ends[r][k + 1] - 1e-6  # still before the B's end: the clock stays increasing
@@ -89,7 +94,8 @@ class _OnStream:
         self.caller.wait_stream(self.stream)
 
 
-def run_pair(forward: Callable[[], None], backward: Callable[[], None], lanes, timer, name: str) -> None:
+def run_pair(forward: Callable[[], None], backward: Callable[[], None], lanes: Lanes, timer: StepTimer,
+             name: str) -> None:
     """The forward half on the side lane while this thread runs the backward half; returns when both
     are done (re-raising what either raised). `timer` charges the wait for the side lane."""
     def side() -> None:
