@@ -65,6 +65,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--causal-flops", choices=("full", "half"), default="full",
                    help="causal attention in the MFU/HFU numerator: full (PaLM, Megatron) or half (what the "
                         "kernels run); the step time prices the half either way")
+    p.add_argument("--kernels", choices=("eager", "fused"), default=None,
+                   help="elementwise kernels as priced: eager (fivefold's model code op by op) or fused (each chain "
+                        "one kernel: torch.compile, Megatron-LM / Transformer Engine); default: train.compile's")
     p.add_argument("--document-tokens", type=float, default=None, metavar="N",
                    help="with data.document_mask: the data's mean document length in tokens (geometric lengths "
                         "assumed); attention FLOPs and time count the pairs the mask keeps (default: the whole row)")
@@ -199,6 +202,7 @@ def _print_estimate(cfg, est, hw, world: int) -> None:
     if est.host_memory_bytes:
         t.add_row("host memory/node", f"{est.host_memory_bytes / GB:.1f} GB (offload={est.options.offload})")
     t.add_row(f"MFU / HFU ({est.options.causal_flops} causal)", f"{est.mfu:.1%} / {est.hfu:.1%}")
+    t.add_row("kernels", est.options.kernels)
     t.add_row("fits", "yes" if est.fits else "NO")
     t.add_row("runnable", "no: " + "; ".join(est.not_runnable) if est.not_runnable else "yes")
     c.print(t)

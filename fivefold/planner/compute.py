@@ -44,8 +44,9 @@ def block_keys(cfg: Config, options: PlanOptions = DEFAULT) -> list[float]:
 
 
 def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare],
-                  options: PlanOptions = DEFAULT, act_bytes: int = 2) -> ChunkWork:
-    """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace."""
+                  options: PlanOptions = DEFAULT, act_bytes: int = 2, weight_bytes: float = 4) -> ChunkWork:
+    """The work of the pipeline rank with the most forward FLOPs (the first of equals): it sets the pace.
+    weight_bytes: a weight element's bytes at rest (or as gathered), which autocast casts from when wider."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * d.local_seq_len  # tokens of one micro-batch on one rank
     keys = block_keys(cfg, options)
@@ -62,4 +63,4 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     return ChunkWork(cfg=cfg, share=share, chunks=chunks_per_rank(cfg), vocab=d.vocab_size, local_seq=d.local_seq_len,
                      moe_blocks=moe_blocks[worst], forward_flops=fwd_flops[worst],
                      attention_forward_flops=sum(attn_fwd[blk] for blk in share.blocks) * tokens, options=options,
-                     act_bytes=act_bytes)
+                     act_bytes=act_bytes, weight_bytes=weight_bytes)

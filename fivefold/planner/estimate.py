@@ -113,6 +113,7 @@ class Estimate:
             "hfu": self.hfu,
             "flops": self.flops,
             "fits": self.fits,
+            "kernels": self.options.kernels,
             "host_memory_gb": self.host_memory_bytes / GB,
             "runnable": not self.not_runnable,
             "not_runnable": self.not_runnable,
@@ -175,7 +176,8 @@ def _where(cfg: Config, world_size: int, b: BytesPerParam, act_bytes: int, imple
     sizes = stage_sizes(cfg, counts)
     shares = rank_shares(cfg, counts, sizes)
     grad_b, param_b = wire_element_bytes(cfg, b, implementation)
-    return _Where(d, counts, sizes, shares, busiest_chunk(cfg, d, counts, shares, options, act_bytes), grad_b, param_b)
+    return _Where(d, counts, sizes, shares, busiest_chunk(cfg, d, counts, shares, options, act_bytes, param_b),
+                  grad_b, param_b)
 
 
 @dataclass

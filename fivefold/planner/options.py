@@ -10,6 +10,11 @@ choices a planner must still make are not in it:
   so the step time always prices the half they run);
 - what the data holds: the mean document length under `data.document_mask`, which sets how many
   pairs the document mask keeps (model/mask_counts.py assumes geometric lengths of that mean);
+- the kernels the trainer runs (`kernels`): "eager" prices fivefold's model code kernel by kernel
+  (planner/machine/ops.py), "fused" its elementwise chains fused (each fused kernel reads its
+  inputs once and writes its output once: what `train.compile` gives, and what Megatron-LM and
+  Transformer Engine fuse by hand: norms, bias + activation, rotary, softmax); "auto" is what
+  `train.compile` says;
 - overlap switches, each defaulting to what fivefold's runtime does by default (parallel/tensor.py's
   collectives block the compute that needs them unless `parallel.tp_overlap`; parallel/data/fsdp.py
   issues the next unit's gather before the current unit computes; parallel/expert.py's all-to-alls
@@ -23,6 +28,9 @@ choices a planner must still make are not in it:
   switches (validate/speed.py: tp_overlap needs sp, ep_overlap dualpipe_v, offload ZeRO, fp8
   weights ZeRO-3). `zero3_prefetch = false` is the one option fivefold does not run.
 
+`attention_kernel = "materialized"` prices a trainer before FlashAttention (the score matrix
+written out, ops.materialized_attention): published runs of 2021 ran so, fivefold never does.
+
 `--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
 `--document-tokens` and `--expert-imbalance` are flags of their own.
 """
@@ -35,10 +43,12 @@ from typing import Literal
 
 from fivefold.config import Config, replace
 from fivefold.model.counts import CausalFlops
+from fivefold.planner.machine.ops import AttentionKernel
 from fivefold.validate.speed import speed_errors
 
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
 Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
+Kernels = Literal["auto", "eager", "fused"]  # "auto": fused when train.compile is on
 
 
 @dataclass(frozen=True)
@@ -51,19 +61,23 @@ class PlanOptions:
     ep_overlap: bool = False  # expert all-to-alls hidden under another micro-batch's compute (DualPipe)
     offload: Offload = "none"  # ZeRO-Offload (Ren et al. 2021) / ZeRO-Infinity (Rajbhandari et al. 2021)
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
+    kernels: Kernels = "auto"  # elementwise kernels as run eagerly or fused (module docstring)
+    attention_kernel: AttentionKernel = "flash"  # "materialized": the whole score matrix (a published run's)
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
     # mean document length in tokens under data.document_mask; 0 = not stated, priced as causal
     # attention over the whole row (what the mask keeps at most)
     document_tokens: float = 0.0
 
     def with_config(self, cfg: Config) -> PlanOptions:
-        """These options with the speed switches `cfg` turns on (a switch on in either is on)."""
+        """These options with the speed switches `cfg` turns on (a switch on in either is on), and
+        the kernels resolved: "auto" becomes what train.compile says, a stated choice stays."""
         p, t = cfg.parallel, cfg.train
         fp8 = "weights" if p.fp8_gather else "compute" if t.fp8 != "none" else "none"
+        kernels = self.kernels if self.kernels != "auto" else "fused" if t.compile else "eager"
         return dataclasses.replace(
             self, tp_overlap=self.tp_overlap or p.tp_overlap, ep_overlap=self.ep_overlap or p.ep_overlap,
             offload=p.offload if p.offload != "none" else self.offload,
-            fp8=max(fp8, self.fp8, key=("none", "compute", "weights").index))
+            fp8=max(fp8, self.fp8, key=("none", "compute", "weights").index), kernels=kernels)
 
     def not_runnable(self, cfg: Config | None = None) -> list[str]:
         """Why `fivefold train` cannot run `cfg` under these options (empty: it can): what validate
@@ -73,26 +87,30 @@ class PlanOptions:
         options no layout can run."""
         out = [] if self.zero3_prefetch or (cfg is not None and cfg.parallel.zero != 3) else [
             "zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit"]
+        if self.attention_kernel != "flash":
+            out.append(f"attention_kernel={self.attention_kernel}: fivefold always runs a fused attention kernel")
         return out + (speed_errors(switched_config(cfg, self)) if cfg is not None else [])
 
 
 def switched_config(cfg: Config, options: PlanOptions) -> Config:
     """`cfg` with the speed switches `options` turns on and its layout uses: what `fivefold train`
     runs for an estimate under `options` (the search writes it). FP8 compute is torchao's
-    tensorwise recipe unless `cfg` names another."""
+    tensorwise recipe unless `cfg` names another; fused kernels are train.compile's, eager ones
+    its absence."""
     p, t = cfg.parallel, cfg.train
     fp8 = t.fp8 if t.fp8 != "none" or options.fp8 == "none" else "tensorwise"
+    compile_ = t.compile if options.kernels == "auto" else options.kernels == "fused"
     return replace(cfg, parallel={"tp_overlap": p.tp_overlap or (options.tp_overlap and p.tp > 1),
                                   "ep_overlap": p.ep_overlap or (options.ep_overlap and p.ep > 1),
                                   "offload": p.offload if p.offload != "none" else options.offload,
                                   "fp8_gather": p.fp8_gather or options.fp8 == "weights"},
-                   train={"fp8": fp8})
+                   train={"fp8": fp8, "compile": compile_})
 
 
 DEFAULT = PlanOptions()
 
 _CHOICES = {"causal_flops": ("half", "full"), "offload": ("none", "optimizer", "params"),
-            "fp8": ("none", "compute", "weights")}
+            "fp8": ("none", "compute", "weights"), "kernels": ("auto", "eager", "fused")}
 _BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap")
 OPTION_KEYS = (*_BOOLS, "offload", "fp8")  # the ones --layout accepts beside the config's keys
 

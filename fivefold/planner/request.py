@@ -83,7 +83,8 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
         preset = [f"--model.preset={args.model}"]
     layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
     options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=args.expert_imbalance,
-                                  document_tokens=args.document_tokens or 0.0)
+                                  document_tokens=args.document_tokens or 0.0,
+                                  kernels=args.kernels or "auto")
     extra = [f"--train.seq_len={args.seq}"] if args.seq else []
     overridden = set(parse_overrides(rest + layout)[0].get("train", {}))  # --train.KEY and --layout micro_batch
     given = overridden | _toml_train_keys(path)

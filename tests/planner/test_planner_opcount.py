@@ -127,7 +127,7 @@ def test_catalog_gpu_keeps_its_data_sheet_price(tmp_path):
     cfg = tiny_config(tmp_path)
     d = derive(cfg, 1)
     counts = model_counts(cfg.model, d.vocab_size)
-    work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts))
+    work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), weight_bytes=2)  # the textbook's bf16 weights
     h100 = get_hardware("h100")
     assert isinstance(h100.pricer, DatasheetPricer)  # the catalog prices from its data sheets
     assert op_priced(MeasuredProfile(), work, h100, Memo()) is None  # a profile with no per-op cost: FLOPs

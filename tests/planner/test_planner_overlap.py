@@ -40,7 +40,7 @@ def _chunk(cfg, world, hw):
     """The busiest rank's work and its price, as the estimate asks the pricer for them."""
     d = derive(cfg, world)
     counts = model_counts(cfg.model, d.vocab_size)
-    work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts))
+    work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), weight_bytes=2)  # as estimate: bf16 weights
     return d, work, hw.pricer.chunk(work, hw, Memo())
 
 

@@ -241,3 +241,78 @@ def test_gpu_calibration_turns_timings_into_the_roofline_constants(tmp_path):
     assert catalog_key("NVIDIA H100 80GB HBM3") == "h100" and catalog_key("NVIDIA A100-SXM4-40GB") == "a100-40gb"
     with pytest.raises(ValueError, match="not in the planner's catalog"):
         catalog_key("NVIDIA H100 PCIe")
+
+
+def test_fused_block_moves_each_chain_once():
+    """--kernels fused on a Llama 3 8B block (8192 tokens, bf16, tp 1), by hand: two RMSNorms read and
+    write 2 + 2 bytes per element of d = 4096; RoPE on q and k (32 + 8 heads of 128) the same; GQA's
+    repeat reads k, v (8 heads) and writes them at 32; SwiGLU reads gate and up and writes one
+    (f = 14336); the two residual adds read two and write one; the weight casts are fp32 -> bf16 of
+    every matmul weight (4 + 2 bytes). Eager adds RoPE's three zero-filled slices in backward."""
+    T, d, f, hd = 8192, 4096, 14336, 128
+    weights = 2 * d * d + 2 * d * 8 * hd + 3 * d * f  # wq, wo; wk, wv; gate, up, down
+    expected = (2 * T * d * 4 + T * 40 * hd * 4 + (2 * T * 8 * hd + 2 * T * 32 * hd) * 2 + 3 * T * f * 2
+                + 2 * 3 * T * d * 2 + weights * 6)
+    fused = block_ops(LLAMA8, 0, _shapes(fused=True))
+    assert fused.elementwise_bytes == pytest.approx(expected)
+    assert fused.backward_elementwise_bytes == pytest.approx(2 * expected)
+    eager = block_ops(LLAMA8, 0, _shapes())
+    assert eager.backward_elementwise_bytes - 2 * eager.elementwise_bytes == pytest.approx(3 * T * 40 * hd * 2)
+
+
+def test_kernels_option_follows_compile_unless_stated(capsys):
+    """`--kernels` defaults to train.compile's (auto); stated, it is priced and written as such: fused
+    prices exactly what train.compile = true prices, eager under compile prices the eager kernels and
+    switched_config writes compile = false; --explain and --json name the kernels."""
+    from fivefold.cli import main
+    from fivefold.planner.options import switched_config
+
+    over = ["--model.preset=llama3-8b", "--train.seq_len=4096", "--parallel.zero=3", "--train.global_batch=16",
+            "--train.micro_batch=1"]
+    eager_cfg, compiled = load_config(None, over), load_config(None, [*over, "--train.compile=true"])
+    as_fused = estimate(eager_cfg, 8, H100, options=PlanOptions(kernels="fused"))
+    assert as_fused.options.kernels == "fused"
+    assert as_fused.step_time_s == estimate(compiled, 8, H100).step_time_s
+    assert estimate(compiled, 8, H100).options.kernels == "fused"
+    as_eager = estimate(compiled, 8, H100, options=PlanOptions(kernels="eager"))
+    assert as_eager.step_time_s == estimate(eager_cfg, 8, H100).step_time_s > as_fused.step_time_s
+    assert not switched_config(compiled, as_eager.options).train.compile
+    assert switched_config(eager_cfg, as_fused.options).train.compile
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8,zero=3", "--kernels", "fused",
+                      "--explain"]) == 0
+    assert "kernels fused" in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8,zero=3", "--json"]) == 0
+    assert '"kernels": "eager"' in capsys.readouterr().out
+
+
+def test_materialized_attention_against_hand_arithmetic():
+    """attention_kernel = "materialized" (Megatron-LM 2021) for a GPT block of h 6144, 48 heads of 128
+    at tp 8 (6 per rank), 8 sequences of 2048 on an H100: S = Q K^T and P V are batched matmuls of
+    8 x 6 = 48 (2048, 2048, 128) and (2048, 128, 2048) products, all of the score matrix; each is
+    max(FLOPs at the large-GEMM fraction over the batch's tiles in waves, operands and result at
+    HBM speed); over its 48 x 2048^2 bf16 scores the fused softmax reads and writes 2 + 2 bytes and
+    dropout 2 + 2 + a 1-byte mask forward; backward, softmax 3 x 2 and dropout 2 + 1 + 2, and each
+    matmul's two gradients at their own shapes."""
+    gpt = dataclasses.replace(PRESETS["llama3-8b"], dim=6144, n_heads=48, n_kv_heads=48, ffn_dim=16384)
+    shapes = _shapes(tokens=8 * 2048, seq=2048, tp=8, attention="materialized")
+    ops = block_ops(gpt, 0, shapes)
+    assert ops.attention_flops == 0 and [mm.name for mm in ops.attention_matmuls] == ["scores", "probs x v"]
+    n, S, hd = 48, 2048, 128
+
+    def batched(m, nn, k):
+        waves_q = max(n * m * nn / (math.ceil(math.ceil(n * m / tm) * math.ceil(nn / tn) / 132) * 132 * tm * tn)
+                      for tm, tn in H100.matmul_tiles)
+        compute = 2 * n * m * nn * k / (989e12 * H100.matmul_efficiency * waves_q)
+        return max(compute, n * (m * k + k * nn + m * nn) * 2 / HBM)
+
+    forward = batched(S, S, hd) + batched(S, hd, S) + n * S * S * 9 / HBM
+    backward = (batched(S, hd, S) + batched(hd, S, S) + batched(S, S, hd) + batched(S, hd, S)
+                + n * S * S * 11 / HBM)
+    price = roofline.price_ops(ops, H100, 2, fp8=False)
+    assert H100.sm_count == 132
+    assert price.forward["attention"] == pytest.approx(forward)
+    assert price.backward["attention"] == pytest.approx(backward)
+    assert price.flops["attention"] == pytest.approx(3 * 2 * 2 * n * S * S * hd)  # no causal half skipped
+    flash = roofline.price_ops(block_ops(gpt, 0, dataclasses.replace(shapes, attention="flash")), H100, 2, False)
+    assert flash.forward["matmul"] == price.forward["matmul"] and flash.bytes == price.bytes
+    assert PlanOptions(attention_kernel="materialized").not_runnable()  # fivefold never runs it

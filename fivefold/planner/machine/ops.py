@@ -23,8 +23,11 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
   upcast, square, mean, scale, downcast, weight), RoPE (fp32 inside: the rotated half, two
   products, a sum), GQA's repeated K/V, SwiGLU's silu and product, the residual adds, MLA's
   joins, pad and output copy, the MoE's gather, combine and scatter-add, the loss's log-softmax,
-  and autocast's cast of each fp32 weight to the compute dtype (once per forward: autocast caches
-  it; fivefold keeps fp32 weights). With `train.compile` each chain is fused: inputs read once,
+  and autocast's cast of each weight to the compute dtype (once per forward: autocast caches it)
+  where the weights are wider: fivefold's own fp32 weights (estimate's implementation = True, not
+  ZeRO-3 gathering in bf16); the textbook's 2-byte weights (ZeRO's 2 + 2 + 12 accounting, what
+  Megatron-LM and FSDP2's bf16 param_dtype hold) are the compute dtype already and cast nothing.
+  With fused kernels (`--kernels fused`, `train.compile`) each chain is fused: inputs read once,
   outputs written once.
 
 Backward elementwise traffic is twice the forward's (each op's backward reads its output's
@@ -37,14 +40,17 @@ A CPU trace of the tiny blocks (calibration/opcount.py) checks these counts (tes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fivefold.config import ModelConfig
-from fivefold.model.counts import block_norms, head_dim
+from fivefold.model.counts import attention_head_dims, block_norms, head_dim
 from fivefold.model.mask_counts import keys_per_query, tile_ratio
 
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
+AttentionKernel = Literal["flash", "materialized"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,10 @@ class Ops:
     elementwise_bytes: float = 0.0  # forward: read + written
     backward_elementwise_bytes: float = 0.0
     parts: dict[str, float] = field(default_factory=dict, compare=False)  # forward elementwise bytes by op
+    # a materialized attention (RankShapes.attention): its two batched matmuls, and the forward and
+    # backward bytes of its softmax and dropout over the score matrix
+    attention_matmuls: tuple[Matmul, ...] = ()
+    softmax_bytes: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -82,9 +92,11 @@ class RankShapes:
     tp: int = 1
     ep: int = 1
     act_bytes: int = 2  # activations in the compute dtype (bf16)
+    weight_bytes: float = 4  # a weight element as the matmuls find it: fp32 at rest is cast each forward
     fused: bool = False  # train.compile: elementwise chains fused
     imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
     document_tokens: float = 0.0  # mean document length under a document mask (0: none)
+    attention: AttentionKernel = "flash"  # "materialized": a pre-FlashAttention trainer's (materialized_attention)
 
 
 class _Elementwise:
@@ -122,10 +134,10 @@ class _Elementwise:
             self.copy(what, 3 * elements, 2 * elements)
 
     def weights(self, matmuls: list[Matmul]) -> None:
-        """autocast's cast of each fp32 weight to the compute dtype: read 4, write act_bytes bytes."""
-        a = self.s.act_bytes
-        if a < FP32:
-            self.add("weight casts", sum(mm.n * mm.k * mm.count for mm in matmuls) * (FP32 + a))
+        """autocast's cast of each weight wider than the compute dtype: read weight_bytes, write act_bytes."""
+        a, w = self.s.act_bytes, self.s.weight_bytes
+        if a < w:
+            self.add("weight casts", sum(mm.n * mm.k * mm.count for mm in matmuls) * (w + a))
 
     def ops(self, matmuls: list[Matmul], attention: tuple[float, float] = (0.0, 0.0)) -> Ops:
         self.weights(matmuls)
@@ -212,7 +224,26 @@ def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
     mms, causal_flops = _attention(m, layer, s, ew)
     mms += _ffn(m, layer, s, ew)
     ew.copy("residual adds", 2 * 2 * s.sp_tokens * m.dim, 2 * s.sp_tokens * m.dim)
+    if s.attention == "materialized":
+        return materialized_attention(m, s, ew.ops(mms))
     return ew.ops(mms, _masked(m, layer, s, causal_flops))
+
+
+def materialized_attention(m: ModelConfig, s: RankShapes, ops: Ops) -> Ops:
+    """`ops` with the attention core as trainers before FlashAttention ran it (Megatron-LM 2021,
+    Narayanan et al. 2021; Korthikanti et al. 2022 sec. 4): per sequence and head, S = Q K^T is a
+    batched matmul of the whole S x S score matrix (the causal mask is applied to it, no FLOP is
+    skipped), a fused scale-mask-softmax reads the scores and writes the probabilities, dropout
+    (Megatron-LM's attention_dropout, 0.1 by default) reads them and writes the kept ones and a
+    one-byte mask, and P V is a second batched matmul. Backward: dropout's reads the gradient and
+    the mask and writes one, softmax's reads the probabilities and their gradient and writes one."""
+    dqk, dv = attention_head_dims(m)
+    S, heads = s.kernel_seq, max(1, m.n_heads // s.tp)
+    n = s.tokens // S * heads  # (sequence, head) pairs of the micro-batch on this rank
+    a = s.act_bytes
+    matmuls = (Matmul("scores", S, S, dqk, n), Matmul("probs x v", S, dv, S, n))
+    return dataclasses.replace(ops, attention_matmuls=matmuls, softmax_bytes=(n * S * S * (4 * a + 1),
+                                                                             n * S * S * (5 * a + 1)))
 
 
 def end_ops(m: ModelConfig, vocab: int, s: RankShapes, first: bool, last: bool) -> Ops:

@@ -58,6 +58,7 @@ class ChunkWork:
     attention_forward_flops: float  # their attention core's share (what selective recompute runs again)
     options: PlanOptions = DEFAULT  # the estimate's switches (options.py): FP8, expert imbalance, overlap
     act_bytes: int = 2  # bytes per activation element (the compute dtype's)
+    weight_bytes: float = 4  # bytes per weight element as the matmuls find it (estimate's param_b)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fivefold.planner.machine.ops import Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.ops import Matmul, Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 
 
@@ -98,6 +98,15 @@ def matmul_seconds(m: int, n: int, k: int, hw: Hardware, act_bytes: int, fp8: bo
     return max(compute, memory)
 
 
+def batched_matmul_seconds(mm: Matmul, hw: Hardware, act_bytes: int) -> float:
+    """`mm.count` independent (M, N, K) matmuls of one batched call (attention's scores and P V): the
+    tiles of the whole batch run in waves over the SMs, each matmul reads its own operands."""
+    q, _ = quantisation(mm.count * mm.m, mm.n, hw.matmul_tiles, hw.sm_count)
+    compute = 2.0 * mm.m * mm.n * mm.k * mm.count / (hw.peak_flops * hw.matmul_efficiency * q)
+    memory = mm.count * (mm.m * mm.k + mm.k * mm.n + mm.m * mm.n) * act_bytes / (hw.hbm_bw * hw.hbm_efficiency)
+    return max(compute, memory)
+
+
 CLASSES = ("matmul", "attention", "elementwise")
 
 
@@ -147,6 +156,14 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
         out.backward["attention"] = FA2_BACKWARD_FLOPS * work / (hw.peak_flops * b_eff)
         out.flops["attention"] = (1 + FA2_BACKWARD_FLOPS) * ops.attention_flops
     bw = hw.hbm_bw * hw.hbm_efficiency
+    for mm in ops.attention_matmuls:  # a materialized attention (ops.materialized_attention), never FP8
+        out.forward["attention"] += batched_matmul_seconds(mm, hw, act_bytes)
+        out.backward["attention"] += (batched_matmul_seconds(Matmul(mm.name, mm.m, mm.k, mm.n, mm.count), hw, act_bytes)
+                                      + batched_matmul_seconds(Matmul(mm.name, mm.k, mm.n, mm.m, mm.count), hw,
+                                                               act_bytes))
+        out.flops["attention"] += 3 * 2.0 * mm.m * mm.n * mm.k * mm.count
+    out.forward["attention"] += ops.softmax_bytes[0] / bw
+    out.backward["attention"] += ops.softmax_bytes[1] / bw
     out.forward["elementwise"] = ops.elementwise_bytes / bw
     out.backward["elementwise"] = ops.backward_elementwise_bytes / bw
     out.bytes = [ops.elementwise_bytes, ops.backward_elementwise_bytes]
@@ -162,7 +179,8 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
     kernel_seq = work.local_seq if p.cp_method == "ring" else t.seq_len
     return RankShapes(tokens=tokens, sp_tokens=tokens // p.tp if p.sp else tokens, seq_len=t.seq_len,
                       kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
-                      fused=t.compile, imbalance=work.options.expert_imbalance,
+                      weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
+                      attention=work.options.attention_kernel, imbalance=work.options.expert_imbalance,
                       document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
 
 
@@ -238,7 +256,13 @@ def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backwa
          f"({' or '.join(f'{a}x{b}' for a, b in hw.matmul_tiles)} tiles on {hw.sm_count} SMs); lowest: "
          + ", ".join(f"{k} {v:.0%}" for k, v in lowest),
          f"{hw.sources.get(eff_key, 'profile')}; quantisation: {GUIDE}")]
-    if price.flops["attention"]:
+    if work.options.attention_kernel == "materialized":
+        rows.append(("compute: attention core", f"materialized: forward {ms(price.forward['attention'])} ms, backward "
+                     f"{ms(price.backward['attention'])} ms: Q K^T and P V as batched matmuls over the whole score "
+                     "matrix, a fused softmax and a dropout reading and writing it",
+                     "ops.materialized_attention (Megatron-LM 2021, Narayanan et al. 2021); the matmuls at the "
+                     "large-GEMM fraction"))
+    elif price.flops["attention"]:
         seq = rank_shapes(work).kernel_seq
         rows.append(("compute: attention core", f"forward {ms(price.forward['attention'])} ms at "
                      f"{interpolate(hw.attention_fwd_curve, seq):.1%} of peak, backward (2.5x the FLOPs) "
@@ -250,8 +274,9 @@ def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backwa
                  f"GB backward at {hw.hbm_efficiency:.0%} of {hw.hbm_bw / 1e12:.2f} TB/s: "
                  f"{ms(price.forward['elementwise'])} + {ms(price.backward['elementwise'])} ms; largest: "
                  + ", ".join(f"{k} {v / c / 1e9:.2f} GB" for k, v in largest),
-                 f"{hw.sources.get('hbm_efficiency', 'profile')}; bytes: planner/machine/ops.py "
-                 "(fivefold's model code)"))
+                 f"{hw.sources.get('hbm_efficiency', 'profile')}; bytes: planner/machine/ops.py, "
+                 + ("kernels fused (--kernels fused: each chain reads its inputs once, writes its output once)"
+                    if work.options.kernels == "fused" else "kernels eager (fivefold's model code op by op)")))
     flops = sum(price.flops.values()) / c + (price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS) / c
                                                if recompute and work.cfg.train.recompute == "selective" else 0.0)
     if work.cfg.train.recompute == "full":
