@@ -70,6 +70,8 @@ def predicted(metric: str, est: Any, hw: Hardware) -> float | None:
         "tflops_model": est.mfu * hw.peak_flops / 1e12,
         "tflops_hardware": h * hw.peak_flops / 1e12 if h else None,
         "hfu_over_mfu": h / est.mfu if h and est.mfu else None,
+        "hfu_korthikanti_over_mfu": (est.conventions["hfu_korthikanti"] / est.mfu
+                                     if getattr(est, "conventions", None) and est.mfu else None),
     }[metric]
 
 

@@ -62,6 +62,17 @@ Recompute: "full" keeps only each block's input (d, split with sp); "selective" 
 attention kernel, which then keeps no log-sum-exp, and keeps its inputs. Weights are not
 activations and are not counted.
 
+Megatron-LM's layout (`layout = "megatron"`, PlanOptions.activations; dense grouped-query blocks):
+what Korthikanti et al. 2022 count (sec. 4.1-4.2.2: 34 s b h / t per GPT layer with sequence
+parallelism, less its dropout masks) and Megatron-Core keeps. A fused norm keeps its input and
+rsqrt, not the normalised value; with sp the column-parallel layers keep their sequence-sharded
+input and all-gather it again in backward (megatron/core/tensor_parallel/layers.py; comm.py prices
+the gather); a fused SwiGLU keeps its input (gate and up), the down projection the product:
+  norms and residual stream: input, rsqrt and output of each norm          4d + 2 (/ t with sp)
+  SwiGLU                                                                    3f / t
+The attention part is fivefold's (flash kernels keep the same tensors). MoE and latent-attention
+blocks keep fivefold's counts under either layout.
+
 FP8 compute (fp8_matmul_input_elements): Transformer Engine's linear modules cast each linear
 layer's input to FP8 once in forward and keep that FP8 copy for the weight-gradient GEMM, and
 DeepSeek-V3 (2024, sec. 3.3.3, "Low-Precision Storage") caches the Linear inputs in FP8 the same
@@ -79,11 +90,15 @@ and the SwiGLU's gate, silu and up values stay in the compute dtype.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fivefold.config import ModelConfig
+
+ActivationLayout = Literal["fivefold", "megatron"]
 
 
 def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = False,
-                                        recompute: str = "none") -> float:
+                                        recompute: str = "none", layout: ActivationLayout = "fivefold") -> float:
     """Elements saved for backward per token of one block on one rank (see the module docstring)."""
     d, hd = m.dim, m.head_dim or m.dim // m.n_heads
     H, K = m.n_heads, m.n_kv_heads
@@ -105,7 +120,14 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         attention = dq + 2 * dk + dq
     if m.qk_norm:  # an rsqrt per head, or one per token for q and for k over the whole projection
         attention += 2 * dq + 2 * dk + (2 if m.qk_norm_span == "all" else H + K)
+    if layout == "megatron" and not moe and m.norm_position == "pre":
+        return (4 * d + 2) / (tp if sp else 1) + attention / tp + 3 * m.ffn_dim / tp
     return replicated + attention / tp + _ffn_elements(m, tp, sp)
+
+
+def megatron_layout_applies(m: ModelConfig) -> bool:
+    """Whether layout = "megatron" changes this model's count: dense pre-norm grouped-query blocks."""
+    return not m.n_experts and not m.kv_lora_rank and m.norm_position == "pre"
 
 
 def _ffn_elements(m: ModelConfig, tp: int, sp: bool) -> float:
@@ -134,8 +156,8 @@ def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str) ->
     return replicated + heads / tp + _ffn_elements(m, tp, sp)
 
 
-def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False,
-                              recompute: str = "none") -> tuple[float, float]:
+def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, recompute: str = "none",
+                              layout: ActivationLayout = "fivefold") -> tuple[float, float]:
     """(moved, added) elements per token of one block under FP8 compute (the module docstring):
     `moved` of block_activation_elements_per_token's elements are kept in 1 byte instead of the
     compute dtype, and `added` FP8 copies (1 byte each) are kept beside them. Routed experts'
@@ -152,7 +174,8 @@ def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False,
         attention = d + (out_proj if recompute == "selective" else 0.0)
         added = 0.0 if recompute == "selective" else out_proj
     if not moe:
-        return attention + d + m.ffn_dim / tp, added  # gate/up input, the down projection's input
+        gathered = d / tp if sp and layout == "megatron" and megatron_layout_applies(m) else d  # kept sharded
+        return attention - d + 2 * gathered + m.ffn_dim / tp, added  # gate/up input, the down projection's input
     h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
     shared = m.n_shared_experts * h / split
     added += d / split if m.n_shared_experts else 0.0
@@ -171,6 +194,8 @@ def routed_expert_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = Fal
 
 
 def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,
-                           recompute: str = "none", bytes_per_element: int = 4) -> float:
+                           recompute: str = "none", bytes_per_element: int = 4,
+                           layout: ActivationLayout = "fivefold") -> float:
     """Bytes one rank keeps for backward for one block and one micro-batch of (micro_batch, seq_len)."""
-    return block_activation_elements_per_token(m, tp, sp, recompute) * micro_batch * seq_len * bytes_per_element
+    per_token = block_activation_elements_per_token(m, tp, sp, recompute, layout)
+    return per_token * micro_batch * seq_len * bytes_per_element

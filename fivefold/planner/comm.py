@@ -51,6 +51,7 @@ from fivefold.config import Config
 from fivefold.model.counts import ModelCounts, block_params
 from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.parallel.derive import Derived
+from fivefold.planner.activations import megatron_layout_applies
 from fivefold.planner.layout import RankShare, axis_spans_nodes
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
@@ -66,6 +67,7 @@ class AxisTraffic:
     """One axis on one rank for one step."""
 
     bytes: float = 0.0  # wire bytes this rank sends
+    message_bytes: float = 0.0  # the collectives' tensors, whole (conventions.py: what papers count)
     calls: int = 0  # collectives (alpha is paid per step of each)
     steps: int = 0  # ring steps summed over the calls (latency terms)
     inter_node: bool = False
@@ -79,6 +81,7 @@ class AxisTraffic:
         if n <= 1 or count <= 0 or nbytes <= 0:  # no peer, or nothing to send: no collective runs
             return
         self.bytes += count * wire_bytes(op, nbytes, n)  # the formula the running code counts with
+        self.message_bytes += count * nbytes
         self.calls += int(count)
         steps = int(count * ring_steps(op, n))
         self.steps += steps
@@ -87,6 +90,7 @@ class AxisTraffic:
     def absorb(self, name: str, other: AxisTraffic) -> None:
         """Merge `other` (its time_s set) in as part `name`."""
         self.bytes += other.bytes
+        self.message_bytes += other.message_bytes
         self.calls += other.calls
         self.time_s += other.time_s
         self.merged[name] = other
@@ -158,7 +162,7 @@ def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: flo
 
 def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, last: bool,
                        local_seq: int, micro: int, act_bytes: int, wire_boundaries: int,
-                       imbalance: float = 1.0) -> dict[str, AxisTraffic]:
+                       imbalance: float = 1.0, regather: bool = False) -> dict[str, AxisTraffic]:
     """tp, pp, cp and ep traffic of one pipeline rank holding `blocks` blocks.
 
     wire_boundaries: the sides of stage boundaries this rank's stages have with another rank's
@@ -166,7 +170,9 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
     its gradient back. imbalance: tokens on the busiest expert rank over the mean;
     that rank receives imbalance x the mean's token copies in each dispatch (and in the combine's
     backward) and sends as many back in each combine (and in the dispatch's backward), so each of
-    its all-to-alls carries imbalance x the balanced bytes through its link.
+    its all-to-alls carries imbalance x the balanced bytes through its link. regather: with sp,
+    the backward all-gathers each column-parallel region's input again (Megatron-LM's layout,
+    activations.py), one all-gather more per region and micro-batch.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     b = t.micro_batch
@@ -178,6 +184,8 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
     per_region = 2 + (1 if t.recompute == "full" else 0)
     regions = 2 * blocks - moe_blocks
     out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last)))
+    if regather and p.sp:
+        out["tp"].add("all_gather", act, p.tp, micro * regions)
     if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
         out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
     fwd_passes = 2 if t.recompute == "full" else 1
@@ -233,7 +241,8 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * block_b, micro, d.reshard_after_forward, dp)
     traffic = {"dp": dp}
     traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,
-                                      micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options)))
+                                      micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options),
+                                      options.activations == "megatron" and megatron_layout_applies(cfg.model)))
     if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
     for axis, tr in traffic.items():
@@ -263,8 +272,9 @@ def step_traffic(work: ChunkWork, d: Derived, hw: Hardware, grad_b: float, param
 def own_part(tr: AxisTraffic) -> AxisTraffic:
     """`tr` without its merged parts: the collectives priced by its own op_steps and link."""
     merged = tr.merged.values()
-    return AxisTraffic(tr.bytes - sum(t.bytes for t in merged), tr.calls - sum(t.calls for t in merged), tr.steps,
-                       tr.inter_node, tr.time_s - tr.merged_s, tr.op_steps)
+    return AxisTraffic(tr.bytes - sum(t.bytes for t in merged), tr.message_bytes - sum(t.message_bytes for t in merged),
+                       tr.calls - sum(t.calls for t in merged), tr.steps, tr.inter_node, tr.time_s - tr.merged_s,
+                       tr.op_steps)
 
 
 def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:

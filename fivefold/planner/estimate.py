@@ -49,6 +49,7 @@ from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.pipeline.stage_split import is_automatic_and_uneven, split_note
 from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, heaviest_senders, step_traffic
 from fivefold.planner.compute import busiest_chunk
+from fivefold.planner.conventions import conventions
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
 from fivefold.planner.layout import RankShare, rank_shares, stage_sizes
 from fivefold.planner.machine.datasheet import GB, Hardware
@@ -99,6 +100,7 @@ class Estimate:
     not_runnable: list[str] = field(default_factory=list)  # why `fivefold train` cannot run it as assumed
     comm_by_pp_rank: list[dict[str, AxisTraffic]] = field(default_factory=list)  # every pipeline rank's traffic
     memory_by_pp_rank: list[dict[str, float]] = field(default_factory=list)  # every pipeline rank's, MEMORY_KEYS
+    conventions: dict[str, float] = field(default_factory=dict)  # conventions.CONVENTION_KEYS: the papers' figures
 
 
     def to_json(self) -> dict[str, Any]:
@@ -114,6 +116,7 @@ class Estimate:
             "flops": self.flops,
             "fits": self.fits,
             "kernels": self.options.kernels,
+            "conventions": dict(self.conventions),
             "host_memory_gb": self.host_memory_bytes / GB,
             "runnable": not self.not_runnable,
             "not_runnable": self.not_runnable,
@@ -248,19 +251,21 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
              "step_sync": t.sync.seconds, "host": units * (t.host.forward_s + t.host.backward_s) + t.host.step_s}
     flops = step_flops(cfg, d.vocab_size, options.causal_flops, options.document_tokens)
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
+    figures, figures_row = conventions(cfg, d, t.sent, flops, step, hw.peak_flops, t.mem.activations,
+                                       where.work.act_bytes)
     stages = [("pipeline stages", split_note(cfg, tuple(where.sizes)).partition(": ")[2],
                "parallel/pipeline/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
     explain = [_params_row(where.counts), *stages, *t.chunk.explain, *t.traffic_rows, *t.sent_rows, *t.host.explain,
                *t.path.explain, *t.pipe.explain, *t.dp.explain, *(h.row for h in t.overlaps.values()),
                *t.opt.explain, *t.sync.explain, *t.mem.explain, _step_row(step_terms, step), convention_row(flops),
-               utilization_row(flops, step, world_size, hw.peak_flops)]
+               utilization_row(flops, step, world_size, hw.peak_flops), figures_row]
     return Estimate(world_size=world_size, memory=t.mem.memory, comm=t.sent, bubble_ratio=t.pipe.sim.bubble_ratio,
                     bubble_fraction=t.pipe.sim.bubble_fraction, exposed_dp_s=t.dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=t.mem.fits,
                     time_split=split, explain=explain, dp_overlap=t.dp.overlap, options=options, hfu=hfu,
                     flops=flops.to_json(), host_memory_bytes=t.mem.host_bytes, overlaps=t.overlaps,
                     not_runnable=options.not_runnable(cfg), comm_by_pp_rank=t.by_rank,
-                    memory_by_pp_rank=t.mem.per_rank)
+                    memory_by_pp_rank=t.mem.per_rank, conventions=figures)
 
 
 def _params_row(counts: ModelCounts) -> Row:

@@ -176,11 +176,12 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_chunks: int, local_
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * local_seq
-    per_block = block_activation_bytes(m, t.micro_batch, local_seq, p.tp, p.sp, t.recompute, act_bytes)
+    per_block = block_activation_bytes(m, t.micro_batch, local_seq, p.tp, p.sp, t.recompute, act_bytes,
+                                       options.activations)
     routed, routed_fp8 = routed_expert_elements_per_token(m, p.tp, p.sp, t.recompute)
     routed_bytes = routed * act_bytes
     if options.fp8 != "none":  # "weights" computes in FP8 too
-        moved, added = fp8_matmul_input_elements(m, p.tp, p.sp, t.recompute)
+        moved, added = fp8_matmul_input_elements(m, p.tp, p.sp, t.recompute, options.activations)
         per_block -= tokens * (moved * (act_bytes - FP8_BYTES) - added * FP8_BYTES)
         routed_bytes -= routed_fp8 * (act_bytes - FP8_BYTES)
     routed_extra = (expert_imbalance(cfg, options) - 1.0) * routed_bytes * tokens
@@ -188,7 +189,7 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_chunks: int, local_
     blocks = per_block * share.chunk_blocks * inflight_chunks
     logits = t.micro_batch * local_seq * (vocab / p.tp) * (act_bytes + 4) if share.last else 0.0
     return {"blocks": blocks, "logits": logits, "per_block_microbatch": per_block, "routed_extra": routed_extra,
-            "total": blocks + logits}
+            "per_micro_batch": per_block * len(share.blocks) + logits, "total": blocks + logits}
 
 
 def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int, act_bytes: int,

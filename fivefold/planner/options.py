@@ -30,6 +30,9 @@ choices a planner must still make are not in it:
 
 `attention_kernel = "materialized"` prices a trainer before FlashAttention (the score matrix
 written out, ops.materialized_attention): published runs of 2021 ran so, fivefold never does.
+`activations = "megatron"` keeps for backward what Megatron-LM keeps (activations.py), with the
+backward's extra all-gather that sequence parallelism then runs (comm.py): published runs'
+memory, not fivefold's.
 
 `--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
 `--document-tokens` and `--expert-imbalance` are flags of their own.
@@ -43,6 +46,7 @@ from typing import Literal
 
 from fivefold.config import Config, replace
 from fivefold.model.counts import CausalFlops
+from fivefold.planner.activations import ActivationLayout, megatron_layout_applies
 from fivefold.planner.machine.ops import AttentionKernel
 from fivefold.validate.speed import speed_errors
 
@@ -63,6 +67,7 @@ class PlanOptions:
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
     kernels: Kernels = "auto"  # elementwise kernels as run eagerly or fused (module docstring)
     attention_kernel: AttentionKernel = "flash"  # "materialized": the whole score matrix (a published run's)
+    activations: ActivationLayout = "fivefold"  # "megatron": what Megatron-LM keeps for backward (activations.py)
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
     # mean document length in tokens under data.document_mask; 0 = not stated, priced as causal
     # attention over the whole row (what the mask keeps at most)
@@ -89,6 +94,9 @@ class PlanOptions:
             "zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit"]
         if self.attention_kernel != "flash":
             out.append(f"attention_kernel={self.attention_kernel}: fivefold always runs a fused attention kernel")
+        if self.activations != "fivefold" and (cfg is None or megatron_layout_applies(cfg.model)):
+            out.append(f"activations={self.activations}: fivefold keeps each tensor-parallel region's gathered "
+                       "input, its norms' normalised values and its SwiGLU's intermediates")
         return out + (speed_errors(switched_config(cfg, self)) if cfg is not None else [])
 
 

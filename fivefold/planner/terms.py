@@ -231,6 +231,7 @@ class RankMemory:
     explain: list[Row] = field(default_factory=list)
     host_bytes: float = 0.0  # host memory per node that offloaded state takes (its ranks x the fullest rank's)
     per_rank: list[dict[str, float]] = field(default_factory=list)  # every pipeline rank's, like `memory`
+    activations: dict[str, float] = field(default_factory=dict)  # the fullest rank's (memory.activation_bytes)
 
 
 def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight: list[int], b: BytesPerParam,
@@ -277,7 +278,7 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
     rows.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: "
                  f"{'fits' if memory['total'] <= hw.memory_bytes else 'does NOT fit'}",
                  hw.sources.get("memory_bytes", "profile")))
-    return RankMemory(memory, fits, rows, host_node, per_rank)
+    return RankMemory(memory, fits, rows, host_node, per_rank, worst_acts)
 
 
 def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host: float, host_node: float,

@@ -115,7 +115,7 @@ def test_estimate_json_has_exactly_the_issue_keys(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"memory_gb", "comm_bytes_per_step", "bubble", "step_time_s", "tokens_per_s_per_gpu", "mfu",
-                        "hfu", "flops", "fits", "kernels", "host_memory_gb", "runnable", "not_runnable"}
+                        "hfu", "flops", "fits", "kernels", "conventions", "host_memory_gb", "runnable", "not_runnable"}
     assert set(out["flops"]) == {"model_per_token", "hardware_per_token", "model_per_step", "hardware_per_step"}
     assert out["hfu"] > out["mfu"]  # selective recompute runs the attention core's forward again
     assert out["runnable"] and out["not_runnable"] == [] and out["host_memory_gb"] == 0
