@@ -7,9 +7,9 @@ is written in `assumed`; where fivefold's model or layout cannot be the publishe
 says how. Nothing here is fitted to a run: a figure is either read from the named source or
 derived from such figures by the arithmetic shown beside it.
 
-GPT-3-shaped models (Megatron-LM) have a GeLU MLP of width 4h; fivefold's MLP is SwiGLU, so
-`gpt()` gives them ffn_dim = 8h/3 rounded to a multiple of 128, the same 8h^2 MLP parameters per
-block (3 h f = 8 h^2), within 0.1%; the script prints each model's parameter count beside the
+GPT-3-shaped models (Megatron-LM's GPT, llm-foundry's MPT) have a GeLU MLP of width 4h; fivefold's
+MLP is SwiGLU, so `gpt()` gives them ffn_dim = 8h/3 rounded to a multiple of 128, the same 8h^2 MLP
+parameters per block (3 h f = 8 h^2), within 0.1%; the script prints each model's parameter count beside the
 source's. They also have learned position embeddings, LayerNorm and biases (fivefold: RoPE,
 RMSNorm, no biases), a few parameters per block that change no FLOP count by 0.1%.
 """
@@ -25,6 +25,7 @@ METRICS = {
     "tflops_hardware": "hardware TFLOP/s/GPU",  # HFU numerator, recomputation counted
     "mfu": "MFU",
     "hfu_over_mfu": "HFU / MFU",
+    "hfu_korthikanti_over_mfu": "HFU / MFU (Korthikanti's count)",  # planner/conventions.py
     "gpu_hours_per_trillion": "GPU-hours / 1T tokens",
 }
 
@@ -88,6 +89,39 @@ def torchtitan_flops(params: float, embedding: float, layers: int, heads: int, h
     return 6 * (params - embedding) + 12 * layers * heads * head_dim * seq
 
 
+def mpt_flops(params: float, layers: int, d_model: int, seq: int) -> float:
+    """llm-foundry's MFU numerator per token (scripts/train/benchmarking/collect_results.py @8c8dd48, and its
+    README's formula): 3 (2 N s + 4 l d s^2) per sequence, i.e. 6 N + 12 l d s per token, N the run's
+    NumParams (embeddings included), the causal mask not halving the attention term."""
+    return 6 * params + 12 * layers * d_model * seq
+
+
+def megatron_core_flops(h: int, layers: int, seq: int, vocab: int, tp: int, heads: int, *, groups: int = 0,
+                        head_dim: int = 0, ffn: int = 0, moe_ffn: int = 0, top_k: int = 0, shared_ffn: int = 0,
+                        dense_layers: int = 0, mtp: int = 0, mla: tuple[int, int, int, int, int] = ()) -> float:
+    """Megatron-Core's model FLOPs per token as Megatron-Bridge computes them for its performance tables
+    (src/megatron/bridge/training/utils/flop_utils.py num_floating_point_operations, transformer_flops,
+    @97ad8cc6f, the 25.11 release; the same terms as Megatron-LM training.py): 12 l h (3/2 f) for SwiGLU MLPs
+    (dense blocks, top-k routed experts, shared experts; router not counted), GQA attention
+    12 l h^2 (1 + g/n + s/2h) (q n / h), the causal mask halving the core attention, or MLA's
+    6 l (q_lora (h + n (qk + rope) + 1) + kv_lora (h + n (qk + v) + 1) + h rope + n v h + s n (qk + rope)/2
+    + s n v / 2), the MTP layers counted as blocks plus 6 (3 h + 2 h^2) each, and the logits 6 h V' (mtp + 1),
+    V' the vocabulary padded to a multiple of 128 tp. mla = (q_lora, kv_lora, qk_head, rope_head, v_head)."""
+    n_moe = layers - dense_layers if moe_ffn else 0
+    n_dense = layers - n_moe
+    n_moe, n_dense = (n_moe + mtp, n_dense) if moe_ffn else (n_moe, n_dense + mtp)
+    total = layers + mtp
+    mlp = 12 * h * 1.5 * (ffn * n_dense + (moe_ffn * top_k + shared_ffn) * n_moe)
+    if mla:
+        q_lora, kv_lora, qk, rope, v = mla
+        attn = 6 * total * (q_lora * (h + heads * (qk + rope) + 1) + kv_lora * (h + heads * (qk + v) + 1)
+                            + h * rope + heads * v * h + seq * heads * (qk + rope) / 2 + seq * heads * v / 2)
+    else:
+        attn = 12 * total * h * h * (1 + groups / heads + seq / h / 2) * (heads * head_dim / h)
+    padded = -(-vocab // (128 * tp)) * 128 * tp
+    return mlp + attn + 6 * mtp * (3 * h + 2 * h * h) + 6 * h * padded * (mtp + 1)
+
+
 # Llama 3.1 8B: 8.03B parameters (presets.PUBLISHED_PARAMS), a 128256 x 4096 embedding.
 _L8B = torchtitan_flops(8.03e9, 128256 * 4096, 32, 32, 128, 8192)
 
@@ -99,7 +133,39 @@ MEGATRON_2024_OVERLAP = ("--overlap-grad-reduce --overlap-param-gather (distribu
                          "--tp-comm-overlap; pipeline p2p overlapped by default")
 TITAN_H100 = {"memory_bytes": 96e9, "hbm_bw": 2.4e12}  # Grand Teton H100: 96 GB HBM2e, 2.4 TB/s, 500 W (perf. docs)
 TITAN_DIFF = "H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W (peak unknown, 989 kept, as torchtitan's footnote does)"
+# Megatron-LM 2021 (and Korthikanti et al. 2022) fused its elementwise kernels (apex's LayerNorm, bias + GeLU,
+# scale-mask-softmax) and, before FlashAttention, wrote the whole score matrix out: Q K^T, softmax, P V.
+M21 = {"causal_flops": "full", "tp_overlap": False, "kernels": "fused", "attention_kernel": "materialized"}
+M21_DIFF = "biases, hidden dropout, LayerNorm and GeLU (the source's) priced as fivefold's RMSNorm and SwiGLU"
+# Megatron-Core 2024: Transformer Engine's fused kernels (norms, bias + activation, rotary) and fused attention
+# (its kernels keep for backward what Korthikanti et al. 2022 count: activations = "megatron")
+M24 = {"causal_flops": "full", "tp_overlap": True, "kernels": "fused", "activations": "megatron"}
 H800 = {"intra_bw": 200e9}  # NVLink 400 GB/s bidirectional (philisun.com H800 vs H100 comparison): 200 per direction
+FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48 (tables as of 5e85bd6, #838)"
+FOUNDRY_CONVENTION = "MFU: 6 N + 12 l d s (N with embeddings), causal in full, of 989 (H100) / 312 (A100)"
+FOUNDRY_OVERLAP = ("Composer FSDP1: limit_all_gathers (the yamls); forward/backward prefetch not set by the sweep "
+                   "(Composer's defaults)")
+FOUNDRY_DIFF = ("MPT: GeLU MLP of 4d (SwiGLU 8d/3 here, module docstring), LayerNorm with biases and biases on every "
+                "linear, a learned position embedding of seq x d (in NumParams); flash attention, no compile")
+FOUNDRY_ASSUMED = "MP mode DEFAULT read as Composer's: bf16 compute and gathers, fp32 gradient reduction"
+MBRIDGE_2511 = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @5776a6d (25.11 NeMo container, DGX-H100 "
+                "table; the same rows in docs/performance-summary-archive.md @067f987)")
+MBRIDGE_RECIPE = "recipes: scripts/performance/configs/ and src/megatron/bridge/recipes/ @v0.2.0 (7af9601)"
+MBRIDGE_CONVENTION = "model FLOPs, causal halved (flop_utils.py num_floating_point_operations)"
+MBRIDGE_OVERLAP = ("distributed optimizer with overlap_grad_reduce and overlap_param_gather (recipe); "
+                   "tp_comm_overlap userbuffers where tp > 1; TE fused kernels")
+MBRIDGE_FP8 = ("FP8-CS: TE per-tensor current scaling (bf16_with_fp8_current_scaling_mixed, first/last layers bf16 "
+               "off in the perf scripts) with fp8_param_gather")
+MOE_ZOO = "yanring/Megatron-MoE-ModelZoo @e865051, best_practice/qwen3/readme.md, H100 table (256 H100, IB 8x50 GB/s)"
+TITAN_H200 = "pytorch/torchtitan @b5bcd76, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
+TORCHAO_B200 = ("pytorch/ao @36027d8 docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200' (the "
+                "same table in torchtitan @b5bcd76 torchtitan/components/quantization/mxfp8.md)")
+TORCHAO_DIFF = ("'8x power limited B200' (limit not stated): priced at the data sheet's clocks; selective AC: per-op "
+                "policy vs fivefold's attention core")
+
+LLAMA3 = {"causal_flops": "full", "kernels": "fused", "activations": "megatron"}
+LLAMA3_KERNELS = ("fused kernels keeping Megatron-LM's activations (not described; a 2024 trainer at 38-43% MFU "
+                  "fuses its norms and activations)")
 
 RUNS: list[Run] = [
     # --- Megatron-LM, Narayanan et al. 2021: GPT on A100 80GB (Selene: 8 GPUs/node, 8x HDR IB per node), fp16,
@@ -109,25 +175,25 @@ RUNS: list[Run] = [
         (*gpt(25600, 128, 160, 51200, 2048, True), *layout(6, 8, 64, 3072, 1, recompute="full", dtype="fp16",
                                                             overlap_comm=False)),
         "tflops_hardware", 163.0, "hardware FLOPs (recompute counted), causal in full (96 B s l h^2 ...)",
-        MEGATRON_2021_OVERLAP, {"causal_flops": "full", "tp_overlap": False},
-        megatron_2021_flops(25600, 128, 2048, 51200), params_b=1008.0),
+        MEGATRON_2021_OVERLAP, M21,
+        megatron_2021_flops(25600, 128, 2048, 51200), params_b=1008.0, differs=M21_DIFF),
     Run("megatron21-530B-2520xA100", MEGATRON_2021, "a100-80gb", 2520,
         (*gpt(20480, 105, 128, 51200, 2048, True), *layout(9, 8, 35, 2520, 1, recompute="full", dtype="fp16",
                                                             overlap_comm=False, pp_schedule="interleaved_1f1b",
                                                             virtual_stages=3)),
         "tflops_hardware", 163.0, "hardware FLOPs (recompute counted), causal in full", MEGATRON_2021_OVERLAP,
-        {"causal_flops": "full", "tp_overlap": False}, megatron_2021_flops(20480, 105, 2048, 51200), params_b=529.6),
+        M21, megatron_2021_flops(20480, 105, 2048, 51200), params_b=529.6, differs=M21_DIFF),
     Run("megatron21-146B-1536xA100", MEGATRON_2021, "a100-80gb", 1536,
         (*gpt(12288, 80, 96, 51200, 2048, True), *layout(24, 8, 8, 2304, 2, recompute="full", dtype="fp16",
                                                           overlap_comm=False, pp_schedule="interleaved_1f1b",
                                                           virtual_stages=2)),
         "tflops_hardware", 148.0, "hardware FLOPs (recompute counted), causal in full", MEGATRON_2021_OVERLAP,
-        {"causal_flops": "full", "tp_overlap": False}, megatron_2021_flops(12288, 80, 2048, 51200), params_b=145.6),
+        M21, megatron_2021_flops(12288, 80, 2048, 51200), params_b=145.6, differs=M21_DIFF),
     Run("megatron21-18B-256xA100", MEGATRON_2021, "a100-80gb", 256,
         (*gpt(6144, 40, 48, 51200, 2048, True), *layout(32, 8, 1, 1024, 8, recompute="full", dtype="fp16")),
         "tflops_hardware", 135.0, "hardware FLOPs (recompute counted), causal in full",
         "tp all-reduces block; DDP-impl torch: bucketed gradient all-reduce overlapped with the backward",
-        {"causal_flops": "full", "tp_overlap": False}, megatron_2021_flops(6144, 40, 2048, 51200), params_b=18.4),
+        M21, megatron_2021_flops(6144, 40, 2048, 51200), params_b=18.4, differs=M21_DIFF),
     # --- Korthikanti et al. 2022, MFU and HFU "measured using a data parallel size of one" (NVIDIA/Megatron-LM
     # README @2e90a342f5, 2022-05-19; the paper's Table 5): 175B 51.4% / 52.8%, 530B 56.0% / 57.0%,
     # 1T 56.3% / 57.0%; sequence parallel + selective recomputation, seq 2048. Their ratio depends only on the
@@ -136,41 +202,41 @@ RUNS: list[Run] = [
     # 530B and 1T as in Narayanan et al. 2021 above.
     Run("korthikanti22-175B-ratio", "Korthikanti et al. 2022, Table 5 (Megatron-LM README @2e90a342f5)", "a100-80gb",
         64, (*gpt(12288, 96, 96, 51200, 2048, True), *layout(1, 8, 8, 8, 1, recompute="selective", sp=True)),
-        "hfu_over_mfu", 0.528 / 0.514, "both causal in full; HFU adds the recomputed attention core",
+        "hfu_korthikanti_over_mfu", 0.528 / 0.514, "both causal in full; HFU as the paper counts recompute",
         "n/a (the ratio does not depend on overlap)", {"causal_flops": "full"}, params_b=175.0,
         assumed="layout tp8 x pp8, 8 micro-batches (any valid one: the ratio does not depend on it)",
-        differs="the paper's HFU formula (1 + s/3h ...) counts 24 B L s^2 h where its selective recompute adds 16 "
-                "(jaredcasper, Megatron-LM issue #523): its published HFU is high by that"),
+        differs="the paper's HFU formula (1 + s/3h ...) counts the attention term again, three times the forward "
+                "selective recompute reruns (Megatron-LM issue #523): compared in its count (hfu_korthikanti)"),
     Run("korthikanti22-530B-ratio", "Korthikanti et al. 2022, Table 5 (Megatron-LM README @2e90a342f5)", "a100-80gb",
         280, (*gpt(20480, 105, 128, 51200, 2048, True), *layout(1, 8, 35, 35, 1, recompute="selective", sp=True)),
-        "hfu_over_mfu", 0.570 / 0.560, "both causal in full; HFU adds the recomputed attention core",
+        "hfu_korthikanti_over_mfu", 0.570 / 0.560, "both causal in full; HFU as the paper counts recompute",
         "n/a (the ratio does not depend on overlap)", {"causal_flops": "full"}, params_b=529.6,
         assumed="layout tp8 x pp35, 35 micro-batches (the ratio does not depend on it)",
-        differs="the paper's HFU formula over-counts the recomputed attention (issue #523)"),
+        differs="compared in the paper's HFU count (hfu_korthikanti; Megatron-LM issue #523)"),
     Run("korthikanti22-1T-ratio", "Korthikanti et al. 2022, Table 5 (Megatron-LM README @2e90a342f5)", "a100-80gb",
         512, (*gpt(25600, 128, 160, 51200, 2048, True), *layout(1, 8, 64, 64, 1, recompute="selective", sp=True)),
-        "hfu_over_mfu", 0.570 / 0.563, "both causal in full; HFU adds the recomputed attention core",
+        "hfu_korthikanti_over_mfu", 0.570 / 0.563, "both causal in full; HFU as the paper counts recompute",
         "n/a (the ratio does not depend on overlap)", {"causal_flops": "full"}, params_b=1008.0,
         assumed="layout tp8 x pp64, 64 micro-batches (the ratio does not depend on it)",
-        differs="the paper's HFU formula over-counts the recomputed attention (issue #523)"),
+        differs="compared in the paper's HFU count (hfu_korthikanti; Megatron-LM issue #523)"),
     # --- Megatron-Core r0.8.0 on H100 (README 2024): GPT, vocab 131072, seq 4096, dp 48 everywhere; per-GPU
     # TFLOP/s and MFU (of 989). Untied embeddings: the sizes in the table (7.1B, 177B, 462B) are the untied counts.
     Run("megatron24-7B-96xH100", MEGATRON_2024, "h100", 96,
         (*gpt(4096, 30, 32, 131072, 4096, False), *layout(48, 2, 1, 192, 1, zero=1, sp=True)),
         "tflops_model", 465.9, "model FLOPs, causal in full (training.py num_floating_point_operations)",
-        MEGATRON_2024_OVERLAP, {"causal_flops": "full", "tp_overlap": True},
+        MEGATRON_2024_OVERLAP, M24,
         megatron_model_flops(4096, 30, 4096, 131072), params_b=7.1,
         assumed="micro-batch 1; precision bf16; sequence parallel on (both not in the README)", recompute_fit=True),
     Run("megatron24-177B-2304xH100", MEGATRON_2024, "h100", 2304,
         (*gpt(12288, 96, 96, 131072, 4096, False), *layout(48, 8, 6, 1152, 1, zero=1, sp=True)),
         "tflops_model", 432.8, "model FLOPs, causal in full", MEGATRON_2024_OVERLAP,
-        {"causal_flops": "full", "tp_overlap": True}, megatron_model_flops(12288, 96, 4096, 131072), params_b=177.0,
+        M24, megatron_model_flops(12288, 96, 4096, 131072), params_b=177.0,
         assumed="micro-batch 1, plain 1F1B (Megatron's default without virtual stages), bf16, sp on",
         recompute_fit=True),
     Run("megatron24-462B-6144xH100", MEGATRON_2024, "h100", 6144,
         (*gpt(18432, 112, 144, 131072, 4096, False), *layout(48, 8, 16, 3072, 1, zero=1, sp=True)),
         "tflops_model", 459.9, "model FLOPs, causal in full", MEGATRON_2024_OVERLAP,
-        {"causal_flops": "full", "tp_overlap": True}, megatron_model_flops(18432, 112, 4096, 131072), params_b=462.0,
+        M24, megatron_model_flops(18432, 112, 4096, 131072), params_b=462.0,
         assumed="micro-batch 1, plain 1F1B, bf16, sp on", recompute_fit=True),
     # --- Llama 3 (Dubey et al. 2024), 405B on H100 80GB (700 W), seq 8192, 16M tokens per batch (2048 sequences),
     # BF16; TFLOP/s per GPU as shown on the SC'24 slide (P. Balaji, "Herding Llamas") transcribed at
@@ -180,16 +246,16 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-405b", "--train.seq_len=8192",
          *layout(64, 8, 16, 2048, 1, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=2)),
         "tflops_model", 430.0, "not stated (MFU of 989 TFLOP/s); compared as causal in full",
-        "not stated in the sources read here", {"causal_flops": "full"}, params_b=405.85,
-        assumed="micro-batch 1; interleaved 1F1B with 2 virtual stages; sequence parallel on",
+        "not stated in the sources read here", LLAMA3, params_b=405.85,
+        assumed="micro-batch 1; interleaved 1F1B with 2 virtual stages; sequence parallel on; " + LLAMA3_KERNELS,
         differs="DP: ZeRO-1 here (the paper's FSDP shards more state; no extra traffic with parameters kept "
                 "gathered across micro-batches)", recompute_fit=True),
     Run("llama3-405B-16384xH100", "Dubey et al. 2024, Table 4 (SC'24 slide via glennklockwood.com)", "h100", 16384,
         ("--model.preset=llama3-405b", "--train.seq_len=8192",
          *layout(128, 8, 16, 2048, 1, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=2)),
         "tflops_model", 400.0, "not stated (MFU of 989 TFLOP/s); compared as causal in full",
-        "not stated in the sources read here", {"causal_flops": "full"}, params_b=405.85,
-        assumed="micro-batch 1; interleaved 1F1B with 2 virtual stages; sequence parallel on",
+        "not stated in the sources read here", LLAMA3, params_b=405.85,
+        assumed="micro-batch 1; interleaved 1F1B with 2 virtual stages; sequence parallel on; " + LLAMA3_KERNELS,
         differs="DP: ZeRO-1 here (the paper's FSDP)", recompute_fit=True),
     # --- DeepSeek-V3 (arXiv 2412.19437): 2048 H800; "180K H800 GPU hours" per trillion pre-training tokens
     # (introduction, INTRO text of deepseek-ai/DeepSeek-V3; 2664K for 14.8T = 180.0K/T); PP16 with DualPipe,
@@ -229,15 +295,17 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-70b", "--train.seq_len=8192",
          *layout(32, 8, 1, 512, 1, zero=3, sp=True, recompute="full")),
         "tokens_per_s_per_gpu", 597.3, "tokens", "TP collectives block (vanilla TP); FSDP2 prefetch",
-        {"causal_flops": "full", "tp_overlap": False, "zero3_prefetch": True}, hardware=TITAN_H100, params_b=70.55,
+        {"causal_flops": "full", "tp_overlap": False, "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100,
+        params_b=70.55,
         assumed="micro-batch 1 (torchtitan runs its local batch of 16 as one; fivefold's planner prices either)",
-        differs="torch.compile not modelled; " + TITAN_DIFF),
+        differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF),
     Run("torchtitan-70B-256xH100-asynctp", "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md", "h100",
         256, ("--model.preset=llama3-70b", "--train.seq_len=8192",
               *layout(32, 8, 1, 512, 1, zero=3, sp=True, recompute="full")),
         "tokens_per_s_per_gpu", 652.4, "tokens", "async TP: tp collectives overlapped with the matmuls; FSDP2 prefetch",
-        {"causal_flops": "full", "tp_overlap": True, "zero3_prefetch": True}, hardware=TITAN_H100, params_b=70.55,
-        assumed="micro-batch 1", differs="torch.compile not modelled; " + TITAN_DIFF),
+        {"causal_flops": "full", "tp_overlap": True, "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100,
+        params_b=70.55,
+        assumed="micro-batch 1", differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF),
     # April-Dec 2024 (docs/performance.md @4d88a8a, 2024-12-03): Llama 3 on 64 A100 80GB, FSDP, local batch 1,
     # 8B selective op AC 2973 WPS 58.2% MFU; 70B full AC 331 WPS 51.7% MFU. That MFU is 6N + 12 l h q t with N
     # counting the embedding (2973 x (6 x 8.03e9 + 12 x 32 x 32 x 128 x 8192) / 312e12 = 58.2%).
@@ -252,4 +320,185 @@ RUNS: list[Run] = [
                                                                       recompute="full")),
         "tokens_per_s_per_gpu", 331.0, "tokens (MFU 51.7% stated)", "FSDP2 prefetch",
         {"causal_flops": "full", "zero3_prefetch": True}, params_b=70.55),
+    # --- llm-foundry MPT benchmarks (mosaicml/llm-foundry, scripts/train/benchmarking/README.md): amp_bf16, FSDP
+    # (FULL_SHARD), MP mode DEFAULT, vocab 50368, tied embedding (MPT's wte), shapes from scripts/train/yamls/
+    # pretrain/mpt-*.yaml (1b: d 2048, 16 heads, 24 layers; 7b: 4096/32/32; 13b: 5120/40/40; 30b: 7168/56/48;
+    # 70b: 8192/64/80; expansion_ratio 4). Each row: MFU, micro-batch, grad accumulation, global batch (sequences),
+    # T/s/GPU, activation checkpointing; NumParams as params_b. The MFU's own formula (mpt_flops) turns it into the
+    # table's T/s/GPU (tests/planner/test_published_runs.py).
+    Run("mpt-1b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 1b, seq 2048, 8 GPUs", "h100", 8,
+        (*gpt(2048, 24, 16, 50368, 2048, True), *layout(8, batch=112, micro=14, zero=3, param_dtype="bf16",
+                                                         dtype="bf16", recompute="none")),
+        "mfu", 0.4182, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(1315950592, 24, 2048, 2048),
+        params_b=1.315950592, assumed=FOUNDRY_ASSUMED + "; the table: 45455 T/s/GPU, grad accum 1, no AC",
+        differs=FOUNDRY_DIFF),
+    Run("mpt-7b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 7b, seq 2048, 8 GPUs", "h100", 8,
+        (*gpt(4096, 32, 32, 50368, 2048, True), *layout(8, batch=48, micro=6, zero=3, param_dtype="bf16",
+                                                         dtype="bf16", recompute="none")),
+        "mfu", 0.4644, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(6658859008, 32, 4096, 2048),
+        params_b=6.658859008, assumed=FOUNDRY_ASSUMED + "; the table: 10643 T/s/GPU, grad accum 1, no AC",
+        differs=FOUNDRY_DIFF),
+    Run("mpt-13b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 13b, seq 2048, 8 GPUs", "h100", 8,
+        (*gpt(5120, 40, 40, 50368, 2048, True), *layout(8, batch=16, micro=2, zero=3, param_dtype="bf16",
+                                                         dtype="bf16", recompute="none")),
+        "mfu", 0.3979, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(12853954560, 40, 5120, 2048),
+        params_b=12.85395456, assumed=FOUNDRY_ASSUMED + "; the table: 4792 T/s/GPU, grad accum 1, no AC",
+        differs=FOUNDRY_DIFF),
+    Run("mpt-30b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 30b, seq 2048, 8 GPUs", "h100", 8,
+        (*gpt(7168, 48, 56, 50368, 2048, True), *layout(8, batch=504, micro=3, zero=3, param_dtype="bf16",
+                                                         dtype="bf16", recompute="full")),
+        "mfu", 0.3811, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(29975214080, 48, 7168, 2048),
+        params_b=29.97521408, assumed=FOUNDRY_ASSUMED + "; the table: 2002 T/s/GPU, grad accum 21, AC on (each "
+                                                        "block: full here)",
+        differs=FOUNDRY_DIFF),
+    Run("mpt-70b-512xH100", f"{FOUNDRY}, H100 80GB BF16 (Large Scale): 70b, seq 2048, 512 GPUs", "h100", 512,
+        (*gpt(8192, 80, 64, 50368, 2048, True), *layout(512, batch=4096, micro=8, zero=3, param_dtype="bf16",
+                                                         dtype="bf16", recompute="full")),
+        "mfu", 0.4125, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(64862437376, 80, 8192, 2048),
+        params_b=64.862437376, assumed=FOUNDRY_ASSUMED + "; the table: 1007 T/s/GPU, grad accum 1, AC on (full "
+                                                         "here); 8 GPUs a node with one 400 Gb/s NIC each (not stated)",
+        differs=FOUNDRY_DIFF),
+    Run("mpt-7b-8xA100", f"{FOUNDRY}, A100 80GB (1600 Gbps RoCE): 7b, seq 2048, 8 GPUs", "a100-80gb", 8,
+        (*gpt(4096, 32, 32, 50368, 2048, True), *layout(8, batch=96, micro=6, zero=3, param_dtype="bf16",
+                                                         dtype="bf16", recompute="none")),
+        "mfu", 0.6423, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(6658859008, 32, 4096, 2048),
+        params_b=6.658859008, assumed=FOUNDRY_ASSUMED + "; the table: 4641 T/s/GPU, grad accum 2, no AC",
+        differs=FOUNDRY_DIFF),
+    # --- Megatron-Bridge performance summary, 25.11 NeMo container, DGX-H100 (8 H100 a node): Llama 3 / 3.1 in FP8-CS,
+    # seq 8192; GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU and model TFLOP/s/GPU as the table gives
+    # them (the tests check tokens x megatron_core_flops = TFLOP/s). Recipes at v0.2.0: llama3 70B/405B without
+    # recompute, sequence parallel with tp, distributed optimizer with overlapped grad reduce / param gather,
+    # tp_comm_overlap userbuffers (h100 tp4 / tp8-cp2 configs); 8B FP8-CS: recompute_num_layers=5 (full, block).
+    Run("mbridge-llama3-8B-8xH100-fp8", f"{MBRIDGE_2511}, LLAMA3_8B; {MBRIDGE_RECIPE}", "h100", 8,
+        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=128, micro=1, zero=3, recompute="none")),
+        "tokens_per_s_per_gpu", 14451.0, MBRIDGE_CONVENTION + " (744 TFLOP/s stated)",
+        "Megatron-FSDP (the table's FSDP: 1 @5776a6d, 8 in the archive @067f987); TE fused kernels",
+        {"causal_flops": "half", "fp8": "compute", "zero3_prefetch": True, "kernels": "fused"},
+        megatron_core_flops(4096, 32, 8192, 128256, 1, 32, groups=8, head_dim=128, ffn=14336), params_b=8.03,
+        assumed="recompute none (the recipe recomputes 5 of the 32 blocks in full; fivefold has no per-block count)",
+        differs=MBRIDGE_FP8 + "; the 5 recomputed blocks add about 5% compute not priced here; the recipe at "
+                              "v0.2.0 sets no FSDP for this row, the table's FSDP column is followed"),
+    Run("mbridge-llama3-70B-64xH100-fp8", f"{MBRIDGE_2511}, LLAMA3_70B; {MBRIDGE_RECIPE}", "h100", 64,
+        ("--model.preset=llama3-70b", "--train.seq_len=8192",
+         *layout(2, 4, 8, 128, 1, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=5,
+                 recompute="none")),
+        "tokens_per_s_per_gpu", 1602.0, MBRIDGE_CONVENTION + " (719 TFLOP/s stated)", MBRIDGE_OVERLAP,
+        {"causal_flops": "half", "fp8": "compute", "tp_overlap": True, "kernels": "fused"},
+        megatron_core_flops(8192, 80, 8192, 128256, 4, 64, groups=8, head_dim=128, ffn=28672), params_b=70.55,
+        differs=MBRIDGE_FP8 + " (fp8 gathers of ZeRO-1 not modelled)"),
+    Run("mbridge-llama31-405B-1024xH100-fp8", f"{MBRIDGE_2511}, LLAMA3.1_405B; {MBRIDGE_RECIPE}", "h100", 1024,
+        ("--model.preset=llama3-405b", "--train.seq_len=8192",
+         *layout(8, 8, 8, 512, 1, cp=2, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=8,
+                 recompute="none")),
+        "tokens_per_s_per_gpu", 292.0, MBRIDGE_CONVENTION + " (737 TFLOP/s stated)",
+        MBRIDGE_OVERLAP + "; cp ring p2p overlapped with attention (TE)",
+        {"causal_flops": "half", "fp8": "compute", "tp_overlap": True, "kernels": "fused"},
+        megatron_core_flops(16384, 126, 8192, 128256, 8, 128, groups=8, head_dim=128, ffn=53248), params_b=405.85,
+        differs=MBRIDGE_FP8 + "; 126 blocks over 64 chunks: fivefold balances them by cost"),
+    # Megatron-Bridge 25.11 DGX-H100, Qwen3-30B-A3B: FP8-CS, 16 GPUs, GBS 512, MBS 2, seq 4096, TP1 PP2 CP1 VP24 EP8,
+    # GA 32: 5275 tokens/s/GPU, 121 TFLOP/s; force-balanced, dropless (the table's note).
+    Run("mbridge-qwen3-30B-A3B-16xH100-fp8", f"{MBRIDGE_2511}, Qwen3_30B_a3B; {MBRIDGE_RECIPE}", "h100", 16,
+        ("--model.preset=qwen3-30b-a3b", "--train.seq_len=4096",
+         *layout(8, 1, 2, 512, 2, ep=8, zero=1, pp_schedule="interleaved_1f1b", virtual_stages=24,
+                 recompute="none")),
+        "tokens_per_s_per_gpu", 5275.0, MBRIDGE_CONVENTION + " (121 TFLOP/s stated)",
+        "distributed optimizer, overlapped grad reduce / param gather; moe_a2a_overlap (1F1B A2A overlap, recipe)",
+        {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0},
+        megatron_core_flops(2048, 48, 4096, 151936, 1, 32, groups=4, head_dim=128, moe_ffn=768, top_k=8),
+        params_b=30.5, assumed="recompute none (the recipe sets none)",
+        differs=MBRIDGE_FP8 + "; the expert all-to-alls are not hidden (fivefold's ep_overlap needs dualpipe_v); "
+                              "the recipe at v0.2.0 has VP 12, the table's VP 24 and MBS 2 are followed"),
+    # Megatron-Bridge 25.09 NeMo container, DGX-H100 table (docs/performance-summary.md @fa0315a, 2025-10-10):
+    # DeepSeekV3 (dropless), 1024 GPUs, GBS 8192, MBS 1, seq 4096, TP2 PP8 CP1 VP4 EP64 GA128: 1297 tokens/s/GPU,
+    # 338 (330) TFLOP/s; perf yaml (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml @fa0315a):
+    # selective recompute, layout "Et|(tt|)*30mL" (the MTP layer on the last stage), bf16 gradient reduction.
+    Run("mbridge-deepseek-v3-1024xH100", "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @fa0315a (25.09), "
+        "DGX-H100 table, DeepSeekV3 (dropless)", "h100", 1024,
+        ("--model.preset=deepseek-v3", "--train.seq_len=4096",
+         *layout(64, 2, 8, 8192, 1, ep=64, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=4,
+                 recompute="selective", reduce_dtype="bf16")),
+        "tokens_per_s_per_gpu", 1297.0, MBRIDGE_CONVENTION + ", MLA and the MTP layer counted (338 TFLOP/s stated)",
+        "distributed optimizer, overlapped grad reduce / param gather (recipe defaults); TE fused kernels",
+        {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0},
+        megatron_core_flops(7168, 61, 4096, 129280, 2, 128, ffn=18432, moe_ffn=2048, top_k=8, shared_ffn=2048,
+                            dense_layers=3, mtp=1, mla=(1536, 512, 128, 64, 128)), params_b=671.0,
+        assumed="FP8 (the table has no precision column; its note gives the parenthesised 330 as FP8 with "
+                "DeepSeek-V3's 128x128 / 1x128 blocks, read here as the other FP8 granularity, per tensor); "
+                "tp_comm_overlap off (not in the yaml)",
+        differs="no MTP module in fivefold's model (+1 block and head: the source's FLOPs count it); Megatron's "
+                "selective recompute default (core attention) as fivefold's selective; 61 blocks over 32 chunks "
+                "balanced by cost, not the yaml's layout"),
+    # --- Megatron-Core MoE team's model zoo (the Megatron Core MoE report's companion repository), H100 table:
+    # Qwen3-235B-A22B, DeepEP, BF16, 256 GPUs, seq 4096, the intra-node EP row: TP2 CP1 EP8 PP1 EDP32 ETP1 VPP1
+    # DP128, FSDP on, MBS 4, GBS 2048, GA 4, full recompute: step 17.6 s, 276 TFLOP/s per GPU (main @1e057005).
+    Run("mcore-qwen3-235B-256xH100", f"{MOE_ZOO}, intra-node EP row", "h100", 256,
+        ("--model.preset=qwen3-235b-a22b", "--train.seq_len=4096",
+         *layout(128, 2, 1, 2048, 4, ep=8, zero=3, sp=True, recompute="full")),
+        "tflops_model", 276.0, "model FLOPs of Megatron-Core (megatron_core_flops), causal halved",
+        "Megatron-FSDP; DeepEP dispatcher; TE fused kernels", {"causal_flops": "half", "zero3_prefetch": True,
+                                                               "kernels": "fused", "expert_imbalance": 1.0},
+        megatron_core_flops(4096, 94, 4096, 151936, 2, 64, groups=4, head_dim=128, moe_ffn=1536, top_k=8),
+        params_b=235.1, assumed="expert imbalance 1: balancing not stated for this row (the repo's "
+                                "run_h100_235b.sh and the long-context commands add --moe-router-force-load-balancing)",
+        differs="ETP 1 (experts not split by tp, EP8 x EDP32 over all 256 GPUs): fivefold's own expert layout "
+                "under tp 2; DeepEP's dispatch priced as fivefold's all-to-all"),
+    # --- torchtitan community benchmark (Trainy on WhiteFiber, June 2025): Llama 3.1 8B on 4 and 8 nodes of 8 H200
+    # (NVLink; 400 Gb/s CX-7 per GPU), llama3_8b.toml (seq 8192, FSDP over all GPUs, selective per-op AC) with
+    # local batch 2, torch.compile, Float8 (tensorwise) with FSDP float8 all-gather and precomputed scales; TPS/GPU.
+    Run("torchtitan-8B-32xH200-float8", f"{TITAN_H200}, 4 nodes", "h200", 32,
+        ("--model.preset=llama3.1-8b", "--train.seq_len=8192", *layout(32, batch=64, micro=2, zero=3,
+                                                                       recompute="selective")),
+        "tokens_per_s_per_gpu", 10938.0, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
+        differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
+                "(the weight re-cast in the backward) not modelled"),
+    Run("torchtitan-8B-64xH200-float8", f"{TITAN_H200}, 8 nodes", "h200", 64,
+        ("--model.preset=llama3.1-8b", "--train.seq_len=8192", *layout(64, batch=128, micro=2, zero=3,
+                                                                       recompute="selective")),
+        "tokens_per_s_per_gpu", 10753.0, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
+        differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
+                "not modelled"),
+    # --- torchao / torchtitan on B200: Llama3-8b, single node of 8 power-limited B200, batch size 1, seq 8192, 100
+    # steps, torch.compile, FSDP2, per-op SAC; median tokens/s (torchtitan's tps, per GPU); torch 2.9.0.dev20250815,
+    # torchao 0.13.0+gite4e681be6, torchtitan 6fc499f.
+    Run("torchao-8B-8xB200-bf16", TORCHAO_B200, "b200", 8,
+        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
+                                                                     recompute="selective")),
+        "tokens_per_s_per_gpu", 8307.5, "tokens", "FSDP2 prefetch; torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused"}, params_b=8.03, differs=TORCHAO_DIFF),
+    Run("torchao-8B-8xB200-mxfp8", TORCHAO_B200 + ", mxfp8_cublas", "b200", 8,
+        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
+                                                                     recompute="selective")),
+        "tokens_per_s_per_gpu", 9969.0, "tokens", "FSDP2 prefetch (bf16 gathers); torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused"}, params_b=8.03,
+        differs="MXFP8 (1x32 blocks, cuBLAS) priced as fivefold's FP8 matmuls; " + TORCHAO_DIFF),
+    Run("torchao-8B-8xB200-float8", TORCHAO_B200 + ", float8 tensorwise (f8 all-gather)", "b200", 8,
+        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
+                                                                     recompute="selective")),
+        "tokens_per_s_per_gpu", 10417.0, "tokens", "FSDP2 prefetch, float8 all-gather; torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
+        differs=TORCHAO_DIFF),
+    # --- torchtitan docs/performance.md @eaea6f6, Table 1 (as torchtitan-8B-8xH100 above): the torch.compile and
+    # torch.compile + Float8 rows.
+    Run("torchtitan-8B-8xH100-compile", "torchtitan docs/performance.md @eaea6f6, Table 1 (FSDP + torch.compile)",
+        "h100", 8, ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
+                                                                                recompute="selective")),
+        "tokens_per_s_per_gpu", 6667.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100, params_b=8.03,
+        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF),
+    Run("torchtitan-8B-8xH100-compile-fp8", "torchtitan docs/performance.md @eaea6f6, Table 1 "
+        "(FSDP + torch.compile + Float8)", "h100", 8,
+        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
+                                                                     recompute="selective")),
+        "tokens_per_s_per_gpu", 8532.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused"}, hardware=TITAN_H100,
+        params_b=8.03, assumed="Float8 recipe and FSDP float8 all-gather not stated: tensorwise matmuls, bf16 gathers",
+        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF),
 ]

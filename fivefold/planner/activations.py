@@ -120,14 +120,17 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         attention = dq + 2 * dk + dq
     if m.qk_norm:  # an rsqrt per head, or one per token for q and for k over the whole projection
         attention += 2 * dq + 2 * dk + (2 if m.qk_norm_span == "all" else H + K)
-    if layout == "megatron" and not moe and m.norm_position == "pre":
+    if layout_applies(m, layout):
         return (4 * d + 2) / (tp if sp else 1) + attention / tp + 3 * m.ffn_dim / tp
     return replicated + attention / tp + _ffn_elements(m, tp, sp)
 
 
-def megatron_layout_applies(m: ModelConfig) -> bool:
-    """Whether layout = "megatron" changes this model's count: dense pre-norm grouped-query blocks."""
-    return not m.n_experts and not m.kv_lora_rank and m.norm_position == "pre"
+def layout_applies(m: ModelConfig, layout: ActivationLayout) -> bool:
+    """Whether `layout` keeps other tensors than fivefold's for this model ("megatron": dense pre-norm
+    grouped-query blocks)."""
+    if layout == "megatron":
+        return not m.n_experts and not m.kv_lora_rank and m.norm_position == "pre"
+    return False
 
 
 def _ffn_elements(m: ModelConfig, tp: int, sp: bool) -> float:
@@ -174,7 +177,7 @@ def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, rec
         attention = d + (out_proj if recompute == "selective" else 0.0)
         added = 0.0 if recompute == "selective" else out_proj
     if not moe:
-        gathered = d / tp if sp and layout == "megatron" and megatron_layout_applies(m) else d  # kept sharded
+        gathered = d / tp if sp and layout_applies(m, layout) else d  # kept sharded
         return attention - d + 2 * gathered + m.ffn_dim / tp, added  # gate/up input, the down projection's input
     h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
     shared = m.n_shared_experts * h / split

@@ -51,7 +51,7 @@ from fivefold.config import Config
 from fivefold.model.counts import ModelCounts, block_params
 from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.parallel.derive import Derived
-from fivefold.planner.activations import megatron_layout_applies
+from fivefold.planner.activations import layout_applies
 from fivefold.planner.layout import RankShare, axis_spans_nodes
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
@@ -242,7 +242,7 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     traffic = {"dp": dp}
     traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,
                                       micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options),
-                                      options.activations == "megatron" and megatron_layout_applies(cfg.model)))
+                                      options.activations == "megatron" and layout_applies(cfg.model, "megatron")))
     if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
     for axis, tr in traffic.items():

@@ -46,7 +46,7 @@ from typing import Literal
 
 from fivefold.config import Config, replace
 from fivefold.model.counts import CausalFlops
-from fivefold.planner.activations import ActivationLayout, megatron_layout_applies
+from fivefold.planner.activations import ActivationLayout, layout_applies
 from fivefold.planner.machine.ops import AttentionKernel
 from fivefold.validate.speed import speed_errors
 
@@ -94,9 +94,9 @@ class PlanOptions:
             "zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit"]
         if self.attention_kernel != "flash":
             out.append(f"attention_kernel={self.attention_kernel}: fivefold always runs a fused attention kernel")
-        if self.activations != "fivefold" and (cfg is None or megatron_layout_applies(cfg.model)):
-            out.append(f"activations={self.activations}: fivefold keeps each tensor-parallel region's gathered "
-                       "input, its norms' normalised values and its SwiGLU's intermediates")
+        if self.activations != "fivefold" and (cfg is None or layout_applies(cfg.model, self.activations)):
+            out.append(f"activations={self.activations}: fivefold keeps other tensors for backward "
+                       "(planner/activations.py)")
         return out + (speed_errors(switched_config(cfg, self)) if cfg is not None else [])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.published_runs import RUNS, megatron_2021_flops
+from benchmarks.published_runs import RUNS, megatron_2021_flops, megatron_core_flops
 from fivefold.config import load_config
 from fivefold.model.counts import model_counts
 from fivefold.parallel.derive import derive
@@ -66,6 +66,70 @@ def test_megatron_2021_formula_is_the_papers():
     """Narayanan et al. 2021, eq. for F per iteration: 96 B s l h^2 (1 + s/6h + V/16lh); per token for the
     1T model (h 25600, l 128, s 2048, V 51200) by hand: s/6h = 1/75, V/16lh = 1/1024."""
     assert megatron_2021_flops(25600, 128, 2048, 51200) == pytest.approx(96 * 128 * 25600**2 * (1 + 1 / 75 + 1 / 1024))
+
+
+# llm-foundry scripts/train/benchmarking/README.md @8c8dd48, the same rows: (Model TFLOP, HFU %, Throughput T/s,
+# Throughput T/s/GPU, GradAccum).
+FOUNDRY = {"mpt-1b-8xH100": (413, 41.82, 363645, 45455, 1), "mpt-7b-8xH100": (459, 46.44, 85144, 10643, 1),
+           "mpt-13b-8xH100": (393, 39.79, 38336, 4792, 1), "mpt-30b-8xH100": (377, 50.82, 16022, 2002, 21),
+           "mpt-70b-512xH100": (408, 55.0, 515636, 1007, 1), "mpt-7b-8xA100": (200, 64.23, 37130, 4641, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(FOUNDRY))
+def test_llm_foundry_mfu_tokens_and_hfu_agree(name):
+    """collect_results.py: MFU = (6 N + 12 l d s) T/s / (GPUs x peak), Model TFLOP the same numerator per GPU,
+    HFU = 4/3 MFU with activation checkpointing (one more forward) and MFU without; T/s/GPU = T/s / GPUs
+    (each rounded in the table)."""
+    run = BY_NAME[name]
+    tflop, hfu, tps, tps_gpu, accum = FOUNDRY[name]
+    peak = {"h100": 989e12, "a100-80gb": 312e12}[run.gpu]
+    assert run.published * peak / run.flops_per_token == pytest.approx(tps_gpu, rel=1e-3)
+    assert run.published * peak / 1e12 == pytest.approx(tflop, abs=1.0)
+    assert tps / run.world == pytest.approx(tps_gpu, abs=1.0)
+    cfg = load_config(None, list(run.overrides))
+    ratio = 4 / 3 if cfg.train.recompute == "full" else 1.0
+    assert hfu / 100 == pytest.approx(run.published * ratio, abs=2e-4)
+    assert derive(cfg, run.world).grad_accum == accum
+
+
+# Megatron-Bridge docs/performance-summary.md @5776a6d (25.11) and @fa0315a (25.09), DGX-H100 tables: the model
+# TFLOP/s/GPU and GA of the same rows.
+MBRIDGE = {"mbridge-llama3-8B-8xH100-fp8": (744, 16), "mbridge-llama3-70B-64xH100-fp8": (719, 64),
+           "mbridge-llama31-405B-1024xH100-fp8": (737, 64), "mbridge-qwen3-30B-A3B-16xH100-fp8": (121, 32),
+           "mbridge-deepseek-v3-1024xH100": (338, 128)}
+
+
+@pytest.mark.parametrize("name", sorted(MBRIDGE))
+def test_megatron_bridge_tokens_times_its_flops_is_its_tflops(name):
+    """The table's tokens/s/GPU times Megatron-Bridge's FLOPs per token (flop_utils.py) is its model TFLOP/s/GPU
+    (tokens rounded to the unit); GA = GBS / (dp x MBS) for the row's degrees."""
+    run = BY_NAME[name]
+    tflops, ga = MBRIDGE[name]
+    assert run.published * run.flops_per_token / 1e12 == pytest.approx(tflops, rel=3e-3)
+    assert derive(load_config(None, list(run.overrides)), run.world).grad_accum == ga
+
+
+def test_megatron_core_flops_by_hand():
+    """Llama 3 8B (h 4096, 32 layers, 32 heads, 8 groups, ffn 14336, s 8192, V 128256, tp 1) by hand:
+    MLP 18 l h f, attention 12 l h^2 (1 + 8/32 + 8192/8192), logits 6 h V."""
+    by_hand = 18 * 32 * 4096 * 14336 + 12 * 32 * 4096**2 * 2.25 + 6 * 4096 * 128256
+    assert megatron_core_flops(4096, 32, 8192, 128256, 1, 32, groups=8, head_dim=128, ffn=14336) == by_hand
+
+
+def test_moe_zoo_step_time_and_tflops_agree():
+    """Megatron-MoE-ModelZoo qwen3 H100 table, intra-node EP row: step 17.6 s for GBS 2048 x 4096 tokens on 256
+    GPUs, 276 TFLOP/s per GPU, by Megatron-Core's FLOPs per token; GA 4."""
+    run = BY_NAME["mcore-qwen3-235B-256xH100"]
+    tokens_per_gpu = 2048 * 4096 / 17.6 / 256
+    assert tokens_per_gpu * run.flops_per_token / 1e12 == pytest.approx(run.published, rel=3e-3)
+    assert derive(load_config(None, list(run.overrides)), run.world).grad_accum == 4
+
+
+def test_torchao_b200_speedups_are_the_tokens_ratio():
+    """torchao training.md, B200 table: speedup over bf16 20.0% (mxfp8_cublas) and 25.4% (float8 tensorwise)."""
+    base = BY_NAME["torchao-8B-8xB200-bf16"].published
+    assert round(100 * (BY_NAME["torchao-8B-8xB200-mxfp8"].published / base - 1), 1) == 20.0
+    assert round(100 * (BY_NAME["torchao-8B-8xB200-float8"].published / base - 1), 1) == 25.4
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r.params_b], ids=lambda r: r.name)
