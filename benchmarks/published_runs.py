@@ -267,7 +267,7 @@ RUNS: list[Run] = [
                *layout(128, 1, 16, 15360, 1, ep=64, zero=1, pp_schedule="dualpipe_v", virtual_stages=2)),
         "gpu_hours_per_trillion", 180e3, "time-based (GPU-hours): no FLOP convention",
         "DualPipe: expert all-to-all and pp p2p hidden under the other direction's compute",
-        {"ep_overlap": True, "fp8": "compute"}, hardware=H800, params_b=671.0,
+        {"ep_overlap": True, "fp8": "compute", "ep_dispatch": "node_limited"}, hardware=H800, params_b=671.0,
         assumed="micro-batch 1 (not in the sources read here)",
         differs="DualPipeV (one copy of the weights, V placement) for DualPipe (two copies); no multi-token "
                 "prediction module (+1 block and head in the report); H800 priced as an H100 with NVLink 400 GB/s "

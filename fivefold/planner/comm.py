@@ -31,7 +31,9 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   (Jacobs et al. 2023): four all-to-alls forward (q, k, v, out) and four backward.
 - ep (GShard, Lepikhin et al. 2020): per MoE block and micro-batch, dispatch and combine in
   forward and again in backward: 4 all-to-alls of the token copies (b s/cp top_k d, / t with sp),
-  x the expert imbalance on the busiest expert rank (activation_traffic).
+  x the expert imbalance on the busiest expert rank (activation_traffic); a group spanning nodes
+  sends its node peers' share over NVLink and the rest over the NIC at once, or dispatches as
+  DeepSeek-V3's node-limited routing does (expert_comm.py).
 
 Reported per axis for the pipeline rank that sends the most (heaviest_senders); the step's time
 terms keep the busiest rank's (the most FLOPs: compute.busiest_chunk), which sets the pace.
@@ -52,6 +54,7 @@ from fivefold.model.counts import ModelCounts, block_params
 from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.parallel.derive import Derived
 from fivefold.planner.activations import layout_applies
+from fivefold.planner.expert_comm import expert_link_bytes
 from fivefold.planner.layout import RankShare, axis_spans_nodes
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
@@ -250,6 +253,13 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
         groups = "dp_shard" if axis == "dp" and p.zero else axis
         tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, groups)
         tr.time_s = time_of(tr, hw)
+    ep = traffic["ep"]
+    if ep.bytes and ep.inter_node:  # node peers over NVLink, the rest over the NIC, at once (expert_comm.py)
+        inter, intra = expert_link_bytes(cfg, d, hw.gpus_per_node, ep.bytes, options.ep_dispatch,
+                                         options.fp8 != "none", act_bytes)
+        latency = sum(steps * link(hw, True, op)[1] for op, steps in ep.op_steps.items())
+        ep.bytes = inter + intra
+        ep.time_s = latency + max(inter / link(hw, True)[0], intra / link(hw, False)[0])
     for group, replicas in replica_traffic(cfg, d, hw, dense * grad_b / n_shard).items():
         dp.absorb(f"replicas over {group}", replicas)
     return traffic

@@ -132,12 +132,28 @@ def axis_spans_nodes(cfg: Config, d: Derived, gpus_per_node: int, axis: str) -> 
     "dp_shard" and "dp_replicate" ZeRO's shard groups and their replicas (HSDP); ep groups are
     taken inside dp x cp, next to tp. `d` is derive(cfg, world_size), as the estimate has it.
     """
+    inner, size = _stride_and_size(cfg, d, axis)
+    span = inner * size
+    if size <= 1:
+        return False
+    return span > gpus_per_node or gpus_per_node % span != 0
+
+
+def group_ranks_per_node(cfg: Config, d: Derived, gpus_per_node: int, axis: str) -> int:
+    """How many ranks of one `axis` group share a node (axis_spans_nodes' layout): all of them when
+    the group fits in one, else the node's gpus_per_node / stride of them (1 when the stride does
+    not divide a node)."""
+    inner, size = _stride_and_size(cfg, d, axis)
+    if not axis_spans_nodes(cfg, d, gpus_per_node, axis):
+        return size
+    return max(1, gpus_per_node // inner) if inner <= gpus_per_node and gpus_per_node % inner == 0 else 1
+
+
+def _stride_and_size(cfg: Config, d: Derived, axis: str) -> tuple[int, int]:
+    """(ranks between two members, members) of a group of `axis` (axis_spans_nodes' docstring)."""
     p = cfg.parallel
     inner = {"tp": 1, "cp": p.tp, "ep": p.tp, "dp": p.tp, "dp_shard": p.tp * p.cp,
              "dp_replicate": p.tp * p.cp * d.dp_shard, "pp": p.tp * p.cp * d.dp}[axis]
     size = {"tp": p.tp, "cp": p.cp, "ep": p.ep, "dp": d.dp * p.cp, "dp_shard": d.dp_shard,
             "dp_replicate": p.dp_replicate, "pp": p.pp}[axis]
-    span = inner * size
-    if size <= 1:
-        return False
-    return span > gpus_per_node or gpus_per_node % span != 0
+    return inner, size

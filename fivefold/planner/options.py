@@ -32,7 +32,8 @@ choices a planner must still make are not in it:
 written out, ops.materialized_attention): published runs of 2021 ran so, fivefold never does.
 `activations = "megatron"` keeps for backward what Megatron-LM keeps (activations.py), with the
 backward's extra all-gather that sequence parallelism then runs (comm.py): published runs'
-memory, not fivefold's.
+memory, not fivefold's. `ep_dispatch = "node_limited"` prices DeepSeek-V3's node-limited
+dispatch (expert_comm.py), which fivefold does not run either.
 
 `--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
 `--document-tokens` and `--expert-imbalance` are flags of their own.
@@ -53,6 +54,7 @@ from fivefold.validate.speed import speed_errors
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
 Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
 Kernels = Literal["auto", "eager", "fused"]  # "auto": fused when train.compile is on
+EpDispatch = Literal["all_to_all", "node_limited"]  # fivefold's all-to-all, DeepSeek-V3's (expert_comm.py)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class PlanOptions:
     kernels: Kernels = "auto"  # elementwise kernels as run eagerly or fused (module docstring)
     attention_kernel: AttentionKernel = "flash"  # "materialized": the whole score matrix (a published run's)
     activations: ActivationLayout = "fivefold"  # "megatron": what Megatron-LM keeps for backward (activations.py)
+    ep_dispatch: EpDispatch = "all_to_all"  # "node_limited": DeepSeek-V3's dispatch over nodes (expert_comm.py)
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
     # mean document length in tokens under data.document_mask; 0 = not stated, priced as causal
     # attention over the whole row (what the mask keeps at most)
@@ -97,6 +100,8 @@ class PlanOptions:
         if self.activations != "fivefold" and (cfg is None or layout_applies(cfg.model, self.activations)):
             out.append(f"activations={self.activations}: fivefold keeps other tensors for backward "
                        "(planner/activations.py)")
+        if self.ep_dispatch != "all_to_all" and (cfg is None or (cfg.parallel.ep > 1 and cfg.model.n_experts)):
+            out.append(f"ep_dispatch={self.ep_dispatch}: fivefold's experts exchange tokens in one all-to-all")
         return out + (speed_errors(switched_config(cfg, self)) if cfg is not None else [])
 
 
