@@ -441,13 +441,15 @@ RUNS: list[Run] = [
         ("--model.preset=qwen3-235b-a22b", "--train.seq_len=4096",
          *layout(128, 2, 1, 2048, 4, ep=8, zero=3, sp=True, recompute="full")),
         "tflops_model", 276.0, "model FLOPs of Megatron-Core (megatron_core_flops), causal halved",
-        "Megatron-FSDP; DeepEP dispatcher; TE fused kernels", {"causal_flops": "half", "zero3_prefetch": True,
-                                                               "kernels": "fused", "expert_imbalance": 1.0},
+        "Megatron-FSDP; DeepEP dispatcher; TE fused kernels",
+        {"causal_flops": "half", "zero3_prefetch": True, "kernels": "fused", "expert_imbalance": 1.0,
+         "ep_dispatch": "node_limited"},
         megatron_core_flops(4096, 94, 4096, 151936, 2, 64, groups=4, head_dim=128, moe_ffn=1536, top_k=8),
         params_b=235.1, assumed="expert imbalance 1: balancing not stated for this row (the repo's "
                                 "run_h100_235b.sh and the long-context commands add --moe-router-force-load-balancing)",
         differs="ETP 1 (experts not split by tp, EP8 x EDP32 over all 256 GPUs): fivefold's own expert layout "
-                "under tp 2; DeepEP's dispatch priced as fivefold's all-to-all"),
+                "under tp 2 strides ep by 2, so its EP8 spans two nodes where the source's stays in one; DeepEP's "
+                "dispatch as node-limited (ep_dispatch)"),
     # --- torchtitan community benchmark (Trainy on WhiteFiber, June 2025): Llama 3.1 8B on 4 and 8 nodes of 8 H200
     # (NVLink; 400 Gb/s CX-7 per GPU), llama3_8b.toml (seq 8192, FSDP over all GPUs, selective per-op AC) with
     # local batch 2, torch.compile, Float8 (tensorwise) with FSDP float8 all-gather and precomputed scales; TPS/GPU.

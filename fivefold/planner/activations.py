@@ -86,6 +86,46 @@ projection input, which is also the attention kernel's output that the kernel's 
 bf16: an FP8 copy is added for the out projection (with selective recompute the kernel's output is
 rebuilt, and the kept tensor is the FP8 one alone). Norms, the residual stream, attention's q/k/v
 and the SwiGLU's gate, silu and up values stay in the compute dtype.
+
+DeepSeek-V3's layout (`layout = "deepseek"`; MLA + MoE models, their dense first blocks included):
+what DeepSeek-AI 2024 (DeepSeek-V3 Technical Report, arXiv 2412.19437) keeps without recompute.
+Sec. 3.2.3 rebuilds every RMSNorm and the MLA up-projections in backward and stores none of their
+outputs; sec. 3.3.3 caches the linear layers' inputs for backward in FP8 (1 byte; the fp32 scale of
+each 1 x 128 tile, 1/32 byte per element, is not counted, as above), the input of the linear after
+attention in its own E5M6 format (12 bits: 1.5 bytes), and the SwiGLU's input in FP8, its output
+rebuilt in backward (the paper says so of the MoE's; the dense first blocks are taken to do the
+same). The MoE's up-projection input is dispatched in FP8 (sec. 3.3.3, low-precision
+communication) and kept so. Per token, with a the compute dtype's bytes (2), t = tp and s = t with
+sp, else 1; DeepSeek-V3 trains at tp = 1:
+  residual stream: the two norms' inputs x and h, all backward needs to rebuild the norms (rsqrt
+  included), in a bytes                                                          2d / s
+  down-projections (replicated; T/tp tokens with sp): their outputs, the latent norms' inputs:
+  the query latent rq (none with q_lora_rank = 0) and wkv_a's rkv + R, whose R is k's RoPE part,
+  in a bytes                                                                     (rq + rkv + R) / s
+  nothing of the norms' outputs (the inputs of wq_a, wkv_a, the router and the gate/up
+  projections), of the up-projections' outputs and of the kernel's q, k and v: backward rebuilds
+  them (without a query latent, wq is the query's up-projection and is rebuilt too)
+  attention (split over tp): the kernel's output, which is wo's input and which the kernel's
+  backward reads too, in E5M6, at v's own width (DeepSeek's kernel needs no padding), H v / t
+  (1.5 bytes); the log-sum-exp, H / t, in a bytes as counted above
+  a dense SwiGLU (split over tp): its input, the gate and up outputs, in FP8       2f / t (1 byte)
+  or an MoE block (T/tp tokens with sp): the router's scores and top-k bookkeeping, 2E + 4 in a
+  bytes as above; per routed copy the dispatched row, the up-projections' input, d in FP8, its
+  SwiGLU input 2h in FP8, and the expert's output d in a bytes, which the gate weight's gradient
+  reads (the paper does not list the combine; this is the least its weighted sum needs, where
+  fivefold also keeps the weighted copy); the shared experts' SwiGLU input, 2 n_shared h in FP8
+  MoE block, bytes:   a (2d + rq + rkv + R + H + 2E + 4) + 1.5 H v + k (d + 2h + a d) + 2 n_shared h
+  dense block, bytes: a (2d + rq + rkv + R + H) + 1.5 H v + 2f           (at tp = 1, sp off)
+deepseek_block_bytes lists these terms. block_activation_elements_per_token returns their bytes
+over 2, a bf16 element's (an FP8 byte is half an element, an E5M6 value three quarters);
+block_activation_bytes prices the bytes themselves at any compute dtype. The layout counts the FP8
+storage already, whatever PlanOptions.fp8 says: fp8_matmul_input_elements returns (0, 0) for it,
+so that memory.py's FP8 adjustment is not applied twice, and routed_expert_elements_per_token
+returns its routed copies' share, k (d + 2h + a d) bytes, with nothing more to move. Under
+train.recompute "selective" or "full" fivefold's own recompute replaces the paper's and the layout
+changes nothing: fivefold's counts. Its time (roofline.chunk_price): the backward first runs the
+rebuilt norms, up-projections and SwiGLUs again. Not priced: with sp at tp > 1 the rebuilt
+up-projections would gather their latents again.
 """
 
 from __future__ import annotations
@@ -94,20 +134,30 @@ from typing import Literal
 
 from fivefold.config import ModelConfig
 
-ActivationLayout = Literal["fivefold", "megatron"]
+ActivationLayout = Literal["fivefold", "megatron", "deepseek"]
+
+FP8_BYTES = 1.0  # DeepSeek-V3's cached linear inputs (sec. 3.3.3)
+E5M6_BYTES = 1.5  # its attention output: 1 sign, 5 exponent and 6 mantissa bits
+BF16_BYTES = 2  # the element block_activation_elements_per_token counts the deepseek layout's bytes in
 
 
 def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = False,
-                                        recompute: str = "none", layout: ActivationLayout = "fivefold") -> float:
-    """Elements saved for backward per token of one block on one rank (see the module docstring)."""
+                                        recompute: str = "none", layout: ActivationLayout = "fivefold",
+                                        layer: int | None = None) -> float:
+    """Elements saved for backward per token of one block on one rank (see the module docstring):
+    block `layer` (a dense first block of an MoE model when below first_dense_layers), or without
+    one a block of the model's kind (MoE for an MoE model). Under the deepseek layout, its bytes
+    over a bf16 element's."""
     d, hd = m.dim, m.head_dim or m.dim // m.n_heads
     H, K = m.n_heads, m.n_kv_heads
     dq, dk = H * hd, K * hd
     if recompute == "full":
         return d / tp if sp else d
+    moe = bool(m.n_experts) and (layer is None or layer >= m.first_dense_layers)
+    if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
+        return sum(deepseek_block_bytes(m, tp, sp, BF16_BYTES, layer).values()) / BF16_BYTES
     if m.kv_lora_rank:
-        return _latent_block_elements(m, tp, sp, recompute)
-    moe = m.n_experts > 0
+        return _latent_block_elements(m, tp, sp, recompute, moe)
     replicated = 6 * d + 2
     if sp:  # norms and residuals hold T/tp tokens; the projections keep the gathered inputs
         replicated = (4 * d + 2) / tp + 2 * d
@@ -122,28 +172,50 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
         attention += 2 * dq + 2 * dk + (2 if m.qk_norm_span == "all" else H + K)
     if layout_applies(m, layout):
         return (4 * d + 2) / (tp if sp else 1) + attention / tp + 3 * m.ffn_dim / tp
-    return replicated + attention / tp + _ffn_elements(m, tp, sp)
+    return replicated + attention / tp + _ffn_elements(m, tp, sp, moe)
 
 
 def layout_applies(m: ModelConfig, layout: ActivationLayout) -> bool:
     """Whether `layout` keeps other tensors than fivefold's for this model ("megatron": dense pre-norm
-    grouped-query blocks)."""
+    grouped-query blocks; "deepseek": latent attention with experts)."""
     if layout == "megatron":
         return not m.n_experts and not m.kv_lora_rank and m.norm_position == "pre"
+    if layout == "deepseek":
+        return bool(m.kv_lora_rank and m.n_experts)
     return False
 
 
-def _ffn_elements(m: ModelConfig, tp: int, sp: bool) -> float:
+def deepseek_block_bytes(m: ModelConfig, tp: int = 1, sp: bool = False, act_bytes: float = BF16_BYTES,
+                         layer: int | None = None) -> dict[str, float]:
+    """Bytes per token the deepseek layout keeps for one block on one rank without recompute, by
+    tensor (the module docstring's list): block `layer`, or without one an MoE block."""
+    d, H, R, v = m.dim, m.n_heads, m.qk_rope_head_dim, m.v_head_dim
+    s = tp if sp else 1
+    out = {"norm inputs": 2 * d / s * act_bytes,  # x and h: the norms are rebuilt from them
+           "down-projection outputs": (m.q_lora_rank + m.kv_lora_rank + R) / s * act_bytes,
+           "attention output (E5M6)": H * v / tp * E5M6_BYTES,  # wo's input, read by the kernel's backward too
+           "log-sum-exp": H / tp * act_bytes}
+    if layer is not None and layer < m.first_dense_layers:
+        return {**out, "swiglu input (FP8)": 2 * m.ffn_dim / tp * FP8_BYTES}  # gate and up outputs
+    h, k = m.moe_ffn_dim or m.ffn_dim, m.top_k
+    return {**out, "router": (2 * m.n_experts + 4) / s * act_bytes,
+            "routed inputs (FP8)": k * d / s * FP8_BYTES,  # dispatched in FP8, the up-projections' input
+            "routed swiglu inputs (FP8)": k * 2 * h / s * FP8_BYTES,
+            "routed outputs": k * d / s * act_bytes,  # the gate weight's gradient reads them
+            "shared swiglu input (FP8)": 2 * m.n_shared_experts * h / s * FP8_BYTES}
+
+
+def _ffn_elements(m: ModelConfig, tp: int, sp: bool, moe: bool) -> float:
     """The MLP's part (the module docstring's list): a dense SwiGLU split over tp, or an MoE block's
     router and experts, whole on every token without sp and on this tp rank's T/tp tokens with sp."""
-    if not m.n_experts:
+    if not moe:
         return 4 * m.ffn_dim / tp
     h = m.moe_ffn_dim or m.ffn_dim
     experts = 2 * m.n_experts + 4 + m.top_k * (4 * h + 3 * m.dim) + 4 * m.n_shared_experts * h
     return experts / (tp if sp else 1)
 
 
-def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str) -> float:
+def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str, moe: bool) -> float:
     """block_activation_elements_per_token for a latent-attention block (the module docstring's list)."""
     d, H, R = m.dim, m.n_heads, m.qk_rope_head_dim
     n, v, rq, rkv = m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
@@ -156,7 +228,7 @@ def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str) ->
     heads = 3 * H * (n + R) + H * v  # q, k, padded v; the cut output the out projection reads
     if recompute != "selective":  # the kernel's own output and log-sum-exp, which recompute rebuilds
         heads += H * (n + R) + H
-    return replicated + heads / tp + _ffn_elements(m, tp, sp)
+    return replicated + heads / tp + _ffn_elements(m, tp, sp, moe)
 
 
 def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, recompute: str = "none",
@@ -164,9 +236,12 @@ def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, rec
     """(moved, added) elements per token of one block under FP8 compute (the module docstring):
     `moved` of block_activation_elements_per_token's elements are kept in 1 byte instead of the
     compute dtype, and `added` FP8 copies (1 byte each) are kept beside them. Routed experts'
-    elements are per mean expert load (routed_expert_elements_per_token scales them)."""
+    elements are per mean expert load (routed_expert_elements_per_token scales them). The deepseek
+    layout counts its FP8 storage itself: (0, 0)."""
     if recompute == "full":
         return 0.0, 0.0  # only each block's input is kept, and no linear layer reads it
+    if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
+        return 0.0, 0.0  # block_activation_elements_per_token has these bytes already
     d, hd, moe = m.dim, m.head_dim or m.dim // m.n_heads, m.n_experts > 0
     if m.kv_lora_rank:
         rq, rkv, R, H, v = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads, m.v_head_dim
@@ -186,19 +261,29 @@ def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, rec
 
 
 def routed_expert_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = False,
-                                     recompute: str = "none") -> tuple[float, float]:
+                                     recompute: str = "none", layout: ActivationLayout = "fivefold"
+                                     ) -> tuple[float, float]:
     """(elements, fp8 moved): of one MoE block's elements per token, those of its routed copies at
     the mean expert load, k (4h + 3d) (split over tp with sp), and the k (d + h) of them an FP8
-    recipe keeps in 1 byte; the busiest expert rank holds `expert_imbalance` times these."""
+    recipe keeps in 1 byte; the busiest expert rank holds `expert_imbalance` times these. The
+    deepseek layout's: its routed copies' bytes over a bf16 element's, none left to move."""
     if not m.n_experts or recompute == "full":
         return 0.0, 0.0
+    if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
+        routed = ("routed inputs (FP8)", "routed swiglu inputs (FP8)", "routed outputs")
+        kept = deepseek_block_bytes(m, tp, sp, BF16_BYTES)
+        return sum(kept[k] for k in routed) / BF16_BYTES, 0.0
     h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
     return m.top_k * (4 * h + 3 * m.dim) / split, m.top_k * (m.dim + h) / split
 
 
 def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,
                            recompute: str = "none", bytes_per_element: int = 4,
-                           layout: ActivationLayout = "fivefold") -> float:
-    """Bytes one rank keeps for backward for one block and one micro-batch of (micro_batch, seq_len)."""
-    per_token = block_activation_elements_per_token(m, tp, sp, recompute, layout)
-    return per_token * micro_batch * seq_len * bytes_per_element
+                           layout: ActivationLayout = "fivefold", layer: int | None = None) -> float:
+    """Bytes one rank keeps for backward for one block and one micro-batch of (micro_batch, seq_len):
+    block_activation_elements_per_token's elements at bytes_per_element, or the deepseek layout's
+    own bytes (its FP8 and E5M6 tensors at 1 and 1.5 bytes whatever the compute dtype)."""
+    tokens = micro_batch * seq_len
+    if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
+        return sum(deepseek_block_bytes(m, tp, sp, bytes_per_element, layer).values()) * tokens
+    return block_activation_elements_per_token(m, tp, sp, recompute, layout, layer) * tokens * bytes_per_element

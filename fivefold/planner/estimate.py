@@ -67,6 +67,7 @@ from fivefold.planner.terms import (
     bucket_reduce_s,
     critical_path,
     dp_exposure,
+    inflight_blocks,
     pipeline,
     rank_memory,
     step_sync,
@@ -232,7 +233,8 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
            else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
                              work.chunks * b_cost))
-    mem = rank_memory(cfg, d, where.shares, pipe.sim.peak_inflight, b, act_bytes, implementation, hw, options)
+    held = inflight_blocks(cfg, d, where.sizes, memo)
+    mem = rank_memory(cfg, d, where.shares, held, b, act_bytes, implementation, hw, options)
     return _Terms(chunk, traffic_rows, sent, sent_rows, by_rank, host, path, pipe, dp,
                   {h.switch: h for h in (tp, zero3, ep, dp.switch)}, opt, step_sync(cfg, d, hw), mem)
 

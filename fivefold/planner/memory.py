@@ -9,9 +9,10 @@ weight, its gradient and its optimizer state (sec. 5),
     ZeRO-1  (b_p + b_g + b_o / N) P       ZeRO-3   (b_p + b_g + b_o) P / N
 
 where P is the parameters this rank holds after tp / ep / pp splitting (layout.rank_shares).
-Activations use the shared per-block formula (activations.py) times the blocks of one stage chunk
-times the chunks a schedule keeps in flight (simulate().peak_inflight), plus the logits of the
-last stage. Buffers are the communication staging the parallel code allocates (below).
+Activations use the shared per-block formula (activations.py) times the most blocks a rank holds
+at once (terms.inflight_blocks: each forward of the schedule holds its chunk's blocks until that
+chunk's backward completes), plus the logits of the last stage. Buffers are the communication
+staging the parallel code allocates (below).
 
 Options of other trainers (options.py; fivefold runs both offloads and FP8 weights' gathers):
 - offload (offload_state): ZeRO-Offload (Ren et al. 2021) keeps the optimizer state, fp32 master
@@ -162,13 +163,13 @@ def expert_imbalance(cfg: Config, options: PlanOptions) -> float:
     return options.expert_imbalance if cfg.parallel.ep > 1 and cfg.model.n_experts else 1.0
 
 
-def activation_bytes(cfg: Config, share: RankShare, inflight_chunks: int, local_seq: int, vocab: int,
+def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_seq: int, vocab: int,
                      act_bytes: int, options: PlanOptions = DEFAULT) -> dict[str, float]:
     """Bytes kept for backward on one pipeline rank at its peak.
 
     blocks: block_activation_bytes (activations.py) for one micro-batch of (micro_batch, seq/cp)
-    tokens, x the blocks of one chunk, x the chunks in flight (1 without a pipeline: each
-    micro-batch's backward runs before the next forward). logits: the last stage keeps its
+    tokens, x the blocks in flight (the rank's blocks once without a pipeline: each micro-batch's
+    backward runs before the next forward). logits: the last stage keeps its
     (micro_batch, seq/cp, V/tp) logits and their fp32 copy for the loss, one micro-batch at a time.
     Under FP8 compute the linear layers' inputs are kept in 1 byte (fp8_matmul_input_elements);
     on the busiest expert rank the routed copies' share is `expert_imbalance` x the mean's
@@ -186,7 +187,7 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_chunks: int, local_
         routed_bytes -= routed_fp8 * (act_bytes - FP8_BYTES)
     routed_extra = (expert_imbalance(cfg, options) - 1.0) * routed_bytes * tokens
     per_block += routed_extra
-    blocks = per_block * share.chunk_blocks * inflight_chunks
+    blocks = per_block * inflight_blocks
     logits = t.micro_batch * local_seq * (vocab / p.tp) * (act_bytes + 4) if share.last else 0.0
     return {"blocks": blocks, "logits": logits, "per_block_microbatch": per_block, "routed_extra": routed_extra,
             "per_micro_batch": per_block * len(share.blocks) + logits, "total": blocks + logits}

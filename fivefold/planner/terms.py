@@ -234,7 +234,27 @@ class RankMemory:
     activations: dict[str, float] = field(default_factory=dict)  # the fullest rank's (memory.activation_bytes)
 
 
-def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight: list[int], b: BytesPerParam,
+def inflight_blocks(cfg: Config, d: Derived, sizes: list[int], memo: Memo) -> list[int]:
+    """Per pipeline rank, the most blocks whose activations it holds at once: simulate's rule (a
+    forward's unit is held until its backward completes, after B or W) with each unit weighed by
+    its chunk's blocks (`sizes`, per global stage), so uneven chunks count as they are."""
+    p = cfg.parallel
+    schedule = memo.get(("schedule", p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages),
+                        lambda: build_schedule(p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages))
+    out = []
+    for seq in schedule.actions:
+        live = peak = 0
+        for a in seq:
+            if a.kind == "F":
+                live += sizes[a.stage]
+                peak = max(peak, live)
+            elif a.kind in ("B", "W"):
+                live -= sizes[a.stage]
+        out.append(peak)
+    return out
+
+
+def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int], b: BytesPerParam,
                 act_bytes: int, implementation: bool, hw: Hardware, options: PlanOptions = DEFAULT) -> RankMemory:
     """The fullest pipeline rank: its model state (ZeRO's accounting, or fivefold's own with
     `implementation`; offload and FP8 weights from `options`), activations at the schedule's peak
@@ -247,7 +267,7 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
     per_rank, host = [], 0.0
     for r, s in enumerate(shares):
         state = rank_state_bytes(cfg, d, s, b, implementation, options)
-        acts = activation_bytes(cfg, s, peak_inflight[r], d.local_seq_len, d.vocab_size, act_bytes, options)
+        acts = activation_bytes(cfg, s, held[r], d.local_seq_len, d.vocab_size, act_bytes, options)
         bufs = buffer_bytes(cfg, s, b, d.local_seq_len, act_bytes, grad_ranks)
         mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                "activations": acts["total"], "buffers": bufs["total"]}
@@ -265,15 +285,15 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], peak_inflight:
              f"{memory['optimizer'] / GB:.2f} GB (bytes {shown.param:g},{b.grad:g},{b.optimizer:g}; zero={p.zero} "
              f"over {n_shard})", "ZeRO (Rajbhandari et al. 2020, sec. 3.1: 16 bytes/param with mixed-precision Adam)"),
             ("activations", f"{worst_acts['per_block_microbatch'] / GB:.3f} GB/block/micro-batch x "
-             f"{shares[worst_r].chunk_blocks} blocks x {peak_inflight[worst_r]} in flight + logits "
+             f"{held[worst_r]} blocks in flight + logits "
              f"{worst_acts['logits'] / GB:.3f} GB",
-             "activations.py (Korthikanti 2022 method); simulate().peak_inflight")]
+             "activations.py (Korthikanti 2022 method); terms.inflight_blocks")]
     if p.pp > 1:
-        rows.append(("fullest rank", f"pipeline rank {worst_r} of {p.pp}: {peak_inflight[worst_r]} chunks in flight "
-                     f"(per rank {list(peak_inflight)}) x {shares[worst_r].chunk_blocks} blocks"
+        rows.append(("fullest rank", f"pipeline rank {worst_r} of {p.pp}: {held[worst_r]} blocks in flight "
+                     f"(per rank {list(held)})"
                      + (", the logits" if shares[worst_r].last else "") + "; totals per rank "
                      + ", ".join(f"{m['total'] / GB:.1f}" for m in per_rank) + " GB",
-                     f"simulate(build_schedule('{p.pp_schedule}', ...)).peak_inflight; layout.rank_shares"))
+                     f"terms.inflight_blocks(build_schedule('{p.pp_schedule}', ...)); layout.rank_shares"))
     rows += _option_rows(cfg, options, worst_acts, host, host_node, ranks_per_node, hw)
     rows.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: "
                  f"{'fits' if memory['total'] <= hw.memory_bytes else 'does NOT fit'}",

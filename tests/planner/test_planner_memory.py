@@ -15,13 +15,16 @@ from fivefold.cli import main
 from fivefold.config import load_config
 from fivefold.model.counts import model_counts
 from fivefold.parallel.comm.collectives import wire_bytes
+from fivefold.parallel.derive import derive
 from fivefold.planner.estimate import estimate
 from fivefold.planner.fits import stage_fit
 from fivefold.planner.hardware import GB, get_hardware
-from fivefold.planner.layout import rank_shares
+from fivefold.planner.layout import rank_shares, stage_sizes
+from fivefold.planner.machine.pricing import Memo
 from fivefold.planner.memory import BytesPerParam, activation_bytes
 from fivefold.planner.options import PlanOptions
 from fivefold.planner.search import search
+from fivefold.planner.terms import inflight_blocks
 from fivefold.validate import validate
 
 H100 = get_hardware("h100")
@@ -168,7 +171,8 @@ def test_fp8_weights_gather_one_byte_per_block_weight():
 def test_fp8_compute_keeps_the_linear_inputs_in_one_byte(recompute, per_token):
     cfg = _8b(f"--train.recompute={recompute}")
     share = rank_shares(cfg, model_counts(cfg.model))[0]
-    bf16, fp8 = (activation_bytes(cfg, share, 1, 4096, 128256, 2, PlanOptions(fp8=f)) for f in ("none", "compute"))
+    bf16, fp8 = (activation_bytes(cfg, share, share.chunk_blocks, 4096, 128256, 2, PlanOptions(fp8=f))
+                 for f in ("none", "compute"))
     assert bf16["per_block_microbatch"] - fp8["per_block_microbatch"] == per_token * 4096
 
 
@@ -196,7 +200,7 @@ def test_the_busiest_expert_rank_holds_and_moves_imbalance_times_the_mean():
 def test_pipeline_traffic_is_reported_for_the_rank_that_sends_the_most():
     """1F1B over 4 stages, M = 8: a middle stage sends its activation forward and its input's gradient
     back, 2M messages of (b, s, d) bf16; the last stage, the busiest (head and loss), only M. The fullest
-    rank is the first, with p - r = 4 micro-batches in flight (Narayanan et al. 2021)."""
+    rank is the first, with p - r = 4 micro-batches of its 8 blocks in flight (Narayanan et al. 2021)."""
     cfg = _8b("--parallel.pp=4", "--parallel.dp=2")
     est = estimate(cfg, 8, H100)
     message = 1 * 4096 * 4096 * 2
@@ -205,7 +209,7 @@ def test_pipeline_traffic_is_reported_for_the_rank_that_sends_the_most():
     rows = {what: text for what, text, _ in est.explain}
     assert "pipeline rank 1 of 4 sends the most" in rows["pp traffic, heaviest sender"]
     assert f"{M * message / GB:.3f} GB" in rows["pp traffic"]  # the busiest rank's, timed
-    assert rows["fullest rank"].startswith("pipeline rank 0 of 4: 4 chunks in flight (per rank [4, 3, 2, 1])")
+    assert rows["fullest rank"].startswith("pipeline rank 0 of 4: 32 blocks in flight (per rank [32, 24, 16, 8])")
 
 
 def test_pp2_traffic_is_the_same_on_both_ranks_as_the_runtime_counts():
@@ -274,3 +278,16 @@ def test_offload_reaches_the_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["runnable"] is True and out["not_runnable"] == [] and out["host_memory_gb"] > 0
     assert out["host_memory_gb"] == pytest.approx(16 * model_counts(_8b().model).total / GB)  # 8 x 16 P / 8
+
+
+def test_uneven_chunks_hold_their_own_blocks():
+    """Interleaved 1F1B, p = 2, v = 2, M = 4, 7 blocks split [1, 3, 2, 1] over the 4 chunks: rank 0
+    runs F0s0 F1s0 F0s2 F1s2 F2s0 B0s2 F3s0 B1s2 F2s2 B0s0 F3s2 ..., holding 1, 2, 4, 6, 7, 5, 6, 4,
+    6, 5, 7 blocks: at most 7, where 5 chunks of the largest (2 blocks) would count 10. Rank 1's
+    chunks of 3 and 1 peak at 9 (three of the 3-block chunk's forwards live at once)."""
+    cfg = _8b("--model.n_layers=7", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
+              "--parallel.virtual_stages=2", "--parallel.dp=4", "--train.global_batch=16")
+    d = derive(cfg, 8)
+    sizes = stage_sizes(cfg, model_counts(cfg.model))
+    assert sizes == [1, 3, 2, 1] and d.grad_accum == 4
+    assert inflight_blocks(cfg, d, sizes, Memo()) == [7, 9]

@@ -25,8 +25,15 @@ Each op takes the longer of its compute and its memory traffic:
 - elementwise kernels: memory-bound, bytes / (HBM bandwidth x hbm_efficiency).
 
 Recompute as the FLOP model had it: full runs the forward again, selective the attention core's
-forward (Korthikanti et al. 2022). Hardware without an SM count (a calibrated CPU, a hand-written
-profile) keeps the flat FLOPs / (peak x compute_efficiency) of datasheet.DatasheetPricer.
+forward (Korthikanti et al. 2022). Under DeepSeek-V3's activation layout (PlanOptions.activations =
+"deepseek", planner/activations.py) without train.recompute, the backward first runs again, at
+their forward price, what that layout does not keep: each block's norms (the block's and MLA's
+latent norms: their elementwise bytes), the MLA up-projections (wq_b and wkv_b; wq without a query
+latent) and the SwiGLUs' silu and product (dense, routed and shared). Left out: the final norm,
+whose tensors no layout counts, and RoPE and MLA's joins, which rebuild the kernel's q and k with
+the up-projections (taken as fused with them). Hardware without an SM count (a calibrated CPU, a
+hand-written profile) keeps the flat FLOPs / (peak x compute_efficiency) of
+datasheet.DatasheetPricer, which adds no recompute for the deepseek layout.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fivefold.planner.activations import layout_applies
 from fivefold.planner.machine.ops import Matmul, Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 
@@ -120,6 +128,7 @@ class OpsPrice:
     bytes: list[float] = field(default_factory=lambda: [0.0, 0.0])  # elementwise forward, backward
     matmul_fractions: dict[str, float] = field(default_factory=dict)  # name -> forward fraction of peak
     parts: dict[str, float] = field(default_factory=dict)  # elementwise forward bytes by op
+    matmul_forward: dict[str, float] = field(default_factory=dict)  # name -> forward seconds (all its counts)
     attention_work: float = 0.0  # forward: the attention kernel's tiles in causal FLOPs (ops.Ops.attention_work)
 
     def add(self, o: OpsPrice, times: float = 1.0) -> None:
@@ -131,6 +140,8 @@ class OpsPrice:
         self.matmul_fractions.update(o.matmul_fractions)
         for k, v in o.parts.items():
             self.parts[k] = self.parts.get(k, 0.0) + v * times
+        for k, v in o.matmul_forward.items():
+            self.matmul_forward[k] = self.matmul_forward.get(k, 0.0) + v * times
 
 
 
@@ -147,6 +158,7 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
         out.backward["matmul"] += bwd
         out.flops["matmul"] += 3 * flops
         out.matmul_fractions[mm.name] = flops / fwd / peak
+        out.matmul_forward[mm.name] = out.matmul_forward.get(mm.name, 0.0) + fwd
     if ops.attention_flops:
         f_eff = interpolate(hw.attention_fwd_curve, ops.attention_seq)
         b_eff = interpolate(hw.attention_bwd_curve, ops.attention_seq)
@@ -223,11 +235,41 @@ def attention_forward_seconds(work: ChunkWork, hw: Hardware, memo: Memo) -> floa
     return rank_price(work, hw, memo).forward["attention"] / work.chunks
 
 
+# what the deepseek activation layout rebuilds in backward (module docstring): elementwise parts, matmuls
+DEEPSEEK_REBUILT_PARTS = ("norms", "latent norms", "swiglu", "expert swiglu", "shared swiglu")
+DEEPSEEK_REBUILT_MATMULS = ("wq_b", "wkv_b", "wq")  # "wq": an MLA block's without a query latent
+
+
+def rebuilt_forward_seconds(price: OpsPrice, hw: Hardware) -> float:
+    """Forward seconds, in blocks' `price`, of what the deepseek layout rebuilds in backward."""
+    return (sum(price.parts.get(k, 0.0) for k in DEEPSEEK_REBUILT_PARTS) / (hw.hbm_bw * hw.hbm_efficiency)
+            + sum(price.matmul_forward.get(k, 0.0) for k in DEEPSEEK_REBUILT_MATMULS))
+
+
+def _deepseek_recompute(work: ChunkWork, hw: Hardware, memo: Memo) -> float:
+    """rebuilt_forward_seconds over the busiest rank's blocks (rank_price's, from the memo), per chunk."""
+    m, shapes, fp8 = work.cfg.model, rank_shapes(work), work.options.fp8 != "none"
+    kinds: dict[tuple[bool, int], tuple[int, int]] = {}  # as rank_price groups them
+    for blk in work.share.blocks:
+        kind = (bool(m.n_experts) and blk >= m.first_dense_layers, m.layer_window(blk))
+        layer, n = kinds.get(kind, (blk, 0))
+        kinds[kind] = (layer, n + 1)
+    total = 0.0
+    for kind, (layer, n) in kinds.items():
+        price = memo.get(("roofline block", m, kind, shapes, hw, fp8),
+                         lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8))
+        total += n * rebuilt_forward_seconds(price, hw)
+    return total / work.chunks
+
+
 def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
     """Forward and backward seconds of one micro-batch through one chunk, with the rows that explain them."""
     price, chunks, recompute_mode = rank_price(work, hw, memo), work.chunks, work.cfg.train.recompute
     forward = sum(price.forward.values()) / chunks
     recompute = {"none": 0.0, "full": forward, "selective": price.forward["attention"] / chunks}[recompute_mode]
+    if recompute_mode == "none" and work.options.activations == "deepseek" and layout_applies(work.cfg.model,
+                                                                                             "deepseek"):
+        recompute = _deepseek_recompute(work, hw, memo)
     backward = sum(price.backward.values()) / chunks + recompute
     return ChunkPrice(forward, backward, _rows(price, hw, work, forward, backward, recompute), price)
 
