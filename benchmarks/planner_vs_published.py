@@ -32,7 +32,8 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_runs import METRICS, RUNS, Run  # noqa: E402
+from benchmarks.published_common import METRICS, Run  # noqa: E402
+from benchmarks.published_runs import RUNS  # noqa: E402
 from fivefold.config import Config, load_config  # noqa: E402
 from fivefold.model.counts import model_counts  # noqa: E402
 from fivefold.parallel.derive import derive  # noqa: E402
@@ -61,7 +62,7 @@ def hfu(est: Any) -> float | None:
 
 
 def predicted(metric: str, est: Any, hw: Hardware) -> float | None:
-    """The planner's figure in the unit of `metric` (published_runs.METRICS); None: it has none."""
+    """The planner's figure in the unit of `metric` (published_common.METRICS); None: it has none."""
     h, tok = hfu(est), est.tokens_per_s_per_gpu
     return {
         "tokens_per_s_per_gpu": tok,

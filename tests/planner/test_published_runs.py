@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.published_runs import RUNS, megatron_2021_flops, megatron_core_flops
+from benchmarks.published_common import megatron_2021_flops, megatron_core_flops
+from benchmarks.published_runs import RUNS
 from fivefold.config import load_config
 from fivefold.model.counts import model_counts
 from fivefold.parallel.derive import derive
