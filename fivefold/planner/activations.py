@@ -71,7 +71,7 @@ the gather); a fused SwiGLU keeps its input (gate and up), the down projection t
   norms and residual stream: input, rsqrt and output of each norm          4d + 2 (/ t with sp)
   SwiGLU                                                                    3f / t
 The attention part is fivefold's (flash kernels keep the same tensors). MoE and latent-attention
-blocks keep fivefold's counts under either layout.
+blocks keep fivefold's counts under this layout.
 
 FP8 compute (fp8_matmul_input_elements): Transformer Engine's linear modules cast each linear
 layer's input to FP8 once in forward and keep that FP8 copy for the weight-gradient GEMM, and

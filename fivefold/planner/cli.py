@@ -83,9 +83,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--act-bytes", type=int, default=2, help="bytes per activation element (2 = bf16)")
     p.add_argument("--explain", action="store_true", help="print the arithmetic behind each number")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--expert-imbalance", type=float, default=1.0,
+    p.add_argument("--expert-imbalance", default="1", metavar="X|RUN_DIR",
                    help="tokens on the busiest expert rank over the mean (1 = balanced): its activations and "
-                        "all-to-alls")
+                        "all-to-alls; or a run directory whose metrics.jsonl logged the routing (expert_load)")
     p.add_argument("--consider", default="", metavar="offload,fp8",
                    help="search: also price layouts under options fivefold's trainer lacks (shown, marked not "
                         "runnable, never written as the TOML)")

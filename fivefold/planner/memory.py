@@ -43,6 +43,7 @@ from fivefold.planner.activations import (
 )
 from fivefold.planner.layout import RankShare
 from fivefold.planner.options import DEFAULT, PlanOptions
+from fivefold.planner.routing import busiest_rank_share
 
 # The gradient partition on the host is fp32: DeepSpeed's CPU Adam steps fp32 gradients, and its
 # estimator counts 16 bytes per offloaded parameter, 4 (gradient) + 12 (master and two moments)
@@ -158,9 +159,14 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
 
 
 def expert_imbalance(cfg: Config, options: PlanOptions) -> float:
-    """Tokens on the busiest expert rank over the mean: options.expert_imbalance with ep > 1; 1
-    without expert parallelism, where every rank runs all the experts for its own tokens."""
-    return options.expert_imbalance if cfg.parallel.ep > 1 and cfg.model.n_experts else 1.0
+    """Tokens on the busiest expert rank over the mean: options.expert_imbalance with ep > 1, or
+    what a run's measured loads give at this ep (routing.busiest_rank_share); 1 without expert
+    parallelism, where every rank runs all the experts for its own tokens."""
+    if cfg.parallel.ep <= 1 or not cfg.model.n_experts:
+        return 1.0
+    if options.expert_loads:
+        return busiest_rank_share(options.expert_loads, cfg.parallel.ep)
+    return options.expert_imbalance
 
 
 def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_seq: int, vocab: int,
@@ -179,7 +185,7 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_
     tokens = t.micro_batch * local_seq
     per_block = block_activation_bytes(m, t.micro_batch, local_seq, p.tp, p.sp, t.recompute, act_bytes,
                                        options.activations)
-    routed, routed_fp8 = routed_expert_elements_per_token(m, p.tp, p.sp, t.recompute)
+    routed, routed_fp8 = routed_expert_elements_per_token(m, p.tp, p.sp, t.recompute, options.activations)
     routed_bytes = routed * act_bytes
     if options.fp8 != "none":  # "weights" computes in FP8 too
         moved, added = fp8_matmul_input_elements(m, p.tp, p.sp, t.recompute, options.activations)

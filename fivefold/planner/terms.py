@@ -307,9 +307,12 @@ def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host
     rows = []
     imbalance = expert_imbalance(cfg, options)
     if imbalance != 1.0:
-        rows.append(("busiest expert rank", f"{imbalance:g} x the mean's tokens: its routed copies add "
+        measured = (f" (measured: the mean over {len(options.expert_loads)} logged (step, block) loads at ep = "
+                    f"{cfg.parallel.ep})" if options.expert_loads else "")
+        rows.append(("busiest expert rank", f"{imbalance:g} x the mean's tokens{measured}: its routed copies add "
                      f"{acts['routed_extra'] / GB:.3f} GB per block and micro-batch, its all-to-alls carry "
-                     f"{imbalance:g} x the balanced bytes", "memory.activation_bytes; comm.activation_traffic"))
+                     f"{imbalance:g} x the balanced bytes", "memory.activation_bytes; comm.activation_traffic"
+                     + ("; planner/routing.py" if measured else "")))
     if options.fp8 != "none":
         rows.append(("fp8", f"{options.fp8}: the linear layers' inputs kept for backward in 1 byte"
                      + ("; the blocks' weights in 1 byte at rest and on ZeRO's weight gathers, the fp32 master in "

@@ -45,6 +45,7 @@ from typing import Protocol
 from fivefold.planner.activations import layout_applies
 from fivefold.planner.machine.ops import Matmul, Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
+from fivefold.planner.memory import expert_imbalance
 
 
 class Hardware(Protocol):
@@ -192,7 +193,7 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
     return RankShapes(tokens=tokens, sp_tokens=tokens // p.tp if p.sp else tokens, seq_len=t.seq_len,
                       kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
                       weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
-                      attention=work.options.attention_kernel, imbalance=work.options.expert_imbalance,
+                      attention=work.options.attention_kernel, imbalance=expert_imbalance(cfg, work.options),
                       document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
 
 
