@@ -205,20 +205,27 @@ def _check_fp8(work: ChunkWork, hw: Hardware) -> bool:
     return fp8
 
 
+def block_prices(work: ChunkWork, hw: Hardware, memo: Memo) -> list[tuple[OpsPrice, int]]:
+    """The busiest rank's blocks as (price of one, how many), one per kind of block (MoE or not,
+    window), each kind priced once (memo)."""
+    m, shapes, fp8 = work.cfg.model, rank_shapes(work), _check_fp8(work, hw)
+    kinds: dict[tuple[bool, int], tuple[int, int]] = {}  # (MoE or not, window) -> (a layer of that kind, how many)
+    for blk in work.share.blocks:
+        kind = (bool(m.n_experts) and blk >= m.first_dense_layers, m.layer_window(blk))
+        layer, n = kinds.get(kind, (blk, 0))
+        kinds[kind] = (layer, n + 1)
+    return [(memo.get(("roofline block", m, kind, shapes, hw, fp8),
+                      lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8)), n)
+            for kind, (layer, n) in sorted(kinds.items())]
+
+
 def rank_price(work: ChunkWork, hw: Hardware, memo: Memo) -> OpsPrice:
     """The busiest rank's micro-batch over all its chunks, each distinct part priced once (memo)."""
     cfg, share = work.cfg, work.share
     m = cfg.model
     shapes, fp8 = rank_shapes(work), _check_fp8(work, hw)
     total = OpsPrice()
-    kinds: dict[tuple[bool, int], tuple[int, int]] = {}  # (MoE or not, window) -> (a layer of that kind, how many)
-    for blk in share.blocks:
-        kind = (bool(m.n_experts) and blk >= m.first_dense_layers, m.layer_window(blk))
-        layer, n = kinds.get(kind, (blk, 0))
-        kinds[kind] = (layer, n + 1)
-    for kind, (layer, n) in sorted(kinds.items()):
-        price = memo.get(("roofline block", m, kind, shapes, hw, fp8),
-                         lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8))
+    for price, n in block_prices(work, hw, memo):
         total.add(price, n)
     if share.first or share.last:
         ends = memo.get(("roofline ends", m, work.vocab, shapes, share.first, share.last, hw, fp8),
@@ -248,19 +255,8 @@ def rebuilt_forward_seconds(price: OpsPrice, hw: Hardware) -> float:
 
 
 def _deepseek_recompute(work: ChunkWork, hw: Hardware, memo: Memo) -> float:
-    """rebuilt_forward_seconds over the busiest rank's blocks (rank_price's, from the memo), per chunk."""
-    m, shapes, fp8 = work.cfg.model, rank_shapes(work), work.options.fp8 != "none"
-    kinds: dict[tuple[bool, int], tuple[int, int]] = {}  # as rank_price groups them
-    for blk in work.share.blocks:
-        kind = (bool(m.n_experts) and blk >= m.first_dense_layers, m.layer_window(blk))
-        layer, n = kinds.get(kind, (blk, 0))
-        kinds[kind] = (layer, n + 1)
-    total = 0.0
-    for kind, (layer, n) in kinds.items():
-        price = memo.get(("roofline block", m, kind, shapes, hw, fp8),
-                         lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8))
-        total += n * rebuilt_forward_seconds(price, hw)
-    return total / work.chunks
+    """rebuilt_forward_seconds over the busiest rank's blocks, per chunk."""
+    return sum(n * rebuilt_forward_seconds(price, hw) for price, n in block_prices(work, hw, memo)) / work.chunks
 
 
 def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
