@@ -43,7 +43,9 @@ M21_DIFF = ("biases, hidden dropout, LayerNorm and GeLU (the source's) priced as
 # Megatron-Core 2024: Transformer Engine's fused kernels (norms, bias + activation, rotary) and fused attention
 # (its kernels keep for backward what Korthikanti et al. 2022 count: activations = "megatron")
 M24 = {"causal_flops": "full", "tp_overlap": True, "kernels": "fused", "activations": "megatron"}
-H800 = {"intra_bw": 200e9}  # NVLink 400 GB/s bidirectional (philisun.com H800 vs H100 comparison): 200 per direction
+# NVLink 400 GB/s bidirectional (philisun.com H800 vs H100 comparison): 200 per direction; nvidia-smi reports an
+# H800's memory as 81559 MiB (as it does the H100 80GB HBM3's; the catalog keeps the data sheet's 80 GB)
+H800 = {"intra_bw": 200e9, "memory_bytes": 81559 * 2**20}
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48 (tables as of 5e85bd6, #838)"
 FOUNDRY_CONVENTION = "MFU: 6 N + 12 l d s (N with embeddings), causal in full, of 989 (H100) / 312 (A100)"
 FOUNDRY_OVERLAP = ("Composer FSDP1: limit_all_gathers (the yamls); forward/backward prefetch not set by the sweep "
@@ -175,12 +177,15 @@ RUNS: list[Run] = [
                *layout(128, 1, 16, 15360, 1, ep=64, zero=1, pp_schedule="dualpipe_v", virtual_stages=2)),
         "gpu_hours_per_trillion", 180e3, "time-based (GPU-hours): no FLOP convention",
         "DualPipe: expert all-to-all and pp p2p hidden under the other direction's compute",
-        {"ep_overlap": True, "fp8": "compute", "ep_dispatch": "node_limited"}, hardware=H800, params_b=671.0,
-        assumed="micro-batch 1 (not in the sources read here)",
+        {"ep_overlap": True, "fp8": "compute", "ep_dispatch": "node_limited", "activations": "deepseek",
+         "kernels": "fused"}, hardware=H800, params_b=671.0,
+        assumed="micro-batch 1 (not in the sources read here); fused kernels (not described)",
         differs="DualPipeV (one copy of the weights, V placement) for DualPipe (two copies); no multi-token "
                 "prediction module (+1 block and head in the report); H800 priced as an H100 with NVLink 400 GB/s "
-                "bidirectional; fivefold's recompute options are coarser than the report's (RMSNorm and MLA "
-                "up-projections)", recompute_fit=True),
+                "bidirectional and its 81559 MiB; the planner is fast here: its FP8 matmuls run at the tensorwise "
+                "FP8 fraction (70.9% of 1979), where deepseek-ai/profile-data's H800 trace of one F&B pair spends "
+                "75.6 ms in GEMMs that the planner prices at 42.5 (the 1 x 128 / 128 x 128 scaling's cost)",
+        recompute_fit=True),
     # --- torchtitan, Llama 3.1 8B / 70B, seq 8192 (train_configs/llama3_*.toml), BF16 unless noted, FSDP2 prefetching
     # the next unit's all-gather (implicit forward and backward prefetch).
     # Dec 2024 runs: docs/performance.md @eaea6f6 (Grand Teton H100, table 1 and 3; torch 1963fc8, torchtitan 9dec370).
