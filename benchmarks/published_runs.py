@@ -53,6 +53,23 @@ FOUNDRY_OVERLAP = ("Composer FSDP1: limit_all_gathers (the yamls); forward/backw
 FOUNDRY_DIFF = ("MPT: GeLU MLP of 4d (SwiGLU 8d/3 here, module docstring), LayerNorm with biases and biases on every "
                 "linear, a learned position embedding of seq x d (in NumParams); flash attention, no compile")
 FOUNDRY_ASSUMED = "MP mode DEFAULT read as Composer's: bf16 compute and gathers, fp32 gradient reduction"
+def _mpt(name: str, row: str, shape: tuple[int, int, int], gpus: int, batch: int, micro: int, recompute: str,
+         mfu: float, params: int, table: str, differs: str = "", gpu: str = "h100") -> Run:
+    """One row of llm-foundry's table: `shape` (d, layers, heads) as in its yamls, seq 2048, FSDP FULL_SHARD in
+    bf16, MFU by its own formula (mpt_flops) of NumParams `params`; `table` the row's other columns."""
+    d, layers, heads = shape
+    return Run(name, f"{FOUNDRY}, {row}, seq 2048, {gpus} GPUs", gpu, gpus,
+               (*gpt(d, layers, heads, 50368, 2048, True), *layout(gpus, batch=batch, micro=micro, zero=3,
+                                                                   param_dtype="bf16", dtype="bf16",
+                                                                   recompute=recompute)),
+               "mfu", mfu, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
+               {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"},
+               mpt_flops(params, layers, d, 2048), params_b=params / 1e9,
+               assumed=f"{FOUNDRY_ASSUMED}; the table: {table}",
+               differs="; ".join(x for x in (FOUNDRY_DIFF, differs) if x))
+
+
+
 MBRIDGE_2511 = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @5776a6d (25.11 NeMo container, DGX-H100 "
                 "table; the same rows in docs/performance-summary-archive.md @067f987)")
 MBRIDGE_RECIPE = "recipes: scripts/performance/configs/ and src/megatron/bridge/recipes/ @v0.2.0 (7af9601)"
@@ -239,51 +256,21 @@ RUNS: list[Run] = [
     # 70b: 8192/64/80; expansion_ratio 4). Each row: MFU, micro-batch, grad accumulation, global batch (sequences),
     # T/s/GPU, activation checkpointing; NumParams as params_b. The MFU's own formula (mpt_flops) turns it into the
     # table's T/s/GPU (tests/planner/test_published_runs.py).
-    Run("mpt-1b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 1b, seq 2048, 8 GPUs", "h100", 8,
-        (*gpt(2048, 24, 16, 50368, 2048, True), *layout(8, batch=112, micro=14, zero=3, param_dtype="bf16",
-                                                         dtype="bf16", recompute="none")),
-        "mfu", 0.4182, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(1315950592, 24, 2048, 2048),
-        params_b=1.315950592, assumed=FOUNDRY_ASSUMED + "; the table: 45455 T/s/GPU, grad accum 1, no AC",
-        differs=FOUNDRY_DIFF),
-    Run("mpt-7b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 7b, seq 2048, 8 GPUs", "h100", 8,
-        (*gpt(4096, 32, 32, 50368, 2048, True), *layout(8, batch=48, micro=6, zero=3, param_dtype="bf16",
-                                                         dtype="bf16", recompute="none")),
-        "mfu", 0.4644, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(6658859008, 32, 4096, 2048),
-        params_b=6.658859008, assumed=FOUNDRY_ASSUMED + "; the table: 10643 T/s/GPU, grad accum 1, no AC",
-        differs=FOUNDRY_DIFF),
-    Run("mpt-13b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 13b, seq 2048, 8 GPUs", "h100", 8,
-        (*gpt(5120, 40, 40, 50368, 2048, True), *layout(8, batch=16, micro=2, zero=3, param_dtype="bf16",
-                                                         dtype="bf16", recompute="none")),
-        "mfu", 0.3979, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(12853954560, 40, 5120, 2048),
-        params_b=12.85395456, assumed=FOUNDRY_ASSUMED + "; the table: 4792 T/s/GPU, grad accum 1, no AC",
-        differs=FOUNDRY_DIFF + "; not explained: +30% where the same table's 7b is +6% (a candidate: at micro-batch 2 "
-                               "FSDP1's gathers have less compute to hide under than the planner's prefetch assumes)"),
-    Run("mpt-30b-8xH100", f"{FOUNDRY}, H100 80GB BF16: 30b, seq 2048, 8 GPUs", "h100", 8,
-        (*gpt(7168, 48, 56, 50368, 2048, True), *layout(8, batch=504, micro=3, zero=3, param_dtype="bf16",
-                                                         dtype="bf16", recompute="full")),
-        "mfu", 0.3811, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(29975214080, 48, 7168, 2048),
-        params_b=29.97521408, assumed=FOUNDRY_ASSUMED + "; the table: 2002 T/s/GPU, grad accum 21, AC on (each "
-                                                        "block: full here)",
-        differs=FOUNDRY_DIFF + "; not explained: +15%"),
-    Run("mpt-70b-512xH100", f"{FOUNDRY}, H100 80GB BF16 (Large Scale): 70b, seq 2048, 512 GPUs", "h100", 512,
-        (*gpt(8192, 80, 64, 50368, 2048, True), *layout(512, batch=4096, micro=8, zero=3, param_dtype="bf16",
-                                                         dtype="bf16", recompute="full")),
-        "mfu", 0.4125, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(64862437376, 80, 8192, 2048),
-        params_b=64.862437376, assumed=FOUNDRY_ASSUMED + "; the table: 1007 T/s/GPU, grad accum 1, AC on (full "
-                                                         "here); 8 GPUs a node with one 400 Gb/s NIC each (not stated)",
-        differs=FOUNDRY_DIFF),
-    Run("mpt-7b-8xA100", f"{FOUNDRY}, A100 80GB (1600 Gbps RoCE): 7b, seq 2048, 8 GPUs", "a100-80gb", 8,
-        (*gpt(4096, 32, 32, 50368, 2048, True), *layout(8, batch=96, micro=6, zero=3, param_dtype="bf16",
-                                                         dtype="bf16", recompute="none")),
-        "mfu", 0.6423, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"}, mpt_flops(6658859008, 32, 4096, 2048),
-        params_b=6.658859008, assumed=FOUNDRY_ASSUMED + "; the table: 4641 T/s/GPU, grad accum 2, no AC",
-        differs=FOUNDRY_DIFF),
+    _mpt("mpt-1b-8xH100", "H100 80GB BF16: 1b", (2048, 24, 16), 8, 112, 14, "none", 0.4182, 1315950592,
+         "45455 T/s/GPU, grad accum 1, no AC"),
+    _mpt("mpt-7b-8xH100", "H100 80GB BF16: 7b", (4096, 32, 32), 8, 48, 6, "none", 0.4644, 6658859008,
+         "10643 T/s/GPU, grad accum 1, no AC"),
+    _mpt("mpt-13b-8xH100", "H100 80GB BF16: 13b", (5120, 40, 40), 8, 16, 2, "none", 0.3979, 12853954560,
+         "4792 T/s/GPU, grad accum 1, no AC", differs="not explained: +30% where the same table's 7b is +6% (a "
+         "candidate: at micro-batch 2 FSDP1's gathers have less compute to hide under than the planner's prefetch "
+         "assumes)"),
+    _mpt("mpt-30b-8xH100", "H100 80GB BF16: 30b", (7168, 48, 56), 8, 504, 3, "full", 0.3811, 29975214080,
+         "2002 T/s/GPU, grad accum 21, AC on (each block: full here)", differs="not explained: +15%"),
+    _mpt("mpt-70b-512xH100", "H100 80GB BF16 (Large Scale): 70b", (8192, 80, 64), 512, 4096, 8, "full", 0.4125,
+         64862437376, "1007 T/s/GPU, grad accum 1, AC on (full here); 8 GPUs a node with one 400 Gb/s NIC each "
+         "(not stated)"),
+    _mpt("mpt-7b-8xA100", "A100 80GB (1600 Gbps RoCE): 7b", (4096, 32, 32), 8, 96, 6, "none", 0.6423, 6658859008,
+         "4641 T/s/GPU, grad accum 2, no AC", gpu="a100-80gb"),
     # --- Megatron-Bridge performance summary, 25.11 NeMo container, DGX-H100 (8 H100 a node): Llama 3 / 3.1 in FP8-CS,
     # seq 8192; GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU and model TFLOP/s/GPU as the table gives
     # them (the tests check tokens x megatron_core_flops = TFLOP/s). Recipes at v0.2.0: llama3 70B/405B without
