@@ -36,7 +36,7 @@ memory, not fivefold's. `ep_dispatch = "node_limited"` prices DeepSeek-V3's node
 dispatch (expert_comm.py), which fivefold does not run either.
 
 `--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
-`--document-tokens` and `--expert-imbalance` are flags of their own.
+`--document-tokens`, `--kernels` and `--expert-imbalance` are flags of their own.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from typing import Literal
 from fivefold.config import Config, replace
 from fivefold.model.counts import CausalFlops
 from fivefold.planner.activations import ActivationLayout, layout_applies
-from fivefold.planner.machine.ops import AttentionKernel
 from fivefold.validate.speed import speed_errors
 
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
 Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
 Kernels = Literal["auto", "eager", "fused"]  # "auto": fused when train.compile is on
+AttentionKernel = Literal["flash", "materialized"]  # "materialized": the whole score matrix (machine/ops.py)
 EpDispatch = Literal["all_to_all", "node_limited"]  # fivefold's all-to-all, DeepSeek-V3's (expert_comm.py)
 
 
@@ -126,9 +126,12 @@ def switched_config(cfg: Config, options: PlanOptions) -> Config:
 DEFAULT = PlanOptions()
 
 _CHOICES = {"causal_flops": ("half", "full"), "offload": ("none", "optimizer", "params"),
-            "fp8": ("none", "compute", "weights"), "kernels": ("auto", "eager", "fused")}
+            "fp8": ("none", "compute", "weights"), "kernels": ("auto", "eager", "fused"),
+            "attention_kernel": ("flash", "materialized"), "activations": ("fivefold", "megatron", "deepseek"),
+            "ep_dispatch": ("all_to_all", "node_limited")}
 _BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap")
-OPTION_KEYS = (*_BOOLS, "offload", "fp8")  # the ones --layout accepts beside the config's keys
+# the ones --layout accepts beside the config's keys (another trainer's kernels, memory and dispatch among them)
+OPTION_KEYS = (*_BOOLS, "offload", "fp8", "kernels", "attention_kernel", "activations", "ep_dispatch")
 
 
 def parse_option(options: PlanOptions, key: str, value: str) -> PlanOptions:

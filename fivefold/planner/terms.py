@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from fivefold.config import Config
 from fivefold.parallel.derive import Derived
 from fivefold.parallel.pipeline.schedules import build_schedule
-from fivefold.parallel.pipeline.simulate import Costs, SimResult, simulate
+from fivefold.parallel.pipeline.simulate import Costs, SimResult, peak_inflight, simulate
 from fivefold.planner.comm import AxisTraffic, link
 from fivefold.planner.layout import RankShare
 from fivefold.planner.machine.datasheet import GB, Hardware
@@ -241,17 +241,7 @@ def inflight_blocks(cfg: Config, d: Derived, sizes: list[int], memo: Memo) -> li
     p = cfg.parallel
     schedule = memo.get(("schedule", p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages),
                         lambda: build_schedule(p.pp_schedule, p.pp, d.grad_accum, p.virtual_stages))
-    out = []
-    for seq in schedule.actions:
-        live = peak = 0
-        for a in seq:
-            if a.kind == "F":
-                live += sizes[a.stage]
-                peak = max(peak, live)
-            elif a.kind in ("B", "W"):
-                live -= sizes[a.stage]
-        out.append(peak)
-    return out
+    return [peak_inflight(seq, sizes) for seq in schedule.actions]
 
 
 def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int], b: BytesPerParam,

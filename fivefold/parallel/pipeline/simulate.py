@@ -10,6 +10,7 @@ against it, and its messages are posted in the order of this timeline (`messages
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fivefold.parallel.pipeline.schedules import KINDS, Action, Schedule
@@ -161,7 +162,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
         makespan=makespan, busy=busy, idle=idle,
         bubble_ratio=sum(idle) / sum(busy) if sum(busy) else 0.0,
         bubble_fraction=sum(idle) / (p * makespan) if makespan else 0.0,
-        peak_inflight=[_peak_inflight(seq) for seq in schedule.actions],
+        peak_inflight=[peak_inflight(seq) for seq in schedule.actions],
         timeline=timeline,
     )
 
@@ -176,7 +177,7 @@ def overlapped_pairs(schedule: Schedule) -> list[set[int]]:
              and seq[k].stage != seq[k + 1].stage} for seq in schedule.actions]
 
 
-def _peak_inflight(seq: list[Action]) -> int:
+def peak_inflight(seq: list[Action], sizes: Sequence[int] | None = None) -> int:
     """Most (micro-batch, stage) activations a rank holds at once.
 
     A rank runs its list one action at a time, so this depends only on the
@@ -184,13 +185,15 @@ def _peak_inflight(seq: list[Action]) -> int:
     backward *completes*, i.e. after B, or after W for a split backward. (I
     frees part of it in practice, but W still needs the layer inputs, so we
     count the whole unit; with this count ZB-H1's worst rank holds p, the same
-    as 1F1B's rank 0.) For v > 1 one unit is one chunk = 1/v of a rank's layers.
+    as 1F1B's rank 0.) For v > 1 one unit is one chunk = 1/v of a rank's layers;
+    with `sizes` (per global stage) each unit weighs its stage's size, so uneven chunks count
+    as they are (the planner's blocks in flight).
     """
     live = peak = 0
     for a in seq:
         if a.kind == "F":
-            live += 1
+            live += sizes[a.stage] if sizes else 1
             peak = max(peak, live)
         elif a.kind in ("B", "W"):
-            live -= 1
+            live -= sizes[a.stage] if sizes else 1
     return peak

@@ -43,14 +43,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from fivefold.config import ModelConfig
 from fivefold.model.counts import attention_head_dims, block_norms, head_dim
 from fivefold.model.mask_counts import keys_per_query, tile_ratio
+from fivefold.planner.options import AttentionKernel
 
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
-AttentionKernel = Literal["flash", "materialized"]
 
 
 @dataclass(frozen=True)
