@@ -70,6 +70,18 @@ def _mpt(name: str, row: str, shape: tuple[int, int, int], gpus: int, batch: int
 
 
 
+def _titan_h200(nodes: int, published: float) -> Run:
+    """torchtitan's Trainy/WhiteFiber row of `nodes` nodes of 8 H200: local batch 2, Float8 with its all-gather."""
+    gpus = 8 * nodes
+    return Run(f"torchtitan-8B-{gpus}xH200-float8", f"{TITAN_H200}, {nodes} nodes", "h200", gpus,
+               ("--model.preset=llama3.1-8b", "--train.seq_len=8192",
+                *layout(gpus, batch=2 * gpus, micro=2, zero=3, recompute="selective")),
+               "tokens_per_s_per_gpu", published, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
+               {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
+               differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
+                       "(the weight re-cast in the backward) not modelled; not explained: +17%")
+
+
 MBRIDGE_2511 = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @5776a6d (25.11 NeMo container, DGX-H100 "
                 "table; the same rows in docs/performance-summary-archive.md @067f987)")
 MBRIDGE_RECIPE = "recipes: scripts/performance/configs/ and src/megatron/bridge/recipes/ @v0.2.0 (7af9601)"
@@ -362,20 +374,8 @@ RUNS: list[Run] = [
     # --- torchtitan community benchmark (Trainy on WhiteFiber, June 2025): Llama 3.1 8B on 4 and 8 nodes of 8 H200
     # (NVLink; 400 Gb/s CX-7 per GPU), llama3_8b.toml (seq 8192, FSDP over all GPUs, selective per-op AC) with
     # local batch 2, torch.compile, Float8 (tensorwise) with FSDP float8 all-gather and precomputed scales; TPS/GPU.
-    Run("torchtitan-8B-32xH200-float8", f"{TITAN_H200}, 4 nodes", "h200", 32,
-        ("--model.preset=llama3.1-8b", "--train.seq_len=8192", *layout(32, batch=64, micro=2, zero=3,
-                                                                       recompute="selective")),
-        "tokens_per_s_per_gpu", 10938.0, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
-                "(the weight re-cast in the backward) not modelled; not explained: +17%"),
-    Run("torchtitan-8B-64xH200-float8", f"{TITAN_H200}, 8 nodes", "h200", 64,
-        ("--model.preset=llama3.1-8b", "--train.seq_len=8192", *layout(64, batch=128, micro=2, zero=3,
-                                                                       recompute="selective")),
-        "tokens_per_s_per_gpu", 10753.0, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
-                "not modelled; not explained: +17%"),
+    _titan_h200(4, 10938.0),
+    _titan_h200(8, 10753.0),
     # --- torchao / torchtitan on B200: Llama3-8b, single node of 8 power-limited B200, batch size 1, seq 8192, 100
     # steps, torch.compile, FSDP2, per-op SAC; median tokens/s (torchtitan's tps, per GPU); torch 2.9.0.dev20250815,
     # torchao 0.13.0+gite4e681be6, torchtitan 6fc499f.
