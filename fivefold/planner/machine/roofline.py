@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fivefold.planner.activations import layout_applies
-from fivefold.planner.machine.ops import Matmul, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.ops import Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 from fivefold.planner.memory import expert_imbalance
 
@@ -97,22 +97,15 @@ def quantisation(m: int, n: int, tiles: tuple[tuple[int, int], ...], units: int)
     return best
 
 
-def matmul_seconds(m: int, n: int, k: int, hw: Hardware, act_bytes: int, fp8: bool) -> float:
-    """One matmul: max(compute at peak x efficiency x quantisation, operands and result at HBM speed)."""
+def matmul_seconds(m: int, n: int, k: int, hw: Hardware, act_bytes: int, fp8: bool, batch: int = 1) -> float:
+    """One matmul, or `batch` independent ones in one batched call (attention's scores and P V):
+    max(compute at peak x efficiency x quantisation, operands and results at HBM speed); a batch's
+    tiles run in waves over the SMs together, each matmul reads its own operands."""
     peak, efficiency, operand = ((hw.fp8_peak_flops, hw.fp8_matmul_efficiency, 1) if fp8
                                  else (hw.peak_flops, hw.matmul_efficiency, act_bytes))
-    q, _ = quantisation(m, n, hw.matmul_tiles, hw.sm_count)
-    compute = 2.0 * m * n * k / (peak * efficiency * q)
-    memory = ((m * k + k * n) * operand + m * n * act_bytes) / (hw.hbm_bw * hw.hbm_efficiency)
-    return max(compute, memory)
-
-
-def batched_matmul_seconds(mm: Matmul, hw: Hardware, act_bytes: int) -> float:
-    """`mm.count` independent (M, N, K) matmuls of one batched call (attention's scores and P V): the
-    tiles of the whole batch run in waves over the SMs, each matmul reads its own operands."""
-    q, _ = quantisation(mm.count * mm.m, mm.n, hw.matmul_tiles, hw.sm_count)
-    compute = 2.0 * mm.m * mm.n * mm.k * mm.count / (hw.peak_flops * hw.matmul_efficiency * q)
-    memory = mm.count * (mm.m * mm.k + mm.k * mm.n + mm.m * mm.n) * act_bytes / (hw.hbm_bw * hw.hbm_efficiency)
+    q, _ = quantisation(batch * m, n, hw.matmul_tiles, hw.sm_count)
+    compute = 2.0 * m * n * k * batch / (peak * efficiency * q)
+    memory = batch * ((m * k + k * n) * operand + m * n * act_bytes) / (hw.hbm_bw * hw.hbm_efficiency)
     return max(compute, memory)
 
 
@@ -170,10 +163,9 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
         out.flops["attention"] = (1 + FA2_BACKWARD_FLOPS) * ops.attention_flops
     bw = hw.hbm_bw * hw.hbm_efficiency
     for mm in ops.attention_matmuls:  # a materialized attention (ops.materialized_attention), never FP8
-        out.forward["attention"] += batched_matmul_seconds(mm, hw, act_bytes)
-        out.backward["attention"] += (batched_matmul_seconds(Matmul(mm.name, mm.m, mm.k, mm.n, mm.count), hw, act_bytes)
-                                      + batched_matmul_seconds(Matmul(mm.name, mm.k, mm.n, mm.m, mm.count), hw,
-                                                               act_bytes))
+        out.forward["attention"] += matmul_seconds(mm.m, mm.n, mm.k, hw, act_bytes, False, mm.count)
+        out.backward["attention"] += (matmul_seconds(mm.m, mm.k, mm.n, hw, act_bytes, False, mm.count)  # dA
+                                      + matmul_seconds(mm.k, mm.n, mm.m, hw, act_bytes, False, mm.count))  # dB
         out.flops["attention"] += 3 * 2.0 * mm.m * mm.n * mm.k * mm.count
     out.forward["attention"] += ops.softmax_bytes[0] / bw
     out.backward["attention"] += ops.softmax_bytes[1] / bw
