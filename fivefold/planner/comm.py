@@ -116,9 +116,13 @@ def link(hw: Hardware, inter_node: bool, op: str | None = None) -> tuple[float, 
     return bw * hw.bw_efficiency, dict(hw.collective_alpha).get(op, alpha)
 
 
+def latency_of(t: AxisTraffic, hw: Hardware) -> float:
+    """The latency terms of `t`'s collectives: each op's steps x its link's alpha."""
+    return sum(steps * link(hw, t.inter_node, op)[1] for op, steps in t.op_steps.items())
+
+
 def time_of(t: AxisTraffic, hw: Hardware) -> float:
-    bw, _ = link(hw, t.inter_node)
-    return sum(steps * link(hw, t.inter_node, op)[1] for op, steps in t.op_steps.items()) + t.bytes / bw
+    return latency_of(t, hw) + t.bytes / link(hw, t.inter_node)[0]
 
 
 def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int,
@@ -257,9 +261,8 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     if ep.bytes and ep.inter_node:  # node peers over NVLink, the rest over the NIC, at once (expert_comm.py)
         inter, intra = expert_link_bytes(cfg, d, hw.gpus_per_node, ep.bytes, options.ep_dispatch,
                                          options.fp8 != "none", act_bytes)
-        latency = sum(steps * link(hw, True, op)[1] for op, steps in ep.op_steps.items())
         ep.bytes = inter + intra
-        ep.time_s = latency + max(inter / link(hw, True)[0], intra / link(hw, False)[0])
+        ep.time_s = latency_of(ep, hw) + max(inter / link(hw, True)[0], intra / link(hw, False)[0])
     for group, replicas in replica_traffic(cfg, d, hw, dense * grad_b / n_shard).items():
         dp.absorb(f"replicas over {group}", replicas)
     return traffic
