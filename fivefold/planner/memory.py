@@ -43,7 +43,6 @@ from fivefold.planner.activations import (
 )
 from fivefold.planner.layout import RankShare
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.routing import busiest_rank_share
 
 # The gradient partition on the host is fp32: DeepSpeed's CPU Adam steps fp32 gradients, and its
 # estimator counts 16 bytes per offloaded parameter, 4 (gradient) + 12 (master and two moments)
@@ -160,12 +159,12 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
 
 def expert_imbalance(cfg: Config, options: PlanOptions) -> float:
     """Tokens on the busiest expert rank over the mean: options.expert_imbalance with ep > 1, or
-    what a run's measured loads give at this ep (routing.busiest_rank_share); 1 without expert
+    what a run's measured loads give at this ep (routing.imbalance_by_ep); 1 without expert
     parallelism, where every rank runs all the experts for its own tokens."""
     if cfg.parallel.ep <= 1 or not cfg.model.n_experts:
         return 1.0
-    if options.expert_loads:
-        return busiest_rank_share(options.expert_loads, cfg.parallel.ep)
+    if options.measured_imbalance:  # ep divides the experts (validate), so the run's table has it
+        return dict(options.measured_imbalance)[cfg.parallel.ep]
     return options.expert_imbalance
 
 

@@ -72,9 +72,9 @@ class PlanOptions:
     activations: ActivationLayout = "fivefold"  # "megatron": what Megatron-LM keeps for backward (activations.py)
     ep_dispatch: EpDispatch = "all_to_all"  # "node_limited": DeepSeek-V3's dispatch over nodes (expert_comm.py)
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
-    # a run's measured routing, per (step, MoE block) the copies each expert got (routing.py): when
-    # given, the imbalance is the busiest rank's share under the layout's ep, instead of expert_imbalance
-    expert_loads: tuple[tuple[int, ...], ...] = ()
+    # a run's measured routing as (ep, the busiest expert rank's share at that ep) (routing.py): when
+    # given, the layout's ep reads its imbalance here instead of expert_imbalance
+    measured_imbalance: tuple[tuple[int, float], ...] = ()
     # mean document length in tokens under data.document_mask; 0 = not stated, priced as causal
     # attention over the whole row (what the mask keeps at most)
     document_tokens: float = 0.0

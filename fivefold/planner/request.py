@@ -32,7 +32,7 @@ from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import Memo, Row
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.routing import read_expert_loads
+from fivefold.planner.routing import imbalance_by_ep, read_expert_loads
 from fivefold.validate import validate
 
 if TYPE_CHECKING:  # estimate imports torch (through fivefold.parallel): `fivefold --help` should not wait for it
@@ -85,7 +85,7 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     layout, options = split_layout(args.layout) if args.layout else ([], DEFAULT)
     imbalance, loads = expert_imbalance_arg(args.expert_imbalance)
     options = dataclasses.replace(options, causal_flops=args.causal_flops, expert_imbalance=imbalance,
-                                  expert_loads=loads, document_tokens=args.document_tokens or 0.0,
+                                  document_tokens=args.document_tokens or 0.0,
                                   kernels=args.kernels or "auto")
     extra = [f"--train.seq_len={args.seq}"] if args.seq else []
     overridden = set(parse_overrides(rest + layout)[0].get("train", {}))  # --train.KEY and --layout micro_batch
@@ -112,6 +112,8 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     if loads and len(loads[0]) != cfg.model.n_experts:
         raise ConfigError([f"--expert-imbalance {args.expert_imbalance}: the run routed to {len(loads[0])} experts, "
                            f"this model has {cfg.model.n_experts}; give a run of the same model or a number"])
+    if loads:
+        options = dataclasses.replace(options, measured_imbalance=imbalance_by_ep(loads))
     if tokens is not None:  # sequences from tokens; the flag beats a TOML file's train.global_batch
         cfg = replace(cfg, train={"global_batch": max(1, tokens // cfg.train.seq_len)})
     return Request(cfg, options, tokens, bool(args.micro_batch) or "micro_batch" in given)

@@ -7,7 +7,8 @@ of the layout being priced the busiest rank of a block receives max_r sum(its ex
 against a mean of sum(loads) / ep. The planner's imbalance is that ratio averaged over the logged
 (step, block) pairs: each block's busiest rank sets the pace of its all-to-alls and expert
 matmuls, and the average is what a step of many blocks and micro-batches pays. Another ep
-regroups the same loads, so one run prices every layout a search tries.
+regroups the same loads, so one run prices every layout a search tries: the ratio is worked out
+once per ep that divides the experts (imbalance_by_ep), not on every estimate.
 """
 
 from __future__ import annotations
@@ -42,15 +43,18 @@ def read_expert_loads(path: str | Path) -> tuple[tuple[int, ...], ...]:
 
 def busiest_rank_share(loads: tuple[tuple[int, ...], ...], ep: int) -> float:
     """Mean over the (step, block) vectors of the busiest of ep ranks' copies over the mean rank's
-    (module docstring); 1 at ep = 1. ValueError when ep does not divide the experts."""
+    (module docstring), ep dividing the experts; 1 at ep = 1."""
     if ep <= 1:
         return 1.0
     ratios = []
     for load in loads:
-        if len(load) % ep:
-            raise ValueError(f"--expert-imbalance: the run routes to {len(load)} experts, which ep = {ep} "
-                             "does not divide")
         n, total = len(load) // ep, sum(load)
         if total:
             ratios.append(max(sum(load[r * n:(r + 1) * n]) for r in range(ep)) * ep / total)
     return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+def imbalance_by_ep(loads: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, float], ...]:
+    """(ep, busiest_rank_share) for every ep that divides the run's experts."""
+    experts = len(loads[0])
+    return tuple((ep, busiest_rank_share(loads, ep)) for ep in range(1, experts + 1) if experts % ep == 0)

@@ -297,8 +297,8 @@ def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host
     rows = []
     imbalance = expert_imbalance(cfg, options)
     if imbalance != 1.0:
-        measured = (f" (measured: the mean over {len(options.expert_loads)} logged (step, block) loads at ep = "
-                    f"{cfg.parallel.ep})" if options.expert_loads else "")
+        measured = (f" (measured: a run's logged routing regrouped at ep = {cfg.parallel.ep})"
+                    if options.measured_imbalance else "")
         rows.append(("busiest expert rank", f"{imbalance:g} x the mean's tokens{measured}: its routed copies add "
                      f"{acts['routed_extra'] / GB:.3f} GB per block and micro-batch, its all-to-alls carry "
                      f"{imbalance:g} x the balanced bytes", "memory.activation_bytes; comm.activation_traffic"

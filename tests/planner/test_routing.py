@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fivefold.cli import main
-from fivefold.planner.routing import busiest_rank_share, read_expert_loads
+from fivefold.planner.routing import busiest_rank_share, imbalance_by_ep, read_expert_loads
 
 # Two logged steps of a 4-expert model with two MoE blocks, as train/metrics.py writes them
 # (an event record and a cut last line too, which the reader skips).
@@ -32,6 +32,7 @@ def test_busiest_rank_share_by_hand(tmp_path):
     assert busiest_rank_share(loads, 2) == pytest.approx(1.4)
     assert busiest_rank_share(loads, 4) == pytest.approx(1.85)
     assert busiest_rank_share(loads, 1) == 1.0
+    assert imbalance_by_ep(loads) == ((1, 1.0), (2, busiest_rank_share(loads, 2)), (4, busiest_rank_share(loads, 4)))
 
 
 def test_a_run_directory_prices_as_its_measured_number(tmp_path, capsys):
