@@ -88,6 +88,9 @@ MBRIDGE_RECIPE = "recipes: scripts/performance/configs/ and src/megatron/bridge/
 MBRIDGE_CONVENTION = "model FLOPs, causal halved (flop_utils.py num_floating_point_operations)"
 MBRIDGE_OVERLAP = ("distributed optimizer with overlap_grad_reduce and overlap_param_gather (recipe); "
                    "tp_comm_overlap userbuffers where tp > 1; TE fused kernels")
+# Megatron-Bridge's tensor-parallel FP8 rows: TE's fused kernels and Megatron's activations, tp overlapped
+MBRIDGE_TP_OPTIONS = {"causal_flops": "half", "fp8": "compute", "tp_overlap": True, "kernels": "fused",
+                      "activations": "megatron"}
 MBRIDGE_FP8 = ("FP8-CS: TE per-tensor current scaling (bf16_with_fp8_current_scaling_mixed, first/last layers bf16 "
                "off in the perf scripts) with fp8_param_gather")
 MOE_ZOO = "yanring/Megatron-MoE-ModelZoo @e865051, best_practice/qwen3/readme.md, H100 table (256 H100, IB 8x50 GB/s)"
@@ -303,8 +306,7 @@ RUNS: list[Run] = [
          *layout(2, 4, 8, 128, 1, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=5,
                  recompute="none")),
         "tokens_per_s_per_gpu", 1602.0, MBRIDGE_CONVENTION + " (719 TFLOP/s stated)", MBRIDGE_OVERLAP,
-        {"causal_flops": "half", "fp8": "compute", "tp_overlap": True, "kernels": "fused",
-         "activations": "megatron"},
+        MBRIDGE_TP_OPTIONS,
         megatron_core_flops(8192, 80, 8192, 128256, 4, 64, groups=8, head_dim=128, ffn=28672), params_b=70.55,
         differs=MBRIDGE_FP8 + " (fp8 gathers of ZeRO-1 not modelled)"),
     Run("mbridge-llama31-405B-1024xH100-fp8", f"{MBRIDGE_2511}, LLAMA3.1_405B; {MBRIDGE_RECIPE}", "h100", 1024,
@@ -313,8 +315,7 @@ RUNS: list[Run] = [
                  recompute="none")),
         "tokens_per_s_per_gpu", 292.0, MBRIDGE_CONVENTION + " (737 TFLOP/s stated)",
         MBRIDGE_OVERLAP + "; cp ring p2p overlapped with attention (TE)",
-        {"causal_flops": "half", "fp8": "compute", "tp_overlap": True, "kernels": "fused",
-         "activations": "megatron"},
+        MBRIDGE_TP_OPTIONS,
         megatron_core_flops(16384, 126, 8192, 128256, 8, 128, groups=8, head_dim=128, ffn=53248), params_b=405.85,
         differs=MBRIDGE_FP8 + "; 126 blocks over 64 chunks: fivefold balances them by cost; not explained: +23%"),
     # Megatron-Bridge 25.11 DGX-H100, Qwen3-30B-A3B: FP8-CS, 16 GPUs, GBS 512, MBS 2, seq 4096, TP1 PP2 CP1 VP24 EP8,
