@@ -136,7 +136,7 @@ from fivefold.config import ModelConfig
 
 ActivationLayout = Literal["fivefold", "megatron", "deepseek"]
 
-FP8_BYTES = 1.0  # DeepSeek-V3's cached linear inputs (sec. 3.3.3)
+FP8_BYTES = 1.0  # an e4m3 element: FP8 activations, weights and DeepSeek-V3's cached linear inputs (sec. 3.3.3)
 E5M6_BYTES = 1.5  # its attention output: 1 sign, 5 exponent and 6 mantissa bits
 BF16_BYTES = 2  # the element block_activation_elements_per_token counts the deepseek layout's bytes in
 

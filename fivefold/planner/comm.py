@@ -53,12 +53,12 @@ from fivefold.config import Config
 from fivefold.model.counts import ModelCounts, block_params
 from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.parallel.derive import Derived
-from fivefold.planner.activations import layout_applies
+from fivefold.planner.activations import FP8_BYTES, layout_applies
 from fivefold.planner.expert_comm import expert_link_bytes
 from fivefold.planner.layout import RankShare, axis_spans_nodes
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
-from fivefold.planner.memory import FP8_BYTES, expert_imbalance
+from fivefold.planner.memory import expert_imbalance
 from fivefold.planner.options import PlanOptions
 
 AXES = ("dp", "tp", "pp", "cp", "ep")

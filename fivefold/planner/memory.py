@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from fivefold.config import Config
 from fivefold.parallel.derive import Derived, reshard_after_forward
 from fivefold.planner.activations import (
+    FP8_BYTES,
     block_activation_bytes,
     fp8_matmul_input_elements,
     routed_expert_elements_per_token,
@@ -47,7 +48,6 @@ from fivefold.planner.options import DEFAULT, PlanOptions
 # The gradient partition on the host is fp32: DeepSpeed's CPU Adam steps fp32 gradients, and its
 # estimator counts 16 bytes per offloaded parameter, 4 (gradient) + 12 (master and two moments)
 HOST_GRAD_BYTES = 4.0
-FP8_BYTES = 1.0
 
 
 @dataclass(frozen=True)
