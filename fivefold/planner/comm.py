@@ -41,6 +41,11 @@ terms keep the busiest rank's (the most FLOPs: compute.busiest_chunk), which set
 Time by an alpha-beta model (Hockney 1994; Thakur et al. 2005 for the collective step counts):
 t = steps x alpha + wire bytes / (bandwidth x efficiency), the link being the node's interconnect
 or the per-GPU NIC depending on whether the axis's groups cross nodes (layout.axis_spans_nodes).
+A collective whose group has k ranks in each node it spans runs as k rings at once, each leaving
+the node through another rank's NIC (NCCL's channels): each ring carries 1/k of the bytes, so a
+rank's NIC sends 1/k of its wire bytes and NVLink the other (k - 1)/k, at once (`link`'s
+ranks_per_node). The data of a dp group over whole nodes enters each node once, not once per GPU.
+Point-to-point traffic (pp, cp's ring hops) and the all-to-alls (expert_comm.py) keep one NIC.
 A profile from `fivefold calibrate` holds alpha per collective (on gloo their fixed costs per ring
 step differ by a factor of two or more); the catalog's one alpha per link serves every op.
 """
@@ -55,7 +60,7 @@ from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.parallel.derive import Derived
 from fivefold.planner.activations import FP8_BYTES, layout_applies
 from fivefold.planner.expert_comm import expert_link_bytes
-from fivefold.planner.layout import RankShare, axis_spans_nodes
+from fivefold.planner.layout import RankShare, axis_spans_nodes, group_ranks_per_node
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
 from fivefold.planner.memory import expert_imbalance
@@ -74,6 +79,7 @@ class AxisTraffic:
     calls: int = 0  # collectives (alpha is paid per step of each)
     steps: int = 0  # ring steps summed over the calls (latency terms)
     inter_node: bool = False
+    ranks_per_node: int = 1  # of a group across nodes, the members in one node: rings at once (link)
     time_s: float = 0.0
     op_steps: dict[str, int] = field(default_factory=dict)  # the steps by collective
     # Collectives on groups of their own, each on its own link, merged in (bytes, calls, time_s):
@@ -109,10 +115,15 @@ def ring_steps(op: str, n: int) -> int:
     return {"all_reduce": 2 * (n - 1), "send": 1, "broadcast": 1}.get(op, n - 1)
 
 
-def link(hw: Hardware, inter_node: bool, op: str | None = None) -> tuple[float, float]:
+def link(hw: Hardware, inter_node: bool, op: str | None = None, ranks_per_node: int = 1) -> tuple[float, float]:
     """(bandwidth in bytes/s after efficiency, latency per step in s) of the link an axis uses;
-    with `op`, that collective's own latency where the profile measured one per collective."""
+    with `op`, that collective's own latency where the profile measured one per collective. Across
+    nodes with k = ranks_per_node members of the group in each node (module docstring), the k
+    rings' wire bytes leave through k NICs while (k - 1)/k of them cross NVLink:
+    bytes / min(k x NIC, NVLink x k / (k - 1))."""
     bw, alpha = ((hw.inter_bw, hw.inter_latency) if inter_node else (hw.intra_bw, hw.intra_latency))
+    if inter_node and ranks_per_node > 1:
+        bw = min(ranks_per_node * hw.inter_bw, hw.intra_bw * ranks_per_node / (ranks_per_node - 1))
     return bw * hw.bw_efficiency, dict(hw.collective_alpha).get(op, alpha)
 
 
@@ -122,7 +133,7 @@ def latency_of(t: AxisTraffic, hw: Hardware) -> float:
 
 
 def time_of(t: AxisTraffic, hw: Hardware) -> float:
-    return latency_of(t, hw) + t.bytes / link(hw, t.inter_node)[0]
+    return latency_of(t, hw) + t.bytes / link(hw, t.inter_node, None, t.ranks_per_node)[0]
 
 
 def dp_traffic(zero: int, n: int, grad_bytes: float, param_bytes: float, micro: int,
@@ -160,7 +171,8 @@ def replica_traffic(cfg: Config, d: Derived, hw: Hardware, shard_grad_bytes: flo
     out = {}
     for axis, n in (("dp_replicate", p.dp_replicate), ("cp", p.cp)):
         if n > 1:
-            t = AxisTraffic(inter_node=axis_spans_nodes(cfg, d, hw.gpus_per_node, axis))
+            t = AxisTraffic(inter_node=axis_spans_nodes(cfg, d, hw.gpus_per_node, axis),
+                            ranks_per_node=group_ranks_per_node(cfg, d, hw.gpus_per_node, axis))
             t.add("all_reduce", shard_grad_bytes, n)
             t.time_s = time_of(t, hw)
             out[axis] = t
@@ -256,6 +268,8 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
         # ZeRO's own collectives run over dp_shard (HSDP keeps them inside a node); DDP's over dp x cp.
         groups = "dp_shard" if axis == "dp" and p.zero else axis
         tr.inter_node = axis_spans_nodes(cfg, d, hw.gpus_per_node, groups)
+        if tr.inter_node and axis in ("dp", "tp"):  # collectives: one ring per member in a node (link)
+            tr.ranks_per_node = group_ranks_per_node(cfg, d, hw.gpus_per_node, groups)
         tr.time_s = time_of(tr, hw)
     ep = traffic["ep"]
     if ep.bytes and ep.inter_node:  # node peers over NVLink, the rest over the NIC, at once (expert_comm.py)
@@ -286,17 +300,18 @@ def own_part(tr: AxisTraffic) -> AxisTraffic:
     """`tr` without its merged parts: the collectives priced by its own op_steps and link."""
     merged = tr.merged.values()
     return AxisTraffic(tr.bytes - sum(t.bytes for t in merged), tr.message_bytes - sum(t.message_bytes for t in merged),
-                       tr.calls - sum(t.calls for t in merged), tr.steps, tr.inter_node, tr.time_s - tr.merged_s,
-                       tr.op_steps)
+                       tr.calls - sum(t.calls for t in merged), tr.steps, tr.inter_node, tr.ranks_per_node,
+                       tr.time_s - tr.merged_s, tr.op_steps)
 
 
 def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:
-    where = "across nodes" if tr.inter_node else "inside a node"
+    rings = f" ({tr.ranks_per_node} rings at once, one a rank of the node)" if tr.ranks_per_node > 1 else ""
+    where = f"across nodes{rings}" if tr.inter_node else "inside a node"
     steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
                        for op, k in tr.op_steps.items())
     alpha_source = "collective_alpha" if hw.collective_alpha else "inter_latency" if tr.inter_node else "intra_latency"
     return (name, f"{tr.bytes / GB:.3f} GB in {tr.calls} collectives, {where}: {steps} + "
-            f"bytes / {link(hw, tr.inter_node)[0] / GB:.2f} GB/s = {tr.time_s * 1e3:.2f} ms",
+            f"bytes / {link(hw, tr.inter_node, None, tr.ranks_per_node)[0] / GB:.2f} GB/s = {tr.time_s * 1e3:.2f} ms",
             "comm.py (wire_bytes ring accounting; alpha-beta, Hockney 1994); alpha: "
             + hw.sources.get(alpha_source, "profile"))
 

@@ -23,7 +23,8 @@ source of its formula. The step time is the textbook model, term by term:
    checks the executor's schedules, gives the makespan and both bubble figures.
 5. dp: the gradient reduction overlaps the backward of the last micro-batch bucket by bucket
    (Li et al. 2020, "PyTorch Distributed"), so only what exceeds that backward is exposed, and
-   never less than the last bucket; ZeRO's weight all-gather after the optimizer step is exposed;
+   never less than the last bucket; ZeRO's weight all-gather after the optimizer step is exposed
+   (with options.param_gather_overlap, what exceeds the next step's first forward);
    ZeRO-3's gathers are prefetched one unit ahead (options.zero3_prefetch), so each pass exposes
    its first unit's gather and what each later one exceeds the previous unit's compute (overlap.py).
 6. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
@@ -32,7 +33,8 @@ source of its formula. The step time is the textbook model, term by term:
    link's copies that the compute does not hide are added (offload.py).
 7. the scalar all-reduces of every step (gradient norm, logged loss), latency only.
 
-step = makespan + exposed dp + optimizer + step sync + per-step host time; MFU = model FLOPs /
+What the overlaps of 3-5 hide still takes SMs from the compute beside it (overlap.contention).
+step = makespan + exposed dp + contention + optimizer + step sync + per-step host time; MFU = model FLOPs /
 (step x GPUs x peak) as in PaLM (Chowdhery et al. 2022, App. B), HFU the same with recomputation
 counted, causal attention in full or halved as options.causal_flops says, sliding windows and
 documents counted as the pairs they keep (flops.py).
@@ -57,7 +59,7 @@ from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, HostPrice, H
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.offload import check_offload, offload_step
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.overlap import Hidden, ep_hidden, tp_hidden, zero3_hidden, zero3_units
+from fivefold.planner.overlap import Hidden, contention, ep_hidden, tp_hidden, zero3_hidden, zero3_units
 from fivefold.planner.terms import (
     BucketOverlap,
     CriticalPath,
@@ -198,6 +200,7 @@ class _Terms:
     pipe: Pipeline  # 4. makespan and bubble
     dp: DpExposure  # 5. the exposed gradient reduction
     overlaps: dict[str, Hidden]
+    contention: Priced  # the compute slowed by the collectives it hides (overlap.contention)
     opt: Priced  # 6. the optimizer step (or offload's)
     sync: Priced  # 7. the scalar all-reduces
     mem: RankMemory
@@ -226,17 +229,19 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     f_cost = chunk.forward_s + path.per_unit_s + host.forward_s
     b_cost = chunk.backward_s + path.per_unit_s + host.backward_s
     pipe = pipeline(cfg, d, work.chunks, f_cost, b_cost, path.p2p_s, memo, paired=options.ep_overlap)
-    units3 = (zero3_units(cfg, d, where.counts, work, hw, traffic["dp"].inter_node, grad_b, param_b)
+    units3 = (zero3_units(cfg, d, where.counts, work, hw, traffic["dp"], grad_b, param_b)
               if p.zero == 3 else [])
     zero3 = zero3_hidden(cfg, d, units3, work.chunks * f_cost, work.chunks * b_cost, options.zero3_prefetch)
-    dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, b_cost, busy, memo, zero3)
+    dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, f_cost, b_cost, busy, memo, zero3,
+                     options.param_gather_overlap)
     opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
            else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
                              work.chunks * b_cost))
     held = inflight_blocks(cfg, d, where.sizes, memo)
     mem = rank_memory(cfg, d, where.shares, held, b, act_bytes, implementation, hw, options)
-    return _Terms(chunk, traffic_rows, sent, sent_rows, by_rank, host, path, pipe, dp,
-                  {h.switch: h for h in (tp, zero3, ep, dp.switch)}, opt, step_sync(cfg, d, hw), mem)
+    overlaps = {h.switch: h for h in (tp, zero3, ep, dp.switch, dp.gather)}
+    return _Terms(chunk, traffic_rows, sent, sent_rows, by_rank, host, path, pipe, dp, overlaps,
+                  contention(overlaps, hw), opt, step_sync(cfg, d, hw), mem)
 
 
 def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: _Terms,
@@ -244,12 +249,13 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
     """The step time as the sum of its terms, its split by part, MFU and HFU, and the explain rows."""
     d, t = where.d, terms
     units = d.grad_accum * where.work.chunks
-    step_terms = {"pipeline": t.pipe.sim.makespan, "dp": t.dp.exposed_s,
+    step_terms = {"pipeline": t.pipe.sim.makespan, "dp": t.dp.exposed_s, "contention": t.contention.seconds,
                   "optimizer" if options.offload == "none" else "offload": t.opt.seconds, "sync": t.sync.seconds,
                   "per-step Python": t.host.step_s}
-    step = t.pipe.sim.makespan + t.dp.exposed_s + t.opt.seconds + t.sync.seconds + t.host.step_s
+    step = sum(step_terms.values())
     split = {"compute": units * (t.chunk.forward_s + t.chunk.backward_s), "tp_cp_ep": units * 2 * t.path.per_unit_s,
-             "bubble": t.pipe.sim.makespan - t.pipe.ideal_s, "dp_exposed": t.dp.exposed_s, "optimizer": t.opt.seconds,
+             "bubble": t.pipe.sim.makespan - t.pipe.ideal_s, "dp_exposed": t.dp.exposed_s,
+             "contention": t.contention.seconds, "optimizer": t.opt.seconds,
              "step_sync": t.sync.seconds, "host": units * (t.host.forward_s + t.host.backward_s) + t.host.step_s}
     flops = step_flops(cfg, d.vocab_size, options.causal_flops, options.document_tokens)
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
@@ -259,6 +265,7 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
                "parallel/pipeline/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []
     explain = [_params_row(where.counts), *stages, *t.chunk.explain, *t.traffic_rows, *t.sent_rows, *t.host.explain,
                *t.path.explain, *t.pipe.explain, *t.dp.explain, *(h.row for h in t.overlaps.values()),
+               *t.contention.explain,
                *t.opt.explain, *t.sync.explain, *t.mem.explain, _step_row(step_terms, step), convention_row(flops),
                utilization_row(flops, step, world_size, hw.peak_flops), figures_row]
     return Estimate(world_size=world_size, memory=t.mem.memory, comm=t.sent, bubble_ratio=t.pipe.sim.bubble_ratio,

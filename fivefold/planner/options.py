@@ -26,14 +26,17 @@ choices a planner must still make are not in it:
   from its config or from these options, whichever turns it on (`with_config`), and prices the
   config `switched_config` writes; the layout is runnable when `validate` accepts that config's
   switches (validate/speed.py: tp_overlap needs sp, ep_overlap dualpipe_v, offload ZeRO, fp8
-  weights ZeRO-3). `zero3_prefetch = false` is the one option fivefold does not run.
+  weights ZeRO-3). `zero3_prefetch = false` and `param_gather_overlap = true` (Megatron-LM's
+  --overlap-param-gather: ZeRO-1/2's weight all-gather under the next step's forward) are the
+  switches fivefold does not run.
 
 `attention_kernel = "materialized"` prices a trainer before FlashAttention (the score matrix
 written out, ops.materialized_attention): published runs of 2021 ran so, fivefold never does.
 `activations = "megatron"` keeps for backward what Megatron-LM keeps (activations.py), with the
 backward's extra all-gather that sequence parallelism then runs (comm.py): published runs'
 memory, not fivefold's. `ep_dispatch = "node_limited"` prices DeepSeek-V3's node-limited
-dispatch (expert_comm.py), which fivefold does not run either.
+dispatch (expert_comm.py), which fivefold does not run either, and `selective_ac = "per_op"`
+torchtitan's per-op selective recompute (roofline.py).
 
 `--layout` accepts these keys beside the config's (split_layout below); `--causal-flops`,
 `--document-tokens`, `--kernels` and `--expert-imbalance` are flags of their own.
@@ -55,6 +58,7 @@ Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
 Kernels = Literal["auto", "eager", "fused"]  # "auto": fused when train.compile is on
 AttentionKernel = Literal["flash", "materialized"]  # "materialized": the whole score matrix (machine/ops.py)
 EpDispatch = Literal["all_to_all", "node_limited"]  # fivefold's all-to-all, DeepSeek-V3's (expert_comm.py)
+SelectiveAc = Literal["attention_core", "per_op"]  # what train.recompute = "selective" reruns (roofline.py)
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,17 @@ class PlanOptions:
     tp_overlap: bool = False  # tp collectives hidden under the matmuls of their region (Megatron's userbuffers)
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next unit while this one computes
     ep_overlap: bool = False  # expert all-to-alls hidden under another micro-batch's compute (DualPipe)
+    # ZeRO-1/2's weight all-gather under the next step's forward (Megatron-LM's --overlap-param-gather)
+    param_gather_overlap: bool = False
     offload: Offload = "none"  # ZeRO-Offload (Ren et al. 2021) / ZeRO-Infinity (Rajbhandari et al. 2021)
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
     kernels: Kernels = "auto"  # elementwise kernels as run eagerly or fused (module docstring)
     attention_kernel: AttentionKernel = "flash"  # "materialized": the whole score matrix (a published run's)
     activations: ActivationLayout = "fivefold"  # "megatron": what Megatron-LM keeps for backward (activations.py)
     ep_dispatch: EpDispatch = "all_to_all"  # "node_limited": DeepSeek-V3's dispatch over nodes (expert_comm.py)
+    # what selective recompute reruns: the attention core (Korthikanti et al. 2022, fivefold's) or torchtitan's
+    # per-op policy ("per_op": every other matmul of a block and all its elementwise kernels; roofline.py)
+    selective_ac: SelectiveAc = "attention_core"
     expert_imbalance: float = 1.0  # tokens on the busiest expert rank over the mean (1 = perfectly balanced)
     # a run's measured routing as (ep, the busiest expert rank's share at that ep) (routing.py): when
     # given, the layout's ep reads its imbalance here instead of expert_imbalance
@@ -105,6 +114,11 @@ class PlanOptions:
                        "(planner/activations.py)")
         if self.ep_dispatch != "all_to_all" and (cfg is None or (cfg.parallel.ep > 1 and cfg.model.n_experts)):
             out.append(f"ep_dispatch={self.ep_dispatch}: fivefold's experts exchange tokens in one all-to-all")
+        if self.selective_ac != "attention_core" and (cfg is None or cfg.train.recompute == "selective"):
+            out.append(f"selective_ac={self.selective_ac}: fivefold's selective recompute reruns the attention core")
+        if self.param_gather_overlap and (cfg is None or cfg.parallel.zero in (1, 2)):
+            out.append("param_gather_overlap=true: fivefold's ZeRO-1/2 gather the weights after the step "
+                       "(parallel/data/zero.py)")
         return out + (speed_errors(switched_config(cfg, self)) if cfg is not None else [])
 
 
@@ -128,10 +142,11 @@ DEFAULT = PlanOptions()
 _CHOICES = {"causal_flops": ("half", "full"), "offload": ("none", "optimizer", "params"),
             "fp8": ("none", "compute", "weights"), "kernels": ("auto", "eager", "fused"),
             "attention_kernel": ("flash", "materialized"), "activations": ("fivefold", "megatron", "deepseek"),
-            "ep_dispatch": ("all_to_all", "node_limited")}
-_BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap")
+            "ep_dispatch": ("all_to_all", "node_limited"), "selective_ac": ("attention_core", "per_op")}
+_BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap", "param_gather_overlap")
 # the ones --layout accepts beside the config's keys (another trainer's kernels, memory and dispatch among them)
-OPTION_KEYS = (*_BOOLS, "offload", "fp8", "kernels", "attention_kernel", "activations", "ep_dispatch")
+OPTION_KEYS = (*_BOOLS, "offload", "fp8", "kernels", "attention_kernel", "activations", "ep_dispatch",
+               "selective_ac")
 
 
 def parse_option(options: PlanOptions, key: str, value: str) -> PlanOptions:

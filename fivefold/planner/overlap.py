@@ -28,6 +28,16 @@ whether fivefold runs it in this layout, the traffic it governs and how much of 
   no partner and stay exposed.
 - dp_overlap = parallel.overlap_comm (a config field, so whatever it says is what fivefold runs):
   gradient buckets reduce during the backward (terms.BucketOverlap; Li et al. 2020).
+- param_gather_overlap (fivefold: off, parallel/data/zero.py gathers ZeRO-1/2's updated weights
+  after the optimizer step, all exposed). On: Megatron-LM's distributed optimizer with
+  --overlap-param-gather, each bucket's gather waited for by the next step's forward when it
+  reaches the bucket, so only what exceeds the first micro-batch's forward is exposed, and never
+  less than the first bucket (terms.dp_exposure).
+
+What a switch hides is not free: a collective kernel runs on SMs the matmuls then lack (DeepSeek-AI
+2024, sec. 3.2.2 and 3.5.1: 20 of the H800's 132 SMs run its all-to-alls and "limit computational
+throughput"). `contention` charges the compute that runs beside each hidden second that share
+of it (Hardware.comm_sms / sm_count).
 """
 
 from __future__ import annotations
@@ -46,17 +56,19 @@ from fivefold.parallel.derive import Derived
 from fivefold.planner.comm import AxisTraffic, time_of
 from fivefold.planner.compute import block_keys
 from fivefold.planner.machine.datasheet import Hardware
-from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Row
+from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Priced, Row
 
-SWITCHES = ("tp_overlap", "zero3_prefetch", "ep_overlap", "dp_overlap")
+SWITCHES = ("tp_overlap", "zero3_prefetch", "ep_overlap", "dp_overlap", "param_gather_overlap")
 # what fivefold's runtime does, in words, for each switch's row
 RUNTIME = {"tp_overlap": "runs parallel.tp_overlap as set", "zero3_prefetch": "prefetches the next unit",
-           "ep_overlap": "runs parallel.ep_overlap as set", "dp_overlap": "runs parallel.overlap_comm as set"}
+           "ep_overlap": "runs parallel.ep_overlap as set", "dp_overlap": "runs parallel.overlap_comm as set",
+           "param_gather_overlap": "gathers ZeRO-1/2's weights after the step"}
 SOURCES = {
     "tp_overlap": "Wang et al. 2022 (decomposition); Megatron-LM / Transformer Engine userbuffers comm-GEMM overlap",
     "zero3_prefetch": "parallel/data/fsdp.py (one unit ahead); Zhao et al. 2023, \"PyTorch FSDP\" (prefetch)",
     "ep_overlap": "DeepSeek-V3 Technical Report (DeepSeek-AI 2024), sec. 3.2.1: DualPipe's overlapped chunk pairs",
     "dp_overlap": "bucket overlap (Li et al. 2020, \"PyTorch Distributed\", sec. 3.2.3); parallel/data/buckets.py",
+    "param_gather_overlap": "Megatron-LM distributed optimizer, --overlap-param-gather; parallel/data/zero.py",
 }
 
 
@@ -79,7 +91,8 @@ class Hidden:
     def row(self) -> Row:
         name = self.switch.replace("_", " ")
         runtime = (f"fivefold: {RUNTIME[self.switch]}" if self.runtime
-                   else "not fivefold's: it prefetches the next unit" if self.switch == "zero3_prefetch"
+                   else f"not fivefold's: it {RUNTIME[self.switch]}"
+                   if self.switch in ("zero3_prefetch", "param_gather_overlap")
                    else "not runnable in this layout: see runnable")
         head = f"{'on' if self.on else 'off'} ({runtime}): "
         if not self.traffic_s:
@@ -104,9 +117,9 @@ def decomposed_exposure(comm_s: float, matmul_s: float, pieces: int) -> float:
     return max(comm_s / n, comm_s - (n - 1) / n * matmul_s)
 
 
-def _one(hw: Hardware, inter_node: bool, op: str, nbytes: float, n: int) -> float:
+def _one(hw: Hardware, inter_node: bool, op: str, nbytes: float, n: int, ranks_per_node: int = 1) -> float:
     """Seconds of one collective, priced as comm.py prices an axis (alpha per step + bytes / bandwidth)."""
-    t = AxisTraffic(inter_node=inter_node)
+    t = AxisTraffic(inter_node=inter_node, ranks_per_node=ranks_per_node)
     t.add(op, nbytes, n)
     return time_of(t, hw)
 
@@ -126,7 +139,8 @@ def tp_hidden(work: ChunkWork, d: Derived, counts: ModelCounts, chunk: ChunkPric
         return Hidden("tp_overlap", on, runtime, tp.time_s, tp.time_s, note)
     m, t, M, n = cfg.model, cfg.train, d.grad_accum, p.tp
     tokens = t.micro_batch * d.local_seq_len
-    c1 = _one(hw, tp.inter_node, "all_reduce", tokens * m.dim * act_bytes, n)  # one region's collective
+    # one region's collective
+    c1 = _one(hw, tp.inter_node, "all_reduce", tokens * m.dim * act_bytes, n, tp.ranks_per_node)
     per_flop_f = work.chunks * chunk.forward_s / work.forward_flops  # the rank's seconds per forward FLOP
     per_flop_b = work.chunks * chunk.backward_s / work.forward_flops
     backward_calls = 2 if t.recompute == "full" else 1  # the recomputed forward's collective runs in backward
@@ -211,11 +225,11 @@ class Zero3Unit:
     kept_for_backward: bool = False  # resharding gathers it for the forward only (RankShare.kept_unit)
 
 
-def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, hw: Hardware, inter_node: bool,
+def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, hw: Hardware, dp: AxisTraffic,
                 grad_b: float, param_b: float) -> list[Zero3Unit]:
     """The rank's units in forward order, each gathered and reduce-scattered on its own (one bucket
     per unit and group: dense weights over dp_shard, routed experts (ep > 1) over expert_dp, as
-    comm.step_traffic sends them)."""
+    comm.step_traffic sends them), on the link `dp` (the step's dp traffic) says."""
     m, p, t, share = cfg.model, cfg.parallel, cfg.train, work.share
     n_dense, n_expert = d.dp_shard, d.dp * p.cp // p.ep
     timed: dict[tuple[int, int], tuple[float, float]] = {}  # blocks repeat: price each size once
@@ -225,8 +239,9 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
         key = (params, experts)
         if key not in timed:
             dense = params - experts
-            timed[key] = tuple(_one(hw, inter_node, op, dense * b, n_dense) + _one(hw, inter_node, op, experts * b,
-                                                                                n_expert)
+            across = (dp.inter_node, dp.ranks_per_node)
+            timed[key] = tuple(_one(hw, across[0], op, dense * b, n_dense, across[1])
+                               + _one(hw, across[0], op, experts * b, n_expert, across[1])
                                for op, b in (("all_gather", param_b), ("reduce_scatter", grad_b)))
         return Zero3Unit(flops, *timed[key], kept_for_backward=kept)
 
@@ -292,3 +307,27 @@ def dp_hidden(cfg: Config, n_dp: int, reduce_s: float, exposed_s: float) -> Hidd
     return Hidden("dp_overlap", on, True, reduce_s, exposed_s,
                   "gradient reduction" + (" (ZeRO's weight all-gather after the step is exposed besides)"
                                           if p.zero else ""))
+
+
+def gather_hidden(cfg: Config, n_dp: int, on: bool, gather_s: float, exposed_s: float) -> Hidden:
+    """param_gather_overlap's row: ZeRO-1/2's weight all-gather after the step and what stays exposed
+    (module docstring); fivefold runs it off."""
+    if n_dp <= 1 or cfg.parallel.zero not in (1, 2):
+        return Hidden("param_gather_overlap", on, True, 0.0, 0.0,
+                      "no weight all-gather after the step (DDP, ZeRO-3 or one data-parallel rank)")
+    return Hidden("param_gather_overlap", on, not on, gather_s, exposed_s, "ZeRO's weight all-gather after the step")
+
+
+def contention(overlaps: dict[str, Hidden], hw: Hardware) -> Priced:
+    """The compute slowed by the collectives it hides (module docstring): while a hidden collective
+    runs, its comm_sms of the GPU's sm_count SMs are not computing, so the step is longer by that
+    share of every hidden second (the compute beside it being at least as long, as hiding needs)."""
+    hidden = {h.switch: h.hidden_s for h in overlaps.values() if h.hidden_s > 0}
+    if not hw.comm_sms or not hw.sm_count or not hidden:
+        return Priced(0.0)
+    share = hw.comm_sms / hw.sm_count
+    seconds = share * sum(hidden.values())
+    parts = " + ".join(f"{t * 1e3:.2f} ({k.replace('_', ' ')})" for k, t in hidden.items())
+    return Priced(seconds, [("contention", f"{hw.comm_sms} of {hw.sm_count} SMs run the hidden collectives: "
+                             f"{share:.3f} x ({parts} ms hidden) = {seconds * 1e3:.2f} ms",
+                             hw.sources.get("comm_sms", "DeepSeek-V3 report, sec. 3.2.2 and 3.5.1"))])

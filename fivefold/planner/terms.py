@@ -35,7 +35,7 @@ from fivefold.planner.memory import (
 )
 from fivefold.planner.offload import SOURCE as OFFLOAD_SOURCE
 from fivefold.planner.options import DEFAULT, PlanOptions
-from fivefold.planner.overlap import Hidden, dp_hidden
+from fivefold.planner.overlap import Hidden, dp_hidden, gather_hidden
 
 
 @dataclass(frozen=True)
@@ -160,25 +160,32 @@ class DpExposure:
     exposed_s: float
     overlap: BucketOverlap | None  # DDP, ZeRO-1/2 over more than one rank (per micro-batch for ZeRO-2)
     switch: Hidden  # parallel.overlap_comm's row (overlap.dp_hidden)
+    gather: Hidden  # ZeRO-1/2's weight all-gather after the step (overlap.gather_hidden)
     explain: list[Row] = field(default_factory=list)
 
 
 def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad_b: float, param_b: float,
-                b_cost: float, busy_s: float, memo: Memo, zero3: Hidden) -> DpExposure:
+                f_cost: float, b_cost: float, busy_s: float, memo: Memo, zero3: Hidden,
+                gather_overlap: bool = False) -> DpExposure:
     """The gradient reduction overlaps the backward of the last micro-batch bucket by bucket, so only
     what exceeds that backward is exposed, and never less than the last bucket; ZeRO's weight
-    all-gather after the optimizer step is exposed; ZeRO-3's gathers and reduce-scatters expose what
+    all-gather after the optimizer step is exposed, or with `gather_overlap` (Megatron-LM's
+    --overlap-param-gather) overlaps the next step's first forward bucket by bucket, the first
+    bucket exposed (BucketOverlap mirrored); ZeRO-3's gathers and reduce-scatters expose what
     `zero3` (overlap.zero3_hidden) says; the all-reduces over a ZeRO shard's replicas
     (comm.replica_traffic: dp.merged, once a step) overlap the last micro-batch's backward bucket by
     bucket, the last bucket's exposed. Its collectives wait for the slowest replica too: once a step
     (DDP, ZeRO-1), once per micro-batch (ZeRO-2), at every gather and reduce-scatter (ZeRO-3)."""
     p, share, chunks, M = work.cfg.parallel, work.share, work.chunks, d.grad_accum
-    bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter")
+    bw, alpha = link(hw, dp.inter_node, "all_reduce" if p.zero == 0 else "reduce_scatter", dp.ranks_per_node)
     bucket = min(p.bucket_mb * 1e6, share.params * grad_b)
     n_dp = d.dp * p.cp if p.zero == 0 else d.dp_shard
     t_bucket = bucket_reduce_s(bucket, n_dp, bw, alpha)
     backward_window = chunks * b_cost if p.overlap_comm else 0.0
     gather = share.params * param_b * (n_dp - 1) / n_dp / bw + (n_dp - 1) * alpha if n_dp > 1 else 0.0
+    gathered = (BucketOverlap(reduce_s=gather, bucket_s=gather * bucket / (share.params * grad_b),
+                              window_s=chunks * f_cost if gather_overlap else 0.0).exposed_s
+                if p.zero in (1, 2) and gather else 0.0)
     overlap = None
     per_step = M if p.zero == 2 else 1  # reductions a step: ZeRO-2 reduces every micro-batch
     replicas, replicas_exposed = dp.merged_s, 0.0
@@ -193,9 +200,10 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     else:
         reduce_t = (dp.time_s - replicas - (gather if p.zero else 0.0)) / per_step
         overlap = BucketOverlap(reduce_s=reduce_t, bucket_s=t_bucket, window_s=backward_window)
-        exposed = overlap.exposed_s * per_step + (gather if p.zero else 0.0) + replicas_exposed
+        exposed = overlap.exposed_s * per_step + gathered + replicas_exposed
     switch = dp_hidden(work.cfg, n_dp, overlap.reduce_s * per_step if overlap else 0.0,
                        overlap.exposed_s * per_step if overlap else 0.0)
+    gather_switch = gather_hidden(work.cfg, n_dp, gather_overlap, gather if p.zero in (1, 2) else 0.0, gathered)
     dp_syncs = 0 if n_dp <= 1 else dp.calls if p.zero == 3 else per_step
     dp_noise = dp_syncs * hw.pricer.noise_wait(n_dp, busy_s / dp_syncs, memo) if dp_syncs else 0.0
     exposed += dp_noise
@@ -206,7 +214,7 @@ def dp_exposure(work: ChunkWork, d: Derived, hw: Hardware, dp: AxisTraffic, grad
     row = ("exposed dp", f"{dp.time_s * 1e3:.2f} ms of traffic{also}, {window}, "
            f"{dp_syncs} x waiting for the slowest replica {dp_noise * 1e3:.2f} ms: {exposed * 1e3:.2f} ms exposed",
            "bucket overlap (Li et al. 2020, \"PyTorch Distributed\"); noise: calibration/noise.py")
-    return DpExposure(exposed, overlap, switch, [row])
+    return DpExposure(exposed, overlap, switch, gather_switch, [row])
 
 
 def step_sync(cfg: Config, d: Derived, hw: Hardware) -> Priced:

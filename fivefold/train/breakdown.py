@@ -28,7 +28,8 @@ ALWAYS = ("compute", UNATTRIBUTED)  # logged even when zero; other parts only wh
 # count differently). The planner's "host" is the Python around the model's ops: measured inside
 # the actions, so it is set beside compute.
 ROWS = (
-    ("compute", ("compute", "recompute"), ("compute", "host"), "planned: + host (Python overhead)"),
+    ("compute", ("compute", "recompute"), ("compute", "host", "contention"),
+     "planned: + host (Python overhead) + contention (SMs the hidden collectives take)"),
     ("exposed tp/cp/ep", ("exposed_tp", "exposed_cp", "exposed_ep"), ("tp_cp_ep",), ""),
     ("bubble", ("bubble",), ("bubble",), ""),
     ("exposed dp", ("exposed_dp",), ("dp_exposed",), ""),

@@ -144,7 +144,8 @@ def test_catalog_has_sources_for_every_number():
     for hw in CATALOG.values():
         for f in ("peak_flops", "memory_bytes", "intra_bw", "inter_bw", "compute_efficiency", "bw_efficiency",
                   "sm_count", "matmul_tiles", "matmul_efficiency", "fp8_peak_flops", "fp8_matmul_efficiency",
-                  "attention_fwd_curve", "attention_bwd_curve", "hbm_efficiency"):  # the roofline's too
+                  "attention_fwd_curve", "attention_bwd_curve", "hbm_efficiency",  # the roofline's too
+                  "comm_sms"):
             assert hw.sources.get(f), (hw.name, f)
 
 
@@ -159,6 +160,24 @@ def test_axes_inside_or_across_nodes():
     micro, blocks = 64 // 2, 80 // 4
     ends = wire_bytes("all_reduce", 4096 * 8192 * 2, 8) + LOSS_ALL_REDUCES * wire_bytes("all_reduce", 4096 * 4, 8)
     assert est.comm["tp"].bytes == pytest.approx(micro * (blocks * per_block + ends))
+
+
+def test_a_group_over_whole_nodes_runs_one_ring_per_member_of_a_node():
+    """ZeRO-1 over 16 H100s, two nodes of 8: NCCL's rings each leave a node through another rank's NIC,
+    so 8 rings carry 1/8 of the bytes each: the NIC part at 8 x 50 GB/s, NVLink's 7/8 at 450 GB/s,
+    bytes / min(400, 450 x 8/7) GB/s after the links' 80%. Under tp = 8 a dp group has one rank a
+    node: its own NIC, 50 GB/s."""
+    h100 = get_hardware("h100")
+    base = ["--model.preset=llama3-8b", "--train.seq_len=4096", "--train.global_batch=16", "--train.micro_batch=1",
+            "--parallel.zero=1"]
+    wide = estimate(load_config(None, [*base, "--parallel.dp=16"]), 16, h100)
+    narrow = estimate(load_config(None, [*base, "--parallel.dp=2", "--parallel.tp=8"]), 16, h100)
+    for est, ranks, bw in ((wide, 8, 400e9 * 0.8), (narrow, 1, 50e9 * 0.8)):
+        dp = est.comm["dp"]
+        assert dp.inter_node and dp.ranks_per_node == ranks
+        latency = sum(steps * h100.inter_latency for steps in dp.op_steps.values())
+        assert dp.time_s == pytest.approx(latency + dp.bytes / bw)
+    assert "8 rings at once" in dict((w, a) for w, a, _ in wide.explain)["dp traffic"]
 
 
 # Layouts at the scale these models were trained at (the Llama 3 and DeepSeek-V3 reports publish

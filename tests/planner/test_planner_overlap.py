@@ -94,8 +94,10 @@ def test_tp_overlap_against_hand_arithmetic():
     assert c1 - attention * per_flop_f / 2 > c1 / 2 and mlp * per_flop_b > c1  # both branches were taken
     off = estimate(cfg, 2, hw)
     assert off.overlaps["tp_overlap"].exposed_s == pytest.approx(off.comm["tp"].time_s)  # fivefold: all exposed
-    # pp = 1: the step is shorter by what is hidden (to terms.simulate_scaled's 1e-4 rounding of b / f)
-    assert off.step_time_s - est.step_time_s == pytest.approx(tp.hidden_s, rel=1e-4)
+    # pp = 1: the step is shorter by what is hidden (to terms.simulate_scaled's 1e-4 rounding of b / f),
+    # less the 20 of 132 SMs the hidden collectives take from the matmuls beside them (overlap.contention)
+    assert est.time_split["contention"] == pytest.approx(20 / 132 * tp.hidden_s)
+    assert off.step_time_s - est.step_time_s == pytest.approx(tp.hidden_s * (1 - 20 / 132), rel=1e-4)
 
 
 @pytest.mark.parametrize("recompute,per_region", [("none", 2), ("full", 3)])
@@ -222,6 +224,44 @@ def test_dp_overlap_is_the_config_switch(tmp_path):
     assert on.overlaps["dp_overlap"].runtime and off.overlaps["dp_overlap"].runtime  # a config field: fivefold runs it
 
 
+# ---- param_gather_overlap: Megatron-LM's --overlap-param-gather (ZeRO-1/2's gather under the next forward) ----
+
+def test_param_gather_overlap_against_hand_arithmetic():
+    # ZeRO-1 over 8 ranks of a node, one micro-batch: after the step every rank gathers the bf16
+    # weights (params x 2 bytes, a ring all-gather); overlapped, what exceeds the forward is exposed,
+    # never less than the first 25 MB bucket.
+    cfg = _llama(8, "--parallel.dp=8", "--parallel.zero=1", "--train.global_batch=8")
+    d, work, chunk = _chunk(cfg, 8, H100)
+    params = work.share.params
+    gather = _ring("all_gather", 2 * params, 8, H100)
+    off, on = estimate(cfg, 8, H100), estimate(cfg, 8, H100, options=PlanOptions(param_gather_overlap=True))
+    first_bucket = gather * 25e6 / (2 * params)
+    assert gather < chunk.forward_s  # the forward hides all but the first bucket
+    assert off.overlaps["param_gather_overlap"].exposed_s == pytest.approx(gather)
+    assert on.overlaps["param_gather_overlap"].exposed_s == pytest.approx(first_bucket)
+    assert off.exposed_dp_s - on.exposed_dp_s == pytest.approx(gather - first_bucket)
+    assert on.not_runnable == ["param_gather_overlap=true: fivefold's ZeRO-1/2 gather the weights after the step "
+                               "(parallel/data/zero.py)"]
+    assert not off.not_runnable and off.overlaps["param_gather_overlap"].runtime
+    zero3 = estimate(_llama(8, "--parallel.dp=8", "--parallel.zero=3", "--train.global_batch=8"), 8, H100,
+                     options=PlanOptions(param_gather_overlap=True))
+    assert zero3.overlaps["param_gather_overlap"].traffic_s == 0 and not zero3.not_runnable  # no gather to overlap
+
+
+# ---- contention: the SMs hidden collectives take (DeepSeek-V3 report, sec. 3.2.2 and 3.5.1) ----
+
+def test_hidden_collectives_take_their_sms_from_the_compute():
+    cfg = _llama(8, "--parallel.dp=8", "--parallel.zero=1", "--train.global_batch=8")
+    est = estimate(cfg, 8, H100, options=PlanOptions(param_gather_overlap=True))
+    hidden = [h.hidden_s for h in est.overlaps.values() if h.hidden_s > 0]
+    assert len(hidden) == 2  # the gradient reduce-scatter under the backward, the gather under the forward
+    assert est.time_split["contention"] == pytest.approx(20 / 132 * sum(hidden))
+    assert est.step_time_s == pytest.approx(sum(est.time_split.values()), rel=1e-3)  # a term of the step
+    assert any(what == "contention" for what, _, _ in est.explain)
+    flat = dataclasses.replace(H100, comm_sms=0)  # a GPU whose collectives take no SMs: nothing charged
+    assert estimate(cfg, 8, flat, options=PlanOptions(param_gather_overlap=True)).time_split["contention"] == 0
+
+
 # ---- defaults are fivefold's runtime; each switch moves only its own terms ----
 
 def _collectives(rank, world, cfg):
@@ -289,6 +329,7 @@ def _changed(a, b) -> set[str]:
     ("tp_overlap=on", 2, ("--parallel.tp=2", "--parallel.sp=true", "--train.global_batch=2")),
     ("zero3_prefetch=off", 4, ("--parallel.zero=3", "--train.global_batch=8")),
     ("dp_overlap=false", 8, ("--parallel.dp=8", "--train.global_batch=8")),
+    ("param_gather_overlap=true", 8, ("--parallel.dp=8", "--parallel.zero=1", "--train.global_batch=8")),
 ])
 def test_each_switch_moves_only_its_terms(switch, world, layout):
     key = switch.partition("=")[0]
@@ -296,7 +337,10 @@ def test_each_switch_moves_only_its_terms(switch, world, layout):
     a = estimate(_llama(world, *layout), world, H100)
     b = estimate(_llama(world, *layout, *overrides), world, H100, options=options)
     term = "tp_cp_ep" if key == "tp_overlap" else "dp_exposed"
-    assert _changed(a, b) == {term}
+    # what a switch hides or exposes moves the SMs its collectives take beside the compute too
+    assert _changed(a, b) == {term, "contention"}
+    moved = b.overlaps[key].hidden_s - a.overlaps[key].hidden_s
+    assert b.time_split["contention"] - a.time_split["contention"] == pytest.approx(20 / 132 * moved)
     assert a.memory == b.memory and {k: t.bytes for k, t in a.comm.items()} == {k: t.bytes for k, t in b.comm.items()}
     for other in SWITCHES:
         assert a.overlaps[other].traffic_s == pytest.approx(b.overlaps[other].traffic_s)

@@ -133,6 +133,22 @@ def _work(*overrides: str, options: PlanOptions = DEFAULT, world: int = 8):
     return busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), options)
 
 
+@pytest.mark.parametrize("fp8,fused,act,w_fwd,w_bwd", [("compute", False, 6, 5, 3), ("compute", True, 4, 5, 3),
+                                                       ("weights", False, 6, 0, 2)])
+def test_fp8_casts_are_torchaos_tensorwise_bytes(fp8, fused, act, w_fwd, w_bwd):
+    """torchao's float8 roofline (testing/training/roofline_utils.py, tensorwise): an input and an output
+    gradient each take an amax read (2 bytes, none fused with their producer) and a cast reading 2 and
+    writing both FP8 layouts (2 x 1); a weight an amax read and a cast each way (2 + 3, then 3), or,
+    gathered in FP8 already, only its transposed copy for the backward (1 + 1)."""
+    plain, cast = (block_ops(LLAMA8, 0, _shapes(fused=fused, fp8=f)) for f in ("none", fp8))
+    mk = sum(mm.m * mm.k for mm in plain.matmuls)  # every matmul's input, elements
+    mn = sum(mm.m * mm.n for mm in plain.matmuls)  # and its output (gradient)
+    kn = sum(mm.k * mm.n for mm in plain.matmuls)  # and its weight
+    assert cast.parts["fp8 casts"] == act * mk + w_fwd * kn
+    assert cast.elementwise_bytes - plain.elementwise_bytes == act * mk + w_fwd * kn
+    assert cast.backward_elementwise_bytes - plain.backward_elementwise_bytes == act * mn + w_bwd * kn
+
+
 def test_fp8_on_a_gpu_without_it_names_the_option_and_the_gpu():
     work = _work("--model.preset=llama3-8b", "--parallel.dp=8", options=PlanOptions(fp8="compute"))
     with pytest.raises(ValueError, match=r"--layout fp8=compute: a100-80gb has no FP8"):
@@ -195,6 +211,21 @@ def test_recompute_adds_the_forward_or_the_attention_core():
     none = prices["none"]
     assert prices["full"].backward_s == pytest.approx(none.backward_s + none.forward_s)
     assert prices["selective"].backward_s - none.backward_s == pytest.approx(none.detail.forward["attention"])
+
+
+def test_per_op_selective_recompute_reruns_every_other_matmul_and_the_elementwise():
+    """torchtitan's op-level SAC: of wq, wk, wv, wo, gate, up, down the outputs of the odd ones are
+    saved, wk, wo and up rerun, with every elementwise kernel; the attention kernel's output is saved."""
+    per_op = PlanOptions(selective_ac="per_op")
+    work = _work("--model.preset=llama3-8b", "--parallel.dp=8", "--train.recompute=selective", options=per_op)
+    none = roofline.chunk_price(_work("--model.preset=llama3-8b", "--parallel.dp=8", options=per_op), H100, Memo())
+    price = roofline.chunk_price(work, H100, Memo())
+    (block, n), = roofline.block_prices(work, H100, Memo())
+    assert list(block.matmul_forward) == ["wq", "wk", "wv", "wo", "gate", "up", "down"]
+    rerun = block.matmul_forward["wk"] + block.matmul_forward["wo"] + block.matmul_forward["up"]
+    assert price.backward_s - none.backward_s == pytest.approx(n * (rerun + block.forward["elementwise"]))
+    assert per_op.not_runnable(work.cfg) == ["selective_ac=per_op: fivefold's selective recompute reruns the "
+                                             "attention core"]
 
 
 def test_explain_names_each_op_class_its_efficiency_and_source():

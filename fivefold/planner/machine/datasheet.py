@@ -133,6 +133,7 @@ class Hardware:
     attention_fwd_curve: tuple[tuple[float, float], ...] = ()  # (sequence length, fraction of peak): FA2 forward
     attention_bwd_curve: tuple[tuple[float, float], ...] = ()  # the same for its backward
     hbm_efficiency: float = 0.0  # achievable fraction of hbm_bw for a streaming kernel
+    comm_sms: int = 0  # SMs a collective takes from the compute it runs beside (overlap.contention; 0: none)
     # the host, for offload (offload.py): this GPU's share of its node's DRAM bandwidth (bytes/s; the
     # CPU optimizer step is bound by it) and the node's host memory (bytes); 0: unknown
     host_bw: float = 0.0
@@ -184,17 +185,23 @@ def _hw(name: str, sheet: str, network: str, measured: dict[str, str], **numbers
     return Hardware(name=name, sources={**sources, **ASSUMED, **measured}, **numbers)
 
 
+# SMs a collective runs on beside the compute it is hidden under (overlap.contention)
+COMM_SMS = ("DeepSeek-AI 2024, DeepSeek-V3 report, sec. 3.2.2 (\"only 20 SMs are sufficient to fully utilize the "
+            "bandwidths of IB and NVLink\") and 3.5.1 (20 of the H800's 132 SMs, which \"limits computational "
+            "throughput\")")
+COMM_SMS_ASSUMED = "assumption: the 20 SMs of the H800 (Hopper), not measured on this GPU; " + COMM_SMS
 _A100_MEASURED = {
     "matmul_efficiency": f"{MAMF}: A100 SXM 271.2 of 312 TFLOPS bf16 (86.9%)",
     "fp8_matmul_efficiency": "none: the A100 has no FP8 tensor cores",
     "attention_fwd_curve": "Dao 2023, FlashAttention-2, abstract: FA2's forward reaches 50-73% of the A100's peak; "
                            "the low end, flat (no curve by sequence length in the text); backward assumed alike",
     "attention_bwd_curve": "as attention_fwd_curve (assumption: the paper states no separate backward range)",
+    "comm_sms": COMM_SMS_ASSUMED,
 }
 _A100 = dict(sm_count=108, matmul_efficiency=271.2 / 312, attention_fwd_curve=((1.0, 0.5),),
-             attention_bwd_curve=((1.0, 0.5),), hbm_efficiency=0.9)
+             attention_bwd_curve=((1.0, 0.5),), hbm_efficiency=0.9, comm_sms=20)
 _HOPPER = dict(sm_count=132, matmul_efficiency=794.5 / 989, fp8_peak_flops=1979 * TERA, hbm_efficiency=0.9,
-               **H100_FA2)
+               comm_sms=20, **H100_FA2)
 _OTHER_FA2 = ("assumption: the H100's FlashAttention-2 fractions of peak (no published FA2 curve on this GPU); "
               + FA2_SOURCE)
 
@@ -221,7 +228,7 @@ _DEVICES: dict[str, Hardware] = {
         "NVIDIA DGX H100 data sheet: 8x 400 Gb/s ConnectX-7 (NDR), one per GPU",
         {"matmul_efficiency": f"{MAMF}: H100 SXM 794.5 of 989 TFLOPS bf16 (80.3%)",
          "fp8_matmul_efficiency": f"{MAMF}: H100 SXM 1402.6 of 1979 TFLOPS FP8 (70.9%)",
-         "attention_fwd_curve": FA2_SOURCE, "attention_bwd_curve": FA2_SOURCE},
+         "attention_fwd_curve": FA2_SOURCE, "attention_bwd_curve": FA2_SOURCE, "comm_sms": COMM_SMS},
         peak_flops=989 * TERA, memory_bytes=80 * GB, hbm_bw=3350 * GB, intra_bw=450 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, fp8_matmul_efficiency=1402.6 / 1979, **_HOPPER),
     "h200": _hw(
@@ -232,7 +239,7 @@ _DEVICES: dict[str, Hardware] = {
         {"matmul_efficiency": f"{MAMF}: H100 SXM 794.5 of 989 TFLOPS bf16 (80.3%; 'H200 is the same')",
          "fp8_matmul_efficiency": f"{MAMF}: H200 SXM 1453.4 of 1979 TFLOPS FP8 (73.4%)",
          "attention_fwd_curve": "the H100's (same die and clocks): " + FA2_SOURCE,
-         "attention_bwd_curve": "the H100's (same die and clocks): " + FA2_SOURCE},
+         "attention_bwd_curve": "the H100's (same die and clocks): " + FA2_SOURCE, "comm_sms": COMM_SMS},
         peak_flops=989 * TERA, memory_bytes=141 * GB, hbm_bw=4800 * GB, intra_bw=450 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, fp8_matmul_efficiency=1453.4 / 1979, **_HOPPER),
     "b200": _hw(
@@ -242,10 +249,11 @@ _DEVICES: dict[str, Hardware] = {
         "NVIDIA DGX B200 data sheet: 8x 400 Gb/s ConnectX-7, one per GPU",
         {"matmul_efficiency": f"{MAMF}: B200 SXM 1745.0 of 2250 TFLOPS bf16 (77.6%)",
          "fp8_matmul_efficiency": f"{MAMF}: B200 SXM 3432.5 of 4500 TFLOPS FP8 (76.3%)",
-         "attention_fwd_curve": _OTHER_FA2, "attention_bwd_curve": _OTHER_FA2},
+         "attention_fwd_curve": _OTHER_FA2, "attention_bwd_curve": _OTHER_FA2, "comm_sms": COMM_SMS_ASSUMED},
         peak_flops=2250 * TERA, memory_bytes=180 * GB, hbm_bw=8000 * GB, intra_bw=900 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, sm_count=148, matmul_efficiency=1745.0 / 2250,
-        fp8_peak_flops=4500 * TERA, fp8_matmul_efficiency=3432.5 / 4500, hbm_efficiency=0.9, **H100_FA2),
+        fp8_peak_flops=4500 * TERA, fp8_matmul_efficiency=3432.5 / 4500, hbm_efficiency=0.9, comm_sms=20,
+        **H100_FA2),
     "mi300x": _hw(
         "mi300x", "AMD Instinct MI300X data sheet: 1,307.4 TFLOPS bf16 dense, FP8 2,614.9 dense, 192 GB HBM3 at "
         "5.3 TB/s, 7 Infinity Fabric links of 64 GB/s per direction to the 7 peers of an 8-GPU platform "
@@ -254,10 +262,13 @@ _DEVICES: dict[str, Hardware] = {
         {"matmul_efficiency": f"{MAMF}: MI300X 668.4 TFLOPS bf16 (ROCm 6.3, TunableOp), of 1,307.4",
          "fp8_matmul_efficiency": "assumption: the bf16 fraction (the table has no MI300X FP8 measurement)",
          "attention_fwd_curve": _OTHER_FA2, "attention_bwd_curve": _OTHER_FA2,
-         "matmul_tiles": "assumption: the tiles of NVIDIA's guide, sec. 2.3 (hipBLASLt's are of the same sizes)"},
+         "matmul_tiles": "assumption: the tiles of NVIDIA's guide, sec. 2.3 (hipBLASLt's are of the same sizes)",
+         "comm_sms": "assumption: 20 compute units, the SM count of the H800's (not measured on MI300X); "
+                     + COMM_SMS},
         peak_flops=1307.4 * TERA, memory_bytes=192 * GB, hbm_bw=5300 * GB, intra_bw=448 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, sm_count=304, matmul_efficiency=668.4 / 1307.4,
-        fp8_peak_flops=2614.9 * TERA, fp8_matmul_efficiency=668.4 / 1307.4, hbm_efficiency=0.9, **H100_FA2),
+        fp8_peak_flops=2614.9 * TERA, fp8_matmul_efficiency=668.4 / 1307.4, hbm_efficiency=0.9, comm_sms=20,
+        **H100_FA2),
 }
 # The host side of the same reference nodes (DRAM peak = channels x MT/s x 8 bytes per socket, x 2
 # sockets, shared by the node's 8 GPUs): (host_bw per GPU, host memory per node, source).

@@ -30,6 +30,17 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
   With fused kernels (`--kernels fused`, `train.compile`) each chain is fused: inputs read once,
   outputs written once.
 
+FP8 matmuls (RankShapes.fp8, torchao's tensorwise recipe, as the roofline of
+torchao/testing/training/roofline_utils.py counts its casts): each linear's input (M x K) and its
+gradient's output gradient (M x N) are scaled by their absolute max and cast to FP8 in both
+layouts the three matmuls read: an amax pass reading the bf16 tensor (none when fused with the
+kernel that makes it), then one kernel reading it and writing two FP8 copies: 6 bytes an element
+eager, 4 fused, the input's in forward, the output gradient's in backward. Each weight (K x N) is
+cast once per forward and backward: an amax read, a cast in forward and another in backward (2 +
+3 + 3 bytes an element); gathered in FP8 already (fp8 = "weights": cast on its shard before
+ZeRO-3's gather, parallel/data/fp8_gather.py) only its transposed copy for the backward is made
+(read 1 byte, write 1).
+
 Backward elementwise traffic is twice the forward's (each op's backward reads its output's
 gradient and what it saved, and writes its inputs' gradients), plus the zero-filled gradients of
 RoPE's and MLA's slices, and the routed experts' weight gradients: GroupedExperts unbinds each
@@ -96,13 +107,14 @@ class RankShapes:
     imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
     document_tokens: float = 0.0  # mean document length under a document mask (0: none)
     attention: AttentionKernel = "flash"  # "materialized": a pre-FlashAttention trainer's (materialized_attention)
+    fp8: str = "none"  # PlanOptions.fp8: "compute" casts every matmul's operands, "weights" has them gathered in FP8
 
 
 class _Elementwise:
     """Accumulates the forward (and extra backward) bytes of a part's elementwise kernels."""
 
     def __init__(self, s: RankShapes):
-        self.s, self.parts, self.extra_backward = s, {}, 0.0
+        self.s, self.parts, self.extra_backward, self.cast_forward = s, {}, 0.0, 0.0
 
     def add(self, what: str, nbytes: float) -> None:
         self.parts[what] = self.parts.get(what, 0.0) + nbytes
@@ -138,11 +150,26 @@ class _Elementwise:
         if a < w:
             self.add("weight casts", sum(mm.n * mm.k * mm.count for mm in matmuls) * (w + a))
 
+    def fp8_casts(self, matmuls: list[Matmul]) -> None:
+        """The FP8 scaling and casts of each matmul's operands (module docstring): forward bytes
+        under "fp8 casts", the backward's own (not twice the forward's) in extra_backward."""
+        if self.s.fp8 == "none":
+            return
+        activation = 4 if self.s.fused else 6  # amax pass fused with the producer, or its own read
+        weight_fwd, weight_bwd = (0, 2) if self.s.fp8 == "weights" else (2 + 3, 3)
+        inputs = sum(mm.m * mm.k * mm.count for mm in matmuls)
+        outputs = sum(mm.m * mm.n * mm.count for mm in matmuls)
+        weights = sum(mm.k * mm.n * mm.count for mm in matmuls)
+        self.cast_forward = activation * inputs + weight_fwd * weights
+        self.add("fp8 casts", self.cast_forward)
+        self.extra_backward += activation * outputs + weight_bwd * weights
+
     def ops(self, matmuls: list[Matmul], attention: tuple[float, float] = (0.0, 0.0)) -> Ops:
         self.weights(matmuls)
+        self.fp8_casts(matmuls)
         forward = sum(self.parts.values())
         return Ops(tuple(matmuls), attention[0], attention[1], self.s.kernel_seq if attention[0] else 0, forward,
-                   2 * forward + self.extra_backward, dict(self.parts))
+                   2 * (forward - self.cast_forward) + self.extra_backward, dict(self.parts))
 
 
 def _masked(m: ModelConfig, layer: int, s: RankShapes, causal_flops: float) -> tuple[float, float]:

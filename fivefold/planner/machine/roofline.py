@@ -25,7 +25,11 @@ Each op takes the longer of its compute and its memory traffic:
 - elementwise kernels: memory-bound, bytes / (HBM bandwidth x hbm_efficiency).
 
 Recompute as the FLOP model had it: full runs the forward again, selective the attention core's
-forward (Korthikanti et al. 2022). Under DeepSeek-V3's activation layout (PlanOptions.activations =
+forward (Korthikanti et al. 2022), or under PlanOptions.selective_ac = "per_op" torchtitan's op-level
+policy (torchtitan/distributed/activation_checkpoint.py, op SAC): of each block's matmuls, in
+forward order, the outputs of the first, third, ... are saved and the second, fourth, ... rerun
+(Llama's wk, wo and up), the attention kernel's output is saved, and every elementwise kernel
+(norms, RoPE, SiLU, FP8 casts) reruns. Under DeepSeek-V3's activation layout (PlanOptions.activations =
 "deepseek", planner/activations.py) without train.recompute, the backward first runs again, at
 their forward price, what that layout does not keep: each block's norms (the block's and MLA's
 latent norms: their elementwise bytes), the MLA up-projections (wq_b and wkv_b; wq without a query
@@ -186,6 +190,7 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
                       kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
                       weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
                       attention=work.options.attention_kernel, imbalance=expert_imbalance(cfg, work.options),
+                      fp8=work.options.fp8,
                       document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
 
 
@@ -251,11 +256,24 @@ def _deepseek_recompute(work: ChunkWork, hw: Hardware, memo: Memo) -> float:
     return sum(n * rebuilt_forward_seconds(price, hw) for price, n in block_prices(work, hw, memo)) / work.chunks
 
 
+def per_op_recompute_seconds(price: OpsPrice) -> float:
+    """What torchtitan's op-level selective recompute reruns of one block (module docstring): every
+    other matmul in forward order, from the second, and all the elementwise kernels."""
+    return sum(list(price.matmul_forward.values())[1::2]) + price.forward["elementwise"]
+
+
+def _selective_recompute(work: ChunkWork, price: OpsPrice, hw: Hardware, memo: Memo) -> float:
+    if work.options.selective_ac == "per_op":
+        return sum(n * per_op_recompute_seconds(p) for p, n in block_prices(work, hw, memo)) / work.chunks
+    return price.forward["attention"] / work.chunks
+
+
 def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
     """Forward and backward seconds of one micro-batch through one chunk, with the rows that explain them."""
     price, chunks, recompute_mode = rank_price(work, hw, memo), work.chunks, work.cfg.train.recompute
     forward = sum(price.forward.values()) / chunks
-    recompute = {"none": 0.0, "full": forward, "selective": price.forward["attention"] / chunks}[recompute_mode]
+    recompute = (forward if recompute_mode == "full" else _selective_recompute(work, price, hw, memo)
+                 if recompute_mode == "selective" else 0.0)
     if recompute_mode == "none" and work.options.activations == "deepseek" and layout_applies(work.cfg.model,
                                                                                              "deepseek"):
         recompute = _deepseek_recompute(work, hw, memo)
