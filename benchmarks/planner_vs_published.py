@@ -7,10 +7,11 @@ For each published run this builds the fivefold `Config` of its layout (`load_co
 a preset where one exists, GPT-3 shapes by `--model.*`), checks it with `validate()`, and calls
 `planner.estimate.estimate()` on the run's GPU (a catalog entry, with the fields the run's hardware
 differs in replaced) under the `PlanOptions` that match the source: its causal-FLOP convention and
-its overlap switches. PlanOptions fields the planner does not have yet are left out and listed, so
-the script runs on any version of the planner. A run whose recomputation the source does not state
-gets the least of none / selective / full that the planner finds fitting in memory (a feasibility
-choice, never a fit to the published figure).
+its overlap switches, with the bytes per parameter the source keeps (`Run.state_bytes`, the planner's
+`--bytes`: an fp32 gradient reduction sends 4 bytes a gradient). PlanOptions fields the planner does
+not have yet are left out and listed, so the script runs on any version of the planner. A run whose
+recomputation the source does not state gets the least of none / selective / full that the planner
+finds fitting in memory (a feasibility choice, never a fit to the published figure).
 
 Each row prints the published figure in the source's unit and convention, the planner's figure in
 the same unit (`predicted()`), and error = predicted / published - 1. Where the source states its
@@ -40,6 +41,7 @@ from fivefold.parallel.derive import derive  # noqa: E402
 from fivefold.planner.estimate import estimate  # noqa: E402
 from fivefold.planner.hardware import get_hardware  # noqa: E402
 from fivefold.planner.machine.datasheet import Hardware  # noqa: E402
+from fivefold.planner.memory import BytesPerParam  # noqa: E402
 from fivefold.planner.options import PlanOptions  # noqa: E402
 from fivefold.validate import validate  # noqa: E402
 
@@ -107,7 +109,7 @@ def evaluate(run: Run) -> dict[str, Any]:
         errors = validate(cfg, run.world)
         if errors:
             return {**row, "refused": f"validate(): {errors[0]}"}
-        est = estimate(cfg, run.world, hw, options=options)
+        est = estimate(cfg, run.world, hw, BytesPerParam(*run.state_bytes), options=options)
         if est.fits or recompute == tries[-1]:
             break
     d = derive(cfg, run.world)

@@ -42,6 +42,15 @@ class Run:
     assumed: str = ""  # what the source does not state and this row chose
     differs: str = ""  # how fivefold's run differs from the published one
     recompute_fit: bool = False  # recomputation not stated: the least the planner finds fitting is used
+    # bytes per parameter of weight, gradient and optimizer state as the source keeps them (the planner's
+    # --bytes): the gradient's is also what its data-parallel reduction sends (FP32_GRADS: reduced in fp32)
+    state_bytes: tuple[float, float, float] = (2.0, 2.0, 12.0)
+
+
+# bf16 weights, gradients accumulated and reduced in fp32, fp32 master + Adam: Megatron-LM with bf16
+# (arguments.py turns accumulate_allreduce_grads_in_fp32 on), FSDP2's default reduce_dtype (torchtitan),
+# Composer's mixed precision DEFAULT (llm-foundry)
+FP32_GRADS = (2.0, 4.0, 12.0)
 
 
 def gpt(h: int, layers: int, heads: int, vocab: int, seq: int, tied: bool) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ What a run is (`Run`), its layout helpers and the sources' FLOP formulas: publis
 from __future__ import annotations
 
 from benchmarks.published_common import (
+    FP32_GRADS,
     Run,
     gpt,
     layout,
@@ -33,6 +34,9 @@ MEGATRON_2024 = "NVIDIA/Megatron-LM README @f2e5db402c (2024-07-15), images/mode
 MEGATRON_2024_OVERLAP = ("--overlap-grad-reduce --overlap-param-gather (distributed optimizer: ZeRO-1) "
                          "--tp-comm-overlap; pipeline p2p overlapped by default")
 TITAN_H100 = {"memory_bytes": 96e9, "hbm_bw": 2.4e12}  # Grand Teton H100: 96 GB HBM2e, 2.4 TB/s, 500 W (perf. docs)
+# torchtitan's selective AC is its per-op policy (activation_checkpoint.py, "op"): every other matmul of a block
+# and all its elementwise kernels rerun in backward, the attention kernel's output saved
+TITAN_SAC = {"selective_ac": "per_op"}
 TITAN_DIFF = "H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W (peak unknown, 989 kept, as torchtitan's footnote does)"
 # Megatron-LM 2021 (and Korthikanti et al. 2022) fused its elementwise kernels (apex's LayerNorm, bias + GeLU,
 # scale-mask-softmax) and, before FlashAttention, wrote the whole score matrix out: Q K^T, softmax, P V.
@@ -42,7 +46,8 @@ M21_DIFF = ("biases, hidden dropout, LayerNorm and GeLU (the source's) priced as
             "measurement, what 2021's cuBLAS reached at these shapes is not in the sources read")
 # Megatron-Core 2024: Transformer Engine's fused kernels (norms, bias + activation, rotary) and fused attention
 # (its kernels keep for backward what Korthikanti et al. 2022 count: activations = "megatron")
-M24 = {"causal_flops": "full", "tp_overlap": True, "kernels": "fused", "activations": "megatron"}
+M24 = {"causal_flops": "full", "tp_overlap": True, "kernels": "fused", "activations": "megatron",
+       "param_gather_overlap": True}
 # NVLink 400 GB/s bidirectional (philisun.com H800 vs H100 comparison): 200 per direction; nvidia-smi reports an
 # H800's memory as 81559 MiB (as it does the H100 80GB HBM3's; the catalog keeps the data sheet's 80 GB)
 H800 = {"intra_bw": 200e9, "memory_bytes": 81559 * 2**20}
@@ -66,7 +71,7 @@ def _mpt(name: str, row: str, shape: tuple[int, int, int], gpus: int, batch: int
                {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"},
                mpt_flops(params, layers, d, 2048), params_b=params / 1e9,
                assumed=f"{FOUNDRY_ASSUMED}; the table: {table}",
-               differs="; ".join(x for x in (FOUNDRY_DIFF, differs) if x))
+               differs="; ".join(x for x in (FOUNDRY_DIFF, differs) if x), state_bytes=FP32_GRADS)
 
 
 
@@ -77,9 +82,10 @@ def _titan_h200(nodes: int, published: float) -> Run:
                ("--model.preset=llama3.1-8b", "--train.seq_len=8192",
                 *layout(gpus, batch=2 * gpus, micro=2, zero=3, recompute="selective")),
                "tokens_per_s_per_gpu", published, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
-               {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
+               {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused", **TITAN_SAC},
+               params_b=8.03,
                differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
-                       "(the weight re-cast in the backward) not modelled; not explained: +17%")
+                       "(the weight re-cast in the backward) not modelled; not explained: +17%", state_bytes=FP32_GRADS)
 
 
 MBRIDGE_2511 = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @5776a6d (25.11 NeMo container, DGX-H100 "
@@ -89,8 +95,8 @@ MBRIDGE_CONVENTION = "model FLOPs, causal halved (flop_utils.py num_floating_poi
 MBRIDGE_OVERLAP = ("distributed optimizer with overlap_grad_reduce and overlap_param_gather (recipe); "
                    "tp_comm_overlap userbuffers where tp > 1; TE fused kernels")
 # Megatron-Bridge's tensor-parallel FP8 rows: TE's fused kernels and Megatron's activations, tp overlapped
-MBRIDGE_TP_OPTIONS = {"causal_flops": "half", "fp8": "compute", "tp_overlap": True, "kernels": "fused",
-                      "activations": "megatron"}
+MBRIDGE_TP_OPTIONS = {"causal_flops": "half", "fp8": "weights", "tp_overlap": True, "kernels": "fused",
+                      "activations": "megatron", "param_gather_overlap": True}
 MBRIDGE_FP8 = ("FP8-CS: TE per-tensor current scaling (bf16_with_fp8_current_scaling_mixed, first/last layers bf16 "
                "off in the perf scripts) with fp8_param_gather")
 MOE_ZOO = "yanring/Megatron-MoE-ModelZoo @e865051, best_practice/qwen3/readme.md, H100 table (256 H100, IB 8x50 GB/s)"
@@ -169,18 +175,19 @@ RUNS: list[Run] = [
         "tflops_model", 465.9, "model FLOPs, causal in full (training.py num_floating_point_operations)",
         MEGATRON_2024_OVERLAP, M24,
         megatron_model_flops(4096, 30, 4096, 131072), params_b=7.1,
-        assumed="micro-batch 1; precision bf16; sequence parallel on (both not in the README)", recompute_fit=True),
+        assumed="micro-batch 1; precision bf16; sequence parallel on (both not in the README)", recompute_fit=True,
+        state_bytes=FP32_GRADS),
     Run("megatron24-177B-2304xH100", MEGATRON_2024, "h100", 2304,
         (*gpt(12288, 96, 96, 131072, 4096, False), *layout(48, 8, 6, 1152, 1, zero=1, sp=True)),
         "tflops_model", 432.8, "model FLOPs, causal in full", MEGATRON_2024_OVERLAP,
         M24, megatron_model_flops(12288, 96, 4096, 131072), params_b=177.0,
         assumed="micro-batch 1, plain 1F1B (Megatron's default without virtual stages), bf16, sp on",
-        recompute_fit=True),
+        recompute_fit=True, state_bytes=FP32_GRADS),
     Run("megatron24-462B-6144xH100", MEGATRON_2024, "h100", 6144,
         (*gpt(18432, 112, 144, 131072, 4096, False), *layout(48, 8, 16, 3072, 1, zero=1, sp=True)),
         "tflops_model", 459.9, "model FLOPs, causal in full", MEGATRON_2024_OVERLAP,
         M24, megatron_model_flops(18432, 112, 4096, 131072), params_b=462.0,
-        assumed="micro-batch 1, plain 1F1B, bf16, sp on", recompute_fit=True),
+        assumed="micro-batch 1, plain 1F1B, bf16, sp on", recompute_fit=True, state_bytes=FP32_GRADS),
     # --- Llama 3 (Dubey et al. 2024), 405B on H100 80GB (700 W), seq 8192, 16M tokens per batch (2048 sequences),
     # BF16; TFLOP/s per GPU as shown on the SC'24 slide (P. Balaji, "Herding Llamas") transcribed at
     # glennklockwood.com/garden/llama-3.1 (the paper's Table 4; 430/989 = 43%, 400/989 = 40%, inside the paper's
@@ -191,14 +198,14 @@ RUNS: list[Run] = [
         "tflops_model", 430.0, "not stated (MFU of 989 TFLOP/s); compared as causal in full",
         "not stated in the sources read here", LLAMA3, params_b=405.85,
         assumed=LLAMA3_ASSUMED,
-        differs=LLAMA3_DIFF, recompute_fit=True),
+        differs=LLAMA3_DIFF, recompute_fit=True, state_bytes=FP32_GRADS),
     Run("llama3-405B-16384xH100", "Dubey et al. 2024, Table 4 (SC'24 slide via glennklockwood.com)", "h100", 16384,
         ("--model.preset=llama3-405b", "--train.seq_len=8192",
          *layout(128, 8, 16, 2048, 1, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=7)),
         "tflops_model", 400.0, "not stated (MFU of 989 TFLOP/s); compared as causal in full",
         "not stated in the sources read here", LLAMA3, params_b=405.85,
         assumed=LLAMA3_ASSUMED,
-        differs=LLAMA3_DIFF, recompute_fit=True),
+        differs=LLAMA3_DIFF, recompute_fit=True, state_bytes=FP32_GRADS),
     # --- DeepSeek-V3 (arXiv 2412.19437): 2048 H800; "180K H800 GPU hours" per trillion pre-training tokens
     # (introduction, INTRO text of deepseek-ai/DeepSeek-V3; 2664K for 14.8T = 180.0K/T); PP16 with DualPipe,
     # EP64 over 8 nodes, ZeRO-1 DP, no TP (sec. 3.2, as quoted in DeepOpt-com/WrinkleFree-Monorepo issue #6;
@@ -225,32 +232,34 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 5762.0, "tokens (MFU 33-39% stated, of 989: 6(N - emb) + 12 l h q t)",
-        "FSDP2 all-gathers prefetched; no compile", {"causal_flops": "full", "zero3_prefetch": True},
+        "FSDP2 all-gathers prefetched; no compile", {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC},
         _L8B, hardware=TITAN_H100, params_b=8.03,
-        differs="selective AC: torchtitan's per-op policy, fivefold's attention core (Korthikanti); " + TITAN_DIFF),
+        differs="selective AC: torchtitan's per-op policy, fivefold's attention core (Korthikanti); " + TITAN_DIFF,
+        state_bytes=FP32_GRADS),
     Run("torchtitan-8B-128xH100", "torchtitan docs/performance.md @eaea6f6, Table 3 (FSDP row)", "h100", 128,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(128, batch=256, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 5605.0, "tokens", "FSDP2 all-gathers prefetched; no compile",
-        {"causal_flops": "full", "zero3_prefetch": True}, _L8B, hardware=TITAN_H100, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF),
+        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC}, _L8B, hardware=TITAN_H100, params_b=8.03,
+        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF, state_bytes=FP32_GRADS),
     # June 2025 (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @820504e): 70B on 256 H100, FSDP 32 x TP 8,
     # torch.compile, full AC, local batch 16 (512 sequences), bf16: vanilla TP 597.3, async TP 652.4 tokens/s/GPU.
     Run("torchtitan-70B-256xH100-tp", "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md", "h100", 256,
         ("--model.preset=llama3-70b", "--train.seq_len=8192",
-         *layout(32, 8, 1, 512, 1, zero=3, sp=True, recompute="full")),
+         *layout(32, 8, 1, 512, 16, zero=3, sp=True, recompute="full")),
         "tokens_per_s_per_gpu", 597.3, "tokens", "TP collectives block (vanilla TP); FSDP2 prefetch",
         {"causal_flops": "full", "tp_overlap": False, "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100,
         params_b=70.55,
-        assumed="micro-batch 1 (torchtitan runs its local batch of 16 as one; fivefold's planner prices either)",
-        differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF),
+        assumed="micro-batch 16: torchtitan runs its local batch as one, without gradient accumulation",
+        differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF, state_bytes=FP32_GRADS),
     Run("torchtitan-70B-256xH100-asynctp", "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md", "h100",
         256, ("--model.preset=llama3-70b", "--train.seq_len=8192",
-              *layout(32, 8, 1, 512, 1, zero=3, sp=True, recompute="full")),
+              *layout(32, 8, 1, 512, 16, zero=3, sp=True, recompute="full")),
         "tokens_per_s_per_gpu", 652.4, "tokens", "async TP: tp collectives overlapped with the matmuls; FSDP2 prefetch",
         {"causal_flops": "full", "tp_overlap": True, "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100,
         params_b=70.55,
-        assumed="micro-batch 1", differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF),
+        assumed="micro-batch 16 (the local batch, as above)",
+        differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF, state_bytes=FP32_GRADS),
     # April-Dec 2024 (docs/performance.md @4d88a8a, 2024-12-03): Llama 3 on 64 A100 80GB, FSDP, local batch 1,
     # 8B selective op AC 2973 WPS 58.2% MFU; 70B full AC 331 WPS 51.7% MFU. That MFU is 6N + 12 l h q t with N
     # counting the embedding (2973 x (6 x 8.03e9 + 12 x 32 x 32 x 128 x 8192) / 312e12 = 58.2%).
@@ -258,13 +267,15 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(64, batch=64, micro=1, zero=3,
                                                                      recompute="selective")),
         "mfu", 0.582, "MFU: 6N (embedding included) + 12 l h q t, causal in full", "FSDP2 prefetch",
-        {"causal_flops": "full", "zero3_prefetch": True}, 6 * 8.03e9 + 12 * 32 * 32 * 128 * 8192, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; MFU counts the embedding as 6N"),
+        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC},
+        6 * 8.03e9 + 12 * 32 * 32 * 128 * 8192, params_b=8.03,
+        differs="selective AC: per-op policy vs fivefold's attention core; MFU counts the embedding as 6N",
+        state_bytes=FP32_GRADS),
     Run("torchtitan-70B-64xA100", "torchtitan docs/performance.md @4d88a8a, Llama 3 table", "a100-80gb", 64,
         ("--model.preset=llama3-70b", "--train.seq_len=8192", *layout(64, batch=64, micro=1, zero=3,
                                                                       recompute="full")),
         "tokens_per_s_per_gpu", 331.0, "tokens (MFU 51.7% stated)", "FSDP2 prefetch",
-        {"causal_flops": "full", "zero3_prefetch": True}, params_b=70.55),
+        {"causal_flops": "full", "zero3_prefetch": True}, params_b=70.55, state_bytes=FP32_GRADS),
     # --- llm-foundry MPT benchmarks (mosaicml/llm-foundry, scripts/train/benchmarking/README.md): amp_bf16, FSDP
     # (FULL_SHARD), MP mode DEFAULT, vocab 50368, tied embedding (MPT's wte), shapes from scripts/train/yamls/
     # pretrain/mpt-*.yaml (1b: d 2048, 16 heads, 24 layers; 7b: 4096/32/32; 13b: 5120/40/40; 30b: 7168/56/48;
@@ -295,7 +306,7 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=128, micro=1, zero=3, recompute="none")),
         "tokens_per_s_per_gpu", 14451.0, MBRIDGE_CONVENTION + " (744 TFLOP/s stated)",
         "Megatron-FSDP (the table's FSDP: 1 @5776a6d, 8 in the archive @067f987); TE fused kernels",
-        {"causal_flops": "half", "fp8": "compute", "zero3_prefetch": True, "kernels": "fused",
+        {"causal_flops": "half", "fp8": "weights", "zero3_prefetch": True, "kernels": "fused",
          "activations": "megatron"},
         megatron_core_flops(4096, 32, 8192, 128256, 1, 32, groups=8, head_dim=128, ffn=14336), params_b=8.03,
         assumed="recompute none (the recipe recomputes 5 of the 32 blocks in full; fivefold has no per-block count)",
@@ -326,7 +337,8 @@ RUNS: list[Run] = [
                  recompute="none")),
         "tokens_per_s_per_gpu", 5275.0, MBRIDGE_CONVENTION + " (121 TFLOP/s stated)",
         "distributed optimizer, overlapped grad reduce / param gather; moe_a2a_overlap (1F1B A2A overlap, recipe)",
-        {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0},
+        {"causal_flops": "half", "fp8": "weights", "kernels": "fused", "expert_imbalance": 1.0,
+         "param_gather_overlap": True},
         megatron_core_flops(2048, 48, 4096, 151936, 1, 32, groups=4, head_dim=128, moe_ffn=768, top_k=8),
         params_b=30.5, assumed="recompute none (the recipe sets none)",
         differs=MBRIDGE_FP8 + "; the expert all-to-alls are not hidden (fivefold's ep_overlap needs dualpipe_v); "
@@ -345,7 +357,8 @@ RUNS: list[Run] = [
                  recompute="selective", reduce_dtype="bf16")),
         "tokens_per_s_per_gpu", 1297.0, MBRIDGE_CONVENTION + ", MLA and the MTP layer counted (338 TFLOP/s stated)",
         "distributed optimizer, overlapped grad reduce / param gather (recipe defaults); TE fused kernels",
-        {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0},
+        {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0,
+         "param_gather_overlap": True},
         megatron_core_flops(7168, 61, 4096, 129280, 2, 128, ffn=18432, moe_ffn=2048, top_k=8, shared_ffn=2048,
                             dense_layers=3, mtp=1, mla=(1536, 512, 128, 64, 128)), params_b=671.0,
         assumed="FP8 (the table has no precision column; its note gives the parenthesised 330 as FP8 with "
@@ -384,33 +397,40 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 8307.5, "tokens", "FSDP2 prefetch; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused"}, params_b=8.03, differs=TORCHAO_DIFF),
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused", **TITAN_SAC},
+        params_b=8.03, differs=TORCHAO_DIFF,
+        state_bytes=FP32_GRADS),
     Run("torchao-8B-8xB200-mxfp8", TORCHAO_B200 + ", mxfp8_cublas", "b200", 8,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 9969.0, "tokens", "FSDP2 prefetch (bf16 gathers); torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused"}, params_b=8.03,
-        differs="MXFP8 (1x32 blocks, cuBLAS) priced as fivefold's FP8 matmuls; " + TORCHAO_DIFF),
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused", **TITAN_SAC},
+        params_b=8.03,
+        differs="MXFP8 (1x32 blocks, cuBLAS) priced as fivefold's FP8 matmuls; " + TORCHAO_DIFF,
+        state_bytes=FP32_GRADS),
     Run("torchao-8B-8xB200-float8", TORCHAO_B200 + ", float8 tensorwise (f8 all-gather)", "b200", 8,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 10417.0, "tokens", "FSDP2 prefetch, float8 all-gather; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused"}, params_b=8.03,
-        differs=TORCHAO_DIFF),
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused", **TITAN_SAC},
+        params_b=8.03,
+        differs=TORCHAO_DIFF, state_bytes=FP32_GRADS),
     # --- torchtitan docs/performance.md @eaea6f6, Table 1 (as torchtitan-8B-8xH100 above): the torch.compile and
     # torch.compile + Float8 rows.
     Run("torchtitan-8B-8xH100-compile", "torchtitan docs/performance.md @eaea6f6, Table 1 (FSDP + torch.compile)",
         "h100", 8, ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
                                                                                 recompute="selective")),
         "tokens_per_s_per_gpu", 6667.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF),
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused", **TITAN_SAC},
+        hardware=TITAN_H100, params_b=8.03,
+        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF, state_bytes=FP32_GRADS),
     Run("torchtitan-8B-8xH100-compile-fp8", "torchtitan docs/performance.md @eaea6f6, Table 1 "
         "(FSDP + torch.compile + Float8)", "h100", 8,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 8532.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused"}, hardware=TITAN_H100,
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused", **TITAN_SAC},
+        hardware=TITAN_H100,
         params_b=8.03, assumed="Float8 recipe and FSDP float8 all-gather not stated: tensorwise matmuls, bf16 gathers",
-        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF),
+        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF, state_bytes=FP32_GRADS),
 ]
