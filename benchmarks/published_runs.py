@@ -42,8 +42,11 @@ TITAN_DIFF = "H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W (peak unknown, 989 ke
 # scale-mask-softmax) and, before FlashAttention, wrote the whole score matrix out: Q K^T, softmax, P V.
 M21 = {"causal_flops": "full", "tp_overlap": False, "kernels": "fused", "attention_kernel": "materialized"}
 M21_DIFF = ("biases, hidden dropout, LayerNorm and GeLU (the source's) priced as fivefold's RMSNorm and SwiGLU; "
-            "not explained: the planner is 8-20% fast here; the catalog's A100 matmul fraction (86.9%) is a 2024 "
-            "measurement, what 2021's cuBLAS reached at these shapes is not in the sources read")
+            "p2p_communication.py's batch_isend_irecv is waited for and followed by a torch.cuda.synchronize() on "
+            "every exchange (stages in lock-step; priced as messages the next stage waits for, about 1-4% of these "
+            "steps by their sizes); not explained: the planner is 8-20% fast here; the catalog's A100 matmul "
+            "fraction (86.9%) is a 2024 measurement, what 2021's cuBLAS reached at these shapes is not in the "
+            "sources read")
 # Megatron-Core 2024: Transformer Engine's fused kernels (norms, bias + activation, rotary) and fused attention
 # (its kernels keep for backward what Korthikanti et al. 2022 count: activations = "megatron")
 M24 = {"causal_flops": "full", "tp_overlap": True, "kernels": "fused", "activations": "megatron",
@@ -56,7 +59,10 @@ FOUNDRY_CONVENTION = "MFU: 6 N + 12 l d s (N with embeddings), causal in full, o
 FOUNDRY_OVERLAP = ("Composer FSDP1: limit_all_gathers (the yamls); forward/backward prefetch not set by the sweep "
                    "(Composer's defaults)")
 FOUNDRY_DIFF = ("MPT: GeLU MLP of 4d (SwiGLU 8d/3 here, module docstring), LayerNorm with biases and biases on every "
-                "linear, a learned position embedding of seq x d (in NumParams); flash attention, no compile")
+                "linear, a learned position embedding of seq x d (in NumParams); no compile, each LayerNorm "
+                "(low_precision_layernorm) and GeLU one kernel, priced as fivefold's eager RMSNorm and SwiGLU; "
+                "attn_impl triton (llm-foundry v0.3.0's Triton flash attention, not FlashAttention-2; "
+                "submit_benchmarks.py) priced at FlashAttention-2's rate")
 FOUNDRY_ASSUMED = "MP mode DEFAULT read as Composer's: bf16 compute and gathers, fp32 gradient reduction"
 def _mpt(name: str, row: str, shape: tuple[int, int, int], gpus: int, batch: int, micro: int, recompute: str,
          mfu: float, params: int, table: str, differs: str = "", gpu: str = "h100") -> Run:
@@ -85,7 +91,8 @@ def _titan_h200(nodes: int, published: float) -> Run:
                {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused", **TITAN_SAC},
                params_b=8.03,
                differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
-                       "(the weight re-cast in the backward) not modelled; not explained: +17%", state_bytes=FP32_GRADS)
+                       "(the weight re-cast in the backward) does nothing in that torchao; not explained: the planner "
+                       "is fast here by about a quarter", state_bytes=FP32_GRADS)
 
 
 MBRIDGE_2511 = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @5776a6d (25.11 NeMo container, DGX-H100 "
@@ -103,8 +110,9 @@ MOE_ZOO = "yanring/Megatron-MoE-ModelZoo @e865051, best_practice/qwen3/readme.md
 TITAN_H200 = "pytorch/torchtitan @b5bcd76, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 TORCHAO_B200 = ("pytorch/ao @36027d8 docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200' (the "
                 "same table in torchtitan @b5bcd76 torchtitan/components/quantization/mxfp8.md)")
-TORCHAO_DIFF = ("'8x power limited B200' (limit not stated): priced at the data sheet's clocks; selective AC: per-op "
-                "policy vs fivefold's attention core")
+TORCHAO_DIFF = ("'8x power limited B200': 750 W of the rated 1000 W (the table's first wording, pytorch/ao PR #2777 "
+                "@d8bb51f6, 'limited to 750W'), priced at the data sheet's clocks, which no source gives at 750 W; "
+                "the bf16 row is 21% MFU")
 
 LLAMA3 = {"causal_flops": "full", "kernels": "fused", "activations": "megatron"}
 LLAMA3_ASSUMED = ("micro-batch 1; sequence parallel on; interleaved 1F1B with 7 virtual stages: sec. 3.3.2 takes "
@@ -113,8 +121,10 @@ LLAMA3_ASSUMED = ("micro-batch 1; sequence parallel on; interleaved 1F1B with 7 
                   "(a block in every chunk) cannot lay out: 7 is the nearest; fused kernels keeping Megatron-LM's "
                   "activations (not described; a 2024 trainer at 38-43% MFU fuses its norms and activations)")
 LLAMA3_DIFF = ("sec. 3.3.2 trains 8K sequences without activation checkpointing; here only full recompute fits 80 GB "
-               "(97 and 82 GB without, the unsharded ZeRO-1 gradients 6 GB of it): priced with full recompute; "
-               "DP: ZeRO-1 for the paper's FSDP (which shards gradients too, reduced in fp32)")
+               "(104 and 88 GB without: V = 7 puts two blocks in 14 of the 112 chunks, 157 blocks in flight where "
+               "one block a chunk holds about 126; the unsharded ZeRO-1 gradients 13 GB): priced with full "
+               "recompute; without it the planner is about 20% fast; DP: ZeRO-1 for the paper's FSDP (which shards "
+               "gradients too, reduced in fp32)")
 
 RUNS: list[Run] = [
     # --- Megatron-LM, Narayanan et al. 2021: GPT on A100 80GB (Selene: 8 GPUs/node, 8x HDR IB per node), fp16,
@@ -176,6 +186,7 @@ RUNS: list[Run] = [
         MEGATRON_2024_OVERLAP, M24,
         megatron_model_flops(4096, 30, 4096, 131072), params_b=7.1,
         assumed="micro-batch 1; precision bf16; sequence parallel on (both not in the README)", recompute_fit=True,
+        differs="not explained: the planner is fast here, where the 177B and 462B rows of the same table are close",
         state_bytes=FP32_GRADS),
     Run("megatron24-177B-2304xH100", MEGATRON_2024, "h100", 2304,
         (*gpt(12288, 96, 96, 131072, 4096, False), *layout(48, 8, 6, 1152, 1, zero=1, sp=True)),
@@ -287,11 +298,12 @@ RUNS: list[Run] = [
     _mpt("mpt-7b-8xH100", "H100 80GB BF16: 7b", (4096, 32, 32), 8, 48, 6, "none", 0.4644, 6658859008,
          "10643 T/s/GPU, grad accum 1, no AC"),
     _mpt("mpt-13b-8xH100", "H100 80GB BF16: 13b", (5120, 40, 40), 8, 16, 2, "none", 0.3979, 12853954560,
-         "4792 T/s/GPU, grad accum 1, no AC", differs="not explained: +30% where the same table's 7b is +6% (a "
+         "4792 T/s/GPU, grad accum 1, no AC",
+         differs="not explained: the planner is fast here where the same table's 7b is close (a "
          "candidate: at micro-batch 2 FSDP1's gathers have less compute to hide under than the planner's prefetch "
          "assumes)"),
     _mpt("mpt-30b-8xH100", "H100 80GB BF16: 30b", (7168, 48, 56), 8, 504, 3, "full", 0.3811, 29975214080,
-         "2002 T/s/GPU, grad accum 21, AC on (each block: full here)", differs="not explained: +15%"),
+         "2002 T/s/GPU, grad accum 21, AC on (each block: full here)"),
     _mpt("mpt-70b-512xH100", "H100 80GB BF16 (Large Scale): 70b", (8192, 80, 64), 512, 4096, 8, "full", 0.4125,
          64862437376, "1007 T/s/GPU, grad accum 1, AC on (full here); 8 GPUs a node with one 400 Gb/s NIC each "
          "(not stated)"),
@@ -328,24 +340,26 @@ RUNS: list[Run] = [
         MBRIDGE_OVERLAP + "; cp ring p2p overlapped with attention (TE)",
         MBRIDGE_TP_OPTIONS,
         megatron_core_flops(16384, 126, 8192, 128256, 8, 128, groups=8, head_dim=128, ffn=53248), params_b=405.85,
-        differs=MBRIDGE_FP8 + "; 126 blocks over 64 chunks: fivefold balances them by cost; not explained: +23%"),
+        differs=MBRIDGE_FP8 + "; 126 blocks over 64 chunks: fivefold balances them by cost"),
     # Megatron-Bridge 25.11 DGX-H100, Qwen3-30B-A3B: FP8-CS, 16 GPUs, GBS 512, MBS 2, seq 4096, TP1 PP2 CP1 VP24 EP8,
     # GA 32: 5275 tokens/s/GPU, 121 TFLOP/s; force-balanced, dropless (the table's note).
     Run("mbridge-qwen3-30B-A3B-16xH100-fp8", f"{MBRIDGE_2511}, Qwen3_30B_a3B; {MBRIDGE_RECIPE}", "h100", 16,
         ("--model.preset=qwen3-30b-a3b", "--train.seq_len=4096",
          *layout(8, 1, 2, 512, 2, ep=8, zero=1, pp_schedule="interleaved_1f1b", virtual_stages=24,
-                 recompute="none")),
+                 recompute="none", reduce_dtype="bf16")),
         "tokens_per_s_per_gpu", 5275.0, MBRIDGE_CONVENTION + " (121 TFLOP/s stated)",
-        "distributed optimizer, overlapped grad reduce / param gather; moe_a2a_overlap (1F1B A2A overlap, recipe)",
+        "distributed optimizer, overlapped grad reduce / param gather; moe_a2a_overlap (overlap_moe_expert_parallel_"
+        "comm: each micro-batch's all-to-alls under another's compute, as DualPipe pairs them); alltoall dispatcher "
+        "(no DeepEP on H100), no CUDA graphs under FP8 (qwen3_workload_base_configs.py, overrides.py @5776a6d)",
         {"causal_flops": "half", "fp8": "weights", "kernels": "fused", "expert_imbalance": 1.0,
-         "param_gather_overlap": True},
+         "param_gather_overlap": True, "ep_overlap": True},
         megatron_core_flops(2048, 48, 4096, 151936, 1, 32, groups=4, head_dim=128, moe_ffn=768, top_k=8),
         params_b=30.5, assumed="recompute none (the recipe sets none)",
-        differs=MBRIDGE_FP8 + "; the expert all-to-alls are not hidden (fivefold's ep_overlap needs dualpipe_v); "
-                              "the recipe at v0.2.0 has VP 12, the table's VP 24 and MBS 2 are followed; not "
-                              "explained: the published 121 TFLOP/s is a sixth of the table's dense FP8 rows "
-                              "(719-744); the planner prices no token permutation, router kernels or per-expert "
-                              "launches"),
+        differs=MBRIDGE_FP8 + "; the config at 5776a6d has VP 12 and MBS 1, the table's VP 24 and MBS 2 (the 25.09 "
+                              "yaml's) are followed; not explained: 121 TFLOP/s is a sixth of the table's dense FP8 "
+                              "rows (719-744), and 25.09's token-drop run of the same layout (capacity 1, padded: "
+                              "static shapes) made 10494 tokens/s/GPU; the dropless run's per-layer routing counts, "
+                              "token permutation, router kernels and per-expert launches are not priced"),
     # Megatron-Bridge 25.09 NeMo container, DGX-H100 table (docs/performance-summary.md @fa0315a, 2025-10-10):
     # DeepSeekV3 (dropless), 1024 GPUs, GBS 8192, MBS 1, seq 4096, TP2 PP8 CP1 VP4 EP64 GA128: 1297 tokens/s/GPU,
     # 338 (330) TFLOP/s; perf yaml (scripts/performance/configs/deepseek/deepseek_v3_llm_pretrain.yaml @fa0315a):
@@ -354,21 +368,23 @@ RUNS: list[Run] = [
         "DGX-H100 table, DeepSeekV3 (dropless)", "h100", 1024,
         ("--model.preset=deepseek-v3", "--train.seq_len=4096",
          *layout(64, 2, 8, 8192, 1, ep=64, zero=1, sp=True, pp_schedule="interleaved_1f1b", virtual_stages=4,
-                 recompute="selective", reduce_dtype="bf16")),
+                 recompute="selective", reduce_dtype="bf16", overlap_comm=False)),
         "tokens_per_s_per_gpu", 1297.0, MBRIDGE_CONVENTION + ", MLA and the MTP layer counted (338 TFLOP/s stated)",
-        "distributed optimizer, overlapped grad reduce / param gather (recipe defaults); TE fused kernels",
+        "run_script.py @fa0315a on H100: DeepEP (flex dispatcher), overlap_moe_expert_parallel_comm (1F1B all-to-all "
+        "overlap) with delay_wgrad_compute, overlap_grad_reduce off; distributed optimizer's param gather "
+        "overlapped; TE fused kernels",
         {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0,
-         "param_gather_overlap": True},
+         "param_gather_overlap": True, "ep_overlap": True, "ep_dispatch": "node_limited"},
         megatron_core_flops(7168, 61, 4096, 129280, 2, 128, ffn=18432, moe_ffn=2048, top_k=8, shared_ffn=2048,
                             dense_layers=3, mtp=1, mla=(1536, 512, 128, 64, 128)), params_b=671.0,
         assumed="FP8 (the table has no precision column; its note gives the parenthesised 330 as FP8 with "
                 "DeepSeek-V3's 128x128 / 1x128 blocks, read here as the other FP8 granularity, per tensor); "
                 "tp_comm_overlap off (not in the yaml)",
-        differs="no MTP module in fivefold's model (+1 block and head: the source's FLOPs count it); Megatron's "
-                "selective recompute default (core attention) as fivefold's selective; 61 blocks over 32 chunks "
-                "balanced by cost, not the yaml's layout; the planner is slow here: it leaves 22 s of expert "
-                "all-to-alls exposed (fivefold's ep_overlap needs dualpipe_v; Megatron's overlap of 1F1B's "
-                "all-to-alls is not modelled) and finds selective recompute over memory with fivefold's activations"),
+        differs="no MTP module in fivefold's model (+1 block and head: the source's FLOPs count it); the source's "
+                "selective recompute of mla_up_proj and mlp as fivefold's selective (the attention core); 61 "
+                "blocks over 32 chunks balanced by cost, not the yaml's layout; DeepEP's dispatch as node-limited "
+                "(ep_dispatch), Megatron's 1F1B all-to-all overlap as DualPipe's pairing (ep_overlap, which "
+                "fivefold runs under dualpipe_v only); over memory with fivefold's activations"),
     # --- Megatron-Core MoE team's model zoo (the Megatron Core MoE report's companion repository), H100 table:
     # Qwen3-235B-A22B, DeepEP, BF16, 256 GPUs, seq 4096, the intra-node EP row: TP2 CP1 EP8 PP1 EDP32 ETP1 VPP1
     # DP128, FSDP on, MBS 4, GBS 2048, GA 4, full recompute: step 17.6 s, 276 TFLOP/s per GPU (main @1e057005).
