@@ -305,7 +305,7 @@ def own_part(tr: AxisTraffic) -> AxisTraffic:
 
 
 def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:
-    rings = f" ({tr.ranks_per_node} rings at once, one a rank of the node)" if tr.ranks_per_node > 1 else ""
+    rings = f" ({tr.ranks_per_node} rings at once, each through another rank's NIC)" if tr.ranks_per_node > 1 else ""
     where = f"across nodes{rings}" if tr.inter_node else "inside a node"
     steps = " + ".join(f"{k} {op} steps x {link(hw, tr.inter_node, op)[1] * 1e6:.0f} us"
                        for op, k in tr.op_steps.items())
