@@ -33,11 +33,15 @@ MEGATRON_2021_OVERLAP = ("tp all-reduces block; DDP-impl local: gradients all-re
 MEGATRON_2024 = "NVIDIA/Megatron-LM README @f2e5db402c (2024-07-15), images/model_table.png (H100 weak scaling)"
 MEGATRON_2024_OVERLAP = ("--overlap-grad-reduce --overlap-param-gather (distributed optimizer: ZeRO-1) "
                          "--tp-comm-overlap; pipeline p2p overlapped by default")
-TITAN_H100 = {"memory_bytes": 96e9, "hbm_bw": 2.4e12}  # Grand Teton H100: 96 GB HBM2e, 2.4 TB/s, 500 W (perf. docs)
+# Grand Teton H100: 96 GB HBM2e, 2.4 TB/s, 500 W (perf. docs); "the actual peak TFLOPs number is between SXM and
+# NVL" (benchmarks/llama3_h100_202412_torchtitan.md, footnote 2): between the NVL's 835 (1,671 with sparsity, its
+# data sheet) and the SXM's 989, priced at the middle, 912 (FP8 twice that)
+TITAN_H100 = {"memory_bytes": 96e9, "hbm_bw": 2.4e12, "peak_flops": 912e12, "fp8_peak_flops": 1824e12}
 # torchtitan's selective AC is its per-op policy (activation_checkpoint.py, "op"): every other matmul of a block
 # and all its elementwise kernels rerun in backward, the attention kernel's output saved
 TITAN_SAC = {"selective_ac": "per_op"}
-TITAN_DIFF = "H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W (peak unknown, 989 kept, as torchtitan's footnote does)"
+TITAN_DIFF = ("H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W, its peak between the NVL's and the SXM's (the source's "
+              "footnote), priced at 912 TFLOP/s, the middle; what 500 W leaves of the clocks no source states")
 # Megatron-LM 2021 (and Korthikanti et al. 2022) fused its elementwise kernels (apex's LayerNorm, bias + GeLU,
 # scale-mask-softmax) and, before FlashAttention, wrote the whole score matrix out: Q K^T, softmax, P V.
 M21 = {"causal_flops": "full", "tp_overlap": False, "kernels": "fused", "attention_kernel": "materialized"}

@@ -239,9 +239,8 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
         key = (params, experts)
         if key not in timed:
             dense = params - experts
-            across = (dp.inter_node, dp.ranks_per_node)
-            timed[key] = tuple(_one(hw, across[0], op, dense * b, n_dense, across[1])
-                               + _one(hw, across[0], op, experts * b, n_expert, across[1])
+            timed[key] = tuple(_one(hw, dp.inter_node, op, dense * b, n_dense, dp.ranks_per_node)
+                               + _one(hw, dp.inter_node, op, experts * b, n_expert, dp.ranks_per_node)
                                for op, b in (("all_gather", param_b), ("reduce_scatter", grad_b)))
         return Zero3Unit(flops, *timed[key], kept_for_backward=kept)
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from fivefold.config import ModelConfig
 from fivefold.model.counts import attention_head_dims, block_norms, head_dim
 from fivefold.model.mask_counts import keys_per_query, tile_ratio
-from fivefold.planner.options import AttentionKernel
+from fivefold.planner.options import AttentionKernel, Fp8
 
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
 
@@ -107,7 +107,7 @@ class RankShapes:
     imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
     document_tokens: float = 0.0  # mean document length under a document mask (0: none)
     attention: AttentionKernel = "flash"  # "materialized": a pre-FlashAttention trainer's (materialized_attention)
-    fp8: str = "none"  # PlanOptions.fp8: "compute" casts every matmul's operands, "weights" has them gathered in FP8
+    fp8: Fp8 = "none"  # PlanOptions.fp8: "compute" casts every matmul's operands, "weights" has them gathered in FP8
 
 
 class _Elementwise:
