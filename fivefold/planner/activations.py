@@ -59,7 +59,8 @@ without RoPE and of values:
   heads of n + R; only the projections differ)
 
 Recompute: "full" keeps only each block's input (d, split with sp); "selective" recomputes the
-attention kernel, which then keeps no log-sum-exp, and keeps its inputs. Weights are not
+attention kernel, which then keeps no log-sum-exp, and keeps its inputs; torchtitan's per-op
+selective recompute keeps what per_op_block_elements lists. Weights are not
 activations and are not counted.
 
 Megatron-LM's layout (`layout = "megatron"`, PlanOptions.activations; dense grouped-query blocks):
@@ -173,6 +174,23 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
     if layout_applies(m, layout):
         return (4 * d + 2) / (tp if sp else 1) + attention / tp + 3 * m.ffn_dim / tp
     return replicated + attention / tp + _ffn_elements(m, tp, sp, moe)
+
+
+def per_op_block_elements(m: ModelConfig, tp: int = 1, sp: bool = False) -> float | None:
+    """Elements per token torchtitan's per-op selective recompute (PlanOptions.selective_ac =
+    "per_op"; roofline.py prices what it reruns) keeps of one dense grouped-query block: the
+    block's input (the checkpoint's; split with sp), the outputs of its first, third, ... matmuls
+    in forward order (wq, wv, gate, down: dq, dk and f split over tp, the down projection's d
+    before tp's reduction), the attention kernel's output and log-sum-exp (dq + H, split) and,
+    with sp, the two reduce-scatters' outputs (d / tp each), all in the compute dtype (under FP8
+    too: the policy keeps matmul outputs). None for the blocks it has no count for (MoE, latent
+    attention, post or sandwich norms): fivefold's selective count stands for them."""
+    if m.n_experts or m.kv_lora_rank or m.norm_position != "pre":
+        return None
+    d, hd = m.dim, m.head_dim or m.dim // m.n_heads
+    H, K = m.n_heads, m.n_kv_heads
+    split = (2 * H * hd + K * hd + H + m.ffn_dim) / tp
+    return (d / tp if sp else d) + split + d + (2 * d / tp if sp and tp > 1 else 0.0)
 
 
 def layout_applies(m: ModelConfig, layout: ActivationLayout) -> bool:

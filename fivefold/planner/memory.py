@@ -40,6 +40,7 @@ from fivefold.planner.activations import (
     FP8_BYTES,
     block_activation_bytes,
     fp8_matmul_input_elements,
+    per_op_block_elements,
     routed_expert_elements_per_token,
 )
 from fivefold.planner.layout import RankShare
@@ -177,16 +178,20 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_
     backward runs before the next forward). logits: the last stage keeps its
     (micro_batch, seq/cp, V/tp) logits and their fp32 copy for the loss, one micro-batch at a time.
     Under FP8 compute the linear layers' inputs are kept in 1 byte (fp8_matmul_input_elements);
+    under torchtitan's per-op selective recompute a dense block keeps per_op_block_elements;
     on the busiest expert rank the routed copies' share is `expert_imbalance` x the mean's
     ("routed_extra": what the imbalance adds per block and micro-batch).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch * local_seq
-    per_block = block_activation_bytes(m, t.micro_batch, local_seq, p.tp, p.sp, t.recompute, act_bytes,
-                                       options.activations)
+    per_op = (per_op_block_elements(m, p.tp, p.sp) if t.recompute == "selective" and options.selective_ac == "per_op"
+              else None)
+    per_block = (per_op * tokens * act_bytes if per_op is not None else
+                 block_activation_bytes(m, t.micro_batch, local_seq, p.tp, p.sp, t.recompute, act_bytes,
+                                        options.activations))
     routed, routed_fp8 = routed_expert_elements_per_token(m, p.tp, p.sp, t.recompute, options.activations)
     routed_bytes = routed * act_bytes
-    if options.fp8 != "none":  # "weights" computes in FP8 too
+    if options.fp8 != "none" and per_op is None:  # "weights" computes in FP8 too; per-op keeps matmul outputs
         moved, added = fp8_matmul_input_elements(m, p.tp, p.sp, t.recompute, options.activations)
         per_block -= tokens * (moved * (act_bytes - FP8_BYTES) - added * FP8_BYTES)
         routed_bytes -= routed_fp8 * (act_bytes - FP8_BYTES)

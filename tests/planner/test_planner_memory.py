@@ -291,3 +291,26 @@ def test_uneven_chunks_hold_their_own_blocks():
     sizes = stage_sizes(cfg, model_counts(cfg.model))
     assert sizes == [1, 3, 2, 1] and d.grad_accum == 4
     assert inflight_blocks(cfg, d, sizes, Memo()) == [7, 9]
+
+
+def test_per_op_selective_recompute_keeps_every_other_matmuls_output():
+    """torchtitan's op-level SAC on a Llama 3 8B block (d 4096, 32 heads of 128, 8 kv heads, f 14336):
+    the block's input d, the outputs of wq, wv, gate and down (4096 + 1024 + 14336 + 4096), the
+    attention kernel's output and log-sum-exp (4096 + 32): 31776 elements a token at tp 1; at tp 2
+    with sp the input, the split outputs and the two reduce-scatters' outputs are halved, down's d is
+    whole: 2048 + (8192 + 1024 + 32 + 14336) / 2 + 4096 + 4096 = 22032."""
+    from fivefold.planner.activations import per_op_block_elements
+
+    m = _8b().model
+    assert per_op_block_elements(m) == 31776
+    assert per_op_block_elements(m, tp=2, sp=True) == 22032
+    assert per_op_block_elements(_cfg("mixtral-8x7b").model) is None  # no count: fivefold's selective stands
+    cfg = _8b("--train.recompute=selective", "--train.micro_batch=1", "--train.seq_len=8192")
+    d = derive(cfg, 1)
+    share = rank_shares(cfg, model_counts(cfg.model, d.vocab_size))[0]
+    per_op = activation_bytes(cfg, share, 32, 8192, d.vocab_size, 2, PlanOptions(selective_ac="per_op"))
+    assert per_op["per_block_microbatch"] == 31776 * 8192 * 2
+    fp8 = activation_bytes(cfg, share, 32, 8192, d.vocab_size, 2, PlanOptions(selective_ac="per_op", fp8="compute"))
+    assert fp8["per_block_microbatch"] == per_op["per_block_microbatch"]  # matmul outputs, kept in bf16
+    own = activation_bytes(cfg, share, 32, 8192, d.vocab_size, 2)
+    assert own["per_block_microbatch"] > 2 * per_op["per_block_microbatch"]
