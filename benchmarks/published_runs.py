@@ -94,7 +94,7 @@ def _titan_h200(nodes: int, published: float) -> Run:
                "tokens_per_s_per_gpu", published, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
                {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused", **TITAN_SAC},
                params_b=8.03,
-               differs="selective AC: per-op policy vs fivefold's attention core; force_recompute_fp8_weight_in_bwd "
+               differs="selective AC as torchtitan's per-op policy (selective_ac); force_recompute_fp8_weight_in_bwd "
                        "(the weight re-cast in the backward) does nothing in that torchao; not explained: the planner "
                        "is fast here by about a quarter", state_bytes=FP32_GRADS)
 
@@ -249,14 +249,14 @@ RUNS: list[Run] = [
         "tokens_per_s_per_gpu", 5762.0, "tokens (MFU 33-39% stated, of 989: 6(N - emb) + 12 l h q t)",
         "FSDP2 all-gathers prefetched; no compile", {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC},
         _L8B, hardware=TITAN_H100, params_b=8.03,
-        differs="selective AC: torchtitan's per-op policy, fivefold's attention core (Korthikanti); " + TITAN_DIFF,
+        differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF,
         state_bytes=FP32_GRADS),
     Run("torchtitan-8B-128xH100", "torchtitan docs/performance.md @eaea6f6, Table 3 (FSDP row)", "h100", 128,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(128, batch=256, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 5605.0, "tokens", "FSDP2 all-gathers prefetched; no compile",
         {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC}, _L8B, hardware=TITAN_H100, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF, state_bytes=FP32_GRADS),
+        differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF, state_bytes=FP32_GRADS),
     # June 2025 (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @820504e): 70B on 256 H100, FSDP 32 x TP 8,
     # torch.compile, full AC, local batch 16 (512 sequences), bf16: vanilla TP 597.3, async TP 652.4 tokens/s/GPU.
     Run("torchtitan-70B-256xH100-tp", "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md", "h100", 256,
@@ -284,7 +284,7 @@ RUNS: list[Run] = [
         "mfu", 0.582, "MFU: 6N (embedding included) + 12 l h q t, causal in full", "FSDP2 prefetch",
         {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC},
         6 * 8.03e9 + 12 * 32 * 32 * 128 * 8192, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; MFU counts the embedding as 6N",
+        differs="selective AC as torchtitan's per-op policy (selective_ac); MFU counts the embedding as 6N",
         state_bytes=FP32_GRADS),
     Run("torchtitan-70B-64xA100", "torchtitan docs/performance.md @4d88a8a, Llama 3 table", "a100-80gb", 64,
         ("--model.preset=llama3-70b", "--train.seq_len=8192", *layout(64, batch=64, micro=1, zero=3,
@@ -443,7 +443,7 @@ RUNS: list[Run] = [
         "tokens_per_s_per_gpu", 6667.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
         {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused", **TITAN_SAC},
         hardware=TITAN_H100, params_b=8.03,
-        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF, state_bytes=FP32_GRADS),
+        differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF, state_bytes=FP32_GRADS),
     Run("torchtitan-8B-8xH100-compile-fp8", "torchtitan docs/performance.md @eaea6f6, Table 1 "
         "(FSDP + torch.compile + Float8)", "h100", 8,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
@@ -452,5 +452,5 @@ RUNS: list[Run] = [
         {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused", **TITAN_SAC},
         hardware=TITAN_H100,
         params_b=8.03, assumed="Float8 recipe and FSDP float8 all-gather not stated: tensorwise matmuls, bf16 gathers",
-        differs="selective AC: per-op policy vs fivefold's attention core; " + TITAN_DIFF, state_bytes=FP32_GRADS),
+        differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF, state_bytes=FP32_GRADS),
 ]
