@@ -64,9 +64,11 @@ FOUNDRY_OVERLAP = ("Composer FSDP1: limit_all_gathers (the yamls); forward/backw
                    "(Composer's defaults)")
 FOUNDRY_DIFF = ("MPT: GeLU MLP of 4d (SwiGLU 8d/3 here, module docstring), LayerNorm with biases and biases on every "
                 "linear, a learned position embedding of seq x d (in NumParams); no compile, each LayerNorm "
-                "(low_precision_layernorm) and GeLU one kernel, priced as fivefold's eager RMSNorm and SwiGLU; "
-                "attn_impl triton (llm-foundry v0.3.0's Triton flash attention, not FlashAttention-2; "
-                "submit_benchmarks.py) priced at FlashAttention-2's rate")
+                "(low_precision_layernorm) and GeLU one kernel, priced as fivefold's eager RMSNorm, SwiGLU and "
+                "RoPE, which move several times their bytes: priced fused instead, the planner is 21-55% fast on "
+                "these rows, so the eager pricing hides an optimism it does not explain; attn_impl triton "
+                "(llm-foundry v0.3.0's Triton flash attention, not FlashAttention-2; submit_benchmarks.py) priced "
+                "at FlashAttention-2's rate")
 FOUNDRY_ASSUMED = "MP mode DEFAULT read as Composer's: bf16 compute and gathers, fp32 gradient reduction"
 def _mpt(name: str, row: str, shape: tuple[int, int, int], gpus: int, batch: int, micro: int, recompute: str,
          mfu: float, params: int, table: str, differs: str = "", gpu: str = "h100") -> Run:
