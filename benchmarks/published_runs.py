@@ -129,7 +129,7 @@ LLAMA3_ASSUMED = ("micro-batch 1; sequence parallel on; interleaved 1F1B with 7 
 LLAMA3_DIFF = ("sec. 3.3.2 trains 8K sequences without activation checkpointing; here only full recompute fits 80 GB "
                "(104 and 88 GB without: V = 7 puts two blocks in 14 of the 112 chunks, 157 blocks in flight where "
                "one block a chunk holds about 126; the unsharded ZeRO-1 gradients 13 GB): priced with full "
-               "recompute; without it the planner is about 20% fast; DP: ZeRO-1 for the paper's FSDP (which shards "
+               "recompute; without it the planner is 17-21% fast; DP: ZeRO-1 for the paper's FSDP (which shards "
                "gradients too, reduced in fp32)")
 
 RUNS: list[Run] = [
