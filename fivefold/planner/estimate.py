@@ -257,7 +257,8 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
              "bubble": t.pipe.sim.makespan - t.pipe.ideal_s, "dp_exposed": t.dp.exposed_s,
              "contention": t.contention.seconds, "optimizer": t.opt.seconds,
              "step_sync": t.sync.seconds, "host": units * (t.host.forward_s + t.host.backward_s) + t.host.step_s}
-    flops = step_flops(cfg, d.vocab_size, options.causal_flops, options.document_tokens)
+    flops = step_flops(cfg, d.vocab_size, options.causal_flops, options.document_tokens,
+                       options.selective_ac == "per_op")
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
     figures, figures_row = conventions(cfg, d, t.sent, flops, step, hw.peak_flops, t.mem.activations,
                                        where.work.act_bytes)

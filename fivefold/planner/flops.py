@@ -3,7 +3,8 @@
 - MFU = model FLOPs / (step x GPUs x peak) (PaLM, Chowdhery et al. 2022, App. B): the FLOPs the
   model needs, however the system runs them; recomputation does not count.
 - HFU = hardware FLOPs / (step x GPUs x peak): the FLOPs the GPUs run, recomputation included (full:
-  one more forward of the blocks; selective: the attention core's forward again). Korthikanti et
+  one more forward of the blocks; selective: the attention core's forward again, or under
+  torchtitan's per-op policy, PlanOptions.selective_ac, every other matmul of each block). Korthikanti et
   al. 2022 report both; Narayanan et al. 2021's Megatron-LM figures are hardware FLOPs with full
   recompute, F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
 - causal attention in the numerator: counted in full (PaLM, Megatron: the default) or halved for the
@@ -32,6 +33,7 @@ from typing import Any
 
 from fivefold.config import Config
 from fivefold.model.counts import CausalFlops, flops_per_token, recompute_flops_per_token
+from fivefold.planner.machine.ops import RankShapes, block_ops
 from fivefold.planner.machine.pricing import Row
 
 _SOURCES = {"full": "causal attention counted in full, as PaLM (Chowdhery et al. 2022, App. B) and Megatron-LM "
@@ -84,14 +86,30 @@ def masks_in_words(cfg: Config, document_tokens: float = 0) -> str:
     return "; ".join(words)
 
 
-def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", document_tokens: float = 0) -> StepFlops:
+def per_op_recompute_flops_per_token(cfg: Config) -> float:
+    """FLOPs per token torchtitan's per-op selective recompute runs again (roofline.py): the second,
+    fourth, ... matmul of each block in forward order, counted on one whole sequence at tp = 1."""
+    m, seq = cfg.model, cfg.train.seq_len
+    shapes = RankShapes(tokens=seq, sp_tokens=seq, seq_len=seq, kernel_seq=seq)
+    kinds = {0: m.first_dense_layers if m.n_experts else m.n_layers}  # a block of each kind: how many
+    if m.n_experts and m.first_dense_layers < m.n_layers:
+        kinds[m.first_dense_layers] = m.n_layers - m.first_dense_layers
+    rerun = sum(n * sum(2.0 * mm.m * mm.n * mm.k * mm.count for mm in block_ops(m, layer, shapes).matmuls[1::2])
+                for layer, n in kinds.items() if n)
+    return rerun / seq
+
+
+def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", document_tokens: float = 0,
+               per_op: bool = False) -> StepFlops:
     """The FLOPs of one step of `cfg` (its model, seq_len, global_batch and recompute) with the
     padded vocabulary `vocab_size` (parallel/derive.py: padded_vocab), its sliding windows and,
-    under data.document_mask, documents of mean length `document_tokens` counted as kept."""
+    under data.document_mask, documents of mean length `document_tokens` counted as kept; `per_op`:
+    selective recompute as torchtitan's per-op policy (PlanOptions.selective_ac)."""
     m, t = cfg.model, cfg.train
     docs = document_tokens if cfg.data.document_mask else 0
     f = flops_per_token(m, t.seq_len, vocab_size, causal, docs)
-    extra = recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal, docs)
+    extra = (per_op_recompute_flops_per_token(cfg) if per_op and t.recompute == "selective"
+             else recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal, docs))
     unmasked = flops_per_token(dataclasses.replace(m, sliding_window=0), t.seq_len, vocab_size, causal)
     return StepFlops(model_per_token=f["total"], hardware_per_token=f["total"] + extra,
                      attention_per_token=f["attention"], tokens_per_step=t.global_batch * t.seq_len, causal=causal,

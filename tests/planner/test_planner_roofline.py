@@ -226,6 +226,10 @@ def test_per_op_selective_recompute_reruns_every_other_matmul_and_the_elementwis
     assert price.backward_s - none.backward_s == pytest.approx(n * (rerun + block.forward["elementwise"]))
     assert per_op.not_runnable(work.cfg) == ["selective_ac=per_op: fivefold's selective recompute reruns the "
                                              "attention core"]
+    # HFU counts the rerun matmuls, 2 x (d x kv + d x d + d x f) a token a block, and no attention core
+    flops = estimate(work.cfg, 8, H100, options=per_op).flops
+    assert flops["hardware_per_token"] - flops["model_per_token"] == 32 * 2 * (4096 * 1024 + 4096 * 4096
+                                                                               + 4096 * 14336)
 
 
 def test_explain_names_each_op_class_its_efficiency_and_source():

@@ -127,6 +127,7 @@ class OpsPrice:
     matmul_fractions: dict[str, float] = field(default_factory=dict)  # name -> forward fraction of peak
     parts: dict[str, float] = field(default_factory=dict)  # elementwise forward bytes by op
     matmul_forward: dict[str, float] = field(default_factory=dict)  # name -> forward seconds (all its counts)
+    matmul_flops: dict[str, float] = field(default_factory=dict)  # name -> forward FLOPs (all its counts)
     attention_work: float = 0.0  # forward: the attention kernel's tiles in causal FLOPs (ops.Ops.attention_work)
 
     def add(self, o: OpsPrice, times: float = 1.0) -> None:
@@ -140,6 +141,8 @@ class OpsPrice:
             self.parts[k] = self.parts.get(k, 0.0) + v * times
         for k, v in o.matmul_forward.items():
             self.matmul_forward[k] = self.matmul_forward.get(k, 0.0) + v * times
+        for k, v in o.matmul_flops.items():
+            self.matmul_flops[k] = self.matmul_flops.get(k, 0.0) + v * times
 
 
 
@@ -157,6 +160,7 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
         out.flops["matmul"] += 3 * flops
         out.matmul_fractions[mm.name] = flops / fwd / peak
         out.matmul_forward[mm.name] = out.matmul_forward.get(mm.name, 0.0) + fwd
+        out.matmul_flops[mm.name] = out.matmul_flops.get(mm.name, 0.0) + flops
     if ops.attention_flops:
         f_eff = interpolate(hw.attention_fwd_curve, ops.attention_seq)
         b_eff = interpolate(hw.attention_bwd_curve, ops.attention_seq)
@@ -262,23 +266,31 @@ def per_op_recompute_seconds(price: OpsPrice) -> float:
     return sum(list(price.matmul_forward.values())[1::2]) + price.forward["elementwise"]
 
 
-def _selective_recompute(work: ChunkWork, price: OpsPrice, hw: Hardware, memo: Memo) -> float:
+def _selective_recompute(work: ChunkWork, price: OpsPrice, hw: Hardware, memo: Memo) -> tuple[float, float]:
+    """(seconds, FLOPs) selective recompute runs again per chunk: the attention core's forward, or
+    torchtitan's per-op policy's matmuls and elementwise kernels."""
+    c = work.chunks
     if work.options.selective_ac == "per_op":
-        return sum(n * per_op_recompute_seconds(p) for p, n in block_prices(work, hw, memo)) / work.chunks
-    return price.forward["attention"] / work.chunks
+        blocks = block_prices(work, hw, memo)
+        return (sum(n * per_op_recompute_seconds(p) for p, n in blocks) / c,
+                sum(n * sum(list(p.matmul_flops.values())[1::2]) for p, n in blocks) / c)
+    return price.forward["attention"] / c, price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS) / c
 
 
 def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
     """Forward and backward seconds of one micro-batch through one chunk, with the rows that explain them."""
     price, chunks, recompute_mode = rank_price(work, hw, memo), work.chunks, work.cfg.train.recompute
     forward = sum(price.forward.values()) / chunks
-    recompute = (forward if recompute_mode == "full" else _selective_recompute(work, price, hw, memo)
-                 if recompute_mode == "selective" else 0.0)
-    if recompute_mode == "none" and work.options.activations == "deepseek" and layout_applies(work.cfg.model,
-                                                                                             "deepseek"):
+    recompute, rerun_flops = 0.0, 0.0  # seconds and FLOPs run again per chunk
+    if recompute_mode == "full":
+        rerun_flops = (price.flops["matmul"] / 3 + price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)) / chunks
+        recompute = forward
+    elif recompute_mode == "selective":
+        recompute, rerun_flops = _selective_recompute(work, price, hw, memo)
+    elif work.options.activations == "deepseek" and layout_applies(work.cfg.model, "deepseek"):
         recompute = _deepseek_recompute(work, hw, memo)
     backward = sum(price.backward.values()) / chunks + recompute
-    return ChunkPrice(forward, backward, _rows(price, hw, work, forward, backward, recompute), price)
+    return ChunkPrice(forward, backward, _rows(price, hw, work, forward, backward, recompute, rerun_flops), price)
 
 
 def _masked_note(price: OpsPrice, chunks: int) -> str:
@@ -291,7 +303,7 @@ def _masked_note(price: OpsPrice, chunks: int) -> str:
 
 
 def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backward: float,
-          recompute: float) -> list[Row]:
+          recompute: float, rerun_flops: float) -> list[Row]:
     c, fp8 = work.chunks, work.options.fp8 != "none"
     ms = lambda s: f"{s / c * 1e3:.2f}"  # noqa: E731  (per chunk, ms)
     peak = hw.fp8_peak_flops if fp8 else hw.peak_flops
@@ -326,10 +338,7 @@ def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backwa
                  f"{hw.sources.get('hbm_efficiency', 'profile')}; bytes: planner/machine/ops.py, "
                  + ("kernels fused (--kernels fused: each chain reads its inputs once, writes its output once)"
                     if work.options.kernels == "fused" else "kernels eager (fivefold's model code op by op)")))
-    flops = sum(price.flops.values()) / c + (price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS) / c
-                                               if recompute and work.cfg.train.recompute == "selective" else 0.0)
-    if work.cfg.train.recompute == "full":
-        flops += (price.flops["matmul"] / 3 + price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)) / c
+    flops = sum(price.flops.values()) / c + rerun_flops
     rows.append(("forward per chunk", f"{forward * 1e3:.3f} ms, backward {backward * 1e3:.3f} ms (recompute "
                  f"{recompute * 1e3:.3f} ms): {flops:.3e} FLOP at {flops / (forward + backward) / hw.peak_flops:.1%} "
                  "of the bf16 peak", "roofline.py: each op at max(FLOPs / achievable FLOP/s, bytes / bandwidth); "
