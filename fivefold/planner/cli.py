@@ -293,6 +293,7 @@ def _calibrate_gpu(args: argparse.Namespace, rest: list[str]) -> int:
     print(f"wrote {args.out}: bf16 GEMM {hw.matmul_efficiency:.1%} of peak, attention "
           f"{hw.attention_fwd_curve[-1][1]:.1%} forward / {hw.attention_bwd_curve[-1][1]:.1%} backward at "
           f"{hw.attention_fwd_curve[-1][0]:.0f}, HBM {hw.hbm_efficiency:.1%}")
+    print(f"GEMM: {hw.sources['matmul_efficiency']}")
     return 0
 
 

@@ -351,3 +351,13 @@ def test_materialized_attention_against_hand_arithmetic():
     flash = roofline.price_ops(block_ops(gpt, 0, dataclasses.replace(shapes, attention="flash")), H100, 2, False)
     assert flash.forward["matmul"] == price.forward["matmul"] and flash.bytes == price.bytes
     assert PlanOptions(attention_kernel="materialized").not_runnable()  # fivefold never runs it
+
+
+def test_keep_busy_runs_batches_until_the_clock_passes_the_burn():
+    """calibrate's sustained burn (calibration/gpu.py keep_busy): batches of calls, a synchronisation
+    after each, until the clock has passed the seconds asked for; counted on a made-up clock."""
+    from fivefold.planner.calibration.gpu import keep_busy
+
+    ticks, calls, syncs = iter([0.0, 0.4, 0.9, 1.3]), [], []
+    made = keep_busy(lambda: calls.append(1), 1.0, lambda: syncs.append(1), clock=lambda: next(ticks), batch=4)
+    assert made == len(calls) == 8 and len(syncs) == 2  # at 0.4 and 0.9 still burning, at 1.3 done

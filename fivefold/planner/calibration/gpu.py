@@ -5,7 +5,12 @@ itself, calibrate times the same kernels with CUDA events and writes a profile t
 the catalog entry of this GPU and replaces those constants with what it measured:
 
 - matmul_efficiency: a bf16 n x n x n torch.matmul's FLOP/s over (peak x its own tile and wave
-  quantisation), so the roofline gives back the measured time at that shape;
+  quantisation), so the roofline gives back the measured time at that shape, timed after SUSTAIN_S
+  seconds of back-to-back matmuls: a training step runs at the clocks a GPU holds under
+  sustained load, which power and heat set below a cold GPU's (the published tables differ so on
+  the H100: the Maximum Achievable Matmul FLOPS table's best of 100 iterations gives 794.5 bf16
+  TFLOP/s, huggingface/gpu-fryer's minute-long burns about 730). The cold figure is kept in the
+  field's source, beside the sustained one;
 - fp8_matmul_efficiency: the same with torch._scaled_mm on float8_e4m3fn operands, where the GPU
   has FP8 and this torch offers it (else the catalog's figure stays, and its source says so);
 - attention_fwd_curve, attention_bwd_curve: torch's SDPA, causal, bf16, head dim 128, 16 heads,
@@ -22,12 +27,27 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable
 
 from fivefold.planner.machine.datasheet import Hardware, get_hardware
 from fivefold.planner.machine.roofline import FA2_BACKWARD_FLOPS, quantisation
 
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384  # the FlashAttention papers' benchmark shapes
+SUSTAIN_S = 15.0  # seconds of back-to-back matmuls before the sustained timing (module docstring); --quick: 1
+
+
+def keep_busy(fn: Callable[[], object], seconds: float, sync: Callable[[], object],
+              clock: Callable[[], float] = time.perf_counter, batch: int = 16) -> int:
+    """Run fn() back to back for at least `seconds`, `batch` calls between synchronisations (so the
+    queue stays short and the clock reads the device's progress); the calls made."""
+    calls, start = 0, clock()
+    while clock() - start < seconds:
+        for _ in range(batch):
+            fn()
+        sync()
+        calls += batch
+    return calls
 
 
 def catalog_key(device_name: str) -> str:
@@ -102,6 +122,9 @@ def calibrate_gpu(quick: bool = False, name: str = "local") -> Hardware:
     n, repeats = (4096, 5) if quick else (8192, 20)
     seqs = (1024, 4096) if quick else (512, 1024, 2048, 4096, 8192, 16384)
     x, w = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cold_s = _cuda_seconds(lambda: x @ w, repeats)
+    sustain_s = 1.0 if quick else SUSTAIN_S
+    keep_busy(lambda: x @ w, sustain_s, torch.cuda.synchronize)
     gemm_s = _cuda_seconds(lambda: x @ w, repeats)
     fp8_s = _fp8_seconds(n, repeats) if hw.fp8_peak_flops else None
     attention = {}
@@ -118,8 +141,10 @@ def calibrate_gpu(quick: bool = False, name: str = "local") -> Hardware:
     copy_s = _cuda_seconds(lambda: dst.copy_(src), repeats)
     fields = gpu_constants(hw, n, gemm_s, fp8_s, attention, 2.0 * src.numel(), copy_s)
     where = f"measured by fivefold calibrate on {device} (torch {torch.__version__})"
-    sources = {"matmul_efficiency": f"{where}: bf16 {n}^3 torch.matmul, median of {repeats}, over peak x its "
-                                    "tile/wave quantisation",
+    tflops = 2.0 * n**3 / 1e12
+    sources = {"matmul_efficiency": f"{where}: bf16 {n}^3 torch.matmul, median of {repeats} after {sustain_s:g} s "
+                                    f"of back-to-back matmuls ({tflops / gemm_s:.1f} TFLOP/s; cold "
+                                    f"{tflops / cold_s:.1f}), over peak x its tile/wave quantisation",
                "attention_fwd_curve": f"{where}: SDPA causal bf16, {HEADS} heads of {HEAD_DIM}, {TOKENS} tokens, "
                                       f"sequences {', '.join(map(str, seqs))}",
                "attention_bwd_curve": f"{where}: the same, backward (2.5 x the forward's FLOPs)",
