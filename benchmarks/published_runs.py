@@ -120,6 +120,18 @@ TORCHAO_DIFF = ("'8x power limited B200': 750 W of the rated 1000 W (the table's
                 "@d8bb51f6, 'limited to 750W'), priced at the data sheet's clocks, which no source gives at 750 W; "
                 "the bf16 row is 21% MFU")
 
+
+def _torchao(recipe: str, table: str, published: float, overlap: str, fp8: str, differs: str = "") -> Run:
+    """torchao's B200 row of `recipe` (`table`: its name there, after TORCHAO_B200): Llama 3 8B on one node of 8,
+    local batch 1, torch.compile, FSDP2, torchtitan's per-op SAC; `fp8` the planner's FP8 option for it."""
+    return Run(f"torchao-8B-8xB200-{recipe}", TORCHAO_B200 + table, "b200", 8,
+               ("--model.preset=llama3-8b", "--train.seq_len=8192",
+                *layout(8, batch=8, micro=1, zero=3, recompute="selective")),
+               "tokens_per_s_per_gpu", published, "tokens", overlap,
+               {"causal_flops": "full", "zero3_prefetch": True, "fp8": fp8, "kernels": "fused", **TITAN_SAC},
+               params_b=8.03, differs="; ".join(x for x in (differs, TORCHAO_DIFF) if x), state_bytes=FP32_GRADS)
+
+
 LLAMA3 = {"causal_flops": "full", "kernels": "fused", "activations": "megatron"}
 LLAMA3_ASSUMED = ("micro-batch 1; sequence parallel on; interleaved 1F1B with 7 virtual stages: sec. 3.3.2 takes "
                   "one block each from the first and last stages, whose first and last chunks then hold only the "
@@ -415,28 +427,11 @@ RUNS: list[Run] = [
     # --- torchao / torchtitan on B200: Llama3-8b, single node of 8 power-limited B200, batch size 1, seq 8192, 100
     # steps, torch.compile, FSDP2, per-op SAC; median tokens/s (torchtitan's tps, per GPU); torch 2.9.0.dev20250815,
     # torchao 0.13.0+gite4e681be6, torchtitan 6fc499f.
-    Run("torchao-8B-8xB200-bf16", TORCHAO_B200, "b200", 8,
-        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
-                                                                     recompute="selective")),
-        "tokens_per_s_per_gpu", 8307.5, "tokens", "FSDP2 prefetch; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused", **TITAN_SAC},
-        params_b=8.03, differs=TORCHAO_DIFF,
-        state_bytes=FP32_GRADS),
-    Run("torchao-8B-8xB200-mxfp8", TORCHAO_B200 + ", mxfp8_cublas", "b200", 8,
-        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
-                                                                     recompute="selective")),
-        "tokens_per_s_per_gpu", 9969.0, "tokens", "FSDP2 prefetch (bf16 gathers); torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused", **TITAN_SAC},
-        params_b=8.03,
-        differs="MXFP8 (1x32 blocks, cuBLAS) priced as fivefold's FP8 matmuls; " + TORCHAO_DIFF,
-        state_bytes=FP32_GRADS),
-    Run("torchao-8B-8xB200-float8", TORCHAO_B200 + ", float8 tensorwise (f8 all-gather)", "b200", 8,
-        ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=8, micro=1, zero=3,
-                                                                     recompute="selective")),
-        "tokens_per_s_per_gpu", 10417.0, "tokens", "FSDP2 prefetch, float8 all-gather; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused", **TITAN_SAC},
-        params_b=8.03,
-        differs=TORCHAO_DIFF, state_bytes=FP32_GRADS),
+    _torchao("bf16", "", 8307.5, "FSDP2 prefetch; torch.compile", "none"),
+    _torchao("mxfp8", ", mxfp8_cublas", 9969.0, "FSDP2 prefetch (bf16 gathers); torch.compile", "compute",
+             "MXFP8 (1x32 blocks, cuBLAS) priced as fivefold's FP8 matmuls"),
+    _torchao("float8", ", float8 tensorwise (f8 all-gather)", 10417.0, "FSDP2 prefetch, float8 all-gather; "
+             "torch.compile", "weights"),
     # --- torchtitan docs/performance.md @eaea6f6, Table 1 (as torchtitan-8B-8xH100 above): the torch.compile and
     # torch.compile + Float8 rows.
     Run("torchtitan-8B-8xH100-compile", "torchtitan docs/performance.md @eaea6f6, Table 1 (FSDP + torch.compile)",
