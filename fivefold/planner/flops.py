@@ -33,7 +33,7 @@ from typing import Any
 
 from fivefold.config import Config
 from fivefold.model.counts import CausalFlops, flops_per_token, recompute_flops_per_token
-from fivefold.planner.machine.ops import RankShapes, block_ops
+from fivefold.planner.machine.ops import PER_OP_RERUN, RankShapes, block_ops
 from fivefold.planner.machine.pricing import Row
 
 _SOURCES = {"full": "causal attention counted in full, as PaLM (Chowdhery et al. 2022, App. B) and Megatron-LM "
@@ -94,7 +94,7 @@ def per_op_recompute_flops_per_token(cfg: Config) -> float:
     kinds = {0: m.first_dense_layers if m.n_experts else m.n_layers}  # a block of each kind: how many
     if m.n_experts and m.first_dense_layers < m.n_layers:
         kinds[m.first_dense_layers] = m.n_layers - m.first_dense_layers
-    rerun = sum(n * sum(2.0 * mm.m * mm.n * mm.k * mm.count for mm in block_ops(m, layer, shapes).matmuls[1::2])
+    rerun = sum(n * sum(mm.flops for mm in block_ops(m, layer, shapes).matmuls[PER_OP_RERUN])
                 for layer, n in kinds.items() if n)
     return rerun / seq
 

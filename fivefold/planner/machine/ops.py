@@ -63,6 +63,11 @@ from fivefold.planner.options import AttentionKernel, Fp8
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
 
 
+# torchtitan's per-op selective recompute (PlanOptions.selective_ac = "per_op") reruns the second, fourth,
+# ... of a block's matmuls in forward order: this slice of them (roofline.py prices it, flops.py counts it)
+PER_OP_RERUN = slice(1, None, 2)
+
+
 @dataclass(frozen=True)
 class Matmul:
     """One forward matmul, X (M x K) times W (K x N), run `count` times alike (local experts)."""
@@ -72,6 +77,11 @@ class Matmul:
     n: int
     k: int
     count: int = 1
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs of all its counts: 2 M N K each."""
+        return 2.0 * self.m * self.n * self.k * self.count
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fivefold.planner.activations import layout_applies
-from fivefold.planner.machine.ops import Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.ops import PER_OP_RERUN, Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 from fivefold.planner.memory import expert_imbalance
 
@@ -130,6 +130,11 @@ class OpsPrice:
     matmul_flops: dict[str, float] = field(default_factory=dict)  # name -> forward FLOPs (all its counts)
     attention_work: float = 0.0  # forward: the attention kernel's tiles in causal FLOPs (ops.Ops.attention_work)
 
+    @property
+    def attention_forward_flops(self) -> float:
+        """The attention core's forward FLOPs (flops["attention"] counts forward and backward)."""
+        return self.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)
+
     def add(self, o: OpsPrice, times: float = 1.0) -> None:
         self.attention_work += o.attention_work * times
         for mine, theirs in ((self.forward, o.forward), (self.backward, o.backward), (self.flops, o.flops)):
@@ -151,7 +156,7 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
     out = OpsPrice()
     peak = hw.fp8_peak_flops if fp8 else hw.peak_flops
     for mm in ops.matmuls:
-        flops = 2.0 * mm.m * mm.n * mm.k * mm.count
+        flops = mm.flops
         fwd = matmul_seconds(mm.m, mm.n, mm.k, hw, act_bytes, fp8) * mm.count
         bwd = (matmul_seconds(mm.m, mm.k, mm.n, hw, act_bytes, fp8)  # input gradient
                + matmul_seconds(mm.k, mm.n, mm.m, hw, act_bytes, fp8)) * mm.count  # weight gradient
@@ -174,7 +179,7 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
         out.forward["attention"] += matmul_seconds(mm.m, mm.n, mm.k, hw, act_bytes, False, mm.count)
         out.backward["attention"] += (matmul_seconds(mm.m, mm.k, mm.n, hw, act_bytes, False, mm.count)  # dA
                                       + matmul_seconds(mm.k, mm.n, mm.m, hw, act_bytes, False, mm.count))  # dB
-        out.flops["attention"] += 3 * 2.0 * mm.m * mm.n * mm.k * mm.count
+        out.flops["attention"] += 3 * mm.flops
     out.forward["attention"] += ops.softmax_bytes[0] / bw
     out.backward["attention"] += ops.softmax_bytes[1] / bw
     out.forward["elementwise"] = ops.elementwise_bytes / bw
@@ -263,7 +268,7 @@ def _deepseek_recompute(work: ChunkWork, hw: Hardware, memo: Memo) -> float:
 def per_op_recompute_seconds(price: OpsPrice) -> float:
     """What torchtitan's op-level selective recompute reruns of one block (module docstring): every
     other matmul in forward order, from the second, and all the elementwise kernels."""
-    return sum(list(price.matmul_forward.values())[1::2]) + price.forward["elementwise"]
+    return sum(list(price.matmul_forward.values())[PER_OP_RERUN]) + price.forward["elementwise"]
 
 
 def _selective_recompute(work: ChunkWork, price: OpsPrice, hw: Hardware, memo: Memo) -> tuple[float, float]:
@@ -273,8 +278,8 @@ def _selective_recompute(work: ChunkWork, price: OpsPrice, hw: Hardware, memo: M
     if work.options.selective_ac == "per_op":
         blocks = block_prices(work, hw, memo)
         return (sum(n * per_op_recompute_seconds(p) for p, n in blocks) / c,
-                sum(n * sum(list(p.matmul_flops.values())[1::2]) for p, n in blocks) / c)
-    return price.forward["attention"] / c, price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS) / c
+                sum(n * sum(list(p.matmul_flops.values())[PER_OP_RERUN]) for p, n in blocks) / c)
+    return price.forward["attention"] / c, price.attention_forward_flops / c
 
 
 def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
@@ -283,7 +288,7 @@ def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
     forward = sum(price.forward.values()) / chunks
     recompute, rerun_flops = 0.0, 0.0  # seconds and FLOPs run again per chunk
     if recompute_mode == "full":
-        rerun_flops = (price.flops["matmul"] / 3 + price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)) / chunks
+        rerun_flops = (price.flops["matmul"] / 3 + price.attention_forward_flops) / chunks
         recompute = forward
     elif recompute_mode == "selective":
         recompute, rerun_flops = _selective_recompute(work, price, hw, memo)
@@ -295,7 +300,7 @@ def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
 
 def _masked_note(price: OpsPrice, chunks: int) -> str:
     """What a sliding window or documents leave the kernel (nothing for causality alone)."""
-    kept = price.flops["attention"] / (1 + FA2_BACKWARD_FLOPS)
+    kept = price.attention_forward_flops
     if abs(price.attention_work - kept) <= 1e-9 * kept:
         return ""
     return (f"; masked: {kept / chunks:.3e} FLOP kept forward, the kernel's 128 x 128 tiles "
