@@ -7,7 +7,8 @@ is written in `assumed`; where fivefold's model or layout cannot be the publishe
 says how. Nothing here is fitted to a run: a figure is either read from the named source or
 derived from such figures by the arithmetic shown beside it.
 
-What a run is (`Run`), its layout helpers and the sources' FLOP formulas: published_common.py.
+What a run is (`Run`), its layout helpers and the sources' FLOP formulas: published_common.py; each
+source's name, shared settings and row builders: published_sources.py.
 """
 
 from __future__ import annotations
@@ -20,129 +21,36 @@ from benchmarks.published_common import (
     megatron_2021_flops,
     megatron_core_flops,
     megatron_model_flops,
-    mpt_flops,
-    torchtitan_flops,
 )
-
-# Llama 3.1 8B: 8.03B parameters (presets.PUBLISHED_PARAMS), a 128256 x 4096 embedding.
-_L8B = torchtitan_flops(8.03e9, 128256 * 4096, 32, 32, 128, 8192)
-
-MEGATRON_2021 = "Narayanan et al. 2021 (SC21), Table 1; layouts: Megatron-LM examples/sc21/run_table_1.sh @6985e58"
-MEGATRON_2021_OVERLAP = ("tp all-reduces block; DDP-impl local: gradients all-reduced after the backward (no overlap); "
-                         "pipeline p2p with scatter/gather")
-MEGATRON_2024 = "NVIDIA/Megatron-LM README @f2e5db402c (2024-07-15), images/model_table.png (H100 weak scaling)"
-MEGATRON_2024_OVERLAP = ("--overlap-grad-reduce --overlap-param-gather (distributed optimizer: ZeRO-1) "
-                         "--tp-comm-overlap; pipeline p2p overlapped by default")
-# Grand Teton H100: 96 GB HBM2e, 2.4 TB/s, 500 W (perf. docs); "the actual peak TFLOPs number is between SXM and
-# NVL" (benchmarks/llama3_h100_202412_torchtitan.md, footnote 2): between the NVL's 835 (1,671 with sparsity, its
-# data sheet) and the SXM's 989, priced at the middle, 912 (FP8 twice that)
-TITAN_H100 = {"memory_bytes": 96e9, "hbm_bw": 2.4e12, "peak_flops": 912e12, "fp8_peak_flops": 1824e12}
-# torchtitan's selective AC is its per-op policy (activation_checkpoint.py, "op"): every other matmul of a block
-# and all its elementwise kernels rerun in backward, the attention kernel's output saved
-TITAN_SAC = {"selective_ac": "per_op"}
-TITAN_DIFF = ("H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W, its peak between the NVL's and the SXM's (the source's "
-              "footnote), priced at 912 TFLOP/s, the middle; what 500 W leaves of the clocks no source states")
-# Megatron-LM 2021 (and Korthikanti et al. 2022) fused its elementwise kernels (apex's LayerNorm, bias + GeLU,
-# scale-mask-softmax) and, before FlashAttention, wrote the whole score matrix out: Q K^T, softmax, P V.
-M21 = {"causal_flops": "full", "tp_overlap": False, "kernels": "fused", "attention_kernel": "materialized"}
-M21_DIFF = ("biases, hidden dropout, LayerNorm and GeLU (the source's) priced as fivefold's RMSNorm and SwiGLU; "
-            "p2p_communication.py's batch_isend_irecv is waited for and followed by a torch.cuda.synchronize() on "
-            "every exchange (stages in lock-step; priced as messages the next stage waits for, about 1-4% of these "
-            "steps by their sizes); not explained: the planner is 8-20% fast here; the catalog's A100 matmul "
-            "fraction (86.9%) is a 2024 measurement, what 2021's cuBLAS reached at these shapes is not in the "
-            "sources read")
-# Megatron-Core 2024: Transformer Engine's fused kernels (norms, bias + activation, rotary) and fused attention
-# (its kernels keep for backward what Korthikanti et al. 2022 count: activations = "megatron")
-M24 = {"causal_flops": "full", "tp_overlap": True, "kernels": "fused", "activations": "megatron",
-       "param_gather_overlap": True}
-# NVLink 400 GB/s bidirectional (philisun.com H800 vs H100 comparison): 200 per direction; nvidia-smi reports an
-# H800's memory as 81559 MiB (as it does the H100 80GB HBM3's; the catalog keeps the data sheet's 80 GB)
-H800 = {"intra_bw": 200e9, "memory_bytes": 81559 * 2**20}
-FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48 (tables as of 5e85bd6, #838)"
-FOUNDRY_CONVENTION = "MFU: 6 N + 12 l d s (N with embeddings), causal in full, of 989 (H100) / 312 (A100)"
-FOUNDRY_OVERLAP = ("Composer FSDP1: limit_all_gathers (the yamls); forward/backward prefetch not set by the sweep "
-                   "(Composer's defaults)")
-FOUNDRY_DIFF = ("MPT: GeLU MLP of 4d (SwiGLU 8d/3 here, module docstring), LayerNorm with biases and biases on every "
-                "linear, a learned position embedding of seq x d (in NumParams); no compile, each LayerNorm "
-                "(low_precision_layernorm) and GeLU one kernel, priced as fivefold's eager RMSNorm, SwiGLU and "
-                "RoPE, which move several times their bytes: priced fused instead, the planner is 21-55% fast on "
-                "these rows, so the eager pricing hides an optimism it does not explain; attn_impl triton "
-                "(llm-foundry v0.3.0's Triton flash attention, not FlashAttention-2; submit_benchmarks.py) priced "
-                "at FlashAttention-2's rate")
-FOUNDRY_ASSUMED = "MP mode DEFAULT read as Composer's: bf16 compute and gathers, fp32 gradient reduction"
-def _mpt(name: str, row: str, shape: tuple[int, int, int], gpus: int, batch: int, micro: int, recompute: str,
-         mfu: float, params: int, table: str, differs: str = "", gpu: str = "h100") -> Run:
-    """One row of llm-foundry's table: `shape` (d, layers, heads) as in its yamls, seq 2048, FSDP FULL_SHARD in
-    bf16, MFU by its own formula (mpt_flops) of NumParams `params`; `table` the row's other columns."""
-    d, layers, heads = shape
-    return Run(name, f"{FOUNDRY}, {row}, seq 2048, {gpus} GPUs", gpu, gpus,
-               (*gpt(d, layers, heads, 50368, 2048, True), *layout(gpus, batch=batch, micro=micro, zero=3,
-                                                                   param_dtype="bf16", dtype="bf16",
-                                                                   recompute=recompute)),
-               "mfu", mfu, FOUNDRY_CONVENTION, FOUNDRY_OVERLAP,
-               {"causal_flops": "full", "zero3_prefetch": True, "kernels": "eager"},
-               mpt_flops(params, layers, d, 2048), params_b=params / 1e9,
-               assumed=f"{FOUNDRY_ASSUMED}; the table: {table}",
-               differs="; ".join(x for x in (FOUNDRY_DIFF, differs) if x), state_bytes=FP32_GRADS)
-
-
-
-def _titan_h200(nodes: int, published: float) -> Run:
-    """torchtitan's Trainy/WhiteFiber row of `nodes` nodes of 8 H200: local batch 2, Float8 with its all-gather."""
-    gpus = 8 * nodes
-    return Run(f"torchtitan-8B-{gpus}xH200-float8", f"{TITAN_H200}, {nodes} nodes", "h200", gpus,
-               ("--model.preset=llama3.1-8b", "--train.seq_len=8192",
-                *layout(gpus, batch=2 * gpus, micro=2, zero=3, recompute="selective")),
-               "tokens_per_s_per_gpu", published, "tokens", "FSDP2 prefetch; float8 all-gather; torch.compile",
-               {"causal_flops": "full", "zero3_prefetch": True, "fp8": "weights", "kernels": "fused", **TITAN_SAC},
-               params_b=8.03,
-               differs="selective AC as torchtitan's per-op policy (selective_ac); force_recompute_fp8_weight_in_bwd "
-                       "(the weight re-cast in the backward) does nothing in that torchao; not explained: the planner "
-                       "is fast here by about a quarter", state_bytes=FP32_GRADS)
-
-
-MBRIDGE_2511 = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @5776a6d (25.11 NeMo container, DGX-H100 "
-                "table; the same rows in docs/performance-summary-archive.md @067f987)")
-MBRIDGE_RECIPE = "recipes: scripts/performance/configs/ and src/megatron/bridge/recipes/ @v0.2.0 (7af9601)"
-MBRIDGE_CONVENTION = "model FLOPs, causal halved (flop_utils.py num_floating_point_operations)"
-MBRIDGE_OVERLAP = ("distributed optimizer with overlap_grad_reduce and overlap_param_gather (recipe); "
-                   "tp_comm_overlap userbuffers where tp > 1; TE fused kernels")
-# Megatron-Bridge's tensor-parallel FP8 rows: TE's fused kernels and Megatron's activations, tp overlapped
-MBRIDGE_TP_OPTIONS = {"causal_flops": "half", "fp8": "weights", "tp_overlap": True, "kernels": "fused",
-                      "activations": "megatron", "param_gather_overlap": True}
-MBRIDGE_FP8 = ("FP8-CS: TE per-tensor current scaling (bf16_with_fp8_current_scaling_mixed, first/last layers bf16 "
-               "off in the perf scripts) with fp8_param_gather")
-MOE_ZOO = "yanring/Megatron-MoE-ModelZoo @e865051, best_practice/qwen3/readme.md, H100 table (256 H100, IB 8x50 GB/s)"
-TITAN_H200 = "pytorch/torchtitan @b5bcd76, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
-TORCHAO_B200 = ("pytorch/ao @36027d8 docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200' (the "
-                "same table in torchtitan @b5bcd76 torchtitan/components/quantization/mxfp8.md)")
-TORCHAO_DIFF = ("'8x power limited B200': 750 W of the rated 1000 W (the table's first wording, pytorch/ao PR #2777 "
-                "@d8bb51f6, 'limited to 750W'), priced at the data sheet's clocks, which no source gives at 750 W; "
-                "the bf16 row is 21% MFU")
-
-
-def _torchao(recipe: str, table: str, published: float, overlap: str, fp8: str, differs: str = "") -> Run:
-    """torchao's B200 row of `recipe` (`table`: its name there, after TORCHAO_B200): Llama 3 8B on one node of 8,
-    local batch 1, torch.compile, FSDP2, torchtitan's per-op SAC; `fp8` the planner's FP8 option for it."""
-    return Run(f"torchao-8B-8xB200-{recipe}", TORCHAO_B200 + table, "b200", 8,
-               ("--model.preset=llama3-8b", "--train.seq_len=8192",
-                *layout(8, batch=8, micro=1, zero=3, recompute="selective")),
-               "tokens_per_s_per_gpu", published, "tokens", overlap,
-               {"causal_flops": "full", "zero3_prefetch": True, "fp8": fp8, "kernels": "fused", **TITAN_SAC},
-               params_b=8.03, differs="; ".join(x for x in (differs, TORCHAO_DIFF) if x), state_bytes=FP32_GRADS)
-
-
-LLAMA3 = {"causal_flops": "full", "kernels": "fused", "activations": "megatron"}
-LLAMA3_ASSUMED = ("micro-batch 1; sequence parallel on; interleaved 1F1B with 7 virtual stages: sec. 3.3.2 takes "
-                  "one block each from the first and last stages, whose first and last chunks then hold only the "
-                  "embedding and the head, so 126 = 16 x 8 - 2 reads as one block a chunk at V = 8, which fivefold "
-                  "(a block in every chunk) cannot lay out: 7 is the nearest; fused kernels keeping Megatron-LM's "
-                  "activations (not described; a 2024 trainer at 38-43% MFU fuses its norms and activations)")
-LLAMA3_DIFF = ("sec. 3.3.2 trains 8K sequences without activation checkpointing; here only full recompute fits 80 GB "
-               "(104 and 88 GB without: V = 7 puts two blocks in 14 of the 112 chunks, 157 blocks in flight where "
-               "one block a chunk holds about 126; the unsharded ZeRO-1 gradients 13 GB): priced with full "
-               "recompute; without it the planner is 17-21% fast; DP: ZeRO-1 for the paper's FSDP (which shards "
-               "gradients too, reduced in fp32)")
+from benchmarks.published_sources import (
+    H800,
+    HOPPER_FAST,
+    L8B_FLOPS,
+    LLAMA3,
+    LLAMA3_ASSUMED,
+    LLAMA3_DIFF,
+    M21,
+    M21_DIFF,
+    M24,
+    MBRIDGE_2511,
+    MBRIDGE_CONVENTION,
+    MBRIDGE_FP8,
+    MBRIDGE_OVERLAP,
+    MBRIDGE_RECIPE,
+    MBRIDGE_TP_OPTIONS,
+    MEGATRON_2021,
+    MEGATRON_2021_OVERLAP,
+    MEGATRON_2024,
+    MEGATRON_2024_OVERLAP,
+    MOE_ZOO,
+    TITAN_DIFF,
+    TITAN_FA2,
+    TITAN_H100,
+    TITAN_SAC,
+    mpt_row,
+    titan_h200_row,
+    torchao_row,
+)
 
 RUNS: list[Run] = [
     # --- Megatron-LM, Narayanan et al. 2021: GPT on A100 80GB (Selene: 8 GPUs/node, 8x HDR IB per node), fp16,
@@ -204,7 +112,8 @@ RUNS: list[Run] = [
         MEGATRON_2024_OVERLAP, M24,
         megatron_model_flops(4096, 30, 4096, 131072), params_b=7.1,
         assumed="micro-batch 1; precision bf16; sequence parallel on (both not in the README)", recompute_fit=True,
-        differs="not explained: the planner is fast here, where the 177B and 462B rows of the same table are close",
+        differs="not explained: the planner is fast here by more than on the 177B and 462B rows of the same table, "
+                "whose pipeline bubbles (17-19%) this layout has not",
         state_bytes=FP32_GRADS),
     Run("megatron24-177B-2304xH100", MEGATRON_2024, "h100", 2304,
         (*gpt(12288, 96, 96, 131072, 4096, False), *layout(48, 8, 6, 1152, 1, zero=1, sp=True)),
@@ -246,8 +155,9 @@ RUNS: list[Run] = [
         "gpu_hours_per_trillion", 180e3, "time-based (GPU-hours): no FLOP convention",
         "DualPipe: expert all-to-all and pp p2p hidden under the other direction's compute",
         {"ep_overlap": True, "fp8": "compute", "ep_dispatch": "node_limited", "activations": "deepseek",
-         "kernels": "fused"}, hardware=H800, params_b=671.0,
-        assumed="micro-batch 1 (not in the sources read here); fused kernels (not described)",
+         "kernels": "fused", "attention_kernel": "fa2"}, hardware=H800, params_b=671.0,
+        assumed="micro-batch 1 (not in the sources read here); fused kernels and FlashAttention-2's rate (neither "
+                "described)",
         differs="DualPipeV (one copy of the weights, V placement) for DualPipe (two copies); no multi-token "
                 "prediction module (+1 block and head in the report); H800 priced as an H100 with NVLink 400 GB/s "
                 "bidirectional and its 81559 MiB; the planner is fast here: its FP8 matmuls run at the tensorwise "
@@ -261,15 +171,17 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 5762.0, "tokens (MFU 33-39% stated, of 989: 6(N - emb) + 12 l h q t)",
-        "FSDP2 all-gathers prefetched; no compile", {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC},
-        _L8B, hardware=TITAN_H100, params_b=8.03,
+        "FSDP2 all-gathers prefetched; no compile",
+        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC, **TITAN_FA2},
+        L8B_FLOPS, hardware=TITAN_H100, params_b=8.03,
         differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF,
         state_bytes=FP32_GRADS),
     Run("torchtitan-8B-128xH100", "torchtitan docs/performance.md @eaea6f6, Table 3 (FSDP row)", "h100", 128,
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(128, batch=256, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 5605.0, "tokens", "FSDP2 all-gathers prefetched; no compile",
-        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC}, _L8B, hardware=TITAN_H100, params_b=8.03,
+        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC, **TITAN_FA2}, L8B_FLOPS, hardware=TITAN_H100,
+        params_b=8.03,
         differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF, state_bytes=FP32_GRADS),
     # June 2025 (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @820504e): 70B on 256 H100, FSDP 32 x TP 8,
     # torch.compile, full AC, local batch 16 (512 sequences), bf16: vanilla TP 597.3, async TP 652.4 tokens/s/GPU.
@@ -277,7 +189,8 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-70b", "--train.seq_len=8192",
          *layout(32, 8, 1, 512, 16, zero=3, sp=True, recompute="full")),
         "tokens_per_s_per_gpu", 597.3, "tokens", "TP collectives block (vanilla TP); FSDP2 prefetch",
-        {"causal_flops": "full", "tp_overlap": False, "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100,
+        {"causal_flops": "full", "tp_overlap": False, "zero3_prefetch": True, "kernels": "fused", **TITAN_FA2},
+        hardware=TITAN_H100,
         params_b=70.55,
         assumed="micro-batch 16: torchtitan runs its local batch as one, without gradient accumulation",
         differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF, state_bytes=FP32_GRADS),
@@ -285,7 +198,8 @@ RUNS: list[Run] = [
         256, ("--model.preset=llama3-70b", "--train.seq_len=8192",
               *layout(32, 8, 1, 512, 16, zero=3, sp=True, recompute="full")),
         "tokens_per_s_per_gpu", 652.4, "tokens", "async TP: tp collectives overlapped with the matmuls; FSDP2 prefetch",
-        {"causal_flops": "full", "tp_overlap": True, "zero3_prefetch": True, "kernels": "fused"}, hardware=TITAN_H100,
+        {"causal_flops": "full", "tp_overlap": True, "zero3_prefetch": True, "kernels": "fused", **TITAN_FA2},
+        hardware=TITAN_H100,
         params_b=70.55,
         assumed="micro-batch 16 (the local batch, as above)",
         differs="torch.compile priced as fused kernels (fivefold's compile); " + TITAN_DIFF, state_bytes=FP32_GRADS),
@@ -296,7 +210,7 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(64, batch=64, micro=1, zero=3,
                                                                      recompute="selective")),
         "mfu", 0.582, "MFU: 6N (embedding included) + 12 l h q t, causal in full", "FSDP2 prefetch",
-        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC},
+        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_SAC, **TITAN_FA2},
         6 * 8.03e9 + 12 * 32 * 32 * 128 * 8192, params_b=8.03,
         differs="selective AC as torchtitan's per-op policy (selective_ac); MFU counts the embedding as 6N",
         state_bytes=FP32_GRADS),
@@ -304,28 +218,28 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-70b", "--train.seq_len=8192", *layout(64, batch=64, micro=1, zero=3,
                                                                       recompute="full")),
         "tokens_per_s_per_gpu", 331.0, "tokens (MFU 51.7% stated)", "FSDP2 prefetch",
-        {"causal_flops": "full", "zero3_prefetch": True}, params_b=70.55, state_bytes=FP32_GRADS),
+        {"causal_flops": "full", "zero3_prefetch": True, **TITAN_FA2}, params_b=70.55, state_bytes=FP32_GRADS),
     # --- llm-foundry MPT benchmarks (mosaicml/llm-foundry, scripts/train/benchmarking/README.md): amp_bf16, FSDP
     # (FULL_SHARD), MP mode DEFAULT, vocab 50368, tied embedding (MPT's wte), shapes from scripts/train/yamls/
     # pretrain/mpt-*.yaml (1b: d 2048, 16 heads, 24 layers; 7b: 4096/32/32; 13b: 5120/40/40; 30b: 7168/56/48;
     # 70b: 8192/64/80; expansion_ratio 4). Each row: MFU, micro-batch, grad accumulation, global batch (sequences),
     # T/s/GPU, activation checkpointing; NumParams as params_b. The MFU's own formula (mpt_flops) turns it into the
     # table's T/s/GPU (tests/planner/test_published_runs.py).
-    _mpt("mpt-1b-8xH100", "H100 80GB BF16: 1b", (2048, 24, 16), 8, 112, 14, "none", 0.4182, 1315950592,
+    mpt_row("mpt-1b-8xH100", "H100 80GB BF16: 1b", (2048, 24, 16), 8, 112, 14, "none", 0.4182, 1315950592,
          "45455 T/s/GPU, grad accum 1, no AC"),
-    _mpt("mpt-7b-8xH100", "H100 80GB BF16: 7b", (4096, 32, 32), 8, 48, 6, "none", 0.4644, 6658859008,
+    mpt_row("mpt-7b-8xH100", "H100 80GB BF16: 7b", (4096, 32, 32), 8, 48, 6, "none", 0.4644, 6658859008,
          "10643 T/s/GPU, grad accum 1, no AC"),
-    _mpt("mpt-13b-8xH100", "H100 80GB BF16: 13b", (5120, 40, 40), 8, 16, 2, "none", 0.3979, 12853954560,
+    mpt_row("mpt-13b-8xH100", "H100 80GB BF16: 13b", (5120, 40, 40), 8, 16, 2, "none", 0.3979, 12853954560,
          "4792 T/s/GPU, grad accum 1, no AC",
          differs="not explained: the planner is fast here where the same table's 7b is close (a "
          "candidate: at micro-batch 2 FSDP1's gathers have less compute to hide under than the planner's prefetch "
          "assumes)"),
-    _mpt("mpt-30b-8xH100", "H100 80GB BF16: 30b", (7168, 48, 56), 8, 504, 3, "full", 0.3811, 29975214080,
+    mpt_row("mpt-30b-8xH100", "H100 80GB BF16: 30b", (7168, 48, 56), 8, 504, 3, "full", 0.3811, 29975214080,
          "2002 T/s/GPU, grad accum 21, AC on (each block: full here)"),
-    _mpt("mpt-70b-512xH100", "H100 80GB BF16 (Large Scale): 70b", (8192, 80, 64), 512, 4096, 8, "full", 0.4125,
+    mpt_row("mpt-70b-512xH100", "H100 80GB BF16 (Large Scale): 70b", (8192, 80, 64), 512, 4096, 8, "full", 0.4125,
          64862437376, "1007 T/s/GPU, grad accum 1, AC on (full here); 8 GPUs a node with one 400 Gb/s NIC each "
          "(not stated)"),
-    _mpt("mpt-7b-8xA100", "A100 80GB (1600 Gbps RoCE): 7b", (4096, 32, 32), 8, 96, 6, "none", 0.6423, 6658859008,
+    mpt_row("mpt-7b-8xA100", "A100 80GB (1600 Gbps RoCE): 7b", (4096, 32, 32), 8, 96, 6, "none", 0.6423, 6658859008,
          "4641 T/s/GPU, grad accum 2, no AC", gpu="a100-80gb"),
     # --- Megatron-Bridge performance summary, 25.11 NeMo container, DGX-H100 (8 H100 a node): Llama 3 / 3.1 in FP8-CS,
     # seq 8192; GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU and model TFLOP/s/GPU as the table gives
@@ -358,7 +272,7 @@ RUNS: list[Run] = [
         MBRIDGE_OVERLAP + "; cp ring p2p overlapped with attention (TE)",
         MBRIDGE_TP_OPTIONS,
         megatron_core_flops(16384, 126, 8192, 128256, 8, 128, groups=8, head_dim=128, ffn=53248), params_b=405.85,
-        differs=MBRIDGE_FP8 + "; 126 blocks over 64 chunks: fivefold balances them by cost"),
+        differs=f"{MBRIDGE_FP8}; 126 blocks over 64 chunks: fivefold balances them by cost; {HOPPER_FAST}"),
     # Megatron-Bridge 25.11 DGX-H100, Qwen3-30B-A3B: FP8-CS, 16 GPUs, GBS 512, MBS 2, seq 4096, TP1 PP2 CP1 VP24 EP8,
     # GA 32: 5275 tokens/s/GPU, 121 TFLOP/s; force-balanced, dropless (the table's note).
     Run("mbridge-qwen3-30B-A3B-16xH100-fp8", f"{MBRIDGE_2511}, Qwen3_30B_a3B; {MBRIDGE_RECIPE}", "h100", 16,
@@ -402,7 +316,7 @@ RUNS: list[Run] = [
                 "selective recompute of mla_up_proj and mlp as fivefold's selective (the attention core); 61 "
                 "blocks over 32 chunks balanced by cost, not the yaml's layout; DeepEP's dispatch as node-limited "
                 "(ep_dispatch), Megatron's 1F1B all-to-all overlap as DualPipe's pairing (ep_overlap, which "
-                "fivefold runs under dualpipe_v only); over memory with fivefold's activations"),
+                "fivefold runs under dualpipe_v only); over memory with fivefold's activations; " + HOPPER_FAST),
     # --- Megatron-Core MoE team's model zoo (the Megatron Core MoE report's companion repository), H100 table:
     # Qwen3-235B-A22B, DeepEP, BF16, 256 GPUs, seq 4096, the intra-node EP row: TP2 CP1 EP8 PP1 EDP32 ETP1 VPP1
     # DP128, FSDP on, MBS 4, GBS 2048, GA 4, full recompute: step 17.6 s, 276 TFLOP/s per GPU (main @1e057005).
@@ -422,15 +336,15 @@ RUNS: list[Run] = [
     # --- torchtitan community benchmark (Trainy on WhiteFiber, June 2025): Llama 3.1 8B on 4 and 8 nodes of 8 H200
     # (NVLink; 400 Gb/s CX-7 per GPU), llama3_8b.toml (seq 8192, FSDP over all GPUs, selective per-op AC) with
     # local batch 2, torch.compile, Float8 (tensorwise) with FSDP float8 all-gather and precomputed scales; TPS/GPU.
-    _titan_h200(4, 10938.0),
-    _titan_h200(8, 10753.0),
+    titan_h200_row(4, 10938.0),
+    titan_h200_row(8, 10753.0),
     # --- torchao / torchtitan on B200: Llama3-8b, single node of 8 power-limited B200, batch size 1, seq 8192, 100
     # steps, torch.compile, FSDP2, per-op SAC; median tokens/s (torchtitan's tps, per GPU); torch 2.9.0.dev20250815,
     # torchao 0.13.0+gite4e681be6, torchtitan 6fc499f.
-    _torchao("bf16", "", 8307.5, "FSDP2 prefetch; torch.compile", "none"),
-    _torchao("mxfp8", ", mxfp8_cublas", 9969.0, "FSDP2 prefetch (bf16 gathers); torch.compile", "compute",
+    torchao_row("bf16", "", 8307.5, "FSDP2 prefetch; torch.compile", "none"),
+    torchao_row("mxfp8", ", mxfp8_cublas", 9969.0, "FSDP2 prefetch (bf16 gathers); torch.compile", "compute",
              "MXFP8 (1x32 blocks, cuBLAS) priced as fivefold's FP8 matmuls"),
-    _torchao("float8", ", float8 tensorwise (f8 all-gather)", 10417.0, "FSDP2 prefetch, float8 all-gather; "
+    torchao_row("float8", ", float8 tensorwise (f8 all-gather)", 10417.0, "FSDP2 prefetch, float8 all-gather; "
              "torch.compile", "weights"),
     # --- torchtitan docs/performance.md @eaea6f6, Table 1 (as torchtitan-8B-8xH100 above): the torch.compile and
     # torch.compile + Float8 rows.
@@ -438,7 +352,7 @@ RUNS: list[Run] = [
         "h100", 8, ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
                                                                                 recompute="selective")),
         "tokens_per_s_per_gpu", 6667.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused", **TITAN_SAC},
+        {"causal_flops": "full", "zero3_prefetch": True, "kernels": "fused", **TITAN_SAC, **TITAN_FA2},
         hardware=TITAN_H100, params_b=8.03,
         differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF, state_bytes=FP32_GRADS),
     Run("torchtitan-8B-8xH100-compile-fp8", "torchtitan docs/performance.md @eaea6f6, Table 1 "
@@ -446,8 +360,8 @@ RUNS: list[Run] = [
         ("--model.preset=llama3-8b", "--train.seq_len=8192", *layout(8, batch=16, micro=2, zero=3,
                                                                      recompute="selective")),
         "tokens_per_s_per_gpu", 8532.0, "tokens", "FSDP2 all-gathers prefetched; torch.compile",
-        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused", **TITAN_SAC},
-        hardware=TITAN_H100,
+        {"causal_flops": "full", "zero3_prefetch": True, "fp8": "compute", "kernels": "fused", **TITAN_SAC,
+         **TITAN_FA2}, hardware=TITAN_H100,
         params_b=8.03, assumed="Float8 recipe and FSDP float8 all-gather not stated: tensorwise matmuls, bf16 gathers",
         differs="selective AC as torchtitan's per-op policy (selective_ac); " + TITAN_DIFF, state_bytes=FP32_GRADS),
 ]

@@ -28,9 +28,10 @@ _FIELDS = [*_CORE_FIELDS, *MEASURED_FIELDS]
 # absent on a hand-written GPU profile: without the roofline's fields it is priced flat (datasheet.py);
 # the host figures only offload needs
 _ROOFLINE = ("sm_count", "matmul_tiles", "matmul_efficiency", "fp8_peak_flops", "fp8_matmul_efficiency",
-             "attention_fwd_curve", "attention_bwd_curve", "hbm_efficiency")
+             "attention_fwd_curve", "attention_bwd_curve", "fa2_fwd_curve", "fa2_bwd_curve", "hbm_efficiency")
 _OPTIONAL = {*ASSUMED, "collective_alpha", *_ROOFLINE, "host_bw", "host_memory_bytes", *MEASURED_FIELDS}
-_CURVES = ("matmul_curve", "elementwise_curve", "noise_curve", "attention_fwd_curve", "attention_bwd_curve")
+_CURVES = ("matmul_curve", "elementwise_curve", "noise_curve", "attention_fwd_curve", "attention_bwd_curve",
+           "fa2_fwd_curve", "fa2_bwd_curve")
 _BY_OP = ("collective_alpha",)  # [[op, value], ...]
 _INTS = ("gpus_per_node", "threads", "sm_count")
 

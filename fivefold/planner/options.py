@@ -30,7 +30,9 @@ choices a planner must still make are not in it:
   --overlap-param-gather: ZeRO-1/2's weight all-gather under the next step's forward) are the
   switches fivefold does not run.
 
-`attention_kernel = "materialized"` prices a trainer before FlashAttention (the score matrix
+`attention_kernel` names the attention kernel: "sdpa" (fivefold's: the kernel torch's SDPA runs on
+the GPU, cuDNN's on Hopper and Blackwell), "fa2" (FlashAttention-2, what SDPA ran there before torch
+2.11 and what torchtitan pinned) or "materialized", a trainer before FlashAttention (the score matrix
 written out, ops.materialized_attention): published runs of 2021 ran so, fivefold never does.
 `activations = "megatron"` keeps for backward what Megatron-LM keeps (activations.py), with the
 backward's extra all-gather that sequence parallelism then runs (comm.py): published runs'
@@ -56,7 +58,7 @@ from fivefold.validate.speed import speed_errors
 Offload = Literal["none", "optimizer", "params"]  # "params" offloads the optimizer state too (ZeRO-Infinity)
 Fp8 = Literal["none", "compute", "weights"]  # "weights" computes in FP8 too
 Kernels = Literal["auto", "eager", "fused"]  # "auto": fused when train.compile is on
-AttentionKernel = Literal["flash", "materialized"]  # "materialized": the whole score matrix (machine/ops.py)
+AttentionKernel = Literal["sdpa", "fa2", "materialized"]  # "materialized": the whole score matrix (machine/ops.py)
 EpDispatch = Literal["all_to_all", "node_limited"]  # fivefold's all-to-all, DeepSeek-V3's (expert_comm.py)
 SelectiveAc = Literal["attention_core", "per_op"]  # what train.recompute = "selective" reruns (roofline.py)
 
@@ -74,7 +76,7 @@ class PlanOptions:
     offload: Offload = "none"  # ZeRO-Offload (Ren et al. 2021) / ZeRO-Infinity (Rajbhandari et al. 2021)
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
     kernels: Kernels = "auto"  # elementwise kernels as run eagerly or fused (module docstring)
-    attention_kernel: AttentionKernel = "flash"  # "materialized": the whole score matrix (a published run's)
+    attention_kernel: AttentionKernel = "sdpa"  # "fa2", "materialized": another trainer's kernel (module docstring)
     activations: ActivationLayout = "fivefold"  # "megatron": what Megatron-LM keeps for backward (activations.py)
     ep_dispatch: EpDispatch = "all_to_all"  # "node_limited": DeepSeek-V3's dispatch over nodes (expert_comm.py)
     # what selective recompute reruns: the attention core (Korthikanti et al. 2022, fivefold's) or torchtitan's
@@ -107,8 +109,9 @@ class PlanOptions:
         options no layout can run."""
         out = [] if self.zero3_prefetch or (cfg is not None and cfg.parallel.zero != 3) else [
             "zero3_prefetch=false: fivefold's ZeRO-3 always prefetches the next unit"]
-        if self.attention_kernel != "flash":
-            out.append(f"attention_kernel={self.attention_kernel}: fivefold always runs a fused attention kernel")
+        if self.attention_kernel != "sdpa":
+            out.append(f"attention_kernel={self.attention_kernel}: fivefold's attention is the kernel torch's SDPA "
+                       "picks (model/attention.py)")
         if self.activations != "fivefold" and (cfg is None or layout_applies(cfg.model, self.activations)):
             out.append(f"activations={self.activations}: fivefold keeps other tensors for backward "
                        "(planner/activations.py)")
@@ -141,7 +144,7 @@ DEFAULT = PlanOptions()
 
 _CHOICES = {"causal_flops": ("half", "full"), "offload": ("none", "optimizer", "params"),
             "fp8": ("none", "compute", "weights"), "kernels": ("auto", "eager", "fused"),
-            "attention_kernel": ("flash", "materialized"), "activations": ("fivefold", "megatron", "deepseek"),
+            "attention_kernel": ("sdpa", "fa2", "materialized"), "activations": ("fivefold", "megatron", "deepseek"),
             "ep_dispatch": ("all_to_all", "node_limited"), "selective_ac": ("attention_core", "per_op")}
 _BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap", "param_gather_overlap")
 # the ones --layout accepts beside the config's keys (another trainer's kernels, memory and dispatch among them)

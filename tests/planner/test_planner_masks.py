@@ -27,14 +27,17 @@ def test_the_roofline_prices_the_tiles_the_kernel_computes():
     """Llama 3 8B, 8192 tokens: its causal kernel runs 8192^2 x 32 x 256 FLOPs forward. Under a
     window of 1024 the FLOPs are the kept pairs' and the time the kept tiles' share of the causal
     kernel's: each query tile keeps its diagonal and 8 back (the closest pair 8 tiles back is
-    7 x 128 + 1 = 897 apart, 9 back 1025), the first 8 fewer: 1 + 2 + .. + 9 + 55 x 9 = 540 of 64 x 65 / 2."""
+    7 x 128 + 1 = 897 apart, 9 back 1025), the first 8 fewer: 1 + 2 + .. + 9 + 55 x 9 = 540 of 64 x 65 / 2.
+    The window runs FlexAttention, priced at FlashAttention-2's causal rate; causality alone SDPA's kernel."""
     causal = 8192 * 8192 * 32 * 256
     shapes = RankShapes(tokens=8192, sp_tokens=8192, seq_len=8192, kernel_seq=8192)
     windowed = block_ops(dataclasses.replace(LLAMA8, sliding_window=1024), 0, shapes)
     assert windowed.attention_flops == pytest.approx(causal * window_pairs(8192, 1024) / (8192 * 8192 / 2))
     assert windowed.attention_work == pytest.approx(causal * 540 / (64 * 65 / 2))
-    plain = roofline.price_ops(block_ops(LLAMA8, 0, shapes), H100, 2, fp8=False)
+    assert windowed.attention_flex and not block_ops(LLAMA8, 0, shapes).attention_flex
+    plain = roofline.price_ops(block_ops(LLAMA8, 0, shapes), H100, 2, fp8=False, kernel="fa2")
     masked = roofline.price_ops(windowed, H100, 2, fp8=False)
+    assert masked.attention_curves == {"fa2"}
     assert masked.forward["attention"] == pytest.approx(plain.forward["attention"] * 540 / (64 * 65 / 2))
     assert masked.backward["attention"] == pytest.approx(plain.backward["attention"] * 540 / (64 * 65 / 2))
     documents = block_ops(LLAMA8, 0, dataclasses.replace(shapes, document_tokens=1024))
@@ -49,8 +52,9 @@ def _estimate(*overrides: str, options: PlanOptions = DEFAULT):
 
 
 def test_documents_of_a_stated_length_cut_the_attention_and_the_step():
-    plain = _estimate("--data.document_mask=true")  # no length stated: the whole row, as causal
-    assert plain.step_time_s == _estimate().step_time_s and plain.mfu == _estimate().mfu
+    plain = _estimate("--data.document_mask=true")  # no length stated: the whole row, at FlexAttention's rate
+    as_fa2 = _estimate(options=PlanOptions(attention_kernel="fa2"))
+    assert plain.step_time_s == as_fa2.step_time_s > _estimate().step_time_s and plain.mfu == as_fa2.mfu
     docs = _estimate("--data.document_mask=true", options=PlanOptions(document_tokens=1024))
     assert docs.step_time_s < plain.step_time_s
     matmul = 6 * model_counts(LLAMA8).active_matmul

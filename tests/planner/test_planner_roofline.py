@@ -84,17 +84,27 @@ def test_backward_prices_input_and_weight_gradients_at_their_own_shapes():
     assert price.backward["matmul"] == pytest.approx(forward + wgrad)
 
 
-def test_attention_runs_at_flashattention2s_measured_fraction():
+def test_attention_runs_at_its_kernels_measured_fraction():
     """Llama 3 8B, 8192 tokens of an 8192 sequence: the causal kernel runs T x s x H x (D + D) =
-    8192^2 x 32 x 256 FLOPs forward at 333 TFLOP/s, 2.5 x that backward at 318 (FA3 paper, figs. 5-6)."""
+    8192^2 x 32 x 256 FLOPs forward, 2.5 x that backward. On an H100 SDPA runs cuDNN's kernel, 529
+    TFLOP/s forward and 518 backward at 8k; FlashAttention-2 (attention_kernel = "fa2") 333 and 318
+    (FA3 paper, figs. 5-6). The A100 has no cuDNN curve apart: "fa2" prices what SDPA runs there."""
     ops = block_ops(LLAMA8, 0, _shapes())
     assert ops.attention_flops == 8192 * 8192 * 32 * 256
     price = roofline.price_ops(ops, H100, 2, fp8=False)
-    assert price.forward["attention"] == pytest.approx(ops.attention_flops / 333e12)
-    assert price.backward["attention"] == pytest.approx(2.5 * ops.attention_flops / 318e12)
+    assert price.forward["attention"] == pytest.approx(ops.attention_flops / 529e12)
+    assert price.backward["attention"] == pytest.approx(2.5 * ops.attention_flops / 518e12)
+    fa2 = roofline.price_ops(ops, H100, 2, fp8=False, kernel="fa2")
+    assert fa2.forward["attention"] == pytest.approx(ops.attention_flops / 333e12)
+    assert fa2.backward["attention"] == pytest.approx(2.5 * ops.attention_flops / 318e12)
+    assert (price.attention_curves, fa2.attention_curves) == ({"sdpa"}, {"fa2"})
+    a100 = get_hardware("a100-80gb")
+    assert (roofline.price_ops(ops, a100, 2, fp8=False, kernel="fa2").forward
+            == roofline.price_ops(ops, a100, 2, fp8=False).forward)
     between = 298 + (math.log(3000) - math.log(2048)) / (math.log(4096) - math.log(2048)) * (319 - 298)
-    assert roofline.interpolate(H100.attention_fwd_curve, 3000) == pytest.approx(between / 989)
-    assert roofline.interpolate(H100.attention_fwd_curve, 100) == pytest.approx(191 / 989)  # flat outside
+    assert roofline.interpolate(H100.fa2_fwd_curve, 3000) == pytest.approx(between / 989)
+    assert roofline.interpolate(H100.fa2_fwd_curve, 100) == pytest.approx(191 / 989)  # flat outside
+    assert roofline.interpolate(H100.attention_fwd_curve, 100) == pytest.approx(315 / 989)
 
 
 def test_elementwise_ops_are_memory_bound():
@@ -238,7 +248,8 @@ def test_explain_names_each_op_class_its_efficiency_and_source():
     rows = {what: (arithmetic, source) for what, arithmetic, source in estimate(cfg, 8, H100).explain}
     assert "80.3%" in rows["compute: matmuls"][0] and "ml-engineering" in rows["compute: matmuls"][1]
     assert "Matrix Multiplication Background" in rows["compute: matmuls"][1]
-    assert "33.7%" in rows["compute: attention core"][0] and "FlashAttention-3" in rows["compute: attention core"][1]
+    attention = rows["compute: attention core"]  # SDPA's kernel on an H100: cuDNN's, 529 of 989 at 8k
+    assert "SDPA's kernel at 53.5%" in attention[0] and "FlashAttention-3" in attention[1] and "cuDNN" in attention[1]
     assert "90%" in rows["compute: elementwise"][0] and "STREAM" in rows["compute: elementwise"][1]
     assert "of the bf16 peak" in rows["forward per chunk"][0]
 
@@ -262,10 +273,13 @@ def test_gpu_calibration_turns_timings_into_the_roofline_constants(tmp_path):
     q = 8192 * 8192 / (32 * 132 * 128 * 128)
     flops = TOKENS * 8192 * HEADS * 2 * HEAD_DIM
     fields = gpu_constants(H100, 8192, 2 * 8192**3 / (0.7 * 989e12 * q), None,
-                           {8192: (flops / (0.3 * 989e12), 2.5 * flops / (0.25 * 989e12))}, 1e9, 1e9 / (0.85 * 3.35e12))
+                           {8192: (flops / (0.3 * 989e12), 2.5 * flops / (0.25 * 989e12))}, 1e9, 1e9 / (0.85 * 3.35e12),
+                           fa2={8192: (flops / (0.2 * 989e12), 2.5 * flops / (0.1 * 989e12))})
     assert fields["matmul_efficiency"] == pytest.approx(0.7)
     assert fields["attention_fwd_curve"] == ((8192.0, pytest.approx(0.3)),)
     assert fields["attention_bwd_curve"] == ((8192.0, pytest.approx(0.25)),)
+    assert fields["fa2_fwd_curve"] == ((8192.0, pytest.approx(0.2)),)  # SDPA held to its flash backend
+    assert fields["fa2_bwd_curve"] == ((8192.0, pytest.approx(0.1)),)
     assert fields["hbm_efficiency"] == pytest.approx(0.85) and "fp8_matmul_efficiency" not in fields
     measured = dataclasses.replace(H100, name="mine", **fields)
     path = tmp_path / "mine.toml"
@@ -348,9 +362,12 @@ def test_materialized_attention_against_hand_arithmetic():
     assert price.forward["attention"] == pytest.approx(forward)
     assert price.backward["attention"] == pytest.approx(backward)
     assert price.flops["attention"] == pytest.approx(3 * 2 * 2 * n * S * S * hd)  # no causal half skipped
-    flash = roofline.price_ops(block_ops(gpt, 0, dataclasses.replace(shapes, attention="flash")), H100, 2, False)
+    flash = roofline.price_ops(block_ops(gpt, 0, dataclasses.replace(shapes, attention="sdpa")), H100, 2, False)
     assert flash.forward["matmul"] == price.forward["matmul"] and flash.bytes == price.bytes
     assert PlanOptions(attention_kernel="materialized").not_runnable()  # fivefold never runs it
+    assert PlanOptions(attention_kernel="fa2").not_runnable() == [
+        "attention_kernel=fa2: fivefold's attention is the kernel torch's SDPA picks (model/attention.py)"]
+    assert not PlanOptions().not_runnable()
 
 
 def test_keep_busy_runs_batches_until_the_clock_passes_the_burn():

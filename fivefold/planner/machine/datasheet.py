@@ -6,8 +6,9 @@ A `Hardware` holds three kinds of numbers, and keeps them apart on purpose:
 - vendor figures (peak dense bf16 and FP8 FLOP/s, memory, link bandwidths, SMs, GPUs per node),
   each with the data sheet it comes from;
 - published kernel measurements the roofline prices a catalog GPU's ops with (roofline.py): the
-  large-GEMM fraction of peak a matmul reaches (bf16 and FP8), FlashAttention-2's fraction by
-  sequence length, each with the measurement it comes from;
+  large-GEMM fraction of peak a matmul reaches (bf16 and FP8), the attention kernel's fraction by
+  sequence length (the kernel torch's SDPA runs there, and FlashAttention-2's where that is another),
+  each with the measurement it comes from;
 - efficiency factors (the achievable fraction of HBM and of link bandwidth, the latency of one
   collective step, optionally per collective; the flat fraction of peak FLOP/s for hardware
   without a roofline), each with where it comes from: either a stated assumption of the catalog or
@@ -130,8 +131,13 @@ class Hardware:
     matmul_efficiency: float = 0.0  # fraction of peak_flops a large bf16 GEMM reaches (measured)
     fp8_peak_flops: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores)
     fp8_matmul_efficiency: float = 0.0  # fraction of fp8_peak_flops a large FP8 GEMM reaches (measured)
-    attention_fwd_curve: tuple[tuple[float, float], ...] = ()  # (sequence length, fraction of peak): FA2 forward
+    # (sequence length, fraction of peak): the causal forward of the kernel torch's SDPA runs here (fivefold's)
+    attention_fwd_curve: tuple[tuple[float, float], ...] = ()
     attention_bwd_curve: tuple[tuple[float, float], ...] = ()  # the same for its backward
+    # FlashAttention-2's, where SDPA runs another kernel (a published run's: PlanOptions.attention_kernel = "fa2");
+    # empty: SDPA's kernel is FA2 here, the attention curves serve
+    fa2_fwd_curve: tuple[tuple[float, float], ...] = ()
+    fa2_bwd_curve: tuple[tuple[float, float], ...] = ()
     hbm_efficiency: float = 0.0  # achievable fraction of hbm_bw for a streaming kernel
     comm_sms: int = 0  # SMs a collective takes from the compute it runs beside (overlap.contention; 0: none)
     # the host, for offload (offload.py): this GPU's share of its node's DRAM bandwidth (bytes/s; the
@@ -160,22 +166,31 @@ ASSUMED = {
 # of a sweep, mean of 100 iterations after 50 warm-up; bf16 and float8_e4m3fn, no sparsity).
 MAMF = ("measured: stas00/ml-engineering, compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS "
         "comparison table'")
-# FlashAttention-2 on H100 SXM5, bf16, head dim 128, TFLOP/s by sequence length (batch x seq = 16k tokens):
-# Shah et al. 2024, "FlashAttention-3", fig. 5 (forward, causal mask) and fig. 6 (backward). PyTorch's
-# SDPA flash backend is FA2 (the cuDNN backend, faster on H100, is not assumed); the curves count
-# FLOPs as roofline.py does (the causal mask halves them; backward 2.5 x the forward's).
+# Attention kernels on H100 SXM5, bf16, head dim 128, TFLOP/s by sequence length (batch x seq = 16k
+# tokens): Shah et al. 2024, "FlashAttention-3", fig. 5 (forward, causal mask) and fig. 6 (backward),
+# counted as roofline.py counts them (the causal mask halves the FLOPs; backward 2.5 x the forward's).
+# torch's SDPA runs cuDNN's kernel on sm90 and sm100 (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+# check_prefer_cudnn_attention: cuDNN first once the bundled cuDNN is past 9.15, torch 2.11 on), as
+# Transformer Engine does on Hopper (get_attention_backend: "Disabling FlashAttention to give FusedAttention
+# preference on Hopper+"); FlashAttention-2 is SDPA's flash backend, what torch ran there before.
 _FA2_H100_FWD = ((512, 191), (1024, 260), (2048, 298), (4096, 319), (8192, 333), (16384, 335))
 _FA2_H100_BWD = ((512, 214), (1024, 260), (2048, 291), (4096, 310), (8192, 318), (16384, 322))
-FA2_SOURCE = ("measured: Shah et al. 2024, FlashAttention-3, figs. 5-6: FlashAttention-2 on H100 SXM5, bf16, "
-              "head dim 128, forward with causal mask 191-335 and backward 214-322 TFLOP/s for sequences 512-16k "
-              "(of 989); the kernel PyTorch SDPA's flash backend runs")
+_CUDNN_H100_FWD = ((512, 315), (1024, 410), (2048, 484), (4096, 518), (8192, 529), (16384, 539))
+_CUDNN_H100_BWD = ((512, 305), (1024, 408), (2048, 465), (4096, 499), (8192, 518), (16384, 516))
+FA3_PAPER = ("measured: Shah et al. 2024, FlashAttention-3, figs. 5-6: H100 SXM5, bf16, head dim 128, of 989 "
+             "TFLOP/s, sequences 512-16k")
+FA2_SOURCE = (f"{FA3_PAPER}: FlashAttention-2, forward with causal mask 191-335 and backward 214-322 TFLOP/s "
+              "(SDPA's flash backend)")
+CUDNN_SOURCE = (f"{FA3_PAPER}: cuDNN, forward with causal mask 315-539 and backward 305-518 TFLOP/s (the kernel "
+                "torch's SDPA prefers on sm90/sm100 from torch 2.11, sdp_utils.cpp check_prefer_cudnn_attention)")
 
 
-def _fa2(points: tuple[tuple[int, int], ...], peak_tflops: float = 989.0) -> tuple[tuple[float, float], ...]:
+def _curve(points: tuple[tuple[int, int], ...], peak_tflops: float = 989.0) -> tuple[tuple[float, float], ...]:
     return tuple((float(s), t / peak_tflops) for s, t in points)
 
 
-H100_FA2 = {"attention_fwd_curve": _fa2(_FA2_H100_FWD), "attention_bwd_curve": _fa2(_FA2_H100_BWD)}
+H100_FA2 = {"fa2_fwd_curve": _curve(_FA2_H100_FWD), "fa2_bwd_curve": _curve(_FA2_H100_BWD)}
+H100_CUDNN = {"attention_fwd_curve": _curve(_CUDNN_H100_FWD), "attention_bwd_curve": _curve(_CUDNN_H100_BWD)}
 
 
 def _hw(name: str, sheet: str, network: str, measured: dict[str, str], **numbers) -> Hardware:
@@ -201,9 +216,13 @@ _A100_MEASURED = {
 _A100 = dict(sm_count=108, matmul_efficiency=271.2 / 312, attention_fwd_curve=((1.0, 0.5),),
              attention_bwd_curve=((1.0, 0.5),), hbm_efficiency=0.9, comm_sms=20)
 _HOPPER = dict(sm_count=132, matmul_efficiency=794.5 / 989, fp8_peak_flops=1979 * TERA, hbm_efficiency=0.9,
-               comm_sms=20, **H100_FA2)
+               comm_sms=20, **H100_CUDNN, **H100_FA2)
 _OTHER_FA2 = ("assumption: the H100's FlashAttention-2 fractions of peak (no published FA2 curve on this GPU); "
               + FA2_SOURCE)
+_OTHER_CUDNN = ("assumption: the H100's cuDNN fractions of peak (no published curve on this GPU; SDPA prefers cuDNN "
+                "on sm100 too); " + CUDNN_SOURCE)
+_HOPPER_ATTENTION = {"attention_fwd_curve": CUDNN_SOURCE, "attention_bwd_curve": CUDNN_SOURCE,
+                     "fa2_fwd_curve": FA2_SOURCE, "fa2_bwd_curve": FA2_SOURCE}
 
 # Link figures: vendors quote NVLink as bidirectional totals (A100: 600 GB/s, H100/H200: 900 GB/s,
 # B200: 1.8 TB/s); one direction is half. NIC figures are line rates in Gb/s: 200 Gb/s HDR = 25 GB/s,
@@ -228,7 +247,7 @@ _DEVICES: dict[str, Hardware] = {
         "NVIDIA DGX H100 data sheet: 8x 400 Gb/s ConnectX-7 (NDR), one per GPU",
         {"matmul_efficiency": f"{MAMF}: H100 SXM 794.5 of 989 TFLOPS bf16 (80.3%)",
          "fp8_matmul_efficiency": f"{MAMF}: H100 SXM 1402.6 of 1979 TFLOPS FP8 (70.9%)",
-         "attention_fwd_curve": FA2_SOURCE, "attention_bwd_curve": FA2_SOURCE, "comm_sms": COMM_SMS},
+         **_HOPPER_ATTENTION, "comm_sms": COMM_SMS},
         peak_flops=989 * TERA, memory_bytes=80 * GB, hbm_bw=3350 * GB, intra_bw=450 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, fp8_matmul_efficiency=1402.6 / 1979, **_HOPPER),
     "h200": _hw(
@@ -238,8 +257,8 @@ _DEVICES: dict[str, Hardware] = {
         "NVIDIA DGX H200 data sheet: 8x 400 Gb/s ConnectX-7 (NDR), one per GPU",
         {"matmul_efficiency": f"{MAMF}: H100 SXM 794.5 of 989 TFLOPS bf16 (80.3%; 'H200 is the same')",
          "fp8_matmul_efficiency": f"{MAMF}: H200 SXM 1453.4 of 1979 TFLOPS FP8 (73.4%)",
-         "attention_fwd_curve": "the H100's (same die and clocks): " + FA2_SOURCE,
-         "attention_bwd_curve": "the H100's (same die and clocks): " + FA2_SOURCE, "comm_sms": COMM_SMS},
+         **{k: "the H100's (same die and clocks): " + v for k, v in _HOPPER_ATTENTION.items()},
+         "comm_sms": COMM_SMS},
         peak_flops=989 * TERA, memory_bytes=141 * GB, hbm_bw=4800 * GB, intra_bw=450 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, fp8_matmul_efficiency=1453.4 / 1979, **_HOPPER),
     "b200": _hw(
@@ -249,11 +268,12 @@ _DEVICES: dict[str, Hardware] = {
         "NVIDIA DGX B200 data sheet: 8x 400 Gb/s ConnectX-7, one per GPU",
         {"matmul_efficiency": f"{MAMF}: B200 SXM 1745.0 of 2250 TFLOPS bf16 (77.6%)",
          "fp8_matmul_efficiency": f"{MAMF}: B200 SXM 3432.5 of 4500 TFLOPS FP8 (76.3%)",
-         "attention_fwd_curve": _OTHER_FA2, "attention_bwd_curve": _OTHER_FA2, "comm_sms": COMM_SMS_ASSUMED},
+         "attention_fwd_curve": _OTHER_CUDNN, "attention_bwd_curve": _OTHER_CUDNN, "fa2_fwd_curve": _OTHER_FA2,
+         "fa2_bwd_curve": _OTHER_FA2, "comm_sms": COMM_SMS_ASSUMED},
         peak_flops=2250 * TERA, memory_bytes=180 * GB, hbm_bw=8000 * GB, intra_bw=900 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, sm_count=148, matmul_efficiency=1745.0 / 2250,
         fp8_peak_flops=4500 * TERA, fp8_matmul_efficiency=3432.5 / 4500, hbm_efficiency=0.9, comm_sms=20,
-        **H100_FA2),
+        **H100_CUDNN, **H100_FA2),
     "mi300x": _hw(
         "mi300x", "AMD Instinct MI300X data sheet: 1,307.4 TFLOPS bf16 dense, FP8 2,614.9 dense, 192 GB HBM3 at "
         "5.3 TB/s, 7 Infinity Fabric links of 64 GB/s per direction to the 7 peers of an 8-GPU platform "
@@ -268,7 +288,7 @@ _DEVICES: dict[str, Hardware] = {
         peak_flops=1307.4 * TERA, memory_bytes=192 * GB, hbm_bw=5300 * GB, intra_bw=448 * GB, inter_bw=50 * GB,
         pcie_bw=64 * GB, gpus_per_node=8, sm_count=304, matmul_efficiency=668.4 / 1307.4,
         fp8_peak_flops=2614.9 * TERA, fp8_matmul_efficiency=668.4 / 1307.4, hbm_efficiency=0.9, comm_sms=20,
-        **H100_FA2),
+        attention_fwd_curve=H100_FA2["fa2_fwd_curve"], attention_bwd_curve=H100_FA2["fa2_bwd_curve"]),
 }
 # The host side of the same reference nodes (DRAM peak = channels x MT/s x 8 bytes per socket, x 2
 # sockets, shared by the node's 8 GPUs): (host_bw per GPU, host memory per node, source).

@@ -99,6 +99,7 @@ class Ops:
     # backward bytes of its softmax and dropout over the score matrix
     attention_matmuls: tuple[Matmul, ...] = ()
     softmax_bytes: tuple[float, float] = (0.0, 0.0)
+    attention_flex: bool = False  # fivefold runs it through FlexAttention (runs_flex), not SDPA
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ class RankShapes:
     weight_bytes: float = 4  # a weight element as the matmuls find it: fp32 at rest is cast each forward
     fused: bool = False  # train.compile: elementwise chains fused
     imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
-    document_tokens: float = 0.0  # mean document length under a document mask (0: none)
-    attention: AttentionKernel = "flash"  # "materialized": a pre-FlashAttention trainer's (materialized_attention)
+    document_tokens: float = 0.0  # mean document length under a document mask (0: none, or not stated)
+    document_mask: bool = False  # data.document_mask: fivefold's attention runs FlexAttention (runs_flex)
+    attention: AttentionKernel = "sdpa"  # "materialized": a pre-FlashAttention trainer's (materialized_attention)
     fp8: Fp8 = "none"  # PlanOptions.fp8: "compute" casts every matmul's operands, "weights" has them gathered in FP8
 
 
@@ -262,7 +264,14 @@ def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
     ew.copy("residual adds", 2 * 2 * s.sp_tokens * m.dim, 2 * s.sp_tokens * m.dim)
     if s.attention == "materialized":
         return materialized_attention(m, s, ew.ops(mms))
-    return ew.ops(mms, _masked(m, layer, s, causal_flops))
+    return dataclasses.replace(ew.ops(mms, _masked(m, layer, s, causal_flops)), attention_flex=runs_flex(m, layer, s))
+
+
+def runs_flex(m: ModelConfig, layer: int, s: RankShapes) -> bool:
+    """Does fivefold's attention of block `layer` run FlexAttention on a GPU (model/attention.py
+    backend_for): a window, documents or sinks under attention_backend "auto", or "flex" named."""
+    masked = bool(m.layer_window(layer) or s.document_mask or m.attention_sinks)
+    return m.attention_backend == "flex" or (m.attention_backend == "auto" and masked)
 
 
 def materialized_attention(m: ModelConfig, s: RankShapes, ops: Ops) -> Ops:

@@ -13,15 +13,16 @@ Each op takes the longer of its compute and its memory traffic:
   dense peak and its own measured fraction, operands one byte each.
 - backward: two matmuls per forward one, priced at their own shapes: the input gradient
   dY W^T is (M, K, N), the weight gradient X^T dY is (K, N, M): its reduction runs over the tokens.
-- the attention core: FLOPs / (peak x the measured FlashAttention-2 fraction at the kernel's
-  sequence length) (datasheet.py: the curves of Shah et al. 2024, FlashAttention-3, figs. 5-6,
-  which measure FA2, the kernel PyTorch's SDPA flash backend runs); backward 2.5 x the forward's
-  FLOPs (five matmuls of the forward's two: QK^T again, dV, dP, dQ, dK; Dao 2023, FlashAttention-2,
-  sec. 3.1.2) at the backward curve. It stays bf16 under FP8. Under sliding windows and documents
-  (FlexAttention on CUDA) the causal kernel's time scaled by the 128 x 128 tiles the block mask
-  keeps over the tiles causality keeps (ops.py, model/mask_counts.py): a partly masked tile costs
-  a whole one, and the tiles run at the causal kernel's measured rate (no FlexAttention
-  measurement is in the catalog).
+- the attention core: FLOPs / (peak x the kernel's measured fraction at its sequence length):
+  by default the kernel torch's SDPA runs on that GPU (cuDNN's on Hopper and Blackwell), under
+  PlanOptions.attention_kernel = "fa2" FlashAttention-2's (datasheet.py: both from the curves of
+  Shah et al. 2024, FlashAttention-3, figs. 5-6); backward 2.5 x the forward's FLOPs (five matmuls
+  of the forward's two: QK^T again, dV, dP, dQ, dK; Dao 2023, FlashAttention-2, sec. 3.1.2) at the
+  backward curve. It stays bf16 under FP8. Under sliding windows, documents and sinks fivefold
+  runs FlexAttention (ops.runs_flex), priced at FlashAttention-2's curves (no FlexAttention
+  measurement is in the catalog; its authors put it at 85-90% of FA2's, PyTorch blog "FlexAttention",
+  2024), its time scaled by the 128 x 128 tiles the block mask keeps over the tiles causality keeps
+  (ops.py, model/mask_counts.py): a partly masked tile costs a whole one.
 - elementwise kernels: memory-bound, bytes / (HBM bandwidth x hbm_efficiency).
 
 Recompute as the FLOP model had it: full runs the forward again, selective the attention core's
@@ -50,6 +51,11 @@ from fivefold.planner.activations import layout_applies
 from fivefold.planner.machine.ops import PER_OP_RERUN, Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 from fivefold.planner.memory import expert_imbalance
+from fivefold.planner.options import AttentionKernel
+
+Curve = tuple[tuple[float, float], ...]  # (sequence length, fraction of peak) points (interpolate)
+# the curves an attention core is priced at, as --explain names them
+ATTENTION_KERNELS = {"sdpa": "SDPA's kernel", "fa2": "FlashAttention-2"}
 
 
 class Hardware(Protocol):
@@ -68,6 +74,8 @@ class Hardware(Protocol):
     hbm_efficiency: float
     attention_fwd_curve: tuple[tuple[float, float], ...]
     attention_bwd_curve: tuple[tuple[float, float], ...]
+    fa2_fwd_curve: tuple[tuple[float, float], ...]
+    fa2_bwd_curve: tuple[tuple[float, float], ...]
     sources: dict[str, str]
 
 FA2_BACKWARD_FLOPS = 2.5  # FA2's backward runs 5 matmuls to the forward's 2 (Dao 2023, sec. 3.1.2)
@@ -129,6 +137,7 @@ class OpsPrice:
     matmul_forward: dict[str, float] = field(default_factory=dict)  # name -> forward seconds (all its counts)
     matmul_flops: dict[str, float] = field(default_factory=dict)  # name -> forward FLOPs (all its counts)
     attention_work: float = 0.0  # forward: the attention kernel's tiles in causal FLOPs (ops.Ops.attention_work)
+    attention_curves: set[str] = field(default_factory=set)  # the kernels whose curves priced it ("sdpa", "fa2")
 
     @property
     def attention_forward_flops(self) -> float:
@@ -137,6 +146,7 @@ class OpsPrice:
 
     def add(self, o: OpsPrice, times: float = 1.0) -> None:
         self.attention_work += o.attention_work * times
+        self.attention_curves |= o.attention_curves
         for mine, theirs in ((self.forward, o.forward), (self.backward, o.backward), (self.flops, o.flops)):
             for k, v in theirs.items():
                 mine[k] += v * times
@@ -151,8 +161,17 @@ class OpsPrice:
 
 
 
-def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
-    """Every op of `ops` at its roofline (module docstring)."""
+def attention_curves(hw: Hardware, kernel: AttentionKernel) -> tuple[Curve, Curve, str]:
+    """The forward and backward curves `kernel` runs at on `hw`, and the sources key that cites them:
+    FlashAttention-2's where asked for and `hw` has them apart, else those of the kernel SDPA runs."""
+    if kernel == "fa2" and hw.fa2_fwd_curve:
+        return hw.fa2_fwd_curve, hw.fa2_bwd_curve, "fa2_fwd_curve"
+    return hw.attention_fwd_curve, hw.attention_bwd_curve, "attention_fwd_curve"
+
+
+def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool, kernel: AttentionKernel = "sdpa") -> OpsPrice:
+    """Every op of `ops` at its roofline (module docstring), the attention core as `kernel` runs it:
+    fivefold's FlexAttention (ops.Ops.attention_flex) at FlashAttention-2's rate."""
     out = OpsPrice()
     peak = hw.fp8_peak_flops if fp8 else hw.peak_flops
     for mm in ops.matmuls:
@@ -167,8 +186,10 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool) -> OpsPrice:
         out.matmul_forward[mm.name] = out.matmul_forward.get(mm.name, 0.0) + fwd
         out.matmul_flops[mm.name] = out.matmul_flops.get(mm.name, 0.0) + flops
     if ops.attention_flops:
-        f_eff = interpolate(hw.attention_fwd_curve, ops.attention_seq)
-        b_eff = interpolate(hw.attention_bwd_curve, ops.attention_seq)
+        curve = "fa2" if ops.attention_flex or kernel == "fa2" else "sdpa"
+        out.attention_curves.add(curve)
+        fwd_curve, bwd_curve, _ = attention_curves(hw, curve)
+        f_eff, b_eff = interpolate(fwd_curve, ops.attention_seq), interpolate(bwd_curve, ops.attention_seq)
         work = ops.attention_work or ops.attention_flops  # the tiles the kernel computes, in causal FLOPs
         out.attention_work = work
         out.forward["attention"] = work / (hw.peak_flops * f_eff)
@@ -199,7 +220,7 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
                       kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
                       weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
                       attention=work.options.attention_kernel, imbalance=expert_imbalance(cfg, work.options),
-                      fp8=work.options.fp8,
+                      fp8=work.options.fp8, document_mask=cfg.data.document_mask,
                       document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
 
 
@@ -221,7 +242,8 @@ def block_prices(work: ChunkWork, hw: Hardware, memo: Memo) -> list[tuple[OpsPri
         layer, n = kinds.get(kind, (blk, 0))
         kinds[kind] = (layer, n + 1)
     return [(memo.get(("roofline block", m, kind, shapes, hw, fp8),
-                      lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8)), n)
+                      lambda layer=layer: price_ops(block_ops(m, layer, shapes), hw, shapes.act_bytes, fp8,
+                                                    shapes.attention)), n)
             for kind, (layer, n) in sorted(kinds.items())]
 
 
@@ -304,7 +326,7 @@ def _masked_note(price: OpsPrice, chunks: int) -> str:
     if abs(price.attention_work - kept) <= 1e-9 * kept:
         return ""
     return (f"; masked: {kept / chunks:.3e} FLOP kept forward, the kernel's 128 x 128 tiles "
-            f"{price.attention_work / chunks:.3e} (model/mask_counts.py), at the causal kernel's rate")
+            f"{price.attention_work / chunks:.3e} (model/mask_counts.py), at the kernel's causal rate")
 
 
 def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backward: float,
@@ -330,11 +352,12 @@ def _rows(price: OpsPrice, hw: Hardware, work: ChunkWork, forward: float, backwa
                      "large-GEMM fraction"))
     elif price.flops["attention"]:
         seq = rank_shapes(work).kernel_seq
-        rows.append(("compute: attention core", f"forward {ms(price.forward['attention'])} ms at "
-                     f"{interpolate(hw.attention_fwd_curve, seq):.1%} of peak, backward (2.5x the FLOPs) "
-                     f"{ms(price.backward['attention'])} ms at {interpolate(hw.attention_bwd_curve, seq):.1%} "
-                     f"(kernel sequence {seq})" + _masked_note(price, c),
-                     hw.sources.get("attention_fwd_curve", "profile")))
+        curves = [(k, *attention_curves(hw, k)) for k in sorted(price.attention_curves, reverse=True)]
+        rates = " and ".join(f"{ATTENTION_KERNELS[k]} at {interpolate(f, seq):.1%} forward, {interpolate(b, seq):.1%} "
+                             "backward" for k, f, b, _ in curves)
+        rows.append(("compute: attention core", f"forward {ms(price.forward['attention'])} ms, backward (2.5x the "
+                     f"FLOPs) {ms(price.backward['attention'])} ms: {rates} of peak (kernel sequence {seq})"
+                     + _masked_note(price, c), "; ".join(hw.sources.get(key, "profile") for *_, key in curves)))
     largest = sorted(price.parts.items(), key=lambda kv: -kv[1])[:3]
     rows.append(("compute: elementwise", f"{price.bytes[0] / c / 1e9:.2f} GB forward + {price.bytes[1] / c / 1e9:.2f} "
                  f"GB backward at {hw.hbm_efficiency:.0%} of {hw.hbm_bw / 1e12:.2f} TB/s: "
