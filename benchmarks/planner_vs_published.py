@@ -101,7 +101,7 @@ def evaluate(run: Run) -> dict[str, Any]:
     hw = hardware(run)
     options, missing = plan_options(run.options)
     tries = RECOMPUTE_ORDER if run.recompute_fit else (None,)
-    row: dict[str, Any] = {"run": run.name, "metric": run.metric, "published": run.published,
+    row: dict[str, Any] = {"run": run.name, "gpu": run.gpu, "metric": run.metric, "published": run.published,
                            "options": {f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
                            "options_missing": missing}
     for recompute in tries:
@@ -197,10 +197,17 @@ def print_markdown(rows: list[dict[str, Any]]) -> None:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median |error| in the sources' units and in tokens/s/GPU, and the signed tokens/s error by GPU
+    (+: the planner fast): whether its errors lean one way on one kind of GPU."""
     errs = [abs(r["error"]) for r in rows if r.get("error") is not None]
     tok = [abs(r["tokens_error"]) for r in rows if r.get("tokens_error") is not None]
+    by_gpu: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("tokens_error") is not None:
+            by_gpu.setdefault(r["gpu"], []).append(r["tokens_error"])
     return {"rows": len(rows), "compared": len(errs), "median_abs_error": statistics.median(errs) if errs else None,
-            "tokens_compared": len(tok), "median_abs_tokens_error": statistics.median(tok) if tok else None}
+            "tokens_compared": len(tok), "median_abs_tokens_error": statistics.median(tok) if tok else None,
+            "median_tokens_error_by_gpu": {g: (len(e), statistics.median(e)) for g, e in sorted(by_gpu.items())}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{s['compared']} of {s['rows']} runs compared in their own unit: median |error| "
               f"{_pct(s['median_abs_error'])}; {s['tokens_compared']} in tokens/s/GPU: median |error| "
               f"{_pct(s['median_abs_tokens_error'])}")
+        print("signed median in tokens/s/GPU by GPU (+: the planner fast): " + ", ".join(
+            f"{g} {_pct(m)} ({n} runs)" for g, (n, m) in s["median_tokens_error_by_gpu"].items()))
     return 0
 
 

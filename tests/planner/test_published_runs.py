@@ -142,3 +142,18 @@ def test_shape_matches_the_published_parameter_count(run):
     assert model_counts(cfg.model, d.vocab_size).total / 1e9 == pytest.approx(run.params_b, rel=5e-3)
     p = cfg.parallel
     assert d.dp * p.tp * p.pp * p.cp == run.world
+
+
+def test_the_summary_leans_by_gpu():
+    """planner_vs_published.summary on made-up rows: medians of |error| over the rows that have one,
+    and the signed tokens/s error per GPU (a row without a time-based figure counts in neither)."""
+    from benchmarks.planner_vs_published import summary
+
+    rows = [{"gpu": "h100", "error": 0.2, "tokens_error": 0.2}, {"gpu": "h100", "error": -0.1, "tokens_error": 0.1},
+            {"gpu": "h100", "error": -0.3, "tokens_error": 0.4}, {"gpu": "a100-80gb", "error": -0.05,
+                                                                   "tokens_error": -0.05},
+            {"gpu": "a100-80gb", "error": 0.01, "tokens_error": None}, {"run": "refused"}]
+    s = summary(rows)
+    assert (s["rows"], s["compared"], s["tokens_compared"]) == (6, 5, 4)
+    assert s["median_abs_error"] == pytest.approx(0.1) and s["median_abs_tokens_error"] == pytest.approx(0.15)
+    assert s["median_tokens_error_by_gpu"] == {"a100-80gb": (1, -0.05), "h100": (3, pytest.approx(0.2))}
