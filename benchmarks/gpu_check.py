@@ -1,4 +1,5 @@
-"""One-GPU check: fivefold's training step beside a plain PyTorch loop, then `fivefold calibrate`.
+"""One-GPU check: fivefold's training step beside a plain PyTorch loop, the planner's roofline op by op, then
+`fivefold calibrate`.
 
 Run on the GPU machine from the source tree, with the torch it has (2.11 or newer; nothing to install):
 
@@ -6,8 +7,9 @@ Run on the GPU machine from the source tree, with the torch it has (2.11 or newe
     python3 benchmarks/gpu_check.py --parts off --models llama-1b --peak-tflops 989
     python3 benchmarks/gpu_check.py --device cpu --tiny    # the smoke test the suite runs (tests/test_gpu_check.py)
 
-Four parts, one after the other, each in its own process with its own time budget (`--budget
-PART=SECONDS`; defaults off=110, attention=45, on=240, calibrate=75) inside one deadline (`--deadline-s`, 470):
+Five parts, one after the other, each in its own process with its own time budget (`--budget
+PART=SECONDS`; defaults off=110, attention=45, roofline=40, on=210, calibrate=65) inside one deadline
+(`--deadline-s`, 470):
 a part that fails or runs past its budget is stopped and printed as one line, and the next part
 runs. Each part prints its lines as it goes (one JSON object per line on stdout, flushed; progress
 on stderr):
@@ -28,6 +30,9 @@ on stderr):
   (guessed from the model's previous case; a model's first case within 60% of it).
 - `attention`: benchmarks/attention_check.py: the masked attention kernels (blockwise, FlexAttention)
   against the rule written out, and their time beside SDPA (its docstring).
+- `roofline`: benchmarks/roofline_check.py: Llama 3 8B's block at 2 x 8192 tokens, each matmul, the
+  attention kernel (SDPA's and FlashAttention-2) and the whole block timed beside what the planner
+  prices it at (its docstring): which op the planner's Hopper optimism lives in.
 - `calibrate`: `python3 -m fivefold calibrate --device cuda --out PROFILE` (planner/calibration/gpu.py:
   GEMM, FP8 GEMM, SDPA and HBM fractions of this GPU), its line, then the profile's measured fields.
 
@@ -74,9 +79,9 @@ MODELS = {
         "--model.norm_eps=1e-5", "--model.tie_embeddings=true"], "seq_len": 2048, "micro_batch": 4},
     "tiny": {"config": "configs/tiny.toml", "overrides": [], "seq_len": 32, "micro_batch": 2},  # --tiny
 }
-PARTS = ("off", "attention", "on", "calibrate")
+PARTS = ("off", "attention", "roofline", "on", "calibrate")
 # on: a first compile per model; calibrate: 15 s of them a sustained matmul burn (calibration/gpu.py)
-BUDGETS_S = {"off": 110.0, "attention": 45.0, "on": 240.0, "calibrate": 75.0}
+BUDGETS_S = {"off": 110.0, "attention": 45.0, "roofline": 40.0, "on": 210.0, "calibrate": 65.0}
 DEADLINE_S = 470.0  # the whole check, under the 8 minutes a GPU session gives it
 NEW_CASE_FRACTION = 0.6  # a model's first case starts only within this share of the part's budget
 
@@ -322,8 +327,8 @@ def part_command(part: str, args, argv: list[str], budget_s: float) -> list[str]
     if part == "calibrate":
         return [sys.executable, "-m", "fivefold", "calibrate", "--device", args.device, "--out", str(args.profile),
                 *(["--quick"] if args.tiny else [])]
-    if part == "attention":
-        return [sys.executable, str(Path(__file__).resolve().parent / "attention_check.py"), "--device", args.device,
+    if part in ("attention", "roofline"):
+        return [sys.executable, str(Path(__file__).resolve().parent / f"{part}_check.py"), "--device", args.device,
                 *(["--tiny"] if args.tiny else [])]
     return [sys.executable, str(Path(__file__).resolve()), *argv, "--run-part", part, "--budget", f"{part}={budget_s}"]
 
@@ -351,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="configs/tiny.toml, fp32, 1 + 2 steps, parts off and "
                     "calibrate (--quick): the suite's smoke test")
-    ap.add_argument("--parts", default=None, help="comma-separated, of off,attention,on,calibrate (default: all; "
-                    "--tiny: off,calibrate)")
+    ap.add_argument("--parts", default=None, help="comma-separated, of off,attention,roofline,on,calibrate "
+                    "(default: all; --tiny: off,calibrate)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=None, help="default: llama-1b debug")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 (--tiny: fp32)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 
+import pytest
 from helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -67,3 +68,24 @@ def test_a_failed_part_is_one_line(tmp_path):
         sys.path.remove(str(ROOT))
     failed = run_part("off", [sys.executable, "-c", "import sys; sys.exit(3)"], 60.0)
     assert failed["part"] == "off" and failed["status"] == "failed with exit status 3"
+
+
+def test_the_roofline_check_runs_on_cpu(capsys):
+    """gpu_check.py's roofline part (roofline_check.py), its smallest run, in this process: a line per
+    matmul and part (forward, input and weight gradients), SDPA's and FlashAttention-2's attention
+    forward and backward, the block's; each with the planner's milliseconds and the ratio."""
+    spec = importlib.util.spec_from_file_location("roofline_check", ROOT / "benchmarks" / "roofline_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.main(["--device", "cpu", "--tiny"]) == 0
+    env, *lines = _lines(capsys.readouterr().out)
+    assert env["device"] == "cpu" and env["priced_as"] == "h100"
+    matmuls = [(x["matmul"], x["part"]) for x in lines if "matmul" in x]
+    assert matmuls == [(name, part) for name in ("wq", "wk", "wv", "wo", "gate", "up", "down")
+                       for part in ("forward", "input_grad", "weight_grad")]
+    assert [(x["attention"], x["part"]) for x in lines if "attention" in x] == [
+        ("sdpa", "forward"), ("sdpa", "backward"), ("fa2", "forward"), ("fa2", "backward")]
+    assert [x["block"] for x in lines if "block" in x] == ["forward", "backward"]
+    for x in lines:
+        assert x["measured_ms"] > 0 and x["planner_ms"] > 0 and x["ratio"] == pytest.approx(
+            x["measured_ms"] / x["planner_ms"], rel=1e-2)
