@@ -36,7 +36,9 @@ TITAN_SAC = {"selective_ac": "per_op"}
 # @e7c0cae pins [FLASH, EFFICIENT, MATH], cuDNN first only on sm100 (models/attention.py, PR #1196)
 TITAN_FA2 = {"attention_kernel": "fa2"}
 TITAN_DIFF = ("H100 here: 96 GB HBM2e at 2.4 TB/s and 500 W, its peak between the NVL's and the SXM's (the source's "
-              "footnote), priced at 912 TFLOP/s, the middle; what 500 W leaves of the clocks no source states")
+              "footnote), priced at 912 TFLOP/s, the middle; what 500 W leaves of the clocks no source states; "
+              "torchtitan's repeat_kv copies of K and V before SDPA are not priced (fivefold's SDPA takes the "
+              "grouped heads; about 1% of the step)")
 # Megatron-LM 2021 (and Korthikanti et al. 2022) fused its elementwise kernels (apex's LayerNorm, bias + GeLU,
 # scale-mask-softmax) and, before FlashAttention, wrote the whole score matrix out: Q K^T, softmax, P V.
 M21 = {"causal_flops": "full", "tp_overlap": False, "kernels": "fused", "attention_kernel": "materialized"}

@@ -241,17 +241,22 @@ def _fwd_bwd(forward) -> tuple[OpTally, OpTally]:
     return fwd, bwd
 
 
-def part_tally(part: Part) -> tuple[OpTally, OpTally]:
-    """Forward and backward tallies of one part, on FakeTensors: no memory, CPU kernels.
+def part_tally(part: Part, autocast: bool = False) -> tuple[OpTally, OpTally]:
+    """Forward and backward tallies of one part, on FakeTensors: no memory, CPU kernels; under
+    `autocast` as training runs it in bf16 (fp32 weights and inputs, bf16 autocast).
 
     A block whose ops depend on values (MoE routing reads its expert counts) cannot run on
     FakeTensors: it runs on real tensors when small enough, else the caller falls back to FLOPs
     (raises ValueError)."""
+    import contextlib
+
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def run():
         forward, params, _ = part.build()
-        fwd, bwd = _fwd_bwd(forward)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            fwd, bwd = _fwd_bwd(forward)
         fwd.params = len(params)
         return fwd, bwd
 
@@ -266,9 +271,10 @@ def part_tally(part: Part) -> tuple[OpTally, OpTally]:
         return run()
 
 
-def block_tally(m: ModelConfig, layer: int, tp: int, batch: int, seq: int) -> tuple[OpTally, OpTally]:
+def block_tally(m: ModelConfig, layer: int, tp: int, batch: int, seq: int,
+                autocast: bool = False) -> tuple[OpTally, OpTally]:
     """Forward and backward of `model.Block` number `layer` on one rank: (batch, seq, dim) in and out."""
-    return part_tally(Part("block", m, layer, 0, tp, batch, seq))
+    return part_tally(Part("block", m, layer, 0, tp, batch, seq), autocast)
 
 
 def end_parts(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool, last: bool) -> list[Part]:

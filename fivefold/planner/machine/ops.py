@@ -21,12 +21,17 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
   128 x 128 tiles FlexAttention computes: the causal kernel's times the ratio of their tiles;
 - elementwise kernels, each reading its inputs and writing its output once: RMSNorm (fp32 inside:
   upcast, square, mean, scale, downcast, weight), RoPE (fp32 inside: the rotated half, two
-  products, a sum), GQA's repeated K/V, SwiGLU's silu and product, the residual adds, MLA's
-  joins, pad and output copy, the MoE's gather, combine and scatter-add, the loss's log-softmax,
-  and autocast's cast of each weight to the compute dtype (once per forward: autocast caches it)
-  where the weights are wider: fivefold's own fp32 weights (estimate's implementation = True, not
-  ZeRO-3 gathering in bf16); the textbook's 2-byte weights (ZeRO's 2 + 2 + 12 accounting, what
-  Megatron-LM and FSDP2's bf16 param_dtype hold) are the compute dtype already and cast nothing.
+  products, a sum), GQA's repeated K/V (fp32 only: in bf16 SDPA takes the grouped heads itself,
+  model/attention.py gqa_in_kernel), SwiGLU's silu and product, the residual adds, MLA's joins,
+  pad and output copy, the MoE's gather, combine and scatter-add, the loss's log-softmax, and
+  autocast's cast of each weight to the compute dtype (once per forward: autocast caches it; its
+  backward once, the gradient cast back) where the weights are wider: fivefold's own fp32 weights
+  (estimate's implementation = True, not ZeRO-3 gathering in bf16); the textbook's 2-byte weights
+  (ZeRO's 2 + 2 + 12 accounting, what Megatron-LM and FSDP2's bf16 param_dtype hold) are the
+  compute dtype already and cast nothing. fp32 weights also leave the residual stream fp32 (the
+  embedding's output; autocast casts only a matmul's operands): the block's norms read it without
+  a cast, the residual adds read and write it at 4 bytes, and each matmul reading the normed input
+  (READS_INPUT) casts it again (RankShapes.residual_bytes; a CPU trace under autocast checks it).
   With fused kernels (`--kernels fused`, `train.compile`) each chain is fused: inputs read once,
   outputs written once.
 
@@ -66,6 +71,9 @@ FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weig
 # torchtitan's per-op selective recompute (PlanOptions.selective_ac = "per_op") reruns the second, fourth,
 # ... of a block's matmuls in forward order: this slice of them (roofline.py prices it, flops.py counts it)
 PER_OP_RERUN = slice(1, None, 2)
+# the matmuls that read the block's (normed) input, which autocast casts from a wider residual stream
+READS_INPUT = frozenset({"wq", "wk", "wv", "wq_a", "wkv_a", "gate", "up", "router", "shared gate", "shared up",
+                         "expert gate", "expert up", "head"})
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,9 @@ class RankShapes:
     tp: int = 1
     ep: int = 1
     act_bytes: int = 2  # activations in the compute dtype (bf16)
+    # the residual stream's element: the embedding's dtype, fp32 where the weights are (autocast leaves
+    # the stream as the embedding made it); 0: act_bytes
+    residual_bytes: int = 0
     weight_bytes: float = 4  # a weight element as the matmuls find it: fp32 at rest is cast each forward
     fused: bool = False  # train.compile: elementwise chains fused
     imbalance: float = 1.0  # tokens on the busiest expert rank / the mean
@@ -131,11 +142,19 @@ class _Elementwise:
     def add(self, what: str, nbytes: float) -> None:
         self.parts[what] = self.parts.get(what, 0.0) + nbytes
 
-    def norm(self, what: str, elements: float) -> None:
-        """RMSNorm: x.float(), pow, mean, x * rsqrt, type_as, * weight (model/attention.py)."""
-        a = self.s.act_bytes
+    def norm(self, what: str, elements: float, x_bytes: int = 0) -> None:
+        """RMSNorm of a tensor of `x_bytes` elements (0: act_bytes): x.float(), pow, mean, x * rsqrt,
+        type_as, * weight (model/attention.py); the casts are no kernels on an fp32 input."""
+        a = x_bytes or self.s.act_bytes
         cast = (a + FP32) if a < FP32 else 0
         self.add(what, elements * (2 * a if self.s.fused else 2 * cast + 5 * FP32 + 2 * a))
+
+    def residual_casts(self, matmuls: list[Matmul]) -> None:
+        """autocast's cast of a wider residual stream (RankShapes.residual_bytes) to the compute dtype,
+        once for each matmul that reads the normed block input (autocast caches weights' casts only)."""
+        r, a = self.s.residual_bytes, self.s.act_bytes
+        if r > a and not self.s.fused:
+            self.add("input casts", sum(mm.m * mm.k * mm.count for mm in matmuls if mm.name in READS_INPUT) * (r + a))
 
     def rope(self, what: str, elements: float) -> None:
         """apply_rope: neg of half, cat, two upcasts, two products, a sum, a downcast; its two
@@ -157,10 +176,14 @@ class _Elementwise:
             self.copy(what, 3 * elements, 2 * elements)
 
     def weights(self, matmuls: list[Matmul]) -> None:
-        """autocast's cast of each weight wider than the compute dtype: read weight_bytes, write act_bytes."""
+        """autocast's cast of each weight wider than the compute dtype: read weight_bytes, write act_bytes;
+        its backward once, not twice (the gradient cast back: read act_bytes, write weight_bytes)."""
         a, w = self.s.act_bytes, self.s.weight_bytes
         if a < w:
-            self.add("weight casts", sum(mm.n * mm.k * mm.count for mm in matmuls) * (w + a))
+            cast = sum(mm.n * mm.k * mm.count for mm in matmuls) * (w + a)
+            self.add("weight casts", cast)
+            self.cast_forward += cast
+            self.extra_backward += cast
 
     def fp8_casts(self, matmuls: list[Matmul]) -> None:
         """The FP8 scaling and casts of each matmul's operands (module docstring): forward bytes
@@ -172,8 +195,9 @@ class _Elementwise:
         inputs = sum(mm.m * mm.k * mm.count for mm in matmuls)
         outputs = sum(mm.m * mm.n * mm.count for mm in matmuls)
         weights = sum(mm.k * mm.n * mm.count for mm in matmuls)
-        self.cast_forward = activation * inputs + weight_fwd * weights
-        self.add("fp8 casts", self.cast_forward)
+        cast = activation * inputs + weight_fwd * weights
+        self.cast_forward += cast
+        self.add("fp8 casts", cast)
         self.extra_backward += activation * outputs + weight_bwd * weights
 
     def ops(self, matmuls: list[Matmul], attention: tuple[float, float] = (0.0, 0.0)) -> Ops:
@@ -204,7 +228,7 @@ def _attention(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> t
         if m.qk_norm:
             ew.norm("qk norm", T * (H + K) * hd)
         ew.rope("rope", T * (H + K) * hd)
-        if K < H:  # grouped-query: k and v repeated to H heads before the kernel
+        if K < H and s.act_bytes == FP32:  # fp32 on a GPU: k and v repeated to H heads (attention.gqa_in_kernel)
             ew.copy("repeat k/v", 2 * T * K * hd, 2 * T * H * hd)
         # QK^T and PV: 2 FLOPs per multiply-add over seq keys of width hd each, halved by the causal mask
         return mms, T * s.seq_len * H * (hd + hd)
@@ -258,10 +282,15 @@ def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
     """model.Block number `layer` forward on one rank: h = x + attn(norm(x)); out = h + ffn(norm(h)) (or
     its norms after the sub-layers, or both: model.norm_position, counts.block_norms)."""
     ew = _Elementwise(s)
-    ew.norm("norms", block_norms(m) * s.sp_tokens * m.dim)
+    r = s.residual_bytes or s.act_bytes
+    after = 2 if m.norm_position in ("post", "sandwich") else 0  # norms of a sub-layer's output, not the stream
+    ew.norm("norms", (block_norms(m) - after) * s.sp_tokens * m.dim, r)
+    ew.norm("norms", after * s.sp_tokens * m.dim)
     mms, causal_flops = _attention(m, layer, s, ew)
     mms += _ffn(m, layer, s, ew)
-    ew.copy("residual adds", 2 * 2 * s.sp_tokens * m.dim, 2 * s.sp_tokens * m.dim)
+    ew.residual_casts(mms)
+    # x + f(x), twice: the stream read and written at its dtype, the sub-layer's output at the compute dtype's
+    ew.add("residual adds", 2 * s.sp_tokens * m.dim * (2 * r + s.act_bytes))
     if s.attention == "materialized":
         return materialized_attention(m, s, ew.ops(mms))
     return dataclasses.replace(ew.ops(mms, _masked(m, layer, s, causal_flops)), attention_flex=runs_flex(m, layer, s))
@@ -302,8 +331,9 @@ def end_ops(m: ModelConfig, vocab: int, s: RankShapes, first: bool, last: bool) 
         ew.add("embedding", 2 * s.tokens * m.dim * FP32)
         ew.extra_backward += (v * m.dim - 3 * s.tokens * m.dim) * FP32
     if last:
-        ew.norm("norms", s.sp_tokens * m.dim)
+        ew.norm("norms", s.sp_tokens * m.dim, s.residual_bytes)
         mms.append(Matmul("head", s.tokens, v, m.dim))
+        ew.residual_casts(mms)
         cast = s.act_bytes + FP32 if s.act_bytes < FP32 else 0
         ew.add("loss", s.tokens * v * (cast + (3 if s.tp == 1 else 7) * FP32))
     return ew.ops(mms)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fivefold.planner.activations import layout_applies
-from fivefold.planner.machine.ops import PER_OP_RERUN, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.ops import FP32, PER_OP_RERUN, Ops, RankShapes, block_ops, end_ops
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 from fivefold.planner.memory import expert_imbalance
 from fivefold.planner.options import AttentionKernel
@@ -219,6 +219,7 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
     return RankShapes(tokens=tokens, sp_tokens=tokens // p.tp if p.sp else tokens, seq_len=t.seq_len,
                       kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
                       weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
+                      residual_bytes=FP32 if work.weight_bytes >= FP32 else work.act_bytes,
                       attention=work.options.attention_kernel, imbalance=expert_imbalance(cfg, work.options),
                       fp8=work.options.fp8, document_mask=cfg.data.document_mask,
                       document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
