@@ -148,14 +148,16 @@ RUNS: list[Run] = [
     # (introduction, INTRO text of deepseek-ai/DeepSeek-V3; 2664K for 14.8T = 180.0K/T); PP16 with DualPipe,
     # EP64 over 8 nodes, ZeRO-1 DP, no TP (sec. 3.2, as quoted in DeepOpt-com/WrinkleFree-Monorepo issue #6;
     # EP64, TP1, seq 4K also in deepseek-ai/profile-data's README); FP8 GEMMs; seq 4096 and a batch of 15360
-    # sequences after the first 469B tokens (sec. 4.2); expert all-to-all overlapped with another chunk's compute.
+    # sequences after the first 469B tokens (sec. 4.2); expert all-to-all overlapped with another chunk's compute;
+    # sec. 3.3.1: GEMMs in FP8, the routed experts' included, "the embedding module, the output head, MoE gating
+    # modules, normalization operators, and attention operators" in their original precision.
     Run("deepseek-v3-2048xH800", "DeepSeek-AI 2024, DeepSeek-V3 report, sec. 1 (training costs), 3.2, 4.2", "h100",
         2048, ("--model.preset=deepseek-v3", "--train.seq_len=4096",
                *layout(128, 1, 16, 15360, 1, ep=64, zero=1, pp_schedule="dualpipe_v", virtual_stages=2)),
         "gpu_hours_per_trillion", 180e3, "time-based (GPU-hours): no FLOP convention",
         "DualPipe: expert all-to-all and pp p2p hidden under the other direction's compute",
         {"ep_overlap": True, "fp8": "compute", "ep_dispatch": "node_limited", "activations": "deepseek",
-         "kernels": "fused", "attention_kernel": "fa2"}, hardware=H800, params_b=671.0,
+         "kernels": "fused", "attention_kernel": "fa2", "fp8_experts": True}, hardware=H800, params_b=671.0,
         assumed="micro-batch 1 (not in the sources read here); fused kernels and FlashAttention-2's rate (neither "
                 "described)",
         differs="DualPipeV (one copy of the weights, V placement) for DualPipe (two copies); no multi-token "
@@ -284,7 +286,7 @@ RUNS: list[Run] = [
         "comm: each micro-batch's all-to-alls under another's compute, as DualPipe pairs them); alltoall dispatcher "
         "(no DeepEP on H100), no CUDA graphs under FP8 (qwen3_workload_base_configs.py, overrides.py @5776a6d)",
         {"causal_flops": "half", "fp8": "weights", "kernels": "fused", "expert_imbalance": 1.0,
-         "param_gather_overlap": True, "ep_overlap": True},
+         "param_gather_overlap": True, "ep_overlap": True, "fp8_experts": True},
         megatron_core_flops(2048, 48, 4096, 151936, 1, 32, groups=4, head_dim=128, moe_ffn=768, top_k=8),
         params_b=30.5, assumed="recompute none (the recipe sets none)",
         differs=MBRIDGE_FP8 + "; the config at 5776a6d has VP 12 and MBS 1, the table's VP 24 and MBS 2 (the 25.09 "
@@ -306,7 +308,7 @@ RUNS: list[Run] = [
         "overlap) with delay_wgrad_compute, overlap_grad_reduce off; distributed optimizer's param gather "
         "overlapped; TE fused kernels",
         {"causal_flops": "half", "fp8": "compute", "kernels": "fused", "expert_imbalance": 1.0,
-         "param_gather_overlap": True, "ep_overlap": True, "ep_dispatch": "node_limited"},
+         "param_gather_overlap": True, "ep_overlap": True, "ep_dispatch": "node_limited", "fp8_experts": True},
         megatron_core_flops(7168, 61, 4096, 129280, 2, 128, ffn=18432, moe_ffn=2048, top_k=8, shared_ffn=2048,
                             dense_layers=3, mtp=1, mla=(1536, 512, 128, 64, 128)), params_b=671.0,
         assumed="FP8 (the table has no precision column; its note gives the parenthesised 330 as FP8 with "

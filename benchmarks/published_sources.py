@@ -115,7 +115,8 @@ HOPPER_FAST = ("not explained: the planner is fast here, as on the other Hopper 
 MBRIDGE_TP_OPTIONS = {"causal_flops": "half", "fp8": "weights", "tp_overlap": True, "kernels": "fused",
                       "activations": "megatron", "param_gather_overlap": True}
 MBRIDGE_FP8 = ("FP8-CS: TE per-tensor current scaling (bf16_with_fp8_current_scaling_mixed, first/last layers bf16 "
-               "off in the perf scripts) with fp8_param_gather")
+               "off in the perf scripts) with fp8_param_gather; TE's linears and grouped experts in FP8, the output "
+               "layer (Megatron's ColumnParallelLinear, not a TE module) and the router in bf16")
 MOE_ZOO = "yanring/Megatron-MoE-ModelZoo @e865051, best_practice/qwen3/readme.md, H100 table (256 H100, IB 8x50 GB/s)"
 TITAN_H200 = "pytorch/torchtitan @b5bcd76, benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 TORCHAO_B200 = ("pytorch/ao @36027d8 docs/source/workflows/training.md, 'Training e2e benchmarks on NVIDIA B200' (the "

@@ -257,7 +257,8 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     kept_weights = (share.kept_unit - share.kept_vocab) * block_b + share.kept_vocab * param_b
     dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense_weights, micro,
                     d.reshard_after_forward, kept_bytes=kept_weights)
-    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * block_b, micro, d.reshard_after_forward, dp)
+    expert_b = block_b if options.fp8_experts else param_b  # fivefold's FP8 leaves the routed experts bf16
+    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * expert_b, micro, d.reshard_after_forward, dp)
     traffic = {"dp": dp}
     traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,
                                       micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options),

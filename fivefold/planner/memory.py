@@ -127,15 +127,16 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
     return {**out, "total": sum(out.values()), "host": host}
 
 
-def state_parts(cfg: Config, d: Derived, share: RankShare) -> list[tuple[int, int, bool]]:
+def state_parts(cfg: Config, d: Derived, share: RankShare,
+                options: PlanOptions = DEFAULT) -> list[tuple[int, int, bool]]:
     """(parameters, ranks they are sharded over, in bf16 under FP8 weights) of one pipeline rank:
     its dense parameters over dp_shard (the embedding and head apart) and, with ZeRO and ep > 1,
     its experts over the ranks holding the same experts (expert_dp = dp x cp / ep), as
-    parallel/data/zero.py shards them."""
+    parallel/data/zero.py shards them; the routed experts stay bf16 unless options.fp8_experts."""
     p = cfg.parallel
     expert = share.expert_params if p.ep > 1 and p.zero else 0
     return [(share.params - expert - share.vocab_params, d.dp_shard, False), (share.vocab_params, d.dp_shard, True),
-            (expert, d.dp * p.cp // p.ep, False)]
+            (expert, d.dp * p.cp // p.ep, not options.fp8_experts)]
 
 
 def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
@@ -148,7 +149,7 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
     if implementation and options.offload != p.offload:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=options.offload))
     states = []
-    for n_params, n, vocab in state_parts(cfg, d, share):
+    for n_params, n, vocab in state_parts(cfg, d, share, options):
         if implementation:
             states.append(fivefold_state_bytes(cfg, n_params, n, d.grad_accum))
             continue

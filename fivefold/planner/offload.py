@@ -58,7 +58,7 @@ def offload_step(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, hw
     p, M = cfg.parallel, d.grad_accum
     fp8 = options.fp8 == "weights"
     shard = weights = 0.0
-    for n_params, n, vocab in state_parts(cfg, d, share):
+    for n_params, n, vocab in state_parts(cfg, d, share, options):
         shard += n_params / n
         weights += n_params / n * (param_b if vocab or not fp8 else FP8_BYTES)
     link_bw, dram_bw = hw.pcie_bw * hw.bw_efficiency, hw.host_bw * hw.bw_efficiency

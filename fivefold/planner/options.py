@@ -75,6 +75,9 @@ class PlanOptions:
     param_gather_overlap: bool = False
     offload: Offload = "none"  # ZeRO-Offload (Ren et al. 2021) / ZeRO-Infinity (Rajbhandari et al. 2021)
     fp8: Fp8 = "none"  # FP8 matmuls (Micikevicius et al. 2022), and FP8 weights on the wire and at rest
+    # the routed experts' matmuls in FP8 too (DeepSeek-V3's, Transformer Engine's grouped GEMMs); fivefold's
+    # FP8 converts the blocks' dense linears only, the head, router and routed experts stay bf16 (parallel/fp8.py)
+    fp8_experts: bool = False
     kernels: Kernels = "auto"  # elementwise kernels as run eagerly or fused (module docstring)
     attention_kernel: AttentionKernel = "sdpa"  # "fa2", "materialized": another trainer's kernel (module docstring)
     activations: ActivationLayout = "fivefold"  # "megatron": what Megatron-LM keeps for backward (activations.py)
@@ -119,6 +122,8 @@ class PlanOptions:
             out.append(f"ep_dispatch={self.ep_dispatch}: fivefold's experts exchange tokens in one all-to-all")
         if self.selective_ac != "attention_core" and (cfg is None or cfg.train.recompute == "selective"):
             out.append(f"selective_ac={self.selective_ac}: fivefold's selective recompute reruns the attention core")
+        if self.fp8_experts and (cfg is None or cfg.model.n_experts):
+            out.append("fp8_experts=true: fivefold's FP8 leaves the routed experts in bf16 (parallel/fp8.py)")
         if self.param_gather_overlap and (cfg is None or cfg.parallel.zero in (1, 2)):
             out.append("param_gather_overlap=true: fivefold's ZeRO-1/2 gather the weights after the step "
                        "(parallel/data/zero.py)")
@@ -146,7 +151,7 @@ _CHOICES = {"causal_flops": ("half", "full"), "offload": ("none", "optimizer", "
             "fp8": ("none", "compute", "weights"), "kernels": ("auto", "eager", "fused"),
             "attention_kernel": ("sdpa", "fa2", "materialized"), "activations": ("fivefold", "megatron", "deepseek"),
             "ep_dispatch": ("all_to_all", "node_limited"), "selective_ac": ("attention_core", "per_op")}
-_BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap", "param_gather_overlap")
+_BOOLS = ("tp_overlap", "zero3_prefetch", "ep_overlap", "param_gather_overlap", "fp8_experts")
 # the ones --layout accepts beside the config's keys (another trainer's kernels, memory and dispatch among them)
 OPTION_KEYS = (*_BOOLS, "offload", "fp8", "kernels", "attention_kernel", "activations", "ep_dispatch",
                "selective_ac")

@@ -417,3 +417,32 @@ def test_keep_busy_runs_batches_until_the_clock_passes_the_burn():
     ticks, calls, syncs = iter([0.0, 0.4, 0.9, 1.3]), [], []
     made = keep_busy(lambda: calls.append(1), 1.0, lambda: syncs.append(1), clock=lambda: next(ticks), batch=4)
     assert made == len(calls) == 8 and len(syncs) == 2  # at 0.4 and 0.9 still burning, at 1.3 done
+
+
+def test_fp8_leaves_the_head_router_and_routed_experts_in_bf16():
+    """fivefold's FP8 (parallel/fp8.py) converts the blocks' dense linears only: Mixtral's routed
+    experts and router, and the head, stay at the bf16 peak and cast nothing; PlanOptions.fp8_experts
+    (DeepSeek-V3's, Transformer Engine's grouped GEMMs) runs the routed experts in FP8 too."""
+    hw = dataclasses.replace(H100, fp8_matmul_efficiency=H100.matmul_efficiency)
+    shapes = _shapes(4096, ep=8)
+    ops = {f: block_ops(MIXTRAL, 0, dataclasses.replace(shapes, fp8=f)) for f in ("none", "compute")}
+    experts = block_ops(MIXTRAL, 0, dataclasses.replace(shapes, fp8="compute", fp8_experts=True))
+    assert ops["none"].bf16_matmuls == frozenset()
+    assert ops["compute"].bf16_matmuls == {"head", "router", "expert gate", "expert up", "expert down"}
+    assert experts.bf16_matmuls == {"head", "router"}
+    bf16, fp8, fp8_all = (roofline.price_ops(o, hw, 2, fp8=o is not ops["none"]) for o in (ops["none"], ops["compute"],
+                                                                                            experts))
+    for name, seconds in bf16.matmul_forward.items():
+        dense = name not in ("router", "expert gate", "expert up", "expert down")
+        assert fp8.matmul_forward[name] == pytest.approx(seconds * (989 / 1979 if dense else 1.0))
+        assert fp8_all.matmul_forward[name] == pytest.approx(seconds * (989 / 1979 if name != "router" else 1.0))
+    kept = sum(mm.m * mm.k for mm in ops["compute"].matmuls if mm.name in ops["compute"].bf16_matmuls)
+    cast = sum(mm.m * mm.k for mm in ops["compute"].matmuls) - kept  # the converted matmuls' inputs
+    weights = sum(mm.k * mm.n for mm in ops["compute"].matmuls if mm.name not in ops["compute"].bf16_matmuls)
+    assert ops["compute"].parts["fp8 casts"] == 6 * cast + 5 * weights
+    head = end_ops(LLAMA8, 128256, _shapes(fp8="compute"), first=False, last=True)
+    assert head.bf16_matmuls >= {"head"} and "fp8 casts" not in head.parts
+    assert (roofline.price_ops(head, hw, 2, fp8=True).forward["matmul"]
+            == roofline.price_ops(head, hw, 2, fp8=False).forward["matmul"])
+    assert PlanOptions(fp8="compute", fp8_experts=True).not_runnable() == [
+        "fp8_experts=true: fivefold's FP8 leaves the routed experts in bf16 (parallel/fp8.py)"]

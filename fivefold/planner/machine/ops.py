@@ -71,6 +71,20 @@ FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weig
 # torchtitan's per-op selective recompute (PlanOptions.selective_ac = "per_op") reruns the second, fourth,
 # ... of a block's matmuls in forward order: this slice of them (roofline.py prices it, flops.py counts it)
 PER_OP_RERUN = slice(1, None, 2)
+# Under FP8 the head and the router stay bf16 (fivefold's parallel/fp8.py converts the blocks' dense linears
+# only; torchtitan filters the output layer, DeepSeek-V3 sec. 3.3.1 keeps the head and the gating in BF16), the
+# routed experts too unless RankShapes.fp8_experts (DeepSeek-V3's and Transformer Engine's grouped GEMMs)
+FP8_KEPT = frozenset({"head", "router"})
+ROUTED_EXPERTS = frozenset({"expert gate", "expert up", "expert down"})
+
+
+def kept_bf16(s: RankShapes) -> frozenset[str]:
+    """The matmuls FP8 (RankShapes.fp8) leaves in bf16; none without FP8."""
+    if s.fp8 == "none":
+        return frozenset()
+    return FP8_KEPT if s.fp8_experts else FP8_KEPT | ROUTED_EXPERTS
+
+
 # the matmuls that read the block's (normed) input, which autocast casts from a wider residual stream
 READS_INPUT = frozenset({"wq", "wk", "wv", "wq_a", "wkv_a", "gate", "up", "router", "shared gate", "shared up",
                          "expert gate", "expert up", "head"})
@@ -108,6 +122,7 @@ class Ops:
     attention_matmuls: tuple[Matmul, ...] = ()
     softmax_bytes: tuple[float, float] = (0.0, 0.0)
     attention_flex: bool = False  # fivefold runs it through FlexAttention (runs_flex), not SDPA
+    bf16_matmuls: frozenset[str] = frozenset()  # the matmuls FP8 leaves in bf16 (kept_bf16)
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,7 @@ class RankShapes:
     document_mask: bool = False  # data.document_mask: fivefold's attention runs FlexAttention (runs_flex)
     attention: AttentionKernel = "sdpa"  # "materialized": a pre-FlashAttention trainer's (materialized_attention)
     fp8: Fp8 = "none"  # PlanOptions.fp8: "compute" casts every matmul's operands, "weights" has them gathered in FP8
+    fp8_experts: bool = False  # PlanOptions.fp8_experts: the routed experts in FP8 too (else bf16, as fivefold's)
 
 
 class _Elementwise:
@@ -192,12 +208,14 @@ class _Elementwise:
             return
         activation = 4 if self.s.fused else 6  # amax pass fused with the producer, or its own read
         weight_fwd, weight_bwd = (0, 2) if self.s.fp8 == "weights" else (2 + 3, 3)
+        matmuls = [mm for mm in matmuls if mm.name not in kept_bf16(self.s)]
         inputs = sum(mm.m * mm.k * mm.count for mm in matmuls)
         outputs = sum(mm.m * mm.n * mm.count for mm in matmuls)
         weights = sum(mm.k * mm.n * mm.count for mm in matmuls)
         cast = activation * inputs + weight_fwd * weights
         self.cast_forward += cast
-        self.add("fp8 casts", cast)
+        if cast:
+            self.add("fp8 casts", cast)
         self.extra_backward += activation * outputs + weight_bwd * weights
 
     def ops(self, matmuls: list[Matmul], attention: tuple[float, float] = (0.0, 0.0)) -> Ops:
@@ -205,7 +223,8 @@ class _Elementwise:
         self.fp8_casts(matmuls)
         forward = sum(self.parts.values())
         return Ops(tuple(matmuls), attention[0], attention[1], self.s.kernel_seq if attention[0] else 0, forward,
-                   2 * (forward - self.cast_forward) + self.extra_backward, dict(self.parts))
+                   2 * (forward - self.cast_forward) + self.extra_backward, dict(self.parts),
+                   bf16_matmuls=kept_bf16(self.s))
 
 
 def _masked(m: ModelConfig, layer: int, s: RankShapes, causal_flops: float) -> tuple[float, float]:

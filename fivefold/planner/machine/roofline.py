@@ -10,7 +10,8 @@ Each op takes the longer of its compute and its memory traffic:
   one. quantisation = M N / (waves x SMs x tm x tn), for the tile shape (of the catalog's, the
   ones cuBLAS picks among, sec. 2.3) that wastes least. matmul_efficiency is a published large-GEMM
   measurement (datasheet.py cites it per GPU); FP8 (PlanOptions.fp8) runs the matmuls at the FP8
-  dense peak and its own measured fraction, operands one byte each.
+  dense peak and its own measured fraction, operands one byte each, but for those it leaves in
+  bf16 (ops.kept_bf16: the head, the router, and the routed experts unless fp8_experts).
 - backward: two matmuls per forward one, priced at their own shapes: the input gradient
   dY W^T is (M, K, N), the weight gradient X^T dY is (K, N, M): its reduction runs over the tokens.
 - the attention core: FLOPs / (peak x the kernel's measured fraction at its sequence length):
@@ -173,12 +174,12 @@ def price_ops(ops: Ops, hw: Hardware, act_bytes: int, fp8: bool, kernel: Attenti
     """Every op of `ops` at its roofline (module docstring), the attention core as `kernel` runs it:
     fivefold's FlexAttention (ops.Ops.attention_flex) at FlashAttention-2's rate."""
     out = OpsPrice()
-    peak = hw.fp8_peak_flops if fp8 else hw.peak_flops
     for mm in ops.matmuls:
-        flops = mm.flops
-        fwd = matmul_seconds(mm.m, mm.n, mm.k, hw, act_bytes, fp8) * mm.count
-        bwd = (matmul_seconds(mm.m, mm.k, mm.n, hw, act_bytes, fp8)  # input gradient
-               + matmul_seconds(mm.k, mm.n, mm.m, hw, act_bytes, fp8)) * mm.count  # weight gradient
+        flops, mm_fp8 = mm.flops, fp8 and mm.name not in ops.bf16_matmuls
+        peak = hw.fp8_peak_flops if mm_fp8 else hw.peak_flops
+        fwd = matmul_seconds(mm.m, mm.n, mm.k, hw, act_bytes, mm_fp8) * mm.count
+        bwd = (matmul_seconds(mm.m, mm.k, mm.n, hw, act_bytes, mm_fp8)  # input gradient
+               + matmul_seconds(mm.k, mm.n, mm.m, hw, act_bytes, mm_fp8)) * mm.count  # weight gradient
         out.forward["matmul"] += fwd
         out.backward["matmul"] += bwd
         out.flops["matmul"] += 3 * flops
@@ -221,7 +222,8 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
                       weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
                       residual_bytes=FP32 if work.weight_bytes >= FP32 else work.act_bytes,
                       attention=work.options.attention_kernel, imbalance=expert_imbalance(cfg, work.options),
-                      fp8=work.options.fp8, document_mask=cfg.data.document_mask,
+                      fp8=work.options.fp8, fp8_experts=work.options.fp8_experts,
+                      document_mask=cfg.data.document_mask,
                       document_tokens=work.options.document_tokens if cfg.data.document_mask else 0.0)
 
 
