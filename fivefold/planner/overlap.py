@@ -53,6 +53,7 @@ from fivefold.model.counts import (
     head_forward_flops,
 )
 from fivefold.parallel.derive import Derived
+from fivefold.planner.activations import FP8_BYTES
 from fivefold.planner.comm import AxisTraffic, time_of
 from fivefold.planner.compute import block_keys
 from fivefold.planner.machine.datasheet import Hardware
@@ -229,24 +230,30 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
                 grad_b: float, param_b: float) -> list[Zero3Unit]:
     """The rank's units in forward order, each gathered and reduce-scattered on its own (one bucket
     per unit and group: dense weights over dp_shard, routed experts (ep > 1) over expert_dp, as
-    comm.step_traffic sends them), on the link `dp` (the step's dp traffic) says."""
-    m, p, t, share = cfg.model, cfg.parallel, cfg.train, work.share
+    comm.step_traffic sends them, a block's weights in FP8 under fp8 = "weights", its routed experts
+    too with fp8_experts), on the link `dp` (the step's dp traffic) says."""
+    m, p, t, share, options = cfg.model, cfg.parallel, cfg.train, work.share, work.options
     n_dense, n_expert = d.dp_shard, d.dp * p.cp // p.ep
-    timed: dict[tuple[int, int], tuple[float, float]] = {}  # blocks repeat: price each size once
+    block_b = FP8_BYTES if options.fp8 == "weights" else param_b
+    expert_b = block_b if options.fp8_experts else param_b
+    timed: dict[tuple[int, int, bool], tuple[float, float]] = {}  # blocks repeat: price each size once
 
-    def unit(flops: float, params: int, experts: int, kept: bool = False) -> Zero3Unit:
+    def unit(flops: float, params: int, experts: int, kept: bool = False, block: bool = True) -> Zero3Unit:
         experts = experts if p.ep > 1 else 0
-        key = (params, experts)
+        key = (params, experts, block)
         if key not in timed:
             dense = params - experts
-            timed[key] = tuple(_one(hw, dp.inter_node, op, dense * b, n_dense, dp.ranks_per_node)
-                               + _one(hw, dp.inter_node, op, experts * b, n_expert, dp.ranks_per_node)
-                               for op, b in (("all_gather", param_b), ("reduce_scatter", grad_b)))
+            gathered = (dense * (block_b if block else param_b), experts * expert_b)
+            timed[key] = tuple(_one(hw, dp.inter_node, op, dense_bytes, n_dense, dp.ranks_per_node)
+                               + _one(hw, dp.inter_node, op, expert_bytes, n_expert, dp.ranks_per_node)
+                               for op, (dense_bytes, expert_bytes) in (("all_gather", gathered),
+                                                                       ("reduce_scatter", (dense * grad_b,
+                                                                                           experts * grad_b))))
         return Zero3Unit(flops, *timed[key], kept_for_backward=kept)
 
     kept = share.kept_unit > 0
     tied_here = counts.head == 0 and share.first  # the tied embedding shares the head's unit
-    out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here)] if share.first else []
+    out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here, block=False)] if share.first else []
     keys = block_keys(cfg, work.options)
     for blk in share.blocks:
         bp = counts.blocks[blk]
@@ -255,7 +262,7 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
         out.append(unit(head_forward_flops(counts, p.tp), (counts.head + tied_copy) // p.tp + counts.final_norm, 0,
-                        kept))
+                        kept, block=False))
     return out
 
 

@@ -370,3 +370,15 @@ def test_explain_names_every_switch_and_whether_fivefold_runs_it():
     rows = {what: text for what, text, _ in estimate(sp, 8, H100).explain}
     assert rows["tp overlap"].startswith("on (fivefold: runs parallel.tp_overlap as set): ")
     assert rows["dp overlap"].startswith("on (fivefold: runs parallel.overlap_comm as set): ")
+
+
+def test_zero3_gathers_fp8_weights_as_the_dp_traffic_does():
+    """fp8 = "weights": ZeRO-3 gathers the blocks' weights in 1 byte (parallel/data/fp8_gather.py), the
+    embedding and head in their own dtype; the units the prefetch prices (overlap.zero3_units) save
+    what the step's dp traffic saves, so the two agree on what FP8 gathering takes off."""
+    cfg = _llama(8, "--parallel.zero=3", "--train.global_batch=8")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=4))
+    plain, fp8 = (estimate(cfg, 8, H100, options=PlanOptions(fp8=f)) for f in ("compute", "weights"))
+    saved_units = plain.overlaps["zero3_prefetch"].traffic_s - fp8.overlaps["zero3_prefetch"].traffic_s
+    saved_traffic = plain.comm["dp"].time_s - fp8.comm["dp"].time_s
+    assert saved_traffic > 0 and saved_units == pytest.approx(saved_traffic, rel=0.01)
