@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from fivefold.config import load_config  # noqa: E402
 from fivefold.model.attention import causal_attention  # noqa: E402
+from fivefold.model.counts import head_dim  # noqa: E402
 from fivefold.model.rope import rope_cos_sin  # noqa: E402
 from fivefold.model.transformer import Block  # noqa: E402
 from fivefold.planner.calibration.gpu import catalog_key, keep_busy  # noqa: E402
@@ -100,9 +101,9 @@ def check_attention(cfg, ops, hw, batch: int, seq: int, device: str, repeats: in
     """The causal core at the block's heads: SDPA's kernel, then its flash backend alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    m, head_dim = cfg, cfg.head_dim or cfg.dim // cfg.n_heads
-    q = torch.randn(batch, seq, m.n_heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(batch, seq, m.n_kv_heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    hd = head_dim(cfg)
+    q = torch.randn(batch, seq, cfg.n_heads, hd, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, seq, cfg.n_kv_heads, hd, device=device, dtype=torch.bfloat16, requires_grad=True)
             for _ in range(2))
     lines = []
     for kernel, pinned in (("sdpa", None), ("fa2", SDPBackend.FLASH_ATTENTION)):
@@ -127,9 +128,9 @@ def check_attention(cfg, ops, hw, batch: int, seq: int, device: str, repeats: in
 
 def check_block(cfg, ops, hw, batch: int, seq: int, device: str, repeats: int) -> list[dict]:
     """fivefold's Block, forward then backward, beside the planner's eager block."""
-    block = Block(cfg, 0, cfg.head_dim or cfg.dim // cfg.n_heads).to(device)
+    block = Block(cfg, 0, head_dim(cfg)).to(device)
     x = torch.randn(batch, seq, cfg.dim, device=device, requires_grad=True)  # fp32: the embedding's output
-    cos, sin = rope_cos_sin(torch.arange(seq, device=device), cfg.head_dim or cfg.dim // cfg.n_heads, cfg)
+    cos, sin = rope_cos_sin(torch.arange(seq, device=device), head_dim(cfg), cfg)
     autocast = torch.autocast(device, dtype=torch.bfloat16)
 
     def forward():
