@@ -24,7 +24,8 @@ holds under load: calibration/gpu.py keep_busy), one JSON line per op, at the bl
 Each line: the measured milliseconds (median of `--repeats`, CUDA events), the planner's, and their
 ratio measured / planner (above 1: the planner is fast). On a CPU the planner prices the catalog's
 H100 (a CPU has no catalog entry): that run checks the code path and its ratios mean nothing.
-Exit status 0 whatever the figures; 1 only when `--device cuda` finds no GPU.
+Exit status 0 whatever the figures; 1, with one line saying why, when `--device cuda` finds no GPU or
+one the catalog lacks, or `--preset` names no preset.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
 from fivefold.model.attention import causal_attention  # noqa: E402
 from fivefold.model.counts import head_dim  # noqa: E402
+from fivefold.model.presets import PRESETS  # noqa: E402
 from fivefold.model.rope import rope_cos_sin  # noqa: E402
 from fivefold.model.transformer import Block  # noqa: E402
 from fivefold.planner.calibration.gpu import catalog_key, keep_busy  # noqa: E402
@@ -158,11 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         _emit({"error": "--device cuda: no CUDA device here"})
         return 1
+    if not args.tiny and args.preset not in PRESETS:
+        _emit({"error": f"--preset {args.preset}: not a model preset; one of {', '.join(sorted(PRESETS))}"})
+        return 1
     cfg = load_config(ROOT / "configs/tiny.toml" if args.tiny else None,
                       [] if args.tiny else [f"--model.preset={args.preset}"]).model
     batch, seq, repeats = (2, 64, 2) if args.tiny else (args.batch, args.seq, args.repeats)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    hw = get_hardware(catalog_key(name) if args.device == "cuda" else "h100")
+    try:
+        hw = get_hardware(catalog_key(name) if args.device == "cuda" else "h100")
+    except ValueError as e:  # a GPU the catalog lacks: its peaks, hence the planner's prices, are unknown
+        _emit({"error": str(e)})
+        return 1
     _emit({"device": name, "priced_as": hw.name, "torch": torch.__version__, "model": "tiny" if args.tiny
            else args.preset, "batch": batch, "seq": seq})
     if args.device == "cuda" and not args.tiny:

@@ -89,3 +89,6 @@ def test_the_roofline_check_runs_on_cpu(capsys):
     for x in lines:
         assert x["measured_ms"] > 0 and x["planner_ms"] > 0 and x["ratio"] == pytest.approx(
             x["measured_ms"] / x["planner_ms"], rel=1e-2)
+    assert check.main(["--device", "cpu", "--preset", "nope"]) == 1  # bad input: one line naming the flag
+    (error,) = _lines(capsys.readouterr().out)
+    assert error["error"].startswith("--preset nope: not a model preset; one of ")
