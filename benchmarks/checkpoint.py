@@ -36,7 +36,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import log  # noqa: E402
-from fivefold.config import load_config  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,14 +71,14 @@ def _worker(rank: int, world: int, cfg, root: Path, rounds: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from fivefold.checkpoint.run_state import CheckpointWriter, latest_checkpoint, load_checkpoint
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
     from fivefold.parallel.mesh import Mesh
     from fivefold.parallel.parallelize import parallelize
     from fivefold.train.loop import build_model
 
     peer = build_model(cfg, 320)
     params = sum(p.numel() for p in peer.parameters())  # before any sharding
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     par = parallelize(build_model(cfg, 320), Mesh.from_config(cfg, derived), cfg, derived)
     if cfg.parallel.zero == 3:  # the native peer of ZeRO-3: FSDP2 on every block, then the root
         from torch.distributed.fsdp import fully_shard

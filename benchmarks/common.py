@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from fivefold.config import TrainConfig
+from fivefold.config.schema import TrainConfig
 from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.parallel.comm.compat import collective_name
 from fivefold.train.gc_policy import collect_between_steps

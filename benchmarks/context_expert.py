@@ -36,15 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import finish_summary, log, make_parser, median, parse, ratio  # noqa: E402
-from fivefold.config import load_config  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 COMPARISONS = {  # name: (shared overrides, {side: overrides})
     "cp": (("--model.dim=128", "--model.n_heads=8", "--model.n_kv_heads=8", "--model.ffn_dim=384",
             "--model.n_layers=4", "--train.seq_len=512", "--train.micro_batch=1", "--train.global_batch=2"),
            {"ring": ("--parallel.cp_method=ring",), "ulysses": ("--parallel.cp_method=ulysses",)}),
-    "ep": (("--model.preset=tiny-moe", "--model.dim=128", "--model.n_layers=4", "--model.n_experts=8",
-            "--model.moe_ffn_dim=256", "--train.seq_len=128", "--train.micro_batch=4",
+    "ep": (("--model.preset=tiny-moe", "--model.dim=128", "--model.n_layers=4", "--model.moe.n_experts=8",
+            "--model.moe.ffn_dim=256", "--train.seq_len=128", "--train.micro_batch=4",
             "--train.global_batch=16"),
            {"ep1": ("--parallel.ep=1",), "ep": ()}),
 }
@@ -63,7 +63,7 @@ def _run(name: str, side: str, nproc: int, args, overrides: list[str], out: Path
     shared, sides = COMPARISONS[name]
     degree = (f"--parallel.cp={nproc}", "--parallel.dp=1") if name == "cp" else (f"--parallel.ep={nproc}",)
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
-        *shared, *degree, *sides[side], f"--train.steps={args.warmup + args.steps}", "--train.lr=1e-3",
+        *shared, *degree, *sides[side], f"--train.steps={args.warmup + args.steps}", "--optim.lr=1e-3",
         "--train.dtype=fp32", "--train.device=cpu", "--data.val_fraction=0", "--checkpoint.every=0",
         f"--run.out_dir={out}", f"--run.name={name}-{side}-{time.monotonic_ns()}", "--train.log_every=1000",
         *overrides])

@@ -14,7 +14,7 @@ What is compared, each on the same number of ranks (2 by default, gloo, CPU, fp3
 Every run builds the same model with the same initial weights (`build_model`, seeded) and trains
 it on the same batches (random token ids from a generator seeded per step; rank r takes rows
 [r B, (r+1) B) of each global batch), with AdamW from `build_optimizer` on both sides and
-gradient clipping at `train.grad_clip`. ZeroRedundancyOptimizer takes `build_optimizer`'s two
+gradient clipping at `optim.grad_clip`. ZeroRedundancyOptimizer takes `build_optimizer`'s two
 parameter groups and hyper-parameters; it shards whole parameters over the ranks (fivefold ZeRO-1
 shards every parameter's rows), steps its shard and broadcasts the updated parameters (fivefold:
 one all-gather per bucket). Its gradients are DDP's all-reduced ones, clipped on every rank with
@@ -105,10 +105,12 @@ from benchmarks.common import (  # noqa: E402
     report,
     slowest_rank,
 )
-from fivefold.config import Config, load_config, replace  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import load_config, replace  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import unpadded_vocab  # noqa: E402
 from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
 from fivefold.parallel.data import apply_data_parallel  # noqa: E402
-from fivefold.parallel.derive import derive  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm  # noqa: E402
@@ -151,16 +153,17 @@ class Side:
 
     def __init__(self, kind: str, cfg: Config, world: int, meshes: dict):
         self.kind, self.times, self.cpu_times, self.losses = kind, [], [], []
-        t = self.train = cfg.train
+        t = cfg.train
+        o = self.optim = cfg.optim  # step() clips with it
         self.local_tokens = t.micro_batch * t.seq_len
         self.global_tokens = self.local_tokens * world
-        derived = derive(cfg, world)
+        derived = derive(cfg, world, unpadded_vocab(cfg))
         self.model = build_model(cfg, derived.vocab_size)
         if kind.startswith("fivefold"):
             cfg = replace(cfg, parallel={"zero": ZERO.get(kind, 0)})
             self.dp = apply_data_parallel(self.model, meshes["fivefold"], cfg, derived)
             self.dp.overlap = kind != "fivefold_ddp_no_overlap"
-            self.opt = build_optimizer(self.dp.optimizer_params(), t)  # as parallelize() builds it
+            self.opt = build_optimizer(self.dp.optimizer_params(), o)  # as parallelize() builds it
             self.loss_weight = 1.0  # the global loss is the sum of the ranks' losses
             return
         if kind in ("torch_ddp", "torch_ddp_zero1"):
@@ -172,27 +175,27 @@ class Side:
             self.net = fully_shard(self.model, mesh=meshes["torch"], reshard_after_forward=True)
         else:
             raise ValueError(kind)
-        self.opt = build_optimizer(self.model, t)  # after fully_shard: it steps the DTensor shards
+        self.opt = build_optimizer(self.model, o)  # after fully_shard: it steps the DTensor shards
         if kind == "torch_ddp_zero1":  # build_optimizer's groups and hyper-parameters, the state sharded
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in self.opt.param_groups]
-            self.opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=t.lr,
-                                               betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)  # as build_optimizer
+            self.opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=o.lr,
+                                               betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)  # as build_optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.loss_weight = 1.0 / world  # the global loss is the mean of the ranks' losses
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        t = self.train
+        o = self.optim
         if self.kind.startswith("fivefold"):
             loss = cross_entropy_sum(self.model(x), y) / self.global_tokens  # the wrapper sums over ranks
             self.dp.backward(loss, last_micro_batch=True)
-            clip_fivefold(self.dp, t.grad_clip)
+            clip_fivefold(self.dp, o.grad_clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.dp.after_step()  # ZeRO-3: nothing to gather, the next forward gathers
         else:
             loss = cross_entropy_sum(self.net(x), y) / self.local_tokens  # torch averages over ranks
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         return loss
@@ -211,7 +214,8 @@ def _setup(rank: int, world: int, cfg: Config) -> dict:
     torch.set_num_threads(1)
     # FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, deprecated in favour of *_single.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    return {"fivefold": Mesh.from_config(cfg, derive(cfg, world)), "torch": init_device_mesh("cpu", (world,))}
+    return {"fivefold": Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg))),
+            "torch": init_device_mesh("cpu", (world,))}
 
 
 def _timed_worker(rank: int, world: int, kinds: tuple[str, str], cfg: Config, warmup: int, steps: int) -> list[dict]:
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--train.global_batch={8 * world}", f"--parallel.bucket_mb={args.bucket_mb}", *overrides])
     cfg = replace(cfg, train={"global_batch": cfg.train.micro_batch * world})  # one micro-batch per rank
     m, t = cfg.model, cfg.train
-    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world, unpadded_vocab(cfg)).vocab_size).parameters())
     prewarm()
     log(f"model dim {m.dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; {world} ranks x micro-batch "
         f"{t.micro_batch} x seq {t.seq_len}, fp32; bucket {cfg.parallel.bucket_mb} MB; "

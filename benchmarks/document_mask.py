@@ -73,7 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import fivefold.train.loop  # noqa: E402,F401  (imported once here: the forked workers inherit it)
 from benchmarks import ring_before  # noqa: E402
 from benchmarks.common import finish_summary, log, make_parser, median, parse, ratio  # noqa: E402
-from fivefold.config import load_config  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
 from fivefold.model.attention import attend  # noqa: E402
 from fivefold.model.masks import AttentionMask, Documents, document_ids  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
@@ -188,7 +188,7 @@ def _step_run(name: str, side: str, args, overrides: list[str], out: Path, steps
     nproc, layout = STEP_PARTS[name]
     cfg = load_config(Path(args.config), [
         *SIDES[side], *layout, f"--train.seq_len={args.seq_len}", "--train.micro_batch=1", "--train.global_batch=2",
-        f"--train.steps={steps}", "--train.warmup_steps=1", "--train.dtype=fp32", "--train.device=cpu",
+        f"--train.steps={steps}", "--optim.warmup_steps=1", "--train.dtype=fp32", "--train.device=cpu",
         f'--data.paths=["{out / "docs"}"]', "--data.max_bytes=0", "--data.val_fraction=0", "--train.eval_every=0",
         "--checkpoint.every=0", f"--run.out_dir={out}", f"--run.name={name}-{side}-{time.monotonic_ns()}",
         "--train.log_every=1000", *overrides])

@@ -58,8 +58,10 @@ from benchmarks.common import (  # noqa: E402
     ratio,
 )
 from benchmarks.pipeline_sides import global_batches  # noqa: E402
-from fivefold.config import Config, load_config, replace  # noqa: E402
-from fivefold.parallel.derive import derive  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import load_config, replace  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import unpadded_vocab  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
@@ -76,7 +78,7 @@ class Side:
     def __init__(self, kind: str, cfg: Config):
         self.kind = kind
         self.cfg = replace(cfg, train={"fp8": "tensorwise" if kind == "fp8" else "none"})
-        derived = derive(self.cfg, 1)
+        derived = derive(self.cfg, 1, unpadded_vocab(self.cfg))
         self.par = parallelize(build_model(self.cfg, derived.vocab_size), Mesh.from_config(self.cfg, derived),
                                self.cfg, derived)
         if kind == "torchao":
@@ -89,7 +91,7 @@ class Side:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         began = time.perf_counter()
         stats = self.par.pipeline.run([(x, y)], x.numel())
-        self.par.optimizer_step(self.cfg.train.lr, self.scaler, self.cfg.train.grad_clip)
+        self.par.optimizer_step(self.cfg.optim.lr, self.scaler, self.cfg.optim.grad_clip)
         self.times.append(time.perf_counter() - began)
         self.losses.append(float(stats.loss))
 

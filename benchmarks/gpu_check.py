@@ -75,8 +75,8 @@ MODELS = {
     "debug": {"config": "configs/debug.toml", "overrides": [], "seq_len": 128, "micro_batch": 8},
     "llama-1b": {"config": None, "overrides": [
         "--model.dim=2048", "--model.n_layers=16", "--model.n_heads=32", "--model.n_kv_heads=8",
-        "--model.ffn_dim=8192", "--model.vocab_size=128256", "--model.rope_theta=500000.0",
-        "--model.norm_eps=1e-5", "--model.tie_embeddings=true"], "seq_len": 2048, "micro_batch": 4},
+        "--model.ffn_dim=8192", "--model.vocab_size=128256", "--model.rope.theta=500000.0",
+        "--model.norm.eps=1e-5", "--model.tie_embeddings=true"], "seq_len": 2048, "micro_batch": 4},
     "tiny": {"config": "configs/tiny.toml", "overrides": [], "seq_len": 32, "micro_batch": 2},  # --tiny
 }
 PARTS = ("off", "attention", "roofline", "on", "calibrate")
@@ -122,7 +122,7 @@ def catalog_peak(device_name: str) -> tuple[float | None, str]:
 
 # ---- one case: the two ways to train ------------------------------------------------------------------
 def make_config(model: str, args, compile_: bool, out_dir: Path):
-    from fivefold.config import ConfigError, load_config
+    from fivefold.config.load import ConfigError, load_config
     from fivefold.validate import validate
 
     spec = MODELS[model]
@@ -132,7 +132,7 @@ def make_config(model: str, args, compile_: bool, out_dir: Path):
     cfg = load_config(ROOT / spec["config"] if spec["config"] else None, [
         *spec["overrides"], f"--train.seq_len={seq}", f"--train.micro_batch={mb}", f"--train.global_batch={mb}",
         f"--train.dtype={args.dtype}", f"--train.device={args.device}", f"--train.compile={str(compile_).lower()}",
-        "--parallel.dp=1", f"--train.steps={steps}", "--train.warmup_steps=1", "--train.eval_every=0",
+        "--parallel.dp=1", f"--train.steps={steps}", "--optim.warmup_steps=1", "--train.eval_every=0",
         "--data.tokenizer=byte", f"--data.max_bytes={max_bytes}", f"--run.out_dir={out_dir}", f"--run.name={model}"])
     if errors := validate(cfg, 1):
         raise ConfigError(errors)
@@ -154,13 +154,14 @@ def free_device(device: str) -> None:
 
 
 def fivefold_case(cfg, device: str, steps: int) -> dict:
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
+    from fivefold.data.resolve import unpadded_vocab
     from fivefold.train.loop import init_distributed, setup
     from fivefold.train.step import train_step
 
     init_distributed(device)  # a process group of one, kept for the part's later cases
     began = time.perf_counter()
-    run, _, _ = setup(cfg, derive(cfg, 1), device)
+    run, _, _ = setup(cfg, derive(cfg, 1, unpadded_vocab(cfg)), device)
     sync(device)
     out = {"setup_s": time.perf_counter() - began, "times": [], "tokens": [], "losses": [], "reported": []}
     for step in range(steps):
@@ -193,7 +194,7 @@ def plain_case(cfg, vocab: int, device: str, steps: int) -> dict:
     if t.compile:
         for block in model.layers.values():
             block.compile()  # as fivefold compiles: each block, its parameter names kept
-    opt = build_optimizer(model, t)
+    opt = build_optimizer(model, cfg.optim)
     params = [p for p in model.parameters() if p.requires_grad]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.dtype)
     autocast = (lambda: torch.autocast(device_type=device, dtype=dtype)) if dtype else contextlib.nullcontext
@@ -210,7 +211,7 @@ def plain_case(cfg, vocab: int, device: str, steps: int) -> dict:
             logits = model(x)  # (B, T, vocab)
         loss = cross_entropy_sum(logits, y) / y.numel()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out["losses"].append(loss.item())
@@ -221,12 +222,13 @@ def plain_case(cfg, vocab: int, device: str, steps: int) -> dict:
 
 
 def measure(runtime: str, model: str, compile_: bool, args, out_dir: Path, peak: tuple[float | None, str]) -> dict:
+    from fivefold.config.derive import derive
+    from fivefold.data.resolve import unpadded_vocab
     from fivefold.model.counts import flops_per_token, model_counts
-    from fivefold.parallel.derive import derive
     from fivefold.planner.selfcheck import predict_for_config
 
     cfg = make_config(model, args, compile_, out_dir)
-    vocab = derive(cfg, 1).vocab_size
+    vocab = derive(cfg, 1, unpadded_vocab(cfg)).vocab_size
     free_device(args.device)
     cuda = args.device == "cuda"
     if cuda:

@@ -51,9 +51,11 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from benchmarks.common import LOSS_TOL, alternate, counting_collectives, log, median, ratio  # noqa: E402
 from benchmarks.pipeline_sides import FivefoldSide, global_batches, timed_step  # noqa: E402
-from fivefold.config import Config, ConfigError, load_config  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import ConfigError, load_config  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import tokenizer_vocab, unpadded_vocab  # noqa: E402
 from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
-from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
@@ -102,14 +104,13 @@ class Fsdp2Hsdp:
     """FSDP2 on the (replicate, shard) mesh: M forward-backwards, clip, AdamW."""
 
     def __init__(self, cfg: Config, accumulate: bool):
-        t = cfg.train
         self.cfg, self.accumulate = cfg, accumulate
         mesh = init_device_mesh("cpu", (REPLICAS, WORLD // REPLICAS), mesh_dim_names=("replicate", "shard"))
-        self.model = build_model(cfg, derive(cfg, WORLD).vocab_size)
+        self.model = build_model(cfg, derive(cfg, WORLD, unpadded_vocab(cfg)).vocab_size)
         for block in self.model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        self.opt = build_optimizer(self.model, t)
+        self.opt = build_optimizer(self.model, cfg.optim)
         self.real = tokenizer_vocab(cfg)  # fivefold leaves the padding ids out of the softmax; so does this side
         self.times: list[float] = []
         self.cpu_times: list[float] = []
@@ -127,14 +128,14 @@ class Fsdp2Hsdp:
             loss = cross_entropy_sum(self.model(xm)[..., : self.real], ym) / x.numel()  # FSDP2 averages over ranks
             loss.backward()
             total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total / WORLD  # summed over ranks by timed_step: the mean over every token
 
 
 def _worker(rank: int, world: int, cfg: Config, warmup: int, steps: int) -> dict:
-    mesh = Mesh.from_config(cfg, derive(cfg, world))
+    mesh = Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg)))
     sides = [Counted(FivefoldSide(cfg, mesh)), Counted(Fsdp2Hsdp(cfg, False)), Counted(Fsdp2Hsdp(cfg, True))]
     results = alternate(sides, global_batches(cfg, warmup + steps), warmup, timed_step)
     return {name: {**res, "comm": side.comm} for name, res, side in zip(SIDES, results, sides, strict=True)}
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = 2 if args.quick else args.steps
     ranks = run_workers(_worker, WORLD, cfg, args.warmup, steps, timeout=1800)
-    micro_batches = derive(cfg, WORLD).grad_accum
+    micro_batches = derive(cfg, WORLD, unpadded_vocab(cfg)).grad_accum
     summary: dict = {"world": WORLD, "replicas": REPLICAS, "micro_batches": micro_batches, "steps": steps}
     first = {name: ranks[0][name]["losses"][0] for name in SIDES}
     summary["loss_check"] = {"first_step": first, "ok": all(abs(v - first["fivefold"]) < LOSS_TOL

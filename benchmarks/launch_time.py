@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ["--train.steps=2", "--train.warmup_steps=1", "--data.max_bytes=20000", "--no-progress"]
+RUN = ["--train.steps=2", "--optim.warmup_steps=1", "--data.max_bytes=20000", "--no-progress"]
 SIDES = ("fivefold", "torchrun")
 
 

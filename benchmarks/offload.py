@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.common import finish_summary, log, make_parser, median, parse, ratio  # noqa: E402
-from fivefold.config import Config, load_config  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.train.metrics import read_metrics  # noqa: E402
 

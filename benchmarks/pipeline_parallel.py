@@ -112,8 +112,10 @@ from benchmarks.pipeline_sides import (  # noqa: E402
     schedule_cfg,
     timed_step,
 )
-from fivefold.config import Config, load_config  # noqa: E402
-from fivefold.parallel.derive import derive  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import unpadded_vocab  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
@@ -128,7 +130,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
                   steps: int) -> list[dict]:
     """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
     cfg = schedule_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, derive(cfg, world))
+    mesh = Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg)))
     sides = [_make_side(kind, cfg, world, name, mesh) for kind in kinds]
     return alternate(sides, global_batches(cfg, warmup + steps), warmup, timed_step)
 
@@ -142,7 +144,7 @@ def _make_side(kind: str, cfg: Config, world: int, name: str, mesh: Mesh):
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
     """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
     cfg = schedule_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, derive(cfg, world))  # process groups exist before the baseline
+    mesh = Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg)))  # process groups exist before the baseline
 
     def run() -> FivefoldSide | TorchSide:
         side = _make_side(kind, cfg, world, name, mesh)
@@ -156,7 +158,7 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
 def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int) -> dict:
     """fivefold alone with the executor's clock: compute, input waits and the rest, per step."""
     cfg = schedule_cfg(cfg, name)
-    side = FivefoldSide(cfg, Mesh.from_config(cfg, derive(cfg, world)))
+    side = FivefoldSide(cfg, Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg))))
     for i, (x, y) in enumerate(global_batches(cfg, warmup + steps)):
         timed_step(side, x, y, clock=time.perf_counter if i >= warmup else None)
     parts = {"compute": [], "wait_inputs": [], "other": [], "step": []}
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--parallel.pp={world}", "--parallel.dp=1", *overrides])
     m, t = cfg.model, cfg.train
     n_micro = t.global_batch // t.micro_batch
-    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world, unpadded_vocab(cfg)).vocab_size).parameters())
     prewarm()
     log(f"model dim {m.dim}, ffn {m.ffn_dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; pp {world}, "
         f"global batch {t.global_batch} = {n_micro} micro-batches x {t.micro_batch} x seq {t.seq_len}, fp32; "

@@ -25,10 +25,12 @@ from torch.distributed.pipelining import (  # noqa: E402
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from fivefold.config import Config, replace  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import replace  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import tokenizer_vocab, unpadded_vocab  # noqa: E402
 from fivefold.model.rope import rope_cos_sin  # noqa: E402
 from fivefold.model.transformer import Transformer, cross_entropy_sum  # noqa: E402
-from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
@@ -83,7 +85,7 @@ class TorchStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, dim)
-        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.head_dim, self.cfg)
+        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.head_dim, self.cfg.rope)
         for block in self.layers:
             h = block(h, cos, sin)
         if self.output is not None:
@@ -98,7 +100,7 @@ class FivefoldSide:
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        derived = derive(cfg, mesh.world_size)
+        derived = derive(cfg, mesh.world_size, unpadded_vocab(cfg))
         self.par = parallelize(build_model(cfg, derived.vocab_size), mesh, cfg, derived)
         self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
@@ -109,13 +111,13 @@ class FivefoldSide:
         self.step_spans: list[tuple[float, float]] = []
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> float:
-        t, par, mesh = self.cfg.train, self.par, self.mesh
+        t, o, par, mesh = self.cfg.train, self.cfg.optim, self.par, self.mesh
         mesh.stats.reset()
         rows = x.shape[0] // mesh.size("batch")  # this dp rank's rows of the global batch, as rank_slice takes them
         mine = slice(mesh.rank("batch") * rows, (mesh.rank("batch") + 1) * rows)
         micro = list(zip(x[mine].split(t.micro_batch), y[mine].split(t.micro_batch), strict=True))  # in order
         stats = par.pipeline.run(micro, x.numel(), clock=clock)
-        par.optimizer_step(t.lr, self.scaler, t.grad_clip)
+        par.optimizer_step(o.lr, self.scaler, o.grad_clip)
         self.comm.append(mesh.stats.snapshot())  # this step's traffic per axis, as train_step's metrics "comm"
         if clock:
             self.timelines.append(stats.timeline)
@@ -138,7 +140,7 @@ class TorchSide:
         self.dp, self.dp_rank = world // pp, dist.get_rank() % (world // pp)
         cls, v = SCHEDULES[name]
         n_stages, n_micro = pp * v, t.global_batch // (self.dp * t.micro_batch)
-        vocab = derive(cfg, world).vocab_size
+        vocab = derive(cfg, world, unpadded_vocab(cfg)).vocab_size
         model = build_model(cfg, vocab)
         layers = stage_layers(stage_split(cfg, vocab))  # fivefold's blocks per stage
         # fivefold's placement, which is torch's: stage s on rank s % pp ("loop"), or r and 2pp-1-r ("v")
@@ -169,7 +171,7 @@ class TorchSide:
                             loss_fn=loss_fn, scale_grads=False)
         holder = nn.ModuleList(self.modules)
         self.params = [p for p in holder.parameters() if p.requires_grad]
-        self.opt = build_optimizer(holder, t)  # after `shard`: FSDP2 steps the DTensor shards
+        self.opt = build_optimizer(holder, cfg.optim)  # after `shard`: FSDP2 steps the DTensor shards
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.losses: list[float] = []
@@ -190,7 +192,7 @@ class TorchSide:
             norm = norm.full_tensor()
         sq = norm.double() ** 2  # this rank's part of the global norm
         dist.all_reduce(sq, group=self.group)
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.train.grad_clip, sq.sqrt().float())
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.optim.grad_clip, sq.sqrt().float())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return sum(float(loss.detach()) for loss in losses) / self.dp  # summed over ranks: the mean over dp

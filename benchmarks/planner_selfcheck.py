@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import log, make_parser, median, parse  # noqa: E402
-from fivefold.config import load_config  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 LAYOUTS = {"dp2": (), "tp2": ("--parallel.tp=2",), "pp2": ("--parallel.pp=2",)}
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, cfg) -> list[float]:
 
 def _config(model: str, layout: str, args, overrides: list[str], out: Path, hardware: str | None):
     return load_config(ROOT / "configs" / f"{model}.toml", [
-        *LAYOUTS[layout], f"--train.steps={args.warmup + args.steps}", "--train.warmup_steps=1",
+        *LAYOUTS[layout], f"--train.steps={args.warmup + args.steps}", "--optim.warmup_steps=1",
         "--train.dtype=fp32", "--train.device=cpu", "--train.eval_every=0", "--data.val_fraction=0",
         "--data.max_bytes=400000", "--checkpoint.every=0", "--train.log_every=1000", f"--run.out_dir={out}",
         f"--run.name={model}-{layout}-{time.monotonic_ns()}", *([f"--run.hardware={hardware}"] if hardware else []),

@@ -35,9 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.published_common import METRICS, Run  # noqa: E402
 from benchmarks.published_runs import RUNS  # noqa: E402
-from fivefold.config import Config, load_config  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts  # noqa: E402
-from fivefold.parallel.derive import derive  # noqa: E402
 from fivefold.planner.estimate import estimate  # noqa: E402
 from fivefold.planner.hardware import get_hardware  # noqa: E402
 from fivefold.planner.machine.datasheet import Hardware  # noqa: E402
@@ -112,7 +114,7 @@ def evaluate(run: Run) -> dict[str, Any]:
         est = estimate(cfg, run.world, hw, BytesPerParam(*run.state_bytes), options=options)
         if est.fits or recompute == tries[-1]:
             break
-    d = derive(cfg, run.world)
+    d = derive(cfg, run.world, unpadded_vocab(cfg))
     params = model_counts(cfg.model, d.vocab_size).total / 1e9
     pred, pub_tok = predicted(run.metric, est, hw), published_tokens(run, hw)
     return {**row, "layout": layout_text(cfg, d.dp), "recompute": cfg.train.recompute, "fits": est.fits,

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from fivefold.config import load_config  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
 from fivefold.model.attention import causal_attention  # noqa: E402
 from fivefold.model.counts import head_dim  # noqa: E402
 from fivefold.model.presets import PRESETS  # noqa: E402
@@ -132,7 +132,7 @@ def check_block(cfg, ops, hw, batch: int, seq: int, device: str, repeats: int) -
     """fivefold's Block, forward then backward, beside the planner's eager block."""
     block = Block(cfg, 0, head_dim(cfg)).to(device)
     x = torch.randn(batch, seq, cfg.dim, device=device, requires_grad=True)  # fp32: the embedding's output
-    cos, sin = rope_cos_sin(torch.arange(seq, device=device), head_dim(cfg), cfg)
+    cos, sin = rope_cos_sin(torch.arange(seq, device=device), head_dim(cfg), cfg.rope)
     autocast = torch.autocast(device, dtype=torch.bfloat16)
 
     def forward():

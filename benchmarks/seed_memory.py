@@ -27,15 +27,16 @@ CHILD = r"""
 import json, resource, sys, tempfile
 from pathlib import Path
 import torch
-from fivefold.config import load_config
+from fivefold.data.resolve import unpadded_vocab
+from fivefold.config.load import load_config
 from fivefold.model.transformer import Transformer
 from fivefold.checkpoint.seed import write_seed_checkpoint
-from fivefold.parallel.derive import padded_vocab
+from fivefold.config.derive import padded_vocab
 import dataclasses
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 with torch.device("meta"):
-    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)))
+    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg))))
 sizes = [p.numel() * 4 for p in model.parameters()]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 with tempfile.TemporaryDirectory() as out:

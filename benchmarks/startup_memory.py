@@ -37,7 +37,7 @@ Three sides, each measured in a fresh pair of forked workers (peak RSS is monoto
   PyTorch users write it: `reset_parameters()` where a module has one (nn.Linear, nn.Embedding,
   on the DTensor parameters), `nn.init.ones_` for fivefold's RMSNorm weights; AdamW from
   `build_optimizer`; a step is forward, `cross_entropy_sum` / tokens, backward, gradient clipping
-  to train.grad_clip (benchmarks/tensor_parallel.py `clip_torch`), AdamW, zero_grad. Its batch
+  to optim.grad_clip (benchmarks/tensor_parallel.py `clip_torch`), AdamW, zero_grad. Its batch
   comes from the same corpus through fivefold's data pipeline (`loop.build_datasets`, `rank_slice`:
   the prepared shards memory-mapped, the seeded sample order), as a PyTorch user reading that corpus
   would, so both sides pay for their data alike; its initial values differ from fivefold's (the
@@ -102,13 +102,14 @@ import fivefold.train.loop as loop  # noqa: E402
 from benchmarks.common import log, malloc_returns_memory, prewarm, ratio, status_mb  # noqa: E402
 from benchmarks.tensor_parallel import clip_torch, torch_tp_plan  # noqa: E402
 from fivefold.checkpoint.run_dir import run_dir_of  # noqa: E402
-from fivefold.config import Config, ConfigError, load_config  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import ConfigError, load_config  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
 from fivefold.data.batches import IGNORE, rank_slice  # noqa: E402
-from fivefold.data.resolve import ensure_prepared  # noqa: E402
+from fivefold.data.resolve import ensure_prepared, unpadded_vocab  # noqa: E402
 from fivefold.model.attention import RMSNorm  # noqa: E402
 from fivefold.model.counts import model_counts  # noqa: E402
 from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
-from fivefold.parallel.derive import derive  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
 from fivefold.parallel.parallelize import parallelize  # noqa: E402
@@ -155,7 +156,7 @@ class FivefoldSide:
         if kind == "fivefold_full_build":  # this forked worker only: setup() reads both as module globals
             loop.parallel_model = full_build_parallel_model
             loop.fill_weights = lambda *args, **kwargs: None  # build_model drew the seeded values already
-        self.run, _, _ = loop.setup(cfg, derive(cfg, world), "cpu")
+        self.run, _, _ = loop.setup(cfg, derive(cfg, world, unpadded_vocab(cfg)), "cpu")
 
     def step(self) -> dict:
         m = train_step(self.run, 0).metrics
@@ -179,7 +180,7 @@ class TorchSide:
 
     def __init__(self, layout: str, cfg: Config, world: int, units: str):
         self.cfg, self.layout = cfg, layout
-        vocab = derive(cfg, world).vocab_size
+        vocab = derive(cfg, world, unpadded_vocab(cfg)).vocab_size
         model = loop.meta_model(cfg, vocab)  # fivefold's Transformer on the meta device
         mesh = init_device_mesh("cpu", (world,))
         if layout == "zero3":
@@ -196,7 +197,7 @@ class TorchSide:
         init_like_torch_users(model)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = build_optimizer(model, cfg.train)  # after sharding: it steps the DTensor shards
+        self.opt = build_optimizer(model, cfg.optim)  # after sharding: it steps the DTensor shards
         # The data as a PyTorch user of the same corpus reads it: fivefold's pipeline (the prepared
         # shards memory-mapped, the seeded sample order), this rank's rows (dp) or the whole batch (tp).
         t = cfg.train
@@ -214,7 +215,7 @@ class TorchSide:
             with loss_parallel():
                 loss = cross_entropy_sum(self.model(self.x), self.y) / self.tokens  # a Replicate DTensor
                 loss.backward()
-        clip_torch(self.params, self.cfg.train.grad_clip)
+        clip_torch(self.params, self.cfg.optim.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         loss = loss.detach()
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     model = ["--model.preset=debug"] if args.quick else ["--model.preset=llama3-8b", "--model.n_layers=2"]
     out_dir = Path(tempfile.mkdtemp(prefix="ff-startup-"))
     base = [*model, "--train.seq_len=128", "--train.micro_batch=1", "--train.dtype=fp32", "--train.device=cpu",
-            "--train.steps=1", "--train.warmup_steps=1", "--data.max_bytes=200000", f"--run.out_dir={out_dir}",
+            "--train.steps=1", "--optim.warmup_steps=1", "--data.max_bytes=200000", f"--run.out_dir={out_dir}",
             "--run.name=startup"]
     prewarm()
     began = time.perf_counter()
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
             errors = validate(cfg, WORLD)
             if errors:
                 raise ConfigError(errors)
-            params = model_counts(cfg.model, derive(cfg, WORLD).vocab_size).total
+            params = model_counts(cfg.model, derive(cfg, WORLD, unpadded_vocab(cfg)).vocab_size).total
             peaks = predicted_peaks(cfg, params)
             pred = peaks.pop("planner")
             worst_step = max(peaks[k]["step"] for k in args.sides)
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.first_step, fits(worst_step))
             skipped = None if first_step else why
             m = cfg.model
-            log(f"{layout}: dim {m.dim}, {m.n_layers} layers, vocab {derive(cfg, WORLD).vocab_size}, "
+            vocab = derive(cfg, WORLD, unpadded_vocab(cfg)).vocab_size
+            log(f"{layout}: dim {m.dim}, {m.n_layers} layers, vocab {vocab}, "
                 f"{params / 1e9:.3f}B params ({4 * params / 1e9:.2f} GB fp32); planner per rank at the step: "
                 f"model state {pred['model_state_bytes']['total'] / 1e9:.2f} GB + activations "
                 f"{pred['activation_bytes'] / 1e9:.2f} GB + buffers {pred['buffer_bytes'] / 1e9:.2f} GB; "

@@ -130,9 +130,11 @@ from benchmarks.common import (  # noqa: E402
     timed_rounds,
 )
 from benchmarks.pipeline_sides import global_batches  # noqa: E402  (the same on every rank)
-from fivefold.config import Config, load_config, replace  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import load_config, replace  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import tokenizer_vocab, unpadded_vocab  # noqa: E402
 from fivefold.model.transformer import cross_entropy_sum  # noqa: E402
-from fivefold.parallel.derive import derive, tokenizer_vocab  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.parallel.optimizer import build_optimizer  # noqa: E402
@@ -162,7 +164,7 @@ class FivefoldSide:
 
     def __init__(self, cfg: Config, world: int, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        derived = derive(cfg, world)
+        derived = derive(cfg, world, unpadded_vocab(cfg))
         self.par = parallelize(build_model(cfg, derived.vocab_size), mesh, cfg, derived)
         self.scaler = LossScaler(cfg.train)  # fp32: a scale of 1 that never skips
         self.times: list[float] = []
@@ -170,10 +172,10 @@ class FivefoldSide:
         self.exposed_tp: list[float] = []  # seconds per step this thread was blocked in tp communication
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        t, par = self.cfg.train, self.par
+        o, par = self.cfg.optim, self.par
         self.mesh.timer.begin_step()
         stats = par.pipeline.run([(x, y)], x.numel())  # one stage, one micro-batch
-        par.optimizer_step(t.lr, self.scaler, t.grad_clip)
+        par.optimizer_step(o.lr, self.scaler, o.grad_clip)
         self.exposed_tp.append(self.mesh.timer.end_step()[1]["exposed_tp"])
         return float(stats.loss)  # the whole loss (/ tokens), the same on every tp rank
 
@@ -212,7 +214,7 @@ class TorchSide:
 
     def __init__(self, cfg: Config, world: int):
         self.cfg = cfg
-        vocab = derive(cfg, world).vocab_size
+        vocab = derive(cfg, world, unpadded_vocab(cfg)).vocab_size
         self.model = build_model(cfg, vocab)
         mesh = init_device_mesh("cpu", (world,))
         torch_tp_plan(self.model, mesh, cfg.parallel.sp)
@@ -223,7 +225,7 @@ class TorchSide:
         bias = torch.where(torch.arange(vocab) < real, 0.0, float("-inf"))
         self.vocab_bias = distribute_tensor(bias, mesh, [Shard(0)]) if real < vocab else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = build_optimizer(self.model, cfg.train)
+        self.opt = build_optimizer(self.model, cfg.optim)
         self.positions = torch.arange(cfg.train.seq_len)  # every token's true position (sp: the embedding keeps T/2)
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -235,7 +237,7 @@ class TorchSide:
                 logits = logits + self.vocab_bias
             loss = cross_entropy_sum(logits, y) / y.numel()  # a Replicate DTensor
             loss.backward()
-        clip_torch(self.params, self.cfg.train.grad_clip)
+        clip_torch(self.params, self.cfg.optim.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         loss = loss.detach()
@@ -279,7 +281,7 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
                   steps: int) -> list[dict]:
     """Both sides in these processes, alternating step by step (A B, B A, ...) after their warm-up."""
     cfg = variant_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, derive(cfg, world))
+    mesh = Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg)))
     sides = [_make_side(kind, cfg, world, mesh) for kind in kinds]
     results = alternate(sides, global_batches(cfg, warmup + steps), warmup, _timed_step)
     for side, result in zip(sides, results, strict=True):
@@ -291,8 +293,9 @@ def _timed_worker(rank: int, world: int, name: str, kinds: tuple[str, str], cfg:
 def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, steps: int) -> dict:
     """One side alone, glibc returning freed memory: its peak RSS above the pre-model baseline."""
     cfg = variant_cfg(cfg, name)
-    mesh = Mesh.from_config(cfg, derive(cfg, world))  # process groups exist before the baseline (torch's 1-D mesh
-    # over the whole world is the default group: nothing new)
+    # process groups exist before the baseline (torch's 1-D mesh over the whole world is the default group:
+    # nothing new)
+    mesh = Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg)))
 
     def run() -> FivefoldSide | TorchSide:
         side = _make_side(kind, cfg, world, mesh)
@@ -306,7 +309,7 @@ def _memory_worker(rank: int, world: int, name: str, kind: str, cfg: Config, ste
 def _profile_worker(rank: int, world: int, name: str, cfg: Config, warmup: int, steps: int, top: int) -> dict:
     """Both sides, each profiled alone over `steps` steps after its warm-up: top ops by self CPU time."""
     cfg = variant_cfg(cfg, name)
-    mesh, out = Mesh.from_config(cfg, derive(cfg, world)), {}
+    mesh, out = Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg))), {}
     for kind in ("fivefold", "torch"):
         side = _make_side(kind, cfg, world, mesh)
         batches = global_batches(cfg, warmup + steps)
@@ -362,10 +365,11 @@ def main(argv: list[str] | None = None) -> None:
         "--train.seq_len=128", "--train.micro_batch=8", "--train.global_batch=8", "--train.dtype=fp32",
         "--train.device=cpu", f"--parallel.tp={world}", "--parallel.dp=1", "--parallel.pp=1", *overrides])
     m, t = cfg.model, cfg.train
-    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    vocab = derive(cfg, world, unpadded_vocab(cfg)).vocab_size
+    n_params = sum(p.numel() for p in build_model(cfg, vocab).parameters())
     prewarm()
     log(f"model dim {m.dim}, {m.n_heads} heads, ffn {m.ffn_dim}, {m.n_layers} layers, vocab "
-        f"{derive(cfg, world).vocab_size}, {n_params / 1e6:.2f}M params; tp {world}, batch {t.micro_batch} x seq "
+        f"{vocab}, {n_params / 1e6:.2f}M params; tp {world}, batch {t.micro_batch} x seq "
         f"{t.seq_len}, fp32; {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) steps per run"
         f"{'' if args.no_memory else ', then a memory run each'}; a step is forward + backward + clip + AdamW")
 

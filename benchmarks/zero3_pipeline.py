@@ -83,9 +83,11 @@ from benchmarks.pipeline_sides import (  # noqa: E402
     schedule_cfg,
     timed_step,
 )
-from fivefold.config import Config, load_config  # noqa: E402
+from fivefold.config.derive import derive  # noqa: E402
+from fivefold.config.load import load_config  # noqa: E402
+from fivefold.config.schema import Config  # noqa: E402
+from fivefold.data.resolve import unpadded_vocab  # noqa: E402
 from fivefold.parallel.comm.collectives import wire_bytes  # noqa: E402
-from fivefold.parallel.derive import derive  # noqa: E402
 from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.train.loop import build_model  # noqa: E402
@@ -158,7 +160,7 @@ class TorchFsdp2(TorchSide):
 
 
 def _meshes(cfg: Config, world: int) -> tuple[Mesh, DeviceMesh]:
-    return (Mesh.from_config(cfg, derive(cfg, world)),
+    return (Mesh.from_config(cfg, derive(cfg, world, unpadded_vocab(cfg))),
             init_device_mesh("cpu", (PP, world // PP), mesh_dim_names=("pp", "dp")))
 
 
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--parallel.pp={PP}", f"--parallel.dp={DP}", "--parallel.zero=3", *overrides])
     m, t = cfg.model, cfg.train
     n_micro = t.global_batch // (DP * t.micro_batch)
-    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world).vocab_size).parameters())
+    n_params = sum(p.numel() for p in build_model(cfg, derive(cfg, world, unpadded_vocab(cfg)).vocab_size).parameters())
     prewarm()
     log(f"model dim {m.dim}, ffn {m.ffn_dim}, {m.n_layers} layers, {n_params / 1e6:.2f}M params; pp {PP} x dp {DP}, "
         f"zero 3; global batch {t.global_batch}: {n_micro} micro-batches x {t.micro_batch} x seq {t.seq_len} per dp "

@@ -9,7 +9,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fivefold.config import Config, load_config
+from fivefold.config.load import load_config
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,37 +31,37 @@ def tiny_config(out_dir: Path, *overrides: str) -> Config:
 # init. With 1e-6 every layout's weights stay within 5e-5 of one process's (measured), so the
 # bounds below test the parallel code rather than the luck of an initialisation.
 EQUIVALENCE = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=5", "--checkpoint.keep=1",
-               "--train.eps=1e-6")
+               "--optim.eps=1e-6")
 
 
 # Tied embeddings (the `tied_reference` fixture, tests/conftest.py). lr 1e-3: at lr 1e-2, one process
 # with 4 micro-batches already differs from one with a single micro-batch by 2.5e-5 in the step-5
 # loss (AdamW amplifying fp32 summation order in the doubly-fed matrix); at 1e-3 every layout, one
 # process included, stays within 7e-8.
-TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--train.lr=1e-3")
+TIED_ARGS = (*EQUIVALENCE, "--model.tie_embeddings=true", "--optim.lr=1e-3")
 # The MoE every expert-parallel case trains (against the `moe_reference` fixture), and DeepSeek-V3's
 # architecture in miniature: latent attention, group-limited sigmoid routing with the routed scale, a
 # shared expert, the bias update and the balance loss (against `mla_reference`).
-MOE_ARGS = ("--model.preset=tiny-moe", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
-MLA_ARGS = ("--model.preset=tiny-mla", "--model.moe_bias_update=0.01", "--model.moe_aux_loss=0.01")
+MOE_ARGS = ("--model.preset=tiny-moe", "--model.moe.bias_update=0.01", "--model.moe.aux_loss=0.01")
+MLA_ARGS = ("--model.preset=tiny-mla", "--model.moe.bias_update=0.01", "--model.moe.aux_loss=0.01")
 
 # The open families' block features (tests/parallel/test_block_layouts.py), 4 layers, 2 steps: OLMo 2's
 # post norms and q/k norm over the whole projection (2 key/value heads: one per tp rank); Gemma 3's
 # sandwich norms, (1 + weight) norms, sqrt(dim) embeddings and GeGLU with Qwen2's q/k/v biases, gpt-oss's
 # output bias and per-head q/k norms.
 BLOCK_STEPS = (*EQUIVALENCE, "--train.steps=2", "--model.n_layers=4")
-OLMO2_ARGS = (*BLOCK_STEPS, "--model.norm_position=post", "--model.qk_norm=true", "--model.qk_norm_span=all",
-              "--model.n_kv_heads=2", "--model.norm_weight_fp32=true")
-GEMMA_ARGS = (*BLOCK_STEPS, "--model.norm_position=sandwich", "--model.norm_offset=1.0", "--model.embed_scale=true",
-              "--model.activation=gelu_tanh", "--model.qkv_bias=true", "--model.out_bias=true",
-              "--model.qk_norm=true")
+OLMO2_ARGS = (*BLOCK_STEPS, "--model.norm.position=post", "--model.norm.qk=true", "--model.norm.qk_span=all",
+              "--model.n_kv_heads=2", "--model.norm.weight_fp32=true")
+GEMMA_ARGS = (*BLOCK_STEPS, "--model.norm.position=sandwich", "--model.norm.offset=1.0", "--model.embed_scale=true",
+              "--model.activation=gelu_tanh", "--model.attention.qkv_bias=true", "--model.attention.out_bias=true",
+              "--model.norm.qk=true")
 
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.
 DOCUMENTS_ON = ("--data.document_mask=true", "--data.reset_positions=true")
 # Everything a query may be kept from (model/masks.py): documents, a sliding window of 6 tokens on every
 # other layer (as gpt-oss alternates), attention sinks; rows of 32 tokens, documents of at most 16.
-MASKS_ON = (*DOCUMENTS_ON, "--model.sliding_window=6", "--model.window_pattern=['sliding', 'full']",
-            "--model.attention_sinks=true")
+MASKS_ON = (*DOCUMENTS_ON, "--model.attention.window=6", "--model.attention.window_pattern=['sliding', 'full']",
+            "--model.attention.sinks=true")
 
 
 def short_documents(n: int = 88) -> list[bytes]:
@@ -76,7 +78,7 @@ def document_args(folder: Path, *extra: str) -> tuple[str, ...]:
     9e-8; at 3e-3 every layout here stays within 2e-7 (losses) and 2.2e-6 (weights), measured.
     A mask missing on one stage or rank moves the losses by percents from step 1.
     """
-    return (*EQUIVALENCE, f'--data.paths=["{folder}"]', "--data.max_bytes=0", "--train.lr=3e-3", *extra)
+    return (*EQUIVALENCE, f'--data.paths=["{folder}"]', "--data.max_bytes=0", "--optim.lr=3e-3", *extra)
 
 
 @dataclass(frozen=True)
@@ -167,10 +169,10 @@ def mesh_of(ep: int = 1, **degrees: int):
 
 def config_mesh(cfg: Config, world: int):
     """Inside a worker: the mesh `cfg` builds over `world` ranks, and its derived numbers."""
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
     from fivefold.parallel.mesh import Mesh
 
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     return Mesh.from_config(cfg, derived), derived
 
 

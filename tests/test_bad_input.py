@@ -11,7 +11,7 @@ from helpers import EQUIVALENCE, tiny_config
 from fivefold.checkpoint.files import checkpoint_errors
 from fivefold.checkpoint.run_state import latest_checkpoint
 from fivefold.cli import main
-from fivefold.config import ConfigError, load_config
+from fivefold.config.load import ConfigError, load_config
 from fivefold.train.loop import train
 from fivefold.train.preflight import preflight
 from fivefold.validate import validate
@@ -56,8 +56,8 @@ def test_each_damaged_checkpoint_file_is_named_before_the_resume(tmp_path):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_numbers_are_refused(tmp_path, value):
-    errors = validate(tiny_config(tmp_path, f"--train.lr={value}"), 1)
-    assert errors == [f"train.lr = {float(value)!r}: must be a finite number"]
+    errors = validate(tiny_config(tmp_path, f"--optim.lr={value}"), 1)
+    assert errors == [f"optim.lr = {float(value)!r}: must be a finite number"]
 
 
 def test_only_hints_that_can_fix_it(tmp_path):
@@ -85,7 +85,7 @@ def test_a_binary_config_and_nproc_zero_are_one_line(tmp_path, capsys):
 
 
 def test_more_processes_than_cores_warns(tmp_path, capsys, monkeypatch):
-    import fivefold.cli as cli
+    import fivefold.train.cli as cli
 
     monkeypatch.setattr(cli.os, "cpu_count", lambda: 1)
     cli._warn_oversubscribed(tiny_config(tmp_path, "--train.device=cpu"), 2)
@@ -233,20 +233,23 @@ def test_a_partial_checkpoint_folder_of_a_dead_job_is_removed_at_the_next_start(
 
 # What attention may see (fivefold/validate/attention.py): one line each, naming the field.
 ATTENTION_ERRORS = {
-    "negative window": (("--model.sliding_window=-2",),
-                        "model.sliding_window = -2: a sliding window needs a window of at least 1 token"),
-    "pattern without a window": (("--model.window_pattern=['sliding', 'full']",),
-                                 "model.sliding_window = 0: sliding layers in model.window_pattern need a window"),
-    "window of the whole sequence": (("--model.sliding_window=32",),
-                                     "model.sliding_window = 32 is not shorter than train.seq_len = 32"),
-    "unknown layer kind": (("--model.sliding_window=4", "--model.window_pattern=['local']"),
-                           "model.window_pattern holds ['local']: each entry is 'sliding' or 'full'"),
-    "pattern of 3 over 8 layers": (("--model.sliding_window=4", "--model.window_pattern=['sliding', 'full', 'full']"),
-                                   "model.window_pattern has 3 entries, which do not divide model.n_layers = 8"),
-    "sinks with sdpa": (("--model.attention_sinks=true", "--model.attention_backend=sdpa"),
-                        "model.attention_backend = 'sdpa' does causal attention only, not model.attention_sinks"),
-    "flex on a CPU": (("--model.attention_backend=flex", "--train.device=cpu"),
-                      "model.attention_backend = 'flex' trains on CUDA only"),
+    "negative window": (("--model.attention.window=-2",),
+                        "model.attention.window = -2: a sliding window needs a window of at least 1 token"),
+    "pattern without a window": (("--model.attention.window_pattern=['sliding', 'full']",),
+                                 "model.attention.window = 0: sliding layers in model.attention.window_pattern need "
+                                 "a window"),
+    "window of the whole sequence": (("--model.attention.window=32",),
+                                     "model.attention.window = 32 is not shorter than train.seq_len = 32"),
+    "unknown layer kind": (("--model.attention.window=4", "--model.attention.window_pattern=['local']"),
+                           "model.attention.window_pattern holds ['local']: each entry is 'sliding' or 'full'"),
+    "pattern of 3 over 8 layers": (("--model.attention.window=4",
+                                    "--model.attention.window_pattern=['sliding', 'full', 'full']"),
+                                   "model.attention.window_pattern has 3 entries, which do not divide "
+                                   "model.n_layers = 8"),
+    "sinks with sdpa": (("--model.attention.sinks=true", "--model.attention.backend=sdpa"),
+                        "model.attention.backend = 'sdpa' does causal attention only, not model.attention.sinks"),
+    "flex on a CPU": (("--model.attention.backend=flex", "--train.device=cpu"),
+                      "model.attention.backend = 'flex' trains on CUDA only"),
 }
 
 

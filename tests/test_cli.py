@@ -32,11 +32,11 @@ def test_bad_config_fails_before_any_process_starts(tmp_path, capsys):
     check = ("import sys; from fivefold.cli import main; code = main(sys.argv[1:]); "
              "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
     out = fivefold("train", "configs/tiny.toml", "--nproc", "3", "--parallel.dp=2", "--train.stpes=1",
-                   "--train.lr=-1", f"--run.out_dir={tmp_path}", launcher=("-c", check))
+                   "--optim.lr=-1", f"--run.out_dir={tmp_path}", launcher=("-c", check))
     assert out.returncode == 2 and out.stdout.strip() == "no torch", out.stdout
     assert "unknown key 'train.stpes': did you mean 'steps'?" in out.stderr  # parse and value errors together
     assert "parallel.dp x pp x cp x tp = 2 x 1 x 1 x 1 = 2 but 3 processes" in out.stderr
-    assert "train.lr = -1: must be > 0" in out.stderr
+    assert "optim.lr = -1: must be > 0" in out.stderr
     # In this process too: the check runs before any process group exists.
     code = main(["train", "configs/tiny.toml", "--nproc", "64",
                  "--deepspeed", str(ROOT / "tests/fixtures/ds_seed_004.json"), f"--run.out_dir={tmp_path}"])

@@ -2,26 +2,18 @@
 
 import dataclasses
 import tomllib
-import typing
 
 import pytest
 from helpers import ROOT, tiny_config
 
 from fivefold.checkpoint.run_dir import run_dir_of
 from fivefold.cli import main
-from fivefold.config import (
-    SECTIONS,
-    Config,
-    ConfigError,
-    load_config,
-    parse_overrides,
-    parse_value,
-    read_config,
-    replace,
-    to_toml,
-)
+from fivefold.config.derive import derive
+from fivefold.config.load import ConfigError, load_config, parse_overrides, parse_value, read_config, replace, to_toml
+from fivefold.config.moved import MOVED
+from fivefold.config.schema import FIELD_TYPES, TABLES, Config, table_of
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.launch.agent import check_writable
-from fivefold.parallel.derive import derive
 from fivefold.train.preflight import preflight
 from fivefold.validate import validate
 
@@ -45,12 +37,14 @@ def test_shipped_configs_are_valid():
 
 def test_precedence_defaults_preset_toml_cli(tmp_path):
     toml = tmp_path / "x.toml"
-    toml.write_text('[model]\npreset = "tiny"\nn_layers = 4\n[train]\nsteps = 7\nlr = 0.5\n')
-    cfg = load_config(toml, ["--train.lr=0.25", "--model.dim", "128"])
-    assert cfg.model.ffn_dim == 128  # from the preset
-    assert cfg.model.n_layers == 4  # TOML over preset
-    assert cfg.model.dim == 128 and cfg.train.lr == 0.25  # CLI over TOML, both override forms
-    assert cfg.train.steps == 7 and cfg.train.beta1 == Config().train.beta1  # TOML over default, default
+    toml.write_text('[model]\npreset = "mixtral-8x7b"\nn_layers = 4\n[model.moe]\ntop_k = 1\n'
+                    '[train]\nsteps = 7\n[optim]\nlr = 0.5\n')
+    cfg = load_config(toml, ["--optim.lr=0.25", "--model.dim", "128", "--model.rope.theta=5e5"])
+    assert cfg.model.ffn_dim == 14336 and cfg.model.moe.n_experts == 8  # from the preset, nested parts too
+    assert cfg.model.n_layers == 4 and cfg.model.moe.top_k == 1  # TOML over preset, in a nested table too
+    assert cfg.model.rope.theta == 5e5 and cfg.model.rope.scaling == ""  # CLI over preset, the rest kept
+    assert cfg.model.dim == 128 and cfg.optim.lr == 0.25  # CLI over TOML, both override forms
+    assert cfg.train.steps == 7 and cfg.optim.beta1 == Config().optim.beta1  # TOML over default, default
     assert cfg.run.name == "x"  # run name defaults to the file's stem
 
 
@@ -59,6 +53,45 @@ def test_toml_round_trip(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
+
+
+def test_the_model_nests_by_part_and_every_moved_key_has_its_place():
+    """[model] keeps its plain numbers; RoPE, attention, latent attention, norms and MoE are tables of their
+    own. Every key that moved names a key that exists, and every key of a part was a flat key before."""
+    assert len(FIELD_TYPES["model"]) + len([t for t in TABLES if t.startswith("model.")]) <= 20
+    assert {t for t in TABLES if t.startswith("model.")} == {"model.rope", "model.attention", "model.latent",
+                                                             "model.norm", "model.moe"}
+    for old, new in MOVED.items():
+        table, key = new.rsplit(".", 1)
+        assert key in FIELD_TYPES[table], (old, new)
+    parts = {f"{t}.{k}" for t in TABLES if t.startswith("model.") for k in FIELD_TYPES[t]}
+    assert parts == {new for new in MOVED.values() if new.startswith("model.")}
+    assert {t for t in TABLES if "." not in t} == {"model", "parallel", "train", "optim", "data", "checkpoint", "run"}
+
+
+def test_a_moved_key_is_named_with_its_new_place(tmp_path, capsys):
+    """Typed on the command line or written in a new TOML file, a flat key of an earlier version is one
+    line each naming where it is now; nothing else about it is guessed."""
+    toml = tmp_path / "mine.toml"
+    toml.write_text('[model]\npreset = "tiny"\nqk_norm = true\n[train]\nlr = 0.1\n')
+    _, errors = read_config(toml, ["--model.rope_theta=1e6", "--model.moe_bias_update=0.01"])
+    assert errors == ["model.qk_norm is now model.norm.qk", "train.lr is now optim.lr",  # the file's, then the CLI's
+                      "model.rope_theta is now model.rope.theta", "model.moe_bias_update is now model.moe.bias_update"]
+    assert main(["train", str(toml), f"--run.out_dir={tmp_path}", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model.qk_norm is now model.norm.qk" in err and "train.lr is now optim.lr" in err and "Traceback" not in err
+    assert not (tmp_path / "mine").exists()
+    assert read_config(None, ["--model.rope=1"])[1] == ["[model.rope] must be a table of keys, got 1"]
+    assert read_config(None, ["--model.rope=1", "--model.rope.theta=2"])[1][0] == (
+        "override '--model.rope.theta': model.rope was given a value; it is a table of keys")
+    assert read_config(None, ["--model.rope.thta=2"])[1] == ["unknown key 'model.rope.thta': did you mean 'theta'?"]
+    assert read_config(None, ["--model.ropes.theta=2"])[1] == ["unknown key 'model.ropes': did you mean 'rope'?"]
+
+
+def test_replace_takes_nested_tables(tmp_path):
+    cfg = replace(tiny_config(tmp_path), model={"rope": {"theta": 1e6}, "n_layers": 2}, optim={"lr": 0.5})
+    assert (cfg.model.rope.theta, cfg.model.rope.scaling, cfg.model.n_layers, cfg.optim.lr) == (1e6, "", 2, 0.5)
+    assert "[model.rope]\ntheta = 1000000.0\n" in to_toml(cfg)
 
 
 def test_override_values_are_typed():
@@ -76,15 +109,15 @@ def test_unknown_keys_suggest_the_right_one():
 
 
 def test_wrong_types_and_ranges():
-    errors = errors_of(1, "--train.steps=abc", "--parallel.sp=yes", "--train.lr_schedule=linear")
+    errors = errors_of(1, "--train.steps=abc", "--parallel.sp=yes", "--optim.lr_schedule=linear")
     one_error(errors, "train.steps", "must be an integer")
     one_error(errors, "parallel.sp", "true or false")
-    one_error(errors, "train.lr_schedule", "'cosine'")
+    one_error(errors, "optim.lr_schedule", "'cosine'")
     assert any("unknown key 'train.sp'" in e for e in _load_errors("--train.sp=1"))
-    errors = errors_of(1, "--train.lr=-1", "--train.global_batch=0", "--train.beta2=1.0", "--data.val_fraction=1.5")
-    one_error(errors, "train.lr", "> 0")
+    errors = errors_of(1, "--optim.lr=-1", "--train.global_batch=0", "--optim.beta2=1.0", "--data.val_fraction=1.5")
+    one_error(errors, "optim.lr", "> 0")
     one_error(errors, "train.global_batch", "at least 1")
-    one_error(errors, "train.beta2", "[0, 1)")
+    one_error(errors, "optim.beta2", "[0, 1)")
     one_error(errors, "data.val_fraction")
 
 
@@ -129,7 +162,7 @@ def test_batch_and_sequence_arithmetic():
 
 
 def test_every_error_at_once():
-    errors = errors_of(3, "--parallel.dp=2", "--train.warmup_steps=99", "--data.paths=['/nonexistent']",
+    errors = errors_of(3, "--parallel.dp=2", "--optim.warmup_steps=99", "--data.paths=['/nonexistent']",
                        "--model.n_kv_heads=3")
     for words in (("parallel.dp",), ("warmup_steps",), ("/nonexistent",), ("n_kv_heads",)):
         assert any(all(w in e for w in words) for e in errors), (words, errors)
@@ -137,11 +170,11 @@ def test_every_error_at_once():
 
 def test_derive():
     cfg = replace(load_config(ROOT / "configs" / "tiny.toml"), train={"global_batch": 16, "micro_batch": 2})
-    d = derive(cfg, 4)
+    d = derive(cfg, 4, unpadded_vocab(cfg))
     assert (d.dp, d.grad_accum, d.tokens_per_step, d.local_seq_len) == (4, 2, 16 * 32, 32)
     assert d.vocab_size == 320 and d.head_dim == 16  # 257 byte tokens padded to a multiple of 64
     bpe = replace(cfg, data={"tokenizer": "bpe", "bpe_vocab": 1000})
-    assert derive(bpe, 1).vocab_size == 1024
+    assert derive(bpe, 1, unpadded_vocab(bpe)).vocab_size == 1024
     assert dataclasses.replace(cfg.model, vocab_size=300) and validate(replace(cfg, model={"vocab_size": 200}), 1)
 
 
@@ -202,14 +235,15 @@ def test_compile_refuses_schedules_that_split_a_later_stage_backward():
 def test_latent_attention_and_expert_group_options():
     mla = "--model.preset=tiny-mla"
     assert errors_of(8, mla, "--parallel.tp=2", "--parallel.ep=2", "--parallel.cp=2") == []
-    one_error(errors_of(1, mla, "--model.v_head_dim=32"), "model.v_head_dim = 32", "= 24")
-    one_error(errors_of(1, mla, "--model.qk_rope_head_dim=7"), "model.qk_rope_head_dim = 7")
-    one_error(errors_of(1, mla, "--model.qkv_bias=true"), "model.qkv_bias = true", "set qkv_bias = false")
-    one_error(errors_of(1, mla, "--model.qk_norm=true"), "model.qk_norm = true", "set qk_norm = false")
-    one_error(errors_of(1, mla, "--model.n_expert_groups=3"), "model.n_expert_groups = 3", "{1, 2, 4}")
-    one_error(errors_of(1, mla, "--model.topk_groups=5"), "model.topk_groups = 5")
-    one_error(errors_of(1, mla, "--model.topk_groups=1", "--model.top_k=3"), "model.top_k = 3", "raise topk_groups")
-    one_error(errors_of(1, mla, "--model.moe_routed_scale=0"), "model.moe_routed_scale = 0")
+    one_error(errors_of(1, mla, "--model.latent.v_head_dim=32"), "model.latent.v_head_dim = 32", "= 24")
+    one_error(errors_of(1, mla, "--model.latent.qk_rope_head_dim=7"), "model.latent.qk_rope_head_dim = 7")
+    one_error(errors_of(1, mla, "--model.attention.qkv_bias=true"), "set model.attention.qkv_bias = false")
+    one_error(errors_of(1, mla, "--model.norm.qk=true"), "model.norm.qk = true", "set model.norm.qk = false")
+    one_error(errors_of(1, mla, "--model.moe.n_groups=3"), "model.moe.n_groups = 3", "{1, 2, 4}")
+    one_error(errors_of(1, mla, "--model.moe.topk_groups=5"), "model.moe.topk_groups = 5")
+    one_error(errors_of(1, mla, "--model.moe.topk_groups=1", "--model.moe.top_k=3"), "model.moe.top_k = 3",
+              "raise topk_groups")
+    one_error(errors_of(1, mla, "--model.moe.routed_scale=0"), "model.moe.routed_scale = 0")
     assert errors_of(1, mla, "--model.n_kv_heads=3") == []  # unused by latent attention
 
 
@@ -247,24 +281,25 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-@pytest.mark.parametrize("section", list(SECTIONS))
-def test_every_field_refuses_a_wrong_type_by_name_and_nothing_else_fails(tmp_path, monkeypatch, section):
-    """Every field, values of every kind, from a TOML file and from the command line: a value is either
-    taken as given or refused in one line naming the field, and what `fivefold train` checks before any
-    process starts raises nothing but ConfigError (it used to raise TypeError: --run.name=2024)."""
+@pytest.mark.parametrize("table", list(TABLES))
+def test_every_field_refuses_a_wrong_type_by_name_and_nothing_else_fails(tmp_path, monkeypatch, table):
+    """Every field of every table, nested ones ([model.rope], ...) included, values of every kind, from a
+    TOML file and from the command line: a value is either taken as given or refused in one line naming
+    the field, and what `fivefold train` checks before any process starts raises nothing but ConfigError
+    (it used to raise TypeError: --run.name=2024)."""
     monkeypatch.chdir(tmp_path)  # relative run directories are looked for here
     toml = tmp_path / "x.toml"
-    for f in dataclasses.fields(SECTIONS[section]):
-        name = f"{section}.{f.name}"
-        is_string = typing.get_type_hints(SECTIONS[section])[f.name] is str
+    for key, hint in FIELD_TYPES[table].items():
+        name = f"{table}.{key}"
+        is_string = hint is str
         for text in KINDS:
-            toml.write_text(f"[{section}]\n")
+            toml.write_text(f"[{table}]\n")
             for path, overrides, given in ((toml, [], tomllib.loads(f"v = {text}")["v"]),
                                            (ROOT / "configs" / "tiny.toml", [f"--{name}={text}"], None)):
-                before = getattr(getattr(read_config(path)[0], section), f.name)
-                toml.write_text(f"[{section}]\n{f.name} = {text}\n")
+                before = getattr(table_of(read_config(path)[0], table), key)
+                toml.write_text(f"[{table}]\n{key} = {text}\n")
                 cfg, errors = read_config(path, overrides)
-                value = getattr(getattr(cfg, section), f.name)
+                value = getattr(table_of(cfg, table), key)
                 refused = [e for e in errors if e.startswith(f"{name} = ") and ": must be " in e]
                 if given is None:  # the command line: a string field's text as written, else TOML
                     given = (text.strip('"') if text == '"abc"' else text) if is_string else parse_value(text)
@@ -282,12 +317,12 @@ def test_every_field_refuses_a_wrong_type_by_name_and_nothing_else_fails(tmp_pat
 
 @pytest.mark.parametrize("written", ["run.name = 2024", "run.name = true", "run.name = nan", "run.out_dir = 2024",
                                      "checkpoint.init_from = 2024", "model.preset = 2024", 'data.mixture = "abc"',
-                                     "train.steps = 1.5", "train.lr = true", "parallel.reshard_after_forward = 1",
+                                     "train.steps = 1.5", "optim.lr = true", "parallel.reshard_after_forward = 1",
                                      "data.paths = [1, 2]", "parallel.stage_layers = [[1, 2]]"])
 def test_fivefold_train_refuses_a_wrong_type_in_a_toml_file_in_one_line(tmp_path, monkeypatch, capsys, written):
     monkeypatch.chdir(tmp_path)  # the default run.out_dir, "runs", is here
     key, value = written.split(" = ")
-    section, name = key.split(".")
+    section, name = key.rsplit(".", 1)
     (tmp_path / "x.toml").write_text(f"[{section}]\n{name} = {value}\n")
     assert main(["train", "x.toml", "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -297,19 +332,19 @@ def test_fivefold_train_refuses_a_wrong_type_in_a_toml_file_in_one_line(tmp_path
 
 @pytest.mark.parametrize("override, line", [
     ("--train.steps=1.5", "train.steps = 1.5: must be an integer"),
-    ("--train.lr=true", "train.lr = True: must be a number"),
+    ("--optim.lr=true", "optim.lr = True: must be a number"),
     ("--parallel.reshard_after_forward=1", "parallel.reshard_after_forward = 1: must be one of 'auto', true, false"),
     ("--data.mixture=abc", "data.mixture = 'abc': must be a list of [string, number] pairs"),
     ("--data.paths=[1, 2]", "data.paths = [1, 2]: must be a list of strings"),
     ("--model.preset=2024", "model.preset = '2024' is unknown"),  # a string: the name of no preset
     ("--checkpoint.init_from=2024", "checkpoint.init_from = '2024' does not exist"),
-    # Any text is a string: the run's name and folder are taken, the one error left is train.lr's.
-    *((f"--run.{key}={text}", "train.lr = -1: must be > 0") for key, text in
+    # Any text is a string: the run's name and folder are taken, the one error left is optim.lr's.
+    *((f"--run.{key}={text}", "optim.lr = -1: must be > 0") for key, text in
       (("name", "2024"), ("name", "true"), ("name", "nan"), ("out_dir", "2024"))),
 ])
 def test_fivefold_train_refuses_a_wrong_override_in_one_line(tmp_path, monkeypatch, capsys, override, line):
     monkeypatch.chdir(tmp_path)  # configs/tiny.toml's run.out_dir, "runs", is here
-    also = ["--train.lr=-1"] if override.startswith("--run.") else []  # else the one error is the override's
+    also = ["--optim.lr=-1"] if override.startswith("--run.") else []  # else the one error is the override's
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), override, *also, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fivefold: invalid configuration: {line}") and err.count("\n") == 1, err

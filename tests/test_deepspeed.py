@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from fivefold.config import Config, ConfigError, read_config
-from fivefold.deepspeed import DeepSpeedMapping, format_mapping, load_deepspeed, map_deepspeed
-from fivefold.parallel.derive import derive
+from fivefold.config.deepspeed import DeepSpeedMapping, format_mapping, load_deepspeed, map_deepspeed
+from fivefold.config.derive import derive
+from fivefold.config.load import ConfigError, read_config
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.validate import validate
 
 DATA = Path(__file__).resolve().parent / "fixtures"
@@ -52,19 +54,19 @@ def test_zero2_bf16_config():
     m = load_deepspeed(DATA / "ds_zero2_bf16.json", 8)
     assert m.errors == []
     assert m.overrides == [
-        "--train.global_batch=64", "--train.micro_batch=4", '--train.dtype="bf16"', "--train.grad_clip=1.0",
+        "--train.global_batch=64", "--train.micro_batch=4", '--train.dtype="bf16"', "--optim.grad_clip=1.0",
         "--parallel.zero=2", "--parallel.overlap_comm=true", "--parallel.bucket_mb=200.0",
-        "--train.lr=0.0003", "--train.eps=1e-08", "--train.weight_decay=0.1", "--train.beta1=0.9",
-        "--train.beta2=0.95", '--train.lr_schedule="cosine"', "--train.steps=1000", "--train.warmup_steps=100",
-        "--train.min_lr_ratio=0.1",
+        "--optim.lr=0.0003", "--optim.eps=1e-08", "--optim.weight_decay=0.1", "--optim.beta1=0.9",
+        "--optim.beta2=0.95", '--optim.lr_schedule="cosine"', "--train.steps=1000", "--optim.warmup_steps=100",
+        "--optim.min_lr_ratio=0.1",
     ]
     cfg = parsed(m)
-    t, p = cfg.train, cfg.parallel
-    assert (t.global_batch, t.micro_batch, t.dtype, t.grad_clip) == (64, 4, "bf16", 1.0)
-    assert (t.lr, t.beta1, t.beta2, t.eps, t.weight_decay) == (3e-4, 0.9, 0.95, 1e-8, 0.1)
-    assert (t.lr_schedule, t.steps, t.warmup_steps, t.min_lr_ratio) == ("cosine", 1000, 100, 0.1)
+    t, o, p = cfg.train, cfg.optim, cfg.parallel
+    assert (t.global_batch, t.micro_batch, t.dtype, o.grad_clip) == (64, 4, "bf16", 1.0)
+    assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay) == (3e-4, 0.9, 0.95, 1e-8, 0.1)
+    assert (o.lr_schedule, t.steps, o.warmup_steps, o.min_lr_ratio) == ("cosine", 1000, 100, 0.1)
     assert (p.zero, p.overlap_comm, p.bucket_mb) == (2, True, 200.0)
-    assert derive(cfg, 8).grad_accum == 2  # fivefold's own derivation agrees with the JSON's 2
+    assert derive(cfg, 8, unpadded_vocab(cfg)).grad_accum == 2  # fivefold's own derivation agrees with the JSON's 2
     assert validate(cfg, 8) == []
     assert m.ignored == [
         "zero_optimization.contiguous_gradients", "zero_optimization.allgather_bucket_size",
@@ -98,7 +100,7 @@ def test_batch_derivation(ds: dict[str, Any], world, global_batch, micro, accum)
     assert m.errors == []
     cfg = parsed(m)
     assert (cfg.train.global_batch, cfg.train.micro_batch) == (global_batch, micro)
-    assert derive(cfg, world).grad_accum == accum
+    assert derive(cfg, world, unpadded_vocab(cfg)).grad_accum == accum
     assert f"= {accum}" in lines(m)["gradient_accumulation_steps"]
 
 
@@ -194,7 +196,7 @@ def test_optimizer():
     assert m.overrides == []
     m = map_deepspeed({"optimizer": {"type": "adam", "params": {"weight_decay": 0.01, "adam_w_mode": False,
                                                                 "torch_adam": True}}}, 1)
-    assert m.errors == [] and parsed(m).train.weight_decay == 0.01
+    assert m.errors == [] and parsed(m).optim.weight_decay == 0.01
     assert "L2" in lines(m)["optimizer.params.weight_decay"] and m.ignored == ["optimizer.params.torch_adam"]
     m = map_deepspeed({"optimizer": {"type": "Adam", "params": {"weight_decay": 0.01}}}, 1)
     # adam_w_mode defaults to true
@@ -209,16 +211,16 @@ def test_schedulers():
     # WarmupLR: DeepSpeed's defaults fill what the file leaves out, and its max lr beats the optimizer's.
     m = map_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
                        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50}}}, 1)
-    t = parsed(m).train
-    assert (t.lr_schedule, t.warmup_steps, t.lr) == ("constant", 50, 0.001)
+    o = parsed(m).optim
+    assert (o.lr_schedule, o.warmup_steps, o.lr) == ("constant", 50, 0.001)
     assert "scheduler.params.warmup_max_lr (DeepSpeed default)" in lines(m)
     # WarmupDecayLR: the linear tail of wsd, starting right after warmup and ending at warmup_min_lr.
     m = map_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {
         "total_num_steps": 400, "warmup_num_steps": 100, "warmup_max_lr": 2e-3, "warmup_min_lr": 5e-4,
         "last_batch_iteration": -1}}}, 1)
-    t = parsed(m).train
-    assert (t.lr_schedule, t.steps, t.warmup_steps, t.lr) == ("wsd", 400, 100, 2e-3)
-    assert (t.decay_fraction, t.min_lr_ratio) == (0.75, 0.25)
+    t, o = parsed(m).train, parsed(m).optim
+    assert (o.lr_schedule, t.steps, o.warmup_steps, o.lr) == ("wsd", 400, 100, 2e-3)
+    assert (o.decay_fraction, o.min_lr_ratio) == (0.75, 0.25)
     assert "linear tail" in lines(m)["scheduler.type"] and m.ignored == ["scheduler.params.last_batch_iteration"]
     one_error(map_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {
         "total_num_steps": 100, "warmup_num_steps": 100}}}, 1), "would never decay")

@@ -32,7 +32,7 @@ without its `# comment`, split as the shell would. `fivefold` is `sys.executable
 `torchrun` is `sys.executable -m torch.distributed.run`, the venv's own. These changes keep each
 command to seconds, and are the only ones made (SHORT_TRAIN and `shorten()`):
 
-- `fivefold train` (also under torchrun) gets `--train.steps=2 --train.warmup_steps=1
+- `fivefold train` (also under torchrun) gets `--train.steps=2 --optim.warmup_steps=1
   --data.max_bytes=20000 --no-progress` appended (the command line's last value wins): two steps
   instead of hundreds (warmup must fit in them: debug.toml warms up for 20) on 20 kB of the
   standard library rather than 4 MB read and tokenized, without a progress bar in a log. With
@@ -74,7 +74,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.checkpoint.run_dir import run_dir_of
-from fivefold.config import read_config
+from fivefold.config.load import read_config
 from fivefold.validate import validate
 
 
@@ -90,7 +90,7 @@ README_WORDS = 2500
 MARK = re.compile(r"^<!-- readme-test: (run|output|skip)(.*?) -->$")
 FENCE = "```"
 
-SHORT_TRAIN = ["--train.warmup_steps=1", "--data.max_bytes=20000", "--no-progress"]  # and --train.steps
+SHORT_TRAIN = ["--optim.warmup_steps=1", "--data.max_bytes=20000", "--no-progress"]  # and --train.steps
 SHORT_STEPS, RESUMED_STEPS, STOP_AFTER, MAX_PROCS = 2, 4, 1, 2
 TIMEOUT_S = 240
 

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from fivefold.config import ConfigError, ParallelConfig, read_config
+from fivefold.config.load import ConfigError, read_config
+from fivefold.config.schema import ParallelConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -27,6 +28,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                    "--section.key=value overrides the config as for train.")
     p.add_argument("config", nargs="?", default=None, help="TOML file (see configs/)")
     p.add_argument("--out", default=None, help="directory to write (default: RUN_DIR/seed)")
+    p.set_defaults(run=run, overrides=True)
     p = sub.add_parser("convert", help="convert weights: Hugging Face <-> fivefold",
                        description="Hugging Face model directory (Llama 3.x, Mistral, Mixtral, Qwen2.5, Qwen3, "
                                    "Qwen3-MoE, OLMo 2, Gemma 3, gpt-oss, DeepSeek-V3, Kimi K2) -> seed directory "
@@ -42,6 +44,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="--to hf: save in this dtype (default: as stored); --to fivefold: dequantize fp8 / MXFP4 "
                         "weights to this dtype (default: config.json's torch_dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size")
+    p.set_defaults(run=run, overrides=True)
 
 
 def _fresh(out: Path) -> None:
@@ -72,7 +75,7 @@ def _written_whole(out: Path) -> Iterator[Path]:
 
 def _init(args: argparse.Namespace, rest: list[str]) -> None:
     from fivefold.checkpoint.seed import write_seed_checkpoint
-    from fivefold.checkpoint.weights import SEED_CONFIG
+    from fivefold.config.load import SEED_CONFIG
     from fivefold.validate import validate
 
     cfg, errors = read_config(args.config, rest)
@@ -90,7 +93,7 @@ def _convert(args: argparse.Namespace) -> None:
     import torch
 
     from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold, parse_size
-    from fivefold.checkpoint.weights import SEED_CONFIG
+    from fivefold.config.load import SEED_CONFIG
 
     src, out, size = Path(args.src), Path(args.out), parse_size(args.max_shard_size)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype] if args.dtype else None

@@ -40,10 +40,13 @@ from fivefold.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.checkpoint.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
 from fivefold.checkpoint.seed import write_seed_config
 from fivefold.checkpoint.tokenizer_files import copy_hf_tokenizer, trained_tokenizer
-from fivefold.checkpoint.weights import SEED_CONFIG, WeightsMismatchError, WeightSource, fit_problems, source_name
-from fivefold.config import Config, ConfigError, ModelConfig, load_config, replace
+from fivefold.checkpoint.weights import WeightsMismatchError, WeightSource, fit_problems, source_name
+from fivefold.config.derive import padded_vocab
+from fivefold.config.load import RUN_CONFIG, SEED_CONFIG, ConfigError, load_config, replace
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
+from fivefold.model.config import ModelConfig
 from fivefold.model.transformer import Transformer
-from fivefold.parallel.derive import padded_vocab
 
 HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
 
@@ -104,7 +107,7 @@ def parse_size(text: str) -> int:
 
 def _tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of what a checkpoint of model m holds: its parameters, a tied matrix once, then its
-    saved buffers (MoE routing biases when model.moe_bias_update > 0)."""
+    saved buffers (MoE routing biases when model.moe.bias_update > 0)."""
     with torch.device("meta"):
         model = Transformer(m)
     saved = model.state_dict().keys()
@@ -151,7 +154,7 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtyp
     # A sliding window must be shorter than the sequence (validate refuses a window that cuts nothing): the
     # first power of two above a window as long as the default seq_len (Gemma 3 1B's 512, Mistral v0.1's 4096).
     seq_len = Config().train.seq_len
-    train = {"seq_len": 1 << m.sliding_window.bit_length()} if m.sliding_window >= seq_len else {}
+    train = {"seq_len": 1 << m.attention.window.bit_length()} if m.attention.window >= seq_len else {}
     write_seed_config(replace(Config(model=m), run={"name": out.name}, data=data, train=train), out)
     return files
 
@@ -165,7 +168,7 @@ def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelCo
                                f"or a seed directory")
     is_dcp = (src / ".metadata").is_file()
     source = DCPSource(src) if is_dcp else SafetensorsDir(src)
-    config = config or (src.parent.parent / "config.toml" if is_dcp else src / SEED_CONFIG)
+    config = config or (src.parent.parent / RUN_CONFIG if is_dcp else src / SEED_CONFIG)
     if not config.is_file():
         raise ConfigError([f"{config} not found: pass --config, the run's config.toml"])
     cfg = load_config(config)
@@ -176,7 +179,7 @@ def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelCo
             base = json.loads(candidate.read_text())
             break
     tokenizer = trained_tokenizer(src, is_dcp, cfg.data.tokenizer)
-    return source, dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)), base, tokenizer
+    return source, dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg))), base, tokenizer
 
 
 def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Path | None = None,
@@ -193,14 +196,15 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
     keeps_bias = "ffn.expert_bias" in family.block  # DeepSeek-V3: the routing bias, in every MoE block
     for name in sorted(source.names()):
         if not keeps_bias and name.endswith(".expert_bias") and source.read(name).any():
-            problems.append(f"{name} is not zero (model.moe_bias_update): {family.title}'s router has no bias")
+            problems.append(f"{name} is not zero (model.moe.bias_update): {family.title}'s router has no bias")
     if problems:
         raise HFFormatError(f"{src}: the model has what HF's {family.title} cannot express:\n  "
                             + "\n  ".join(problems))
     check_fit(source, m, str(src))
     config = hf_config(m, dtype or source.dtype("tok_embeddings.weight"), base)
     # A family that keeps the routing bias always has it: written as zeros where the model keeps none.
-    biased = dataclasses.replace(m, moe_bias_update=m.moe_bias_update or BIAS_UPDATE) if keeps_bias else m
+    moe = dataclasses.replace(m.moe, bias_update=m.moe.bias_update or BIAS_UPDATE)
+    biased = dataclasses.replace(m, moe=moe) if keeps_bias else m
     tensors = []
     fused: dict[str, list[tuple[str, int, int]]] = {}  # HF name -> its fivefold parts (name, start, step)
     for name, shape in _tensors(biased).items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 
 PREFIX = "step_"
 

@@ -17,6 +17,7 @@ box and nothing else (safetensors maps the file and copies the slice), and
 from __future__ import annotations
 
 import dataclasses
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,20 +27,22 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fivefold.checkpoint.hf import HFSource
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
-from fivefold.config import Config, ModelConfig, read_config
+from fivefold.config.derive import padded_vocab
+from fivefold.config.load import SEED_CONFIG, read_config
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
+from fivefold.model.config import ModelConfig
 from fivefold.model.transformer import Transformer
-from fivefold.parallel.derive import padded_vocab
 
 if TYPE_CHECKING:
     from fivefold.parallel.parallelize import Parallelized
 
 FIELD = "checkpoint.init_from"
-SEED_CONFIG = "fivefold.toml"  # beside a seed checkpoint's weights: the config it was made with
-# Model fields that change the computation without changing any tensor's shape: weights made for
-# another value would load without complaint and compute something else.
-SHAPELESS_FIELDS = ("norm_eps", "rope_theta", "qk_norm", "tie_embeddings", "top_k", "router_score", "norm_topk",
-                    "n_expert_groups", "topk_groups", "moe_routed_scale", "swiglu_limit", "norm_offset",
-                    "norm_weight_fp32", "embed_scale", "activation")
+# Model fields (by path in ModelConfig) that change the computation without changing any tensor's shape:
+# weights made for another value would load without complaint and compute something else.
+SHAPELESS_FIELDS = ("norm.eps", "rope.theta", "norm.qk", "tie_embeddings", "moe.top_k", "moe.router_score",
+                    "moe.norm_topk", "moe.n_groups", "moe.topk_groups", "moe.routed_scale", "moe.swiglu_limit",
+                    "norm.offset", "norm.weight_fp32", "embed_scale", "activation")
 
 
 class WeightSource(Protocol):
@@ -91,8 +94,9 @@ def fit_problems(source: WeightSource, expected: dict[str, tuple[int, ...]], opt
 
 
 def config_differences(made_for: ModelConfig, run: ModelConfig) -> list[str]:
-    return [f"the weights were made for model.{f} = {getattr(made_for, f)!r}, this run has {getattr(run, f)!r}"
-            for f in SHAPELESS_FIELDS if getattr(made_for, f) != getattr(run, f)]
+    values = [(path, attrgetter(path)(made_for), attrgetter(path)(run)) for path in SHAPELESS_FIELDS]
+    return [f"the weights were made for model.{path} = {theirs!r}, this run has {ours!r}"
+            for path, theirs, ours in values if theirs != ours]
 
 
 def _summary(problems: list[str]) -> str:
@@ -114,7 +118,7 @@ def check_init_from(cfg: Config) -> list[str]:
         source, made_for = open_weights(path, FIELD)
     except ValueError as e:  # WeightsFileError, HFFormatError: they name the file and the fix
         return [str(e) if FIELD in str(e) else f"{FIELD} = '{path}': {e}"]
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg))
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg)))
     try:
         with torch.device("meta"):
             model = Transformer(model_cfg)
@@ -130,7 +134,7 @@ def check_init_from(cfg: Config) -> list[str]:
               and source.read(n).any()]
     if biased:
         problems.append(f"{biased[0]} (and {len(biased) - 1} more): the weights route with a bias that "
-                        f"model.moe_bias_update = 0 does not keep; set it > 0 (DeepSeek-V3: 0.001)")
+                        f"model.moe.bias_update = 0 does not keep; set it > 0 (DeepSeek-V3: 0.001)")
     if not problems:
         return []
     return [f"{FIELD} = '{path}' does not fit this config's model section; set model.* to what the weights were "

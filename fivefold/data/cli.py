@@ -29,6 +29,7 @@ def add_prepare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-mb", type=float, default=16.0, help="text per shard (and per unit of work), MB")
     p.add_argument("--workers", type=int, default=0, help="tokenizing processes (0: one per core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_prepare)
 
 
 def run_prepare(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import math
 import shutil
 from pathlib import Path
 
-from fivefold.config import Config, DataConfig
+from fivefold.config.schema import Config, DataConfig
 from fivefold.data.prepare import read_manifest, shard_done
 from fivefold.data.sources import DataError, input_files, path_kind
 from fivefold.data.tokenizer import TokenizerError, files_hash, load_tokenizer
@@ -114,6 +114,22 @@ def data_vocab(cfg: Config) -> int | None:
     if d.tokenizer == "bpe":
         return d.bpe_vocab
     return tokenizer_facts(d.tokenizer)[0]
+
+
+def tokenizer_vocab(cfg: Config) -> int:
+    """The data's tokenizer's vocabulary (bytes + end-of-document, the BPE's, a Hugging Face tokenizer's
+    or a prepared dataset's); pre-tokenized files without a tokenizer: model.vocab_size, else 257."""
+    try:
+        vocab = data_vocab(cfg)
+    except (DataError, TokenizerError, OSError):  # reported by validate(); derive() needs a number
+        vocab = None
+    return vocab or cfg.model.vocab_size or 257
+
+
+def unpadded_vocab(cfg: Config) -> int:
+    """The vocabulary the model holds before padding: model.vocab_size when set (no file is read),
+    else the tokenizer's. What config/derive.py's `derive` and `padded_vocab` are handed."""
+    return cfg.model.vocab_size or tokenizer_vocab(cfg)
 
 
 def data_errors(cfg: Config) -> list[str]:

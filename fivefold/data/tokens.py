@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fivefold.config import DataConfig
+from fivefold.config.schema import DataConfig
 from fivefold.data.sources import DataError, path_kind
 
 IGNORE = -100  # target value that counts no loss

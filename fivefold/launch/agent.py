@@ -378,7 +378,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], args: tuple) -> Non
         endpoint = f"{host}:{sock.getsockname()[1]}"  # the port the OS chose for ":0"
         fd = sock.detach()
     rendezvous_handler_registry.register(BACKEND, _create_handler)
-    start_worker_server(spec.nproc)  # (running already when cmd_train started it)
+    start_worker_server(spec.nproc)  # (running already when train/cli.py started it)
     config = LaunchConfig(
         min_nodes=spec.min_nodes or spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id="fivefold",
         rdzv_backend=BACKEND, rdzv_endpoint=endpoint, max_restarts=spec.max_restarts, monitor_interval=0.5,

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fivefold.checkpoint.run_dir import latest_checkpoint, run_dir_of
-from fivefold.config import Config, replace
-from fivefold.parallel.derive import derive
+from fivefold.config.derive import derive
+from fivefold.config.load import replace
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.validate import validate
 
 AXES = ("tp", "pp", "cp", "ep")  # the degrees a re-plan may keep; dp always follows the world
@@ -72,7 +74,7 @@ class Policy:
 
 def _degrees(cfg: Config, world: int) -> dict[str, int]:
     p = cfg.parallel
-    return {"dp": derive(cfg, world).dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
+    return {"dp": derive(cfg, world, unpadded_vocab(cfg)).dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep}
 
 
 def _named(degrees: dict[str, int], axes: tuple[str, ...]) -> str:
@@ -83,7 +85,7 @@ def layout_text(cfg: Config, world: int) -> str:
     """The planner's short name of a layout ("dp2 tp2 z0 mb2 -"), with dp resolved (a config may say 0)."""
     from fivefold.planner.search import layout_name
 
-    return layout_name(replace(cfg, parallel={"dp": derive(cfg, world).dp}))
+    return layout_name(replace(cfg, parallel={"dp": derive(cfg, world, unpadded_vocab(cfg)).dp}))
 
 
 def _with_degrees(cfg: Config, world: int, tp: int, pp: int, cp: int, ep: int) -> Config | str:
@@ -212,13 +214,13 @@ class Decision:
     def event(self) -> dict[str, Any]:
         """The metrics log's `replan` event fields (train/metrics.py)."""
         before = self.previous_cfg
-        old = derive(before, self.previous_world).grad_accum if before is not None else None
+        old = derive(before, self.previous_world, unpadded_vocab(before)).grad_accum if before is not None else None
         return {"world_size": self.world_size, "from_world_size": self.previous_world,
                 "from": layout_text(before, self.previous_world) if before is not None else None,
                 "to": layout_text(self.cfg, self.world_size),
                 "policy": self.policy.describe(), "kept": list(self.policy.keep),
                 "micro_batch": [before.train.micro_batch if before is not None else None, self.cfg.train.micro_batch],
-                "grad_accum": [old, derive(self.cfg, self.world_size).grad_accum],
+                "grad_accum": [old, derive(self.cfg, self.world_size, unpadded_vocab(self.cfg)).grad_accum],
                 "global_batch": self.cfg.train.global_batch,
                 "predicted_step_time_s": {"from": self.predicted_s[0], "to": self.predicted_s[1]},
                 "hardware": self.hardware, "decide_s": round(self.decide_s, 4)}

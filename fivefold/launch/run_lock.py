@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config.load import ConfigError
 
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # 6 missed heartbeats

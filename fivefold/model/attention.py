@@ -8,7 +8,7 @@
   a decoupled part: qk_rope_head_dim per query head, and one key of that width shared by all heads.
 
 Both hold their attention core in `self.core`, a callable (q, k, v, mask, scale) -> out that context
-parallel swaps for ring attention or Ulysses. scale is the softmax scale (model.attention_scale;
+parallel swaps for ring attention or Ulysses. scale is the softmax scale (model.attention.scale;
 None: 1/sqrt(q/k head width)), handed to every kernel as an argument (SDPA, FlexAttention and
 aten's flash / memory-efficient ops all take one), so q is never pre-scaled: no extra pass over q,
 and the kernels' own fp32 scaling stays the only rounding. `attend` is the local core, which picks
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.blockwise import blockwise_attention
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import ModelConfig, NormConfig
 from fivefold.model.flex import flex_attention_core
 from fivefold.model.masks import AttentionMask, DocumentIds
 from fivefold.model.rope import apply_rope
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
     norm weights as offsets from 1).
 
     `sum_over`: where the sum of squares spans more than this tensor holds. Tensor parallel sets it
-    on a norm over a whole projection (model.qk_norm_span = "all", OLMo 2) whose heads it splits:
+    on a norm over a whole projection (model.norm.qk_span = "all", OLMo 2) whose heads it splits:
     each rank sums its slice's squares, the callable adds the others' (an all-reduce), and the mean
     divides by the whole `width`."""
 
@@ -69,9 +69,9 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight  # cast, then scaled (transformers' LlamaRMSNorm order)
 
 
-def rms_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
-    """A norm of the model `cfg` over `dim` features: its epsilon, weight offset and cast order."""
-    return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset, cfg.norm_weight_fp32)
+def rms_norm(norm: NormConfig, dim: int) -> RMSNorm:
+    """A norm over `dim` features as [model.norm] makes them: its epsilon, weight offset and cast order."""
+    return RMSNorm(dim, norm.eps, norm.offset, norm.weight_fp32)
 
 
 def gqa_in_kernel(device_type: str, dtype: torch.dtype) -> bool:
@@ -99,7 +99,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def backend_for(masked: bool, device_type: str, backend: str = "auto") -> str:
     """Which kernel attends: "sdpa" for causality alone, else "flex" on CUDA and "blockwise"
-    elsewhere (FlexAttention has no CPU backward), unless model.attention_backend names one."""
+    elsewhere (FlexAttention has no CPU backward), unless model.attention.backend names one."""
     if backend != "auto":
         return backend
     if not masked:
@@ -116,7 +116,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     chosen = backend_for(masked, q.device.type, backend)
     if chosen == "sdpa":
         if masked:
-            raise ValueError("model.attention_backend = 'sdpa' does causal attention only; documents, sliding "
+            raise ValueError("model.attention.backend = 'sdpa' does causal attention only; documents, sliding "
                              "windows and sinks need 'auto', 'flex' or 'blockwise'")
         return causal_attention(q, k, v, scale)
     if chosen == "flex":
@@ -138,25 +138,25 @@ class _LayerMask:
 
 
 class Attention(_LayerMask, nn.Module):
-    """Grouped-query attention with RoPE at explicit positions (and QK-norm when cfg.qk_norm)."""
+    """Grouped-query attention with RoPE at explicit positions (and QK-norm when cfg.norm.qk)."""
 
     def __init__(self, cfg: ModelConfig, head_dim: int, layer: int = 0):
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=cfg.out_bias)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * head_dim, bias=cfg.attention.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=cfg.attention.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * head_dim, bias=cfg.attention.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * head_dim, cfg.dim, bias=cfg.attention.out_bias)
         # QK-norm over each head (Qwen3, Gemma 3) or over the whole projection before the head split (OLMo 2)
-        self.qk_norm_all = cfg.qk_norm_span == "all"
+        self.qk_norm_all = cfg.norm.qk_span == "all"
         q_width, k_width = (cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim) if self.qk_norm_all else (head_dim,) * 2
-        self.q_norm = rms_norm(cfg, q_width) if cfg.qk_norm else None
-        self.k_norm = rms_norm(cfg, k_width) if cfg.qk_norm else None
-        self.window = cfg.layer_window(layer)
-        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None  # (H,) logits
-        self.scale = cfg.attention_scale or None
+        self.q_norm = rms_norm(cfg.norm, q_width) if cfg.norm.qk else None
+        self.k_norm = rms_norm(cfg.norm, k_width) if cfg.norm.qk else None
+        self.window = cfg.attention.layer_window(layer)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention.sinks else None  # (H,) logits
+        self.scale = cfg.attention.scale or None
         # (q, k, v, mask, scale) -> out, mask None for causality alone; context parallel swaps in its own.
-        self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
+        self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention.backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
@@ -186,7 +186,7 @@ class LatentAttention(_LayerMask, nn.Module):
       [q_n, q_r] = c_q W_qb  per head                (H, Dn + Dr);  q_r <- RoPE(q_r)
       [c_kv, k_r] = x W_kva                          (Ckv + Dr);    k_r <- RoPE(k_r), one for all heads
       [k_n, v] = RMSNorm(c_kv) W_kvb  per head       (H, Dn + Dv)
-      k = [k_n, k_r],  out = softmax(q k^T / sqrt(Dn + Dr)) v,  then W_o  (or model.attention_scale)
+      k = [k_n, k_r],  out = softmax(q k^T / sqrt(Dn + Dr)) v,  then W_o  (or model.attention.scale)
     (v is padded with zeros to Dn + Dr for the core and its output cut back to Dv: see forward.)
 
     The down-projections (wq_a, wkv_a) and their norms act on every token whole; everything after
@@ -196,29 +196,30 @@ class LatentAttention(_LayerMask, nn.Module):
     installs its region entry there (parallel/tensor.py), so the replicated down-projections get
     whole gradients.
     RoPE follows model/rope.py's rules (DeepSeek-V3: YaRN, its long-context extension, report sec.
-    4.3; its softmax scale comes in as model.attention_scale, rope.py's yarn_softmax_scale).
+    4.3; its softmax scale comes in as model.attention.scale, rope.py's yarn_softmax_scale).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        H, self.kv_rank = cfg.n_heads, cfg.kv_lora_rank
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        H, latent = cfg.n_heads, cfg.latent
+        self.kv_rank, self.nope, self.rope, self.v_dim = (latent.kv_lora_rank, latent.qk_nope_head_dim,
+                                                          latent.qk_rope_head_dim, latent.v_head_dim)
         qk = self.nope + self.rope
-        if cfg.q_lora_rank:
-            self.wq_a: nn.Linear | None = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_a_norm: RMSNorm | None = rms_norm(cfg, cfg.q_lora_rank)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        if latent.q_lora_rank:
+            self.wq_a: nn.Linear | None = nn.Linear(cfg.dim, latent.q_lora_rank, bias=False)
+            self.q_a_norm: RMSNorm | None = rms_norm(cfg.norm, latent.q_lora_rank)
+            self.wq_b = nn.Linear(latent.q_lora_rank, H * qk, bias=False)
         else:  # queries straight from x (DeepSeek-V2-Lite)
             self.wq_a, self.q_a_norm = None, None
             self.wq = nn.Linear(cfg.dim, H * qk, bias=False)
-        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_norm = rms_norm(cfg, cfg.kv_lora_rank)
-        self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=cfg.out_bias)
-        self.window = cfg.layer_window(layer)
-        self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None  # (H,) logits
-        self.scale = cfg.attention_scale or None  # DeepSeek-V3 under YaRN: model/rope.py yarn_softmax_scale
-        self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention_backend)
+        self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope, bias=False)
+        self.kv_a_norm = rms_norm(cfg.norm, self.kv_rank)
+        self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=cfg.attention.out_bias)
+        self.window = cfg.attention.layer_window(layer)
+        self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention.sinks else None  # (H,) logits
+        self.scale = cfg.attention.scale or None  # DeepSeek-V3 under YaRN: model/rope.py yarn_softmax_scale
+        self.core: Callable[..., torch.Tensor] = functools.partial(attend, backend=cfg.attention.backend)
         self.enter_heads: Callable[..., tuple[torch.Tensor, ...]] = _unchanged
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -244,5 +245,5 @@ class LatentAttention(_LayerMask, nn.Module):
 
 
 def attention(cfg: ModelConfig, head_dim: int, layer: int = 0) -> nn.Module:
-    """The attention block `layer` of `cfg` uses: latent when cfg.kv_lora_rank > 0, else grouped-query."""
-    return LatentAttention(cfg, layer) if cfg.kv_lora_rank else Attention(cfg, head_dim, layer)
+    """The attention block `layer` of `cfg` uses: latent when cfg.latent.kv_lora_rank > 0, else grouped-query."""
+    return LatentAttention(cfg, layer) if cfg.latent.kv_lora_rank else Attention(cfg, head_dim, layer)

@@ -70,8 +70,8 @@ def head_dim(m: ModelConfig) -> int:
 
 def attention_head_dims(m: ModelConfig) -> tuple[int, int]:
     """Per-head widths of (query/key, value): head_dim twice, or MLA's (Dn + Dr, Dv)."""
-    if m.kv_lora_rank:
-        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    if m.latent.kv_lora_rank:
+        return m.latent.qk_nope_head_dim + m.latent.qk_rope_head_dim, m.latent.v_head_dim
     return head_dim(m), head_dim(m)
 
 
@@ -87,25 +87,26 @@ def attention_params(m: ModelConfig) -> tuple[int, int, int, int]:
     query head (gpt-oss), split with the heads.
     """
     d, H = m.dim, m.n_heads
-    sinks = H if m.attention_sinks else 0
-    out_bias = d if m.out_bias else 0
-    if not m.kv_lora_rank:
+    sinks = H if m.attention.sinks else 0
+    out_bias = d if m.attention.out_bias else 0
+    if not m.latent.kv_lora_rank:
         hd, K = head_dim(m), m.n_kv_heads
         matmul = d * H * hd + 2 * d * K * hd + H * hd * d
-        biases = (H + 2 * K) * hd if m.qkv_bias else 0
-        split_norms = (H + K) * hd if m.qk_norm and m.qk_norm_span == "all" else 0
-        head_norms = 2 * hd if m.qk_norm and m.qk_norm_span == "head" else 0
+        biases = (H + 2 * K) * hd if m.attention.qkv_bias else 0
+        split_norms = (H + K) * hd if m.norm.qk and m.norm.qk_span == "all" else 0
+        head_norms = 2 * hd if m.norm.qk and m.norm.qk_span == "head" else 0
         return matmul, 0, biases + split_norms + sinks, head_norms + out_bias
-    qk, v, rq, rkv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
-    split = (rq or d) * H * qk + rkv * H * (m.qk_nope_head_dim + v) + H * v * d  # wq_b (or wq), wkv_b, wo
-    down = d * rq + d * (rkv + m.qk_rope_head_dim)  # wq_a, wkv_a
+    nope, rope, v = m.latent.qk_nope_head_dim, m.latent.qk_rope_head_dim, m.latent.v_head_dim
+    rq, rkv = m.latent.q_lora_rank, m.latent.kv_lora_rank
+    split = (rq or d) * H * (nope + rope) + rkv * H * (nope + v) + H * v * d  # wq_b (or wq), wkv_b, wo
+    down = d * rq + d * (rkv + rope)  # wq_a, wkv_a
     return split, down, sinks, rq + rkv + out_bias  # q_a_norm, kv_a_norm
 
 
 def block_norms(m: ModelConfig) -> int:
-    """How many dim-wide norms a block holds (model.norm_position): two before its sub-layers ("pre"),
+    """How many dim-wide norms a block holds (model.norm.position): two before its sub-layers ("pre"),
     two after them ("post", OLMo 2), or both ("sandwich", Gemma 3)."""
-    return 4 if m.norm_position == "sandwich" else 2
+    return 4 if m.norm.position == "sandwich" else 2
 
 
 def block_params(m: ModelConfig, layer: int) -> BlockParams:
@@ -114,16 +115,16 @@ def block_params(m: ModelConfig, layer: int) -> BlockParams:
     attn, down, attn_split_other, attn_other = attention_params(m)
     replicated = block_norms(m) * d + attn_other + down  # block norms, attention's norms and down-projections
     attn_matmul = attn + down
-    if m.n_experts and layer >= m.first_dense_layers:
-        h = m.moe_ffn_dim or m.ffn_dim
-        router, expert = d * m.n_experts, 3 * d * h  # gate, up, down per expert
-        shared = 3 * d * h * m.n_shared_experts  # one SwiGLU of width h x n_shared
-        active = attn_matmul + router + shared + expert * m.top_k
-        # moe_bias (gpt-oss): the router's bias (E, replicated) and each expert's gate, up and down biases
-        router_bias, expert_bias = (m.n_experts, 2 * h + d) if m.moe_bias else (0, 0)
+    if m.moe.n_experts and layer >= m.moe.first_dense_layers:
+        h = m.moe.ffn_dim or m.ffn_dim
+        router, expert = d * m.moe.n_experts, 3 * d * h  # gate, up, down per expert
+        shared = 3 * d * h * m.moe.n_shared_experts  # one SwiGLU of width h x n_shared
+        active = attn_matmul + router + shared + expert * m.moe.top_k
+        # moe.linear_bias (gpt-oss): the router's bias (E, replicated) and each expert's gate, up and down biases
+        router_bias, expert_bias = (m.moe.n_experts, 2 * h + d) if m.moe.linear_bias else (0, 0)
         return BlockParams(tp_split=attn, replicated=replicated + router + router_bias + shared,
-                           experts=m.n_experts * (expert + expert_bias), active_matmul=active,
-                           routed_active=(expert + expert_bias) * m.top_k,
+                           experts=m.moe.n_experts * (expert + expert_bias), active_matmul=active,
+                           routed_active=(expert + expert_bias) * m.moe.top_k,
                            tp_split_other=attn_split_other)
     ffn = 3 * d * m.ffn_dim  # gate, up, down
     return BlockParams(tp_split=attn + ffn, replicated=replicated, experts=0, active_matmul=attn_matmul + ffn,
@@ -181,11 +182,11 @@ def count_on_meta(m: ModelConfig, vocab_size: int | None = None) -> int:
 
 def attention_keys(m: ModelConfig, seq_len: int, document_tokens: float = 0) -> list[float]:
     """Mean keys per query of each block (mask_counts.keys_per_query): seq_len / 2 for causality
-    alone, fewer under the block's sliding window (ModelConfig.layer_window) and documents of mean
+    alone, fewer under the block's sliding window (AttentionConfig.layer_window) and documents of mean
     length `document_tokens` (0: no document mask)."""
     per_window = {w: keys_per_query(seq_len, w, document_tokens)
-                  for w in {m.layer_window(layer) for layer in range(m.n_layers)}}
-    return [per_window[m.layer_window(layer)] for layer in range(m.n_layers)]
+                  for w in {m.attention.layer_window(layer) for layer in range(m.n_layers)}}
+    return [per_window[m.attention.layer_window(layer)] for layer in range(m.n_layers)]
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,

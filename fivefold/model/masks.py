@@ -5,7 +5,7 @@ end-of-document (eod) token, which belongs to the document it ends. A token's do
 row is the number of eod tokens strictly before it. Query i may attend key j when
   j <= i                                  (causal)
   and doc[j] == doc[i]                    (data.document_mask: Llama 3; Megatron-LM's reset_attention_mask)
-  and i - j < w                           (model.sliding_window w on this layer: Mistral, Gemma, gpt-oss),
+  and i - j < w                           (model.attention.window w on this layer: Mistral, Gemma, gpt-oss),
 and with attention sinks (gpt-oss) one learned logit per head joins the softmax's denominator as a
 key that is always visible and carries a zero value: the weights over real keys sum to less than 1.
 

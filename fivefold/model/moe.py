@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import MoEConfig
 from fivefold.model.ffn import FeedForward, gated
 
 
@@ -217,9 +217,9 @@ class _StepTally(torch.autograd.Function):
 class MoE(nn.Module):
     """Top-k routed experts plus optional always-on shared experts (Shazeer 2017; DeepSeekMoE 2024).
 
-    Routing (model/config.py): softmax or sigmoid scores, optionally group-limited (`select`), the
-    top-k weights renormalised (norm_topk) and multiplied by moe_routed_scale (DeepSeek-V3: 2.5,
-    the routed experts' output only; the shared experts' is not scaled). With moe_bias the router's
+    Routing (model/config.py's MoEConfig): softmax or sigmoid scores, optionally group-limited (`select`),
+    the top-k weights renormalised (norm_topk) and multiplied by routed_scale (DeepSeek-V3: 2.5, the
+    routed experts' output only; the shared experts' is not scaled). With linear_bias the router's
     logits have a bias (gpt-oss: softmax over the top-k logits, which is softmax, top-k and
     renormalise: router_score "softmax" with norm_topk).
     Load balancing (all off by default, then the math is the plain top-k MoE):
@@ -237,24 +237,25 @@ class MoE(nn.Module):
     step_balance_loss (sum over sequences of L without alpha).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, moe: MoEConfig, dim: int, ffn_dim: int, activation: str = "silu"):
+        """The [model.moe] table `moe` over a residual stream of width `dim`; the experts' hidden width is
+        moe.ffn_dim, or the model's dense `ffn_dim` when that is 0; `activation` as the dense FFN's."""
         super().__init__()
-        hidden = cfg.moe_ffn_dim or cfg.ffn_dim
-        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.score, self.norm_topk = cfg.router_score, cfg.norm_topk
-        self.n_groups, self.topk_groups, self.routed_scale = cfg.n_expert_groups, cfg.topk_groups, cfg.moe_routed_scale
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=cfg.moe_bias)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden, cfg.moe_bias, cfg.activation, cfg.swiglu_limit)
-        self.shared = (FeedForward(cfg.dim, hidden * cfg.n_shared_experts, cfg.activation) if cfg.n_shared_experts
-                       else None)
+        hidden = moe.ffn_dim or ffn_dim
+        self.n_experts, self.top_k = moe.n_experts, moe.top_k
+        self.score, self.norm_topk = moe.router_score, moe.norm_topk
+        self.n_groups, self.topk_groups, self.routed_scale = moe.n_groups, moe.topk_groups, moe.routed_scale
+        self.router = nn.Linear(dim, moe.n_experts, bias=moe.linear_bias)
+        self.experts = GroupedExperts(moe.n_experts, dim, hidden, moe.linear_bias, activation, moe.swiglu_limit)
+        self.shared = FeedForward(dim, hidden * moe.n_shared_experts, activation) if moe.n_shared_experts else None
         self.dispatch: Callable[..., torch.Tensor] = local_dispatch
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=cfg.moe_bias_update > 0)
-        self.aux_weight, self.capacity_factor = cfg.moe_aux_loss, cfg.moe_capacity_factor
+        self.register_buffer("expert_bias", torch.zeros(moe.n_experts), persistent=moe.bias_update > 0)
+        self.aux_weight, self.capacity_factor = moe.aux_loss, moe.capacity_factor
         self.step_sequences, self.loss_scale = 0, 1.0
         # Sums per-sequence expert counts over the ranks sharing those sequences (context parallel,
         # and tensor parallel's ranks under sequence parallel).
         self.sequence_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.register_buffer("step_load", torch.zeros(cfg.n_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("step_load", torch.zeros(moe.n_experts, dtype=torch.long), persistent=False)
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("step_balance_loss", torch.zeros((), dtype=torch.float64), persistent=False)
 

@@ -19,9 +19,12 @@ reads a longer one; the rules (what transformers' `modeling_rope_utils` computes
   multiplied by the attention factor 0.1 ln(factor) + 1 (sec. 3.4's sqrt(1/t)), or by DeepSeek's
   ratio mscale(factor, mscale) / mscale(factor, mscale_all_dim), or by a factor given outright.
 
-Per layer (`layer_is_local`): a sliding-window layer rotates with `local_rope_theta`, unscaled,
-when that is set (Gemma 3: local layers base 10^4, global layers base 10^6 with linear scaling);
-every other layer with rope_theta and the scaling.
+Per layer (`layer_is_local`): a sliding-window layer rotates with `local_theta`, unscaled, when
+that is set (Gemma 3: local layers base 10^4, global layers base 10^6 with linear scaling); every
+other layer with `theta` and the scaling.
+
+Each function takes the [model.rope] table whole (`RopeConfig`) and, where it needs one, a number
+of the layer (its window, its rotated width): nothing else of the model reaches RoPE.
 
 Everything is computed in fp32 in the order the reference computes it, so the inverse
 frequencies and the attention factor equal transformers' bit for bit (tests/model/test_rope.py).
@@ -33,12 +36,13 @@ import math
 
 import torch
 
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import RopeConfig
 
 
-def layer_is_local(cfg: ModelConfig, layer: int) -> bool:
-    """Does block `layer` rotate with the local (sliding-window) base, unscaled?"""
-    return cfg.local_rope_theta > 0 and cfg.layer_window(layer) > 0
+def layer_is_local(rope: RopeConfig, window: int) -> bool:
+    """Does a block whose sliding window is `window` (0: none; AttentionConfig.layer_window) rotate
+    with the local base, unscaled?"""
+    return rope.local_theta > 0 and window > 0
 
 
 def _plain(theta: float, dim: int, device: torch.device | None) -> torch.Tensor:
@@ -46,10 +50,9 @@ def _plain(theta: float, dim: int, device: torch.device | None) -> torch.Tensor:
     return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
 
 
-def _llama3(cfg: ModelConfig, dim: int, device: torch.device | None) -> torch.Tensor:
-    w = _plain(cfg.rope_theta, dim, device)  # (dim/2,)
-    factor, low, high, context = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                                  cfg.rope_original_context)
+def _llama3(rope: RopeConfig, dim: int, device: torch.device | None) -> torch.Tensor:
+    w = _plain(rope.theta, dim, device)  # (dim/2,)
+    factor, low, high, context = rope.factor, rope.low_freq_factor, rope.high_freq_factor, rope.original_context
     wavelength = 2 * math.pi / w
     long_waves = wavelength > context / low  # scaled whole
     short_waves = wavelength < context / high  # kept
@@ -63,24 +66,24 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_attention_factor(cfg: ModelConfig) -> float:
-    """What YaRN multiplies cos and sin by: rope_attention_factor when given, else DeepSeek's ratio
+def yarn_attention_factor(rope: RopeConfig) -> float:
+    """What YaRN multiplies cos and sin by: rope.attention_factor when given, else DeepSeek's ratio
     when both mscales are set, else 0.1 ln(factor) + 1."""
-    if cfg.rope_attention_factor > 0:
-        return cfg.rope_attention_factor
-    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-        return _yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / _yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
-    return _yarn_mscale(cfg.rope_factor)
+    if rope.attention_factor > 0:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor)
 
 
-def _yarn(cfg: ModelConfig, dim: int, device: torch.device | None) -> torch.Tensor:
-    theta, factor, context = cfg.rope_theta, cfg.rope_factor, cfg.rope_original_context
+def _yarn(rope: RopeConfig, dim: int, device: torch.device | None) -> torch.Tensor:
+    theta, factor, context = rope.theta, rope.factor, rope.original_context
 
     def dimension(turns: float) -> float:  # the (fractional) pair index turning `turns` times over the context
         return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    start, end = dimension(cfg.rope_beta_fast), dimension(cfg.rope_beta_slow)
-    if cfg.rope_truncate:
+    start, end = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
         start, end = math.floor(start), math.ceil(end)
     start, end = max(start, 0), min(end, dim - 1)
     if start == end:
@@ -92,26 +95,26 @@ def _yarn(cfg: ModelConfig, dim: int, device: torch.device | None) -> torch.Tens
     return 1.0 / (factor * wavelength) * (1 - kept) + 1.0 / wavelength * kept
 
 
-def inverse_frequencies(cfg: ModelConfig, dim: int, local: bool = False,
+def inverse_frequencies(rope: RopeConfig, dim: int, local: bool = False,
                         device: torch.device | None = None) -> tuple[torch.Tensor, float]:
     """(w (dim/2,) fp32 on `device`, the factor cos and sin are multiplied by) for a rotated width
-    `dim`: the local layers' plain base when `local`, else rope_theta with cfg.rope_scaling.
+    `dim`: the local layers' plain base when `local`, else rope.theta with rope.scaling.
     Computed where the positions are: a copy from the host every forward would wait for the GPU."""
     if local:
-        return _plain(cfg.local_rope_theta, dim, device), 1.0
-    if cfg.rope_scaling == "linear":
-        return _plain(cfg.rope_theta, dim, device) / cfg.rope_factor, 1.0
-    if cfg.rope_scaling == "llama3":
-        return _llama3(cfg, dim, device), 1.0
-    if cfg.rope_scaling == "yarn":
-        return _yarn(cfg, dim, device), yarn_attention_factor(cfg)
-    return _plain(cfg.rope_theta, dim, device), 1.0
+        return _plain(rope.local_theta, dim, device), 1.0
+    if rope.scaling == "linear":
+        return _plain(rope.theta, dim, device) / rope.factor, 1.0
+    if rope.scaling == "llama3":
+        return _llama3(rope, dim, device), 1.0
+    if rope.scaling == "yarn":
+        return _yarn(rope, dim, device), yarn_attention_factor(rope)
+    return _plain(rope.theta, dim, device), 1.0
 
 
-def rope_cos_sin(positions: torch.Tensor, dim: int, cfg: ModelConfig,
+def rope_cos_sin(positions: torch.Tensor, dim: int, rope: RopeConfig,
                  local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each position's rotation angles, times the attention factor: (..., T) -> (..., T, dim)."""
-    w, factor = inverse_frequencies(cfg, dim, local, positions.device)
+    w, factor = inverse_frequencies(rope, dim, local, positions.device)
     angles = positions.float()[..., None] * w  # (..., T, dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, dim): the "rotate half" layout Hugging Face uses
     if factor == 1.0:

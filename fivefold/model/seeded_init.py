@@ -10,7 +10,7 @@ values every layout starts from. So a parameter is defined block by block:
 - block b is drawn from its own generator, seeded by a hash of (train.seed, parameter name, b),
   from Normal(0, std) with the std of `init_std` (GPT-2's: residual output projections scaled by
   1/sqrt(2 L)); biases (attention's, the router's, the experts') and attention sinks are zeros, other
-  1-D parameters (norm weights) a scale of one (1 - model.norm_offset).
+  1-D parameters (norm weights) a scale of one (1 - model.norm.offset).
 
 `init_box` gives the values of any box (a slice per dim) by drawing only the blocks that hold its
 rows, one at a time, straight into the box where it holds a block whole: its peak memory is the
@@ -32,8 +32,8 @@ from torch import nn
 from fivefold.model.config import ModelConfig
 
 BLOCK_ELEMENTS = 1 << 16  # numbers per block: 256 KB of fp32, whatever the layout
-# Biases start at zero: attention's (qkv_bias, out_bias: wq/wk/wv/wo.bias) and the MoE's (moe_bias: the
-# router's (E,), the experts' (E, hidden) / (E, dim)).
+# Biases start at zero: attention's (attention.qkv_bias, out_bias: wq/wk/wv/wo.bias) and the MoE's
+# (moe.linear_bias: the router's (E,), the experts' (E, hidden) / (E, dim)).
 BIASES = (".bias", "experts.gate_bias", "experts.up_bias", "experts.down_bias")
 
 
@@ -114,8 +114,8 @@ def init_box(name: str, shape: tuple[int, ...], box: tuple[slice, ...], cfg: Mod
     if name.endswith(BIASES):
         return out.zero_()
     if len(shape) < 2:  # attention sinks 0 (a sink starts as one more key of logit 0); norm weights a scale
-        # of 1: 1 - norm_offset, as they scale by (norm_offset + weight)
-        return out.fill_(0.0 if name.endswith("attn.sinks") else 1.0 - cfg.norm_offset)
+        # of 1: 1 - norm.offset, as they scale by (norm.offset + weight)
+        return out.fill_(0.0 if name.endswith("attn.sinks") else 1.0 - cfg.norm.offset)
     std, scratch, at = init_std(name, cfg), [], 0
     flat = out.view(-1, out.shape[-1]) if out.is_contiguous() else None  # (box rows, box columns)
     for outer, first, count in row_runs(shape[:-1], box[:-1]):

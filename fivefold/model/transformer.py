@@ -1,9 +1,9 @@
 """A Llama-style decoder (dense and mixture-of-experts), free of any parallelism.
 
 Pre-norm blocks: h = x + Attention(RMSNorm(x)); out = h + FFN(RMSNorm(h)) (or post-norm and sandwich
-blocks, model.norm_position: Block), where FFN is SwiGLU (GeGLU: model.activation) or
+blocks, model.norm.position: Block), where FFN is SwiGLU (GeGLU: model.activation) or
 a top-k routed mixture of SwiGLU experts (optionally group-limited, DeepSeek-V3). Attention
-(model/attention.py) is grouped-query, or multi-head latent when model.kv_lora_rank > 0, with RoPE
+(model/attention.py) is grouped-query, or multi-head latent when model.latent.kv_lora_rank > 0, with RoPE
 applied at explicit token positions, so context parallel can hand each rank its true positions.
 
 What the parallel code relies on (and why this file imports nothing from torch.distributed):
@@ -43,20 +43,21 @@ def _optional(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """One block, its norms where model.norm_position puts them, for each sub-layer f (attention, then
+    """One block, its norms where model.norm.position puts them, for each sub-layer f (attention, then
     the FFN): "pre" x + f(attn_norm(x)); "post" x + attn_post_norm(f(x)) (OLMo 2: no norm before);
     "sandwich" x + attn_post_norm(f(attn_norm(x))) (Gemma 3); ffn_norm / ffn_post_norm alike."""
 
     def __init__(self, cfg: ModelConfig, layer: int, head_dim: int):
         super().__init__()
-        before, after = cfg.norm_position in ("pre", "sandwich"), cfg.norm_position in ("post", "sandwich")
-        self.attn_norm = rms_norm(cfg, cfg.dim) if before else None
+        before, after = cfg.norm.position in ("pre", "sandwich"), cfg.norm.position in ("post", "sandwich")
+        self.attn_norm = rms_norm(cfg.norm, cfg.dim) if before else None
         self.attn = attention(cfg, head_dim, layer)
-        self.attn_post_norm = rms_norm(cfg, cfg.dim) if after else None
-        self.ffn_norm = rms_norm(cfg, cfg.dim) if before else None
-        moe = cfg.n_experts > 0 and layer >= cfg.first_dense_layers
-        self.ffn = MoE(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation)
-        self.ffn_post_norm = rms_norm(cfg, cfg.dim) if after else None
+        self.attn_post_norm = rms_norm(cfg.norm, cfg.dim) if after else None
+        self.ffn_norm = rms_norm(cfg.norm, cfg.dim) if before else None
+        routed = cfg.moe.n_experts > 0 and layer >= cfg.moe.first_dense_layers
+        self.ffn = (MoE(cfg.moe, cfg.dim, cfg.ffn_dim, cfg.activation) if routed
+                    else FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation))
+        self.ffn_post_norm = rms_norm(cfg.norm, cfg.dim) if after else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
@@ -73,10 +74,11 @@ class Transformer(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be resolved (> 0) before building the model")
         self.cfg = cfg
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-        self.rope_dim = cfg.qk_rope_head_dim if cfg.kv_lora_rank else self.head_dim  # MLA ropes a part only
+        # MLA ropes a part of each head only
+        self.rope_dim = cfg.latent.qk_rope_head_dim if cfg.latent.kv_lora_rank else self.head_dim
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.head_dim) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = rms_norm(cfg, cfg.dim)
+        self.norm: RMSNorm | None = rms_norm(cfg.norm, cfg.dim)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -114,9 +116,10 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
         names = list(self.layers if layers is None else layers)
-        local = {name: layer_is_local(self.cfg, int(name)) for name in names}  # its RoPE base: local or global
+        rope, windows = self.cfg.rope, self.cfg.attention
+        local = {name: layer_is_local(rope, windows.layer_window(int(name))) for name in names}  # local or global base
         # Each distinct rotation once per forward: (cos, sin), each (T, D) or (B, T, D).
-        rotations = {kind: rope_cos_sin(positions, self.rope_dim, self.cfg, kind) for kind in set(local.values())}
+        rotations = {kind: rope_cos_sin(positions, self.rope_dim, rope, kind) for kind in set(local.values())}
         for name in names:
             h = self.layers[name](h, *rotations[local[name]], doc)
         if head and self.norm is not None:

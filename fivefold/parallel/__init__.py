@@ -2,7 +2,6 @@
 
 parallelize.py holds THE composition order: pipeline -> tensor -> FP8 -> expert -> context ->
 recompute -> data parallel -> offload, each an `apply_<dim>(...)` that is a no-op when off.
-- derive.py       the numbers a layout derives from its config (Derived), torch-free
 - mesh.py         the named DeviceMesh and its views (batch, grad, ep, expert_dp)
 - tensor.py       tensor + sequence parallel (Column/RowParallelLinear, vocab-parallel loss)
 - fp8.py          FP8 training of the blocks' linear layers, amaxes reduced over the splits

@@ -37,13 +37,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.attention import attend, backend_for
 from fivefold.model.blockwise import Layout, blockwise_attention
 from fivefold.model.masks import AttentionMask
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -201,8 +201,8 @@ class ContextParallel:
         window or sinks): the local kernel (model/attention.py backend_for), behind Ulysses' all-to-all
         ("ulysses/flex"), or ring attention's blockwise path. For the run's layout event."""
         m = cfg.model
-        masked_always = cfg.data.document_mask or m.attention_sinks
-        windows = {m.layer_window(i) for i in range(m.n_layers)}
+        masked_always = cfg.data.document_mask or m.attention.sinks
+        windows = {m.attention.layer_window(i) for i in range(m.n_layers)}
         kinds = {"masked"} if masked_always else {"masked" if w else "causal" for w in windows}
         local = {kind: backend_for(kind == "masked", device_type, self.backend) for kind in sorted(kinds)}
         if self.group.size == 1:
@@ -223,7 +223,7 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: D
     At cp = 1 the model is left as it is (the local core is already exact) and the returned object
     shards nothing and gives positions 0..T-1, so the loop calls it the same way for any cp.
     """
-    cp = ContextParallel(mesh.group("cp"), cfg.parallel.cp_method, cfg.model.attention_backend)
+    cp = ContextParallel(mesh.group("cp"), cfg.parallel.cp_method, cfg.model.attention.backend)
     if cp.group.size > 1:
         for block in model.layers.values():
             block.attn.core = cp.core

@@ -1,7 +1,7 @@
 """Expert parallel: the routed experts of each MoE block split over `ep` ranks, tokens sent to them.
 
 What is sharded: the stacked expert weights (E, dim, hidden) of every MoE block, and their biases
-(E, hidden) / (E, dim) with moe_bias, along dim 0. The ep ranks of one group hold experts
+(E, hidden) / (E, dim) with model.moe.linear_bias, along dim 0. The ep ranks of one group hold experts
 [r E/ep, (r+1) E/ep) each, and see different tokens (they are data- or context-parallel ranks).
 Everything else (attention, router and its bias, shared experts, the routing bias) stays replicated.
 
@@ -42,11 +42,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.moe import GroupedExperts, MoE, sort_by_expert
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collectives import AxisGroup
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.materialize import carry_marks
 from fivefold.parallel.mesh import Mesh
 
@@ -113,7 +113,7 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
     """
     for name in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
         full = getattr(experts, name)
-        if full is None:  # no expert biases (moe_bias off)
+        if full is None:  # no expert biases (model.moe.linear_bias off)
             continue
         part = nn.Parameter(full.detach().chunk(group.size, dim=0)[group.rank].clone())  # (E/ep, ...)
         carry_marks(full, part)

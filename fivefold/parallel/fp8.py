@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.model.moe import MoE
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives

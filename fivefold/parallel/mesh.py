@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.parallel.comm.arrivals import Arrivals, collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats, all_gather_object, world_group
 from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
-from fivefold.parallel.derive import Derived
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # View name -> the mesh axes it spans (consecutive, so DeviceMesh can flatten them).

@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from fivefold.config import TrainConfig
+from fivefold.config.schema import OptimConfig
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 
@@ -27,7 +27,7 @@ def fused_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over a module's parameters or the given tensors (ZeRO steps fp32 shards); norms and
     biases (1-D tensors, and the experts' stacked biases, marked `no_decay`) get no weight decay, as in
     GPT-3 and Llama. Fused on CUDA, foreach elsewhere (`fused_on`)."""

@@ -26,7 +26,8 @@ from typing import Protocol
 
 import torch
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.masks import Documents
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
@@ -34,7 +35,6 @@ from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.context import ContextParallel, apply_context_parallel
 from fivefold.parallel.data import DataParallel, apply_data_parallel
 from fivefold.parallel.data.offload import HostOffload, ParamOffload, apply_offload
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.fp8 import apply_fp8
 from fivefold.parallel.mesh import Mesh
@@ -234,7 +234,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
         compile_blocks(model)
     dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
     offload = apply_offload(dp, cfg)  # with it dp.optimizer_params() are host copies of the shards
-    optimizer = build_optimizer(dp.optimizer_params(), cfg.train)  # its state comes with its first step
+    optimizer = build_optimizer(dp.optimizer_params(), cfg.optim)  # its state comes with its first step
     memory = ModelStateMeter(dp.params, optimizer, offload)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,

@@ -19,10 +19,10 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm.timing import StepTimer
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
 
 

@@ -44,14 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.attention import LatentAttention, RMSNorm
 from fivefold.model.ffn import FeedForward
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from fivefold.parallel.comm.collectives import AxisGroup
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.fp8 import Float8Scaling, Float8Weight, linear
 from fivefold.parallel.materialize import materialize_parameter
 from fivefold.parallel.mesh import Mesh
@@ -331,7 +331,7 @@ def _enter_heads(*latents: torch.Tensor, group: AxisGroup, sequence_parallel: bo
 
 
 def _split_projection_norm(norm: RMSNorm, group: AxisGroup) -> None:
-    """A q/k norm over the whole projection (model.qk_norm_span = "all", OLMo 2) under tp: this rank holds
+    """A q/k norm over the whole projection (model.norm.qk_span = "all", OLMo 2) under tp: this rank holds
     H/tp heads of it, so its weight is split with them, and its mean of squares is the sum of every
     rank's sum of squares (one all-reduce of a number per token, its gradient summed back) over the
     whole width."""

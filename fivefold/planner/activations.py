@@ -10,7 +10,7 @@ dk = K x head_dim, f = ffn width, t = tp:
     attention norm: its input x, the rsqrt (1 per token), the normalised value before the weight;
     its output, kept by the q/k/v projections (with sp those keep the gathered input instead:
     d per token, not split); the same four for the MLP norm                     6d + 2
-    Post norms (model.norm_position "post", OLMo 2) keep the same: the projections keep the
+    Post norms (model.norm.position "post", OLMo 2) keep the same: the projections keep the
     block's input or h instead of a norm's output, and a norm on a sub-layer's output keeps that
     output, the rsqrt and the value before the weight (its own output only enters the residual
     add); sandwich norms (Gemma 3) keep both, the post norms' 2 (2d + 1) more. A norm scaling by
@@ -133,7 +133,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fivefold.config import ModelConfig
+from fivefold.model.config import ModelConfig
 
 ActivationLayout = Literal["fivefold", "megatron", "deepseek"]
 
@@ -154,23 +154,23 @@ def block_activation_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = 
     dq, dk = H * hd, K * hd
     if recompute == "full":
         return d / tp if sp else d
-    moe = bool(m.n_experts) and (layer is None or layer >= m.first_dense_layers)
+    moe = bool(m.moe.n_experts) and (layer is None or layer >= m.moe.first_dense_layers)
     if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
         return sum(deepseek_block_bytes(m, tp, sp, BF16_BYTES, layer).values()) / BF16_BYTES
-    if m.kv_lora_rank:
+    if m.latent.kv_lora_rank:
         return _latent_block_elements(m, tp, sp, recompute, moe)
     replicated = 6 * d + 2
     if sp:  # norms and residuals hold T/tp tokens; the projections keep the gathered inputs
         replicated = (4 * d + 2) / tp + 2 * d
         if moe:  # the MoE keeps its own T/tp tokens' input, not a gathered one
             replicated = (5 * d + 2) / tp + d
-    if m.norm_position == "sandwich":  # two more norms, on the sub-layers' outputs (T/tp tokens with sp)
+    if m.norm.position == "sandwich":  # two more norms, on the sub-layers' outputs (T/tp tokens with sp)
         replicated += (4 * d + 2) / (tp if sp else 1)
     attention = dq + 2 * dk + dq + H
     if recompute == "selective":  # the recomputed kernel keeps its inputs only
         attention = dq + 2 * dk + dq
-    if m.qk_norm:  # an rsqrt per head, or one per token for q and for k over the whole projection
-        attention += 2 * dq + 2 * dk + (2 if m.qk_norm_span == "all" else H + K)
+    if m.norm.qk:  # an rsqrt per head, or one per token for q and for k over the whole projection
+        attention += 2 * dq + 2 * dk + (2 if m.norm.qk_span == "all" else H + K)
     if layout_applies(m, layout):
         return (4 * d + 2) / (tp if sp else 1) + attention / tp + 3 * m.ffn_dim / tp
     return replicated + attention / tp + _ffn_elements(m, tp, sp, moe)
@@ -185,7 +185,7 @@ def per_op_block_elements(m: ModelConfig, tp: int = 1, sp: bool = False) -> floa
     with sp, the two reduce-scatters' outputs (d / tp each), all in the compute dtype (under FP8
     too: the policy keeps matmul outputs). None for the blocks it has no count for (MoE, latent
     attention, post or sandwich norms): fivefold's selective count stands for them."""
-    if m.n_experts or m.kv_lora_rank or m.norm_position != "pre":
+    if m.moe.n_experts or m.latent.kv_lora_rank or m.norm.position != "pre":
         return None
     d, hd = m.dim, m.head_dim or m.dim // m.n_heads
     H, K = m.n_heads, m.n_kv_heads
@@ -197,9 +197,9 @@ def layout_applies(m: ModelConfig, layout: ActivationLayout) -> bool:
     """Whether `layout` keeps other tensors than fivefold's for this model ("megatron": dense pre-norm
     grouped-query blocks; "deepseek": latent attention with experts)."""
     if layout == "megatron":
-        return not m.n_experts and not m.kv_lora_rank and m.norm_position == "pre"
+        return not m.moe.n_experts and not m.latent.kv_lora_rank and m.norm.position == "pre"
     if layout == "deepseek":
-        return bool(m.kv_lora_rank and m.n_experts)
+        return bool(m.latent.kv_lora_rank and m.moe.n_experts)
     return False
 
 
@@ -207,20 +207,20 @@ def deepseek_block_bytes(m: ModelConfig, tp: int = 1, sp: bool = False, act_byte
                          layer: int | None = None) -> dict[str, float]:
     """Bytes per token the deepseek layout keeps for one block on one rank without recompute, by
     tensor (the module docstring's list): block `layer`, or without one an MoE block."""
-    d, H, R, v = m.dim, m.n_heads, m.qk_rope_head_dim, m.v_head_dim
+    d, H, R, v = m.dim, m.n_heads, m.latent.qk_rope_head_dim, m.latent.v_head_dim
     s = tp if sp else 1
     out = {"norm inputs": 2 * d / s * act_bytes,  # x and h: the norms are rebuilt from them
-           "down-projection outputs": (m.q_lora_rank + m.kv_lora_rank + R) / s * act_bytes,
+           "down-projection outputs": (m.latent.q_lora_rank + m.latent.kv_lora_rank + R) / s * act_bytes,
            "attention output (E5M6)": H * v / tp * E5M6_BYTES,  # wo's input, read by the kernel's backward too
            "log-sum-exp": H / tp * act_bytes}
-    if layer is not None and layer < m.first_dense_layers:
+    if layer is not None and layer < m.moe.first_dense_layers:
         return {**out, "swiglu input (FP8)": 2 * m.ffn_dim / tp * FP8_BYTES}  # gate and up outputs
-    h, k = m.moe_ffn_dim or m.ffn_dim, m.top_k
-    return {**out, "router": (2 * m.n_experts + 4) / s * act_bytes,
+    h, k = m.moe.ffn_dim or m.ffn_dim, m.moe.top_k
+    return {**out, "router": (2 * m.moe.n_experts + 4) / s * act_bytes,
             "routed inputs (FP8)": k * d / s * FP8_BYTES,  # dispatched in FP8, the up-projections' input
             "routed swiglu inputs (FP8)": k * 2 * h / s * FP8_BYTES,
             "routed outputs": k * d / s * act_bytes,  # the gate weight's gradient reads them
-            "shared swiglu input (FP8)": 2 * m.n_shared_experts * h / s * FP8_BYTES}
+            "shared swiglu input (FP8)": 2 * m.moe.n_shared_experts * h / s * FP8_BYTES}
 
 
 def _ffn_elements(m: ModelConfig, tp: int, sp: bool, moe: bool) -> float:
@@ -228,15 +228,15 @@ def _ffn_elements(m: ModelConfig, tp: int, sp: bool, moe: bool) -> float:
     router and experts, whole on every token without sp and on this tp rank's T/tp tokens with sp."""
     if not moe:
         return 4 * m.ffn_dim / tp
-    h = m.moe_ffn_dim or m.ffn_dim
-    experts = 2 * m.n_experts + 4 + m.top_k * (4 * h + 3 * m.dim) + 4 * m.n_shared_experts * h
+    h = m.moe.ffn_dim or m.ffn_dim
+    experts = 2 * m.moe.n_experts + 4 + m.moe.top_k * (4 * h + 3 * m.dim) + 4 * m.moe.n_shared_experts * h
     return experts / (tp if sp else 1)
 
 
 def _latent_block_elements(m: ModelConfig, tp: int, sp: bool, recompute: str, moe: bool) -> float:
     """block_activation_elements_per_token for a latent-attention block (the module docstring's list)."""
-    d, H, R = m.dim, m.n_heads, m.qk_rope_head_dim
-    n, v, rq, rkv = m.qk_nope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    d, H, R = m.dim, m.n_heads, m.latent.qk_rope_head_dim
+    n, v, rq, rkv = m.latent.qk_nope_head_dim, m.latent.v_head_dim, m.latent.q_lora_rank, m.latent.kv_lora_rank
     down = (2 * rq + 1 if rq else 0) + 2 * rkv + R + 1
     latents = (rq or (d if tp > 1 else 0)) + rkv + (R if tp > 1 else 0)
     norms = 6 * d + 2  # both block norms and their outputs, as for grouped-query attention
@@ -260,9 +260,10 @@ def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, rec
         return 0.0, 0.0  # only each block's input is kept, and no linear layer reads it
     if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
         return 0.0, 0.0  # block_activation_elements_per_token has these bytes already
-    d, hd, moe = m.dim, m.head_dim or m.dim // m.n_heads, m.n_experts > 0
-    if m.kv_lora_rank:
-        rq, rkv, R, H, v = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads, m.v_head_dim
+    d, hd, moe = m.dim, m.head_dim or m.dim // m.n_heads, m.moe.n_experts > 0
+    if m.latent.kv_lora_rank:
+        mla, H = m.latent, m.n_heads
+        rq, rkv, R, v = mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.v_head_dim
         latents = (rq or (d if tp > 1 else 0)) + rkv + (R if tp > 1 else 0)
         attention, added = (d / tp if sp else d) + latents + H * v / tp, 0.0  # the cut output is wo's own copy
     else:
@@ -272,9 +273,9 @@ def fp8_matmul_input_elements(m: ModelConfig, tp: int = 1, sp: bool = False, rec
     if not moe:
         gathered = d / tp if sp and layout_applies(m, layout) else d  # kept sharded
         return attention - d + 2 * gathered + m.ffn_dim / tp, added  # gate/up input, the down projection's input
-    h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
-    shared = m.n_shared_experts * h / split
-    added += d / split if m.n_shared_experts else 0.0
+    h, split = m.moe.ffn_dim or m.ffn_dim, (tp if sp else 1)
+    shared = m.moe.n_shared_experts * h / split
+    added += d / split if m.moe.n_shared_experts else 0.0
     return attention + routed_expert_elements_per_token(m, tp, sp, recompute)[1] + shared, added
 
 
@@ -285,14 +286,14 @@ def routed_expert_elements_per_token(m: ModelConfig, tp: int = 1, sp: bool = Fal
     the mean expert load, k (4h + 3d) (split over tp with sp), and the k (d + h) of them an FP8
     recipe keeps in 1 byte; the busiest expert rank holds `expert_imbalance` times these. The
     deepseek layout's: its routed copies' bytes over a bf16 element's, none left to move."""
-    if not m.n_experts or recompute == "full":
+    if not m.moe.n_experts or recompute == "full":
         return 0.0, 0.0
     if layout == "deepseek" and recompute == "none" and layout_applies(m, layout):
         routed = ("routed inputs (FP8)", "routed swiglu inputs (FP8)", "routed outputs")
         kept = deepseek_block_bytes(m, tp, sp, BF16_BYTES)
         return sum(kept[k] for k in routed) / BF16_BYTES, 0.0
-    h, split = m.moe_ffn_dim or m.ffn_dim, (tp if sp else 1)
-    return m.top_k * (4 * h + 3 * m.dim) / split, m.top_k * (m.dim + h) / split
+    h, split = m.moe.ffn_dim or m.ffn_dim, (tp if sp else 1)
+    return m.moe.top_k * (4 * h + 3 * m.dim) / split, m.moe.top_k * (m.dim + h) / split
 
 
 def block_activation_bytes(m: ModelConfig, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,

@@ -34,7 +34,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fivefold.config import ConfigError, to_toml
+from fivefold.config.load import ConfigError, to_toml
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.planner.hardware import GB, get_hardware, load_profile, profile_toml
 from fivefold.planner.memory import BytesPerParam
 from fivefold.planner.options import DEFAULT
@@ -91,6 +92,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "runnable, never written as the TOML)")
     p.add_argument("--top", type=int, default=10, help="search: layouts shown")
     p.add_argument("--out", default="plan.toml", help="search: where the best layout's config is written")
+    p.set_defaults(run=run, overrides=True)  # --model.KEY VALUE overrides
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
@@ -107,6 +109,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
                    help="also time the model's own blocks, embedding and head + loss whole, at the shapes these "
                         "training configs run on --nproc ranks (--section.key=value overrides apply to each); the "
                         "planner uses those times instead of pricing the parts op by op")
+    p.set_defaults(run=run, overrides=True)  # --layers' --section.key=value overrides
 
 
 def _hardware(args: argparse.Namespace):
@@ -258,7 +261,7 @@ def _search(args, cfg, hw, b: BytesPerParam, options) -> int:
 
 def _layer_parts(args: argparse.Namespace, rest: list[str]) -> tuple:
     """The distinct parts the --layers configs run on --nproc ranks; every config checked first."""
-    from fivefold.config import load_config
+    from fivefold.config.load import load_config
     from fivefold.planner.calibration.layers import config_parts
     from fivefold.validate import validate
 
@@ -298,7 +301,7 @@ def _calibrate_gpu(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def run(args: argparse.Namespace, rest: list[str]) -> int:
-    """Entry point for both commands (cli.main dispatches here)."""
+    """Entry point for both commands (their parsers name it)."""
     if args.command == "calibrate" and _on_cuda(args.device):
         return _calibrate_gpu(args, rest)
     if args.command == "calibrate":
@@ -346,12 +349,12 @@ def _plan(args: argparse.Namespace, rest: list[str], hw, b: BytesPerParam) -> in
 
 def _measured(args: argparse.Namespace, cfg, options, hw) -> int:
     """A measured run restated (flops.measured): no layout, no search."""
-    from fivefold.parallel.derive import padded_vocab
+    from fivefold.config.derive import padded_vocab
     from fivefold.planner.flops import convention_row, measured, parse_token_budget, step_flops, utilization_row
 
     budget = parse_token_budget(args.token_budget) if args.token_budget else None
     causal = options.causal_flops
-    f = step_flops(cfg, padded_vocab(cfg), causal, options.document_tokens)
+    f = step_flops(cfg, padded_vocab(cfg, unpadded_vocab(cfg)), causal, options.document_tokens)
     result = measured(f, args.gpus, hw.peak_flops, step_time_s=args.step_time, tokens_per_s=args.tokens_per_s,
                    tflops=args.tflops, token_budget=budget)
     if args.json:

@@ -54,10 +54,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.counts import ModelCounts, block_params
 from fivefold.parallel.comm.wire import wire_bytes
-from fivefold.parallel.derive import Derived
 from fivefold.planner.activations import FP8_BYTES, layout_applies
 from fivefold.planner.expert_comm import expert_link_bytes
 from fivefold.planner.layout import RankShare, axis_spans_nodes, group_ranks_per_node
@@ -208,7 +208,7 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
     if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
         out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
     fwd_passes = 2 if t.recompute == "full" else 1
-    if m.qk_norm and m.qk_norm_span == "all" and not m.kv_lora_rank:
+    if m.norm.qk and m.norm.qk_span == "all" and not m.latent.kv_lora_rank:
         # OLMo 2's q/k norm over the whole projection, split with the heads: each token's fp32 sum of
         # squares of q and of k summed over tp in every forward pass, and their gradients in backward
         out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * blocks * 2 * (fwd_passes + 1))
@@ -227,7 +227,7 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
         out["cp"].add("all_to_all", qkvo / 4, p.cp, micro * blocks * 4 * (fwd_passes + 1))
     # ep: dispatch + combine, forward and backward, of the top_k copies of each token (with sp, of
     # this tp rank's T/tp tokens: each routes its own).
-    copies = imbalance * b * local_seq * m.top_k * m.dim * act_bytes / (p.tp if p.sp else 1)
+    copies = imbalance * b * local_seq * m.moe.top_k * m.dim * act_bytes / (p.tp if p.sp else 1)
     out["ep"].add("all_to_all", copies, p.ep, micro * moe_blocks * 2 * (fwd_passes + 1))
     return out
 

@@ -16,7 +16,8 @@ into seconds (datasheet.ComputePricer).
 
 from __future__ import annotations
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.counts import (
     ModelCounts,
     attention_head_dims,
@@ -24,7 +25,6 @@ from fivefold.model.counts import (
     block_forward_flops,
     head_forward_flops,
 )
-from fivefold.parallel.derive import Derived
 from fivefold.planner.layout import RankShare
 from fivefold.planner.machine.pricing import ChunkWork
 from fivefold.planner.options import DEFAULT, PlanOptions

@@ -23,8 +23,8 @@ name (`conventions`), and `--explain` shows them in one row:
 
 from __future__ import annotations
 
-from fivefold.config import Config
-from fivefold.parallel.derive import Derived
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.planner.comm import AxisTraffic
 from fivefold.planner.flops import StepFlops
 from fivefold.planner.machine.datasheet import GB

@@ -45,9 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived, derive
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import ModelCounts, model_counts
-from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.pipeline.stage_split import is_automatic_and_uneven, split_note
 from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, heaviest_senders, step_traffic
 from fivefold.planner.compute import busiest_chunk
@@ -177,7 +178,7 @@ class _Where:
 
 def _where(cfg: Config, world_size: int, b: BytesPerParam, act_bytes: int, implementation: bool,
            options: PlanOptions) -> _Where:
-    d = derive(cfg, world_size)
+    d = derive(cfg, world_size, unpadded_vocab(cfg))
     counts = model_counts(cfg.model, d.vocab_size)
     sizes = stage_sizes(cfg, counts)
     shares = rank_shares(cfg, counts, sizes)

@@ -12,7 +12,7 @@ ranks of which g share a node (layout.group_ranks_per_node), two dispatches are 
 - "node_limited" (DeepSeek-AI 2024, DeepSeek-V3 report sec. 3.2.2, node-limited routing; the
   DeepEP kernels that implement it): each token crosses the NIC once per target node, to the GPU
   of its own index there, and NVLink forwards it to the node's experts. A token reaches M nodes:
-  the model's topk_groups when its expert groups are the group's nodes (n_expert_groups = nodes,
+  the model's moe.topk_groups when its expert groups are the group's nodes (moe.n_groups = nodes,
   as DeepSeek-V3's 8 groups over EP64's 8 nodes), else the expected number of distinct nodes
   among top_k uniform picks, N (1 - (1 - 1/N)^k). Of those, (N - 1) / N are other nodes. NVLink
   then carries the copies a receiving node hands to its other g - 1 GPUs, (g - 1) / g of top_k.
@@ -24,8 +24,8 @@ ranks of which g share a node (layout.group_ranks_per_node), two dispatches are 
 
 from __future__ import annotations
 
-from fivefold.config import Config
-from fivefold.parallel.derive import Derived
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.planner.layout import group_ranks_per_node
 from fivefold.planner.options import EpDispatch
 
@@ -35,16 +35,16 @@ FP8_WITH_SCALES = 1 + 4 / 128  # bytes per element: e4m3 and one fp32 scale per 
 def target_nodes(cfg: Config, nodes: int) -> float:
     """M: the nodes one token's top_k copies reach under node-limited routing (module docstring)."""
     m = cfg.model
-    if m.n_expert_groups == nodes and m.topk_groups:
-        return float(m.topk_groups)
-    return nodes * (1 - (1 - 1 / nodes) ** m.top_k)
+    if m.moe.n_groups == nodes and m.moe.topk_groups:
+        return float(m.moe.topk_groups)
+    return nodes * (1 - (1 - 1 / nodes) ** m.moe.top_k)
 
 
 def expert_link_bytes(cfg: Config, d: Derived, gpus_per_node: int, sent: float, dispatch: EpDispatch,
                       fp8: bool, act_bytes: int) -> tuple[float, float]:
     """(NIC bytes, NVLink bytes) of the all-to-alls in which a rank sends `sent` bytes as
     comm.activation_traffic counts them, for a group spanning nodes (module docstring)."""
-    ep, k = cfg.parallel.ep, cfg.model.top_k
+    ep, k = cfg.parallel.ep, cfg.model.moe.top_k
     g = group_ranks_per_node(cfg, d, gpus_per_node, "ep")
     if dispatch == "all_to_all":
         inter = sent * (ep - g) / (ep - 1)

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.model.counts import CausalFlops, flops_per_token, recompute_flops_per_token
 from fivefold.planner.machine.ops import PER_OP_RERUN, RankShapes, block_ops
 from fivefold.planner.machine.pricing import Row
@@ -77,9 +77,9 @@ def masks_in_words(cfg: Config, document_tokens: float = 0) -> str:
     """The masks beyond causality the step's attention runs ("" for causality alone)."""
     m, seq = cfg.model, cfg.train.seq_len
     words = []
-    sliding = sum(1 for layer in range(m.n_layers) if 0 < m.layer_window(layer) < seq)
+    sliding = sum(1 for layer in range(m.n_layers) if 0 < m.attention.layer_window(layer) < seq)
     if sliding:
-        words.append(f"a window of {m.sliding_window} tokens in {sliding} of {m.n_layers} layers")
+        words.append(f"a window of {m.attention.window} tokens in {sliding} of {m.n_layers} layers")
     if cfg.data.document_mask:
         words.append(f"documents of mean {document_tokens:g} tokens (geometric lengths)" if document_tokens
                      else "documents of unstated length, priced as the whole row (--document-tokens N states it)")
@@ -91,9 +91,9 @@ def per_op_recompute_flops_per_token(cfg: Config) -> float:
     fourth, ... matmul of each block in forward order, counted on one whole sequence at tp = 1."""
     m, seq = cfg.model, cfg.train.seq_len
     shapes = RankShapes(tokens=seq, sp_tokens=seq, seq_len=seq, kernel_seq=seq)
-    kinds = {0: m.first_dense_layers if m.n_experts else m.n_layers}  # a block of each kind: how many
-    if m.n_experts and m.first_dense_layers < m.n_layers:
-        kinds[m.first_dense_layers] = m.n_layers - m.first_dense_layers
+    kinds = {0: m.moe.first_dense_layers if m.moe.n_experts else m.n_layers}  # a block of each kind: how many
+    if m.moe.n_experts and m.moe.first_dense_layers < m.n_layers:
+        kinds[m.moe.first_dense_layers] = m.n_layers - m.moe.first_dense_layers
     rerun = sum(n * sum(mm.flops for mm in block_ops(m, layer, shapes).matmuls[PER_OP_RERUN])
                 for layer, n in kinds.items() if n)
     return rerun / seq
@@ -102,7 +102,7 @@ def per_op_recompute_flops_per_token(cfg: Config) -> float:
 def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", document_tokens: float = 0,
                per_op: bool = False) -> StepFlops:
     """The FLOPs of one step of `cfg` (its model, seq_len, global_batch and recompute) with the
-    padded vocabulary `vocab_size` (parallel/derive.py: padded_vocab), its sliding windows and,
+    padded vocabulary `vocab_size` (config/derive.py: padded_vocab), its sliding windows and,
     under data.document_mask, documents of mean length `document_tokens` counted as kept; `per_op`:
     selective recompute as torchtitan's per-op policy (PlanOptions.selective_ac)."""
     m, t = cfg.model, cfg.train
@@ -110,7 +110,8 @@ def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", docum
     f = flops_per_token(m, t.seq_len, vocab_size, causal, docs)
     extra = (per_op_recompute_flops_per_token(cfg) if per_op and t.recompute == "selective"
              else recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal, docs))
-    unmasked = flops_per_token(dataclasses.replace(m, sliding_window=0), t.seq_len, vocab_size, causal)
+    unwindowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=0))
+    unmasked = flops_per_token(unwindowed, t.seq_len, vocab_size, causal)
     return StepFlops(model_per_token=f["total"], hardware_per_token=f["total"] + extra,
                      attention_per_token=f["attention"], tokens_per_step=t.global_batch * t.seq_len, causal=causal,
                      recompute=t.recompute, unmasked_attention_per_token=unmasked["attention"],

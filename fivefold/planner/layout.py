@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.counts import ModelCounts, block_rank_params
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.pipeline.stage_split import split_of_counts
 from fivefold.planner.options import DEFAULT, OPTION_KEYS, PlanOptions, parse_option
 
@@ -130,7 +130,7 @@ def axis_spans_nodes(cfg: Config, d: Derived, gpus_per_node: int, axis: str) -> 
     stride is the product of the degrees inside X. It stays in a node when size x stride ranks fit
     in one (and nodes hold a multiple of that). The "dp" axis means the gradient view dp x cp,
     "dp_shard" and "dp_replicate" ZeRO's shard groups and their replicas (HSDP); ep groups are
-    taken inside dp x cp, next to tp. `d` is derive(cfg, world_size), as the estimate has it.
+    taken inside dp x cp, next to tp. `d` is the Derived of the layout, as the estimate has it.
     """
     inner, size = _stride_and_size(cfg, d, axis)
     span = inner * size

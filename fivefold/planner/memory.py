@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import Config
-from fivefold.parallel.derive import Derived, reshard_after_forward
+from fivefold.config.derive import Derived, reshard_after_forward
+from fivefold.config.schema import Config
 from fivefold.planner.activations import (
     FP8_BYTES,
     block_activation_bytes,
@@ -163,7 +163,7 @@ def expert_imbalance(cfg: Config, options: PlanOptions) -> float:
     """Tokens on the busiest expert rank over the mean: options.expert_imbalance with ep > 1, or
     what a run's measured loads give at this ep (routing.imbalance_by_ep); 1 without expert
     parallelism, where every rank runs all the experts for its own tokens."""
-    if cfg.parallel.ep <= 1 or not cfg.model.n_experts:
+    if cfg.parallel.ep <= 1 or not cfg.model.moe.n_experts:
         return 1.0
     if options.measured_imbalance:  # ep divides the experts (validate), so the run's table has it
         return dict(options.measured_imbalance)[cfg.parallel.ep]

@@ -26,8 +26,8 @@ pins the offloaded partitions themselves.
 
 from __future__ import annotations
 
-from fivefold.config import Config
-from fivefold.parallel.derive import Derived
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.planner.layout import RankShare
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import Priced

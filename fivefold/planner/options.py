@@ -50,7 +50,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from fivefold.config import Config, replace
+from fivefold.config.load import replace
+from fivefold.config.schema import Config
 from fivefold.model.counts import CausalFlops
 from fivefold.planner.activations import ActivationLayout, layout_applies
 from fivefold.validate.speed import speed_errors
@@ -118,11 +119,11 @@ class PlanOptions:
         if self.activations != "fivefold" and (cfg is None or layout_applies(cfg.model, self.activations)):
             out.append(f"activations={self.activations}: fivefold keeps other tensors for backward "
                        "(planner/activations.py)")
-        if self.ep_dispatch != "all_to_all" and (cfg is None or (cfg.parallel.ep > 1 and cfg.model.n_experts)):
+        if self.ep_dispatch != "all_to_all" and (cfg is None or (cfg.parallel.ep > 1 and cfg.model.moe.n_experts)):
             out.append(f"ep_dispatch={self.ep_dispatch}: fivefold's experts exchange tokens in one all-to-all")
         if self.selective_ac != "attention_core" and (cfg is None or cfg.train.recompute == "selective"):
             out.append(f"selective_ac={self.selective_ac}: fivefold's selective recompute reruns the attention core")
-        if self.fp8_experts and (cfg is None or cfg.model.n_experts):
+        if self.fp8_experts and (cfg is None or cfg.model.moe.n_experts):
             out.append("fp8_experts=true: fivefold's FP8 leaves the routed experts in bf16 (parallel/fp8.py)")
         if self.param_gather_overlap and (cfg is None or cfg.parallel.zero in (1, 2)):
             out.append("param_gather_overlap=true: fivefold's ZeRO-1/2 gather the weights after the step "

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.counts import (
     ModelCounts,
     attention_params,
@@ -52,7 +53,6 @@ from fivefold.model.counts import (
     block_rank_params,
     head_forward_flops,
 )
-from fivefold.parallel.derive import Derived
 from fivefold.planner.activations import FP8_BYTES
 from fivefold.planner.comm import AxisTraffic, time_of
 from fivefold.planner.compute import block_keys

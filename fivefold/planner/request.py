@@ -25,7 +25,8 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import Config, ConfigError, parse_overrides, read_config, replace
+from fivefold.config.load import ConfigError, parse_overrides, read_config, replace
+from fivefold.config.schema import Config
 from fivefold.model.presets import PRETRAIN_SEQ_LEN
 from fivefold.planner.layout import split_layout
 from fivefold.planner.machine.datasheet import Hardware
@@ -109,9 +110,9 @@ def read_request(args: argparse.Namespace, rest: list[str], batch_default: bool)
     if errors:
         raise ConfigError(errors)
     check_document_tokens(cfg, options.document_tokens)
-    if loads and len(loads[0]) != cfg.model.n_experts:
+    if loads and len(loads[0]) != cfg.model.moe.n_experts:
         raise ConfigError([f"--expert-imbalance {args.expert_imbalance}: the run routed to {len(loads[0])} experts, "
-                           f"this model has {cfg.model.n_experts}; give a run of the same model or a number"])
+                           f"this model has {cfg.model.moe.n_experts}; give a run of the same model or a number"])
     if loads:
         options = dataclasses.replace(options, measured_imbalance=imbalance_by_ep(loads))
     if tokens is not None:  # sequences from tokens; the flag beats a TOML file's train.global_batch

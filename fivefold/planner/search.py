@@ -31,7 +31,8 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fivefold.config import Config, replace
+from fivefold.config.load import replace
+from fivefold.config.schema import Config
 from fivefold.planner.estimate import Estimate, estimate
 from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import Memo
@@ -86,7 +87,7 @@ def _reason(error: str) -> str:
 def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
     """Every layout worth trying for `base` on `world` ranks (before validation)."""
     m, t = base.model, base.train
-    moe = m.n_experts > 0
+    moe = m.moe.n_experts > 0
     out = []
     tps = [k for k in _divisors(world, gpus_per_node) if k & (k - 1) == 0]  # 1, 2, 4, 8: inside a node
     pps = [k for k in _divisors(world, 64) if m.n_layers % k == 0]
@@ -95,7 +96,7 @@ def candidates(base: Config, world: int, gpus_per_node: int) -> list[Config]:
         if world % (tp * pp * cp):
             continue
         dp = world // (tp * pp * cp)
-        eps = [k for k in _divisors(dp * cp, 256) if m.n_experts % k == 0] if moe else [1]
+        eps = [k for k in _divisors(dp * cp, 256) if m.moe.n_experts % k == 0] if moe else [1]
         zeros = (0,) if dp == 1 else (0, 1, 2, 3)  # ZeRO over one rank is DDP
         sps = (False, True) if tp > 1 else (False,)
         for ep, zero, sp, mb, rc in itertools.product(eps, zeros, sps, (1, 2, 4), ("none", "selective", "full")):

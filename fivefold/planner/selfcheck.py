@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.planner.estimate import Estimate, estimate
 from fivefold.planner.machine.datasheet import Hardware, get_hardware
 

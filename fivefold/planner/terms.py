@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fivefold.config import Config
-from fivefold.parallel.derive import Derived
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.simulate import Costs, SimResult, peak_inflight, simulate
 from fivefold.planner.comm import AxisTraffic, link
@@ -65,7 +65,7 @@ def critical_path(work: ChunkWork, d: Derived, hw: Hardware, traffic: dict[str, 
     pp_bw, pp_alpha = link(hw, traffic["pp"].inter_node, "send")
     activation = t.micro_batch * d.local_seq_len * m.dim * act_bytes / (p.tp if p.sp else 1)  # one stage's output
     p2p = pp_alpha + activation / pp_bw if p.pp > 1 else 0.0
-    degrees = {a: n for a, n in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep if m.n_experts else 1)) if n > 1}
+    degrees = {a: n for a, n in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep if m.moe.n_experts else 1)) if n > 1}
     syncs = sum(traffic[a].calls for a in degrees)
     noise = (sum(traffic[a].calls * hw.pricer.noise_wait(n, busy_s / syncs, memo) for a, n in degrees.items())
              if syncs else 0.0)
@@ -223,7 +223,7 @@ def step_sync(cfg: Config, d: Derived, hw: Hardware) -> Priced:
     the logged loss over pp and the gradient group; latency only, nothing to overlap with."""
     m, p = cfg.model, cfg.parallel
     alpha_in = link(hw, False, "all_reduce")[1]
-    split_over = [d.dp_shard if p.zero else 1, p.pp, p.tp, p.ep if m.n_experts else 1, p.pp, d.dp * p.cp]
+    split_over = [d.dp_shard if p.zero else 1, p.pp, p.tp, p.ep if m.moe.n_experts else 1, p.pp, d.dp * p.cp]
     sync_t = sum(2 * (n - 1) * alpha_in for n in split_over if n > 1)
     rows = []
     if sync_t:

@@ -34,6 +34,7 @@ def add_sample_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPU threads; 0 = auto: 1 for a model under 100M parameters, else torch's default")
     p.add_argument("--ignore-eod", action="store_true",
                    help="keep going past the end-of-document token instead of stopping there")
+    p.set_defaults(run=run_sample)
 
 
 def _problems(args: argparse.Namespace) -> list[str]:
@@ -46,7 +47,7 @@ def _problems(args: argparse.Namespace) -> list[str]:
 
 def _one_line(e: BaseException) -> str:
     """An error as one line: multi-line messages (a config's list of problems) joined."""
-    from fivefold.config import ConfigError
+    from fivefold.config.load import ConfigError
 
     if isinstance(e, ConfigError):
         return "; ".join(e.errors)

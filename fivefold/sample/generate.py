@@ -23,13 +23,13 @@ import torch
 
 from fivefold.checkpoint.convert import check_fit, open_fivefold
 from fivefold.checkpoint.run_dir import latest_checkpoint
-from fivefold.checkpoint.weights import SEED_CONFIG, source_name
-from fivefold.config import Config, load_config
+from fivefold.checkpoint.weights import source_name
+from fivefold.config.load import RUN_CONFIG, SEED_CONFIG, load_config
+from fivefold.config.schema import Config
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.materialize import materialize
 
-RUN_CONFIG = "config.toml"  # a run directory's resolved config (train/loop.py setup())
 RUN_TOKENIZER = "tokenizer"  # RUN_DIR/tokenizer/: the files that reproduce the run's tokenizer
 
 

@@ -52,10 +52,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.parallel.data import DataParallel
 from fivefold.parallel.data.offload import HostOffload, ParamOffload
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import AXES, Mesh
 from fivefold.parallel.optimizer import init_optimizer_state
 from fivefold.parallel.pipeline.messages import check_plans

@@ -9,8 +9,9 @@ import argparse
 import re
 import time
 
-from fivefold.config import ConfigError, read_config
-from fivefold.parallel.derive import derive
+from fivefold.config.derive import derive
+from fivefold.config.load import ConfigError, read_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.planner.machine.datasheet import get_hardware
 from fivefold.validate import validate
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if errors:
         raise ConfigError(errors)
     if args.deepspeed:
-        from fivefold.deepspeed import format_mapping, load_deepspeed
+        from fivefold.config.deepspeed import format_mapping, load_deepspeed
 
         mapping = load_deepspeed(args.deepspeed, world)
         print(format_mapping(mapping))
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(errors)
     from fivefold.train.dry_run import dry_run, format_report
 
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     start = time.perf_counter()
     reports = dry_run(cfg, derived, capacity, every=args.all_positions, progress=not args.no_progress)
     print(format_report(cfg, derived, reports, capacity_name, time.perf_counter() - start))

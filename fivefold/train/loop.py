@@ -28,8 +28,11 @@ import torch.distributed as dist
 from fivefold.checkpoint.run_dir import latest_checkpoint, run_dir_of
 from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
 from fivefold.checkpoint.weights import fill_weights, load_weights
-from fivefold.config import Config, ConfigError, to_toml
+from fivefold.config.derive import Derived, derive
+from fivefold.config.load import RUN_CONFIG, ConfigError, to_toml
+from fivefold.config.schema import Config
 from fivefold.data.batches import GlobalBatches
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.launch.worker_report import note_missing
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
@@ -37,7 +40,6 @@ from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.arrivals import collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.comm.compat import require_supported_torch
-from fivefold.parallel.derive import Derived, derive
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.parallel.pipeline.stage_split import split_note, stage_split
@@ -174,7 +176,7 @@ def train(cfg: Config, derived: Derived | None = None, *, progress: bool = True,
             errors = preflight(cfg, dist.get_world_size())
             if errors:
                 raise ConfigError(errors)
-            derived = derive(cfg, dist.get_world_size())
+            derived = derive(cfg, dist.get_world_size(), unpadded_vocab(cfg))
         return _train(cfg, derived, device_type, progress, return_state, elastic)
     finally:
         if owns_group:
@@ -203,7 +205,7 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
         mesh.arrivals.on_found = note_missing
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+        (run_dir / RUN_CONFIG).write_text(to_toml(cfg))
     collectives.barrier(mesh.group("world"), "barrier after making the run directory")
     par, seeded = parallel_model(cfg, derived, mesh)
     train_set, val_set, loader = build_datasets(cfg, run_dir, mesh.group("world"))
@@ -294,6 +296,6 @@ def write_summary(run_dir: Path, cfg: Config, log: StepLog) -> None:
     """summary.json: where the run's outputs are, printed too."""
     outputs = {"metrics" if name == "jsonl" else name: str(path) for name, path in log.sinks.outputs.items()}
     summary = {"run_dir": str(run_dir), **outputs,
-               "config": str(run_dir / "config.toml"), "checkpoint": str(latest_checkpoint(run_dir))}
+               "config": str(run_dir / RUN_CONFIG), "checkpoint": str(latest_checkpoint(run_dir))}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log.print("\n".join([f"outputs in {run_dir}/:", *(f"  {k:10s} {v}" for k, v in summary.items())]))

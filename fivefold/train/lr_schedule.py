@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
-from fivefold.config import TrainConfig
+from fivefold.config.schema import OptimConfig
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then the chosen decay.
+def lr_at(step: int, cfg: OptimConfig, steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based) of `steps` (train.steps): linear warmup, then the
+    chosen decay.
 
     cosine: from lr down to min_lr_ratio x lr over the steps after warmup.
     wsd (warmup-stable-decay, Hu et al. 2024 "MiniCPM"): hold lr, then decay linearly to the
@@ -20,11 +21,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     if cfg.lr_schedule == "constant":
         return peak
     if cfg.lr_schedule == "cosine":
-        span = max(1, cfg.steps - cfg.warmup_steps)
+        span = max(1, steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
-    decay_start = cfg.steps - decay_steps
+    decay_steps = max(1, round(cfg.decay_fraction * steps))
+    decay_start = steps - decay_steps
     if step < decay_start:
         return peak
     return peak + (floor - peak) * min(1.0, (step - decay_start + 1) / decay_steps)

@@ -31,7 +31,7 @@ Keys of a step record (later features add keys; none is ever renamed):
 | attention_blocks | ring attention (cp > 1) only: {computed, skipped}: (query chunk, key chunk) pairs rank 0's attention forwards computed and skipped because the mask keeps none of their pairs (their K/V still travel), over layers and micro-batches, recomputed forwards included |
 | expert_load | MoE only: {block: copies the router sent to each expert during the step, all ranks} |
 | expert_max_over_mean | MoE only: {block: busiest expert's load / mean load} (1.0 = balanced) |
-| expert_dropped | MoE only: {block: copies dropped over capacity (moe_capacity_factor)} |
+| expert_dropped | MoE only: {block: copies dropped over capacity (model.moe.capacity_factor)} |
 
 Keys of an event record (kinds in sinks.EVENT_KINDS; a new kind or field gets its row here):
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.expert import moe_blocks
@@ -99,8 +99,8 @@ class MoEBalancing:
         self.model, self.mesh = model, mesh
         # Ranks that routed other tokens: the grad view, and with sp the tp ranks (parallel/expert.py).
         self.groups = [mesh.group("grad")] + ([mesh.group("tp")] if cfg.parallel.sp else [])
-        self.sequences, self.rate = cfg.train.global_batch, cfg.model.moe_bias_update
-        self.enabled = cfg.model.n_experts > 0
+        self.sequences, self.rate = cfg.train.global_batch, cfg.model.moe.bias_update
+        self.enabled = cfg.model.moe.n_experts > 0
 
     def before(self, loss_scale: float) -> None:
         set_balance_loss_scale(self.model, self.sequences, loss_scale)

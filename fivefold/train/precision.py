@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from fivefold.config import TrainConfig
+from fivefold.config.schema import TrainConfig
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 

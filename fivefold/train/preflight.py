@@ -10,7 +10,7 @@ headers are read against the model, and a resume, whose checkpoint's files are c
 from __future__ import annotations
 
 from fivefold.checkpoint.run_dir import check_run_dir, latest_checkpoint, run_dir_of
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.train import sinks
 from fivefold.validate import validate
 

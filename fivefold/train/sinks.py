@@ -32,10 +32,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fivefold.config import SINK_PACKAGES
+from fivefold.config.schema import SINK_PACKAGES
 
 if TYPE_CHECKING:
-    from fivefold.config import Config
+    from fivefold.config.schema import Config
 
 # Kinds of event records (train/metrics.py documents their fields); anything else is a typo.
 EVENT_KINDS = ("start", "resume", "restart", "layout", "replan", "stop")

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.data.batches import IGNORE, GlobalBatches, PackedDataset, rank_slice
 from fivefold.model.masks import Documents
 from fivefold.parallel.comm import collectives
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parallelize import Parallelized
 from fivefold.train.lr_schedule import lr_at
@@ -80,7 +80,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     mesh.stats.reset()
     if par.offload is not None:  # its copies are counted from here: "params" copies during forward and backward
         par.offload.reset_counts()
-    lr = lr_at(step, t)
+    lr = lr_at(step, run.cfg.optim, t.steps)
     with timer.span("data"):
         epoch, first = run.loader.state.epoch, run.loader.state.cursor
         indices = run.loader.next_indices()
@@ -92,7 +92,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, attention=attention,
                              clock=timer.clock.mark if mesh.size("pp") > 1 else None)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
-        outcome = par.optimizer_step(lr, run.scaler, t.grad_clip)
+        outcome = par.optimizer_step(lr, run.scaler, run.cfg.optim.grad_clip)
         moe = run.balancing.after(outcome.applied)
     comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
     loss = run.reduce_loss(stats.loss.clone())  # the last stage's, else 0
@@ -126,8 +126,8 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
 
 def nonfinite_message(step: int, loss: float, names: list[str]) -> str:
     return (f"step {step}: the gradient is not finite (first: {names[0] if names else '?'}; {len(names)} parameters "
-            f"in all; this rank's loss share {loss}). Lower train.lr, raise train.warmup_steps or set "
-            f"train.grad_clip; train.nonfinite = 'skip' skips such steps instead; resume from the last checkpoint "
+            f"in all; this rank's loss share {loss}). Lower optim.lr, raise optim.warmup_steps or set "
+            f"optim.grad_clip; train.nonfinite = 'skip' skips such steps instead; resume from the last checkpoint "
             f"with --resume")
 
 

@@ -138,6 +138,7 @@ def add_trace_parser(viz: argparse._SubParsersAction) -> None:
                                    "Chrome trace file for Perfetto (ui.perfetto.dev) or chrome://tracing.")
     p.add_argument("run_dir", help="the run directory (runs/<name>/)")
     p.add_argument("--out", default=None, help="the file to write (default: RUN_DIR/trace.json)")
+    p.set_defaults(run=run_trace_viz)
 
 
 def run_trace_viz(args: argparse.Namespace) -> int:

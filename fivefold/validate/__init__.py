@@ -1,23 +1,25 @@
 """Config checks, before any process group starts.
 
 `validate(cfg, world_size)` is a pure function returning every problem as one line that names the
-field, the values and a fix; the planner uses it as its filter. Types come first (config.py's
-type_errors: load_config() refuses a wrongly typed value, a Config built in code may still hold
+field, the values and a fix; the planner uses it as its filter. Types come first (config/types.py's
+type_errors: read_config() refuses a wrongly typed value, a Config built in code may still hold
 one), then sizes, then each section's ranges, then the arithmetic between sections, which
 assumes positive sizes. What follows from a valid config (degrees, micro-batches per step, tokens
-per step, ...) is `derive()`'s (parallel/derive.py).
+per step, ...) is `derive()`'s (config/derive.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from pathlib import Path
 
-from fivefold.config import FIELD_TYPES, SINK_PACKAGES, Config, type_errors
-from fivefold.data.resolve import data_errors
+from fivefold.config.derive import data_parallel_degree, padded_vocab
+from fivefold.config.schema import SINK_PACKAGES, Config, leaves
+from fivefold.config.types import type_errors
+from fivefold.data.resolve import data_errors, tokenizer_vocab, unpadded_vocab
 from fivefold.data.sources import path_kind
-from fivefold.parallel.derive import data_parallel_degree, padded_vocab, tokenizer_vocab
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.validate.attention import attention_errors
 from fivefold.validate.hints import divisors_near, multiples_near
@@ -28,13 +30,8 @@ from fivefold.validate.speed import speed_errors
 
 def _non_finite_errors(cfg: Config) -> list[str]:
     """Number fields that are nan or infinite: nan compares false with every bound checked later."""
-    errors = []
-    for section, types in FIELD_TYPES.items():
-        for key, hint in types.items():
-            value = getattr(getattr(cfg, section), key)
-            if hint is float and isinstance(value, float) and not math.isfinite(value):  # (a str: a type error)
-                errors.append(f"{section}.{key} = {value!r}: must be a finite number")
-    return errors
+    return [f"{key} = {value!r}: must be a finite number" for key, value, hint in leaves(cfg)
+            if hint is float and isinstance(value, float) and not math.isfinite(value)]  # (a str: a type error)
 
 
 def _sink_errors(cfg: Config) -> list[str]:
@@ -80,7 +77,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
 
 def _size_errors(cfg: Config) -> list[str]:
     """Counts and sizes: at least 1, or 0 or more where 0 means off or "derive it"."""
-    m, p, t, d, c = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
+    m, p, t, o, d, c = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.data, cfg.checkpoint
     positive = {
         "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
         "model.n_kv_heads": m.n_kv_heads, "model.ffn_dim": m.ffn_dim, "parallel.tp": p.tp,
@@ -92,15 +89,12 @@ def _size_errors(cfg: Config) -> list[str]:
     }
     non_negative = {
         "parallel.dp": p.dp, "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
-        "model.n_experts": m.n_experts, "model.moe_ffn_dim": m.moe_ffn_dim,
-        "model.n_shared_experts": m.n_shared_experts, "model.first_dense_layers": m.first_dense_layers,
-        "model.kv_lora_rank": m.kv_lora_rank, "model.q_lora_rank": m.q_lora_rank,
-        "model.qk_nope_head_dim": m.qk_nope_head_dim, "model.qk_rope_head_dim": m.qk_rope_head_dim,
-        "model.v_head_dim": m.v_head_dim, "model.n_expert_groups": m.n_expert_groups,
-        "model.topk_groups": m.topk_groups,
-        "train.warmup_steps": t.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
-        "train.gc_every": t.gc_every,
-        "train.grad_clip": t.grad_clip, "train.weight_decay": t.weight_decay,
+        "model.moe.n_experts": m.moe.n_experts, "model.moe.ffn_dim": m.moe.ffn_dim,
+        "model.moe.n_shared_experts": m.moe.n_shared_experts, "model.moe.first_dense_layers": m.moe.first_dense_layers,
+        **{f"model.latent.{key}": value for key, value in dataclasses.asdict(m.latent).items()},
+        "model.moe.n_groups": m.moe.n_groups, "model.moe.topk_groups": m.moe.topk_groups,
+        "optim.warmup_steps": o.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
+        "train.gc_every": t.gc_every, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay,
         "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
     }
     return ([f"{key} = {value}: must be at least 1" for key, value in positive.items() if value < 1]
@@ -109,24 +103,24 @@ def _size_errors(cfg: Config) -> list[str]:
 
 def _optimizer_errors(cfg: Config) -> list[str]:
     """The learning-rate schedule, AdamW, fp16 loss scaling and the device."""
-    t = cfg.train
+    t, o = cfg.train, cfg.optim
     errors = []
     err = errors.append
-    if t.lr <= 0:
-        err(f"train.lr = {t.lr}: must be > 0")
-    if not 0 <= t.min_lr_ratio <= 1:
-        err(f"train.min_lr_ratio = {t.min_lr_ratio}: must be within [0, 1]")
+    if o.lr <= 0:
+        err(f"optim.lr = {o.lr}: must be > 0")
+    if not 0 <= o.min_lr_ratio <= 1:
+        err(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be within [0, 1]")
     if t.stop_after > t.steps >= 1:  # (a train.steps < 1 is reported with the sizes, once)
         err(f"train.stop_after = {t.stop_after} exceeds train.steps = {t.steps}; lower it (0 = run to the end)")
-    if t.warmup_steps > t.steps >= 1:
-        err(f"train.warmup_steps = {t.warmup_steps} exceeds train.steps = {t.steps}; lower warmup_steps")
-    if not 0 < t.decay_fraction <= 1:
-        err(f"train.decay_fraction = {t.decay_fraction}: must be within (0, 1]")
-    for key, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+    if o.warmup_steps > t.steps >= 1:
+        err(f"optim.warmup_steps = {o.warmup_steps} exceeds train.steps = {t.steps}; lower warmup_steps")
+    if not 0 < o.decay_fraction <= 1:
+        err(f"optim.decay_fraction = {o.decay_fraction}: must be within (0, 1]")
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         if not 0 <= value < 1:
             err(f"{key} = {value}: must be within [0, 1)")
-    if t.eps <= 0:
-        err(f"train.eps = {t.eps}: must be > 0")
+    if o.eps <= 0:
+        err(f"optim.eps = {o.eps}: must be > 0")
     if t.loss_scale < 0 or t.min_loss_scale <= 0 or t.loss_scale_window < 1 or not 0 <= t.initial_scale_power <= 64:
         err(f"fp16 loss scaling: train.loss_scale = {t.loss_scale} (>= 0, 0 = dynamic), min_loss_scale = "
             f"{t.min_loss_scale} (> 0), loss_scale_window = {t.loss_scale_window} (>= 1), initial_scale_power = "
@@ -217,7 +211,7 @@ def _tp_split_errors(cfg: Config) -> list[str]:
     """The widths tensor parallelism splits are divisible by tp."""
     m, tp = cfg.model, cfg.parallel.tp
     split_by_tp = [("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim)]
-    if not m.kv_lora_rank:
+    if not m.latent.kv_lora_rank:
         split_by_tp.insert(1, ("model.n_kv_heads", m.n_kv_heads))
     return [f"{key} = {value} is not divisible by parallel.tp = {tp}; use tp in "
             f"{{{divisors_near(value, 64)}}} or {key} = {multiples_near(value, tp)}"
@@ -242,7 +236,7 @@ def _vocab_errors(cfg: Config) -> list[str]:
     """The vocabulary holds the tokenizer's tokens and splits over tp."""
     m, tp = cfg.model, cfg.parallel.tp
     errors = []
-    vocab = padded_vocab(cfg)
+    vocab = padded_vocab(cfg, unpadded_vocab(cfg))
     if m.vocab_size and m.vocab_size < tokenizer_vocab(cfg):
         errors.append(f"model.vocab_size = {m.vocab_size} is smaller than the {cfg.data.tokenizer or 'data'}'s "
                       f"tokenizer's {tokenizer_vocab(cfg)} tokens; set model.vocab_size = 0 to take the tokenizer's "
@@ -258,34 +252,35 @@ def _expert_errors(cfg: Config, dp: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
     errors = []
     err = errors.append
-    if m.n_experts:
-        if not 1 <= m.top_k <= m.n_experts:
-            err(f"model.top_k = {m.top_k}: must be between 1 and model.n_experts = {m.n_experts}")
-        if m.n_experts % p.ep:
-            err(f"model.n_experts = {m.n_experts} is not divisible by parallel.ep = {p.ep}; "
-                f"use ep in {{{divisors_near(m.n_experts, 64)}}}")
-        for key, value in (("model.moe_bias_update", m.moe_bias_update), ("model.moe_aux_loss", m.moe_aux_loss)):
+    if m.moe.n_experts:
+        if not 1 <= m.moe.top_k <= m.moe.n_experts:
+            err(f"model.moe.top_k = {m.moe.top_k}: must be between 1 and model.moe.n_experts = {m.moe.n_experts}")
+        if m.moe.n_experts % p.ep:
+            err(f"model.moe.n_experts = {m.moe.n_experts} is not divisible by parallel.ep = {p.ep}; "
+                f"use ep in {{{divisors_near(m.moe.n_experts, 64)}}}")
+        for key, value in (("model.moe.bias_update", m.moe.bias_update), ("model.moe.aux_loss", m.moe.aux_loss)):
             if value < 0:
                 err(f"{key} = {value}: must be 0 (off) or more")
-        if m.moe_capacity_factor and m.moe_capacity_factor < 1:
-            err(f"model.moe_capacity_factor = {m.moe_capacity_factor}: must be 0 (dropless) or at least 1 "
+        if m.moe.capacity_factor and m.moe.capacity_factor < 1:
+            err(f"model.moe.capacity_factor = {m.moe.capacity_factor}: must be 0 (dropless) or at least 1 "
                 f"(1.25 is common); below 1 even a perfectly balanced router drops tokens")
-        if m.moe_routed_scale <= 0:
-            err(f"model.moe_routed_scale = {m.moe_routed_scale}: must be > 0 (1 = unscaled; DeepSeek-V3: 2.5)")
-        if m.n_expert_groups > 1:
+        if m.moe.routed_scale <= 0:
+            err(f"model.moe.routed_scale = {m.moe.routed_scale}: must be > 0 (1 = unscaled; DeepSeek-V3: 2.5)")
+        if m.moe.n_groups > 1:
             errors += expert_group_errors(cfg)
-        if m.first_dense_layers >= m.n_layers:
-            err(f"model.first_dense_layers = {m.first_dense_layers} leaves no MoE block of {m.n_layers}; lower it")
-        if m.swiglu_limit < 0:
-            err(f"model.swiglu_limit = {m.swiglu_limit}: must be 0 (plain SwiGLU) or more (gpt-oss: 7.0)")
-        elif m.swiglu_limit and m.activation != "silu":
-            err(f"model.swiglu_limit = {m.swiglu_limit} is gpt-oss's clamped SwiGLU, but model.activation = "
-                f"'{m.activation}'; set activation = 'silu' or swiglu_limit = 0")
+        if m.moe.first_dense_layers >= m.n_layers:
+            err(f"model.moe.first_dense_layers = {m.moe.first_dense_layers} leaves no MoE block of {m.n_layers}; "
+                f"lower it")
+        if m.moe.swiglu_limit < 0:
+            err(f"model.moe.swiglu_limit = {m.moe.swiglu_limit}: must be 0 (plain SwiGLU) or more (gpt-oss: 7.0)")
+        elif m.moe.swiglu_limit and m.activation != "silu":
+            err(f"model.moe.swiglu_limit = {m.moe.swiglu_limit} is gpt-oss's clamped SwiGLU, but model.activation = "
+                f"'{m.activation}'; set model.activation = 'silu' or model.moe.swiglu_limit = 0")
     elif p.ep > 1:
-        err(f"parallel.ep = {p.ep} needs an MoE model; set model.n_experts > 0 or parallel.ep = 1")
-    for key, on in (("model.moe_bias", m.moe_bias), ("model.swiglu_limit", m.swiglu_limit)):
-        if on and not m.n_experts:
-            err(f"{key} applies to the experts only and this model has none; set it off or model.n_experts > 0")
+        err(f"parallel.ep = {p.ep} needs an MoE model; set model.moe.n_experts > 0 or parallel.ep = 1")
+    for key, on in (("model.moe.linear_bias", m.moe.linear_bias), ("model.moe.swiglu_limit", m.moe.swiglu_limit)):
+        if on and not m.moe.n_experts:
+            err(f"{key} applies to the experts only and this model has none; set it off or model.moe.n_experts > 0")
     if dp and (dp * p.cp) % p.ep:
         err(f"parallel.ep = {p.ep} does not divide dp x cp = {dp * p.cp}; experts are sharded inside the "
             "data-parallel ranks")
@@ -317,7 +312,7 @@ def _sequence_errors(cfg: Config) -> list[str]:
         why = "2 x cp zig-zag chunks" if ring else "cp shards"
         err(f"train.seq_len = {t.seq_len} is not divisible by {seq_multiple} ({why}"
             f"{', x tp with sp' if p.sp else ''}); use seq_len = {multiples_near(t.seq_len, seq_multiple)}")
-    kv_heads = m.n_heads if m.kv_lora_rank else m.n_kv_heads  # latent attention: every head has its k, v
+    kv_heads = m.n_heads if m.latent.kv_lora_rank else m.n_kv_heads  # latent attention: every head has its k, v
     if p.cp > 1 and p.cp_method == "ulysses" and m.n_heads % p.tp == 0 and kv_heads % p.tp == 0:
         heads, kv = m.n_heads // p.tp, kv_heads // p.tp
         if heads % p.cp or kv % p.cp:

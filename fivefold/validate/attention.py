@@ -3,7 +3,7 @@ and a kernel that can do them, sinks and packed documents. Part of `validate()` 
 
 from __future__ import annotations
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 
 PATTERN = ("sliding", "full")
 
@@ -11,40 +11,41 @@ PATTERN = ("sliding", "full")
 def _window_errors(cfg: Config) -> list[str]:
     m, seq_len = cfg.model, cfg.train.seq_len
     errors = []
-    if m.sliding_window < 0 or (m.sliding_window == 0 and m.window_pattern):
-        what = "sliding layers in model.window_pattern need" if m.window_pattern else "a sliding window needs"
-        errors.append(f"model.sliding_window = {m.sliding_window}: {what} a window of at least 1 token "
-                      f"(Mistral: 4096, Gemma 3: 1024, gpt-oss: 128); or leave sliding_window = 0 and "
+    if m.attention.window < 0 or (m.attention.window == 0 and m.attention.window_pattern):
+        what = ("sliding layers in model.attention.window_pattern need" if m.attention.window_pattern
+                else "a sliding window needs")
+        errors.append(f"model.attention.window = {m.attention.window}: {what} a window of at least 1 token "
+                      f"(Mistral: 4096, Gemma 3: 1024, gpt-oss: 128); or leave window = 0 and "
                       f"window_pattern = [] for full attention")
-    elif m.sliding_window >= seq_len:
-        errors.append(f"model.sliding_window = {m.sliding_window} is not shorter than train.seq_len = {seq_len}: "
-                      f"no query would lose a key; set sliding_window = 0 or below {seq_len}")
-    unknown = sorted({p for p in m.window_pattern if p not in PATTERN})
+    elif m.attention.window >= seq_len:
+        errors.append(f"model.attention.window = {m.attention.window} is not shorter than train.seq_len = {seq_len}: "
+                      f"no query would lose a key; set window = 0 or below {seq_len}")
+    unknown = sorted({p for p in m.attention.window_pattern if p not in PATTERN})
     if unknown:
-        errors.append(f"model.window_pattern holds {unknown}: each entry is 'sliding' or 'full' "
+        errors.append(f"model.attention.window_pattern holds {unknown}: each entry is 'sliding' or 'full' "
                       f"(Gemma 3: five 'sliding' then one 'full')")
-    elif m.window_pattern and m.n_layers % len(m.window_pattern):
-        errors.append(f"model.window_pattern has {len(m.window_pattern)} entries, which do not divide "
-                      f"model.n_layers = {m.n_layers}: the pattern repeats over the layers; give "
-                      f"one whose length divides {m.n_layers}")
+    elif m.attention.window_pattern and m.n_layers % len(m.attention.window_pattern):
+        errors.append(f"model.attention.window_pattern has {len(m.attention.window_pattern)} entries, which do not "
+                      f"divide model.n_layers = {m.n_layers}: the pattern repeats over the layers; give one whose "
+                      f"length divides {m.n_layers}")
     return errors
 
 
 def _backend_errors(cfg: Config) -> list[str]:
     m, masked = cfg.model, cfg.data.document_mask
     errors = []
-    if m.attention_backend == "sdpa":
-        needs = [name for name, on in (("data.document_mask", masked), ("model.sliding_window", m.sliding_window),
-                                       ("model.attention_sinks", m.attention_sinks)) if on]
+    if m.attention.backend == "sdpa":
+        needs = [name for name, on in (("data.document_mask", masked), ("model.attention.window", m.attention.window),
+                                       ("model.attention.sinks", m.attention.sinks)) if on]
         if needs:
-            errors.append(f"model.attention_backend = 'sdpa' does causal attention only, not {', '.join(needs)}; "
+            errors.append(f"model.attention.backend = 'sdpa' does causal attention only, not {', '.join(needs)}; "
                           f"use 'auto' (FlexAttention on CUDA, the exact blockwise path elsewhere)")
-    if m.attention_backend == "flex":
+    if m.attention.backend == "flex":
         import torch  # here: the planner validates configs and imports no torch
 
         device = cfg.train.device
         if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-            errors.append("model.attention_backend = 'flex' trains on CUDA only (torch has no FlexAttention "
+            errors.append("model.attention.backend = 'flex' trains on CUDA only (torch has no FlexAttention "
                           "backward on CPU); use 'auto' or 'blockwise' on this machine")
     return errors
 

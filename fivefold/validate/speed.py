@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 
 
 def speed_errors(cfg: Config) -> list[str]:

@@ -17,16 +17,17 @@ Two keys are read when present (written by the training loop once it measures th
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import statistics
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from fivefold.config.load import RUN_CONFIG, read_config
 from fivefold.train.metrics import read_events, read_metrics
 from fivefold.viz import report_plots as plots
 from fivefold.viz.layout_timeline import layout_segments
@@ -67,7 +68,9 @@ def overview(records: list[dict[str, Any]], config: dict[str, Any]) -> str:
     layout = ", ".join(f"{k}={par[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero") if k in par)
     if par.get("pp", 1) > 1:
         layout += f", schedule {par.get('pp_schedule')} (v={par.get('virtual_stages')})"
-    shape = ", ".join(f"{k}={model[k]}" for k in ("dim", "n_layers", "n_heads", "n_experts") if k in model)
+    shape = ", ".join(f"{k}={model[k]}" for k in ("dim", "n_layers", "n_heads") if k in model)
+    if model.get("moe", {}).get("n_experts"):
+        shape += f", n_experts={model['moe']['n_experts']}"
     cells = "".join(f'<div class="number"><span class="label">{html.escape(k)}</span>{v}</div>' for k, v in items)
     return (f'<div class="numbers">{cells}</div><p>Model: {html.escape(str(model.get("preset") or "custom"))} '
             f"({html.escape(shape)}). Layout: {html.escape(layout)} (dp=0: all remaining ranks).</p>")
@@ -180,8 +183,9 @@ def build_report(run_dir: Path, progress: bool = True) -> str:
     records = read_metrics(metrics)
     if not records:
         raise ValueError(f"{metrics} holds no step yet")
-    config_path = run_dir / "config.toml"
-    config = tomllib.loads(config_path.read_text()) if config_path.is_file() else {}
+    config_path = run_dir / RUN_CONFIG
+    # read_config: a run directory of an earlier fivefold holds keys that have moved since (config/moved.py)
+    config = dataclasses.asdict(read_config(config_path)[0]) if config_path.is_file() else {}
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     bar = Progress(TextColumn("[bold]report"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

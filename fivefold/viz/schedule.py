@@ -148,7 +148,7 @@ def add_schedule_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                              "with v chunks per rank each chunk takes 1/v of it)")
     parser.add_argument("--out", default=None,
                         help="output path without suffix (default schedule_<name>_p<p>_m<m>)")
-    parser.set_defaults(func=run_schedule_viz)
+    parser.set_defaults(run=run_schedule_viz)
     return parser
 
 

@@ -14,9 +14,10 @@ from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
 from fivefold.checkpoint.weights import check_init_from, load_weights
-from fivefold.config import replace
+from fivefold.config.derive import padded_vocab
+from fivefold.config.load import replace
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.transformer import Transformer
-from fivefold.parallel.derive import padded_vocab
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.validate import validate
 
@@ -172,11 +173,11 @@ def test_fivefold_model_to_deepseek_for_transformers(tmp_path):
     the export and computes fivefold's logits."""
     from fivefold.checkpoint.seed import write_seed_checkpoint
 
-    cfg = tiny_config(tmp_path, "--model.preset=tiny-mla", "--model.n_layers=2", "--model.norm_eps=1e-6",
+    cfg = tiny_config(tmp_path, "--model.preset=tiny-mla", "--model.n_layers=2", "--model.norm.eps=1e-6",
                       "--model.init_std=0.2")
     write_seed_checkpoint(cfg, tmp_path / "seed", progress=False)
     fivefold_to_hf(tmp_path / "seed", tmp_path / "hf")
-    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg)))
+    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg))))
     seed = SafetensorsDir(tmp_path / "seed")
     model.load_state_dict({n: seed.read(n) for n in seed.names()})
     hf = hf_class("deepseek", "ForCausalLM").from_pretrained(tmp_path / "hf").eval()
@@ -228,7 +229,7 @@ def test_what_fivefold_cannot_represent_is_refused(tmp_path, models):
     error = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={tmp_path / 'bin'}"))[0]
     assert "checkpoint.init_from" in error and "pickle" in error and "save_pretrained" in error
     mismatch = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={models['llama']['hf']}"))[0]
-    assert "model.rope_theta = 10000.0, this run has 10000.0" not in mismatch  # only real differences
+    assert "model.rope.theta = 10000.0, this run has 10000.0" not in mismatch  # only real differences
     assert "layers.0.ffn.gate.weight: weights (96, 64), this model (128, 64)" in mismatch
 
 
@@ -236,7 +237,7 @@ def test_convert_copies_the_tokenizer_and_names_it(tmp_path, models, capsys):
     """An HF directory with a tokenizer: the seed directory gets its files and data.tokenizer names it,
     so training and sampling on the converted model use the model's own ids."""
     from fivefold.cli import main
-    from fivefold.config import load_config
+    from fivefold.config.load import load_config
     from fivefold.data.tokenizer import load_tokenizer
 
     assert not (models["llama"]["seed"] / "tokenizer.json").exists()  # none in the HF directory: none copied
@@ -271,17 +272,20 @@ def test_what_deepseek_conversion_cannot_represent_is_refused(tmp_path, models):
                                             "scoring_func = 'softmax'.*rope type 'dynamic'"):
         model_config_from_hf(unsupported)
     assert export_problems(PRESETS["deepseek-v3"]) == []
-    assert export_problems(PRESETS["tiny-mla"]) == []  # its norm_eps is DeepSeek-V3's 1e-6
-    problems = export_problems(dataclasses.replace(PRESETS["tiny-mla"], norm_eps=1e-5))  # HF's latent norms: 1e-6
-    assert len(problems) == 1 and "model.norm_eps = 1e-05" in problems[0]
-    grouped = dataclasses.replace(PRESETS["tiny-mla"], kv_lora_rank=0)  # DeepSeek's routing without latent attention
-    assert export_problems(grouped) == ["model.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"]
+    mla, tiny = PRESETS["tiny-mla"], PRESETS["tiny"]
+    assert export_problems(mla) == []  # its norm.eps is DeepSeek-V3's 1e-6
+    problems = export_problems(dataclasses.replace(mla, norm=dataclasses.replace(mla.norm, eps=1e-5)))  # HF's: 1e-6
+    assert len(problems) == 1 and "model.norm.eps = 1e-05" in problems[0]
+    # DeepSeek's routing without latent attention
+    grouped = dataclasses.replace(mla, latent=dataclasses.replace(mla.latent, kv_lora_rank=0))
+    assert export_problems(grouped) == ["model.latent.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"]
     assert export_problems(PRESETS["tiny-moe"]) == []
     # A window is Mistral's (the family that lacks the fewest of the model's options is named), sinks no dense family's.
-    windowed = dataclasses.replace(PRESETS["tiny"], sliding_window=8, attention_sinks=True)
-    assert export_problems(windowed) == ["model.attention_sinks = True: HF's Mistral computes attention_sinks = False"]
-    # A run that does not keep the routing bias (moe_bias_update = 0) would load the weights without it.
-    model = {**dataclasses.asdict(HFSource(models["deepseek"]["hf"]).model_cfg), "moe_bias_update": 0.0}
+    windowed = dataclasses.replace(tiny, attention=dataclasses.replace(tiny.attention, window=8, sinks=True))
+    assert export_problems(windowed) == ["model.attention.sinks = True: HF's Mistral computes attention.sinks = False"]
+    # A run that does not keep the routing bias (moe.bias_update = 0) would load the weights without it.
+    model = dataclasses.asdict(HFSource(models["deepseek"]["hf"]).model_cfg)
+    model["moe"]["bias_update"] = 0.0
     error = check_init_from(replace(tiny_config(tmp_path), model=model,
                                     checkpoint={"init_from": str(models["deepseek"]["hf"])}))
-    assert len(error) == 1 and "layers.1.ffn.expert_bias" in error[0] and "model.moe_bias_update = 0" in error[0]
+    assert len(error) == 1 and "layers.1.ffn.expert_bias" in error[0] and "model.moe.bias_update = 0" in error[0]

@@ -5,6 +5,7 @@ in one process and under tp (+sp), pp and cp."""
 import dataclasses
 import json
 import shutil
+from operator import attrgetter
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, hf_config, model_config_from_hf
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
 from fivefold.checkpoint.weights import load_weights
-from fivefold.config import replace
+from fivefold.config.load import replace
 from fivefold.parallel.context import METHODS, positions
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.validate import validate
@@ -48,16 +49,19 @@ FAMILIES = {
 }
 
 
-# What each family's config.json must become beyond the shapes: the features its HF model computes.
+# What each family's config.json must become beyond the shapes: the features its HF model computes, each
+# ModelConfig field by its path.
 EXPECTED = {
-    "mistral": dict(sliding_window=8, window_pattern=()),
-    "qwen2": dict(qkv_bias=True, out_bias=False, tie_embeddings=True, rope_theta=1e6),
-    "qwen3": dict(qk_norm=True, qk_norm_span="head", head_dim=24, qkv_bias=False),
-    "olmo2": dict(qk_norm=True, qk_norm_span="all", norm_position="post", norm_weight_fp32=True, rope_theta=5e5),
-    "llama3.2": dict(rope_scaling="llama3", rope_factor=32.0, rope_original_context=8, tie_embeddings=True),
-    "gemma3": dict(norm_position="sandwich", norm_offset=1.0, embed_scale=True, activation="gelu_tanh", qk_norm=True,
-                   attention_scale=20**-0.5, sliding_window=8, window_pattern=("sliding", "full"),
-                   rope_theta=1e6, local_rope_theta=10000.0, tie_embeddings=True),
+    "mistral": {"attention.window": 8, "attention.window_pattern": ()},
+    "qwen2": {"attention.qkv_bias": True, "attention.out_bias": False, "tie_embeddings": True, "rope.theta": 1e6},
+    "qwen3": {"norm.qk": True, "norm.qk_span": "head", "head_dim": 24, "attention.qkv_bias": False},
+    "olmo2": {"norm.qk": True, "norm.qk_span": "all", "norm.position": "post", "norm.weight_fp32": True,
+              "rope.theta": 5e5},
+    "llama3.2": {"rope.scaling": "llama3", "rope.factor": 32.0, "rope.original_context": 8, "tie_embeddings": True},
+    "gemma3": {"norm.position": "sandwich", "norm.offset": 1.0, "embed_scale": True, "activation": "gelu_tanh",
+               "norm.qk": True, "attention.scale": 20**-0.5, "attention.window": 8,
+               "attention.window_pattern": ("sliding", "full"), "rope.theta": 1e6, "rope.local_theta": 10000.0,
+               "tie_embeddings": True},
 }
 
 
@@ -113,7 +117,7 @@ def test_config_round_trip(tmp_path, kind):
     original = hf_config_json(kind, tmp_path)
     config = hf_class(kind, "Config").from_pretrained(tmp_path)
     m = model_config_from_hf(original)
-    assert {k: getattr(m, k) for k in EXPECTED[kind]} == EXPECTED[kind]
+    assert {k: attrgetter(k)(m) for k in EXPECTED[kind]} == EXPECTED[kind]
     assert hf_config(m, torch.float32, original) == {**original, "dtype": "float32"}
     fresh = hf_config(m, torch.float32)
     assert fresh["architectures"] == original["architectures"]
@@ -238,8 +242,8 @@ def test_what_a_family_does_not_compute_is_refused(tmp_path):
     # A model with a window written as Qwen2 (the HF config it came from): refused by name, one line.
     from fivefold.checkpoint.hf import export_problems
 
-    assert export_problems(dataclasses.replace(m, sliding_window=8), qwen) == [
-        "model.sliding_window = 8: HF's Qwen2 computes sliding_window = 0"]
+    windowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=8))
+    assert export_problems(windowed, qwen) == ["model.attention.window = 8: HF's Qwen2 computes attention.window = 0"]
 
 
 
@@ -261,12 +265,12 @@ def test_gemma3_1b_preset_is_what_transformers_builds_from_its_config():
 def test_a_converted_window_longer_than_the_default_sequence_trains(tmp_path, models):
     """`fivefold train SEED/fivefold.toml` must accept what convert wrote: a window of 100 tokens (Gemma 3
     1B has 512, Mistral v0.1 4096) gets a train.seq_len it cuts, not the default 64 it would not."""
-    from fivefold.config import load_config
+    from fivefold.config.load import load_config
 
     shutil.copytree(models("mistral")["hf"], tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 100}))
     hf_to_fivefold(tmp_path / "hf", tmp_path / "seed", max_shard_bytes=10**9)
     cfg = load_config(tmp_path / "seed" / "fivefold.toml")
-    assert cfg.model.sliding_window == 100 and cfg.train.seq_len == 128
+    assert cfg.model.attention.window == 100 and cfg.train.seq_len == 128
     assert validate(cfg, 1) == []

@@ -12,7 +12,7 @@ from test_hf import LAYOUTS, _logits
 from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
-from fivefold.config import replace
+from fivefold.config.load import replace
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.validate import validate
 
@@ -130,7 +130,7 @@ def test_hf_to_fivefold_to_hf_is_exact(tmp_path, models, kind):
 def test_qwen3_moe_reads_leading_dense_blocks_and_refuses_other_layouts(models):
     config = json.loads((models["qwen3-moe-dense-first"]["hf"] / "config.json").read_text())
     m = model_config_from_hf(config)
-    assert (m.first_dense_layers, m.ffn_dim, m.moe_ffn_dim, m.norm_topk, m.qk_norm) == (1, 96, 32, False, True)
+    assert (m.moe.first_dense_layers, m.ffn_dim, m.moe.ffn_dim, m.moe.norm_topk, m.norm.qk) == (1, 96, 32, False, True)
     for bad, message in [({"mlp_only_layers": [1]}, "mlp_only_layers = [1]"),
                          ({"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
                          ({"use_sliding_window": True}, "use_sliding_window = True")]:
@@ -189,8 +189,8 @@ def test_released_configs_convert_to_their_presets(preset):
     balance-loss weight, a training option)."""
     from fivefold.model.presets import PRESETS
 
-    read = model_config_from_hf(RELEASED[preset])
-    assert read == dataclasses.replace(PRESETS[preset], moe_aux_loss=0.0)
+    read, want = model_config_from_hf(RELEASED[preset]), PRESETS[preset]
+    assert read == dataclasses.replace(want, moe=dataclasses.replace(want.moe, aux_loss=0.0))
 
 
 # ---- DeepSeek-V3 as released: fp8 weights with block scales, a multi-token-prediction layer --------------------

@@ -1,7 +1,7 @@
 """RoPE keys of a Hugging Face config.json, both styles, both ways (checkpoint/hf/rope.py).
 
 Each published configuration's RoPE keys (as released: the older rope_theta / rope_scaling, and as
-transformers 5.23 saves them: rope_parameters, per layer type for Gemma 3) become ModelConfig
+transformers 5.23 saves them: rope_parameters, per layer type for Gemma 3) become RopeConfig
 fields whose inverse frequencies equal transformers' for that file, and are written back as they
 were read.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fivefold.checkpoint.hf.rope import rope_fields_from_hf, rope_to_hf
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import ModelConfig, RopeConfig
 from fivefold.model.rope import inverse_frequencies
 
 transformers = pytest.importorskip("transformers")
@@ -38,16 +38,14 @@ RELEASED = {
     "qwen3-0.6b": ("Qwen3Config", 128, {"max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None}),
 }
 WANT = {
-    "llama3.1-8b": dict(rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_original_context=8192,
-                        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0),
-    "deepseek-v3": dict(rope_theta=10000.0, rope_scaling="yarn", rope_factor=40.0, rope_original_context=4096,
-                        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
-                        rope_attention_factor=0.0, rope_truncate=True),
-    "gpt-oss-20b": dict(rope_theta=150000.0, rope_scaling="yarn", rope_factor=32.0, rope_original_context=4096,
-                        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.0, rope_mscale_all_dim=0.0,
-                        rope_attention_factor=0.0, rope_truncate=False),
-    "gemma3-4b": dict(rope_theta=1000000.0, rope_scaling="linear", rope_factor=8.0, local_rope_theta=10000.0),
-    "qwen3-0.6b": dict(rope_theta=1000000.0),
+    "llama3.1-8b": dict(theta=500000.0, scaling="llama3", factor=8.0, original_context=8192, low_freq_factor=1.0,
+                        high_freq_factor=4.0),
+    "deepseek-v3": dict(theta=10000.0, scaling="yarn", factor=40.0, original_context=4096, beta_fast=32.0,
+                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, attention_factor=0.0, truncate=True),
+    "gpt-oss-20b": dict(theta=150000.0, scaling="yarn", factor=32.0, original_context=4096, beta_fast=32.0,
+                        beta_slow=1.0, mscale=0.0, mscale_all_dim=0.0, attention_factor=0.0, truncate=False),
+    "gemma3-4b": dict(theta=1000000.0, scaling="linear", factor=8.0, local_theta=10000.0),
+    "qwen3-0.6b": dict(theta=1000000.0),
 }
 
 
@@ -68,23 +66,24 @@ def test_released_and_saved_configs_read_as_transformers_reads_them(name, style)
     fields = rope_fields_from_hf(keys, problems)
     assert problems == [] and fields == WANT[name]
     # The fields give transformers' own inverse frequencies and attention factor for this file.
-    m, dim = ModelConfig(**fields), RELEASED[name][1]
+    m, dim = ModelConfig(rope=RopeConfig(**fields)), RELEASED[name][1]
     nested = isinstance(hf.rope_parameters.get("full_attention"), dict)
     params = hf.rope_parameters["full_attention"] if nested else hf.rope_parameters
     if params["rope_type"] != "default":
         kwargs = {"layer_type": "full_attention"} if nested else {}
         theirs, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu", **kwargs)
-        assert torch.equal(inverse_frequencies(m, dim)[0], theirs) and inverse_frequencies(m, dim)[1] == factor
+        ours, our_factor = inverse_frequencies(m.rope, dim)
+        assert torch.equal(ours, theirs) and our_factor == factor
     # Written back in the style read, as it was.
-    assert {**keys, **rope_to_hf(m, keys)} == keys
+    assert {**keys, **rope_to_hf(m.rope, keys)} == keys
 
 
 def test_gemma3_local_base_written_for_transformers_to_read():
-    m = ModelConfig(**WANT["gemma3-4b"])
+    rope = RopeConfig(**WANT["gemma3-4b"])
     _, saved, _ = _styles("gemma3-4b")
-    again = transformers.Gemma3TextConfig(**rope_to_hf(m, saved))
+    again = transformers.Gemma3TextConfig(**rope_to_hf(rope, saved))
     assert again.rope_parameters == saved["rope_parameters"]
-    assert rope_to_hf(m, {})["rope_parameters"]["rope_type"] == "linear"  # no base: transformers 5's style
+    assert rope_to_hf(rope, {})["rope_parameters"]["rope_type"] == "linear"  # no base: transformers 5's style
 
 
 @pytest.mark.parametrize("keys, message", [

@@ -9,6 +9,7 @@ import torch
 from helpers import EQUIVALENCE, tiny_config
 
 from fivefold.checkpoint.safe_load import SafeLoadPlanner, UnsafeCheckpointError
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.parallel.forked_ranks import run_workers
 
 
@@ -23,10 +24,10 @@ class _Payload:
 
 
 def _train_checked(rank, world, cfg):
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
     from fivefold.train.loop import train
 
-    return train(cfg, derive(cfg, world), progress=False).losses
+    return train(cfg, derive(cfg, world, unpadded_vocab(cfg)), progress=False).losses
 
 
 def _train(rank, world, cfg):

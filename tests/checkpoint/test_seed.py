@@ -14,7 +14,7 @@ from fivefold.validate import validate
 
 # MoE with the routing-bias buffer (absent from seed files: it keeps its zeros); TIED: the head
 # saved once as tok_embeddings.weight (the last pipeline stage reads its copy from there).
-MOE = ("--model.preset=tiny-moe", "--model.n_layers=4", "--model.moe_bias_update=0.001")
+MOE = ("--model.preset=tiny-moe", "--model.n_layers=4", "--model.moe.bias_update=0.001")
 TIED = "--model.tie_embeddings=true"
 
 
@@ -121,8 +121,8 @@ def test_init_from_is_checked_before_any_process_starts(tmp_path, capsys):
     assert "pytorch_model.bin" in pickled and "safetensors" in pickled
     write_seed_checkpoint(tiny_config(tmp_path), tmp_path / "seed")
     wrong = check_init_from(tiny_config(tmp_path, f"--checkpoint.init_from={tmp_path / 'seed'}", "--model.dim=32",
-                                        "--model.rope_theta=500000"))[0]
-    assert "tok_embeddings.weight: weights (320, 64), this model (320, 32)" in wrong and "rope_theta" in wrong
+                                        "--model.rope.theta=500000"))[0]
+    assert "tok_embeddings.weight: weights (320, 64), this model (320, 32)" in wrong and "model.rope.theta" in wrong
     code = main(["train", "configs/tiny.toml", f"--run.out_dir={tmp_path}",
                  f"--checkpoint.init_from={tmp_path / 'nothing'}"])
     assert code == 2 and "checkpoint.init_from" in capsys.readouterr().err
@@ -131,7 +131,7 @@ def test_init_from_is_checked_before_any_process_starts(tmp_path, capsys):
 def test_fivefold_init_writes_a_config_that_trains_from_it(tmp_path, capsys):
     assert main(["init", "configs/tiny.toml", "--out", str(tmp_path / "s"), "--model.n_layers=2"]) == 0
     assert "fivefold train" in capsys.readouterr().out
-    from fivefold.config import load_config
+    from fivefold.config.load import load_config
 
     cfg = load_config(tmp_path / "s" / "fivefold.toml")
     assert cfg.checkpoint.init_from == str(tmp_path / "s") and cfg.model.n_layers == 2

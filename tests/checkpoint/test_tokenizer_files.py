@@ -8,7 +8,7 @@ import torch
 from helpers import sentencepiece_model
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config.load import load_config
 from fivefold.data.tokenizer import load_tokenizer
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}</s>{% endfor %}"

@@ -13,7 +13,7 @@ from helpers import ROOT
 from fivefold.checkpoint.convert import DCPSource
 from fivefold.checkpoint.weights import source_name
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config.load import load_config
 from fivefold.train.metrics import read_metrics
 
 # Qwen/Qwen3-0.6B's structural keys (per-head q/k norms, head_dim 128 apart from 1024 / 16 heads, grouped
@@ -100,7 +100,7 @@ def test_qwen3_converted_fine_tuned_at_tp2_dp2_exported_and_loaded_by_transforme
     cmd = [sys.executable, "-m", "fivefold", "train", "seeds/qwen3/fivefold.toml", "--nproc", "4",
            "--parallel.tp=2", "--parallel.dp=2", "--parallel.sp=true", '--data.paths=["data/chats"]',
            "--data.document_mask=true", f"--train.steps={STEPS}", f"--train.global_batch={BATCH}",
-           "--train.micro_batch=1", f"--train.seq_len={SEQ}", "--train.lr=1e-2", "--train.warmup_steps=1",
+           "--train.micro_batch=1", f"--train.seq_len={SEQ}", "--optim.lr=1e-2", "--optim.warmup_steps=1",
            "--run.name=qwen3-chats", "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -35,7 +35,7 @@ STEPS = 24
 # every 3 steps. AdamW's eps 1e-6, as in the equivalence tests (helpers.EQUIVALENCE says why): with
 # 1e-8 a 1e-12 difference of summation order between layouts can move a weight by 1e-2.
 RUN = ("--data.max_bytes=1100", "--data.val_fraction=0.0", f"--train.steps={STEPS}", "--checkpoint.every=3",
-       "--train.eps=1e-6")
+       "--optim.eps=1e-6")
 RDZV = ("--rdzv-last-call", "2", "--rdzv-keep-alive", "1")
 CONFIG = str(ROOT / "configs" / "tiny.toml")
 

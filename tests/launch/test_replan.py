@@ -9,10 +9,11 @@ import pytest
 import torch.distributed as dist
 from helpers import tiny_config
 
-from fivefold.config import replace
+from fivefold.config.derive import derive
+from fivefold.config.load import replace
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.launch.elastic import AXES, Policy, ReplanError, decide, layout_for, layout_text, parse_keep
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.search import search
@@ -24,7 +25,7 @@ DATA = ("--data.max_bytes=1100", "--data.val_fraction=0.0")
 
 
 def _layout(cfg, world):
-    d = derive(cfg, world)
+    d = derive(cfg, world, unpadded_vocab(cfg))
     p = cfg.parallel
     return {"dp": d.dp, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "micro_batch": cfg.train.micro_batch,
             "grad_accum": d.grad_accum}
@@ -41,7 +42,7 @@ def test_the_global_batch_stays_and_the_micro_batch_shrinks_only_where_it_must(t
     new = layout_for(cfg, world, Policy(launch_world=3))
     assert _layout(new, world) == {"dp": world, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "micro_batch": micro_batch,
                                    "grad_accum": grad_accum}
-    assert new.train.global_batch == 12 and new.train.steps == cfg.train.steps and new.train.lr == cfg.train.lr
+    assert new.train.global_batch == 12 and new.train.steps == cfg.train.steps and new.optim.lr == cfg.optim.lr
     assert validate(new, world) == []
 
 

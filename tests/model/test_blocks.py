@@ -11,16 +11,36 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.model.attention import RMSNorm
+from fivefold.model.config import AttentionConfig, ModelConfig, NormConfig
 from fivefold.model.counts import count_on_meta, model_counts
 from fivefold.model.masks import dense_attention
 from fivefold.model.presets import PRESETS
 from fivefold.model.transformer import Transformer
 
-# The two families the tests train (tests/parallel/test_block_layouts.py uses the same keys).
-OLMO2_LIKE = dict(norm_position="post", qk_norm=True, qk_norm_span="all", n_kv_heads=2, norm_weight_fp32=True)
-GEMMA_QWEN2_LIKE = dict(norm_position="sandwich", norm_offset=1.0, embed_scale=True, activation="gelu_tanh",
-                        qkv_bias=True, out_bias=True, qk_norm=True)
+# The two families the tests train (tests/parallel/test_block_layouts.py uses the same keys), on the
+# tiny preset, whose norm and attention tables are the defaults.
+OLMO2_LIKE = dict(n_kv_heads=2, norm=NormConfig(position="post", qk=True, qk_span="all", weight_fp32=True))
+GEMMA_QWEN2_LIKE = dict(embed_scale=True, activation="gelu_tanh",
+                        norm=NormConfig(position="sandwich", offset=1.0, qk=True),
+                        attention=AttentionConfig(qkv_bias=True, out_bias=True))
 FAMILIES = {"olmo2-like": OLMO2_LIKE, "gemma-qwen2-like": GEMMA_QWEN2_LIKE}
+# Each feature's key (a part's as "part.key") and its value when off: the tiny preset's.
+FEATURES_OFF = {"norm.position": "pre", "norm.qk_span": "head", "embed_scale": False, "activation": "silu",
+                "norm.offset": 0.0, "attention.qkv_bias": False, "attention.out_bias": False}
+
+
+def with_key(cfg: ModelConfig, key: str, value) -> ModelConfig:
+    """cfg with one key changed: a top-level one, or "part.key" inside one of its tables."""
+    part, _, name = key.rpartition(".")
+    if not part:
+        return dataclasses.replace(cfg, **{name: value})
+    return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **{name: value})})
+
+
+def key_of(cfg: ModelConfig, key: str):
+    """The value of `key` (as with_key names it) in cfg."""
+    part, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, part) if part else cfg, name)
 
 
 def tiny(**changes) -> Transformer:
@@ -59,19 +79,19 @@ def reference_logits(m: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 
     def norm(name, x):
         w = p.get(name)
-        return x if w is None else _rms(x, w, c.norm_eps, c.norm_offset)
+        return x if w is None else _rms(x, w, c.norm.eps, c.norm.offset)
 
     h = F.embedding(tokens, p["tok_embeddings.weight"]) * (math.sqrt(c.dim) if c.embed_scale else 1.0)
     for i in range(c.n_layers):
         pre = f"layers.{i}."
         a = norm(pre + "attn_norm.weight", h)
         q, k, v = (F.linear(a, p[f"{pre}attn.{w}.weight"], p.get(f"{pre}attn.{w}.bias")) for w in ("wq", "wk", "wv"))
-        if c.qk_norm and c.qk_norm_span == "all":  # over the H x D (K x D) features of each token
+        if c.norm.qk and c.norm.qk_span == "all":  # over the H x D (K x D) features of each token
             q, k = norm(pre + "attn.q_norm.weight", q), norm(pre + "attn.k_norm.weight", k)
         q, k, v = (t.view(B, T, -1, hd) for t in (q, k, v))
-        if c.qk_norm and c.qk_norm_span == "head":
+        if c.norm.qk and c.norm.qk_span == "head":
             q, k = norm(pre + "attn.q_norm.weight", q), norm(pre + "attn.k_norm.weight", k)
-        o = dense_attention(_rope(q, c.rope_theta), _rope(k, c.rope_theta), v).reshape(B, T, -1)
+        o = dense_attention(_rope(q, c.rope.theta), _rope(k, c.rope.theta), v).reshape(B, T, -1)
         o = F.linear(o, p[pre + "attn.wo.weight"], p.get(pre + "attn.wo.bias"))
         h = h + norm(pre + "attn_post_norm.weight", o)
         f = norm(pre + "ffn_norm.weight", h)
@@ -111,11 +131,10 @@ def test_each_feature_changes_the_logits(family):
     m = randomised(tiny(**FAMILIES[family]))
     tokens = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(2))
     logits = m(tokens)
-    for key, off in [("norm_position", "pre"), ("qk_norm_span", "head"), ("embed_scale", False),
-                     ("activation", "silu"), ("norm_offset", 0.0), ("qkv_bias", False), ("out_bias", False)]:
-        if FAMILIES[family].get(key, off) == off:
+    for key, off in FEATURES_OFF.items():
+        if key_of(m.cfg, key) == off:  # not a feature of this family
             continue
-        other = Transformer(dataclasses.replace(m.cfg, **{key: off}))
+        other = Transformer(with_key(m.cfg, key, off))
         state = {n: t for n, t in m.state_dict().items() if n in other.state_dict()
                  and other.state_dict()[n].shape == t.shape}
         other.init_weights(0)
@@ -130,7 +149,7 @@ def test_seeded_init_starts_biases_at_zero_and_offset_norms_at_a_scale_of_one():
     assert len(biases) == 2 * 4 and len(norms) == 2 * 6 + 1
     assert all(torch.equal(t, torch.zeros_like(t)) for t in biases + norms)
     # A scale of 1 either way: the offset model starts as the one without the offset.
-    plain = tiny(**dict(GEMMA_QWEN2_LIKE, norm_offset=0.0))
+    plain = tiny(**dict(GEMMA_QWEN2_LIKE, norm=dataclasses.replace(GEMMA_QWEN2_LIKE["norm"], offset=0.0)))
     assert all(torch.equal(t, torch.ones_like(t)) for n, t in plain.named_parameters() if "norm" in n)
     tokens = torch.randint(0, 320, (2, 12))
     torch.testing.assert_close(m(tokens), plain(tokens), atol=0, rtol=0)
@@ -139,7 +158,7 @@ def test_seeded_init_starts_biases_at_zero_and_offset_norms_at_a_scale_of_one():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_casts_as_transformers_does(dtype):
     """Bit for bit against transformers' Llama norm (cast, then scaled), OLMo 2's (scaled in fp32, then
-    cast: model.norm_weight_fp32) and Gemma 3's ((1 + w) applied in fp32, then cast): they differ in bf16."""
+    cast: model.norm.weight_fp32) and Gemma 3's ((1 + w) applied in fp32, then cast): they differ in bf16."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
@@ -173,8 +192,9 @@ def test_embed_scale_casts_as_transformers_does():
 
 
 COUNTED = {**{family: ("tiny", keys) for family, keys in FAMILIES.items()},
-           "mla-out-bias": ("tiny-mla", dict(out_bias=True)),
-           "sinks-pre": ("tiny", dict(attention_sinks=True, qkv_bias=True, qk_norm=True, qk_norm_span="all"))}
+           "mla-out-bias": ("tiny-mla", dict(attention=AttentionConfig(out_bias=True))),
+           "sinks-pre": ("tiny", dict(attention=AttentionConfig(sinks=True, qkv_bias=True),
+                                      norm=NormConfig(qk=True, qk_span="all")))}
 
 
 @pytest.mark.parametrize("case", COUNTED)
@@ -189,6 +209,6 @@ def test_the_planner_prices_a_sandwich_block_s_four_norms():
 
     shapes = RankShapes(tokens=64, sp_tokens=64, seq_len=32, kernel_seq=32)
     base = dataclasses.replace(PRESETS["tiny"], vocab_size=320)
-    norms = {position: block_ops(dataclasses.replace(base, norm_position=position), 0, shapes).parts["norms"]
+    norms = {position: block_ops(with_key(base, "norm.position", position), 0, shapes).parts["norms"]
              for position in ("pre", "post", "sandwich")}
     assert norms["post"] == norms["pre"] and norms["sandwich"] == 2 * norms["pre"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import DOCUMENTS_ON, document_args, tiny_config
 
+from fivefold.model.config import AttentionConfig
 from fivefold.model.masks import AttentionMask, Documents, dense_keep, document_ids, document_positions
 from fivefold.model.presets import PRESETS
 from fivefold.model.transformer import Transformer, cross_entropy_sum
@@ -32,7 +33,7 @@ def _tiny(**options) -> Transformer:
     return m
 
 
-WINDOW_AND_SINKS = {"sliding_window": 3, "window_pattern": ("sliding", "full"), "attention_sinks": True}
+WINDOW_AND_SINKS = {"attention": AttentionConfig(window=3, window_pattern=("sliding", "full"), sinks=True)}
 
 
 def test_document_ids_mask_and_positions_by_hand():
@@ -181,7 +182,7 @@ def test_evaluation_masks_too(tmp_path, short_docs):
     step moves no weight by more than ~1e-9, so the validation losses differ only by how they were
     evaluated."""
     args = document_args(short_docs, "--train.steps=1", "--train.eval_every=1", "--data.val_fraction=0.3",
-                         "--train.lr=1e-9")
+                         "--optim.lr=1e-9")
     one = run_workers(_val_losses, 1, tiny_config(tmp_path / "one", *args, *DOCUMENTS_ON, "--train.micro_batch=8"))[0]
     pp2 = run_workers(_val_losses, 2, tiny_config(tmp_path / "pp2", *args, *DOCUMENTS_ON, "--parallel.pp=2",
                                                   "--train.micro_batch=2"))[0]

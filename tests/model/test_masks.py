@@ -131,8 +131,8 @@ def test_no_tensor_of_t_by_t_at_8k(name):
 def test_the_kernel_each_case_takes():
     assert backend_for(False, "cpu") == backend_for(False, "cuda") == "sdpa"  # is_causal: flash
     assert backend_for(True, "cpu") == "blockwise" and backend_for(True, "cuda") == "flex"
-    assert backend_for(False, "cpu", "blockwise") == "blockwise"  # named in model.attention_backend
+    assert backend_for(False, "cpu", "blockwise") == "blockwise"  # named in model.attention.backend
     assert AttentionMask().plain and not AttentionMask(window=4).plain
     doc, q = torch.zeros(1, 8, dtype=torch.long), torch.randn(1, 8, 4, 8)
-    with pytest.raises(ValueError, match="attention_backend = 'sdpa' does causal attention only"):
+    with pytest.raises(ValueError, match="attention.backend = 'sdpa' does causal attention only"):
         attend(q, q, q, AttentionMask(doc), backend="sdpa")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fivefold.config import ModelConfig
 from fivefold.model import moe as moe_module
 from fivefold.model import transformer as model_module
 from fivefold.model.attention import LatentAttention, causal_attention
+from fivefold.model.config import ModelConfig
 from fivefold.model.counts import model_counts
 from fivefold.model.masks import dense_attention
 from fivefold.model.moe import MoE
@@ -25,6 +25,12 @@ def tiny(**changes) -> Transformer:
     m = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=320, **changes))
     m.init_weights(0)
     return m
+
+
+def moe_of(preset: str, **moe_keys) -> MoE:
+    """The MoE block of `preset`, some of its [model.moe] keys changed."""
+    m = PRESETS[preset]
+    return MoE(dataclasses.replace(m.moe, **moe_keys), m.dim, m.ffn_dim, m.activation)
 
 
 MODEL_FILES = sorted((Path(model_module.__file__).parent).glob("*.py"))
@@ -159,21 +165,23 @@ def _rope_pairs(x, positions, theta):
 @pytest.mark.parametrize("q_lora_rank", [48, 0], ids=["q-latent", "q-direct"])
 def test_latent_attention_matches_per_head_math(q_lora_rank):
     """MLA (DeepSeek-V2 eqs. 9-19) head by head, token by token, against LatentAttention."""
-    cfg = dataclasses.replace(PRESETS["tiny-mla"], vocab_size=320, q_lora_rank=q_lora_rank)
+    base = PRESETS["tiny-mla"]
+    cfg = dataclasses.replace(base, vocab_size=320, latent=dataclasses.replace(base.latent, q_lora_rank=q_lora_rank))
     torch.manual_seed(0)
     attn = LatentAttention(cfg)
     for p in attn.parameters():
         torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.2)  # norm weights away from 1 too
-    B, T, H, Dn, Dr, Dv = 2, 6, cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    B, T, H, mla = 2, 6, cfg.n_heads, cfg.latent
+    Dn, Dr, Dv, Ckv = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank
     x, pos = torch.randn(B, T, cfg.dim), torch.arange(T) + 3
-    cos, sin = rope_cos_sin(pos, Dr, cfg)  # what Transformer hands its blocks (its rope_dim = Dr)
+    cos, sin = rope_cos_sin(pos, Dr, cfg.rope)  # what Transformer hands its blocks (its rope_dim = Dr)
     out = attn(x, cos, sin)  # (B, T, dim)
 
-    eps, theta = cfg.norm_eps, cfg.rope_theta
+    eps, theta = cfg.norm.eps, cfg.rope.theta
     c_q = _rms(x @ attn.wq_a.weight.T, attn.q_a_norm.weight, eps) @ attn.wq_b.weight.T if q_lora_rank \
         else x @ attn.wq.weight.T  # (B, T, H (Dn + Dr))
     kv_a = x @ attn.wkv_a.weight.T  # (B, T, Ckv + Dr)
-    c_kv, k_shared = _rms(kv_a[..., :cfg.kv_lora_rank], attn.kv_a_norm.weight, eps), kv_a[..., cfg.kv_lora_rank:]
+    c_kv, k_shared = _rms(kv_a[..., :Ckv], attn.kv_a_norm.weight, eps), kv_a[..., Ckv:]
     k_shared = _rope_pairs(k_shared, pos, theta)  # (B, T, Dr): one roped key for every head
     up = c_kv @ attn.wkv_b.weight.T  # (B, T, H (Dn + Dv))
     heads = []
@@ -194,33 +202,32 @@ def test_latent_attention_matches_per_head_math(q_lora_rank):
 def test_group_limited_routing_picks_top_k_within_the_best_groups():
     """DeepSeek-V3 sec. 2.1.2: groups ranked by the sum of their 2 best biased scores, top-k
     experts among the topk_groups best groups, weights renormalised then scaled by 2.5."""
-    cfg = dataclasses.replace(PRESETS["tiny-mla"], vocab_size=320)
+    cfg = PRESETS["tiny-mla"]
     torch.manual_seed(0)
-    moe = MoE(cfg)
+    moe = moe_of("tiny-mla")
     moe.expert_bias.copy_(torch.randn(8) * 0.1)
     scores = torch.rand(64, 8)  # sigmoid-like affinities
     weights, idx = moe.select(scores)
-    per_group = cfg.n_experts // cfg.n_expert_groups
+    per_group = cfg.moe.n_experts // cfg.moe.n_groups
     for n in range(64):
         biased = (scores[n] + moe.expert_bias).tolist()
-        group_score = [sum(sorted(biased[g * per_group:(g + 1) * per_group])[-2:]) for g in range(cfg.n_expert_groups)]
-        groups = sorted(range(cfg.n_expert_groups), key=lambda g: -group_score[g])[:cfg.topk_groups]
-        allowed = [e for e in range(cfg.n_experts) if e // per_group in groups]
-        expected = sorted(allowed, key=lambda e: -biased[e])[:cfg.top_k]
+        group_score = [sum(sorted(biased[g * per_group:(g + 1) * per_group])[-2:]) for g in range(cfg.moe.n_groups)]
+        groups = sorted(range(cfg.moe.n_groups), key=lambda g: -group_score[g])[:cfg.moe.topk_groups]
+        allowed = [e for e in range(cfg.moe.n_experts) if e // per_group in groups]
+        expected = sorted(allowed, key=lambda e: -biased[e])[:cfg.moe.top_k]
         assert sorted(idx[n].tolist()) == sorted(expected), n
     chosen = scores.gather(-1, idx)
     torch.testing.assert_close(weights, 2.5 * chosen / chosen.sum(-1, keepdim=True))
     # Without the group limit the same scores pick other experts for some tokens: the limit acts.
-    free = MoE(dataclasses.replace(cfg, n_expert_groups=0))
+    free = moe_of("tiny-mla", n_groups=0)
     free.expert_bias.copy_(moe.expert_bias)
     assert (free.select(scores)[1].sort(-1).values != idx.sort(-1).values).any()
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_moe_dispatch_equals_per_token_loop(score):
-    cfg = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=320, n_shared_experts=1, router_score=score)
     torch.manual_seed(0)
-    moe = MoE(cfg)
+    moe = moe_of("tiny-moe", n_shared_experts=1, router_score=score)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(2, 5, 64)
@@ -261,14 +268,13 @@ def test_grouped_experts_equal_the_loop_in_bf16(monkeypatch, capacity):
     """torch._grouped_mm runs on the CPU (torch 2.13, fp32 and bf16, forward and backward): under
     bf16 autocast the experts take it, and its outputs and gradients are bit-identical to the loop's
     per-expert matmuls here (on CUDA the kernels differ: equal within bf16 rounding)."""
-    cfg = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=320, moe_capacity_factor=capacity)
     x = torch.randn(2, 16, 64)
     results = []
     for grouped in (True, False):
         if not grouped:
             monkeypatch.setattr(moe_module, "grouped_dtype", lambda *args: None)
         torch.manual_seed(0)
-        moe = MoE(cfg)
+        moe = moe_of("tiny-moe", capacity_factor=capacity)
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -287,13 +293,12 @@ def test_local_dispatch_reads_the_device_once_or_not_at_all(monkeypatch):
     reads = []
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or original(self))
-    cfg = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=320)
-    moe = MoE(cfg)
+    moe = moe_of("tiny-moe")
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(2, 16, 64)
     moe(x)  # fp32: the loop
-    assert reads == [torch.Size([cfg.n_experts + 1])]
+    assert reads == [torch.Size([PRESETS["tiny-moe"].moe.n_experts + 1])]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         moe(x)  # grouped, nothing dropped
         assert len(reads) == 1

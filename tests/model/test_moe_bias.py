@@ -1,5 +1,5 @@
-"""gpt-oss's MoE in one process: the router's and experts' biases (moe_bias) and the clamped SwiGLU
-(swiglu_limit), against a hand reference and against transformers' GptOssMLP."""
+"""gpt-oss's MoE in one process: the router's and experts' biases (moe.linear_bias) and the clamped
+SwiGLU (moe.swiglu_limit), against a hand reference and against transformers' GptOssMLP."""
 
 import dataclasses
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fivefold.model import moe as moe_module
+from fivefold.model.config import ModelConfig
 from fivefold.model.counts import count_on_meta, model_counts
 from fivefold.model.ffn import gated
 from fivefold.model.moe import MoE
@@ -16,26 +17,34 @@ from fivefold.model.transformer import Transformer
 DIM, HIDDEN, EXPERTS, TOP_K, LIMIT = 64, 32, 8, 2, 7.0
 
 
-def moe_config(**changes):
-    base = dict(vocab_size=320, dim=DIM, moe_ffn_dim=HIDDEN, n_experts=EXPERTS, top_k=TOP_K, moe_bias=True,
-                swiglu_limit=LIMIT)
-    return dataclasses.replace(PRESETS["tiny-moe"], **{**base, **changes})
+def moe_config(activation: str = "silu", n_layers: int = 8, **moe_keys) -> ModelConfig:
+    """tiny-moe with gpt-oss's experts (biases, the clamped SwiGLU); `moe_keys` change [model.moe]'s."""
+    base = PRESETS["tiny-moe"]
+    moe = dataclasses.replace(base.moe, n_experts=EXPERTS, top_k=TOP_K, ffn_dim=HIDDEN, linear_bias=True,
+                              swiglu_limit=LIMIT)
+    return dataclasses.replace(base, vocab_size=320, dim=DIM, activation=activation, n_layers=n_layers,
+                               moe=dataclasses.replace(moe, **moe_keys))
+
+
+def moe_layer(cfg: ModelConfig) -> MoE:
+    """The MoE block `cfg`'s transformer builds."""
+    return MoE(cfg.moe, cfg.dim, cfg.ffn_dim, cfg.activation)
 
 
 def random_moe(cfg, std=0.5, seed=0) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(cfg)
+    moe = moe_layer(cfg)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=std)
     return moe
 
 
-def test_biases_exist_with_moe_bias_only():
-    names = {n: tuple(p.shape) for n, p in MoE(moe_config()).named_parameters()}
+def test_biases_exist_with_linear_bias_only():
+    names = {n: tuple(p.shape) for n, p in moe_layer(moe_config()).named_parameters()}
     assert names["router.bias"] == (EXPERTS,)
     assert names["experts.gate_bias"] == names["experts.up_bias"] == (EXPERTS, HIDDEN)
     assert names["experts.down_bias"] == (EXPERTS, DIM)
-    plain = {n for n, _ in MoE(moe_config(moe_bias=False)).named_parameters()}
+    plain = {n for n, _ in moe_layer(moe_config(linear_bias=False)).named_parameters()}
     assert not any("bias" in n for n in plain)
 
 
@@ -75,7 +84,7 @@ def _gpt_oss_pair(seed=0):
     hf = GptOssMLP(hf_cfg)
     for p in hf.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    ours = MoE(moe_config(n_shared_experts=0))
+    ours = moe_layer(moe_config(n_shared_experts=0))
     with torch.no_grad():
         ours.router.weight.copy_(hf.router.weight)
         ours.router.bias.copy_(hf.router.bias)
@@ -124,7 +133,7 @@ def test_moe_equals_transformers_gpt_oss_mlp():
 def test_grouped_experts_with_biases_equal_the_loop_in_bf16(monkeypatch, capacity):
     """torch._grouped_mm takes no bias: each row's expert bias is looked up from the counts on the
     device. Under bf16 autocast outputs and gradients (biases included) equal the loop's bit for bit."""
-    cfg = moe_config(moe_capacity_factor=capacity)
+    cfg = moe_config(capacity_factor=capacity)
     x = torch.randn(2, 16, DIM) * 2
     results = []
     for grouped in (True, False):
@@ -167,8 +176,8 @@ def test_counts_include_the_moe_biases(changes):
     cfg = moe_config(**changes)
     counts = model_counts(cfg)
     assert counts.total == count_on_meta(cfg)
-    plain = model_counts(dataclasses.replace(cfg, moe_bias=False))
-    moe_layers = cfg.n_layers - cfg.first_dense_layers
+    plain = model_counts(moe_config(**changes, linear_bias=False))
+    moe_layers = cfg.n_layers - cfg.moe.first_dense_layers
     per_expert = 2 * HIDDEN + DIM
     assert counts.expert_total - plain.expert_total == moe_layers * EXPERTS * per_expert
     assert counts.total - plain.total == moe_layers * (EXPERTS * per_expert + EXPERTS)
@@ -202,20 +211,20 @@ def test_weights_made_with_another_swiglu_limit_are_named():
     from fivefold.checkpoint.weights import config_differences
 
     (problem,) = config_differences(moe_config(), moe_config(swiglu_limit=0.0))
-    assert "model.swiglu_limit = 7.0" in problem
+    assert "model.moe.swiglu_limit = 7.0" in problem
 
 
 @pytest.mark.parametrize("overrides,words", [
-    (("--model.preset=tiny-moe", "--model.swiglu_limit=-1"), ("model.swiglu_limit = -1", "must be 0")),
-    (("--model.preset=tiny-moe", "--model.swiglu_limit=7", "--model.activation=gelu_tanh"),
-     ("model.swiglu_limit = 7", "activation = 'silu'")),
-    (("--model.moe_bias=true",), ("model.moe_bias applies to the experts only",)),
-    (("--model.swiglu_limit=7",), ("model.swiglu_limit applies to the experts only",)),
+    (("--model.preset=tiny-moe", "--model.moe.swiglu_limit=-1"), ("model.moe.swiglu_limit = -1", "must be 0")),
+    (("--model.preset=tiny-moe", "--model.moe.swiglu_limit=7", "--model.activation=gelu_tanh"),
+     ("model.moe.swiglu_limit = 7", "activation = 'silu'")),
+    (("--model.moe.linear_bias=true",), ("model.moe.linear_bias applies to the experts only",)),
+    (("--model.moe.swiglu_limit=7",), ("model.moe.swiglu_limit applies to the experts only",)),
 ])
 def test_bad_moe_settings_are_named(overrides, words):
     from helpers import ROOT
 
-    from fivefold.config import read_config
+    from fivefold.config.load import read_config
     from fivefold.validate import validate
 
     cfg, errors = read_config(ROOT / "configs" / "tiny.toml", list(overrides))
@@ -224,11 +233,11 @@ def test_bad_moe_settings_are_named(overrides, words):
 
 
 def test_no_weight_decay_on_the_moe_biases():
-    from fivefold.config import TrainConfig
+    from fivefold.config.schema import OptimConfig
     from fivefold.parallel.optimizer import build_optimizer
 
     model = Transformer(moe_config(n_layers=2))
-    _, no_decay = build_optimizer(model, TrainConfig(weight_decay=0.1)).param_groups
+    _, no_decay = build_optimizer(model, OptimConfig(weight_decay=0.1)).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     biases = {names[id(p)] for p in no_decay["params"] if names[id(p)].endswith("bias")}
     assert biases == {f"layers.{i}.ffn.{b}" for i in range(2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fivefold.config import load_config
+from fivefold.config.load import load_config
 from fivefold.model import seeded_init
 from fivefold.model.seeded_init import block_seed, init_box, init_std
 

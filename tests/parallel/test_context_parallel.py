@@ -20,8 +20,12 @@ import torch
 import torch.nn.functional as F
 from helpers import EQUIVALENCE, Layout, assert_reproduces, mesh_of, tiny_config, train_and_gather
 
-from fivefold.config import Config, ModelConfig, replace
+from fivefold.config.derive import derive
+from fivefold.config.load import replace
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.attention import attend, causal_attention
+from fivefold.model.config import AttentionConfig, ModelConfig
 from fivefold.model.masks import AttentionMask, Documents, dense_attention, document_ids
 from fivefold.model.transformer import Transformer, cross_entropy_sum
 from fivefold.parallel.comm import collectives
@@ -35,7 +39,6 @@ from fivefold.parallel.context import (
     shard_sequence,
     ulysses_attention,
 )
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, reordered sums (module docstring)
@@ -323,7 +326,7 @@ def _model_worker(rank, world, method):
     model = Transformer(cfg)
     model.load_state_dict(ref.state_dict())
     run_cfg = replace(Config(), parallel={"cp": world, "cp_method": method})
-    cp = apply_context_parallel(model, mesh, run_cfg, derive(run_cfg, world))
+    cp = apply_context_parallel(model, mesh, run_cfg, derive(run_cfg, world, unpadded_vocab(run_cfg)))
     logits = model(cp.shard(inputs), positions=cp.positions(T))  # (B, T/cp, V)
     (cross_entropy_sum(logits, cp.shard(targets)) / targets.numel()).backward()  # global token count
     pairs = [("logits", logits.detach(), cp.shard(logits_ref.detach()))]
@@ -339,8 +342,8 @@ def _packed_worker(rank, world, method):
     document run alone on one process without any mask: per-token losses (this rank's tokens) and
     parameter gradients (summed over cp). Also the same row under cp without the document mask."""
     mesh = mesh_of(cp=world)
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, sliding_window=3,
-                      window_pattern=("sliding", "full"), attention_sinks=True)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      attention=AttentionConfig(window=3, window_pattern=("sliding", "full"), sinks=True))
     model = Transformer(cfg)
     model.init_weights(0)
     with torch.no_grad():
@@ -366,7 +369,7 @@ def _packed_worker(rank, world, method):
         alone.append(losses)
         alone_grads = grads if alone_grads is None else [a + g for a, g in zip(alone_grads, grads, strict=True)]
     run_cfg = replace(Config(), parallel={"cp": world, "cp_method": method})
-    cp = apply_context_parallel(model, mesh, run_cfg, derive(run_cfg, world))
+    cp = apply_context_parallel(model, mesh, run_cfg, derive(run_cfg, world, unpadded_vocab(run_cfg)))
     positions, doc = Documents(63, mask=True, reset_positions=True).inputs(inputs, torch.arange(T))
     local = cp.shard(positions, dim=-1)  # (1, T/cp): the row's per-document positions, this rank's part
     packed, grads = losses_and_grads(model, cp.shard(inputs), cp.shard(targets), local, doc)

@@ -273,11 +273,11 @@ def _torch_oracle(rank, world, cfg, kind):
         for block in model.layers.values():
             fully_shard(block)
         wrapped = fully_shard(model)
-    opt = build_optimizer(wrapped, t)
+    opt = build_optimizer(wrapped, cfg.optim)
     train_set, _, loader = build_datasets(cfg, __import__("pathlib").Path(cfg.run.out_dir))
     losses = []
     for step in range(t.steps):
-        set_lr(opt, lr_at(step, t))
+        set_lr(opt, lr_at(step, cfg.optim, t.steps))
         batch = rank_slice(train_set, loader.next_indices(), t.global_batch, world, rank, t.micro_batch)
         total = torch.zeros((), dtype=torch.float64)
         for i, (x, y) in enumerate(batch.micro_batches):
@@ -325,7 +325,7 @@ def test_ring_all_reduce_traffic_is_the_ring_bound(tmp_path):
 @pytest.mark.parametrize("kind,zero", [("ddp", 0), ("fsdp2", 3)])
 def test_torch_as_oracle(tmp_path, kind, zero):
     # No clipping: the oracle would need torch's clipping of DTensor gradients, which is not the point.
-    args = (*STEPS, "--train.steps=4", "--train.micro_batch=2", "--train.grad_clip=0")
+    args = (*STEPS, "--train.steps=4", "--train.micro_batch=2", "--optim.grad_clip=0")
     ours, _ = run_workers(_train, 2, tiny_config(tmp_path / "ours", *args, f"--parallel.zero={zero}"))[0]
     theirs = run_workers(_torch_oracle, 2, tiny_config(tmp_path / "torch", *args), kind)[0]
     # The same sums in another order (and DDP's average rescaled): 1e-6 relative was measured.
@@ -372,7 +372,7 @@ def _gathered_units(rank, world, cfg, keep):
     model = build_model(cfg, 320)
     mesh, derived = config_mesh(cfg, world)
     dp = apply_data_parallel(model, mesh, cfg, derived)
-    opt = build_optimizer(dp.optimizer_params(), cfg.train)
+    opt = build_optimizer(dp.optimizer_params(), cfg.optim)
     x = torch.randint(0, 320, (2, 32))
     assert model_state_bytes(dp.params, opt)["params"] == 0  # nothing gathered between steps
     for _ in range(2):

@@ -17,12 +17,14 @@ from helpers import (
     train_and_gather,
 )
 
-from fivefold.config import Config
+from fivefold.config.derive import derive
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
+from fivefold.model.config import MoEConfig
 from fivefold.model.moe import MoE, drop_over_capacity, local_dispatch, sequence_balance_loss
 from fivefold.model.presets import PRESETS
 from fivefold.model.transformer import Transformer, cross_entropy_sum
 from fivefold.parallel.comm.collectives import AxisGroup, CommStats
-from fivefold.parallel.derive import derive
 from fivefold.parallel.expert import ExpertParallelDispatch, apply_expert_parallel, shard_experts
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.mesh import expert_partitions
@@ -32,15 +34,16 @@ from fivefold.train.moe_balance import expert_stats, reset_expert_counts, set_ba
 DIM, HIDDEN = 16, 32
 
 
-def moe_config(**changes):
-    base = dict(dim=DIM, n_heads=2, n_kv_heads=2, ffn_dim=HIDDEN, moe_ffn_dim=HIDDEN, n_experts=8, top_k=2,
-                vocab_size=64)
-    return dataclasses.replace(PRESETS["tiny"], **{**base, **changes})
+def moe_config(dim: int = DIM, **moe):
+    """A small model whose MoE has 8 experts (top-2) of width HIDDEN; `moe`: other MoEConfig fields."""
+    return dataclasses.replace(PRESETS["tiny"], dim=dim, n_heads=2, n_kv_heads=2, ffn_dim=HIDDEN, vocab_size=64,
+                               moe=MoEConfig(**{"ffn_dim": HIDDEN, "n_experts": 8, "top_k": 2, **moe}))
 
 
 def make_moe(seed=0, **changes) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(moe_config(**changes))
+    cfg = moe_config(**changes)
+    moe = MoE(cfg.moe, cfg.dim, cfg.ffn_dim, cfg.activation)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return moe
@@ -49,7 +52,7 @@ def make_moe(seed=0, **changes) -> MoE:
 def _apply_ep(moe, mesh):
     """apply_expert_parallel on one MoE block: everything it needs is the mesh's ep and cp groups."""
     cfg = Config()
-    return apply_expert_parallel(moe, mesh, cfg, derive(cfg, mesh.world_size))
+    return apply_expert_parallel(moe, mesh, cfg, derive(cfg, mesh.world_size, unpadded_vocab(cfg)))
 
 
 # ---- groups ---------------------------------------------------------------------------------------
@@ -101,7 +104,7 @@ def test_groups_on_a_mesh_match_the_layout():
 # ---- dispatch: against one process holding every rank's tokens ------------------------------------------
 def _moe_equivalence(rank, world, with_empty_expert):
     B, T = 2, 5
-    moe_ref = make_moe(moe_aux_loss=0.1)
+    moe_ref = make_moe(aux_loss=0.1)
     if with_empty_expert:  # the bias (selection only) keeps expert 7 from every token of every rank
         moe_ref.expert_bias[7] = -100.0
     moe_ref.expert_bias[1] = 0.05  # and a bias that shifts selection without changing gate weights
@@ -167,7 +170,7 @@ def test_expert_parallel_moe_matches_one_process(world, with_empty_expert):
 def _context_parallel(rank, world):
     """ep = cp = 2: each rank holds half of every sequence; the balance loss needs the whole ones."""
     B, T = 3, 8
-    moe_ref = make_moe(moe_aux_loss=0.5)
+    moe_ref = make_moe(aux_loss=0.5)
     moe = copy.deepcopy(moe_ref)
     x_all, g_all = torch.randn(B, T, DIM), torch.randn(B, T, DIM)
     x_ref = x_all.clone().requires_grad_()
@@ -253,7 +256,7 @@ def test_capacity_drops_the_late_copies_and_counts_them():
     expected = torch.tensor([[0, 1], [0, 1], [0, 2], [-1, 3], [1, -1], [2, 3]])
     assert torch.equal(drop_over_capacity(routes, 4, 3), expected)
     # Through the block: one-hot tokens and a router that scores exactly those routes.
-    moe = make_moe(n_experts=4, dim=8, moe_capacity_factor=1.0)
+    moe = make_moe(n_experts=4, dim=8, capacity_factor=1.0)
     with torch.no_grad():
         moe.router.weight.zero_()
         for t, (first, second) in enumerate(routes.tolist()):
@@ -273,7 +276,7 @@ def test_capacity_drops_the_late_copies_and_counts_them():
 
 # ---- aux-loss-free balancing ------------------------------------------------------------------------------
 def test_bias_updates_even_out_a_skewed_router():
-    moe = make_moe(moe_bias_update=1e-3)
+    moe = make_moe(bias_update=1e-3)
     with torch.no_grad():
         moe.router.weight[0] += 0.2  # every token leans to expert 0
     x = torch.randn(1, 512, DIM) + 0.5
@@ -324,7 +327,7 @@ def test_balance_loss_gradient_reaches_the_router_with_the_step_scale():
     x, g = torch.randn(B, T, DIM), torch.randn(B, T, DIM)
     plain = make_moe()
     (plain(x) * g).sum().backward()
-    moe = make_moe(moe_aux_loss=alpha)
+    moe = make_moe(aux_loss=alpha)
     set_balance_loss_scale(moe, sequences=8, loss_scale=4.0)  # e.g. 4 micro-batches of 2, fp16 scale 4
     out = moe(x)
     torch.testing.assert_close(out, plain(x))  # forward is unchanged
@@ -344,18 +347,19 @@ def test_balance_loss_gradient_reaches_the_router_with_the_step_scale():
 
 # ---- counting: once per trained token ----------------------------------------------------------------------
 def _count_each_token_once(rank, world):
-    from fivefold.config import replace
+    from fivefold.config.load import replace
     from fivefold.parallel.recompute import apply_recompute
 
-    cfg = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=64, n_layers=2, moe_aux_loss=0.01)
+    cfg = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=64, n_layers=2,
+                              moe=dataclasses.replace(PRESETS["tiny-moe"].moe, aux_loss=0.01))
     x = torch.randint(0, 64, (2, 16))
-    per_block = 2 * 16 * cfg.top_k
+    per_block = 2 * 16 * cfg.moe.top_k
     grads = {}
     for mode in ("none", "full"):
         m = Transformer(cfg)
         m.init_weights(0)
         run_cfg = replace(Config(), train={"recompute": mode})
-        apply_recompute(m, mesh_of(), run_cfg, derive(run_cfg, 1))
+        apply_recompute(m, mesh_of(), run_cfg, derive(run_cfg, 1, unpadded_vocab(run_cfg)))
         cross_entropy_sum(m(x), x).backward()
         stats = expert_stats(m)
         assert all(sum(v) == per_block for v in stats.load.values()), (mode, stats.load)
@@ -484,9 +488,9 @@ def test_bias_balancing_lowers_the_load_imbalance_at_step_50(tmp_path):
     """Same seed and data, 50 steps on the standard-library corpus (a 2-block tiny-moe, so the test
     stays quick): the routing bias (u = 0.01)
     leaves the busiest expert less over-loaded than no balancing (mean of max/mean over blocks)."""
-    args = ("--model.preset=tiny-moe", "--model.n_layers=2", "--train.steps=50", "--train.lr=3e-3",
+    args = ("--model.preset=tiny-moe", "--model.n_layers=2", "--train.steps=50", "--optim.lr=3e-3",
             "--train.micro_batch=8", "--data.max_bytes=100000", "--train.log_every=50", "--data.val_fraction=0")
     plain = run_workers(_load_at_step_50, 1, tiny_config(tmp_path / "plain", *args))[0]
-    biased = run_workers(_load_at_step_50, 1, tiny_config(tmp_path / "bias", *args, "--model.moe_bias_update=0.01"))[0]
+    biased = run_workers(_load_at_step_50, 1, tiny_config(tmp_path / "bias", *args, "--model.moe.bias_update=0.01"))[0]
     print(f"max/mean expert load at step 50: no balancing {plain:.3f}, bias {biased:.3f}")
     assert biased < plain

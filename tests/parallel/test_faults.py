@@ -378,7 +378,7 @@ def test_on_nccl_the_watch_looks_before_the_process_groups_timeout_ends_the_proc
     process group's timeout. The arrivals watch must have looked and printed by then, with room for
     the host running ahead of its stuck collective. The settings are those a CUDA run derives from
     its config (train/loop.py's process group and the mesh's Arrivals both call collective_deadlines)."""
-    from fivefold.config import load_config
+    from fivefold.config.load import load_config
 
     configs = [tiny_config(tmp_path), load_config(ROOT / "configs" / "debug.toml"),
                tiny_config(tmp_path, "--parallel.collective_timeout_s=60")]

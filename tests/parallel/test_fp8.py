@@ -80,9 +80,9 @@ def test_fp8_losses_stay_within_two_percent_of_bf16_over_50_steps(tmp_path):
     2^-5 / sqrt(64) relative, 0.4%, per matmul; the loss follows the weights and sees it averaged
     over steps (published FP8 runs stay within 1% of bf16, Micikevicius et al. 2022, Fig. 3).
     The FP8 run must also differ from bf16's (it ran in FP8 at all): by more than 1e-4 somewhere."""
-    base = ("--data.max_bytes=20000", "--data.val_fraction=0.0", "--train.steps=50", "--train.lr=3e-3",
+    base = ("--data.max_bytes=20000", "--data.val_fraction=0.0", "--train.steps=50", "--optim.lr=3e-3",
             "--train.dtype=bf16", "--model.n_layers=2", "--train.micro_batch=8", "--checkpoint.keep=1",
-            "--train.warmup_steps=5")
+            "--optim.warmup_steps=5")
     bf16 = torch.tensor(run_workers(train_and_gather, 1, tiny_config(tmp_path / "bf16", *base))[0][0])
     for recipe in ("tensorwise", "rowwise"):
         cfg = tiny_config(tmp_path / recipe, *base, f"--train.fp8={recipe}")

@@ -12,7 +12,7 @@ from fivefold.parallel.forked_ranks import run_workers
 # The biases start at zero (seeded init) and move from the first step on. A limit of 0.1 (gpt-oss:
 # 7) clamps many of the tiny model's gate and up values (about 0.1-0.3 at init), so the clamp's
 # zero gradients are exercised too. Two steps: the second runs with moved biases.
-BIAS_ARGS = (*EQUIVALENCE, *MOE_ARGS, "--model.moe_bias=true", "--model.swiglu_limit=0.1", "--train.steps=2")
+BIAS_ARGS = (*EQUIVALENCE, *MOE_ARGS, "--model.moe.linear_bias=true", "--model.moe.swiglu_limit=0.1", "--train.steps=2")
 ROW = dict(param_atol=2e-4, exact=("expert_bias",))  # as test_expert_parallel.py's MOE_ROW, and why
 LAYOUTS = {
     "ep2": Layout(2, ("--parallel.ep=2",), **ROW),
@@ -72,7 +72,7 @@ def _undecayed_matrices(rank, world, cfg):
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_expert_biases_get_no_weight_decay_in_any_layout(tmp_path, zero):
-    """train.weight_decay is never applied to biases: the experts' stacked (E/ep, w) biases keep their
+    """optim.weight_decay is never applied to biases: the experts' stacked (E/ep, w) biases keep their
     no_decay mark through the meta device, the ep slicing and ZeRO's masters (8 blocks x 3 biases)."""
     cfg = tiny_config(tmp_path, *BIAS_ARGS, "--parallel.ep=2", f"--parallel.zero={zero}")
     assert run_workers(_undecayed_matrices, 2, cfg) == [8 * 3] * 2

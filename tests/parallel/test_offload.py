@@ -10,9 +10,10 @@ import torch
 from helpers import EQUIVALENCE, parallelized, tiny_config, train_and_gather
 
 from fivefold.checkpoint.run_state import complete_checkpoints
+from fivefold.config.derive import derive
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.transformer import count_parameters
 from fivefold.parallel.data.offload import step_bytes
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
@@ -44,7 +45,7 @@ def test_offload_trains_as_the_device_optimizer_bit_for_bit(tmp_path, zero):
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():
         assert torch.equal(state[name], ref), name
-    shard_bytes = 4 * count_parameters(build_model(cfg, derive(cfg, 2).vocab_size)) // 2
+    shard_bytes = 4 * count_parameters(build_model(cfg, derive(cfg, 2, unpadded_vocab(cfg)).vocab_size)) // 2
     assert [s["offload"]["d2h_bytes"] for s in steps] == [shard_bytes] * len(steps)  # fp32 gradient shard down
     assert [s["offload"]["h2d_bytes"] for s in steps] == [shard_bytes] * len(steps)  # updated fp32 shard up
     assert [s["comm"] for s in steps] == [s["comm"] for s in ref_steps]  # not mixed into the mesh's counts
@@ -57,7 +58,7 @@ def test_host_memory_is_the_planners(tmp_path):
     accounting and ZeRO's alike, plus AdamW's 0-dim step counters (4 bytes per tensor), which no
     per-parameter formula has; on the device the moments are gone and the fp32 shard stays."""
     cfg, _, steps = _run(tmp_path, 1, OFFLOAD)
-    model = build_model(cfg, derive(cfg, 2).vocab_size)
+    model = build_model(cfg, derive(cfg, 2, unpadded_vocab(cfg)).vocab_size)
     P, tensors = count_parameters(model), len([p for p in model.parameters() if p.requires_grad])
     hw = get_hardware("h100")
     ranks_per_node = min(2, hw.gpus_per_node)
@@ -86,7 +87,7 @@ def test_params_offload_trains_as_zero3_on_the_device_bit_for_bit(tmp_path, resh
     for name, ref in ref_state.items():
         assert torch.equal(state[name], ref), name
     assert [s["comm"] for s in steps] == [s["comm"] for s in ref_steps]
-    derived = derive(cfg, 2)
+    derived = derive(cfg, 2, unpadded_vocab(cfg))
     model = build_model(cfg, derived.vocab_size)
     P, tensors = count_parameters(model), len(list(model.parameters()))
     head = count_parameters(model.norm) + count_parameters(model.output)

@@ -20,7 +20,7 @@ from fivefold.train.metrics import read_metrics
 
 # No clipping: the norm is summed in another order over shards than over whole tensors (~1e-7
 # relative), and a clipped update would carry that difference into every weight.
-ARGS = (*EQUIVALENCE, "--train.grad_clip=0", "--parallel.zero=3", "--train.micro_batch=4")
+ARGS = (*EQUIVALENCE, "--optim.grad_clip=0", "--parallel.zero=3", "--train.micro_batch=4")
 
 
 def _cast_reference(rank, world, cfg, ranks):
@@ -36,11 +36,11 @@ def _cast_reference(rank, world, cfg, ranks):
 
     t = cfg.train
     model = build_model(cfg, 320)
-    opt = build_optimizer(model, t)
+    opt = build_optimizer(model, cfg.optim)
     train_set, _, loader = build_datasets(cfg, __import__("pathlib").Path(cfg.run.out_dir))
     losses = []
     for step in range(t.steps):
-        set_lr(opt, lr_at(step, t))
+        set_lr(opt, lr_at(step, cfg.optim, t.steps))
         indices = loader.next_indices()
         total = 0.0
         for r in range(ranks):

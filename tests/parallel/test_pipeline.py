@@ -13,8 +13,9 @@ import torch
 from helpers import EQUIVALENCE, TIED_ARGS, Layout, assert_reproduces, tiny_config, train_and_gather
 
 from fivefold.checkpoint.run_dir import run_dir_of
+from fivefold.config.derive import derive
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.pipeline.executor import PipelineExecutor
 from fivefold.planner.layout import stage_sizes
@@ -117,7 +118,7 @@ def test_pipeline_reproduces_single_process(tmp_path, reference, name):
         assert_reproduces(result, reference, param_atol=layout.param_atol)
     # The runtime's stages are the planner's, and for an uneven model the ones chosen by hand
     runtime = {s: n for *_, kept in results for s, n in kept.items()}
-    planned = stage_sizes(cfg, model_counts(cfg.model, derive(cfg, layout.ranks).vocab_size))
+    planned = stage_sizes(cfg, model_counts(cfg.model, derive(cfg, layout.ranks, unpadded_vocab(cfg)).vocab_size))
     assert [runtime[s] for s in sorted(runtime)] == planned
     if name in UNEVEN:
         assert planned == UNEVEN[name]

@@ -5,9 +5,10 @@ import torch
 from helpers import tiny_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fivefold.config import replace
+from fivefold.config.derive import derive
+from fivefold.config.load import replace
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.transformer import cross_entropy_sum
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.recompute import apply_recompute
@@ -53,7 +54,7 @@ def saved_bytes(model, x) -> int:
 def _saved_bytes_by_mode(rank, world, cfg):
     B, T = 2, 64
     x = torch.randint(0, 320, (B, T), generator=torch.Generator().manual_seed(0))
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     mesh = Mesh.from_config(cfg, derived)
     sizes = {}
     with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel keeps no score matrix to begin with

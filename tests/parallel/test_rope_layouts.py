@@ -13,9 +13,9 @@ from helpers import EQUIVALENCE, Layout, assert_layout_reproduces, tiny_config, 
 
 from fivefold.parallel.forked_ranks import run_workers
 
-ROPE_ON = ("--model.rope_scaling=yarn", "--model.rope_factor=4", "--model.rope_original_context=16",
-           "--model.attention_scale=0.2", "--model.sliding_window=6", "--model.window_pattern=['sliding', 'full']",
-           "--model.local_rope_theta=100")
+ROPE_ON = ("--model.rope.scaling=yarn", "--model.rope.factor=4", "--model.rope.original_context=16",
+           "--model.attention.scale=0.2", "--model.attention.window=6",
+           "--model.attention.window_pattern=['sliding', 'full']", "--model.rope.local_theta=100")
 
 # Bounds as test_masks_layouts.py's, for its reason (cp: blocks merged by log-sum-exp).
 LAYOUTS = {

@@ -318,11 +318,11 @@ def test_viz_cli(tmp_path, capsys):
     add_schedule_parser(parser.add_subparsers())
     args = parser.parse_args(["schedule", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8",
                               "--costs", "1,1", "--out", str(tmp_path / "s")])
-    assert args.func(args) == 0
+    assert args.run(args) == 0
     out = capsys.readouterr().out
     assert "37.50%" in out and "27.27%" in out and "[4, 3, 2, 1]" in out
     assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "s.svg").stat().st_size > 0
     bad = parser.parse_args(["schedule", "--schedule", "interleaved_1f1b", "--pp", "4",
                              "--microbatches", "6", "--virtual-stages", "2"])
-    assert bad.func(bad) == 2
+    assert bad.run(bad) == 2
     assert "m % p == 0" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fivefold.config import ModelConfig
+from fivefold.model.config import ModelConfig, MoEConfig, NormConfig
 from fivefold.model.rope import rope_cos_sin
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.pipeline.split_backward import SplitBackward
@@ -27,14 +27,14 @@ class _CountMatmuls(TorchDispatchMode):
 
 def _stage(first: bool, seed: int = 0):
     torch.manual_seed(seed)
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, qk_norm=True)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, norm=NormConfig(qk=True))
     model = Transformer(cfg)
     model.init_weights()
     model.norm = model.output = None  # a first or middle stage: blocks only (and the embedding if first)
     if not first:
         model.tok_embeddings = None
     x = torch.randint(0, 64, (2, 8)) if first else torch.randn(2, 8, 32, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg)
+    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg.rope)
 
     def forward():
         inp = model.tok_embeddings(x) if first else x  # (2, 8, 32)
@@ -96,11 +96,12 @@ def test_moe_stage_accumulates_each_weight_once():
     """Stacked expert weights are used by one matmul per expert: W must still accumulate each
     parameter once (data parallel's buckets count one accumulation per parameter)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64, vocab_size=64, n_experts=4, top_k=2)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=64, vocab_size=64,
+                      moe=MoEConfig(n_experts=4, top_k=2))
     model = Transformer(cfg)
     model.init_weights()
     block, params = model.layers["0"], list(model.layers.parameters())
-    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg)
+    cos, sin = rope_cos_sin(torch.arange(8), model.head_dim, cfg.rope)
     x = torch.randn(2, 8, 32, requires_grad=True)
     out = block(x, cos, sin)
     grad = torch.randn_like(out)

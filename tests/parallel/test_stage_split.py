@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 from helpers import tiny_config
 
-from fivefold.config import load_config
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
-from fivefold.parallel.derive import derive
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.stage_split import PartCosts, balance, part_costs, split_note, stage_split
 from fivefold.planner.layout import rank_shares, stage_sizes
@@ -49,7 +50,7 @@ def test_uneven_tiny_split_by_hand(tmp_path):
     with the embedding, holds 1. The 4 middle stages hold 6 blocks as {2, 2, 1, 1}, in any order
     equally spread: the earliest take the most."""
     cfg = tiny_config(tmp_path, *UNEVEN_TINY)
-    d = derive(cfg, 2)
+    d = derive(cfg, 2, unpadded_vocab(cfg))
     assert validate(cfg, 2) == [] and d.vocab_size == 320
     costs = part_costs(cfg, model_counts(cfg.model, d.vocab_size))
     assert costs == PartCosts(flops=(86_016,) * 8, params=(41_088,) * 8, first=(0, 20_480), last=(40_960, 20_544))
@@ -60,8 +61,9 @@ def test_uneven_tiny_split_by_hand(tmp_path):
 def test_a_sliding_layer_costs_its_window(tmp_path):
     """The same model with a window of 4 on every other block: a sliding block's attention core is
     2 x 4 x 16 x 2 x k for k = 3.8125 keys per query ((1 + 2 + 3 + 4 x 29) / 32 queries), not 16."""
-    cfg = tiny_config(tmp_path, *UNEVEN_TINY, "--model.sliding_window=4", "--model.window_pattern=['sliding', 'full']")
-    d = derive(cfg, 2)
+    cfg = tiny_config(tmp_path, *UNEVEN_TINY, "--model.attention.window=4",
+                      "--model.attention.window_pattern=['sliding', 'full']")
+    d = derive(cfg, 2, unpadded_vocab(cfg))
     flops = part_costs(cfg, model_counts(cfg.model, d.vocab_size)).flops
     core = 2 * 32 * 4 * 16  # the full block's attention core: 4,096 of its 86,016
     assert flops == (86_016 - core + round(2 * 3.8125 * 4 * 32), 86_016) * 4
@@ -124,7 +126,7 @@ def test_llama3_405b_over_16_stages_has_lighter_ends():
     ranks) makes the last stage hold 7; the embedding's parameters (0.66 of a block's), the first."""
     cfg = llama3_405b()
     assert validate(cfg, 1024) == []
-    d = derive(cfg, 1024)
+    d = derive(cfg, 1024, unpadded_vocab(cfg))
     split = stage_split(cfg, d.vocab_size)
     assert split == (7, *(8,) * 14, 7) and sum(split) == 126
     assert stage_sizes(cfg, model_counts(cfg.model, d.vocab_size)) == list(split)
@@ -140,7 +142,7 @@ def _runtime_split(cfg, world):
     world on the meta device (the dry run's build, train/dry_run.py)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    derived, sizes = derive(cfg, world), {}
+    derived, sizes = derive(cfg, world, unpadded_vocab(cfg)), {}
     for rank in range(world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
@@ -162,7 +164,7 @@ def _runtime_split(cfg, world):
 def test_planner_runtime_and_dry_run_hold_the_same_blocks(tmp_path, overrides, world):
     cfg = tiny_config(tmp_path, *overrides)
     assert validate(cfg, world) == []
-    d = derive(cfg, world)
+    d = derive(cfg, world, unpadded_vocab(cfg))
     split = stage_split(cfg, d.vocab_size)
     runtime = _runtime_split(cfg, world)
     assert [len(layers) for _, layers in runtime] == list(split)

@@ -14,6 +14,7 @@ from helpers import (
     train_and_gather,
 )
 
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.mesh import Mesh
@@ -81,13 +82,13 @@ def test_vocab_parallel_embedding_head_and_loss(world, sp):
 def _latent_attention_model(rank, world, cfg, sp):
     """A dense 2-block latent-attention model under tp (and sp) against the same model whole: logits,
     and every gradient (replicated ones whole on each rank, split ones as this rank's slice)."""
-    from fivefold.config import replace
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
+    from fivefold.config.load import replace
     from fivefold.parallel.tensor import apply_tensor_parallel
     from fivefold.train.loop import build_model
 
     cfg = replace(cfg, parallel={"tp": world, "sp": sp, "dp": 1})
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     ref, model = build_model(cfg, 320), build_model(cfg, 320)
     torch.manual_seed(0)
     x, r = torch.randint(0, 320, (2, 16)), torch.randn(2, 16, 320)
@@ -106,8 +107,8 @@ def _latent_attention_model(rank, world, cfg, sp):
 
 @pytest.mark.parametrize("sp,q_lora", [(False, 48), (True, 48), (True, 0)], ids=["tp2", "tp2-sp", "tp2-sp-q-direct"])
 def test_latent_attention_splits_heads_and_keeps_down_projections_whole(tmp_path, sp, q_lora):
-    cfg = tiny_config(tmp_path, "--model.preset=tiny-mla", "--model.n_experts=0", "--model.n_layers=2",
-                      f"--model.q_lora_rank={q_lora}")
+    cfg = tiny_config(tmp_path, "--model.preset=tiny-mla", "--model.moe.n_experts=0", "--model.n_layers=2",
+                      f"--model.latent.q_lora_rank={q_lora}")
     for rank, pairs in enumerate(run_workers(_latent_attention_model, 2, cfg, sp)):
         assert any("wkv_a" in name for name, _, _ in pairs)
         for name, ours, ref in pairs:

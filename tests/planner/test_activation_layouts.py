@@ -14,10 +14,11 @@ import dataclasses
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
 from fivefold.model.presets import PRESETS
-from fivefold.parallel.derive import derive
 from fivefold.planner.activations import (
     block_activation_bytes,
     block_activation_elements_per_token,
@@ -60,9 +61,11 @@ DENSE_BLOCK = ATTENTION + 2 * f * FP8  # the dense SwiGLU's input; silu and prod
 
 def test_the_hand_arithmetic_reads_the_presets_sizes():
     m = DSV3
-    assert (m.dim, m.n_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.v_head_dim) == (d, H, rq, rkv, R, v)
-    assert (m.n_experts, m.top_k, m.moe_ffn_dim, m.n_shared_experts, m.ffn_dim) == (E, k, h, n_shared, f)
-    assert m.first_dense_layers == 3 and layout_applies(m, "deepseek")
+    mla = m.latent
+    assert (m.dim, m.n_heads, mla.q_lora_rank, mla.kv_lora_rank) == (d, H, rq, rkv)
+    assert (mla.qk_rope_head_dim, mla.v_head_dim) == (R, v)
+    assert (m.moe.n_experts, m.moe.top_k, m.moe.ffn_dim, m.moe.n_shared_experts, m.ffn_dim) == (E, k, h, n_shared, f)
+    assert m.moe.first_dense_layers == 3 and layout_applies(m, "deepseek")
 
 
 def test_a_moe_block_keeps_the_listed_bytes():
@@ -165,7 +168,7 @@ def test_the_layout_leaves_a_dense_grouped_query_model_alone():
 
 
 def _chunk(cfg, options: PlanOptions, world: int = 1):
-    d_ = derive(cfg, world)
+    d_ = derive(cfg, world, unpadded_vocab(cfg))
     counts = model_counts(cfg.model, d_.vocab_size)
     return busiest_chunk(cfg, d_, counts, rank_shares(cfg, counts), options.with_config(cfg), weight_bytes=2)
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from fivefold.config import replace
-from fivefold.parallel.derive import derive
+from fivefold.config.derive import derive
+from fivefold.config.load import replace
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.recompute import apply_recompute
@@ -20,7 +21,7 @@ B, T = 2, 64
 
 def _saved_per_block(rank, world, cfg, sp, recompute):
     cfg = replace(cfg, parallel={"tp": world, "sp": sp, "dp": 1}, train={"recompute": recompute})
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     mesh = Mesh.from_config(cfg, derived)
     model = build_model(cfg, 320)
     apply_tensor_parallel(model, mesh, cfg, derived)
@@ -56,11 +57,12 @@ CASES = [(1, False, "none"), (2, False, "none"), (4, False, "none"), (2, True, "
 
 
 ATTENTION = {"mha": (), "gqa": ("--model.n_kv_heads=2",),
-             "mla": ("--model.preset=tiny-mla", "--model.n_experts=0"),  # latent attention, dense blocks
+             "mla": ("--model.preset=tiny-mla", "--model.moe.n_experts=0"),  # latent attention, dense blocks
              # OLMo 2's post norms and q/k norm over the projection; Gemma 3's sandwich norms with biases
-             "olmo2": ("--model.norm_position=post", "--model.qk_norm=true", "--model.qk_norm_span=all"),
-             "gemma": ("--model.norm_position=sandwich", "--model.norm_offset=1.0", "--model.qk_norm=true",
-                       "--model.activation=gelu_tanh", "--model.qkv_bias=true", "--model.out_bias=true")}
+             "olmo2": ("--model.norm.position=post", "--model.norm.qk=true", "--model.norm.qk_span=all"),
+             "gemma": ("--model.norm.position=sandwich", "--model.norm.offset=1.0", "--model.norm.qk=true",
+                       "--model.activation=gelu_tanh", "--model.attention.qkv_bias=true",
+                       "--model.attention.out_bias=true")}
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
@@ -71,7 +73,7 @@ def test_block_activation_formula_within_10_percent(tmp_path, tp, sp, recompute,
     cfg = tiny_config(tmp_path, *ATTENTION[attention], "--model.n_layers=2")
     measured, _ = run_workers(_saved_per_block, tp, cfg, sp, recompute)[0]
     predicted = block_activation_bytes(dataclasses.replace(cfg.model, vocab_size=320), B, T, tp, sp, recompute)
-    rope_width = cfg.model.qk_rope_head_dim if cfg.model.kv_lora_rank else 16
+    rope_width = cfg.model.latent.qk_rope_head_dim if cfg.model.latent.kv_lora_rank else 16
     rope_table = 2 * T * rope_width * 4  # cos and sin (T, rope width): one table for all blocks, not in the formula
     for block_bytes in measured:
         assert block_bytes - rope_table == pytest.approx(predicted, rel=0.10), (block_bytes, predicted)
@@ -81,7 +83,7 @@ def test_block_activation_formula_within_10_percent(tmp_path, tp, sp, recompute,
 def test_moe_block_activation_formula_within_10_percent(tmp_path, sp):
     """Experts are not split by tp: without sp every tp rank keeps every token's routed copies, with
     sp only its own T/tp tokens' (measured within 1%: the 10% bound is the dense test's)."""
-    cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--model.n_layers=2", "--model.n_shared_experts=1")
+    cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--model.n_layers=2", "--model.moe.n_shared_experts=1")
     measured, _ = run_workers(_saved_per_block, 2, cfg, sp, "none")[0]
     m = dataclasses.replace(cfg.model, vocab_size=320)
     predicted = block_activation_bytes(m, B, T, 2, sp, "none")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.config import load_config
-from fivefold.parallel.derive import derive
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.planner.conventions import CONVENTION_KEYS
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
@@ -39,7 +40,7 @@ def test_pipeline_bytes_per_micro_batch_and_direction_and_per_step():
     cfg, world, est = _gpt(4, 4)
     c = est.conventions
     assert c["pp_bytes_per_micro_batch_per_direction"] == 2048 * 4096 * 2 / 4
-    micro = derive(cfg, world).grad_accum
+    micro = derive(cfg, world, unpadded_vocab(cfg)).grad_accum
     assert micro == 64 and c["pp_messages_per_step"] == 2 * micro
     assert c["pp_bytes_per_step_busiest_sender"] == 2 * micro * 2048 * 4096 * 2 / 4 == est.comm["pp"].bytes
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.config.load import load_config
 from fivefold.planner.comm import link
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
@@ -57,7 +57,7 @@ def test_node_limited_with_expert_groups_on_nodes_reaches_topk_groups():
     """Expert groups that are the ep group's nodes (2 groups of 64 experts, one a node) limit a token
     to topk_groups of them: 1, its own node or the other, the other half the time: NIC bytes = one
     copy x 1 x 1/2; NVLink's are the ungrouped case's."""
-    grouped = _ep16("--model.n_expert_groups=2", "--model.topk_groups=1")
+    grouped = _ep16("--model.moe.n_groups=2", "--model.moe.topk_groups=1")
     copy = estimate(grouped, 16, H100).comm["ep"].bytes / (8 * 15 / 16)
     ep = estimate(grouped, 16, H100, options=PlanOptions(ep_dispatch="node_limited")).comm["ep"]
     assert ep.bytes == pytest.approx(copy * 1 * 1 / 2 + copy * 8 * 7 / 8)

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import AttentionConfig, ModelConfig
 from fivefold.model.counts import flops_per_token, model_counts
 from fivefold.model.mask_counts import (
     document_pairs,
@@ -87,12 +87,12 @@ def test_the_kernels_tiles_under_causality_windows_and_long_documents():
 def test_flops_per_token_count_each_layers_window_and_the_documents():
     """2 layers, 4 heads of 16: attention per token is 6 x H x (Dqk + Dv) = 768 x the keys per query
     of each layer, doubled under causal="full". T = 8, w = 3: 21 pairs, 21 / 8 keys; causal 4."""
-    m = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=320, sliding_window=3)
+    m = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=320, attention=AttentionConfig(window=3))
     assert flops_per_token(m, 8, causal="half")["attention"] == 768 * 2 * 21 / 8
     assert flops_per_token(m, 8, causal="full")["attention"] == 2 * 768 * 2 * 21 / 8
-    alternating = dataclasses.replace(m, window_pattern=("sliding", "full"))
+    alternating = dataclasses.replace(m, attention=AttentionConfig(window=3, window_pattern=("sliding", "full")))
     assert flops_per_token(alternating, 8, causal="half")["attention"] == 768 * (21 / 8 + 4)
-    plain = dataclasses.replace(m, sliding_window=0)
+    plain = dataclasses.replace(m, attention=AttentionConfig())
     assert flops_per_token(plain, 8, causal="half")["attention"] == 768 * 2 * 4  # unchanged: 6 L s H (Dqk+Dv) / 2
     assert flops_per_token(plain, 8, causal="half", document_tokens=2)["attention"] == pytest.approx(
         768 * 2 * geometric_document_pairs(8, 2) / 8)
@@ -100,4 +100,5 @@ def test_flops_per_token_count_each_layers_window_and_the_documents():
 
 def test_attention_sinks_add_one_parameter_per_query_head_and_layer():
     m = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=320)
-    assert model_counts(dataclasses.replace(m, attention_sinks=True)).total == model_counts(m).total + 3 * 4
+    sinks = dataclasses.replace(m, attention=AttentionConfig(sinks=True))
+    assert model_counts(sinks).total == model_counts(m).total + 3 * 4

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config, replace
+from fivefold.config.load import load_config, replace
 from fivefold.model.counts import count_on_meta, model_counts
 from fivefold.model.presets import PRESETS
 from fivefold.parallel.comm.collectives import wire_bytes

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config.load import load_config
 from fivefold.planner.estimate import estimate
 from fivefold.planner.flops import parse_token_budget
 from fivefold.planner.machine.datasheet import get_hardware

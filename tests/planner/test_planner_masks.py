@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config.load import load_config
+from fivefold.model.config import AttentionConfig
 from fivefold.model.counts import model_counts
 from fivefold.model.mask_counts import kept_pairs, tile_ratio, window_pairs
 from fivefold.model.presets import PRESETS
@@ -31,7 +32,7 @@ def test_the_roofline_prices_the_tiles_the_kernel_computes():
     The window runs FlexAttention, priced at FlashAttention-2's causal rate; causality alone SDPA's kernel."""
     causal = 8192 * 8192 * 32 * 256
     shapes = RankShapes(tokens=8192, sp_tokens=8192, seq_len=8192, kernel_seq=8192)
-    windowed = block_ops(dataclasses.replace(LLAMA8, sliding_window=1024), 0, shapes)
+    windowed = block_ops(dataclasses.replace(LLAMA8, attention=AttentionConfig(window=1024)), 0, shapes)
     assert windowed.attention_flops == pytest.approx(causal * window_pairs(8192, 1024) / (8192 * 8192 / 2))
     assert windowed.attention_work == pytest.approx(causal * 540 / (64 * 65 / 2))
     assert windowed.attention_flex and not block_ops(LLAMA8, 0, shapes).attention_flex
@@ -65,7 +66,7 @@ def test_documents_of_a_stated_length_cut_the_attention_and_the_step():
 
 def test_explain_states_the_masked_convention_and_bad_document_lengths_are_refused(capsys):
     argv = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq", "8192", "--layout", "dp=8,zero=1", "--explain",
-            "--model.sliding_window=1024", "--model.window_pattern=[\"sliding\", \"full\"]"]
+            "--model.attention.window=1024", "--model.attention.window_pattern=[\"sliding\", \"full\"]"]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps lines at its width
     assert "a window of 1024 tokens in 16 of 32 layers" in out and "counted as the pairs they keep" in out

@@ -12,10 +12,11 @@ import json
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import load_config
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
 from fivefold.parallel.comm.collectives import wire_bytes
-from fivefold.parallel.derive import derive
 from fivefold.planner.estimate import estimate
 from fivefold.planner.fits import stage_fit
 from fivefold.planner.hardware import GB, get_hardware
@@ -287,7 +288,7 @@ def test_uneven_chunks_hold_their_own_blocks():
     chunks of 3 and 1 peak at 9 (three of the 3-block chunk's forwards live at once)."""
     cfg = _8b("--model.n_layers=7", "--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
               "--parallel.virtual_stages=2", "--parallel.dp=4", "--train.global_batch=16")
-    d = derive(cfg, 8)
+    d = derive(cfg, 8, unpadded_vocab(cfg))
     sizes = stage_sizes(cfg, model_counts(cfg.model))
     assert sizes == [1, 3, 2, 1] and d.grad_accum == 4
     assert inflight_blocks(cfg, d, sizes, Memo()) == [7, 9]
@@ -306,7 +307,7 @@ def test_per_op_selective_recompute_keeps_every_other_matmuls_output():
     assert per_op_block_elements(m, tp=2, sp=True) == 22032
     assert per_op_block_elements(_cfg("mixtral-8x7b").model) is None  # no count: fivefold's selective stands
     cfg = _8b("--train.recompute=selective", "--train.micro_batch=1", "--train.seq_len=8192")
-    d = derive(cfg, 1)
+    d = derive(cfg, 1, unpadded_vocab(cfg))
     share = rank_shares(cfg, model_counts(cfg.model, d.vocab_size))[0]
     per_op = activation_bytes(cfg, share, 32, 8192, d.vocab_size, 2, PlanOptions(selective_ac="per_op"))
     assert per_op["per_block_microbatch"] == 31776 * 8192 * 2

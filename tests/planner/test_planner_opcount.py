@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 from helpers import tiny_config
 
+from fivefold.config.derive import derive
+from fivefold.data.resolve import unpadded_vocab
+from fivefold.model.config import MoEConfig
 from fivefold.model.counts import model_counts
 from fivefold.model.presets import PRESETS
-from fivefold.parallel.derive import derive
 from fivefold.planner.calibration.opcount import Part, block_tally, ends_tally, part_tally
 from fivefold.planner.calibration.pricer import MeasuredPricer, op_priced
 from fivefold.planner.calibration.profile import MeasuredProfile, tally_time
@@ -112,20 +114,20 @@ def test_part_keys_name_what_a_part_costs_depend_on():
     tp2 = Part("block", TINY, 0, 0, 2, 2, 32)
     assert tp2.key == "block dim=64 heads=2/2 head_dim=16 ffn=64 batch=2 seq=32"
     assert Part("head", TINY, 0, 320, 2, 2, 32).key == "head vocab=160 dim=64 tp=2 batch=2 seq=32"
-    moe = dataclasses.replace(TINY, n_experts=4, top_k=2, moe_ffn_dim=64, first_dense_layers=1)
+    moe = dataclasses.replace(TINY, moe=MoEConfig(n_experts=4, top_k=2, ffn_dim=64, first_dense_layers=1))
     assert Part("block", moe, 0, 0, 1, 2, 32).key == Part("block", TINY, 0, 0, 1, 2, 32).key  # a dense first block
     assert "experts=4x64 top_k=2" in Part("block", moe, 1, 0, 1, 2, 32).key
 
 
 def est_vocab(cfg):
-    return derive(cfg, 1).vocab_size
+    return derive(cfg, 1, unpadded_vocab(cfg)).vocab_size
 
 
 def test_catalog_gpu_keeps_its_data_sheet_price(tmp_path):
     """A catalog GPU is priced from its data sheet and published kernel measurements (the roofline,
     roofline.py), never from traced ops; hardware without an SM count keeps the flat FLOP price."""
     cfg = tiny_config(tmp_path)
-    d = derive(cfg, 1)
+    d = derive(cfg, 1, unpadded_vocab(cfg))
     counts = model_counts(cfg.model, d.vocab_size)
     work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), weight_bytes=2)  # the textbook's bf16 weights
     h100 = get_hardware("h100")

@@ -118,7 +118,7 @@ def test_moe_blocks_are_one_tp_region_and_sp_routes_a_tp_rank_s_tokens(tmp_path,
                       "--parallel.ep=2")
     out = activation_traffic(cfg, 8, 8, True, True, 32, 4, 4, 0)
     assert out["tp"].calls == 4 * (2 * 8 + 2 + LOSS_ALL_REDUCES)  # attention only: experts are not tp-split
-    copies = 2 * 32 * cfg.model.top_k * cfg.model.dim * 4 / (2 if sp else 1)  # with sp each tp rank its own half
+    copies = 2 * 32 * cfg.model.moe.top_k * cfg.model.dim * 4 / (2 if sp else 1)  # with sp each tp rank its own half
     assert out["ep"].bytes == pytest.approx(4 * 8 * 4 * wire_bytes("all_to_all", copies, 2))
 
 

@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 from helpers import tiny_config
 
-from fivefold.config import load_config
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import block_forward_flops, model_counts
 from fivefold.parallel.comm import collectives
-from fivefold.parallel.derive import derive
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.estimate import estimate
@@ -38,7 +39,7 @@ def _llama(world: int, *overrides: str):
 
 def _chunk(cfg, world, hw):
     """The busiest rank's work and its price, as the estimate asks the pricer for them."""
-    d = derive(cfg, world)
+    d = derive(cfg, world, unpadded_vocab(cfg))
     counts = model_counts(cfg.model, d.vocab_size)
     work = busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), weight_bytes=2)  # as estimate: bf16 weights
     return d, work, hw.pricer.chunk(work, hw, Memo())
@@ -127,7 +128,7 @@ def test_prefetch_pass_by_hand():
 
 def _zero3_parts(cfg, hw, n):
     """(embedding, block, head) gather seconds and the same for their reduce-scatters (bf16)."""
-    counts = model_counts(cfg.model, derive(cfg, n).vocab_size)
+    counts = model_counts(cfg.model, derive(cfg, n, unpadded_vocab(cfg)).vocab_size)
     sizes = (counts.embedding, counts.blocks[0].total, counts.head + counts.final_norm)
     return ([_ring("all_gather", 2 * s, n, hw) for s in sizes], [_ring("reduce_scatter", 2 * s, n, hw) for s in sizes])
 

@@ -15,10 +15,11 @@ import math
 
 import pytest
 
-from fivefold.config import load_config
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
 from fivefold.model.presets import PRESETS
-from fivefold.parallel.derive import derive
 from fivefold.planner.calibration.opcount import block_tally, ends_tally
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.estimate import estimate
@@ -140,7 +141,7 @@ def test_fp8_doubles_the_matmul_part_only():
 def _work(*overrides: str, options: PlanOptions = DEFAULT, world: int = 8):
     cfg = load_config(None, ["--train.seq_len=8192", "--train.global_batch=8", "--train.micro_batch=1",
                              *overrides])
-    d = derive(cfg, world)
+    d = derive(cfg, world, unpadded_vocab(cfg))
     counts = model_counts(cfg.model, d.vocab_size)
     return busiest_chunk(cfg, d, counts, rank_shares(cfg, counts), options)
 
@@ -181,7 +182,8 @@ def test_expert_imbalance_scales_the_routed_experts_only():
     for part in ("norms", "rope", "residual adds", "router", "weight casts"):
         assert skewed.parts[part] == base.parts[part]
     assert skewed.parts["expert swiglu"] == pytest.approx(1.5 * base.parts["expert swiglu"])
-    capped = block_ops(dataclasses.replace(MIXTRAL, moe_capacity_factor=1.25), 0, _shapes(4096, ep=8, imbalance=2))
+    capped_moe = dataclasses.replace(MIXTRAL, moe=dataclasses.replace(MIXTRAL.moe, capacity_factor=1.25))
+    capped = block_ops(capped_moe, 0, _shapes(4096, ep=8, imbalance=2))
     assert {mm.name: mm.m for mm in capped.matmuls}["expert up"] == 10240
     experts = [roofline.price_ops(Ops(matmuls=tuple(mm for mm in o.matmuls if mm.name.startswith("expert"))),
                                   H100, 2, fp8=False).forward["matmul"] for o in (base, skewed)]
@@ -214,7 +216,7 @@ def test_elementwise_bytes_under_autocast_follow_the_model_code(name, layer, tp)
     m = dataclasses.replace(PRESETS[name], vocab_size=256)
     forward, backward = block_tally(m, layer, tp, 2, 256, autocast=True)
     ops = block_ops(m, layer, _shapes(512, 256, tp=tp, act_bytes=2, weight_bytes=4, residual_bytes=4))
-    dense = not (m.n_experts or m.kv_lora_rank)
+    dense = not (m.moe.n_experts or m.latent.kv_lora_rank)
     assert ops.elementwise_bytes == pytest.approx(sum(forward.elementwise_bytes), rel=0.03 if dense else 0.13)
     assert ops.backward_elementwise_bytes == pytest.approx(sum(backward.elementwise_bytes), rel=0.2)
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_config
 
 from fivefold.cli import main
-from fivefold.config import load_config, read_config, replace
+from fivefold.config.load import load_config, read_config, replace
 from fivefold.parallel.comm.collectives import wire_bytes
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.calibration.collectives import fit_alpha_beta
@@ -127,7 +127,7 @@ def test_the_planner_core_does_not_import_the_calibration_package():
     """A measured profile brings its pricer along (Hardware.pricer); the core never imports it, at
     module level or inside a function (this runs an estimate and a search on a catalog GPU)."""
     code = ("import sys\n"
-            "from fivefold.config import load_config\n"
+            "from fivefold.config.load import load_config\n"
             "from fivefold.planner.machine.datasheet import get_hardware\n"
             "from fivefold.planner.estimate import estimate\n"
             "from fivefold.planner.search import search\n"

@@ -12,9 +12,10 @@ import pytest
 
 from benchmarks.published_common import megatron_2021_flops, megatron_core_flops
 from benchmarks.published_runs import RUNS
-from fivefold.config import load_config
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
-from fivefold.parallel.derive import derive
 
 BY_NAME = {r.name: r for r in RUNS}
 
@@ -90,7 +91,7 @@ def test_llm_foundry_mfu_tokens_and_hfu_agree(name):
     cfg = load_config(None, list(run.overrides))
     ratio = 4 / 3 if cfg.train.recompute == "full" else 1.0
     assert hfu / 100 == pytest.approx(run.published * ratio, abs=2e-4)
-    assert derive(cfg, run.world).grad_accum == accum
+    assert derive(cfg, run.world, unpadded_vocab(cfg)).grad_accum == accum
 
 
 # Megatron-Bridge docs/performance-summary.md @5776a6d (25.11) and @fa0315a (25.09), DGX-H100 tables: the model
@@ -107,7 +108,8 @@ def test_megatron_bridge_tokens_times_its_flops_is_its_tflops(name):
     run = BY_NAME[name]
     tflops, ga = MBRIDGE[name]
     assert run.published * run.flops_per_token / 1e12 == pytest.approx(tflops, rel=3e-3)
-    assert derive(load_config(None, list(run.overrides)), run.world).grad_accum == ga
+    cfg = load_config(None, list(run.overrides))
+    assert derive(cfg, run.world, unpadded_vocab(cfg)).grad_accum == ga
 
 
 def test_megatron_core_flops_by_hand():
@@ -123,7 +125,8 @@ def test_moe_zoo_step_time_and_tflops_agree():
     run = BY_NAME["mcore-qwen3-235B-256xH100"]
     tokens_per_gpu = 2048 * 4096 / 17.6 / 256
     assert tokens_per_gpu * run.flops_per_token / 1e12 == pytest.approx(run.published, rel=3e-3)
-    assert derive(load_config(None, list(run.overrides)), run.world).grad_accum == 4
+    cfg = load_config(None, list(run.overrides))
+    assert derive(cfg, run.world, unpadded_vocab(cfg)).grad_accum == 4
 
 
 def test_torchao_b200_speedups_are_the_tokens_ratio():
@@ -138,7 +141,7 @@ def test_shape_matches_the_published_parameter_count(run):
     """The SwiGLU stand-in for a GeLU MLP (8h/3) and the presets: within 0.5% of the source's count,
     and the layout's degrees multiply to the GPU count."""
     cfg = load_config(None, list(run.overrides))
-    d = derive(cfg, run.world)
+    d = derive(cfg, run.world, unpadded_vocab(cfg))
     assert model_counts(cfg.model, d.vocab_size).total / 1e9 == pytest.approx(run.params_b, rel=5e-3)
     p = cfg.parallel
     assert d.dp * p.tp * p.pp * p.cp == run.world

@@ -9,8 +9,8 @@ from helpers import ROOT, tiny_bpe, tiny_config, train_and_gather
 
 from fivefold.checkpoint.run_dir import latest_checkpoint
 from fivefold.cli import main
-from fivefold.config import ModelConfig
 from fivefold.data.tokenizer import ByteTokenizer
+from fivefold.model.config import ModelConfig
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.sample.generate import SampleError, complete, generate, load_model, resolve_source

@@ -172,7 +172,8 @@ def fake_step(name: str, cfg, world: int, rank: int, data) -> PositionResult:
     `rank` of `cfg`'s layout on `world` ranks, on fake tensors; `data`: (train set, val set, loader)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
+    from fivefold.data.resolve import unpadded_vocab
     from fivefold.parallel.expert import moe_blocks
     from fivefold.parallel.mesh import Mesh
     from fivefold.train.breakdown import COLUMNS, BreakdownWindow
@@ -182,7 +183,7 @@ def fake_step(name: str, cfg, world: int, rank: int, data) -> PositionResult:
     from fivefold.train.precision import LossScaler
     from fivefold.train.step import Run, train_step
 
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     where = next(p.name for p in positions(cfg, derived, every=True) if p.rank == rank)
     # The fake backend serves meta tensors too: the pipeline's sends look up a backend by device.
     devices = dist.Backend.backend_capability["fake"]
@@ -215,12 +216,13 @@ if __name__ == "__main__":  # one layout's numbers: python tests/train/fake_devi
 
     from helpers import tiny_config
 
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
+    from fivefold.data.resolve import unpadded_vocab
     from fivefold.train.dry_run import positions
     from fivefold.train.loop import build_datasets
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = tiny_config(Path(tmp), *sys.argv[2:])
         data = build_datasets(cfg, Path(tmp))
-        for pos in positions(cfg, derive(cfg, int(sys.argv[1])), every=True):
+        for pos in positions(cfg, derive(cfg, int(sys.argv[1]), unpadded_vocab(cfg)), every=True):
             print(fake_step("cli", cfg, int(sys.argv[1]), pos.rank, data))

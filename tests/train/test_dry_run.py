@@ -11,8 +11,9 @@ import torch.distributed as dist
 from helpers import ROOT, tiny_config, train_only
 
 from fivefold.cli import main
-from fivefold.config import load_config
-from fivefold.parallel.derive import derive
+from fivefold.config.derive import derive
+from fivefold.config.load import load_config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.mesh import Mesh
 from fivefold.planner.estimate import estimate
@@ -65,7 +66,7 @@ def published(name):
     cfg = load_config(None, [f"--model.preset={preset}", "--train.seq_len=8192", "--train.micro_batch=1",
                              *overrides])
     assert validate(cfg, world) == []
-    return cfg, derive(cfg, world)
+    return cfg, derive(cfg, world, unpadded_vocab(cfg))
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -119,7 +120,7 @@ def test_the_message_plan_is_proven_once_not_per_position(tmp_path, monkeypatch)
     monkeypatch.setattr(module, "check_plans", counted("dry run", module.check_plans))
     monkeypatch.setattr(pipeline, "check_plans", counted("pipeline", pipeline.check_plans))
     cfg = tiny_config(tmp_path, "--parallel.pp=4", "--train.micro_batch=1")
-    reports = dry_run(cfg, derive(cfg, 4), H100, progress=False)
+    reports = dry_run(cfg, derive(cfg, 4, unpadded_vocab(cfg)), H100, progress=False)
     assert len(reports) == 4 and calls == {"dry run": 1, "pipeline": 0}
 
 
@@ -136,7 +137,7 @@ def _mesh_places(world, cfg):
     """Every rank's place on each axis as the real Mesh has it, built in a fake world."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    derived, places = derive(cfg, world), []
+    derived, places = derive(cfg, world, unpadded_vocab(cfg)), []
     for rank in range(world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
@@ -169,7 +170,7 @@ def test_every_position_holds_what_its_pipeline_rank_holds(tmp_path, layout, wor
     holds the same bytes as the first rank of its pipeline rank."""
     cfg = tiny_config(tmp_path, *layout)
     assert validate(cfg, world) == []
-    derived = derive(cfg, world)
+    derived = derive(cfg, world, unpadded_vocab(cfg))
     one = {r.position.pp: r.built for r in dry_run(cfg, derived, H100, progress=False)}
     every = dry_run(cfg, derived, H100, every=True, progress=False)
     assert len(every) > len(one)
@@ -190,7 +191,7 @@ def test_built_bytes_equal_what_a_real_run_holds(tmp_path, layout):
     cfg = tiny_config(tmp_path, "--train.steps=2", "--data.max_bytes=20000", "--data.val_fraction=0.0", *layout)
     run_workers(train_only, 2, cfg)
     measured = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[1]["model_state_bytes"]
-    assert build(cfg, derive(cfg, 2), rank=0) == measured
+    assert build(cfg, derive(cfg, 2, unpadded_vocab(cfg)), rank=0) == measured
 
 
 def test_the_count_tells_storages_apart_on_the_meta_device_too():
@@ -205,7 +206,7 @@ def test_the_count_tells_storages_apart_on_the_meta_device_too():
         with torch.device(device):
             model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
         model[1].weight = model[0].weight  # tied: one storage, counted once
-        opt = build_optimizer(model, cfg.train)
+        opt = build_optimizer(model, cfg.optim)
         init_optimizer_state(opt)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)

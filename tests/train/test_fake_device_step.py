@@ -88,7 +88,8 @@ def test_the_tables_are_found():
 
 
 def test_every_position_steps_on_a_fake_device_within_its_read_budget(tmp_path, short_docs):
-    from fivefold.parallel.derive import derive
+    from fivefold.config.derive import derive
+    from fivefold.data.resolve import unpadded_vocab
     from fivefold.train.dry_run import positions
     from fivefold.train.loop import build_datasets
 
@@ -100,7 +101,7 @@ def test_every_position_steps_on_a_fake_device_within_its_read_budget(tmp_path, 
         if not cfg.parallel.stage_layers and cfg.model.n_layers % chunks == 0:  # an uneven split stays
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=max(chunks, 2)))
         data = build_datasets(cfg, tmp_path)
-        for pos in positions(cfg, derive(cfg, layout.ranks)):
+        for pos in positions(cfg, derive(cfg, layout.ranks, unpadded_vocab(cfg))):
             result = fake_step(name, cfg, layout.ranks, pos.rank, data)
             counted += 1
             budget = dict(STEP)

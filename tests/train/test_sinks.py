@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from fivefold.config import Config, replace
+from fivefold.config.load import replace
+from fivefold.config.schema import Config
 from fivefold.train.metrics import read_events, read_metrics
 from fivefold.train.sinks import flatten, open_sinks, preflight
 from fivefold.validate import validate
@@ -118,7 +119,7 @@ def test_validate_names_unknown_sinks_a_missing_jsonl_and_missing_packages(monke
 
 
 def test_the_default_sink_imports_neither_torch_nor_tensorboard_nor_wandb(tmp_path):
-    code = ("import sys; from pathlib import Path; from fivefold.config import Config; "
+    code = ("import sys; from pathlib import Path; from fivefold.config.schema import Config; "
             "from fivefold.train.sinks import open_sinks; from fivefold.validate import validate; "
             f"assert validate(Config(), 1) == []; open_sinks(Config(), Path({str(tmp_path)!r}), None).close(); "
             "print(sorted(m for m in ('torch', 'tensorboard', 'wandb') if m in sys.modules))")

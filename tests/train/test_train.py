@@ -7,7 +7,7 @@ import torch
 import torch.utils._python_dispatch
 from helpers import tiny_config
 
-from fivefold.config import TrainConfig
+from fivefold.config.schema import OptimConfig, TrainConfig
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm
 from fivefold.train.loop import build_model, train
@@ -16,7 +16,7 @@ from fivefold.train.lr_schedule import lr_at
 
 def test_no_weight_decay_on_norms_and_biases(tmp_path):
     model = build_model(tiny_config(tmp_path), 320)
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
@@ -26,14 +26,15 @@ def test_no_weight_decay_on_norms_and_biases(tmp_path):
 
 
 def test_learning_rate_schedules():
-    cos = TrainConfig(steps=110, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, lr_schedule="cosine")
-    assert [lr_at(s, cos) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # linear warmup reaches the peak
-    assert lr_at(10, cos) == 1.0 and math.isclose(lr_at(60, cos), 0.55) and math.isclose(lr_at(110, cos), 0.1)
-    wsd = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.0, lr_schedule="wsd", decay_fraction=0.2)
-    assert lr_at(50, wsd) == lr_at(79, wsd) == 1.0  # stable
-    assert math.isclose(lr_at(89, wsd), 0.5) and lr_at(99, wsd) == 0.0  # linear decay over the last 20 steps
-    const = TrainConfig(steps=100, warmup_steps=0, lr_schedule="constant")
-    assert lr_at(0, const) == lr_at(99, const) == const.lr
+    cos = OptimConfig(warmup_steps=10, lr=1.0, min_lr_ratio=0.1, lr_schedule="cosine")
+    assert [lr_at(s, cos, 110) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # linear warmup reaches the peak
+    assert lr_at(10, cos, 110) == 1.0 and math.isclose(lr_at(60, cos, 110), 0.55)
+    assert math.isclose(lr_at(110, cos, 110), 0.1)
+    wsd = OptimConfig(warmup_steps=10, lr=1.0, min_lr_ratio=0.0, lr_schedule="wsd", decay_fraction=0.2)
+    assert lr_at(50, wsd, 100) == lr_at(79, wsd, 100) == 1.0  # stable
+    assert math.isclose(lr_at(89, wsd, 100), 0.5) and lr_at(99, wsd, 100) == 0.0  # linear decay over the last 20
+    const = OptimConfig(warmup_steps=0, lr_schedule="constant")
+    assert lr_at(0, const, 100) == lr_at(99, const, 100) == const.lr
 
 
 def test_clip_grad_norm_scales_to_the_cap():
@@ -153,7 +154,7 @@ def _train_expecting_on(rank: int, world: int, cfg, fused: bool):
 def test_a_nonfinite_gradient_stops_with_the_step_and_parameter_or_is_skipped(tmp_path, fused):
     """lr 1e30 makes every weight ~1e30 after step 1, so step 2's loss and gradients are not finite.
     Both verdicts: read before AdamW (foreach, the CPU's), or on the device (fused AdamW's found_inf, CUDA's)."""
-    args = ("--train.steps=3", "--train.lr=1e30", "--train.warmup_steps=0", "--data.max_bytes=20000")
+    args = ("--train.steps=3", "--optim.lr=1e30", "--optim.warmup_steps=0", "--data.max_bytes=20000")
     messages = run_workers(_train_expecting_on, 2, tiny_config(tmp_path / "stop", *args), fused)
     for message in messages:  # every rank stops, with the same message
         assert message.startswith("step 2: the gradient is not finite (first: ") and "(rank " in message
@@ -214,10 +215,10 @@ def test_adamw_is_fused_on_cuda_and_foreach_elsewhere(monkeypatch):
     from fivefold.parallel.optimizer import init_optimizer_state
 
     params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))]
-    group = build_optimizer(params, TrainConfig()).param_groups[0]
+    group = build_optimizer(params, OptimConfig()).param_groups[0]
     assert group["foreach"] and not group["fused"]
     monkeypatch.setattr(optimizer, "fused_on", lambda device: True)
-    opt = build_optimizer(params, TrainConfig())
+    opt = build_optimizer(params, OptimConfig())
     assert opt.param_groups[0]["fused"] and not opt.param_groups[0]["foreach"]
     init_optimizer_state(opt)  # the step counter where fused AdamW keeps it: beside the parameter
     assert opt.state[params[0]]["step"].dtype == torch.float32

@@ -14,7 +14,7 @@ Weights are read only from safetensors (`checkpoint/safetensors_io.py`).
 family.py   `Family`: what one architecture is to fivefold, and the parts families share
 llama.py, mistral.py, mixtral.py, qwen2.py, qwen3.py, olmo2.py, gemma3.py, deepseek_v3.py, qwen3_moe.py,
 gpt_oss.py: one family each
-rope.py     RoPE keys of config.json (either transformers style) <-> the model's rope fields
+rope.py     RoPE keys of config.json (either transformers style) <-> the model's RopeConfig (model.rope)
 registry.py `FAMILIES`; config.json <-> ModelConfig through the family it names or the model needs
 source.py   `HFSource`: an HF directory read as fivefold's tensors
 """

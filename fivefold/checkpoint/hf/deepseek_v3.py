@@ -12,7 +12,7 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   [even, odd] order on the way in (`rope_rows`) and back on the way out; the roped q and k are
   then HF's element for element. With rope_interleave = false nothing is reordered.
 - Latent norms: HF builds q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever rms_norm_eps
-  says, fivefold uses model.norm_eps for every norm: only rms_norm_eps = 1e-6 (DeepSeek-V3's)
+  says, fivefold uses model.norm.eps for every norm: only rms_norm_eps = 1e-6 (DeepSeek-V3's)
   converts exactly, and another is refused both ways by name.
 - Experts: saved one nn.Linear per expert, `mlp.experts.{e}.gate_proj/up_proj/down_proj` (transformers
   5 fuses gate_up_proj (E, 2I, H) in memory but save_pretrained writes this layout, as DeepSeek's own
@@ -23,7 +23,7 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   MoE.select, except that HF adds 1e-20 to the renormalising sum (below fp32's resolution unless
   the top-k scores sum to under ~1e-13).
 - `mlp.gate.e_score_correction_bias` is fivefold's `ffn.expert_bias`, which the model saves and
-  loads only when model.moe_bias_update > 0: a converted config sets DeepSeek-V3's 0.001 (report
+  loads only when model.moe.bias_update > 0: a converted config sets DeepSeek-V3's 0.001 (report
   sec. 4.2, gamma). On the way out an absent bias is written as zeros, always in fp32 (transformers
   keeps it in fp32).
 - Multi-token prediction: the layers past num_hidden_layers (num_nextn_predict_layers of them) are
@@ -31,7 +31,7 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   num_nextn_predict_layers = 0.
 - As released (deepseek-ai/DeepSeek-V3, and Kimi K2: the same architecture, other sizes, n_group 1) the
   weights are fp8 with 128 x 128 block scales: HFSource reads them dequantized (checkpoint/dequant.py).
-- A model with latent attention (model.kv_lora_rank > 0) is written as DeepSeek-V3.
+- A model with latent attention (model.latent.kv_lora_rank > 0) is written as DeepSeek-V3.
 - The keys of DeepSeek's original config.json that transformers ignores (scoring_func, topk_method,
   moe_layer_freq) are refused unless they say what transformers computes (sigmoid, noaux_tc, 1).
 """
@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
-from fivefold.checkpoint.hf.family import ANY, Family, refuse, refuse_common, rope_fields, rope_keys
-from fivefold.model.config import ModelConfig
+from fivefold.checkpoint.hf.family import ANY, Family, part, refuse, refuse_common, rope_fields
+from fivefold.checkpoint.hf.rope import rope_to_hf
+from fivefold.model.config import ModelConfig, RopeConfig
 
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm's default, not rms_norm_eps
 BIAS_UPDATE = 0.001  # DeepSeek-V3's bias update speed gamma (sec. 4.2): keeps expert_bias in the state dict
@@ -83,7 +84,7 @@ def config_problems(hf: dict) -> list[str]:
     eps = _get(hf, "rms_norm_eps")
     if eps != LATENT_NORM_EPS:
         problems.append(f"rms_norm_eps = {eps!r}: HF's DeepSeek-V3 latent norms use {LATENT_NORM_EPS} whatever it "
-                        f"says, and fivefold has one norm_eps for every norm")
+                        f"says, and fivefold has one norm.eps for every norm")
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads")
     if kv_heads not in (None, heads):
         problems.append(f"num_key_value_heads = {kv_heads}: latent attention expands keys and values for each of "
@@ -98,71 +99,73 @@ def config_problems(hf: dict) -> list[str]:
 
 
 def read(hf: dict, problems: list[str]) -> dict[str, Any]:
-    """The ModelConfig fields of a DeepSeek-V3 config.json; what fivefold cannot compute into `problems`."""
+    """The ModelConfig values (by path) of a DeepSeek-V3 config.json; what fivefold cannot compute into
+    `problems`."""
     refuse_common(hf, problems)
     refuse(hf, problems, "hidden_act", "silu", "fivefold's FFN is SwiGLU (silu)")
     refuse(hf, problems, "attention_bias", False, "fivefold reads DeepSeek-V3 without attention biases")
     problems += config_problems(hf)
     rope = rope_fields(hf, DEFAULTS["rope_theta"], problems)
+    latent = dict(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=_get(hf, "q_lora_rank") or 0,
+                  qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                  v_head_dim=hf["v_head_dim"])
     dense = _get(hf, "first_k_dense_replace")
-    moe = dict(n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
-               moe_ffn_dim=hf["moe_intermediate_size"], n_shared_experts=_get(hf, "n_shared_experts"),
-               first_dense_layers=dense, router_score="sigmoid", norm_topk=bool(_get(hf, "norm_topk_prob")),
-               n_expert_groups=_get(hf, "n_group"), topk_groups=_get(hf, "topk_group"),
-               moe_routed_scale=float(_get(hf, "routed_scaling_factor")), moe_bias_update=BIAS_UPDATE)
+    moe = dict(n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], ffn_dim=hf["moe_intermediate_size"],
+               n_shared_experts=_get(hf, "n_shared_experts"), first_dense_layers=dense, router_score="sigmoid",
+               norm_topk=bool(_get(hf, "norm_topk_prob")), n_groups=_get(hf, "n_group"),
+               topk_groups=_get(hf, "topk_group"), routed_scale=float(_get(hf, "routed_scaling_factor")),
+               bias_update=BIAS_UPDATE)
     heads = hf["num_attention_heads"]
-    scale = softmax_scale(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], rope.get("rope_scaling", ""),
-                          rope.get("rope_factor", 1.0), rope.get("rope_mscale_all_dim", 0.0))
-    return dict(
-        attention_scale=scale,
-        dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=heads,
-        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=_get(hf, "rms_norm_eps"),
-        init_std=hf.get("initializer_range", 0.02), **rope,
-        kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=_get(hf, "q_lora_rank") or 0,
-        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        **(moe if dense < hf["num_hidden_layers"] else {}))  # every block dense: no experts
+    return {
+        "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads, "n_kv_heads": heads,
+        "ffn_dim": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm.eps": _get(hf, "rms_norm_eps"),
+        "init_std": hf.get("initializer_range", 0.02),
+        "attention.scale": softmax_scale(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], RopeConfig(**rope)),
+        **part("rope", rope), **part("latent", latent),
+        **(part("moe", moe) if dense < hf["num_hidden_layers"] else {})}  # every block dense: no experts
 
 
-def softmax_scale(qk_head_dim: int, rope_scaling: str, factor: float, mscale_all_dim: float) -> float:
-    """The attention scale HF's DeepSeek-V3 computes, as model.attention_scale (0: fivefold's default
+def softmax_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """The attention scale HF's DeepSeek-V3 computes, as model.attention.scale (0: fivefold's default
     1/sqrt(Dn + Dr)). With scaled RoPE and mscale_all_dim set it is 1/sqrt(Dn + Dr) times
     (0.1 mscale_all_dim ln(factor) + 1)^2 (DeepSeek's YaRN: the attention factor YaRN puts on cos/sin, Peng
     et al. 2023 eq. 22, applied to q.k instead; transformers models/deepseek_v3 `yarn_apply_mscale`)."""
-    if not rope_scaling or not mscale_all_dim or factor <= 1 or not qk_head_dim:
+    if not rope.scaling or not rope.mscale_all_dim or rope.factor <= 1 or not qk_head_dim:
         return 0.0
-    return qk_head_dim ** -0.5 * (0.1 * mscale_all_dim * math.log(factor) + 1) ** 2
+    return qk_head_dim ** -0.5 * (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1) ** 2
 
 
 def export_checks(m: ModelConfig) -> list[str]:
     """What a fivefold model has that HF's DeepSeek-V3 cannot express, beyond FAMILY.computes."""
-    scale = softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, m.rope_scaling, m.rope_factor,
-                          m.rope_mscale_all_dim)
-    checks = [(not math.isclose(m.attention_scale, scale, rel_tol=1e-12),
-               f"model.attention_scale = {m.attention_scale!r} (HF's DeepSeek-V3 computes {scale!r} from the head "
+    scale = softmax_scale(m.latent.qk_nope_head_dim + m.latent.qk_rope_head_dim, m.rope)
+    checks = [(not math.isclose(m.attention.scale, scale, rel_tol=1e-12),
+               f"model.attention.scale = {m.attention.scale!r} (HF's DeepSeek-V3 computes {scale!r} from the head "
                f"widths and RoPE scaling; 0 = 1/sqrt(qk_nope_head_dim + qk_rope_head_dim))"),
-              (m.kv_lora_rank == 0, "model.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"),
-              (m.n_experts == 0, "model.n_experts = 0 (fivefold writes DeepSeek-V3 with its MoE blocks)"),
-              (m.n_experts > 0 and m.n_shared_experts == 0,
-               "model.n_shared_experts = 0 (every DeepSeek-V3 MoE block has shared experts)"),
-              (m.norm_eps != LATENT_NORM_EPS,
-               f"model.norm_eps = {m.norm_eps} (HF's DeepSeek-V3 latent norms use {LATENT_NORM_EPS} whatever "
-               f"rms_norm_eps says; train with model.norm_eps = {LATENT_NORM_EPS} to export)")]
+              (m.latent.kv_lora_rank == 0, "model.latent.kv_lora_rank = 0 (HF's DeepSeek-V3 has latent attention)"),
+              (m.moe.n_experts == 0, "model.moe.n_experts = 0 (fivefold writes DeepSeek-V3 with its MoE blocks)"),
+              (m.moe.n_experts > 0 and m.moe.n_shared_experts == 0,
+               "model.moe.n_shared_experts = 0 (every DeepSeek-V3 MoE block has shared experts)"),
+              (m.norm.eps != LATENT_NORM_EPS,
+               f"model.norm.eps = {m.norm.eps} (HF's DeepSeek-V3 latent norms use {LATENT_NORM_EPS} whatever "
+               f"rms_norm_eps says; train with model.norm.eps = {LATENT_NORM_EPS} to export)")]
     return [what for bad, what in checks if bad]
 
 
 def write(m: ModelConfig, base: dict) -> dict:
     """The DeepSeek-V3 keys of config.json for model `m` (registry.hf_config writes the common ones)."""
-    grouped = m.n_expert_groups > 1
-    return dict(hidden_act="silu", intermediate_size=m.ffn_dim, moe_intermediate_size=m.moe_ffn_dim or m.ffn_dim,
-                num_key_value_heads=m.n_heads, kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None,
-                qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                qk_head_dim=m.qk_nope_head_dim + m.qk_rope_head_dim, head_dim=m.qk_rope_head_dim,
-                n_routed_experts=m.n_experts, num_experts_per_tok=m.top_k, n_shared_experts=m.n_shared_experts,
-                first_k_dense_replace=m.first_dense_layers, norm_topk_prob=m.norm_topk,
-                n_group=m.n_expert_groups if grouped else 1, topk_group=m.topk_groups if grouped else 1,
-                routed_scaling_factor=m.moe_routed_scale, num_nextn_predict_layers=0,
-                rope_interleave=bool(_get(base, "rope_interleave")), **rope_keys(m, base))
+    latent, moe = m.latent, m.moe
+    grouped = moe.n_groups > 1
+    return dict(hidden_act="silu", intermediate_size=m.ffn_dim, moe_intermediate_size=moe.ffn_dim or m.ffn_dim,
+                num_key_value_heads=m.n_heads, kv_lora_rank=latent.kv_lora_rank,
+                q_lora_rank=latent.q_lora_rank or None, qk_nope_head_dim=latent.qk_nope_head_dim,
+                qk_rope_head_dim=latent.qk_rope_head_dim, v_head_dim=latent.v_head_dim,
+                qk_head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim, head_dim=latent.qk_rope_head_dim,
+                n_routed_experts=moe.n_experts, num_experts_per_tok=moe.top_k, n_shared_experts=moe.n_shared_experts,
+                first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=moe.norm_topk,
+                n_group=moe.n_groups if grouped else 1, topk_group=moe.topk_groups if grouped else 1,
+                routed_scaling_factor=moe.routed_scale, num_nextn_predict_layers=0,
+                rope_interleave=bool(_get(base, "rope_interleave")), **rope_to_hf(m.rope, base))
 
 
 def rope_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:
@@ -171,14 +174,13 @@ def rope_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:
     other tensor."""
     if not _get(hf, "rope_interleave"):
         return None
-    rope = m.qk_rope_head_dim
+    nope, rope, kv_rank = m.latent.qk_nope_head_dim, m.latent.qk_rope_head_dim, m.latent.kv_lora_rank
     pairs = torch.arange(rope).view(rope // 2, 2).T.reshape(-1)  # (Dr,) 0, 2, 4, ..., 1, 3, 5, ...
     if name.endswith((".attn.wq_b.weight", ".attn.wq.weight")):
-        width = m.qk_nope_head_dim + rope
-        head = torch.cat([torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + pairs])  # (Dn + Dr,)
-        return (torch.arange(m.n_heads)[:, None] * width + head).reshape(-1)  # (H (Dn + Dr),)
+        head = torch.cat([torch.arange(nope), nope + pairs])  # (Dn + Dr,)
+        return (torch.arange(m.n_heads)[:, None] * (nope + rope) + head).reshape(-1)  # (H (Dn + Dr),)
     if name.endswith(".attn.wkv_a.weight"):
-        return torch.cat([torch.arange(m.kv_lora_rank), m.kv_lora_rank + pairs])  # (Ckv + Dr,)
+        return torch.cat([torch.arange(kv_rank), kv_rank + pairs])  # (Ckv + Dr,)
     return None
 
 
@@ -194,7 +196,7 @@ def mtp_layer(name: str, hf: dict) -> str:
 
 FAMILY = Family(title="DeepSeek-V3", architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", block=BLOCK,
                 read=read, write=write, experts=EXPERTS, required=REQUIRED, rows=rope_rows, skips=mtp_layer,
-                computes={"kv_lora_rank": ANY, "n_experts": ANY, "n_shared_experts": ANY, "first_dense_layers": ANY,
-                          "router_score": ("sigmoid",), "norm_topk": ANY, "n_expert_groups": ANY,
-                          "moe_routed_scale": ANY, "attention_scale": ANY},
+                computes={"latent.kv_lora_rank": ANY, "moe.n_experts": ANY, "moe.n_shared_experts": ANY,
+                          "moe.first_dense_layers": ANY, "moe.router_score": ("sigmoid",), "moe.norm_topk": ANY,
+                          "moe.n_groups": ANY, "moe.routed_scale": ANY, "attention.scale": ANY},
                 export_checks=export_checks)

@@ -8,9 +8,11 @@ registry.py lists the families; nothing else needs to know one from another.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -36,19 +38,21 @@ QK_NORMS = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight
 NOT_WEIGHTS = re.compile(r".*\.rotary_emb\.inv_freq$")
 ANY = None  # in Family.computes: the family computes whatever the field says
 
-# The features a family's HF model has or lacks, as the ModelConfig values of a plain Llama: a family
-# lists in `computes` the values it takes where it differs (a tuple of values, or ANY).
-PLAIN: dict[str, tuple] = {
-    "qkv_bias": (False,), "out_bias": (False,), "qk_norm": (False,), "norm_position": ("pre",), "norm_offset": (0.0,),
-    "norm_weight_fp32": (False,), "embed_scale": (False,), "activation": ("silu",), "sliding_window": (0,),
-    "window_pattern": ((),),
-    "attention_sinks": (False,), "local_rope_theta": (0.0,), "attention_scale": (0.0,), "kv_lora_rank": (0,),
-    "n_experts": (0,), "rope_scaling": ANY, "head_dim": ANY, "qk_norm_span": ANY,
+# The features a family's HF model has or lacks, as the ModelConfig values of a plain Llama, each field by its
+# path in ModelConfig ("norm.qk": model.norm.qk): a family lists in `computes` the values it takes where it
+# differs (a tuple of values, or ANY).
+PLAIN: dict[str, tuple | None] = {
+    "attention.qkv_bias": (False,), "attention.out_bias": (False,), "attention.window": (0,),
+    "attention.window_pattern": ((),), "attention.sinks": (False,), "attention.scale": (0.0,),
+    "norm.qk": (False,), "norm.qk_span": ANY, "norm.position": ("pre",), "norm.offset": (0.0,),
+    "norm.weight_fp32": (False,), "embed_scale": (False,), "activation": ("silu",), "head_dim": ANY,
+    "rope.scaling": ANY, "rope.local_theta": (0.0,), "latent.kv_lora_rank": (0,), "moe.n_experts": (0,),
 }
 # ... and of a Mixtral MoE block, checked only for models with experts.
-PLAIN_MOE: dict[str, tuple] = {
-    "n_shared_experts": (0,), "first_dense_layers": (0,), "router_score": ("softmax",), "norm_topk": (True,),
-    "n_expert_groups": (0, 1), "moe_routed_scale": (1.0,), "moe_bias": (False,), "swiglu_limit": (0.0,),
+PLAIN_MOE: dict[str, tuple | None] = {
+    "moe.n_shared_experts": (0,), "moe.first_dense_layers": (0,), "moe.router_score": ("softmax",),
+    "moe.norm_topk": (True,), "moe.n_groups": (0, 1), "moe.routed_scale": (1.0,), "moe.linear_bias": (False,),
+    "moe.swiglu_limit": (0.0,),
 }
 
 
@@ -64,13 +68,14 @@ class Family:
     architecture: str  # config.json "architectures": ["LlamaForCausalLM"]
     model_type: str  # config.json "model_type"
     block: dict[str, str]  # per block: fivefold name -> HF name under model.layers.{i}.
-    # (config.json, problems) -> ModelConfig fields; appends what it cannot represent to problems.
+    # (config.json, problems) -> ModelConfig values by path ("dim", "rope.theta", "moe.n_experts": see
+    # model_config); appends what it cannot represent to problems.
     read: Callable[[dict, list[str]], dict[str, Any]]
     # (model, config.json written so far: the base's keys and the common ones) -> this family's keys
     write: Callable[[ModelConfig, dict], dict[str, Any]]
     experts: dict[str, str] = field(default_factory=dict)  # stacked experts -> HF per-expert name with {e}
     required: tuple[str, ...] = ()  # integer keys config.json must have, beyond the common ones
-    computes: dict[str, tuple | None] = field(default_factory=dict)  # overrides of PLAIN / PLAIN_MOE
+    computes: dict[str, tuple | None] = field(default_factory=dict)  # overrides of PLAIN / PLAIN_MOE, by path
     export_checks: Callable[[ModelConfig], list[str]] = lambda m: []  # what `computes` cannot say
     # (fivefold name, model, config.json) -> the HF row behind each fivefold row where they differ, else None
     rows: Callable[[str, ModelConfig, dict], torch.Tensor | None] = lambda name, m, hf: None
@@ -92,7 +97,7 @@ class Family:
         layer, rest = match.groups()
         if rest in self.block or rest in self.fused:
             return [f"model.layers.{layer}.{self.block[rest] if rest in self.block else self.fused[rest][0]}"]
-        return [f"model.layers.{layer}.{self.experts[rest].format(e=e)}" for e in range(m.n_experts)]
+        return [f"model.layers.{layer}.{self.experts[rest].format(e=e)}" for e in range(m.moe.n_experts)]
 
     def fused_part(self, name: str) -> tuple[int, int] | None:
         """(start, step) of a fivefold tensor that is part of a fused HF tensor, else None."""
@@ -101,12 +106,12 @@ class Family:
 
     def export_problems(self, m: ModelConfig) -> list[str]:
         """What model `m` computes that this family's HF model does not, one line each."""
-        rules = {**PLAIN, **(PLAIN_MOE if m.n_experts else {}), **self.computes}
+        rules = {**PLAIN, **(PLAIN_MOE if m.moe.n_experts else {}), **self.computes}
         problems = []
-        for name, fine in rules.items():
-            value = getattr(m, name)
+        for path, fine in rules.items():
+            value = attrgetter(path)(m)
             if fine is not ANY and value not in fine:
-                problems.append(f"model.{name} = {value!r}: HF's {self.title} computes {name} = "
+                problems.append(f"model.{path} = {value!r}: HF's {self.title} computes {path} = "
                                 f"{' or '.join(repr(v) for v in fine)}")
         return problems + self.export_checks(m)
 
@@ -132,37 +137,52 @@ def refuse_common(hf: dict, problems: list[str]) -> None:
         problems.append(str(e).removeprefix("config.json: "))
 
 
+def part(name: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields of one part of ModelConfig (its RopeConfig, NormConfig, ...) by path: {"rope.theta": ...}."""
+    return {f"{name}.{key}": value for key, value in fields.items()}
+
+
+def model_config(fields: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig a family's `read` describes: values by path, "dim" for a field of ModelConfig itself,
+    "rope.theta" for one of a part; each part built whole from its own, the rest left at their defaults."""
+    top: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for path, value in fields.items():
+        name, _, key = path.rpartition(".")
+        if name:
+            parts.setdefault(name, {})[key] = value
+        else:
+            top[key] = value
+    plain = ModelConfig()
+    return ModelConfig(**top, **{name: dataclasses.replace(getattr(plain, name), **values)
+                                 for name, values in parts.items()})
+
+
 def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:
-    """The RoPE fields of config.json `hf` in either style (checkpoint/hf/rope.py); `default_theta`:
+    """RopeConfig's fields for config.json `hf` in either style (checkpoint/hf/rope.py); `default_theta`:
     the family's base when the file states none. A rope type fivefold does not read goes to problems."""
-    return {"rope_theta": default_theta, **rope_fields_from_hf(hf, problems)}
-
-
-def rope_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
-    """The RoPE keys of config.json for model `m`, in the style of `base` (transformers 5's
-    rope_parameters unless base has the older rope_theta / rope_scaling)."""
-    return rope_to_hf(m, base)
+    return {"theta": default_theta, **rope_fields_from_hf(hf, problems)}
 
 
 def common_fields(hf: dict, defaults: dict, problems: list[str]) -> dict[str, Any]:
-    """The ModelConfig fields every Llama-like config.json states the same way. `defaults`: what
-    transformers assumes for rms_norm_eps, rope_theta (and num_key_value_heads, head_dim,
-    tie_word_embeddings) when left out."""
+    """The ModelConfig values (by path, as `read` returns them) every Llama-like config.json states the
+    same way. `defaults`: what transformers assumes for rms_norm_eps, rope_theta (and num_key_value_heads,
+    head_dim, tie_word_embeddings) when left out."""
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or defaults.get("head_dim") or 0
-    return dict(
-        dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", heads),
-        head_dim=0 if head_dim == hf["hidden_size"] // heads else head_dim,  # 0: fivefold's "dim // n_heads"
-        ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
-        norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]), init_std=hf.get("initializer_range", 0.02),
-        **rope_fields(hf, defaults["rope_theta"], problems))
+    return {
+        "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", heads),
+        "head_dim": 0 if head_dim == hf["hidden_size"] // heads else head_dim,  # 0: fivefold's "dim // n_heads"
+        "ffn_dim": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
+        "norm.eps": hf.get("rms_norm_eps", defaults["rms_norm_eps"]), "init_std": hf.get("initializer_range", 0.02),
+        **part("rope", rope_fields(hf, defaults["rope_theta"], problems))}
 
 
 def attention_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
     """num_key_value_heads, head_dim and the RoPE keys of a grouped-query attention model."""
-    out: dict[str, Any] = dict(num_key_value_heads=m.n_kv_heads, **rope_keys(m, base))
+    out: dict[str, Any] = dict(num_key_value_heads=m.n_kv_heads, **rope_to_hf(m.rope, base))
     head_dim = m.head_dim or m.dim // m.n_heads
     if not (base.get("head_dim") is None and head_dim == m.dim // m.n_heads):  # keep a base's null default
         out["head_dim"] = head_dim
@@ -170,7 +190,7 @@ def attention_keys(m: ModelConfig, base: dict) -> dict[str, Any]:
 
 
 def pattern_of(layer_types: list[str]) -> tuple[str, ...]:
-    """layer_types ("sliding_attention" / "full_attention" per layer) as fivefold's window_pattern:
+    """layer_types ("sliding_attention" / "full_attention" per layer) as fivefold's attention.window_pattern:
     its shortest period that divides the number of layers (the whole list for Gemma 3 1B's 26 layers
     of period 6), () when every layer slides."""
     kinds = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
@@ -181,4 +201,4 @@ def pattern_of(layer_types: list[str]) -> tuple[str, ...]:
 
 def layer_types(m: ModelConfig) -> list[str]:
     """fivefold's sliding windows as transformers' layer_types."""
-    return ["sliding_attention" if m.layer_window(i) else "full_attention" for i in range(m.n_layers)]
+    return ["sliding_attention" if m.attention.layer_window(i) else "full_attention" for i in range(m.n_layers)]

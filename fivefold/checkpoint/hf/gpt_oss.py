@@ -1,20 +1,21 @@
 """Hugging Face gpt-oss (`GptOssForCausalLM`, transformers models/gpt_oss): sinks, windows, biased MoE.
 
 Checked against transformers 5.23 (random-weight logits in tests/checkpoint/test_hf_moe_families.py):
-- Attention: q/k/v/o projections with biases (attention_bias: qkv_bias and out_bias), a learned sink
-  logit per head (`self_attn.sinks`, (H,): model.attention_sinks); layer_types[i] "sliding_attention"
+- Attention: q/k/v/o projections with biases (attention_bias: attention.qkv_bias and .out_bias), a learned sink
+  logit per head (`self_attn.sinks`, (H,): model.attention.sinks); layer_types[i] "sliding_attention"
   sees the last sliding_window keys, the query's own included (transformers' sliding-window mask:
-  kv > q - w), "full_attention" the causal prefix: model.sliding_window with window_pattern from
+  kv > q - w), "full_attention" the causal prefix: model.attention.window with attention.window_pattern from
   layer_types (released: sliding, full, alternating, window 128). Scale 1/sqrt(head_dim).
 - Router `mlp.router` (E, dim) with a bias: top-k of the logits, softmax over those k, which is fivefold's
-  softmax over all experts renormalised over the top k (router_score "softmax", norm_topk, moe_bias).
+  softmax over all experts renormalised over the top k (moe.router_score "softmax", moe.norm_topk,
+  moe.linear_bias).
 - Experts are saved fused, as the model holds them (no conversion mapping for gpt_oss in
   transformers/conversion_mapping.py): `mlp.experts.gate_up_proj` (E, dim, 2 I) with gate and up
   interleaved on the last dim (gate = [..., 0::2], up = [..., 1::2], `GptOssExperts._apply_gate`),
   `gate_up_proj_bias` (E, 2 I) the same way, `down_proj` (E, I, dim) and `down_proj_bias` (E, dim): x @ W
   as fivefold stores them, so only the interleaving is undone (Family.fused).
 - Expert activation: gate clamped above at swiglu_limit, up to [-limit, limit], out = gate sigmoid(1.702
-  gate) (up + 1): fivefold's ffn.gated with model.swiglu_limit (swiglu_alpha other than 1.702 refused).
+  gate) (up + 1): fivefold's ffn.gated with model.moe.swiglu_limit (swiglu_alpha other than 1.702 refused).
 - As released (openai/gpt-oss-20b, -120b) the experts are MXFP4 (`gate_up_proj_blocks` / `_scales`, ...):
   HFSource reads them dequantized (checkpoint/dequant.py).
 """
@@ -39,7 +40,7 @@ LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
 def _pattern(types: list[str]) -> tuple[str, ...]:
-    """The shortest repeating prefix of layer_types, in fivefold's words (window_pattern)."""
+    """The shortest repeating prefix of layer_types, in fivefold's words (attention.window_pattern)."""
     words = tuple(LAYER_TYPES[t] for t in types)
     for n in range(1, len(words) + 1):
         if all(w == words[i % n] for i, w in enumerate(words)):
@@ -58,38 +59,40 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
         types = []
     window = hf.get("sliding_window") or 0
     bias = bool(hf.get("attention_bias", True))
-    return dict(common_fields(hf, DEFAULTS, problems), qkv_bias=bias, out_bias=bias,
-                attention_sinks=True, sliding_window=window if "sliding_attention" in types else 0,
-                window_pattern=_pattern(types) if window and "full_attention" in types else (),
-                n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                moe_ffn_dim=hf["intermediate_size"], moe_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    return {**common_fields(hf, DEFAULTS, problems), "attention.qkv_bias": bias, "attention.out_bias": bias,
+            "attention.sinks": True, "attention.window": window if "sliding_attention" in types else 0,
+            "attention.window_pattern": _pattern(types) if window and "full_attention" in types else (),
+            "moe.n_experts": hf["num_local_experts"], "moe.top_k": hf["num_experts_per_tok"],
+            "moe.ffn_dim": hf["intermediate_size"], "moe.linear_bias": True,
+            "moe.swiglu_limit": float(hf.get("swiglu_limit", 7.0))}
 
 
 def write(m: ModelConfig, base: dict) -> dict[str, Any]:
-    pattern = m.window_pattern or ("sliding",)
+    pattern = m.attention.window_pattern or ("sliding",)
     kinds = {word: name for name, word in LAYER_TYPES.items()}
-    types = [kinds[pattern[i % len(pattern)]] if m.sliding_window else "full_attention" for i in range(m.n_layers)]
-    return dict(intermediate_size=m.moe_ffn_dim or m.ffn_dim, hidden_act="silu", attention_bias=m.qkv_bias,
-                num_local_experts=m.n_experts, num_experts_per_tok=m.top_k, swiglu_limit=m.swiglu_limit,
-                swiglu_alpha=SWIGLU_ALPHA, sliding_window=m.sliding_window or None, layer_types=types,
+    types = [kinds[pattern[i % len(pattern)]] if m.attention.window else "full_attention" for i in range(m.n_layers)]
+    return dict(intermediate_size=m.moe.ffn_dim or m.ffn_dim, hidden_act="silu", attention_bias=m.attention.qkv_bias,
+                num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k, swiglu_limit=m.moe.swiglu_limit,
+                swiglu_alpha=SWIGLU_ALPHA, sliding_window=m.attention.window or None, layer_types=types,
                 **{**attention_keys(m, base), "head_dim": m.head_dim or m.dim // m.n_heads})
 
 
 def checks(m: ModelConfig) -> list[str]:
     problems = []
-    if not m.n_experts:
-        problems.append("model.n_experts = 0: every block of HF's gpt-oss is a mixture of experts")
-    if m.swiglu_limit <= 0:
-        problems.append("model.swiglu_limit = 0: HF's gpt-oss always clamps its experts' SwiGLU (released: 7.0)")
-    if m.qkv_bias != m.out_bias:
-        problems.append(f"model.qkv_bias = {m.qkv_bias}, model.out_bias = {m.out_bias}: HF's gpt-oss has biases on "
-                        f"all four attention projections or on none (attention_bias)")
+    if not m.moe.n_experts:
+        problems.append("model.moe.n_experts = 0: every block of HF's gpt-oss is a mixture of experts")
+    if m.moe.swiglu_limit <= 0:
+        problems.append("model.moe.swiglu_limit = 0: HF's gpt-oss always clamps its experts' SwiGLU (released: 7.0)")
+    if m.attention.qkv_bias != m.attention.out_bias:
+        problems.append(f"model.attention.qkv_bias = {m.attention.qkv_bias}, model.attention.out_bias = "
+                        f"{m.attention.out_bias}: HF's gpt-oss has biases on all four attention projections or on "
+                        f"none (attention_bias)")
     return problems
 
 
 FAMILY = Family(title="gpt-oss", architecture="GptOssForCausalLM", model_type="gpt_oss", block=BLOCK, read=read,
                 write=write, fused=FUSED, required=("num_local_experts", "num_experts_per_tok"),
-                computes={"qkv_bias": (False, True), "out_bias": (False, True), "attention_sinks": (True,),
-                          "sliding_window": ANY, "window_pattern": ANY, "n_experts": ANY, "moe_bias": (True,),
-                          "swiglu_limit": ANY},
+                computes={"attention.qkv_bias": (False, True), "attention.out_bias": (False, True),
+                          "attention.sinks": (True,), "attention.window": ANY, "attention.window_pattern": ANY,
+                          "moe.n_experts": ANY, "moe.linear_bias": (True,), "moe.swiglu_limit": ANY},
                 export_checks=checks)

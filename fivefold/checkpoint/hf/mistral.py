@@ -1,6 +1,6 @@
 """Hugging Face Mistral (`MistralForCausalLM`, transformers models/mistral): the Llama block without
 biases; `sliding_window`, when set, is a window of that many tokens (the query included) on every
-layer (model.sliding_window: transformers' sliding-window mask keeps keys with q - k < window), and
+layer (model.attention.window: transformers' sliding-window mask keeps keys with q - k < window), and
 null is full causal attention (Mistral 7B v0.2 and later). `layer_types` is not read: MistralModel
 ignores it too."""
 
@@ -27,13 +27,14 @@ SLIDING_WINDOW = 4096  # MistralConfig's when the key is left out (null, written
 def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     refuse_common(hf, problems)
     refuse(hf, problems, "hidden_act", "silu", "fivefold's FFN is SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)")
-    return dict(common_fields(hf, DEFAULTS, problems), sliding_window=hf.get("sliding_window", SLIDING_WINDOW) or 0)
+    return {**common_fields(hf, DEFAULTS, problems),
+            "attention.window": hf.get("sliding_window", SLIDING_WINDOW) or 0}
 
 
 def write(m: ModelConfig, base: dict) -> dict[str, Any]:
-    return dict(intermediate_size=m.ffn_dim, hidden_act="silu", sliding_window=m.sliding_window or None,
+    return dict(intermediate_size=m.ffn_dim, hidden_act="silu", sliding_window=m.attention.window or None,
                 **attention_keys(m, base))
 
 
 FAMILY = Family(title="Mistral", architecture="MistralForCausalLM", model_type="mistral", block=BLOCK, read=read,
-                write=write, computes={"sliding_window": ANY})
+                write=write, computes={"attention.window": ANY})

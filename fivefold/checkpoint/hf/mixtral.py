@@ -5,7 +5,7 @@ Experts are saved one nn.Linear per expert, weight (out, in): `block_sparse_moe.
 `experts.gate/up` (E, dim, hidden), `experts.down` (E, hidden, dim), so expert e of a stacked tensor is
 HF's weight transposed. (transformers 5 fuses gate and up in memory, `experts.gate_up_proj`, but still
 saves this per-expert layout.) The router `block_sparse_moe.gate` is `ffn.router`: softmax, top-k,
-renormalised, as fivefold's MoE with router_score = "softmax" and norm_topk = true.
+renormalised, as fivefold's MoE with moe.router_score = "softmax" and moe.norm_topk = true.
 """
 
 from __future__ import annotations
@@ -37,19 +37,20 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     refuse(hf, problems, "hidden_act", "silu", "fivefold's experts are SwiGLU (silu)")
     refuse(hf, problems, "sliding_window", None, "fivefold reads Mixtral without a sliding window")
     refuse(hf, problems, "router_jitter_noise", 0.0, "fivefold's router adds no noise")
-    return dict(common_fields(hf, DEFAULTS, problems), n_experts=hf["num_local_experts"],
-                top_k=hf["num_experts_per_tok"])
+    return {**common_fields(hf, DEFAULTS, problems), "moe.n_experts": hf["num_local_experts"],
+            "moe.top_k": hf["num_experts_per_tok"]}
 
 
 def write(m: ModelConfig, base: dict) -> dict[str, Any]:
-    return dict(intermediate_size=m.moe_ffn_dim or m.ffn_dim, hidden_act="silu", num_local_experts=m.n_experts,
-                num_experts_per_tok=m.top_k, **attention_keys(m, base))
+    return dict(intermediate_size=m.moe.ffn_dim or m.ffn_dim, hidden_act="silu", num_local_experts=m.moe.n_experts,
+                num_experts_per_tok=m.moe.top_k, **attention_keys(m, base))
 
 
 def experts_everywhere(m: ModelConfig) -> list[str]:
-    return ["model.n_experts = 0: every block of HF's Mixtral is a mixture of experts"] if not m.n_experts else []
+    return ["model.moe.n_experts = 0: every block of HF's Mixtral is a mixture of experts"] if not m.moe.n_experts \
+        else []
 
 
 FAMILY = Family(title="Mixtral", architecture="MixtralForCausalLM", model_type="mixtral", block=BLOCK, read=read,
                 write=write, experts=EXPERTS, required=("num_local_experts", "num_experts_per_tok"),
-                computes={"n_experts": ANY}, export_checks=experts_everywhere)
+                computes={"moe.n_experts": ANY}, export_checks=experts_everywhere)

@@ -23,7 +23,7 @@ def refuse_qwen(hf: dict, problems: list[str]) -> None:
 
 def read(hf: dict, problems: list[str]) -> dict[str, Any]:
     refuse_qwen(hf, problems)
-    return dict(common_fields(hf, DEFAULTS, problems), qkv_bias=True)
+    return {**common_fields(hf, DEFAULTS, problems), "attention.qkv_bias": True}
 
 
 def write(m: ModelConfig, base: dict) -> dict[str, Any]:
@@ -31,4 +31,4 @@ def write(m: ModelConfig, base: dict) -> dict[str, Any]:
 
 
 FAMILY = Family(title="Qwen2", architecture="Qwen2ForCausalLM", model_type="qwen2", block=BLOCK, read=read,
-                write=write, computes={"qkv_bias": (True,)})
+                write=write, computes={"attention.qkv_bias": (True,)})

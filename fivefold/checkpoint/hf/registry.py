@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fivefold.checkpoint.hf.deepseek_v3 import FAMILY as DEEPSEEK_V3
-from fivefold.checkpoint.hf.family import Family, HFFormatError
+from fivefold.checkpoint.hf.family import Family, HFFormatError, model_config
 from fivefold.checkpoint.hf.gemma3 import FAMILY as GEMMA3
 from fivefold.checkpoint.hf.gpt_oss import FAMILY as GPT_OSS
 from fivefold.checkpoint.hf.llama import FAMILY as LLAMA
@@ -48,7 +48,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if problems:
         raise HFFormatError(f"{where} ({family.architecture}) uses what fivefold does not implement:\n  "
                             + "\n  ".join(problems))
-    return ModelConfig(**fields)
+    return model_config(fields)
 
 
 def family_to_write(m: ModelConfig, base: dict | None = None) -> Family:
@@ -72,7 +72,7 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> d
     out = {k: v for k, v in (base or {}).items() if k != "quantization_config"}  # dequantized on import
     out.update(architectures=[family.architecture], model_type=family.model_type, hidden_size=m.dim,
                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, vocab_size=m.vocab_size,
-               rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std)
+               rms_norm_eps=m.norm.eps, tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std)
     out.update(family.write(m, out))
     out["torch_dtype" if "torch_dtype" in out else "dtype"] = DTYPE_NAMES[dtype]
     return out

@@ -31,12 +31,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.data.ddp import DDP
 from fivefold.parallel.data.fsdp import FullyShardedDataParallel
 from fivefold.parallel.data.zero import ZeroDataParallel
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.config import ParallelConfig
+from fivefold.config.schema import ParallelConfig
 from fivefold.parallel import state_dict
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.ring import ring_all_reduce

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fivefold.config import ParallelConfig
+from fivefold.config.schema import ParallelConfig
 from fivefold.parallel.data.buckets import Bucket, BucketReducer, ReducesInBuckets, chunk_index
 from fivefold.parallel.data.fp8_gather import Finish, Float8Gather
 from fivefold.parallel.data.shards import ShardedOptimizer, ZeroShards
@@ -98,7 +98,7 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         # Built on the meta device, the full parameters never hold storage: only the shards do.
         materialize(model, mesh.device, freed)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.reshard_after_forward = reshard_after_forward  # derive() resolves "auto" (parallel/derive.py)
+        self.reshard_after_forward = reshard_after_forward  # derive() resolves "auto" (config/derive.py)
         # A pipeline runs other actions between a head's forward and its backward (all of them in
         # GPipe): kept gathered across, the head would hold its memory all that while.
         head_next = mesh.size("pp") == 1

@@ -69,7 +69,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.parallel.data.buckets import Bucket
 from fivefold.parallel.data.shards import ShardedOptimizer, ZeroShards
 from fivefold.parallel.materialize import carry_marks

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from fivefold.config import ParallelConfig
+from fivefold.config.schema import ParallelConfig
 from fivefold.parallel import state_dict
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.data.buckets import Bucket, BucketReducer, ReducesInBuckets

@@ -36,7 +36,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.model.counts import (
     ModelCounts,
     attention_keys,
@@ -62,7 +62,7 @@ def part_costs(cfg: Config, counts: ModelCounts) -> PartCosts:
     m, p = cfg.model, cfg.parallel
     head = (counts.head or counts.embedding) // p.tp + counts.final_norm  # tied: the last stage keeps a copy
     # A sliding layer attends to fewer keys (Gemma's local layers); documents' lengths are the data's.
-    keys = [k if m.layer_window(i) else None for i, k in enumerate(attention_keys(m, cfg.train.seq_len))]
+    keys = [k if m.attention.layer_window(i) else None for i, k in enumerate(attention_keys(m, cfg.train.seq_len))]
     return PartCosts(flops=tuple(block_forward_flops(m, b, cfg.train.seq_len, p.tp, p.sp, keys=k)
                                  for b, k in zip(counts.blocks, keys, strict=True)),
                      params=tuple(block_rank_params(b, p.tp, p.ep) for b in counts.blocks),

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.config import Config
+from fivefold.config.derive import Derived
+from fivefold.config.schema import Config
 from fivefold.model.masks import DocumentIds
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm.collectives import AxisGroup
-from fivefold.parallel.derive import Derived
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.pipeline.schedules import Schedule, build_schedule
 from fivefold.parallel.pipeline.stage_split import stage_split

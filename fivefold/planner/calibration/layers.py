@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from fivefold.config import Config
+from fivefold.config.derive import derive
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
-from fivefold.parallel.derive import derive
 from fivefold.planner.calibration.opcount import Part, end_parts
 from fivefold.planner.calibration.sampling import SAMPLE_S, sample_turns
 from fivefold.planner.layout import rank_shares
@@ -35,7 +36,7 @@ from fivefold.planner.layout import rank_shares
 def config_parts(cfg: Config, world_size: int) -> list[Part]:
     """The distinct parts the ranks of `cfg` on `world_size` processes run (cfg must validate)."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    d = derive(cfg, world_size)
+    d = derive(cfg, world_size, unpadded_vocab(cfg))
     parts: dict[str, Part] = {}
     for share in rank_shares(cfg, model_counts(m, d.vocab_size)):
         for blk in share.blocks:

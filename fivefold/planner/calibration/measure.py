@@ -177,13 +177,13 @@ def optimizer_costs(repeats: int = 5, min_s: float = SAMPLE_S) -> tuple[float, f
     and a few large tensors."""
     from torch import nn
 
-    from fivefold.config import TrainConfig
+    from fivefold.config.schema import OptimConfig
     from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm
 
     def per_step(count: int, numel: int) -> float:
         params = nn.ParameterList([nn.Parameter(torch.randn(numel // 64, 64)) for _ in range(count)])
         grads = [torch.randn_like(p) * 1e-3 for p in params]
-        opt = build_optimizer(params, TrainConfig())
+        opt = build_optimizer(params, OptimConfig())
 
         def step():
             for p, g in zip(params, grads, strict=True):  # one gradient per parameter

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from fivefold.config import ModelConfig
+from fivefold.model.config import ModelConfig
 
 if TYPE_CHECKING:  # torch is imported where it runs: loading a profile should not import it
     import torch
@@ -168,17 +168,20 @@ class Part:
         if self.kind != "block":
             return f"{self.kind} vocab={max(1, self.vocab // self.tp)} dim={m.dim} tp={self.tp} {tail}"
         rm = _rank_model(m, self.tp)
-        if m.n_experts and self.layer >= m.first_dense_layers:
-            ffn = (f"experts={m.n_experts}x{m.moe_ffn_dim or m.ffn_dim} top_k={m.top_k} shared={m.n_shared_experts} "
-                   f"score={m.router_score} aux={m.moe_aux_loss:g} cf={m.moe_capacity_factor:g}")
+        moe = m.moe
+        if moe.n_experts and self.layer >= moe.first_dense_layers:
+            ffn = (f"experts={moe.n_experts}x{moe.ffn_dim or m.ffn_dim} top_k={moe.top_k} "
+                   f"shared={moe.n_shared_experts} score={moe.router_score} aux={moe.aux_loss:g} "
+                   f"cf={moe.capacity_factor:g}")
         else:
             ffn = f"ffn={rm.ffn_dim}"
-            if m.n_expert_groups > 1:
-                ffn += f" groups={m.topk_groups}/{m.n_expert_groups}"
-        qk = " qk_norm" if m.qk_norm else ""
-        if m.kv_lora_rank:  # latent attention: its widths instead of head_dim (n_kv_heads is unused)
-            return (f"block dim={m.dim} heads={rm.n_heads} mla={m.q_lora_rank}/{m.kv_lora_rank} "
-                    f"qk={m.qk_nope_head_dim}+{m.qk_rope_head_dim} v={m.v_head_dim} {ffn} {tail}")
+            if moe.n_groups > 1:
+                ffn += f" groups={moe.topk_groups}/{moe.n_groups}"
+        qk = " qk_norm" if m.norm.qk else ""
+        mla = m.latent
+        if mla.kv_lora_rank:  # latent attention: its widths instead of head_dim (n_kv_heads is unused)
+            return (f"block dim={m.dim} heads={rm.n_heads} mla={mla.q_lora_rank}/{mla.kv_lora_rank} "
+                    f"qk={mla.qk_nope_head_dim}+{mla.qk_rope_head_dim} v={mla.v_head_dim} {ffn} {tail}")
         return f"block dim={m.dim} heads={rm.n_heads}/{rm.n_kv_heads} head_dim={rm.head_dim} {ffn}{qk} {tail}"
 
     def build(self) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -204,13 +207,15 @@ class Part:
 
         m, b, s = self.model, self.batch, self.seq
         if self.kind == "block":
-            rm = dataclasses.replace(_rank_model(m, self.tp), first_dense_layers=m.first_dense_layers)
+            rm = _rank_model(m, self.tp)
             block = Block(rm, self.layer, rm.head_dim)
             for name, p in block.named_parameters():
                 init_tensor(name, p, rm, seed=0)  # the block's own seeded init: routing, hence ops, are fixed
             x = torch.randn(b, s, m.dim, requires_grad=True)
-            rope_dim = rm.qk_rope_head_dim if rm.kv_lora_rank else rm.head_dim  # MLA ropes a part of each head
-            cos, sin = rope_cos_sin(torch.arange(s), rope_dim, m, layer_is_local(m, self.layer))
+            # MLA ropes a part of each head
+            rope_dim = rm.latent.qk_rope_head_dim if rm.latent.kv_lora_rank else rm.head_dim
+            local = layer_is_local(m.rope, m.attention.layer_window(self.layer))
+            cos, sin = rope_cos_sin(torch.arange(s), rope_dim, m.rope, local)
             return (lambda: block(x, cos, sin)), list(block.parameters()), [x]
         v = max(1, self.vocab // self.tp)  # the vocabulary is split over tp
         alone = AxisGroup("tp", "tp", None, 1, 0, CommStats())
@@ -219,7 +224,7 @@ class Part:
             emb = VocabParallelEmbedding(emb, alone, False) if self.tp > 1 else emb
             tokens = torch.randint(0, v, (b, s))
             return (lambda: emb(tokens)), list(emb.parameters()), []
-        norm, head = RMSNorm(m.dim, m.norm_eps), nn.Linear(m.dim, v, bias=False)
+        norm, head = RMSNorm(m.dim, m.norm.eps), nn.Linear(m.dim, v, bias=False)
         x = torch.randn(b, s, m.dim, requires_grad=True)
         targets = torch.randint(0, v, (b, s))
         # at tp = 1 the fused kernel training calls; under tp the Function (its collectives over one rank)
@@ -265,7 +270,7 @@ def part_tally(part: Part, autocast: bool = False) -> tuple[OpTally, OpTally]:
             return run()
     except Exception as err:  # data-dependent ops (MoE): real tensors, if they fit in a few hundred MB
         m = part.model
-        moe = m.n_experts * 3 * m.dim * (m.moe_ffn_dim or m.ffn_dim)
+        moe = m.moe.n_experts * 3 * m.dim * (m.moe.ffn_dim or m.ffn_dim)
         if part.kind != "block" or part.batch * part.seq * max(m.dim, m.ffn_dim) * 32 + moe * 4 > 4e8:
             raise ValueError("this block's ops depend on its values and it is too large to run for real") from err
         return run()

@@ -27,7 +27,7 @@ per step:
 
 from __future__ import annotations
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.planner.calibration.profile import MeasuredProfile, elementwise_rate
 from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import HostPrice

@@ -60,7 +60,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fivefold.config import ModelConfig
+from fivefold.model.config import ModelConfig
 from fivefold.model.counts import attention_head_dims, block_norms, head_dim
 from fivefold.model.mask_counts import keys_per_query, tile_ratio
 from fivefold.planner.options import AttentionKernel, Fp8
@@ -231,7 +231,7 @@ def _masked(m: ModelConfig, layer: int, s: RankShapes, causal_flops: float) -> t
     """(FLOPs, work) of an attention kernel whose causal FLOPs are `causal_flops`, under the layer's
     window and the documents: the kept keys per query over the causal s / 2, and the kernel's
     tiles over the causal kernel's (Ops.attention_flops, attention_work)."""
-    window = m.layer_window(layer)
+    window = m.attention.layer_window(layer)
     keys = keys_per_query(s.seq_len, window, s.document_tokens)
     return causal_flops * keys / (s.seq_len / 2), causal_flops * tile_ratio(s.seq_len, window, s.document_tokens)
 
@@ -240,18 +240,19 @@ def _attention(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> t
     """The attention of one block: its projections, the kernel's causal FLOPs, its elementwise kernels."""
     T, Ts, tp, d = s.tokens, s.sp_tokens, s.tp, m.dim
     H = max(1, m.n_heads // tp)
-    if not m.kv_lora_rank:
+    if not m.latent.kv_lora_rank:
         hd, K = head_dim(m), max(1, m.n_kv_heads // tp)
         mms = [Matmul("wq", T, H * hd, d), Matmul("wk", T, K * hd, d), Matmul("wv", T, K * hd, d),
                Matmul("wo", T, d, H * hd)]
-        if m.qk_norm:
+        if m.norm.qk:
             ew.norm("qk norm", T * (H + K) * hd)
         ew.rope("rope", T * (H + K) * hd)
         if K < H and s.act_bytes == FP32:  # fp32 on a GPU: k and v repeated to H heads (attention.gqa_in_kernel)
             ew.copy("repeat k/v", 2 * T * K * hd, 2 * T * H * hd)
         # QK^T and PV: 2 FLOPs per multiply-add over seq keys of width hd each, halved by the causal mask
         return mms, T * s.seq_len * H * (hd + hd)
-    n, r, v, rq, rkv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+    mla = m.latent
+    n, r, v, rq, rkv = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.q_lora_rank, mla.kv_lora_rank
     qk = n + r
     mms = [Matmul("wkv_a", Ts, rkv + r, d), Matmul("wkv_b", T, H * (n + v), rkv), Matmul("wo", T, d, H * v)]
     mms += [Matmul("wq_a", Ts, rq, d), Matmul("wq_b", T, H * qk, rq)] if rq else [Matmul("wq", T, H * qk, d)]
@@ -270,14 +271,14 @@ def _attention(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> t
 def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Matmul]:
     """A dense SwiGLU (split over tp) or an MoE block (router, shared and local routed experts)."""
     T, d = s.tokens, m.dim
-    if not (m.n_experts and layer >= m.first_dense_layers):
+    if not (m.moe.n_experts and layer >= m.moe.first_dense_layers):
         f = m.ffn_dim // s.tp
         ew.swiglu("swiglu", T * f)
         return [Matmul("gate", T, f, d), Matmul("up", T, f, d), Matmul("down", T, d, f)]
-    Tm, E, k, h = s.sp_tokens, m.n_experts, m.top_k, m.moe_ffn_dim or m.ffn_dim
+    Tm, E, k, h = s.sp_tokens, m.moe.n_experts, m.moe.top_k, m.moe.ffn_dim or m.ffn_dim
     local = max(1, E // s.ep)
     # rows per local expert on the busiest expert rank; a capacity factor drops what exceeds cf x the mean
-    busiest = min(s.imbalance, m.moe_capacity_factor) if m.moe_capacity_factor > 0 else s.imbalance
+    busiest = min(s.imbalance, m.moe.capacity_factor) if m.moe.capacity_factor > 0 else s.imbalance
     rows = max(1, math.ceil(Tm * s.ep * k / E * busiest))
     copies = Tm * k  # this rank's routed copies of its tokens
     mms = [Matmul("router", Tm, E, d), Matmul("expert gate", rows, h, d, local), Matmul("expert up", rows, h, d, local),
@@ -289,8 +290,8 @@ def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Ma
     ew.copy("moe dispatch", copies * d + Tm * d, 2 * Tm * d)  # new_zeros + index_add_
     if not s.fused:  # per weight: each local expert's fp32 gradient written, then stacked (unbind's backward)
         ew.extra_backward += 3 * 2 * local * d * h * FP32
-    if m.n_shared_experts:
-        hs = h * m.n_shared_experts
+    if m.moe.n_shared_experts:
+        hs = h * m.moe.n_shared_experts
         mms += [Matmul("shared gate", Tm, hs, d), Matmul("shared up", Tm, hs, d), Matmul("shared down", Tm, d, hs)]
         ew.swiglu("shared swiglu", Tm * hs)
         ew.copy("residual adds", 2 * Tm * d, Tm * d)  # routed + shared
@@ -299,10 +300,10 @@ def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Ma
 
 def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
     """model.Block number `layer` forward on one rank: h = x + attn(norm(x)); out = h + ffn(norm(h)) (or
-    its norms after the sub-layers, or both: model.norm_position, counts.block_norms)."""
+    its norms after the sub-layers, or both: model.norm.position, counts.block_norms)."""
     ew = _Elementwise(s)
     r = s.residual_bytes or s.act_bytes
-    after = 2 if m.norm_position in ("post", "sandwich") else 0  # norms of a sub-layer's output, not the stream
+    after = 2 if m.norm.position in ("post", "sandwich") else 0  # norms of a sub-layer's output, not the stream
     ew.norm("norms", (block_norms(m) - after) * s.sp_tokens * m.dim, r)
     ew.norm("norms", after * s.sp_tokens * m.dim)
     mms, causal_flops = _attention(m, layer, s, ew)
@@ -317,9 +318,9 @@ def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
 
 def runs_flex(m: ModelConfig, layer: int, s: RankShapes) -> bool:
     """Does fivefold's attention of block `layer` run FlexAttention on a GPU (model/attention.py
-    backend_for): a window, documents or sinks under attention_backend "auto", or "flex" named."""
-    masked = bool(m.layer_window(layer) or s.document_mask or m.attention_sinks)
-    return m.attention_backend == "flex" or (m.attention_backend == "auto" and masked)
+    backend_for): a window, documents or sinks under attention.backend "auto", or "flex" named."""
+    masked = bool(m.attention.layer_window(layer) or s.document_mask or m.attention.sinks)
+    return m.attention.backend == "flex" or (m.attention.backend == "auto" and masked)
 
 
 def materialized_attention(m: ModelConfig, s: RankShapes, ops: Ops) -> Ops:

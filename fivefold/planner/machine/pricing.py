@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, TypeVar
 
-from fivefold.config import Config
+from fivefold.config.schema import Config
 from fivefold.planner.layout import RankShare
 from fivefold.planner.options import DEFAULT, PlanOptions
 
@@ -51,7 +51,7 @@ class ChunkWork:
     cfg: Config
     share: RankShare  # the busiest pipeline rank: the most forward FLOPs
     chunks: int  # chunks per rank (virtual stages; 2 for the V schedules)
-    vocab: int  # padded vocabulary (parallel/derive.py)
+    vocab: int  # padded vocabulary (config/derive.py)
     local_seq: int  # tokens of one sample on one rank (seq_len / cp)
     moe_blocks: int  # the rank's blocks with routed experts (each runs ep's all-to-alls)
     forward_flops: float  # forward FLOPs of one micro-batch over all the rank's chunks (tp-split)

@@ -218,7 +218,7 @@ def rank_shapes(work: ChunkWork) -> RankShapes:
     tokens = t.micro_batch * work.local_seq
     kernel_seq = work.local_seq if p.cp_method == "ring" else t.seq_len
     return RankShapes(tokens=tokens, sp_tokens=tokens // p.tp if p.sp else tokens, seq_len=t.seq_len,
-                      kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.n_experts else 1, act_bytes=work.act_bytes,
+                      kernel_seq=kernel_seq, tp=p.tp, ep=p.ep if m.moe.n_experts else 1, act_bytes=work.act_bytes,
                       weight_bytes=work.weight_bytes, fused=work.options.kernels == "fused",
                       residual_bytes=FP32 if work.weight_bytes >= FP32 else work.act_bytes,
                       attention=work.options.attention_kernel, imbalance=expert_imbalance(cfg, work.options),
@@ -241,7 +241,7 @@ def block_prices(work: ChunkWork, hw: Hardware, memo: Memo) -> list[tuple[OpsPri
     m, shapes, fp8 = work.cfg.model, rank_shapes(work), _check_fp8(work, hw)
     kinds: dict[tuple[bool, int], tuple[int, int]] = {}  # (MoE or not, window) -> (a layer of that kind, how many)
     for blk in work.share.blocks:
-        kind = (bool(m.n_experts) and blk >= m.first_dense_layers, m.layer_window(blk))
+        kind = (bool(m.moe.n_experts) and blk >= m.moe.first_dense_layers, m.attention.layer_window(blk))
         layer, n = kinds.get(kind, (blk, 0))
         kinds[kind] = (layer, n + 1)
     return [(memo.get(("roofline block", m, kind, shapes, hw, fp8),

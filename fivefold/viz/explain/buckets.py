@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fivefold.config import Config, ConfigError, read_config
+from fivefold.config.derive import derive
+from fivefold.config.load import ConfigError, read_config
+from fivefold.config.schema import Config
+from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import model_counts
-from fivefold.parallel.derive import derive
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.memory import BytesPerParam
@@ -43,7 +45,7 @@ def entry(bucket: int, tokens: int, n: int) -> dict[str, Any]:
     cfg = config(bucket, tokens, n)
     est = estimate(cfg, n, get_hardware(GPU))
     overlap = est.dp_overlap
-    grad_bytes = model_counts(cfg.model, derive(cfg, n).vocab_size).total * BytesPerParam().grad
+    grad_bytes = model_counts(cfg.model, derive(cfg, n, unpadded_vocab(cfg)).vocab_size).total * BytesPerParam().grad
     buckets = math.ceil(grad_bytes / (bucket * 1e6))
     # The planner's picture: earlier buckets reduce while the backward runs; the last one only
     # once it ends. The reduction is drawn ending where the exposed time ends.

@@ -1,10 +1,12 @@
 """The numbers a layout derives from its config: degrees, micro-batches, per-rank shapes.
 
-`derive(cfg, world_size)` computes, once, what follows from a config that `validate()` accepted
-(fivefold/validate/): the data-parallel degree that fills the world, micro-batches per step, the
-tokens a rank holds of one sequence, the padded vocabulary, ... Every dimension's `apply_<dim>`,
-the planner and the training loop read these from one `Derived`, so no module recomputes them its
-own way. Pure arithmetic; imports no torch (the checks that run before any process starts use it).
+`derive(cfg, world_size, vocab)` computes, once, what follows from a config that `validate()`
+accepted (fivefold/validate/): the data-parallel degree that fills the world, micro-batches per step,
+the tokens a rank holds of one sequence, the padded vocabulary, ... Every dimension's
+`apply_<dim>`, the planner and the training loop read these from one `Derived`, so no module
+recomputes them its own way. Pure arithmetic: it reads no files and imports no torch. The one
+number that comes from files, the vocabulary, is resolved by fivefold/data/ (`unpadded_vocab`)
+and handed in.
 """
 
 from __future__ import annotations
@@ -12,10 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fivefold.config import Config, ParallelConfig
-from fivefold.data.resolve import data_vocab
-from fivefold.data.sources import DataError
-from fivefold.data.tokenizer import TokenizerError
+from fivefold.config.schema import Config, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -32,22 +31,13 @@ class Derived:
     reshard_after_forward: bool  # zero=3: parallel.reshard_after_forward with "auto" resolved
 
 
-def tokenizer_vocab(cfg: Config) -> int:
-    """Vocabulary of the data's tokenizer before padding (fivefold/data/resolve.py): bytes + end-of-document,
-    the BPE's, a Hugging Face tokenizer's or a prepared dataset's; pre-tokenized files without a
-    tokenizer: model.vocab_size."""
-    try:
-        vocab = data_vocab(cfg)
-    except (DataError, TokenizerError, OSError):  # reported by validate(); derive() needs a number
-        vocab = None
-    return vocab or cfg.model.vocab_size or 257
-
-
-def padded_vocab(cfg: Config) -> int:
+def padded_vocab(cfg: Config, vocab: int) -> int:
+    """model.vocab_size, or `vocab` (data/resolve.py: unpadded_vocab) padded to a multiple of
+    data.vocab_multiple, which the tp degrees divide."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     m = max(cfg.data.vocab_multiple, 1)
-    return math.ceil(tokenizer_vocab(cfg) / m) * m
+    return math.ceil(vocab / m) * m
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:
@@ -65,8 +55,9 @@ def reshard_after_forward(p: ParallelConfig) -> bool:
     return p.pp == 1 if p.reshard_after_forward == "auto" else p.reshard_after_forward
 
 
-def derive(cfg: Config, world_size: int) -> Derived:
-    """Dependent numbers of a config that validate() accepted."""
+def derive(cfg: Config, world_size: int, vocab: int) -> Derived:
+    """Dependent numbers of a config that validate() accepted, on `world_size` processes; `vocab`:
+    the model's vocabulary before padding (fivefold/data/resolve.py: unpadded_vocab)."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     dp = data_parallel_degree(cfg, world_size)
     return Derived(
@@ -76,8 +67,8 @@ def derive(cfg: Config, world_size: int) -> Derived:
         grad_accum=t.global_batch // (dp * t.micro_batch),
         tokens_per_step=t.global_batch * t.seq_len,
         local_seq_len=t.seq_len // p.cp,
-        vocab_size=padded_vocab(cfg),
-        vocab_limit=m.vocab_size or tokenizer_vocab(cfg),
+        vocab_size=padded_vocab(cfg, vocab),
+        vocab_limit=vocab,
         head_dim=m.head_dim or m.dim // m.n_heads,
         reshard_after_forward=reshard_after_forward(p),
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import ConfigError
+from fivefold.config.load import ConfigError
 
 BYTES_PER_ELEMENT = 4  # DeepSpeed sizes buckets in elements, fivefold in MB: count fp32 gradients
 BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -28,7 +28,7 @@ PRECISION = ("fp16", "bf16", "bfloat16")  # "bfloat16" is DeepSpeed's older spel
 EXT = "fivefold extension, not a DeepSpeed training key: "
 # DeepSpeed key path -> (fivefold key, kind, note); kind: int/float (>= 0), pos (integer >= 1), bool.
 SIMPLE: dict[str, tuple[str, str, str]] = {
-    "gradient_clipping": ("train.grad_clip", "float", "0 disables clipping"),
+    "gradient_clipping": ("optim.grad_clip", "float", "0 disables clipping"),
     "zero_optimization.stage": ("parallel.zero", "int", "0 = DDP; fivefold's 3 is FSDP"),
     "zero_optimization.overlap_comm": ("parallel.overlap_comm", "bool", ""),
     "zero_optimization.reduce_bucket_size": ("parallel.bucket_mb", "pos", ""),  # elements -> MB in take()
@@ -36,8 +36,8 @@ SIMPLE: dict[str, tuple[str, str, str]] = {
     "fp16.initial_scale_power": ("train.initial_scale_power", "int", ""),
     "fp16.loss_scale_window": ("train.loss_scale_window", "int", ""),
     "fp16.min_loss_scale": ("train.min_loss_scale", "float", ""),
-    "optimizer.params.lr": ("train.lr", "float", ""),
-    "optimizer.params.eps": ("train.eps", "float", ""),
+    "optimizer.params.lr": ("optim.lr", "float", ""),
+    "optimizer.params.eps": ("optim.eps", "float", ""),
     "tensor_parallel.autotp_size": ("parallel.tp", "pos", "DeepSpeed AutoTP degree"),
     "tensor_parallel.tp_size": ("parallel.tp", "pos", EXT + "DeepSpeed trains with autotp_size"),
     "pipeline_parallel.pp_size": ("parallel.pp", "pos", EXT + "DeepSpeed has no pipeline_parallel section"),
@@ -203,14 +203,14 @@ def _optimizer(mp: _Mapper, sec: dict[str, Any]) -> None:
     if "weight_decay" in params:
         why = ("decoupled, as DeepSpeed here" if w_mode else "DeepSpeed would add it to the gradient as L2 "
                "(adam_w_mode = false); fivefold always decays decoupled (AdamW)")
-        mp.take("optimizer.params.weight_decay", params["weight_decay"], "train.weight_decay", "float",
+        mp.take("optimizer.params.weight_decay", params["weight_decay"], "optim.weight_decay", "float",
                 why + "; fivefold never decays norms and biases")
     if "adam_w_mode" in params:
         mp.m.mapping.append(("optimizer.params.adam_w_mode", "fivefold always uses decoupled weight decay (AdamW)"))
     betas = params.get("betas", [])
     if betas == "auto" or (isinstance(betas, list) and len(betas) == 2):
         for i, beta in enumerate(betas if betas != "auto" else ["auto", "auto"]):
-            mp.take(f"optimizer.params.betas[{i}]", beta, f"train.beta{i + 1}", "float")
+            mp.take(f"optimizer.params.betas[{i}]", beta, f"optim.beta{i + 1}", "float")
     elif "betas" in params:
         mp.error(f"optimizer.params.betas = {betas!r}: must be a list of two numbers [beta1, beta2]")
 
@@ -220,7 +220,7 @@ def _scheduler(mp: _Mapper, sec: dict[str, Any]) -> None:
     kind = next((k for k in SCHEDULERS if isinstance(name, str) and k.lower() == name.lower()), None)
     if kind is None:
         mp.error(f"scheduler.type = {name!r}: not supported; supported DeepSpeed schedulers: "
-                 f"{', '.join(SCHEDULERS)}; change it, or remove the section and set train.lr_schedule")
+                 f"{', '.join(SCHEDULERS)}; change it, or remove the section and set optim.lr_schedule")
         return
     params = mp.section("scheduler.params", sec.get("params", {}))
     mp.m.ignored.extend(f"scheduler.{k}" for k in sec if k not in ("type", "params"))
@@ -237,18 +237,18 @@ def _scheduler(mp: _Mapper, sec: dict[str, Any]) -> None:
                      "WarmupDecayLR": ("wsd", "WarmupDecayLR decays linearly after warmup: wsd with no stable "
                                        "phase, its decay the linear tail"),
                      "WarmupCosineLR": ("cosine", "WarmupCosineLR; its peak is optimizer.params.lr")}[kind]
-    mp.set("scheduler.type", "train.lr_schedule", schedule, why)
+    mp.set("scheduler.type", "optim.lr_schedule", schedule, why)
     total = mp.take(at("total_num_steps"), p["total_num_steps"], "train.steps", "pos") if "total_num_steps" in p else 0
     shape = f"fivefold warms up linearly from 0; DeepSpeed: {p['warmup_type']} warmup"
-    warm = mp.take(at("warmup_num_steps"), p["warmup_num_steps"], "train.warmup_steps", "int", shape)
+    warm = mp.take(at("warmup_num_steps"), p["warmup_num_steps"], "optim.warmup_steps", "int", shape)
     start = p.get("warmup_min_ratio", p.get("warmup_min_lr"))
     if kind != "WarmupDecayLR" and start not in (0, "auto"):
         mp.m.mapping.append((at("warmup_min_ratio" if kind == "WarmupCosineLR" else "warmup_min_lr"),
                              f"not reproduced: {shape}"))
     if kind == "WarmupCosineLR":
-        mp.take(at("cos_min_ratio"), p["cos_min_ratio"], "train.min_lr_ratio", "float", "final lr / peak lr")
+        mp.take(at("cos_min_ratio"), p["cos_min_ratio"], "optim.min_lr_ratio", "float", "final lr / peak lr")
         return
-    peak = mp.take(at("warmup_max_lr"), p["warmup_max_lr"], "train.lr", "float",
+    peak = mp.take(at("warmup_max_lr"), p["warmup_max_lr"], "optim.lr", "float",
                    "the scheduler sets the lr, over optimizer.params.lr")
     if kind == "WarmupDecayLR":
         if "auto" in (p["total_num_steps"], p["warmup_num_steps"]):
@@ -258,12 +258,12 @@ def _scheduler(mp: _Mapper, sec: dict[str, Any]) -> None:
             mp.error(f"scheduler.params.warmup_num_steps = {warm} >= total_num_steps = {total}: WarmupDecayLR "
                      f"would never decay; lower warmup_num_steps or use WarmupLR")
         elif total and warm is not None:
-            mp.set(at("total_num_steps"), "train.decay_fraction", (total - warm) / total,
+            mp.set(at("total_num_steps"), "optim.decay_fraction", (total - warm) / total,
                    f"({total} - {warm}) / {total}")
         low = p["warmup_min_lr"]
         low = low if low == "auto" else mp.check(at("warmup_min_lr"), low, "float")
         if peak and low is not None:  # the linear decay ends at warmup_min_lr
-            mp.take(at("warmup_min_lr"), low if low == "auto" else low / peak, "train.min_lr_ratio", "float",
+            mp.take(at("warmup_min_lr"), low if low == "auto" else low / peak, "optim.min_lr_ratio", "float",
                     "warmup_min_lr / warmup_max_lr")
 
 
