@@ -192,8 +192,6 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-
-
 def _is_table(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 

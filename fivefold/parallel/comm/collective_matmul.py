@@ -26,6 +26,11 @@ all-gather of dy whose pieces feed dx = dy W as they arrive. Weight gradients wa
 whole gathered tensor and are one matmul each, as the blocking path's are, so they are the same
 numbers; outputs and input gradients are computed piece by piece (rows of the same matmuls) and
 summed in the ring's order. The pieces are numbered as comm/ring.py numbers its chunks.
+
+Under autocast (bf16) the backward runs under the forward's autocast, so its matmuls cast what
+the blocking path's autocast casts (bf16 gradients against bf16 copies of the fp32 weights), and
+the input gradient's branches are summed in the input's dtype, as autograd sums the blocking
+path's after each branch's cast back: the same numbers as the blocking path in bf16 too.
 """
 
 from __future__ import annotations
@@ -76,6 +81,14 @@ def _ring_reduce_scatter(part: Callable[[int], torch.Tensor], group: AxisGroup) 
     return acc  # piece r, summed over every rank
 
 
+def _autocast_of(x: torch.Tensor) -> tuple[str, torch.dtype, bool]:
+    """The autocast state the forward ran under on x's device, for its backward to run under: autograd
+    runs a Function's backward outside any autocast region (torch.amp.custom_bwd does the same for one
+    device type fixed when it decorates; here the device is the input's)."""
+    device = x.device.type
+    return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+
+
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW = dyᵀ x over every token: (B, T, out), (B, T, in) -> (out, in), F.linear's backward's matmul."""
     return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
@@ -96,11 +109,18 @@ class _AllGatherMatmul(torch.autograd.Function):
 
         x_full = torch.cat(_ring_gather(x, group, use), dim=1)  # (B, T, d), kept for the weight gradients
         ctx.group, ctx.n_layers, ctx.has_bias = group, n_layers, [b is not None for b in biases]
+        ctx.autocast = _autocast_of(x)
         ctx.save_for_backward(x_full, *weights)
         return tuple(torch.cat(out, dim=1) for out in outs)  # (B, T, out_i) each
 
     @staticmethod
     def backward(ctx, *grads):
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _AllGatherMatmul._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         x_full, *weights = ctx.saved_tensors
         group, n = ctx.group, ctx.group.size
         grads = [g.contiguous() for g in grads]  # (B, T, out_i)
@@ -108,8 +128,9 @@ class _AllGatherMatmul(torch.autograd.Function):
 
         def part(c: int) -> torch.Tensor:  # this rank's share of piece c of dx: Σ_i dy_i W_i
             # Summed last layer first, as autograd sums the branches of the blocking path's gathered x
-            # (the layer called last is differentiated first): the same numbers, not just close ones.
-            acc = pieces[-1][c].matmul(weights[-1])  # (B, T/n, d)
+            # (the layer called last is differentiated first), each in x's dtype (under autocast a
+            # branch's bf16 product is cast back before autograd adds it): the same numbers.
+            acc = pieces[-1][c].matmul(weights[-1]).to(x_full.dtype)  # (B, T/n, d)
             for g, w in zip(pieces[-2::-1], weights[-2::-1], strict=True):
                 acc.add_(g[c].matmul(w))
             return acc
@@ -129,12 +150,18 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group):
         pieces = x.chunk(group.size, dim=1)  # (B, T/n, in/n) each
-        ctx.group = group
+        ctx.group, ctx.autocast = group, _autocast_of(x)
         ctx.save_for_backward(x, weight)
         return _ring_reduce_scatter(lambda c: F.linear(pieces[c], weight), group)  # (B, T/n, out)
 
     @staticmethod
     def backward(ctx, grad):
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _MatmulReduceScatter._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         x, weight = ctx.saved_tensors
         dx: list[torch.Tensor | None] = [None] * ctx.group.size
 
