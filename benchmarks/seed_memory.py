@@ -27,16 +27,14 @@ CHILD = r"""
 import json, resource, sys, tempfile
 from pathlib import Path
 import torch
-from fivefold.data.resolve import unpadded_vocab
 from fivefold.config.load import load_config
+from fivefold.data.resolve import resolved_model
 from fivefold.model.transformer import Transformer
 from fivefold.checkpoint.seed import write_seed_checkpoint
-from fivefold.config.derive import padded_vocab
-import dataclasses
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 with torch.device("meta"):
-    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg))))
+    model = Transformer(resolved_model(cfg))
 sizes = [p.numel() * 4 for p in model.parameters()]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 with tempfile.TemporaryDirectory() as out:

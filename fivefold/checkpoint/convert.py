@@ -41,10 +41,9 @@ from fivefold.checkpoint.safetensors_io import SafetensorsDir, WeightsFileError,
 from fivefold.checkpoint.seed import write_seed_config
 from fivefold.checkpoint.tokenizer_files import copy_hf_tokenizer, trained_tokenizer
 from fivefold.checkpoint.weights import WeightsMismatchError, WeightSource, fit_problems, source_name
-from fivefold.config.derive import padded_vocab
 from fivefold.config.load import RUN_CONFIG, SEED_CONFIG, ConfigError, load_config, replace
 from fivefold.config.schema import Config
-from fivefold.data.resolve import unpadded_vocab
+from fivefold.data.resolve import resolved_model
 from fivefold.model.config import ModelConfig
 from fivefold.model.transformer import Transformer
 
@@ -179,7 +178,7 @@ def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelCo
             base = json.loads(candidate.read_text())
             break
     tokenizer = trained_tokenizer(src, is_dcp, cfg.data.tokenizer)
-    return source, dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg))), base, tokenizer
+    return source, resolved_model(cfg), base, tokenizer
 
 
 def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Path | None = None,

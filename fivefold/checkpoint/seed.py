@@ -17,16 +17,14 @@ its files are copied in too and `data.tokenizer` points at the directory, as for
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
 from fivefold.checkpoint.safetensors_io import SafetensorsWriter
-from fivefold.config.derive import padded_vocab
 from fivefold.config.load import SEED_CONFIG, replace, to_toml
 from fivefold.config.schema import Config
-from fivefold.data.resolve import unpadded_vocab
+from fivefold.data.resolve import resolved_model
 from fivefold.data.tokenizer import load_tokenizer, save_tokenizer
 from fivefold.model.seeded_init import init_tensor
 from fivefold.model.transformer import Transformer
@@ -55,7 +53,7 @@ def copy_tokenizer(cfg: Config, out: Path) -> Config:
 def write_seed_checkpoint(cfg: Config, out: Path, progress: bool = True) -> Path:
     """Write cfg's initial weights into out/model.safetensors (and out/fivefold.toml); return the
     weights file. Holds one parameter at a time."""
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg)))
+    model_cfg = resolved_model(cfg)
     with torch.device("meta"):
         model = Transformer(model_cfg)
     params = list(model.named_parameters())  # a tied matrix appears once

@@ -16,7 +16,6 @@ box and nothing else (safetensors maps the file and copies the slice), and
 
 from __future__ import annotations
 
-import dataclasses
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -27,10 +26,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fivefold.checkpoint.hf import HFSource
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
-from fivefold.config.derive import padded_vocab
 from fivefold.config.load import SEED_CONFIG, read_config
 from fivefold.config.schema import Config
-from fivefold.data.resolve import unpadded_vocab
+from fivefold.data.resolve import resolved_model
 from fivefold.model.config import ModelConfig
 from fivefold.model.transformer import Transformer
 
@@ -118,7 +116,7 @@ def check_init_from(cfg: Config) -> list[str]:
         source, made_for = open_weights(path, FIELD)
     except ValueError as e:  # WeightsFileError, HFFormatError: they name the file and the fix
         return [str(e) if FIELD in str(e) else f"{FIELD} = '{path}': {e}"]
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg)))
+    model_cfg = resolved_model(cfg)
     try:
         with torch.device("meta"):
             model = Transformer(model_cfg)

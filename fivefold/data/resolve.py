@@ -11,6 +11,7 @@ Kinds are not mixed in one run, except that a mixture is of prepared datasets on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -18,11 +19,13 @@ import math
 import shutil
 from pathlib import Path
 
+from fivefold.config.derive import padded_vocab
 from fivefold.config.schema import Config, DataConfig
 from fivefold.data.prepare import read_manifest, shard_done
 from fivefold.data.sources import DataError, input_files, path_kind
 from fivefold.data.tokenizer import TokenizerError, files_hash, load_tokenizer
 from fivefold.data.tokens import open_token_files
+from fivefold.model.config import ModelConfig
 
 
 def data_paths(d: DataConfig) -> list[str]:
@@ -130,6 +133,12 @@ def unpadded_vocab(cfg: Config) -> int:
     """The vocabulary the model holds before padding: model.vocab_size when set (no file is read),
     else the tokenizer's. What config/derive.py's `derive` and `padded_vocab` are handed."""
     return cfg.model.vocab_size or tokenizer_vocab(cfg)
+
+
+def resolved_model(cfg: Config) -> ModelConfig:
+    """cfg.model with its vocabulary resolved: model.vocab_size, or the tokenizer's padded to a multiple
+    of data.vocab_multiple, as every layout builds it."""
+    return dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg)))
 
 
 def data_errors(cfg: Config) -> list[str]:

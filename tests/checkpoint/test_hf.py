@@ -14,9 +14,8 @@ from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold
 from fivefold.checkpoint.hf import HFFormatError, HFSource, model_config_from_hf
 from fivefold.checkpoint.safetensors_io import SafetensorsDir
 from fivefold.checkpoint.weights import check_init_from, load_weights
-from fivefold.config.derive import padded_vocab
 from fivefold.config.load import replace
-from fivefold.data.resolve import unpadded_vocab
+from fivefold.data.resolve import resolved_model
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.validate import validate
@@ -177,7 +176,7 @@ def test_fivefold_model_to_deepseek_for_transformers(tmp_path):
                       "--model.init_std=0.2")
     write_seed_checkpoint(cfg, tmp_path / "seed", progress=False)
     fivefold_to_hf(tmp_path / "seed", tmp_path / "hf")
-    model = Transformer(dataclasses.replace(cfg.model, vocab_size=padded_vocab(cfg, unpadded_vocab(cfg))))
+    model = Transformer(resolved_model(cfg))
     seed = SafetensorsDir(tmp_path / "seed")
     model.load_state_dict({n: seed.read(n) for n in seed.names()})
     hf = hf_class("deepseek", "ForCausalLM").from_pretrained(tmp_path / "hf").eval()

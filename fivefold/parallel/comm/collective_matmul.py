@@ -81,12 +81,12 @@ def _ring_reduce_scatter(part: Callable[[int], torch.Tensor], group: AxisGroup) 
     return acc  # piece r, summed over every rank
 
 
-def _autocast_of(x: torch.Tensor) -> tuple[str, torch.dtype, bool]:
-    """The autocast state the forward ran under on x's device, for its backward to run under: autograd
-    runs a Function's backward outside any autocast region (torch.amp.custom_bwd does the same for one
-    device type fixed when it decorates; here the device is the input's)."""
+def _autocast_of(x: torch.Tensor) -> dict:
+    """torch.autocast's arguments for the state the forward ran under on x's device, for its backward to
+    run under: autograd runs a Function's backward outside any autocast region (torch.amp.custom_bwd does
+    the same for one device type fixed when it decorates; here the device is the input's)."""
     device = x.device.type
-    return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+    return dict(device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device))
 
 
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -115,8 +115,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        device, dtype, enabled = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=enabled):
+        with torch.autocast(**ctx.autocast):
             return _AllGatherMatmul._backward(ctx, *grads)
 
     @staticmethod
@@ -156,8 +155,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        device, dtype, enabled = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=enabled):
+        with torch.autocast(**ctx.autocast):
             return _MatmulReduceScatter._backward(ctx, grad)
 
     @staticmethod
