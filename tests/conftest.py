@@ -16,6 +16,8 @@ import torch._dynamo  # noqa: E402,F401
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
 from helpers import (  # noqa: E402
+    BF16,
+    BF16_FP32,
     DOCUMENTS_ON,
     EQUIVALENCE,
     GEMMA_ARGS,
@@ -110,3 +112,42 @@ def masks_reference(tmp_path_factory, short_docs):
 def masks_moe_reference(tmp_path_factory, short_docs):
     """The MoE with documents, sliding windows and sinks."""
     return _one_process(tmp_path_factory, "masks-moe", *document_args(short_docs, *MASKS_ON, *MOE_ARGS))
+
+
+# ---- in bf16 autocast: what a table's bf16 row (helpers.BF16) is held to -------------------------
+# Each is a pair: one process in bf16, and in fp32 at the same learning rate (their gap is the noise).
+
+
+def _one_process_bf16(tmp_path_factory, name: str, *args: str):
+    return (_one_process(tmp_path_factory, name + "-bf16", *args, *BF16),
+            _one_process(tmp_path_factory, name + "-fp32", *args, *BF16_FP32))
+
+
+@pytest.fixture(scope="session")
+def bf16_reference(tmp_path_factory):
+    return _one_process_bf16(tmp_path_factory, "ref", *EQUIVALENCE)
+
+
+@pytest.fixture(scope="session")
+def bf16_moe_reference(tmp_path_factory):
+    return _one_process_bf16(tmp_path_factory, "moe", *EQUIVALENCE, *MOE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def bf16_mla_reference(tmp_path_factory):
+    return _one_process_bf16(tmp_path_factory, "mla", *EQUIVALENCE, *MLA_ARGS)
+
+
+@pytest.fixture(scope="session")
+def bf16_olmo2_reference(tmp_path_factory):
+    return _one_process_bf16(tmp_path_factory, "olmo2", *OLMO2_ARGS)
+
+
+@pytest.fixture(scope="session")
+def bf16_gemma_reference(tmp_path_factory):
+    return _one_process_bf16(tmp_path_factory, "gemma", *GEMMA_ARGS)
+
+
+@pytest.fixture(scope="session")
+def bf16_masks_reference(tmp_path_factory, short_docs):
+    return _one_process_bf16(tmp_path_factory, "masks", *document_args(short_docs, *MASKS_ON))

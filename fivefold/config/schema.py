@@ -71,9 +71,13 @@ class ParallelConfig:
     fp8_gather: bool = False
     # Seconds any collective (and the process group's start) waits for its peers before failing with
     # a message naming the rank, axis and operation: a rank died or took another code path. It covers
-    # every wait, e.g. while rank 0 trains the BPE tokenizer (torchtitan: comm.train_timeout_seconds;
-    # Megatron: --distributed-timeout-minutes).
-    collective_timeout_s: float = 300.0
+    # every wait but the first step's, e.g. while rank 0 trains the BPE tokenizer (torchtitan:
+    # comm.train_timeout_seconds; Megatron: --distributed-timeout-minutes). 600: torch's NCCL default.
+    collective_timeout_s: float = 600.0
+    # The same for the collectives of this process's first step, which compiles (train.compile) and
+    # makes NCCL's communicators (the longer of the two); collective_timeout_s after it (torchtitan:
+    # comm.init_timeout_seconds)
+    first_step_timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from fivefold.model.masks import AttentionMask, keep
 
 SKIP, FULL, CAUSAL, MASKED = 0, 1, 2, 3
 TILE = 512  # the largest masked tile's side: its bias is (B, 1, TILE, TILE) in the compute dtype
+_BIAS_ALIGN = 16  # entries a bias row is padded to: 16 bytes in any dtype of at least one byte (_bias)
 _TAG_KV, _TAG_DKV = 1, 2  # distinct tags: a K/V block and a dK/dV buffer can be in flight together
 
 
@@ -103,28 +104,32 @@ def _sub_tile(chunk: int, tile: int) -> int:
     return max(d for d in range(1, min(chunk, tile) + 1) if chunk % d == 0)
 
 
-def _tile_kinds(T: int, s: int, window: int, doc: torch.Tensor | None) -> list[list[int]]:
-    """The kind of every (query tile i, key tile j) of side s over the whole row: (T/s, T/s), read once.
+def tile_kinds(T: int, s: int, window: int, doc: torch.Tensor | None,
+               device: torch.device | None = None) -> torch.Tensor:
+    """The kind of every (query tile i, key tile j) of side s over the whole row, per row of the batch:
+    (B, n, n) with documents, else (1, n, n), n = ceil(T / s) (a last tile may be shorter), on doc's
+    device (else `device`). The blockwise plan and FlexAttention's block mask (model/flex.py) read it.
 
     Documents are contiguous and their ids grow along the row, so the ids at tile ends decide: every
     pair shares one document iff key tile j's first token and query tile i's last are in the same
     one; none does iff key tile j's last document ends before query tile i's first begins."""
-    n = T // s
-    i = torch.arange(n)[:, None]  # (n, 1) query tiles
-    j = torch.arange(n)[None, :]  # (1, n) key tiles
-    skip = j > i  # (n, n): causal
-    partial = torch.zeros(n, n, dtype=torch.bool)
+    device = doc.device if doc is not None else device
+    starts = torch.arange(0, T, s, device=device)  # (n,) each tile's first place
+    ends = (starts + s - 1).clamp(max=T - 1)  # (n,) and its last
+    n = starts.numel()
+    i = torch.arange(n, device=device)[:, None]  # (n, 1) query tiles
+    j = torch.arange(n, device=device)[None, :]  # (1, n) key tiles
+    skip = (j > i)[None]  # (1, n, n): causal
+    partial = torch.zeros(1, n, n, dtype=torch.bool, device=device)
     if window:
-        skip |= (i - j) * s - (s - 1) >= window  # the nearest pair is already out of the window
-        partial |= (i - j) * s + (s - 1) >= window  # the farthest pair is
+        skip = skip | (starts[:, None] - ends[None, :] >= window)  # the nearest pair is already out of the window
+        partial = partial | (ends[:, None] - starts[None, :] >= window)  # the farthest pair is
     if doc is not None:
-        first, last = doc[:, ::s].cpu(), doc[:, s - 1::s].cpu()  # (B, n) each: ids at tile ends
-        same = (first[:, None, :] == last[:, :, None]).all(0)  # (n, n): [i, j], every row
-        apart = (last[:, None, :] < first[:, :, None]).all(0)
-        skip |= apart
-        partial |= ~same
+        first, last = doc[:, starts], doc[:, ends]  # (B, n) each: ids at tile ends
+        skip = skip | (last[:, None, :] < first[:, :, None])  # (B, n, n): [b, i, j], no pair shares one
+        partial = partial | (first[:, None, :] != last[:, :, None])  # not every pair does
     kind = torch.where(partial, MASKED, torch.where(i == j, CAUSAL, FULL))
-    return torch.where(skip, SKIP, kind).tolist()
+    return torch.where(skip, SKIP, kind)
 
 
 def _whole(block: list[list[int]], diagonal: bool) -> int | None:
@@ -144,7 +149,10 @@ def plan_tiles(layout: Layout, rank: int, window: int, doc: torch.Tensor | None,
     n, c = len(layout.chunks), layout.chunk
     s = _sub_tile(c, tile)
     m = c // s
-    kinds = _tile_kinds(c * sum(len(ids) for ids in layout.chunks), s, window, doc)
+    rows = tile_kinds(c * sum(len(ids) for ids in layout.chunks), s, window, doc)  # (B or 1, T/s, T/s)
+    # One plan for the batch: a tile pair of one kind in every row is of that kind, else masked
+    # (each row's bias then says what it keeps). Read once, on the host where the ids were computed.
+    kinds = torch.where((rows == rows[:1]).all(0), rows[0], MASKED).tolist()
     steps, computed, skipped = [], 0, 0
     for step in range(n):
         tiles = []
@@ -170,7 +178,12 @@ def plan_tiles(layout: Layout, rank: int, window: int, doc: torch.Tensor | None,
 
 def _bias(tile: Tile, window: int, doc: torch.Tensor | None, dtype: torch.dtype,
           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A masked tile's additive bias (B or 1, 1, t, t) and which query rows see any key (B or 1, 1, t)."""
+    """A masked tile's additive bias (B or 1, 1, t, t) and which query rows see any key (B or 1, 1, t).
+
+    The bias is a view of rows padded to a multiple of 16 entries: the memory-efficient kernel wants
+    every stride but the last a multiple of 16 bytes (8 entries in bf16, 4 in fp32; xFormers' bias
+    check), and tiles of 500 (chunks of 1000, 2000, 4000, 6000) are not. SDPA pads its own masks so
+    (aten's pad_bias). One path on every device: the CPU kernel takes the view as it is."""
     t = tile.q.stop - tile.q.start
     qp = torch.arange(tile.q_pos, tile.q_pos + t, device=device)  # (t,)
     kp = torch.arange(tile.k_pos, tile.k_pos + t, device=device)
@@ -178,7 +191,9 @@ def _bias(tile: Tile, window: int, doc: torch.Tensor | None, dtype: torch.dtype,
     k_doc = None if doc is None else doc[:, None, None, kp]  # (B, 1, 1, t)
     allowed = keep(qp[:, None], kp[None, :], window, q_doc, k_doc)  # (B, 1, t, t) or (t, t)
     allowed = allowed.view(-1, 1, t, t)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    width = t + -t % _BIAS_ALIGN  # t rounded up to 16
+    bias = torch.zeros(*allowed.shape[:3], width, dtype=dtype, device=device)[..., :t]  # (B or 1, 1, t, t) view
+    bias.masked_fill_(~allowed, float("-inf"))
     return bias, allowed.any(-1)
 
 

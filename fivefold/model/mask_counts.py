@@ -28,7 +28,7 @@ Under it query i keeps the key k tokens back with probability q^k, q = 1 - p (no
 token among the k tokens before it), so the expected pairs are sum over i of (1 - q^m_i) / p with
 m_i = min(i + 1, w).
 
-Tiles. FlexAttention's block mask (torch.nn.attention.flex_attention.create_block_mask) cuts the
+Tiles. FlexAttention's block mask (torch.nn.attention.flex_attention.BlockMask) cuts the
 score matrix into 128 x 128 tiles, skips the ones the mask empties and computes the rest whole, the
 rule applied inside (model/flex.py). Tile (a, b), b = a - d, is kept iff d = 0 (its diagonal) or
 d >= 1 and its closest pair, at distance (d - 1) 128 + 1, is kept: inside the window and, with
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 
-FLEX_BLOCK = 128  # create_block_mask's default BLOCK_SIZE, the tile model/flex.py's kernel skips or computes
+FLEX_BLOCK = 128  # model/flex.py's BLOCK (FlexAttention's default), the tile its kernel skips or computes
 
 
 def window_pairs(n: int, window: int = 0) -> int:

@@ -25,10 +25,13 @@ the model runs its plain causal path (`is_causal=True`). This module is parallel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 class DocumentOptions(Protocol):
@@ -72,10 +75,13 @@ def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,
 class DocumentIds(NamedTuple):
     """A micro-batch's document ids of whole rows, (B, T), twice: on the compute device (bias tiles and
     FlexAttention's mask read them there) and on the host, where they were computed from the loader's
-    token ids (the blockwise path plans its tiles from them there: no read from the device)."""
+    token ids (the blockwise path plans its tiles from them there: no read from the device).
+    `block_masks`: FlexAttention's block mask of these ids per window, built by the first layer
+    that needs it and shared by the micro-batch's other layers (model/flex.py); None: no sharing."""
 
     ids: torch.Tensor
     host: torch.Tensor
+    block_masks: dict[int, BlockMask] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,20 +91,21 @@ class AttentionMask:
     doc: (B, T) document ids of the whole row (all T tokens, also where a rank holds T/cp of them),
     or None; doc_host: the same on the CPU when they live on another device (else the plan reads
     `doc`). window: the layer's sliding window (0: none). sinks: the layer's (H,) sink logits (the
-    heads this rank holds), or None.
+    heads this rank holds), or None. block_masks: the micro-batch's DocumentIds.block_masks, or None.
     """
 
     doc: torch.Tensor | None = None
     window: int = 0
     sinks: torch.Tensor | None = None
     doc_host: torch.Tensor | None = None
+    block_masks: dict[int, BlockMask] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, doc: DocumentIds | torch.Tensor | None, window: int = 0,
            sinks: torch.Tensor | None = None) -> AttentionMask:
         """A layer's mask from the micro-batch's document ids (with their host copy, or a tensor alone)."""
         if isinstance(doc, DocumentIds):
-            return cls(doc.ids, window, sinks, doc.host)
+            return cls(doc.ids, window, sinks, doc.host, doc.block_masks)
         return cls(doc, window, sinks)
 
     @property
@@ -109,7 +116,7 @@ class AttentionMask:
     def head_slice(self, start: int, stop: int) -> AttentionMask:
         """The same mask for heads start..stop-1 (Ulysses holds a part of the heads)."""
         sinks = None if self.sinks is None else self.sinks[start:stop]
-        return AttentionMask(self.doc, self.window, sinks, self.doc_host)
+        return AttentionMask(self.doc, self.window, sinks, self.doc_host, self.block_masks)
 
 
 def dense_keep(mask: AttentionMask, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -166,7 +173,8 @@ class Documents:
 
     def on_device(self, tokens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, DocumentIds | None]:
         """`inputs` of host token ids (B, T), computed on the host and copied to `device`: the RoPE
-        positions there, and the document ids there and here (DocumentIds)."""
+        positions there, and the document ids there and here (DocumentIds, with an empty store for
+        the block masks its layers share)."""
         positions, doc = self.inputs(tokens, torch.arange(tokens.shape[1], device=tokens.device))
-        ids = None if doc is None else DocumentIds(doc.to(device, non_blocking=True), doc)
+        ids = None if doc is None else DocumentIds(doc.to(device, non_blocking=True), doc, {})
         return positions.to(device, non_blocking=True), ids

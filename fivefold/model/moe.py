@@ -22,6 +22,15 @@ from torch import nn
 from fivefold.model.config import MoEConfig
 from fivefold.model.ffn import FeedForward, gated
 
+# Rows of each group a grouped matmul runs: every expert's rows are padded with zero rows to a multiple
+# of this, and an expert with none gets one whole group of zero rows. CUDA's grouped GEMM computes the
+# weight gradient dW_e = x_e^T dy_e contracting over a group's rows, which its kernel needs in whole
+# 16-byte multiples (8 bf16 rows), and an empty group can hang the backward (pytorch/pytorch#152668);
+# torchtitan pads the same way, to 8 rows in bf16. FP8 grouped GEMMs would need 16, but fivefold's FP8
+# never reaches the routed experts (parallel/fp8.py): they run bf16, so 8. The planner prices the same
+# padding (planner/machine/ops.py GROUP_ROWS, tests/planner/test_planner_roofline.py checks they agree).
+GROUP_ROWS = 8
+
 
 def grouped_dtype(x: torch.Tensor, dim: int, hidden: int) -> torch.dtype | None:
     """bf16 when the experts' matmuls run as one grouped matmul (`torch._grouped_mm`), None for the
@@ -34,6 +43,34 @@ def grouped_dtype(x: torch.Tensor, dim: int, hidden: int) -> torch.dtype | None:
     autocasting = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
     dtype = torch.get_autocast_dtype(kind) if autocasting else x.dtype
     return dtype if dtype == torch.bfloat16 else None
+
+
+def _padded_rows(rows: int, n_experts: int) -> int:
+    """Rows of the padded buffer for `rows` rows over `n_experts` groups, from shapes alone (no host
+    read): each group pads by at most GROUP_ROWS - 1 rows, an empty one by GROUP_ROWS, so
+    round_up(rows, GROUP_ROWS) + GROUP_ROWS x n_experts always holds them; the last group absorbs
+    what is left, so the groups cover every row the matmul writes."""
+    return -(-rows // GROUP_ROWS) * GROUP_ROWS + GROUP_ROWS * n_experts
+
+
+def padded_groups(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `rows` rows sorted by expert go in a zero-padded buffer of _padded_rows(rows, E) rows
+    whose groups are all whole multiples of GROUP_ROWS, none empty; computed on the device.
+
+    counts (E,) summing to `rows` -> dest (rows,) each row's row in the buffer, and ends (E,) int32
+    one past each group's last buffer row (torch._grouped_mm's offs), the last the buffer's end."""
+    groups = ((counts + GROUP_ROWS - 1) // GROUP_ROWS).clamp(min=1) * GROUP_ROWS  # (E,) padded, never empty
+    ends = torch.cumsum(groups, 0)  # (E,)
+    ends[-1] = _padded_rows(rows, len(counts))  # the last group takes the buffer's tail (zero rows)
+    shift = (ends - groups) - (torch.cumsum(counts, 0) - counts)  # (E,) buffer start - start in x, per expert
+    dest = torch.arange(rows, device=counts.device) + shift.repeat_interleave(counts, output_size=rows)  # (rows,)
+    return dest, ends.to(torch.int32)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """One grouped matmul, x cast to the weights' dtype here: each matmul its own cast, as autocast
+    casts the loop's, so the gate's and up's input gradients are summed in x's dtype as the loop's are."""
+    return torch._grouped_mm(x.to(w.dtype), w, offs=offs)
 
 
 class GroupedExperts(nn.Module):
@@ -63,22 +100,30 @@ class GroupedExperts(nn.Module):
         """x (N, dim) sorted by expert, counts (E,) rows for each local expert on x's device -> (N, dim).
         `sizes`: the same counts read to the host already (the loop needs them; read here if not given).
 
-        Both paths run the same unit (`_unit`) on the same rows: one grouped matmul per weight with each
-        row's bias looked up, or expert by expert with that expert's bias; the same numbers either way."""
+        Both paths run the same unit (`_unit`) on the same rows: one grouped matmul per weight on the
+        rows padded per expert (`padded_groups`), with each row's bias looked up, or expert by expert
+        with that expert's bias; the same numbers either way."""
         dtype = grouped_dtype(x, *self.gate.shape[1:])
         biases = (self.gate_bias, self.up_bias, self.down_bias)
         if dtype is not None:
-            ends = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) one past each expert's last row
+            dest, ends = padded_groups(counts, x.shape[0])  # (N,), (E,)
+            # zero rows between the groups, filled in place (no copy of the zeros); index_copy_'s backward
+            # gathers dx back from the padded rows
+            padded = x.new_zeros(_padded_rows(x.shape[0], len(counts)), x.shape[1]).index_copy_(0, dest, x)  # (P, dim)
             weights = [w.to(dtype) for w in (self.gate, self.up, self.down)]
             row_biases = (None,) * 3
             if self.gate_bias is not None:
-                # torch._grouped_mm takes no bias: each row's expert, from the counts on the device (no host
-                # read), looks its bias up; an embedding, whose backward sums each expert's rows
-                # (deterministically on CUDA, unlike index_add)
+                # torch._grouped_mm takes no bias: each padded row's expert, from the group ends on the
+                # device (no host read), looks its bias up; an embedding, whose backward sums each
+                # expert's rows (deterministically on CUDA, unlike index_add); zero rows add zero gradients
+                sizes_padded = torch.diff(ends, prepend=ends.new_zeros(1))  # (E,)
                 expert_of_row = torch.arange(len(counts), device=x.device).repeat_interleave(
-                    counts, output_size=x.shape[0])  # (N,)
-                row_biases = tuple(F.embedding(expert_of_row, b) for b in biases)  # (N, hidden), (N, hidden), (N, dim)
-            return self._unit(x.to(dtype), *weights, *row_biases, matmul=partial(torch._grouped_mm, offs=ends))
+                    sizes_padded, output_size=padded.shape[0])  # (P,)
+                row_biases = tuple(F.embedding(expert_of_row, b) for b in biases)  # (P, hidden), (P, hidden), (P, dim)
+            y = self._unit(padded, *weights, *row_biases, matmul=partial(_grouped_mm, offs=ends))  # (P, dim)
+            # (N, dim): the zero rows' outputs dropped; the backward adds each row's gradient once into
+            # zeros (distinct rows: exact in any order, on CUDA too)
+            return y.index_select(0, dest)
         sizes = counts.tolist() if sizes is None else sizes
         # unbind once: its backward stacks the experts' gradients in one pass, where indexing
         # self.gate[e] per expert would write a zero-filled gradient of the whole stack for each

@@ -23,16 +23,24 @@ The mesh also owns this rank's communication counters (`stats`), step timer (`ti
 collective counts (`arrivals`, published for naming the ranks a timed-out collective waits for:
 parallel/comm/arrivals.py), which every group carries, so the code that talks and computes reports to
 them without any global. With parallel.ep_overlap every group also gets a twin for the side lane of
-DualPipe's overlapped pairs (`add_side_lane`, comm/lanes.py). Nothing here is global: the Mesh is
-passed to whoever needs it; `close()` (or the mesh's collection, or the interpreter's exit) stops
-the arrivals' publishing thread.
+DualPipe's overlapped pairs (`add_side_lane`, comm/lanes.py), made and warmed at setup. Nothing here
+is global: the Mesh is passed to whoever needs it; `close()` (or the mesh's collection, or the
+interpreter's exit) stops the arrivals' publishing thread.
+
+Every process group the mesh makes waits `timeout_s` (parallel.collective_timeout_s) for its peers;
+`timeout(seconds)` changes that for all of them at once, inside a block: train/loop.py runs the
+first step under parallel.first_step_timeout_s, since that step compiles (train.compile) and NCCL
+makes each group's communicator at its first collective, either of which can outlast a timeout
+sized for a steady step (torchtitan: comm.init_timeout_seconds, then comm.train_timeout_seconds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -42,7 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fivefold.config.derive import Derived
 from fivefold.config.schema import Config
 from fivefold.parallel.comm.arrivals import Arrivals, collective_deadlines
-from fivefold.parallel.comm.collectives import AxisGroup, CommStats, all_gather_object, world_group
+from fivefold.parallel.comm.collectives import AxisGroup, CommStats, all_gather_object, all_reduce, world_group
 from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.comm.timing import CudaClock, StepTimer, WallClock
 
@@ -88,6 +96,7 @@ class Mesh:
         self.device_type = device_type
         self._device = device  # None: this process's device of device_type (device_for); the dry run's "meta"
         self.timeout_s = timeout_s  # None: torch's default (30 min on gloo, 10 on NCCL)
+        self._pgs: list[dist.ProcessGroup] = []  # every group made here: `timeout` changes them all
         self.stats = CommStats()
         self.timer = StepTimer(CudaClock() if device_type == "cuda" else WallClock())  # step time, by part
         # The dry run's fake world has no peers to wait for, and builds a mesh per position in one process.
@@ -117,14 +126,21 @@ class Mesh:
         mesh = cls({"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": derived.dp_shard, "cp": p.cp, "tp": p.tp},
                    device_type, p.collective_timeout_s, ep=p.ep, device=device)
         if p.ep_overlap and dist.get_backend() != "fake":  # the dry run runs no pair: no twins to make
-            mesh.add_side_lane()
+            # It makes NCCL's twin communicators, as a first step makes the others: the first step's timeout
+            with mesh.timeout(max(p.first_step_timeout_s, p.collective_timeout_s)):
+                mesh.add_side_lane()
         return mesh
 
     def add_side_lane(self) -> None:
         """A twin process group for every group of the mesh but "world", for the side lane of
         DualPipe's overlapped pairs (comm/lanes.py). Collective: every rank learns every group's ranks
-        (one object gather) and makes the twins in one order; groups of the same ranks share a twin
-        (one lane's calls on it are in one order whichever view makes them)."""
+        (one object gather) and makes the twins in one order, sorted by their ranks; groups of the
+        same ranks share a twin (one lane's calls on it are in one order whichever view makes them).
+
+        Each twin of this rank then runs one collective of one element, in the same order: NCCL makes
+        a group's communicator at its first collective (a collective of the group's ranks itself), so
+        all are made here, at setup, and not inside the first pair while the other lane launches. One
+        order on every rank: two ranks that share two twins warm them in the same order."""
         mine = {name: tuple(dist.get_process_group_ranks(g.pg)) for name, g in self._groups.items()
                 if name != "world" and g.pg is not None and g.size > 1}
         everyone = all_gather_object(mine, self._groups["world"], "gather of the mesh's groups for the side lane")
@@ -134,10 +150,14 @@ class Mesh:
             pg = dist.new_group(list(ranks))  # collective over the world: every rank makes every twin
             if dist.get_rank() in ranks:
                 twins[ranks] = self._collective_timeout(pg)
+        warm: dict[tuple[int, ...], AxisGroup] = {}
         for name, ranks in mine.items():
             g = self._groups[name]
-            g.side = dataclasses.replace(g, pg=twins[ranks], side=None)
+            g.side = dataclasses.replace(g, pg=twins[ranks], side=None, lanes=self.lanes)
             g.lanes = self.lanes
+            warm.setdefault(ranks, g.side)
+        for ranks in twins:  # sorted, as made
+            all_reduce(torch.zeros(1, device=self.device), warm[ranks], label="log")  # setup, not training's traffic
 
     def _add_expert_views(self, ep: int) -> DeviceMesh | None:
         """The "ep" and "expert_dp" views; returns the ep group as a 1-D DeviceMesh (ep > 1), on which
@@ -159,6 +179,8 @@ class Mesh:
         # shards live (parallel/data/zero.py).
         grid = torch.tensor(ep_parts).reshape(len(ep_parts) // len(replica_parts[0]), len(replica_parts[0]), ep)
         planes = DeviceMesh(self.device_type, grid, mesh_dim_names=("expert_place", "expert_dp", "ep"))
+        for pg in planes.get_all_groups():  # checkpoints' and ZeRO's expert shards wait on them too
+            self._collective_timeout(pg)
         self.expert_device_mesh = planes["expert_dp", "ep"]
         return planes["ep"]
 
@@ -182,9 +204,38 @@ class Mesh:
         default timeout and set after: gloo connects a new group's ranks under the timeout it is made
         with, and on a loaded machine that can take longer than a short collective timeout (seen: a
         0.5 s timeout failed `connectFullMesh`). The dry run's fake backend has no timeout."""
-        if self.timeout_s is not None and dist.get_backend(pg) != "fake":
-            pg.set_timeout(timedelta(seconds=self.timeout_s))
+        if dist.get_backend(pg) != "fake":
+            self._pgs.append(pg)
+            if self.timeout_s is not None:
+                pg.set_timeout(timedelta(seconds=self.timeout_s))
         return pg
+
+    @contextlib.contextmanager
+    def timeout(self, seconds: float) -> Iterator[None]:
+        """Inside the block every group of the mesh, and the job's default group ("world"), waits
+        `seconds` for its peers; after it, the mesh's own timeout again. A collective takes the
+        timeout in force when it is issued (NCCL's watchdog times each one from its own): those of
+        the block's last step still in flight on the device keep the block's."""
+        before = self.timeout_s
+        self._set_timeout(seconds)
+        try:
+            yield
+        finally:
+            self._set_timeout(before)
+
+    def _set_timeout(self, seconds: float | None) -> None:
+        """Every group, its AxisGroups (their errors say the seconds waited) and the arrivals' watch
+        (half the timeout on CUDA: arrivals.collective_deadlines) to `seconds` (None: torch's default)."""
+        deadlines = collective_deadlines(seconds, self.device_type)
+        self.timeout_s = seconds
+        default_group = [dist.group.WORLD] if dist.get_backend() != "fake" else []
+        for pg in [*self._pgs, *default_group]:
+            pg.set_timeout(timedelta(seconds=deadlines.process_group_s))
+        for g in self._groups.values():
+            for view in (g, g.side) if g.side is not None else (g,):
+                view.timeout_s = seconds
+        if self.arrivals is not None:
+            self.arrivals.watch_s = deadlines.watch_s
 
     @property
     def device(self) -> torch.device:

@@ -100,6 +100,7 @@ class Estimate:
     hfu: float = 0.0  # hardware FLOPs (recomputation counted) / (step x GPUs x peak)
     flops: dict[str, float] = field(default_factory=dict)  # model and hardware FLOPs, per token and per step
     host_memory_bytes: float = 0.0  # host memory per node that offloaded state takes
+    host_pinned_bytes: float = 0.0  # of it, page-locked (planner/offload.py: pinned_host_bytes)
     overlaps: dict[str, Hidden] = field(default_factory=dict)  # overlap.SWITCHES -> traffic and what stays exposed
     not_runnable: list[str] = field(default_factory=list)  # why `fivefold train` cannot run it as assumed
     comm_by_pp_rank: list[dict[str, AxisTraffic]] = field(default_factory=list)  # every pipeline rank's traffic
@@ -274,7 +275,8 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
                     bubble_fraction=t.pipe.sim.bubble_fraction, exposed_dp_s=t.dp.exposed_s, step_time_s=step,
                     tokens_per_s_per_gpu=d.tokens_per_step / step / world_size, mfu=mfu, fits=t.mem.fits,
                     time_split=split, explain=explain, dp_overlap=t.dp.overlap, options=options, hfu=hfu,
-                    flops=flops.to_json(), host_memory_bytes=t.mem.host_bytes, overlaps=t.overlaps,
+                    flops=flops.to_json(), host_memory_bytes=t.mem.host_bytes,
+                    host_pinned_bytes=t.mem.host_pinned_bytes, overlaps=t.overlaps,
                     not_runnable=options.not_runnable(cfg), comm_by_pp_rank=t.by_rank,
                     memory_by_pp_rank=t.mem.per_rank, conventions=figures)
 

@@ -205,19 +205,21 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_
 
 
 def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int, act_bytes: int,
-                 grad_ranks: int) -> dict[str, float]:
+                 grad_ranks: int, grad_accum: int) -> dict[str, float]:
     """Communication staging (order of magnitude, not a byte count):
 
     dp: parallel.buckets_in_flight + 1 gradient buckets (parallel.bucket_mb each: K reducing while
     one more fills, parallel/data/buckets.py; no more than the gradients); ZeRO-3: the gathered
     weights of two units (current and prefetched, fsdp.py), or kept gathered (the default with
-    pipelines) the rank's whole stages and their unsharded gradients during the step;
+    pipelines) the rank's whole stages and their unsharded gradients during the step, those summed
+    over grad_accum > 1 micro-batches in fp32 whatever b.grad (fsdp.py, as FSDP2 upcasts them);
     pp: one activation sent and one received per micro-batch; tp with sp: one gathered input.
     """
     p, t, d = cfg.parallel, cfg.train, cfg.model.dim
     staged = (p.buckets_in_flight + 1) * p.bucket_mb * 1e6
+    kept_grad = max(b.grad, 4.0) if grad_accum > 1 else b.grad
     dp = (0.0 if grad_ranks <= 1 else min(staged, share.params * b.grad) if p.zero < 3
-          else 2 * share.largest_unit * b.param if reshard_after_forward(p) else share.params * (b.param + b.grad))
+          else 2 * share.largest_unit * b.param if reshard_after_forward(p) else share.params * (b.param + kept_grad))
     out = {"dp": dp,
            "pp": 2 * t.micro_batch * local_seq * d * act_bytes / (p.tp if p.sp else 1) if p.pp > 1 else 0.0,
            "tp": t.micro_batch * local_seq * d * act_bytes if p.tp > 1 and p.sp else 0.0}

@@ -20,8 +20,15 @@ their bytes). What a step adds, on one rank, with its shard of S parameters (mem
   not overlapped either.
 
 Both directions of the host link (Hardware.pcie_bw, per direction) run at once; the link and the
-DRAM run at the catalog's link efficiency (bw_efficiency). No pinned staging is counted: DeepSpeed
-pins the offloaded partitions themselves.
+DRAM run at the catalog's link efficiency (bw_efficiency).
+
+Pinned (page-locked) host memory, `pinned_host_bytes`: what crosses the host link is pinned where
+it rests, with no staging copy beside it (DeepSpeed pins the offloaded partitions themselves;
+fivefold one flat buffer per rank, parallel/data/offload.py): the fp32 gradient shard and the fp32
+master, 4 + 4 bytes per shard element, and in ZeRO's accounting with offload = "params" the
+parameter shard beside them (b_p; fivefold's master is its parameter shard). It is part of the host
+bytes (memory.py), not added to them: the share of them the OS can never swap or reclaim. The
+moments stay pageable: only the host's Adam reads them.
 """
 
 from __future__ import annotations
@@ -46,6 +53,20 @@ def check_offload(cfg: Config, options: PlanOptions) -> None:
     if options.offload == "optimizer" and zero == 0:
         raise ValueError("--layout offload=optimizer: ZeRO-Offload moves a ZeRO shard of the optimizer "
                          "(DeepSpeed offloads with stage 1, 2 or 3); add zero=1 or more")
+
+
+def pinned_host_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, options: PlanOptions,
+                      implementation: bool) -> float:
+    """The page-locked host bytes of this rank under options.offload (module docstring): 0 without
+    offload; in fivefold's own accounting (`implementation`) the run's flat buffer, 8 per shard element."""
+    if options.offload == "none":
+        return 0.0
+    pinned = 0.0
+    for n_params, n, vocab in state_parts(cfg, d, share, options):
+        pinned += (4.0 + HOST_GRAD_BYTES) * n_params / n  # fp32 master + fp32 gradient shard
+        if options.offload == "params" and not implementation:  # ZeRO's parameter shard beside the master
+            pinned += n_params / n * (b.param if vocab or options.fp8 != "weights" else FP8_BYTES)
+    return pinned
 
 
 def offload_step(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, hw: Hardware, options: PlanOptions,

@@ -34,6 +34,7 @@ from fivefold.planner.memory import (
     with_fp8_weights,
 )
 from fivefold.planner.offload import SOURCE as OFFLOAD_SOURCE
+from fivefold.planner.offload import pinned_host_bytes
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.overlap import Hidden, dp_hidden, gather_hidden
 
@@ -240,6 +241,7 @@ class RankMemory:
     host_bytes: float = 0.0  # host memory per node that offloaded state takes (its ranks x the fullest rank's)
     per_rank: list[dict[str, float]] = field(default_factory=list)  # every pipeline rank's, like `memory`
     activations: dict[str, float] = field(default_factory=dict)  # the fullest rank's (memory.activation_bytes)
+    host_pinned_bytes: float = 0.0  # of host_bytes, those page-locked (offload.pinned_host_bytes), per node
 
 
 def inflight_blocks(cfg: Config, d: Derived, sizes: list[int], memo: Memo) -> list[int]:
@@ -262,16 +264,17 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int
     or a larger stage outweigh it."""
     p, n_shard, grad_ranks = cfg.parallel, d.dp_shard, d.dp * cfg.parallel.cp
     memory: dict[str, float] = {}
-    per_rank, host = [], 0.0
+    per_rank, host, pinned = [], 0.0, 0.0
     for r, s in enumerate(shares):
         state = rank_state_bytes(cfg, d, s, b, implementation, options)
         acts = activation_bytes(cfg, s, held[r], d.local_seq_len, d.vocab_size, act_bytes, options)
-        bufs = buffer_bytes(cfg, s, b, d.local_seq_len, act_bytes, grad_ranks)
+        bufs = buffer_bytes(cfg, s, b, d.local_seq_len, act_bytes, grad_ranks, d.grad_accum)
         mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                "activations": acts["total"], "buffers": bufs["total"]}
         mem["total"] = sum(mem.values())
         per_rank.append(mem)
         host = max(host, state["host"])
+        pinned = max(pinned, pinned_host_bytes(cfg, d, s, b, options, implementation))
         if not memory or mem["total"] > memory["total"]:
             memory, worst_acts, worst_r = mem, acts, r
     ranks_per_node = min(d.world_size, hw.gpus_per_node)
@@ -292,15 +295,15 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int
                      + (", the logits" if shares[worst_r].last else "") + "; totals per rank "
                      + ", ".join(f"{m['total'] / GB:.1f}" for m in per_rank) + " GB",
                      f"terms.inflight_blocks(build_schedule('{p.pp_schedule}', ...)); layout.rank_shares"))
-    rows += _option_rows(cfg, options, worst_acts, host, host_node, ranks_per_node, hw)
+    rows += _option_rows(cfg, options, worst_acts, host, host_node, ranks_per_node, hw, pinned)
     rows.append(("memory", f"{memory['total'] / GB:.2f} GB of {hw.memory_bytes / GB:.0f} GB: "
                  f"{'fits' if memory['total'] <= hw.memory_bytes else 'does NOT fit'}",
                  hw.sources.get("memory_bytes", "profile")))
-    return RankMemory(memory, fits, rows, host_node, per_rank, worst_acts)
+    return RankMemory(memory, fits, rows, host_node, per_rank, worst_acts, pinned * ranks_per_node)
 
 
 def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host: float, host_node: float,
-                 ranks_per_node: int, hw: Hardware) -> list[Row]:
+                 ranks_per_node: int, hw: Hardware, pinned: float = 0.0) -> list[Row]:
     """Explain rows of the memory options of other trainers (memory.py's docstring)."""
     rows = []
     imbalance = expert_imbalance(cfg, options)
@@ -321,5 +324,7 @@ def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host
         capacity = f" of {hw.host_memory_bytes / GB:.0f} GB: {verdict}" if hw.host_memory_bytes else " (unknown host)"
         rows.append(("host memory", f"{ranks_per_node} ranks x {host / GB:.2f} GB (optimizer state + fp32 gradient"
                      + (" + parameter" if options.offload == "params" else "") + f" shards) = {host_node / GB:.1f} "
-                     f"GB per node{capacity}", f"{OFFLOAD_SOURCE}; host: {hw.sources.get('host_memory_bytes', '-')}"))
+                     f"GB per node{capacity}; of it pinned {ranks_per_node} x {pinned / GB:.2f} GB (what crosses the "
+                     "host link, page-locked: never swapped)",
+                     f"{OFFLOAD_SOURCE}; host: {hw.sources.get('host_memory_bytes', '-')}"))
     return rows

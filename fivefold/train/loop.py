@@ -257,7 +257,10 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
     try:
         with collect_between_steps(t.gc_every) as collector, stop_request as stop:
             for step in range(start, end):
-                record = train_step(run, step, trace=log.traces(step + 1))
+                # This process's first step compiles and makes NCCL's communicators: a longer timeout (mesh.py)
+                first = max(cfg.parallel.first_step_timeout_s, cfg.parallel.collective_timeout_s)
+                with run.mesh.timeout(first) if step == start else contextlib.nullcontext():
+                    record = train_step(run, step, trace=log.traces(step + 1))
                 done = step + 1
                 collector.after_step(done)  # between steps: no collector pause inside one
                 due = (t.eval_every and done % t.eval_every == 0) or done == t.steps

@@ -21,7 +21,7 @@ Keys of a step record (later features add keys; none is ever renamed):
 | tokens_per_s | tokens / step_time_s, for the whole job |
 | comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comm/collectives.py during the step |
 | model_state_bytes | {params, grads, optimizer, total}: bytes rank 0 held, largest sample after each micro-batch's backward (storages counted once) |
-| offload | parallel.offload != "none" only: {d2h_bytes, h2d_bytes, host_bytes}: rank 0's gradient shard bytes copied to the host and fp32 shard bytes copied to the device during the step (parallel/data/offload.py: "optimizer" the updated shards after the step, "params" every gather's shards), and the bytes of its host tensors (fp32 masters, gradient buffers, AdamW's state) |
+| offload | parallel.offload != "none" only: {d2h_bytes, h2d_bytes, host_bytes, pinned_bytes}: rank 0's gradient shard bytes copied to the host and fp32 shard bytes copied to the device during the step (parallel/data/offload.py: "optimizer" the updated shards after the step, "params" every gather's shards), the bytes of its host tensors (fp32 masters, gradient buffers, AdamW's state), and of those the one flat buffer of masters and gradient buffers, page-locked on CUDA (on a CPU device what a GPU would pin) |
 | val_loss | mean validation token loss (only on steps that evaluate) |
 | loss_scale, skipped | fp16 only: the loss scale after the step, and whether an overflow skipped it |
 | predicted | the planner's prediction for this layout, for rank 0 as the other keys are (planner/selfcheck.py): model_state_bytes, activation_bytes, buffer_bytes, comm_wire_bytes per axis, step_time_s and its parts time_split (with `run.hardware`, else null) |

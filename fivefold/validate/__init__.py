@@ -192,7 +192,9 @@ def _mesh_errors(cfg: Config, world_size: int, dp: int) -> list[str]:
     if p.buckets_in_flight < 1:
         err(f"parallel.buckets_in_flight = {p.buckets_in_flight}: must be >= 1 (2 is the default)")
     if p.collective_timeout_s <= 0:
-        err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (300 is the default)")
+        err(f"parallel.collective_timeout_s = {p.collective_timeout_s}: must be > 0 seconds (600 is the default)")
+    if p.first_step_timeout_s <= 0:
+        err(f"parallel.first_step_timeout_s = {p.first_step_timeout_s}: must be > 0 seconds (1800 is the default)")
     return errors
 
 

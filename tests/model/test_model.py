@@ -266,14 +266,16 @@ def test_vocab_must_be_resolved():
 @pytest.mark.parametrize("capacity", [0.0, 0.5], ids=["all-kept", "capacity-drops"])
 def test_grouped_experts_equal_the_loop_in_bf16(monkeypatch, capacity):
     """torch._grouped_mm runs on the CPU (torch 2.13, fp32 and bf16, forward and backward): under
-    bf16 autocast the experts take it, and its outputs and gradients are bit-identical to the loop's
-    per-expert matmuls here (on CUDA the kernels differ: equal within bf16 rounding)."""
-    x = torch.randn(2, 16, 64)
+    bf16 autocast the experts take it, and its outputs and gradients, the input's included, are
+    bit-identical to the loop's per-expert matmuls here (on CUDA the kernels differ: equal within bf16
+    rounding). The input's needs each matmul's own cast of it, as autocast casts the loop's: its gate
+    and up gradients are then summed in fp32, not in bf16."""
     results = []
     for grouped in (True, False):
         if not grouped:
             monkeypatch.setattr(moe_module, "grouped_dtype", lambda *args: None)
         torch.manual_seed(0)
+        x = torch.randn(2, 16, 64, requires_grad=True)
         moe = moe_of("tiny-moe", capacity_factor=capacity)
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.1)
@@ -281,10 +283,50 @@ def test_grouped_experts_equal_the_loop_in_bf16(monkeypatch, capacity):
             assert moe.experts.grouped(x) is grouped
             out = moe(x)
         out.float().square().sum().backward()
-        results.append([out, *(p.grad for p in moe.experts.parameters())])
+        results.append([out, x.grad, *(p.grad for p in moe.experts.parameters())])
     for ours, loop in zip(*results, strict=True):
         assert torch.equal(ours, loop)
     assert results[0][0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("counts,ends", [([5, 0, 13, 1], [8, 16, 32, 56]), ([0, 0, 0, 19], [8, 16, 24, 56]),
+                                         ([8, 16, 0, 0], [8, 24, 32, 56]), ([0, 0, 0, 0], [8, 16, 24, 32])],
+                         ids=["ragged", "last-only", "aligned", "none"])
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "biases"])
+def test_grouped_experts_pad_each_expert_to_whole_groups_and_equal_the_loop(monkeypatch, counts, ends, bias):
+    """CUDA's grouped GEMM needs groups of whole GROUP_ROWS (8) rows for its weight gradient, and an
+    empty group can hang its backward (pytorch/pytorch#152668): each expert's rows are padded with
+    zero rows to a multiple of 8, an expert without rows gets 8, and the last group takes the buffer's
+    tail: round_up(N, 8) + 8 E rows. Ragged, 5 + 0 + 13 + 1 = 19 rows: groups of 8, 8, 16 and the
+    rest of round_up(19, 8) + 8 x 4 = 56, so torch._grouped_mm's offs are 8, 16, 32, 56. The output,
+    the input's gradient and every weight's (and bias's: gpt-oss) are bit-identical to the loop's on the CPU."""
+    seen = []
+    grouped_mm = torch._grouped_mm
+
+    def recording(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        seen.append((a.shape[0], offs.tolist()))
+        return grouped_mm(a, b, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    torch.manual_seed(0)
+    experts = moe_module.GroupedExperts(4, 16, 24, bias)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x0, dy = torch.randn(sum(counts), 16), torch.randn(sum(counts), 16)
+    results = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(moe_module, "grouped_dtype", lambda *args: None)
+        experts.zero_grad()
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x, torch.tensor(counts))
+        out.float().backward(dy)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in experts.parameters()]
+        results.append([out, x.grad, *grads])
+    assert seen == [(ends[-1], ends)] * 3  # gate, up, down: the loop calls none
+    for ours, loop in zip(*results, strict=True):
+        assert torch.equal(ours, loop)
 
 
 def test_local_dispatch_reads_the_device_once_or_not_at_all(monkeypatch):

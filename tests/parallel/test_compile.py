@@ -5,6 +5,7 @@ Counted with dynamo's own counters on the "aot_eager" backend: the same graph ca
 split as the default (inductor) without generating C++, so a test compiles in seconds on a CPU.
 """
 
+import pytest
 import torch
 from helpers import parallelized, tiny_config
 
@@ -22,10 +23,12 @@ MAX_GRAPH_BREAKS = 9
 EXCLUDED = "torch.compiler.disable()"  # every break is a call of an excluded function, nothing else
 
 
-def _step(par, x):
-    """One step's forward and backward (the executor's, with ZeRO-3's reductions): its loss and
-    this rank's reduced gradients (ZeRO-3: shards), which are then cleared."""
-    loss = par.pipeline.run([(x, x)], global_tokens=x.numel()).loss
+def _step(par, x, cfg):
+    """One step's forward and backward (the executor's, with ZeRO-3's reductions, under the run's
+    autocast): its loss and this rank's reduced gradients (ZeRO-3: shards), which are then cleared."""
+    from fivefold.train.precision import autocast
+
+    loss = par.pipeline.run([(x, x)], global_tokens=x.numel(), autocast=lambda: autocast(cfg.train, "cpu")).loss
     grads = [par.dp.gradient_of(p).clone() for p in par.dp.params]
     par.optimizer.zero_grad(set_to_none=True)
     return loss, grads
@@ -38,17 +41,19 @@ def _compiled_against_eager(rank, world, cfg):
 
     par = parallelized(cfg, world)
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    eager = _step(par, x)
+    eager = _step(par, x, cfg)
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(par.model, backend="aot_eager")
-    compiled = [_step(par, x) for _ in range(2)]  # the second runs the cached graphs: no new breaks
+    compiled = [_step(par, x, cfg) for _ in range(2)]  # the second runs the cached graphs: no new breaks
     return dict(counters["graph_break"]), eager, compiled
 
 
-def test_compiled_tp_zero3_blocks_break_only_at_collectives(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_tp_zero3_blocks_break_only_at_collectives(tmp_path, dtype):
+    """In bf16 too: dynamo traces autocast's casts into the graphs, which run them as eager did."""
     cfg = tiny_config(tmp_path, "--parallel.tp=2", "--parallel.zero=3", "--model.n_layers=2",
-                      "--train.global_batch=4")
+                      "--train.global_batch=4", f"--train.dtype={dtype}")
     breaks, (loss, grads), compiled = run_workers(_compiled_against_eager, 4, cfg, timeout=300)[0]
     assert sum(breaks.values()) <= MAX_GRAPH_BREAKS, breaks
     assert all(EXCLUDED in reason for reason in breaks), list(breaks)

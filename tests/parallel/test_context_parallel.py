@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import EQUIVALENCE, Layout, assert_reproduces, mesh_of, tiny_config, train_and_gather
+from helpers import BF16, EQUIVALENCE, Layout, assert_row, mesh_of, tiny_config, train_and_gather
 
 from fivefold.config.derive import derive
 from fivefold.config.load import replace
@@ -411,12 +411,15 @@ TRAINING = {  # against `reference`, on EQUIVALENCE: the same data and reference
                            param_atol=5e-4),
     "ring-tp2-sp-cp2": Layout(4, ("--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1",
                                   "--train.micro_batch=4"), param_atol=5e-4),
+    # bf16 autocast (helpers.BF16): Ulysses' bf16 all-to-alls (the ring's bf16 tiles merged in fp32: the
+    # masks table's bf16 row, every tile kind)
+    "ulysses-cp2-bf16": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses", *BF16)),
 }
 
 
 @pytest.mark.parametrize("name", TRAINING)
-def test_training_reproduces_single_process(tmp_path, reference, name):
+def test_training_reproduces_single_process(tmp_path, request, name):
     layout = TRAINING[name]
     cfg = tiny_config(tmp_path, *EQUIVALENCE, *layout.overrides)
     for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_reproduces(result, reference, param_atol=layout.param_atol)
+        assert_row(request, result, layout)

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 from helpers import (
+    BF16,
     EQUIVALENCE,
     MOE_ARGS,
     Layout,
-    assert_reproduces,
+    assert_row,
     mesh_of,
     parallelized,
     tiny_config,
@@ -411,15 +412,17 @@ MOE_TRAINING = {  # on EQUIVALENCE and helpers.MOE_ARGS
     "pp2-ep2-zero1-dualpipe_v": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=1",
                                            "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
                                            "--train.micro_batch=1"), **MOE_ROW),
+    # bf16 autocast (helpers.BF16): tokens dispatched and combined in bf16, sp's routing on half rows
+    "tp2-sp-ep2-bf16": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2", *BF16), **MOE_ROW),
 }
 
 
 @pytest.mark.parametrize("name", MOE_TRAINING)
-def test_training_reproduces_single_process(tmp_path, moe_reference, name):
+def test_training_reproduces_single_process(tmp_path, request, name):
     layout = MOE_TRAINING[name]
     cfg = tiny_config(tmp_path, *EQUIVALENCE, *MOE_ARGS, *layout.overrides)
     for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_reproduces(result, moe_reference, param_atol=layout.param_atol, exact=layout.exact)
+        assert_row(request, result, layout)
 
 
 def _train_losses(rank, world, cfg):

@@ -10,6 +10,8 @@ import json
 
 import pytest
 from helpers import (
+    BF16,
+    BF16_FP32,
     DOCUMENTS_ON,
     Layout,
     assert_layout_reproduces,
@@ -29,6 +31,8 @@ LAYOUTS = {
     "tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true"), "completion_reference", param_atol=3e-4),
     "pp2-1f1b": Layout(2, ("--parallel.pp=2", "--train.micro_batch=2"), "completion_reference"),
     "cp2-ring": Layout(2, ("--parallel.cp=2",), "completion_reference", param_atol=5e-4),
+    # bf16 autocast (helpers.BF16): the split vocabulary's masked loss on bf16 logits
+    "tp2-sp-bf16": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", *BF16), "completion_reference"),
 }
 
 
@@ -59,6 +63,15 @@ def completion_run(tmp_path_factory, completions):
 @pytest.fixture(scope="module")
 def completion_reference(completion_run):
     return completion_run[0]
+
+
+@pytest.fixture(scope="module")
+def bf16_completion_reference(tmp_path_factory, completions):
+    """One process under bf16 autocast, and in fp32 at its learning rate (helpers.BF16)."""
+    return tuple(run_workers(train_and_gather, 1, tiny_config(tmp_path_factory.mktemp("completion-ref"),
+                                                              *completion_args(completions, *args),
+                                                              "--train.micro_batch=8"))[0]
+                 for args in (BF16, BF16_FP32))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -5,7 +5,17 @@ import shutil
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, MOE_ARGS, Layout, assert_reproduces, parallelized, tiny_config, train_and_gather
+from helpers import (
+    BF16,
+    BF16_FP32,
+    EQUIVALENCE,
+    MOE_ARGS,
+    Layout,
+    assert_row,
+    parallelized,
+    tiny_config,
+    train_and_gather,
+)
 
 from fivefold.parallel.forked_ranks import run_workers
 
@@ -13,20 +23,33 @@ from fivefold.parallel.forked_ranks import run_workers
 # 7) clamps many of the tiny model's gate and up values (about 0.1-0.3 at init), so the clamp's
 # zero gradients are exercised too. Two steps: the second runs with moved biases.
 BIAS_ARGS = (*EQUIVALENCE, *MOE_ARGS, "--model.moe.linear_bias=true", "--model.moe.swiglu_limit=0.1", "--train.steps=2")
-ROW = dict(param_atol=2e-4, exact=("expert_bias",))  # as test_expert_parallel.py's MOE_ROW, and why
+# as test_expert_parallel.py's MOE_ROW, and why
+ROW = dict(reference="bias_reference", param_atol=2e-4, exact=("expert_bias",))
 LAYOUTS = {
     "ep2": Layout(2, ("--parallel.ep=2",), **ROW),
     # each tp rank routes its own half of every sequence: the router's bias gradient is summed over tp
     "tp2-sp-ep2": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2"), **ROW),
     # FSDP shards the (E/ep, hidden) biases over expert_dp along their second dim, as the weights
     "dp4-ep2-zero3": Layout(4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1"), **ROW),
+    # bf16 autocast (helpers.BF16): the biases added to bf16 products, the clamp on bf16 values
+    "ep2-bf16": Layout(2, ("--parallel.ep=2", *BF16), **ROW),
 }
+
+
+def _one_process(tmp_path_factory, name, *args):
+    cfg = tiny_config(tmp_path_factory.mktemp(name), *BIAS_ARGS, *args, "--train.micro_batch=8")
+    return run_workers(train_and_gather, 1, cfg)[0]
 
 
 @pytest.fixture(scope="module")
 def bias_reference(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("moe-bias"), *BIAS_ARGS, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
+    return _one_process(tmp_path_factory, "moe-bias")
+
+
+@pytest.fixture(scope="module")
+def bf16_bias_reference(tmp_path_factory):
+    """One process in bf16, and in fp32 at its learning rate (helpers.BF16)."""
+    return _one_process(tmp_path_factory, "moe-bias-bf16", *BF16), _one_process(tmp_path_factory, "fp32", *BF16_FP32)
 
 
 def test_reference_trains_the_biases(bias_reference):
@@ -38,11 +61,11 @@ def test_reference_trains_the_biases(bias_reference):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_training_reproduces_single_process(tmp_path, bias_reference, name):
+def test_training_reproduces_single_process(tmp_path, request, name):
     layout = LAYOUTS[name]
     cfg = tiny_config(tmp_path, *BIAS_ARGS, *layout.overrides)
     for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_reproduces(result, bias_reference, param_atol=layout.param_atol, exact=layout.exact)
+        assert_row(request, result, layout)
 
 
 def _train_losses(rank, world, cfg):

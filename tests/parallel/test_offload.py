@@ -1,8 +1,9 @@
 """ZeRO-Offload (parallel.offload = "optimizer") and ZeRO-Infinity's parameter offload ("params"),
 parallel/data/offload.py: the same training as on the device, the bytes each way per step, the host
-memory the planner predicts, proof that the optimizer really steps host copies, and checkpoints
-moving between the modes."""
+memory the planner predicts (pinned included), proof that the optimizer really steps host copies,
+their one flat buffer and its page-locking, and checkpoints moving between the modes."""
 
+import gc
 import shutil
 
 import pytest
@@ -13,6 +14,7 @@ from fivefold.checkpoint.run_state import complete_checkpoints
 from fivefold.config.derive import derive
 from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.transformer import count_parameters
+from fivefold.parallel.data import offload
 from fivefold.parallel.data.offload import step_bytes
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.planner.estimate import estimate
@@ -33,14 +35,15 @@ def _run(tmp_path, zero: int, *extra: str):
     return cfg, result, read_metrics(tmp_path / "tiny" / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_offload_trains_as_the_device_optimizer_bit_for_bit(tmp_path, zero):
+@pytest.mark.parametrize("zero,dtype", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")])
+def test_offload_trains_as_the_device_optimizer_bit_for_bit(tmp_path, zero, dtype):
     """The same foreach AdamW on the same fp32 values (clipped on the device before the copy): the
     losses, gradient norms and final weights are identical, bit for bit (measured so on CPU); the
     traffic over the mesh is unchanged and the host link's bytes are the formula's:
-    4 bytes per element of this rank's fp32 shard (P / dp, no padding here) each way, every step."""
-    cfg, (losses, norms, state), steps = _run(tmp_path / "off", zero, OFFLOAD)
-    _, (ref_losses, ref_norms, ref_state), ref_steps = _run(tmp_path / "ref", zero)
+    4 bytes per element of this rank's fp32 shard (P / dp, no padding here) each way, every step.
+    Under bf16 autocast too: the masters and their gradients stay fp32, whatever the compute dtype."""
+    cfg, (losses, norms, state), steps = _run(tmp_path / "off", zero, OFFLOAD, f"--train.dtype={dtype}")
+    _, (ref_losses, ref_norms, ref_state), ref_steps = _run(tmp_path / "ref", zero, f"--train.dtype={dtype}")
     assert losses == ref_losses and norms == ref_norms
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():
@@ -56,7 +59,9 @@ def test_host_memory_is_the_planners(tmp_path):
     """dp2 zero=1: the host tensors the run holds per rank are the planner's host bytes per rank,
     16 per shard element (fp32 master, both moments, the fp32 gradient buffer) in fivefold's own
     accounting and ZeRO's alike, plus AdamW's 0-dim step counters (4 bytes per tensor), which no
-    per-parameter formula has; on the device the moments are gone and the fp32 shard stays."""
+    per-parameter formula has; of them pinned, the run's flat buffer and the planner's alike, 8 per
+    shard element (master and gradient buffer); on the device the moments are gone and the fp32
+    shard stays."""
     cfg, _, steps = _run(tmp_path, 1, OFFLOAD)
     model = build_model(cfg, derive(cfg, 2, unpadded_vocab(cfg)).vocab_size)
     P, tensors = count_parameters(model), len([p for p in model.parameters() if p.requires_grad])
@@ -66,6 +71,8 @@ def test_host_memory_is_the_planners(tmp_path):
         planned = estimate(cfg, 2, hw, implementation=implementation).host_memory_bytes / ranks_per_node
         assert planned == 16 * P / 2
         assert steps[-1]["offload"]["host_bytes"] == planned + 4 * tensors
+        pinned = estimate(cfg, 2, hw, implementation=implementation).host_pinned_bytes / ranks_per_node
+        assert [s["offload"]["pinned_bytes"] for s in steps] == [pinned] * len(steps) == [8 * P / 2] * len(steps)
     measured, predicted = steps[-1]["model_state_bytes"], steps[-1]["predicted"]["model_state_bytes"]
     assert measured["optimizer"] == 4 * P / 2  # the device's fp32 shard: no moments
     assert measured["optimizer"] == pytest.approx(predicted["optimizer"])
@@ -106,6 +113,10 @@ def test_params_offload_trains_as_zero3_on_the_device_bit_for_bit(tmp_path, resh
     assert estimate(cfg, 2, hw, implementation=True).host_memory_bytes / per_rank == 16 * P / 2
     assert steps[-1]["offload"]["host_bytes"] == 16 * P / 2 + 4 * tensors
     assert estimate(cfg, 2, hw).host_memory_bytes / per_rank == 18 * P / 2
+    # Pinned: the master (the parameter shard) and the gradient buffer, 8; ZeRO's adds its bf16 copy
+    assert steps[-1]["offload"]["pinned_bytes"] == 8 * P / 2
+    assert estimate(cfg, 2, hw, implementation=True).host_pinned_bytes / per_rank == 8 * P / 2
+    assert estimate(cfg, 2, hw).host_pinned_bytes / per_rank == 10 * P / 2
 
 
 def _offload_at_work(rank, world, cfg):
@@ -166,6 +177,70 @@ def test_params_offload_gathers_from_staged_copies_of_the_host_shards(tmp_path):
     cfg = tiny_config(tmp_path, "--parallel.dp=2", "--parallel.zero=3", PARAMS)
     for checks in run_workers(_params_at_work, 2, cfg):
         assert all(checks), checks
+
+
+def _host_layout(rank, world, cfg):
+    """Where the host masters and gradient buffers are: (offset in the flat buffer, elements) each."""
+    off = parallelized(cfg, world).offload
+    flat = off.flat
+    assert flat.dtype == torch.float32 and not flat.is_pinned()  # a CPU run pins nothing
+    host = [*off.host_masters, *off.host_grads]
+    assert all(t.untyped_storage().data_ptr() == flat.data_ptr() for t in host)
+    return [((t.data_ptr() - flat.data_ptr()) // 4, t.numel()) for t in host], flat.numel(), off.pinned_bytes
+
+
+@pytest.mark.parametrize("zero,mode", [(1, OFFLOAD), (3, PARAMS)])
+def test_the_host_copies_are_views_into_one_flat_buffer(tmp_path, zero, mode):
+    """One host buffer per rank, made (and on CUDA page-locked) once: the masters then their gradient
+    buffers, parameter order, back to back; its bytes, 8 per shard element, are the pinned bytes
+    reported. Fails where each host tensor was an allocation of its own (pinned one at a time)."""
+    cfg = tiny_config(tmp_path, "--parallel.dp=2", f"--parallel.zero={zero}", mode)
+    for layout, numel, pinned in run_workers(_host_layout, 2, cfg):
+        offsets = [o for o, _ in layout]
+        sizes = [n for _, n in layout]
+        assert offsets == [sum(sizes[:i]) for i in range(len(sizes))] and sum(sizes) == numel
+        assert sizes[: len(sizes) // 2] == sizes[len(sizes) // 2:]  # a gradient buffer per master
+        assert pinned == 4 * numel > 0
+
+
+class _FakeCudart:
+    """torch.cuda.cudart()'s two calls _page_lock makes, recorded (no GPU here)."""
+
+    def __init__(self, error: int = 0):
+        self.calls, self.error = [], error
+
+    def cudaHostRegister(self, ptr, nbytes, flags):  # noqa: N802 - the CUDA runtime's names
+        self.calls.append(("register", ptr, nbytes, flags))
+        return self.error
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_the_flat_buffer_is_page_locked_at_its_exact_size_once(monkeypatch):
+    """On CUDA one cudaHostRegister of exactly the buffer's bytes (torch's pinned allocator would round
+    them up to a power of two), undone with the device idle when its owner goes; a refusal is one
+    line naming the setting and the fix. CUDA's calls are recorded here, not made."""
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: cudart.calls.append(("synchronize",)))
+
+    class Owner:
+        pass
+
+    owner, flat = Owner(), torch.empty(3 * 1000 + 5)  # (3005,) fp32: 12,020 bytes, not a power of two
+    offload._page_lock(owner, flat)
+    assert cudart.calls == [("register", flat.data_ptr(), 12_020, 1)]
+    del owner
+    gc.collect()
+    assert cudart.calls[1:] == [("synchronize",), ("unregister", flat.data_ptr())]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(error=2))
+    with pytest.raises(RuntimeError) as refused:
+        offload._page_lock(Owner(), flat)
+    assert str(refused.value) == ("parallel.offload: page-locking the 0.00 GiB host buffer of this rank's masters and "
+                                  "gradients failed (cudaError 2): raise the locked-memory limit (ulimit -l) or free "
+                                  "host memory")
 
 
 def _losses(rank, world, cfg):

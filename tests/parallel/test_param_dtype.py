@@ -23,9 +23,15 @@ from fivefold.train.metrics import read_metrics
 ARGS = (*EQUIVALENCE, "--optim.grad_clip=0", "--parallel.zero=3", "--train.micro_batch=4")
 
 
-def _cast_reference(rank, world, cfg, ranks):
-    """One process: each step's micro-batches as `ranks` data-parallel ranks would hold them, rank
-    by rank; the forward on bf16 copies of the fp32 weights; AdamW on the fp32 weights."""
+def _cast_reference(rank, world, cfg, ranks, per_rank_first=True):
+    """One process: each step's micro-batches as `ranks` data-parallel ranks would hold them; the
+    forward on bf16 copies of the fp32 weights, each micro-batch's gradient back through the cast in
+    fp32, summed in fp32 in the order ZeRO-3 sums them: rank by rank over its micro-batches, then
+    over ranks (`per_rank_first`: kept gathered, one reduce-scatter of each rank's accumulation), or
+    over ranks, then micro-batch by micro-batch (resharding: each micro-batch reduce-scattered into
+    the fp32 shards' gradients); AdamW on the fp32 weights."""
+    from functools import reduce
+
     from torch.func import functional_call
 
     from fivefold.data.batches import rank_slice
@@ -33,42 +39,96 @@ def _cast_reference(rank, world, cfg, ranks):
     from fivefold.parallel.optimizer import build_optimizer, set_lr
     from fivefold.train.loop import build_datasets
     from fivefold.train.lr_schedule import lr_at
+    from fivefold.train.precision import autocast
 
     t = cfg.train
     model = build_model(cfg, 320)
+    params = list(model.parameters())
     opt = build_optimizer(model, cfg.optim)
     train_set, _, loader = build_datasets(cfg, __import__("pathlib").Path(cfg.run.out_dir))
+
+    def summed(grads):  # [[a tensor per parameter], ...] -> their sums, added left to right
+        return reduce(lambda a, b: [x + y for x, y in zip(a, b, strict=True)], grads)
+
     losses = []
     for step in range(t.steps):
         set_lr(opt, lr_at(step, cfg.optim, t.steps))
         indices = loader.next_indices()
-        total = 0.0
+        total, grads = 0.0, []  # grads[r][m]: micro-batch m of rank r, fp32 per parameter
         for r in range(ranks):
             batch = rank_slice(train_set, indices, t.global_batch, ranks, r, t.micro_batch)
+            grads.append([])
             for x, y in batch.micro_batches:
                 weights = {name: p.to(torch.bfloat16) for name, p in model.named_parameters()}
-                logits = functional_call(model, weights, (x,))
-                # fivefold leaves the padding ids (257..319) out of the softmax, as the oracles do
-                loss = cross_entropy_sum(logits[..., :257], y) / batch.global_tokens
+                with autocast(t, "cpu"):  # the run's (none in fp32)
+                    logits = functional_call(model, weights, (x,))
+                    # fivefold leaves the padding ids (257..319) out of the softmax, as the oracles do
+                    loss = cross_entropy_sum(logits[..., :257], y) / batch.global_tokens
                 loss.backward()
+                grads[-1].append([p.grad for p in params])
+                opt.zero_grad(set_to_none=True)
                 total += float(loss.detach())
+        # per rank, then over ranks; or over ranks for each micro-batch m (zip(*grads)), then over m
+        step_grads = summed([summed(g) for g in (grads if per_rank_first else zip(*grads, strict=True))])
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_bf16_weights_reproduce_one_process_casting_its_weights(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_bf16_weights_reproduce_one_process_casting_its_weights(tmp_path, dtype):
     """ZeRO-3 at dp 2 with bf16 weights equals the cast reference exactly: losses and final fp32
-    weights bit for bit. (Checked to fail: against fp32 weights, parameters differ by ~5e-2.)"""
-    out = tmp_path
-    losses, _, state = run_workers(train_and_gather, 2, tiny_config(out / "ours", *ARGS,
+    weights bit for bit. (Checked to fail: against fp32 weights, parameters differ by ~5e-2.) Under
+    bf16 autocast too (train.dtype = "bf16", as users run bf16 weights): autocast still moves its fp32
+    ops (softmax, the loss) to fp32, in the run and in the reference alike."""
+    out, args = tmp_path, (*ARGS, f"--train.dtype={dtype}")
+    losses, _, state = run_workers(train_and_gather, 2, tiny_config(out / "ours", *args,
                                                                     "--parallel.param_dtype=bf16"))[0]
-    ref_losses, ref_state = run_workers(_cast_reference, 1, tiny_config(out / "ref", *ARGS), 2)[0]
+    ref_losses, ref_state = run_workers(_cast_reference, 1, tiny_config(out / "ref", *args), 2)[0]
     assert losses == ref_losses
     assert state.keys() == ref_state.keys()
     for name, ref in ref_state.items():
         assert state[name].dtype == torch.float32 and torch.equal(state[name], ref), name
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept_gathered", "resharding"])
+def test_bf16_weights_sum_many_micro_batches_in_fp32(tmp_path, keep):
+    """8 micro-batches of one sample per rank at dp 2: kept gathered, each rank's full gradients
+    accumulate over them in fp32 until the one reduce-scatter; resharding, each micro-batch's reduced
+    rows add up in the fp32 shards' gradients. Either way losses and final fp32 weights equal, bit for
+    bit, the cast reference summing the same fp32 gradients in the same order. (Checked to fail: kept
+    gathered bf16 weights accumulating their gradients in bf16 differed by 1.8e-2 in the weights and
+    3.5e-4 in the step-2 loss after 2 steps; resharding was exact before and after.)"""
+    args = (*EQUIVALENCE, "--optim.grad_clip=0", "--parallel.zero=3", "--train.micro_batch=1",
+            "--train.global_batch=16", "--train.steps=2")
+    keep_arg = f"--parallel.reshard_after_forward={str(not keep).lower()}"
+    losses, _, state = run_workers(train_and_gather, 2, tiny_config(tmp_path / "ours", *args, keep_arg,
+                                                                    "--parallel.param_dtype=bf16"))[0]
+    ref_losses, ref_state = run_workers(_cast_reference, 1, tiny_config(tmp_path / "ref", *args), 2, keep)[0]
+    assert losses == ref_losses
+    for name, ref in ref_state.items():
+        assert torch.equal(state[name], ref), (name, (state[name] - ref).abs().max().item())
+
+
+def test_kept_gathered_full_gradients_are_priced_in_fp32_over_micro_batches(tmp_path):
+    """The planner's buffers for ZeRO-3 kept gathered: the rank's weights and their unsharded
+    gradients, at b.grad bytes with one micro-batch a step and 4 (fp32) when they accumulate."""
+    from fivefold.model.counts import model_counts
+    from fivefold.planner.layout import rank_shares
+    from fivefold.planner.memory import BytesPerParam, buffer_bytes
+
+    cfg = tiny_config(tmp_path, "--parallel.zero=3", "--parallel.reshard_after_forward=false")
+    share = rank_shares(cfg, model_counts(cfg.model, 320))[0]
+    b = BytesPerParam()  # 2, 2, 12
+
+    def dp(grad_accum):
+        return buffer_bytes(cfg, share, b, 32, 2, grad_ranks=2, grad_accum=grad_accum)["dp"]
+
+    assert dp(1) == share.params * (2 + 2)
+    assert dp(2) == share.params * (2 + 4)
 
 
 def _train(rank, world, cfg):

@@ -10,7 +10,7 @@ sends in the order its neighbour receives (fivefold/parallel/pipeline/messages.p
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, TIED_ARGS, Layout, assert_reproduces, tiny_config, train_and_gather
+from helpers import BF16, EQUIVALENCE, TIED_ARGS, Layout, assert_reproduces, assert_row, tiny_config, train_and_gather
 
 from fivefold.checkpoint.run_dir import run_dir_of
 from fivefold.config.derive import derive
@@ -77,6 +77,9 @@ LAYOUTS = {  # against `reference`, on EQUIVALENCE
     # 8 layers in 6 stages, no stage_layers: the split balanced by cost (test_stage_split.py has the arithmetic)
     "interleaved-pp2-v3-uneven": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=interleaved_1f1b",
                                             "--parallel.virtual_stages=3", "--train.micro_batch=2")),
+    # bf16 autocast (helpers.BF16): bf16 activations and gradients between stages, a V schedule's split backward
+    "dualpipe_v-pp2-bf16": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
+                                      "--parallel.virtual_stages=2", "--train.micro_batch=2", *BF16)),
 }
 UNEVEN = {"interleaved-pp2-v3-uneven": [1, 2, 2, 1, 1, 1]}  # layout: the automatic split
 TIED = {  # against `tied_reference`, on TIED_ARGS
@@ -109,13 +112,13 @@ def train_gather_and_split(rank: int, world: int, cfg):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_pipeline_reproduces_single_process(tmp_path, reference, name):
+def test_pipeline_reproduces_single_process(tmp_path, request, name):
     layout = LAYOUTS[name]
     cfg = tiny_config(tmp_path, *EQUIVALENCE, *layout.overrides)
     results = run_workers(train_gather_and_split, layout.ranks, cfg)
     # Same tolerances and reasons as test_data_parallel.py: fp32 summation order, amplified by AdamW.
     for *result, _ in results:  # every rank reports the same loss and gathered model
-        assert_reproduces(result, reference, param_atol=layout.param_atol)
+        assert_row(request, result, layout)
     # The runtime's stages are the planner's, and for an uneven model the ones chosen by hand
     runtime = {s: n for *_, kept in results for s, n in kept.items()}
     planned = stage_sizes(cfg, model_counts(cfg.model, derive(cfg, layout.ranks, unpadded_vocab(cfg)).vocab_size))

@@ -21,9 +21,11 @@ def _train(rank, world, cfg):
     return train(cfg, progress=False, return_state=True)
 
 
-@pytest.mark.parametrize("extra", [(), ("--parallel.tp=2", "--parallel.sp=true")], ids=["tp1", "tp2-sp"])
+@pytest.mark.parametrize("extra", [(), ("--parallel.tp=2", "--parallel.sp=true"), ("--train.dtype=bf16",)],
+                         ids=["tp1", "tp2-sp", "tp1-bf16"])
 def test_recompute_modes_give_identical_training(tmp_path, extra):
-    world = 2 if extra else 1
+    """In bf16 too: the recomputed forward runs under the autocast the first ran under."""
+    world = 2 if "--parallel.tp=2" in extra else 1
     runs = {mode: run_workers(_train, world,
                               tiny_config(tmp_path / mode, *ARGS, *extra, f"--train.recompute={mode}"))[0]
             for mode in ("none", "selective", "full")}

@@ -3,11 +3,12 @@
 import pytest
 import torch
 from helpers import (
+    BF16,
     EQUIVALENCE,
     MLA_ARGS,
     TIED_ARGS,
     Layout,
-    assert_reproduces,
+    assert_row,
     mesh_of,
     parallelized,
     tiny_config,
@@ -139,6 +140,11 @@ LAYOUTS = {  # on EQUIVALENCE, or TIED_ARGS for the tied ones
                                    "--train.micro_batch=2"), param_atol=3e-4),
     "pp2-tp2-sp-zb": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2",
                                 "--parallel.pp_schedule=zb_h1", "--train.micro_batch=2"), param_atol=3e-4),
+    # bf16 autocast (helpers.BF16): the split vocabulary's loss on bf16 logits, tp's partial sums rounded to
+    # bf16, sp, and a split backward, composed (tp2 + sp alone: test_tp_overlap.py's bf16 row, the blocking
+    # path's numbers bit for bit)
+    "pp2-tp2-sp-zb-bf16": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2",
+                                     "--parallel.pp_schedule=zb_h1", "--train.micro_batch=2", *BF16)),
 }
 
 
@@ -148,7 +154,7 @@ def test_tensor_parallel_reproduces_single_process(tmp_path, request, name):
     tied = layout.reference == "tied_reference"
     args = (*(TIED_ARGS if tied else EQUIVALENCE), *layout.overrides)
     for result in run_workers(train_and_gather, layout.ranks, tiny_config(tmp_path, *args)):
-        assert_reproduces(result, request.getfixturevalue(layout.reference), param_atol=layout.param_atol)
+        assert_row(request, result, layout)
         if tied:  # one matrix in every slice, and on both pipeline ends
             assert torch.equal(result[2]["tok_embeddings.weight"], result[2]["output.weight"])
 
@@ -164,15 +170,16 @@ MLA_LAYOUTS = {  # on EQUIVALENCE and MLA_ARGS
     # values padded to the query/key width, so ring attention takes them
     "cp2-ring": Layout(2, ("--parallel.cp=2",), **MLA),
     "cp2-ulysses": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), **MLA),
+    "tp2-bf16": Layout(2, ("--parallel.tp=2", "--train.micro_batch=4", *BF16), **MLA),  # latent heads split in bf16
 }
 
 
 @pytest.mark.parametrize("name", MLA_LAYOUTS)
-def test_latent_attention_and_group_routing_reproduce_single_process(tmp_path, mla_reference, name):
+def test_latent_attention_and_group_routing_reproduce_single_process(tmp_path, request, name):
     layout = MLA_LAYOUTS[name]
     cfg = tiny_config(tmp_path, *EQUIVALENCE, *MLA_ARGS, *layout.overrides)
     for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_reproduces(result, mla_reference, param_atol=layout.param_atol, exact=layout.exact)
+        assert_row(request, result, layout)
 
 
 # tp alone and ZeRO-1 with tp are saved and loaded across layouts in test_reshard.py.

@@ -26,7 +26,7 @@ from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
 from fivefold.planner.layout import rank_shares
 from fivefold.planner.machine import roofline
-from fivefold.planner.machine.ops import Matmul, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.ops import GROUP_ROWS, Matmul, Ops, RankShapes, block_ops, end_ops, grouped_rows
 from fivefold.planner.machine.pricing import Memo
 from fivefold.planner.options import DEFAULT, PlanOptions
 
@@ -171,23 +171,55 @@ def test_fp8_on_a_gpu_without_it_names_the_option_and_the_gpu():
 
 def test_expert_imbalance_scales_the_routed_experts_only():
     """Mixtral on ep = 8 ranks, 4096 tokens each: each rank's one local expert gets 4096 x 8 x 2 / 8 =
-    8192 rows; the busiest rank under an imbalance of 1.5 gets 12288. The router, attention and the
-    rest of the block are the same; a capacity factor of 1.25 drops what exceeds 1.25 x the mean."""
+    8192 rows; the busiest rank under an imbalance of 1.5 gets 12288. In bf16 the grouped matmul runs
+    them padded (ops.grouped_rows): round_up(8192, 8) + 8 x 1 = 8200 and 12288 + 8 = 12296. The
+    router, attention and the rest of the block are the same; a capacity factor of 1.25 drops what
+    exceeds 1.25 x the mean: 10240 rows, 10248 run."""
     base, skewed = (block_ops(MIXTRAL, 0, _shapes(4096, ep=8, imbalance=x)) for x in (1.0, 1.5))
     rows = {mm.name: mm.m for mm in base.matmuls}
-    assert rows["expert gate"] == 8192 and rows["router"] == 4096 and rows["wq"] == 4096
+    assert rows["expert gate"] == 8192 + 8 and rows["router"] == 4096 and rows["wq"] == 4096
     for a, b in zip(base.matmuls, skewed.matmuls, strict=True):
-        assert b.m == (12288 if a.name.startswith("expert") else a.m)
+        assert b.m == (12288 + 8 if a.name.startswith("expert") else a.m)
     assert skewed.attention_flops == base.attention_flops
     for part in ("norms", "rope", "residual adds", "router", "weight casts"):
         assert skewed.parts[part] == base.parts[part]
-    assert skewed.parts["expert swiglu"] == pytest.approx(1.5 * base.parts["expert swiglu"])
+    assert skewed.parts["expert swiglu"] == pytest.approx(12296 / 8200 * base.parts["expert swiglu"])
     capped_moe = dataclasses.replace(MIXTRAL, moe=dataclasses.replace(MIXTRAL.moe, capacity_factor=1.25))
     capped = block_ops(capped_moe, 0, _shapes(4096, ep=8, imbalance=2))
-    assert {mm.name: mm.m for mm in capped.matmuls}["expert up"] == 10240
+    assert {mm.name: mm.m for mm in capped.matmuls}["expert up"] == 10240 + 8
     experts = [roofline.price_ops(Ops(matmuls=tuple(mm for mm in o.matmuls if mm.name.startswith("expert"))),
                                   H100, 2, fp8=False).forward["matmul"] for o in (base, skewed)]
     assert experts[1] == pytest.approx(1.5 * experts[0], rel=0.03)  # compute-bound: time follows the rows
+
+
+def test_grouped_experts_are_priced_on_their_padded_rows():
+    """model/moe.py pads each local expert's rows to whole groups of 8 for torch._grouped_mm, in a buffer
+    of round_up(N, 8) + 8 E_local rows (N routed rows), in bf16 only (fp32 loops, unpadded). Mixtral, ep
+    = 2, 1000 tokens: 4 local experts of 1000 x 2 x 2 / 8 = 500 rows, N = 2000 -> 2000 + 32 = 2032 rows,
+    508 each. The buffer is zeroed (2032 rows) and the 2000 rows read and written into it, in the
+    stream's dtype (fp32 here: autocast casts each matmul's input); the loop concatenates instead. Its
+    backward writes no per-expert gradients to stack (the loop's 3 x 2 x E_local x d x h fp32)."""
+    from fivefold.model import moe
+
+    assert GROUP_ROWS == moe.GROUP_ROWS  # the planner imports no torch: its own copy, held equal here
+    d, h = MIXTRAL.dim, MIXTRAL.ffn_dim
+    fp32_weights = dict(act_bytes=2, weight_bytes=4, residual_bytes=4)
+    grouped = block_ops(MIXTRAL, 0, _shapes(1000, ep=2, **fp32_weights))
+    loop = block_ops(MIXTRAL, 0, _shapes(1000, ep=2, act_bytes=4))
+    assert grouped_rows(2000, 4) == 2032 and grouped_rows(2001, 4) == 2008 + 32
+    assert {mm.name: (mm.m, mm.count) for mm in grouped.matmuls}["expert down"] == (508, 4)
+    assert {mm.name: (mm.m, mm.count) for mm in loop.matmuls}["expert down"] == (500, 4)
+    assert grouped.parts["expert swiglu"] == 2032 * h * 5 * 2  # silu and product: 3 reads, 2 writes of bf16
+    # x[token_of_copy] (2000 fp32 rows read and written), the pad, the gather out and the gate weights'
+    # product (bf16), the combine (new_zeros + index_add_ of 1000 tokens)
+    pad = (2032 + 2 * 2000) * d * 4
+    assert grouped.parts["moe dispatch"] == 2 * 2000 * d * 4 + pad + 4 * 2000 * d * 2 + (2000 + 3000) * d * 2
+    # backward beyond twice the forward: RoPE's zero-filled slices (q's 32 heads and k's 8), the weights'
+    # casts once (not twice), and the loop's stacked expert gradients
+    rope, casts = 3 * 1000 * 40 * 128, grouped.parts["weight casts"]
+    assert grouped.backward_elementwise_bytes - 2 * grouped.elementwise_bytes == pytest.approx(rope * 2 - casts)
+    stacked = 3 * 2 * 4 * d * h * 4  # per weight, 4 experts' fp32 gradients written, then stacked
+    assert loop.backward_elementwise_bytes - 2 * loop.elementwise_bytes == pytest.approx(rope * 4 + stacked)
 
 
 @pytest.mark.parametrize("name,layer,tp", [("tiny", 0, 1), ("tiny", 0, 2), ("tiny-moe", 0, 1), ("tiny-mla", 0, 1),
@@ -212,13 +244,17 @@ def test_elementwise_bytes_follow_the_model_code(name, layer, tp):
 def test_elementwise_bytes_under_autocast_follow_the_model_code(name, layer, tp):
     """The same trace as training runs it in bf16: fp32 weights and an fp32 residual stream (what the
     embedding writes) under bf16 autocast, against ops.py at act_bytes 2, weight_bytes 4 and
-    residual_bytes 4: forward within 13% (a dense block within 3%), backward within 20%."""
+    residual_bytes 4: forward within 13% (a dense block within 3%), backward within 20%. Matmul FLOPs
+    exact, forward and backward (twice): the routed experts run torch._grouped_mm (a matmul to the trace)
+    on their padded rows, round_up(N, 8) + 8 E for N = 512 x 2 copies whatever the routing: tiny-moe's
+    4 experts 1024 + 32 = 4 x 264 rows, tiny-mla's 8 experts 1024 + 64 = 8 x 136."""
     m = dataclasses.replace(PRESETS[name], vocab_size=256)
     forward, backward = block_tally(m, layer, tp, 2, 256, autocast=True)
     ops = block_ops(m, layer, _shapes(512, 256, tp=tp, act_bytes=2, weight_bytes=4, residual_bytes=4))
     dense = not (m.moe.n_experts or m.latent.kv_lora_rank)
     assert ops.elementwise_bytes == pytest.approx(sum(forward.elementwise_bytes), rel=0.03 if dense else 0.13)
     assert ops.backward_elementwise_bytes == pytest.approx(sum(backward.elementwise_bytes), rel=0.2)
+    assert sum(mm.flops for mm in ops.matmuls) == sum(forward.matmul_flops) == sum(backward.matmul_flops) / 2
 
 
 def test_an_fp32_residual_stream_under_autocast_by_hand():

@@ -22,6 +22,8 @@ process group's timeout, aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING's d
 Python error exists. So on CUDA the thread also *watches* (`collective_deadlines`): when this rank
 has launched no collective for `watch_s` it is blocked on one, and the thread reads its peers'
 reports and prints the ranks behind this rank's last call on each group, while the process lives.
+The watch follows the timeout in force: the mesh's `timeout` block (the first step's longer
+parallel.first_step_timeout_s, parallel/mesh.py) sets `watch_s` from it, and back after the block.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ class Deadlines:
 
 
 def collective_deadlines(timeout_s: float | None, device_type: str) -> Deadlines:
-    """The deadlines of a run on `device_type` with `parallel.collective_timeout_s` = timeout_s (None:
-    torch's default for the backend), as train/loop.py's process group and the mesh's Arrivals use them.
+    """The deadlines of a run on `device_type` whose groups wait timeout_s (`parallel.collective_timeout_s`,
+    or in the first step `parallel.first_step_timeout_s`; None: torch's default for the backend), as
+    train/loop.py's process group and the mesh's groups and Arrivals use them.
 
     The watch runs on CUDA (NCCL) only: there a rank runs ahead of its stuck collective, launching
     work until something waits on the GPU (the step's loss read, a full allocator) and is then silent.
@@ -204,4 +207,5 @@ def stalled_report(rank: int, silent_s: float, found: dict[tuple[int, ...], dict
                                                                             sorted(missing.items()))
                        for ranks, missing in found.items())
     return (f"rank {rank}: no collective launched for {silent_s:.0f} s, waiting for peers that never arrived "
-            f"(parallel.collective_timeout_s ends the job): {groups}")
+            f"(the groups' timeout ends the job: parallel.collective_timeout_s, in the first step "
+            f"parallel.first_step_timeout_s): {groups}")

@@ -37,6 +37,7 @@ arrivals' counts) and the backend's call each broke the graph again, or were rep
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import threading
@@ -109,6 +110,11 @@ class AxisGroup:
         """This group as the calling thread's lane uses it: its side-lane twin on the side lane's thread."""
         return self.side if self.side is not None and self.lanes.on_side() else self
 
+    def launch(self) -> contextlib.AbstractContextManager:
+        """Around the backend call that launches a collective on this group: inside an overlapped
+        pair, the calling lane's turn (lanes.py: one launch order on every rank); elsewhere nothing."""
+        return self.lanes.launch() if self.lanes is not None else contextlib.nullcontext()
+
     def global_rank(self, group_rank: int) -> int:
         """The world rank of this group's rank `group_rank` (point-to-point calls address world ranks)."""
         return dist.get_global_rank(self.pg, group_rank)
@@ -162,8 +168,8 @@ def _issue(op: str, group: AxisGroup, nbytes: int, label: str, async_op: bool,
     describe = lambda e: named_error(e, name, group, nbytes, label, number)  # noqa: E731
     flight = group.timer.flight(label, name) if async_op else None
     try:
-        with group.timer.blocked(label, name):  # a synchronous call blocks throughout; an async one while it launches
-            work = call()
+        with group.timer.blocked(label, name), group.launch():  # a synchronous call blocks throughout; an async
+            work = call()  # one while it launches (and, in a pair, while it waits for its lane's turn)
     except RuntimeError as e:
         raise describe(e) from e
     if not async_op:
@@ -275,7 +281,9 @@ def recv(tensor: torch.Tensor, frm: int, group: AxisGroup, name: str = "recv", t
     group = group.current()
     span = group.timer.span(part, group.label, name) if part else group.timer.blocked(group.label, name)
     with span, named_errors(name, group, _nbytes(tensor)):
-        dist.irecv(tensor, group.global_rank(frm), group=group.pg, tag=tag).wait()
+        with group.launch():
+            work = dist.irecv(tensor, group.global_rank(frm), group=group.pg, tag=tag)
+        work.wait()
 
 
 @torch.compiler.disable
@@ -323,7 +331,7 @@ def batch(sends: list[P2P], recvs: list[P2P], group: AxisGroup) -> tuple[list[Pe
         group.stats.record(group.label, "send", _nbytes(m.tensor), group.size)
     first = (sends or recvs)[0]
     try:
-        with group.timer.blocked(group.label, first.name):  # the launch; the transfers run in the background
+        with group.timer.blocked(group.label, first.name), group.launch():  # the transfers run in the background
             works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:
         raise named_error(e, first.name, group, sum(_nbytes(m.tensor) for m in sends), group.label) from e

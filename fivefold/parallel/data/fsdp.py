@@ -11,10 +11,11 @@ With N ranks, P parameter bytes and M micro-batches, two modes (`parallel.reshar
   FSDP2 keeps its root unit), one gather a micro-batch instead of two.
 - kept gathered (the default with pipelines, as torchtitan composes FSDP2 with pipelining): a
   unit is gathered at its first forward of the step and kept until its chunk's last backward,
-  where its gradients, accumulated unsharded, are reduce-scattered once. Traffic 2 (N-1)/N x P
-  whatever M is; in memory the step holds this rank's stages whole, as ZeRO-1 would. With a
-  pipeline, gathering around every F, B (and the zero-bubble I and W) would multiply the traffic
-  by the micro-batch count for little memory: the next micro-batch's forward follows soon.
+  where its gradients, accumulated unsharded (in fp32, bf16 weights or not), are reduce-scattered
+  once. Traffic 2 (N-1)/N x P whatever M is; in memory the step holds this rank's stages whole,
+  as ZeRO-1 would. With a pipeline, gathering around every F, B (and the zero-bubble I and W)
+  would multiply the traffic by the micro-batch count for little memory: the next micro-batch's
+  forward follows soon.
 The next unit's all-gather is issued asynchronously while the current one computes (prefetch).
 The optimizer steps the fp32 shards and no all-gather follows: the next forward gathers.
 (Rajbhandari et al. 2020, ZeRO stage 3; Zhao et al. 2023, "PyTorch FSDP".)
@@ -126,10 +127,18 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
             if p.dtype != param_dtype:
                 p.data = freed(p.to("meta", param_dtype), p.device)  # its values are in the shards now
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
-        # Resharding: every micro-batch, the full gradient is not kept. Kept gathered: once, at the
-        # chunk's last backward; the full gradients accumulate until then.
+        # Resharding: every micro-batch, the full gradient is not kept (its reduced rows add up in
+        # the fp32 shards' gradients). Kept gathered: once, at the chunk's last backward; the full
+        # gradients accumulate until then, in fp32 as the masters they go into: added in bf16, each
+        # micro-batch's add would round the sum to 8 bits of mantissa (why Megatron-LM accumulates
+        # into an fp32 main_grad; FSDP2's _fsdp_param.py to_accumulated_grad_if_needed upcasts its
+        # unsharded accumulated gradient to reduce_dtype). reduce_dtype is then the wire's only.
+        self.accumulated: dict[int, torch.Tensor] = {}  # id(p) -> fp32 sum of its earlier micro-batches' gradients
+        if not reshard_after_forward and param_dtype != torch.float32:
+            for p in self.params:  # in either order with the reducer's hook: a reducing backward keeps .grad
+                p.register_post_accumulate_grad_hook(self._accumulate_in_fp32)
         self.sharded = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=reshard_after_forward,
-                                        drop_full_grads=True)
+                                        drop_full_grads=True, full_grad=self._full_grad)
         self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm,
                                      parallel.buckets_in_flight)
         for unit in self.units:
@@ -198,6 +207,26 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         self._gather(unit)
         if unit.prev is not None:
             self._issue_gather(unit.prev)  # backward runs the units in reverse order
+
+    # ---- kept gathered with bf16 weights: full gradients accumulated in fp32 ------------------
+    @torch.no_grad()
+    def _accumulate_in_fp32(self, p: nn.Parameter) -> None:
+        """A micro-batch's gradient of p is complete in p.grad (bf16): unless this backward reduces
+        p's bucket, it moves into p's fp32 sum, so autograd puts the next one into an empty .grad
+        instead of adding it there in bf16. (One micro-batch a step accumulates nothing: no copy.)"""
+        if self.reducer.bucket_of[id(p)].armed:
+            return  # the reduction reads this last one with the sum (_full_grad)
+        acc = self.accumulated.get(id(p))
+        if acc is None:
+            self.accumulated[id(p)] = p.grad.float()
+        else:
+            acc.add_(p.grad)  # in fp32: the bf16 operand is widened exactly
+        p.grad = None
+
+    def _full_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """p's gradient of the step, for the reduce-scatter: its fp32 sum plus the last micro-batch's."""
+        acc = self.accumulated.pop(id(p), None)
+        return p.grad if acc is None else acc.add_(p.grad)
 
     # ---- the reduction of a bucket (buckets.Reduction): ZeRO's, then the unit's weights go ------
     def reduces(self, last_micro_batch: bool) -> bool:

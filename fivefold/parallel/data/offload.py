@@ -60,11 +60,24 @@ same fp32 adds, norm and foreach AdamW on the same values). On CUDA the copies a
 from pinned memory but ordered with the compute on the current stream (no side copy stream), so a
 prefetch's copy up waits behind the kernels issued before it.
 
+Host memory: the masters and the gradient buffers, what crosses the link, are views into one flat
+fp32 buffer per rank, masters first, 8 S bytes (`HostCopies.flat`); on CUDA that buffer is
+page-locked as it is, in one cudaHostRegister call (CUDA Runtime API, "cudaHostRegister"), so the
+copies can be asynchronous DMA. Not through torch's pinned allocator (`pin_memory=True`): its caching
+host allocator rounds every allocation up to a power of two (ATen's CachingHostAllocator), which for
+a buffer of a few GB pins up to twice its bytes, memory the OS can then never swap or reclaim. The
+moments are the optimizer's own tensors, pageable: the host's AdamW reads them where they are.
+The step record's `pinned_bytes` is the flat buffer's 8 S, the planner's pinned host bytes
+(planner/offload.py).
+
 On a CPU device host and device are the same memory; the host copies are separate tensors all the
-same and every copy is made, so the mechanism runs and its bytes are counted as on a GPU.
+same and every copy is made, so the mechanism runs and its bytes are counted as on a GPU, the flat
+buffer's too (nothing is pinned there: `pinned_bytes` is what a GPU would pin).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -76,8 +89,9 @@ from fivefold.parallel.materialize import carry_marks
 
 
 class HostCopies:
-    """What both offloads share: this rank's host masters and their gradient buffers (pinned on
-    CUDA), the bytes copied each way this step, and the wait for the copies in flight."""
+    """What both offloads share: this rank's host masters and their gradient buffers, views into one
+    flat buffer (page-locked on CUDA), the bytes copied each way this step, and the wait for the
+    copies in flight."""
 
     def __init__(self, shards: ZeroShards, params: list[nn.Parameter]):
         self.shards = shards
@@ -85,14 +99,21 @@ class HostCopies:
         self.device = masters[0].device if masters else torch.device("cpu")
         # A meta device (the dry run) keeps the host copies on meta too: shapes, no memory.
         host = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
-        pin = self.device.type == "cuda"  # pinned: the copies each way can be asynchronous DMA
+        sizes = [m.numel() for m in masters]
+        shard = sum(sizes)  # S
+        # Persistent, made once and reused every step: masters then gradient buffers, parameter order
+        self.flat = torch.empty(2 * shard, dtype=torch.float32, device=host)  # (2 S,)
+        if self.device.type == "cuda":
+            _page_lock(self, self.flat)
+        self.pinned_bytes = self.flat.numel() * self.flat.element_size()
         self.host_masters: list[nn.Parameter] = []
-        self.host_grads: list[torch.Tensor] = []  # persistent: pinned once, reused every step
-        for m in masters:
-            master = torch.empty(m.shape, dtype=torch.float32, device=host, pin_memory=pin)  # (c, ...) as m
+        self.host_grads: list[torch.Tensor] = []
+        parts = zip(masters, self.flat[:shard].split(sizes), self.flat[shard:].split(sizes), strict=True)
+        for m, master, grad in parts:
             # AdamW's decay rule reads no_decay off the tensors it steps (optimizer.build_optimizer)
-            self.host_masters.append(carry_marks(m, nn.Parameter(master, requires_grad=False), ("no_decay",)))
-            self.host_grads.append(torch.empty(m.shape, dtype=torch.float32, device=host, pin_memory=pin))
+            self.host_masters.append(carry_marks(m, nn.Parameter(master.view(m.shape), requires_grad=False),
+                                                 ("no_decay",)))  # (c, ...) as m
+            self.host_grads.append(grad.view(m.shape))  # (c, ...) as m
         self.d2h_bytes = self.h2d_bytes = 0  # this step's: the training step resets them as it begins
 
     def host_bytes(self, optimizer: torch.optim.Optimizer) -> int:
@@ -106,8 +127,10 @@ class HostCopies:
         self.d2h_bytes = self.h2d_bytes = 0
 
     def stats(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """This step's bytes each way and the host's bytes, for the metrics record's "offload"."""
-        return {"d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes, "host_bytes": self.host_bytes(optimizer)}
+        """This step's bytes each way, the host's bytes and those of them pinned (module docstring),
+        for the metrics record's "offload"."""
+        return {"d2h_bytes": self.d2h_bytes, "h2d_bytes": self.h2d_bytes, "host_bytes": self.host_bytes(optimizer),
+                "pinned_bytes": self.pinned_bytes}
 
     def _wait(self) -> None:
         """Block the host until the copies issued so far on the device's stream are done (CUDA: an
@@ -116,6 +139,27 @@ class HostCopies:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()
+
+
+def _page_lock(owner: HostCopies, flat: torch.Tensor) -> None:
+    """Page-lock `flat`'s bytes exactly (module docstring), until `owner` is collected: then the
+    device's copies are waited for and the range is unlocked before the buffer can be freed (the
+    finalizer holds it). Views that outlive `owner` keep their memory, pageable."""
+    if flat.numel() == 0:
+        return
+    nbytes = flat.numel() * flat.element_size()
+    error = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
+    if error:
+        raise RuntimeError(f"parallel.offload: page-locking the {nbytes / 2**30:.2f} GiB host buffer of this "
+                           f"rank's masters and gradients failed (cudaError {error}): raise the locked-memory limit "
+                           "(ulimit -l) or free host memory")
+    # Not at exit: the CUDA context may be gone by then, and the process's end unlocks everything
+    weakref.finalize(owner, _unlock, flat).atexit = False
+
+
+def _unlock(flat: torch.Tensor) -> None:
+    torch.cuda.synchronize()  # no copy in flight reads or writes the range
+    torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
 
 
 class HostOffload(HostCopies):

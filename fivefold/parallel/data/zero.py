@@ -25,6 +25,7 @@ optimizer state of this rank's rows only; the buckets' when is buckets.py's.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,12 +46,15 @@ class ShardedReduction:
     shard's replicas (HSDP's dp_replicate, and cp) have summed them, once a step.
 
     every_micro_batch: reduce on every micro-batch (ZeRO-2, resharding ZeRO-3), else on the last
-    only; drop_full_grads: free each full gradient as soon as its rows are on their way (ZeRO-2, 3).
+    only; drop_full_grads: free each full gradient as soon as its rows are on their way (ZeRO-2, 3);
+    full_grad: where a parameter's full gradient is read (ZeRO-3 with bf16 weights kept gathered
+    adds .grad to its fp32 accumulation there), else its .grad.
     """
 
     def __init__(self, shards: ZeroShards, mesh: Mesh, reduce_dtype: torch.dtype, every_micro_batch: bool,
-                 drop_full_grads: bool):
+                 drop_full_grads: bool, full_grad: Callable[[nn.Parameter], torch.Tensor] | None = None):
         self.shards, self.reduce_dtype = shards, reduce_dtype
+        self.full_grad = full_grad or (lambda p: p.grad)
         self.every_micro_batch, self.drop_full_grads = every_micro_batch, drop_full_grads
         # Ranks holding the same shard, whose gradients add up: HSDP replicas and context-parallel
         # ranks (other tokens of the same samples). Their traffic is gradient reduction: "dp".
@@ -72,7 +76,7 @@ class ShardedReduction:
         s = self.shards
         group = s.bucket_group(b)
         n = group.size
-        chunks = [self._padded_rows(p.grad.movedim(s.zero_dims[id(p)], 0), s.rows[id(p)], n).reshape(n, -1)
+        chunks = [self._padded_rows(self.full_grad(p).movedim(s.zero_dims[id(p)], 0), s.rows[id(p)], n).reshape(n, -1)
                   for p in b.params]  # (N, c row numel) each
         b.flat = torch.cat(chunks, dim=1).reshape(-1).to(self.reduce_dtype)  # rank-major: (N sum(shard numel),)
         del chunks

@@ -211,7 +211,8 @@ class PipelineExecutor:
             step.mail.post(index)  # what the plan posts here: sends produced so far, receives due by now
             received = self._receive(step, action)  # inputs first, then the clock: waiting shows as gaps
             began = clock() if clock else 0.0
-            with self.group.timer.span("compute", "compute", str(action)), on_stream(self.streams[action.stage]):
+            on_chunk = on_stream(self.streams[action.stage], received)  # records the input on the chunk's stream
+            with self.group.timer.span("compute", "compute", str(action)), on_chunk:
                 self.act[action.kind](step, index, action, received)  # minus the collectives inside
             self._record(step, began, str(action), clock)
             index += 1
@@ -226,11 +227,11 @@ class PipelineExecutor:
         began, name = clock() if clock else 0.0, f"{f}&{b}"
 
         def forward() -> None:
-            with on_stream(self.streams[f.stage]):
+            with on_stream(self.streams[f.stage], f_in):
                 self._forward(step, index, f, f_in)
 
         def backward() -> None:
-            with on_stream(self.streams[b.stage]):
+            with on_stream(self.streams[b.stage], b_in):
                 self._backward(step, index + 1, b, b_in)
 
         with self.group.timer.span("compute", "compute", name):

@@ -5,7 +5,10 @@ its other chunk (schedules.dualpipe_v; simulate.overlapped_pairs finds them). De
 (DeepSeek-AI 2024, sec. 3.2.1) runs each such pair at once, so that the expert all-to-alls of
 either half (dispatch and combine forward, their transposes backward) travel while the other half
 computes. Here the backward runs on the step's thread and the forward on the side lane's
-(comm/lanes.py: its own twin of every process group; on CUDA each chunk on its own stream).
+(comm/lanes.py: its own twin of every process group, made at setup; the two lanes launch their
+collectives in turns, one order on every rank; on CUDA each chunk on its own stream, and what an
+action takes from another stream is recorded on its own: `on_stream`). Proven on gloo (CPU); not
+yet run on NCCL.
 
 What changes and what does not:
 - the values: none. Each half runs the ops it runs alone, on its own tensors; a backward only
@@ -72,11 +75,27 @@ def chunk_streams(device: torch.device, stages: list[int]) -> dict[int, torch.cu
             for i, s in enumerate(sorted(stages))}
 
 
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+def on_stream(stream: torch.cuda.Stream | None, *inputs: torch.Tensor | None) -> contextlib.AbstractContextManager:
     """Run a block on `stream` after what the current stream has queued (the received inputs), and
-    have the current stream wait for it after (the sends read its outputs). A no-op without a stream."""
+    have the current stream wait for it after (the sends read its outputs). A no-op without a stream.
+
+    `inputs`: the tensors the block takes from elsewhere (a received activation or gradient, made on
+    the step's stream; a handover from the other chunk, made on its stream), each recorded on
+    `stream` (`Tensor.record_stream`). The block may drop their last reference (a backward frees the
+    activations it kept) while its kernels still read them; without the record the caching allocator
+    would at once hand the memory to the next tensor made on the stream it came from, whose kernels,
+    the other half of a pair's among them, need not wait for this stream (PyTorch's documentation of
+    Tensor.record_stream). Recording on the stream a tensor was made on is a no-op. What the block
+    makes and another stream reads after it (the sends) is read only after the caller waited for the
+    block, by the process group, which holds it for its own stream. The all-to-alls inside the block
+    (parallel/expert.py) are synchronous calls on its stream: their buffers are made and read there,
+    and ProcessGroupNCCL joins its stream back to the block's before the call returns (PyTorch PR
+    111431), so they need no record."""
     if stream is None:
         return contextlib.nullcontext()
+    for t in inputs:
+        if t is not None:
+            t.record_stream(stream)
     return _OnStream(stream)
 
 
@@ -97,14 +116,20 @@ class _OnStream:
 def run_pair(forward: Callable[[], None], backward: Callable[[], None], lanes: Lanes, timer: StepTimer,
              name: str) -> None:
     """The forward half on the side lane while this thread runs the backward half; returns when both
-    are done (re-raising what either raised). `timer` charges the wait for the side lane."""
+    are done (re-raising what either raised). The halves launch their collectives in turns
+    (comm/lanes.py), each leaving the turns when it is done. `timer` charges the wait for the side lane."""
     def side() -> None:
-        with timer.side_lane(), timer.span("compute", "compute", f"{name} (forward half)"):
-            forward()
+        try:
+            with timer.side_lane(), timer.span("compute", "compute", f"{name} (forward half)"):
+                forward()
+        finally:
+            lanes.finish()
 
-    half = lanes.beside(side)
-    try:
-        backward()
-    finally:
-        with timer.lane_wait(f"{name}: wait for the forward half"):
-            half.result()
+    with lanes.taking_turns():
+        half = lanes.beside(side)
+        try:
+            backward()
+        finally:
+            lanes.finish()  # before waiting: the forward half's launches must not wait for this one
+            with timer.lane_wait(f"{name}: wait for the forward half"):
+                half.result()

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: loading a profile should n
     import torch
 
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "_scaled_mm"}
+GROUPED_MATMUL = "_grouped_mm"  # the routed experts' in bf16 (model/moe.py): (a, b, offs)
 ATTENTION_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention")
 
@@ -75,6 +76,14 @@ def _is_view(func) -> bool:
     return bool(getattr(func, "is_view", False)) or name in ("detach", "t", "alias", "_unsafe_view", "lift_fresh")
 
 
+def _grouped_flops(a, b) -> float:
+    """FLOPs of torch._grouped_mm(a, b, offs), whose offs split one dim into groups: a (M, K) by b (G,
+    K, N) splits the rows (forward, dx); a (K, M) by b (M, N) the contraction (dW, out (G, K, N)); a (G,
+    M, K) by b (K, N) the columns: 2 M K N each, however the groups fall. Both 3-D: G batched matmuls."""
+    batch = a.shape[0] if a.dim() == 3 and b.dim() == 3 else 1
+    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
 def _record(tally: OpTally, func, args, kwargs, out) -> None:
     name = func.overloadpacket.__name__
     if _is_view(func):
@@ -85,6 +94,8 @@ def _record(tally: OpTally, func, args, kwargs, out) -> None:
         a, b = args[-2], args[-1]  # addmm / baddbmm: (bias, a, b)
         batch = math.prod(a.shape[:-2]) if a.dim() > 2 else 1
         tally.matmul_flops.append(2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1])
+    elif name == GROUPED_MATMUL:
+        tally.matmul_flops.append(_grouped_flops(args[0], args[1]))
     elif "scaled_dot_product" in name:
         q, k = args[0], args[1]  # (B, H, T, D) for the fused kernels, forward and backward alike
         if "backward" in name:  # grad_out first: q, k follow

@@ -9,10 +9,11 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
   splits them: GQA's wq/wk/wv/wo by heads; MLA's per-head up-projections and wo by heads, its
   down-projections whole on Ts tokens; a dense SwiGLU's gate/up/down by hidden units; an MoE's
   router and shared experts whole on Ts tokens; each local routed expert (E / ep of them, one
-  matmul each: GroupedExperts loops over them; in bf16 it runs them as one torch._grouped_mm per
-  weight, counted here as the loop, the same flops) on the rows the ep group sends it: Ts x ep x top_k /
-  E, times the expert imbalance on the busiest expert rank (capped by a capacity factor, which
-  drops the overflow); the head (V / tp) on the last stage;
+  matmul each) on the rows the ep group sends it: Ts x ep x top_k / E, times the expert imbalance
+  on the busiest expert rank (capped by a capacity factor, which drops the overflow). GroupedExperts
+  loops over the experts, or in bf16 runs one torch._grouped_mm per weight on their rows padded
+  per expert to whole groups of 8 (grouped_rows: 8 x E_local to 8 x E_local + 7 rows more), priced
+  as those rows shared evenly; the head (V / tp) on the last stage;
 - the attention core as the fused kernel runs it: T queries over the sequence's keys, causal
   (half the score matrix), H / tp heads, values padded to the query/key width for MLA (model/attention.py
   pads them so the flash kernel runs), at the sequence length one kernel call sees (seq / cp for
@@ -23,7 +24,9 @@ T / tp with sequence parallel (the norms, residual adds and, for MoE, the whole 
   upcast, square, mean, scale, downcast, weight), RoPE (fp32 inside: the rotated half, two
   products, a sum), GQA's repeated K/V (fp32 only: in bf16 SDPA takes the grouped heads itself,
   model/attention.py gqa_in_kernel), SwiGLU's silu and product, the residual adds, MLA's joins,
-  pad and output copy, the MoE's gather, combine and scatter-add, the loss's log-softmax, and
+  pad and output copy, the MoE's gather (of the block's input, in the stream's dtype), the
+  grouped experts' zero-padded buffer and the gather back out of it (the loop's concatenation
+  instead), combine and scatter-add, the loss's log-softmax, and
   autocast's cast of each weight to the compute dtype (once per forward: autocast caches it; its
   backward once, the gradient cast back) where the weights are wider: fivefold's own fp32 weights
   (estimate's implementation = True, not ZeRO-3 gathering in bf16); the textbook's 2-byte weights
@@ -48,9 +51,9 @@ ZeRO-3's gather, parallel/data/fp8_gather.py) only its transposed copy for the b
 
 Backward elementwise traffic is twice the forward's (each op's backward reads its output's
 gradient and what it saved, and writes its inputs' gradients), plus the zero-filled gradients of
-RoPE's and MLA's slices, and the routed experts' weight gradients: GroupedExperts unbinds each
-stacked weight once, so its backward writes each local expert's gradient and stacks them (2 x
-E_local x d x h elements per weight).
+RoPE's and MLA's slices, and, where the experts loop, their weight gradients: GroupedExperts unbinds
+each stacked weight once, so its backward writes each local expert's gradient and stacks them (2 x
+E_local x d x h elements per weight); the grouped matmul writes the stacked gradient itself.
 A CPU trace of the tiny blocks (calibration/opcount.py) checks these counts (tests).
 """
 
@@ -66,6 +69,11 @@ from fivefold.model.mask_counts import keys_per_query, tile_ratio
 from fivefold.planner.options import AttentionKernel, Fp8
 
 FP32 = 4  # bytes: norms and RoPE compute in fp32 (model/attention.py), the weights and their gradients are fp32
+# model/moe.py's GROUP_ROWS (the planner imports no torch; a test holds them equal): each routed expert's rows
+# are padded to a multiple of it for the grouped matmul's weight-gradient kernel, an expert without rows given
+# one group of zero rows. Priced under fp8_experts too: a what-if of other trainers' FP8 grouped GEMMs, whose own
+# alignment (16 rows and up) the planner does not model.
+GROUP_ROWS = 8
 
 
 # torchtitan's per-op selective recompute (PlanOptions.selective_ac = "per_op") reruns the second, fourth,
@@ -281,21 +289,37 @@ def _ffn(m: ModelConfig, layer: int, s: RankShapes, ew: _Elementwise) -> list[Ma
     busiest = min(s.imbalance, m.moe.capacity_factor) if m.moe.capacity_factor > 0 else s.imbalance
     rows = max(1, math.ceil(Tm * s.ep * k / E * busiest))
     copies = Tm * k  # this rank's routed copies of its tokens
-    mms = [Matmul("router", Tm, E, d), Matmul("expert gate", rows, h, d, local), Matmul("expert up", rows, h, d, local),
-           Matmul("expert down", rows, d, h, local)]
+    x_bytes = s.residual_bytes or s.act_bytes  # the block's normed input, in the stream's dtype (autocast casts later)
+    # model/moe.py grouped_dtype; 2-byte activations taken as bf16 (fp16 loops, but RankShapes can't tell)
+    grouped = s.act_bytes == 2 and not (d % 8 or h % 8)
+    run = grouped_rows(rows * local, local) if grouped else rows * local
+    per_expert = -(-run // local)  # the rows each local expert's matmuls run, padding included
+    mms = [Matmul("router", Tm, E, d), Matmul("expert gate", per_expert, h, d, local),
+           Matmul("expert up", per_expert, h, d, local), Matmul("expert down", per_expert, d, h, local)]
     ew.add("router", Tm * E * (s.act_bytes + 3 * FP32))  # upcast, softmax / sigmoid, top-k
-    ew.copy("moe dispatch", copies * d, copies * d)  # x[token_of_copy]
-    ew.swiglu("expert swiglu", rows * local * h)
-    ew.copy("moe dispatch", rows * local * d + copies * d, rows * local * d + copies * d)  # cat, * gate weights
+    ew.add("moe dispatch", 2 * copies * d * x_bytes)  # x[token_of_copy]
+    ew.swiglu("expert swiglu", run * h)
+    if grouped:  # a zeroed buffer of `run` rows (the input's dtype), the routed rows read and written into it
+        ew.add("moe dispatch", (run + 2 * rows * local) * d * x_bytes)
+    # the outputs gathered from the buffer (the loop: concatenated), then times the gate weights
+    ew.copy("moe dispatch", rows * local * d + copies * d, rows * local * d + copies * d)
     ew.copy("moe dispatch", copies * d + Tm * d, 2 * Tm * d)  # new_zeros + index_add_
-    if not s.fused:  # per weight: each local expert's fp32 gradient written, then stacked (unbind's backward)
-        ew.extra_backward += 3 * 2 * local * d * h * FP32
+    if not (s.fused or grouped):  # the loop, per weight: each local expert's fp32 gradient written, then stacked
+        ew.extra_backward += 3 * 2 * local * d * h * FP32  # (unbind's backward); grouped writes the stack itself
     if m.moe.n_shared_experts:
         hs = h * m.moe.n_shared_experts
         mms += [Matmul("shared gate", Tm, hs, d), Matmul("shared up", Tm, hs, d), Matmul("shared down", Tm, d, hs)]
         ew.swiglu("shared swiglu", Tm * hs)
         ew.copy("residual adds", 2 * Tm * d, Tm * d)  # routed + shared
     return mms
+
+
+def grouped_rows(rows: int, local: int) -> int:
+    """Rows the local experts' grouped matmuls run for `rows` routed rows (model/moe.py padded_groups):
+    each expert's rows padded with zero rows to whole groups of GROUP_ROWS, an expert without rows
+    given one group, in a buffer sized from shapes alone (no host read), round_up(rows, 8) + 8 x local:
+    between 8 x local and 8 x local + 7 rows more than routed, whatever the routing."""
+    return -(-rows // GROUP_ROWS) * GROUP_ROWS + GROUP_ROWS * local
 
 
 def block_ops(m: ModelConfig, layer: int, s: RankShapes) -> Ops:
