@@ -1,57 +1,129 @@
-"""benchmarks/gpu_check.py, kept runnable without a GPU: its smallest run on the CPU, and its guard
-(a part that fails or runs past its budget is one line, and the next part still runs)."""
+"""benchmarks/gpu_check.py, kept runnable without a GPU: both stages at their smallest on the CPU,
+writing every part's JSONL and a summary naming each check; its supervisor (a worker that dies is
+one failed check, as is a part past its budget, and a fresh worker runs the parts after it);
+attention_check.py's smallest run."""
 
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
 from helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_check import run_stage  # noqa: E402
+from benchmarks.gpucheck.records import STAGES, read_part  # noqa: E402
+
+sys.path.remove(str(ROOT))
+
+ROOFLINE = [f"roofline matmul {m} {p}: measured / planner ms" for m in ("wq", "wk", "wv", "wo", "gate", "up", "down")
+            for p in ("forward", "input_grad", "weight_grad")] + [
+    f"roofline attention {a} {p}: measured / planner ms" for a in ("sdpa", "fa2") for p in ("forward", "backward")] + [
+    f"roofline block {p}: measured / planner ms" for p in ("forward", "backward")]
+CHECKS = {
+    "precision": ["bf16 dense step vs fp32", "fp8 tensorwise vs bf16", "fp8 rowwise vs bf16",
+                  "fp8 shape rule in validate (dims multiples of 16)"],
+    "moe": ["moe grouped vs loop, counts [5, 0, 13, 1]", "moe grouped vs loop, counts [0, 0, 0, 7, 0, 33, 2, 0]"],
+    "sharding": ["zero3 param_dtype bf16 vs unsharded bf16", "offload optimizer (zero 1) vs without",
+                 "offload optimizer: pinned host bytes", "offload params (zero 3) vs without",
+                 "offload params: pinned host bytes"],
+    "attention": ["memory-efficient tiles vs fp32 rule, T=1000", "memory-efficient tiles vs fp32 rule, T=2000",
+                  "flex (documents, window, sinks) vs fp32 rule, T=128", "flex at T=32768: peak memory (GB)"],
+    "compile": ["compile (aot_eager) vs eager, no recompute", "compile (aot_eager) vs eager, full recompute",
+                "chunked loss vs the whole loss"],
+    "training": [f"tiny {r} eager: {what}" for r in ("fivefold", "plain")
+                 for what in ("tokens/s", "MFU", "peak memory / planner")] + [
+        "tiny eager: fivefold / plain tokens/s", "tiny compiled: fivefold / plain tokens/s"],
+    "fp8": ["tiny fp8 tensorwise / bf16 tokens/s", "tiny fp8 rowwise / bf16 tokens/s"],
+    "roofline": ROOFLINE,
+    "calibrate": ["calibrate: the command"],
+}
+SKIPPED = {"chunked loss vs the whole loss", "tiny compiled: fivefold / plain tokens/s", "calibrate: the command"}
 
 
-def _lines(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-def test_the_tiny_check_runs_on_cpu(tmp_path):
-    # calibrate's budget of 1 s stops it during its imports: the guard, at the cost of nothing (its
-    # measurements run in tests/planner/test_planner_search.py). The training part's budget is far
-    # above what it takes, so a loaded machine does not make it skip a case.
+def test_the_tiny_check_writes_every_part_and_a_summary(tmp_path):
+    # calibrate's budget of 1 s is under its cost: skipped, at the cost of nothing (its measurements
+    # run in tests/planner/test_planner_search.py)
+    out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--budget", "off=600",
-                          "--budget", "calibrate=1", "--deadline-s", "900", "--profile", str(tmp_path / "p.toml")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = _lines(out.stdout)
-    env_line, *cases, compare, off, calibrate, summary = lines
-    assert env_line["environment"] and env_line["missing_dependencies"] == []
-    assert [(c["runtime"], c["model"], c["compile"]) for c in cases] == [("fivefold", "tiny", False),
-                                                                          ("plain", "tiny", False)]
-    for case in cases:
-        assert "error" not in case, case
-        assert case["tokens_per_s"] > 0 and case["predicted_memory_gb"] > 0 and case["loss_last"] > 0
-        assert case["mfu"] is None and case["peak_memory_gb"] is None  # a CPU has no peak, no allocator counter
-    assert compare["compare"] and compare["tokens_per_s_fivefold_over_plain"] > 0
-    assert off == {"part": "off", "status": "ok", "wall_s": off["wall_s"]}
-    assert calibrate["part"] == "calibrate" and calibrate["status"] == "stopped at its budget of 1 s"
-    assert summary["summary"] and summary["parts"] == ["off", "calibrate"]
+    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out),
+                          "--budget", "calibrate=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    parts = [p for stage in STAGES.values() for p in stage]
+    assert sorted(os.listdir(out)) == sorted([f"{p}.jsonl" for p in parts] + ["stderr.log", "summary.md"])
+    summary = (out / "summary.md").read_text()
+    assert '"device": "cpu"' in summary.splitlines()[2]  # the machine, under the title
+    for part in parts:
+        checks, end = read_part(out / f"{part}.jsonl")
+        assert [c["check"] for c in checks] == CHECKS[part], part
+        assert end["status"] == "ok", end
+        for c in checks:
+            assert set(c) >= {"check", "value", "bound", "pass", "status", "detail"}
+            row = f"| {part} | {c['check']} | "
+            assert row in summary and summary.split(row)[1].split(" | ")[2] == c["status"].upper(), c
+            if c["check"] in SKIPPED:
+                assert c["status"] == "skip" and c["detail"].startswith("skipped: "), c
+                assert part != "calibrate" or c["detail"].startswith("skipped: over the stage's budget"), c
+            else:  # the CPU's correct stage passes; its speed bounds are a GPU's
+                assert c["status"] == "pass", c
+    roofline = read_part(out / "roofline.jsonl")[0]
+    assert all(c["value"] > 0 and c["detail"]["bound on a GPU"] == "0.5 .. 2" for c in roofline)
+    printed = [json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"check"')]
+    assert len(printed) == sum(len(v) for v in CHECKS.values())  # each printed as it was measured
+
+
+# A stand-in worker: each of its parts writes a check and its end line; in `moe` it dies (exit 3, a
+# CUDA fault, say) or hangs, as argv[3] says.
+FAKE_WORKER = """import json, pathlib, sys, time
+out, parts, moe = pathlib.Path(sys.argv[1]), sys.argv[2].split(','), sys.argv[3]
+def w(p, r): (out / f'{p}.jsonl').open('a').write(json.dumps(r) + '\\n')
+for p in parts:
+    w(p, {'check': p + ' x', 'value': 1, 'bound': '<= 2', 'pass': True, 'status': 'pass', 'detail': None})
+    if p == 'moe':
+        sys.exit(3) if moe == 'dies' else time.sleep(600)
+    w(p, {'part': p, 'status': 'ok', 'wall_s': 0})
+"""
+
+
+@pytest.mark.parametrize("moe", ["dies", "hangs"])
+def test_a_part_that_dies_or_overruns_is_one_failed_check_and_the_next_parts_run(tmp_path, moe):
+    """The first worker writes precision whole, then dies or hangs in moe; moe is one failed check
+    (with what it measured before), and a fresh worker runs sharding alone."""
+    calls = []
+
+    def command(args, parts):
+        calls.append(parts)
+        return [sys.executable, "-c", FAKE_WORKER, str(args.out), ",".join(parts), moe]
+
+    args = types.SimpleNamespace(out=tmp_path, deadline_s=60.0, grace_s=0.0, env=None,
+                                 budgets={**dict.fromkeys(STAGES["correct"], 60.0), "moe": 2.0})
+    run_stage("correct", ["precision", "moe", "sharding"], args, command)
+    assert calls == [["precision", "moe", "sharding"], ["sharding"]]
+    why = "its worker exited with status 3" if moe == "dies" else "stopped at its budget of 2 s"
+    checks, end = read_part(tmp_path / "moe.jsonl")
+    assert [(c["check"], c["status"], c["detail"]) for c in checks] == [("moe x", "pass", None),
+                                                                       ("moe: the part", "fail", why)]
+    assert end["status"] == "stopped"
+    for part in ("precision", "sharding"):
+        assert read_part(tmp_path / f"{part}.jsonl")[1]["status"] == "ok"
+    assert f"| correct | moe | moe: the part |  |  | FAIL | {why} |" in (tmp_path / "summary.md").read_text()
 
 
 def test_the_attention_check_runs_on_cpu(capsys):
-    """gpu_check.py's attention part (attention_check.py), its smallest run, in this process: each
-    kernel against the rule (fp32: rounding; bf16: its 2^-8), then the times."""
+    """attention_check.py (the kernels against the rule, then their time beside SDPA), its smallest
+    run, in this process: each kernel against the rule (fp32: rounding; bf16: its 2^-8), then the times."""
     spec = importlib.util.spec_from_file_location("attention_check", ROOT / "benchmarks" / "attention_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     with warnings.catch_warnings():  # eager FlexAttention warns that it materialises the scores
         warnings.simplefilter("ignore", UserWarning)
         assert check.main(["--device", "cpu", "--tiny"]) == 0
-    env, *checks, timing = _lines(capsys.readouterr().out)
+    env, *checks, timing = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert env["device"] == "cpu"
     assert [(c["check"], c["dtype"]) for c in checks] == [("blockwise", "float32"), ("blockwise", "bfloat16"),
                                                           ("flex", "float32")]
@@ -60,35 +132,12 @@ def test_the_attention_check_runs_on_cpu(capsys):
     assert set(timing["ms"]) == {"sdpa_causal", "sdpa_dense_mask", "blockwise"}  # no FlexAttention backward on CPU
 
 
-def test_a_failed_part_is_one_line(tmp_path):
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.gpu_check import run_part
-    finally:
-        sys.path.remove(str(ROOT))
-    failed = run_part("off", [sys.executable, "-c", "import sys; sys.exit(3)"], 60.0)
-    assert failed["part"] == "off" and failed["status"] == "failed with exit status 3"
-
-
-def test_the_roofline_check_runs_on_cpu(capsys):
-    """gpu_check.py's roofline part (roofline_check.py), its smallest run, in this process: a line per
-    matmul and part (forward, input and weight gradients), SDPA's and FlashAttention-2's attention
-    forward and backward, the block's; each with the planner's milliseconds and the ratio."""
+def test_the_roofline_check_refuses_an_unknown_preset(capsys):
+    """roofline_check.py's bad input is one line naming the flag (its lines are checked above, as the
+    speed stage's roofline part)."""
     spec = importlib.util.spec_from_file_location("roofline_check", ROOT / "benchmarks" / "roofline_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
-    assert check.main(["--device", "cpu", "--tiny"]) == 0
-    env, *lines = _lines(capsys.readouterr().out)
-    assert env["device"] == "cpu" and env["priced_as"] == "h100"
-    matmuls = [(x["matmul"], x["part"]) for x in lines if "matmul" in x]
-    assert matmuls == [(name, part) for name in ("wq", "wk", "wv", "wo", "gate", "up", "down")
-                       for part in ("forward", "input_grad", "weight_grad")]
-    assert [(x["attention"], x["part"]) for x in lines if "attention" in x] == [
-        ("sdpa", "forward"), ("sdpa", "backward"), ("fa2", "forward"), ("fa2", "backward")]
-    assert [x["block"] for x in lines if "block" in x] == ["forward", "backward"]
-    for x in lines:
-        assert x["measured_ms"] > 0 and x["planner_ms"] > 0 and x["ratio"] == pytest.approx(
-            x["measured_ms"] / x["planner_ms"], rel=1e-2)
-    assert check.main(["--device", "cpu", "--preset", "nope"]) == 1  # bad input: one line naming the flag
-    (error,) = _lines(capsys.readouterr().out)
+    assert check.main(["--device", "cpu", "--preset", "nope"]) == 1
+    (error,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert error["error"].startswith("--preset nope: not a model preset; one of ")

@@ -109,6 +109,13 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches per validation pass
     log_every: int = 10  # steps between printed lines (the metrics file gets every step)
+    # one device's peak TFLOP/s for the logged MFU / HFU (train/utilization.py); 0 = the calibrated
+    # profile's (run.hardware), else the catalog entry of the CUDA device, else no MFU
+    peak_tflops: float = 0.0
+    # record the CUDA allocator's history (Python stacks only, the last memory_snapshot_entries
+    # allocations and frees) for the snapshot an out-of-memory error writes (train/oom.py)
+    memory_snapshot: bool = False
+    memory_snapshot_entries: int = 100_000
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,18 @@ def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", docum
                      masks=masks_in_words(cfg, docs))
 
 
+def kept_attention(f: StepFlops, ratio: float) -> StepFlops:
+    """`f` with its attention core scaled by `ratio` (the keys a step's mask really kept over those
+    the formula charged: train/utilization.py's documents), in the model FLOPs and, where
+    recomputation runs the attention's forward again (counts.recompute_flops_per_token: a third of
+    it, under "full" and "selective"), in the hardware FLOPs too."""
+    delta = f.attention_per_token * (ratio - 1)
+    rerun = delta / 3 if f.recompute in ("full", "selective") else 0.0
+    return dataclasses.replace(f, model_per_token=f.model_per_token + delta,
+                               hardware_per_token=f.hardware_per_token + delta + rerun,
+                               attention_per_token=f.attention_per_token + delta)
+
+
 def convention_row(f: StepFlops) -> Row:
     """The explain row naming the FLOP convention in use and its source, and for masks beyond
     causality what counting the causal full sequence would give instead."""

@@ -32,7 +32,7 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
     """The prediction for one run of `cfg` on `world_size` ranks (cfg must pass validate()).
 
     Returns {"model_state_bytes": {params, grads, optimizer, total}, "activation_bytes",
-    "buffer_bytes", "comm_wire_bytes": {dp, tp, pp, cp, ep}, "step_time_s" and its parts
+    "buffer_bytes", "peak_bytes" (their sum), "comm_wire_bytes": {dp, tp, pp, cp, ep}, "step_time_s" and its parts
     "time_split" (both None without a `hardware` profile: a catalog GPU's time means nothing for a
     CPU run), "hardware"}.
     Memory and wire bytes are those of global rank 0 (pipeline rank 0), whose figures the metrics
@@ -47,6 +47,7 @@ def predict_for_config(cfg: Config, world_size: int, hardware: Hardware | None =
         | {"total": mem["params"] + mem["grads"] + mem["optimizer"]},
         "activation_bytes": mem["activations"],
         "buffer_bytes": mem["buffers"],
+        "peak_bytes": mem["total"],  # all of the above: the planner's peak per rank, beside the measured peak
         "comm_wire_bytes": {axis: tr.bytes for axis, tr in est.comm_by_pp_rank[0].items()},
         "step_time_s": est.step_time_s if hardware is not None else None,
         "time_split": est.time_split if hardware is not None else None,  # the step time's parts (estimate.py)

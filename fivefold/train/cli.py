@@ -256,9 +256,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    """`fivefold train`; a launch that failed is one line (the configuration's problems are cli.py's)."""
+    """`fivefold train`; a launch that failed, or running out of memory, is one line (the configuration's
+    problems are cli.py's)."""
     try:
         return _train(args, overrides)
     except LaunchError as e:
         print(f"fivefold: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # out of memory where this process was the job: its one line (train/oom.py)
+        from fivefold.train.oom import OutOfMemory
+
+        if not isinstance(e, OutOfMemory):
+            raise
+        print(f"fivefold: {e}", file=sys.stderr)
+        return 1

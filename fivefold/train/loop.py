@@ -8,6 +8,7 @@ log the step (train/step_log.py) and checkpoint when due. The same code for 1 an
         evaluate()                 on eval steps
         StepLog.log_step()         metrics, display, step-time table, traces          (train/step_log.py)
         CheckpointWriter.save()    every checkpoint.every steps and at the end        (checkpoint/run_state.py)
+      out of memory: the rank's snapshot, then one line; no checkpoint of that step (train/oom.py)
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.arrivals import collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.comm.compat import require_supported_torch
-from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.mesh import Mesh, device_for
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.parallel.pipeline.stage_split import split_note, stage_split
 from fivefold.train.gc_policy import collect_between_steps
 from fivefold.train.moe_balance import MoEBalancing
+from fivefold.train.oom import out_of_memory, record_history
 from fivefold.train.precision import LossScaler
 from fivefold.train.preflight import preflight
 from fivefold.train.step import Run, StepRecord, evaluate, train_step
@@ -227,8 +229,12 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
 def _train(cfg: Config, derived: Derived, device_type: str, progress: bool, return_state: bool,
            elastic: Decision | None = None) -> TrainResult:
     prediction = predicted(cfg, dist.get_world_size(), device_type) if dist.get_rank() == 0 else None
+    record_history(cfg, device_type)  # before the model is allocated: its allocations are in the history
     began = time.perf_counter()
-    run, start, resumed_from = setup(cfg, derived, device_type)
+    try:
+        run, start, resumed_from = setup(cfg, derived, device_type)
+    except torch.OutOfMemoryError as error:  # the weights, or a checkpoint's, do not fit (train/oom.py)
+        raise out_of_memory(cfg, device_for(device_type), error) from error
     replan = ([("replan", {**elastic.event(), "setup_s": round(time.perf_counter() - began, 4)})]
               if elastic is not None and elastic.changed else [])
     try:
@@ -254,6 +260,7 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, log.world)
     result = TrainResult(run_dir=log.run_dir, start_step=start)
     stopped, stop_request = False, StopRequest() if elastic is not None else contextlib.nullcontext()
+    step = start
     try:
         with collect_between_steps(t.gc_every) as collector, stop_request as stop:
             for step in range(start, end):
@@ -279,12 +286,16 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
                     break
         checkpoints.wait()  # an asynchronous write in flight completes (and is published) before the job ends
         collectives.barrier(log.world, "barrier at the end of training")
-    except BaseException:
+    except BaseException as error:
+        # Out of memory: the snapshot first, while the failed step's tensors are still held (train/oom.py)
+        oom = out_of_memory(cfg, run.device, error, step + 1) if isinstance(error, torch.OutOfMemoryError) else None
         # A write in flight leaves no partial folder; its own failure is said too (a full disk fails both).
         also = checkpoints.abandon()
         if also is not None:
             log.print(f"fivefold: also: {also}")
         log.close(failed=True)
+        if oom is not None:
+            raise oom from error
         raise
     log.close()
     result.stopped = stopped

@@ -31,6 +31,7 @@ from fivefold.parallel.parallelize import Parallelized
 from fivefold.train.lr_schedule import lr_at
 from fivefold.train.moe_balance import MoEBalancing
 from fivefold.train.precision import LossScaler, autocast
+from fivefold.train.utilization import document_keys, memory_peaks
 
 
 @dataclass
@@ -70,6 +71,7 @@ class StepRecord:
     timeline: list[tuple[float, float, str]]  # pp > 1: this rank's pipeline actions (start, end, name)
     samples: list[int] = field(default_factory=list)  # this rank's sample indices
     notes: list[str] = field(default_factory=list)  # lines to print (a skipped step)
+    attention_keys: float | None = None  # logging steps under data.document_mask: utilization.document_keys
 
 
 def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
@@ -102,6 +104,9 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     if not applied and not outcome.overflow and t.nonfinite == "stop":
         raise FloatingPointError(nonfinite_message(step + 1, own_loss, par.nonfinite_parameters(outcome)))
     wall, parts = timer.end_step()
+    logging = logging_step(run.cfg, step + 1)
+    # A logging step's allocator peaks, after the step's one read (host counters, outside its time).
+    memory = memory_peaks(run.device) if logging else None
     # The actions' marks as times, once the step is over: a GPU's events are complete only then.
     ends = timer.host_times([m for start, end, _ in stats.timeline for m in (start, end)])
     timeline = [(ends[2 * i], ends[2 * i + 1], name) for i, (_, _, name) in enumerate(stats.timeline)]
@@ -116,12 +121,23 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     metrics.update(moe)
     if mesh.size("cp") > 1 and run.cfg.parallel.cp_method == "ring":
         metrics["attention_blocks"] = par.cp.take_blocks()
+    if memory is not None:
+        metrics["memory"] = memory
     if hasattr(run.train_set, "tokens_by_source"):  # a mixture: what each source gave this step
         metrics["source_tokens"] = run.train_set.tokens_by_source(indices)
     notes = [] if applied or outcome.overflow else [
         f"step {step + 1}: gradient norm {grad_norm}; step skipped (train.nonfinite = 'skip')"]
+    # The document mask's kept keys of this rank's rows, for the logged FLOPs (host ids, after the step).
+    keys = (document_keys(run.cfg, [x for x, _ in batch.micro_batches], run.train_set.eod)
+            if logging and run.cfg.data.document_mask else None)
     return StepRecord(metrics, wall, parts, began, timer.events, timeline,
-                      samples=[int(i) for i in batch.indices], notes=notes)
+                      samples=[int(i) for i in batch.indices], notes=notes, attention_keys=keys)
+
+
+def logging_step(cfg: Config, done: int) -> bool:
+    """Does 1-based step `done` log its breakdown, utilization and memory (every train.log_every
+    steps and the job's last, as StepLog prints)?"""
+    return done % cfg.train.log_every == 0 or done == (cfg.train.stop_after or cfg.train.steps)
 
 
 def nonfinite_message(step: int, loss: float, names: list[str]) -> str:

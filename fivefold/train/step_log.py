@@ -23,6 +23,7 @@ from fivefold.train.metrics import read_events
 from fivefold.train.sinks import open_sinks
 from fivefold.train.step import Run, StepRecord
 from fivefold.train.trace import RankTrace
+from fivefold.train.utilization import formula_keys, peak_of, run_flops, utilization
 
 
 class ProgressDisplay:
@@ -66,6 +67,9 @@ class StepLog:
         self.run_dir = run_dir_of(cfg)
         self.sinks = None
         if self.rank == 0:  # before the progress bar: W&B prints a few lines as it starts
+            # the logged utilization's FLOPs and peak (train/utilization.py), once
+            self.flops, self.keys = run_flops(cfg, run.derived.vocab_size), formula_keys(cfg)
+            self.peak, self.retries = peak_of(cfg, run.device), 0
             self.sinks = open_sinks(cfg, self.run_dir, start if resumed_from is not None else None)
             self._events(start, resumed_from)
             for kind, fields in events or []:  # e.g. an elastic job's re-plan (launch/elastic.py)
@@ -126,6 +130,8 @@ class StepLog:
                 timeline = pipeline_timeline(record.timeline, self.run.mesh.group("pp"))
                 if timeline is not None:
                     m["pipeline_timeline"] = timeline
+        if printed and self.rank == 0:
+            self._utilization(m, record)
         if val_loss is not None:
             m["val_loss"] = val_loss
         if self.sinks is not None:
@@ -135,11 +141,25 @@ class StepLog:
         self.display.update(done, m["loss"], m["tokens_per_s"])
         if printed:
             val = f"  val {val_loss:.4f}" if val_loss is not None else ""
+            u = m.get("utilization")  # MFU, or without a peak the achieved TFLOP/s per rank
+            mfu = ("" if u is None else f"  MFU {u['mfu']:.1%}" if u["mfu"] is not None
+                   else f"  {u['achieved_tflops']:.3g} TFLOP/s")
             self.display.print(f"step {done:>6}  loss {m['loss']:.4f}{val}  lr {m['lr']:.2e}  "
-                               f"grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s")
+                               f"grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s{mfu}")
             if table is not None:
                 self.display.print(table)
         return m
+
+    def _utilization(self, m: dict, record: StepRecord) -> None:
+        """A logging step's achieved TFLOP/s, MFU and HFU from rank 0's step time, and its memory
+        with the allocator's retries of this window (the counter is the process's)."""
+        m["utilization"] = utilization(self.flops, m["step_time_s"], dist.get_world_size(), self.peak,
+                                       record.attention_keys, self.keys)
+        if "alloc_retries" in m.get("memory", {}):
+            total = m["memory"]["alloc_retries"]
+            # (a count below the last one was reset by someone else: all of it is this window's)
+            m["memory"] = {**m["memory"], "alloc_retries": total - self.retries if total >= self.retries else total}
+            self.retries = total
 
     def print(self, text: str) -> None:
         self.display.print(text)

@@ -86,6 +86,7 @@ def _size_errors(cfg: Config) -> list[str]:
         "train.steps": t.steps, "train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch,
         "train.seq_len": t.seq_len, "train.eval_batches": t.eval_batches, "train.log_every": t.log_every,
         "data.vocab_multiple": d.vocab_multiple, "checkpoint.keep": c.keep, "run.trace_steps": cfg.run.trace_steps,
+        "train.memory_snapshot_entries": t.memory_snapshot_entries,
     }
     non_negative = {
         "parallel.dp": p.dp, "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
@@ -95,7 +96,7 @@ def _size_errors(cfg: Config) -> list[str]:
         "model.moe.n_groups": m.moe.n_groups, "model.moe.topk_groups": m.moe.topk_groups,
         "optim.warmup_steps": o.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
         "train.gc_every": t.gc_every, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay,
-        "data.max_bytes": d.max_bytes, "checkpoint.every": c.every,
+        "data.max_bytes": d.max_bytes, "checkpoint.every": c.every, "train.peak_tflops": t.peak_tflops,
     }
     return ([f"{key} = {value}: must be at least 1" for key, value in positive.items() if value < 1]
             + [f"{key} = {value}: must be 0 or more" for key, value in non_negative.items() if value < 0])

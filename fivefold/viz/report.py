@@ -5,7 +5,8 @@ and draws: loss and validation loss with the layout timeline under it (which lay
 step to which, with its step time: an elastic job's re-plans show there), tokens/s, model-state
 memory measured on rank 0 beside the planner's prediction (`predicted`), communication bytes per
 parallel axis, and, when the metrics log holds them, the step-time breakdown and the pipeline
-schedule as executed. A section whose
+schedule as executed, and the logging steps' TFLOP/s, MFU, step time and peak memory beside the
+planner's. A section whose
 data the log lacks says so instead of drawing. Figures are SVG in data: URLs: the file opens
 from disk with no server and fetches nothing.
 
@@ -34,6 +35,7 @@ from fivefold.viz.layout_timeline import layout_segments
 
 BREAKDOWN_KEY = "step_breakdown"
 TIMELINE_KEY = "pipeline_timeline"
+UTILIZATION_KEY = "utilization"
 STATE_PARTS = ("params", "grads", "optimizer", "total")
 AXES = ("dp", "tp", "pp", "cp", "ep")
 CSS = Path(__file__).parent / "explain" / "static" / "explain.css"
@@ -128,6 +130,64 @@ def memory_section(records: list[dict[str, Any]]) -> str:
             f"</th><th>predicted</th><th>measured / predicted</th></tr>{''.join(rows)}</table>{extra}{note}")
 
 
+def _median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def utilization_section(records: list[dict[str, Any]]) -> str:
+    """Achieved TFLOP/s, MFU and HFU of the logging steps, and their step time and peak memory
+    beside the planner's (`utilization`, `memory`, `predicted`: train/metrics.py)."""
+    logged = [r for r in records if UTILIZATION_KEY in r]
+    if not logged:
+        return _absent(f"{UTILIZATION_KEY} and memory (what the device achieved on logging steps)")
+    predicted = next((r["predicted"] for r in reversed(records) if r.get("predicted")), None) or {}
+    steady = [r for r in logged if r["step"] > 1] or logged  # step 1 warms up (as overview's tokens/s)
+    util = [r[UTILIZATION_KEY] for r in steady]
+    rows = []
+
+    def row(label: str, value: float | None, text: str, ident: str, pred: float | None = None,
+            pred_text: str = "") -> None:
+        cell = _num(value, text, ident) if value is not None else "-"
+        pred_cell = _num(pred, pred_text, f"{ident}-pred") if pred is not None else "-"
+        ratio = f"{value / pred:.3f}" if value is not None and pred else "-"
+        rows.append(f"<tr><th>{html.escape(label)}</th><td>{cell}</td><td>{pred_cell}</td><td>{ratio}</td></tr>")
+
+    tflops = _median_of([u["achieved_tflops"] for u in util])
+    row("achieved TFLOP/s per rank (model FLOPs)", tflops, f"{tflops:.4g}", "util-tflops")
+    for key in ("mfu", "hfu"):
+        value = _median_of([u.get(key) for u in util])
+        row(key.upper(), value, f"{value:.2%}" if value is not None else "", f"util-{key}")
+    step = _median_of([r["step_time_s"] for r in steady])
+    pred_step = predicted.get("step_time_s")
+    row("step time (s)", step, f"{step:.4g} s", "util-step-time", pred_step,
+        f"{pred_step:.4g} s" if pred_step is not None else "")
+    mem = [r.get("memory", {}) for r in logged]
+    name, key = (("peak allocated (CUDA allocator, per window)", "peak_allocated_bytes")
+                 if any("peak_allocated_bytes" in m for m in mem)
+                 else ("peak RSS (the whole process, over its lifetime)", "peak_rss_bytes"))
+    points = [(r["step"], r["memory"][key]) for r in logged if key in r.get("memory", {})]
+    peak = max((p for _, p in points), default=None)
+    pred_peak = predicted.get("peak_bytes")
+    row(name, peak, plots.format_bytes(peak) if peak is not None else "", "util-peak-memory", pred_peak,
+        plots.format_bytes(pred_peak) if pred_peak is not None else "")
+    retries = (f" Allocation retries (CUDA): {sum(m.get('alloc_retries', 0) for m in mem)}."
+               if key == "peak_allocated_bytes" else " On a CPU the peak RSS counts the whole process (Python, torch, "
+               "data), so it exceeds the planner's tensors.")
+    sources = sorted({u["peak_from"] for u in util if u.get("peak_from")})
+    peak_note = (f"MFU and HFU divide by one device's peak ({', '.join(sources)}, train/utilization.py)"
+                 if sources else
+                 "MFU and HFU left out: no peak (set train.peak_tflops, or run.hardware's calibrated profile)")
+    figure = _figure(plots.utilization_figure([r["step"] for r in records], [r["step_time_s"] for r in records],
+                                              pred_step, points, pred_peak, name),
+                     "step time and peak memory, measured and predicted")
+    return (f"{figure}<table class=\"grid\"><tr><th></th><th>measured (median; memory: max)</th>"
+            f"<th>predicted</th><th>measured / predicted</th></tr>{''.join(rows)}</table>"
+            f"<p>Medians over the logging steps after step 1. {html.escape(peak_note)}. FLOPs as the planner "
+            "counts them: causal attention in full, windows and documents as the pairs the mask keeps, recompute "
+            f"in HFU only.{html.escape(retries)}</p>")
+
+
 def breakdown_section(records: list[dict[str, Any]]) -> str:
     logged = [r[BREAKDOWN_KEY] for r in records if r.get(BREAKDOWN_KEY)]
     if not logged:
@@ -171,6 +231,7 @@ def comm_section(records: list[dict[str, Any]]) -> str:
 
 SECTIONS = (("Throughput", throughput_section),
             ("Memory per rank: measured and predicted", memory_section),
+            ("Device utilization and peak memory: measured and predicted", utilization_section),
             ("Step-time breakdown", breakdown_section), ("Pipeline schedule as executed", schedule_section),
             ("Communication per axis", comm_section))
 

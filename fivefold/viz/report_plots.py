@@ -108,6 +108,32 @@ def memory_figure(parts: Sequence[str], measured: Sequence[float], predicted: Se
     return svg_data_url(fig)
 
 
+def utilization_figure(steps: Sequence[int], step_times: Sequence[float], predicted_s: float | None,
+                       peaks: Sequence[tuple[int, float]], predicted_peak: float | None, peak_label: str) -> str:
+    """Step time over steps and peak memory (step, bytes) over logging steps, each with the planner's
+    figure as a dashed line (when it has one)."""
+    fig = _figure(9, 3.0)
+    ax, mem = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax.plot(steps, step_times, color=KIND_COLOURS["F"], linewidth=1.2, label="measured (rank 0)")
+    if predicted_s is not None:
+        ax.axhline(predicted_s, color=KIND_COLOURS["W"], linestyle="--", label="predicted (planner)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (s)")
+    ax.set_ylim(bottom=0)
+    scale, unit = byte_unit(max([*(p for _, p in peaks), predicted_peak or 0, 1]))
+    mem.plot([s for s, _ in peaks], [p / scale for _, p in peaks], "o-", color=KIND_COLOURS["F"], markersize=4,
+             label=peak_label)
+    if predicted_peak is not None:
+        mem.axhline(predicted_peak / scale, color=KIND_COLOURS["W"], linestyle="--", label="predicted peak (planner)")
+    mem.set_xlabel("logging step")
+    mem.set_ylabel(f"{unit} on rank 0")
+    mem.set_ylim(bottom=0)
+    for a in (ax, mem):
+        a.grid(alpha=0.3)
+        a.legend(frameon=False, fontsize=7)
+    return svg_data_url(fig)
+
+
 def breakdown_figure(parts: dict[str, float]) -> str:
     fig = _figure(9, 1.9)
     ax = fig.add_subplot(1, 1, 1)

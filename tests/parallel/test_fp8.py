@@ -200,3 +200,21 @@ def test_zero3_gathers_fp8_weights_in_a_quarter_of_the_bytes_and_the_same_number
     amax = gathers * wire_bytes("all_reduce", 4 * len(weights), n)
     assert plain_dp["wire_bytes"] - fp8_dp["wire_bytes"] == saved - amax
     assert fp8_dp["calls"] - plain_dp["calls"] == 2 * gathers
+
+
+@pytest.mark.parametrize("args,named", [
+    (("--model.dim=40",), "attn.wq 40 x 40"),  # every layer's input width
+    (("--model.preset=tiny-mla", "--parallel.tp=2"), "attn.wkv_b 32 x 56, attn.wo 24 x 64"),  # split over tp
+], ids=["dense", "latent-tp2"])
+def test_widths_scaled_mm_cannot_take_are_refused_where_it_runs(tmp_path, args, named):
+    """On CUDA, every FP8 layer's widths on one rank must be multiples of 16 (torch._scaled_mm);
+    the CPU's emulated matmul takes any width, so a CPU run is not refused."""
+    from fivefold.validate import validate
+
+    world = 2 if "--parallel.tp=2" in args else 1
+    errors = validate(tiny_config(tmp_path, "--train.fp8=tensorwise", "--train.device=cuda", *args), world)
+    fp8 = [e for e in errors if e.startswith("train.fp8 = 'tensorwise' multiplies with torch._scaled_mm")]
+    assert len(fp8) == 1 and named in fp8[0], errors
+    assert validate(tiny_config(tmp_path, "--train.fp8=tensorwise", "--train.device=cpu", *args), world) == []
+    plain = validate(tiny_config(tmp_path, "--train.fp8=tensorwise", "--train.device=cuda"), 1)
+    assert not [e for e in plain if "_scaled_mm" in e]  # tiny.toml's widths pass

@@ -226,7 +226,8 @@ def _run_dir(tmp: Path, with_optional: bool) -> Path:
                                      'pp_schedule = "1f1b"\nvirtual_stages = 1\n[run]\nname = "demo"\n')
     state = {"params": 1.5e6, "grads": 1.5e6, "optimizer": 3e6, "total": 6e6}
     predicted = {"model_state_bytes": {**state, "total": 6e6}, "activation_bytes": 2e7, "buffer_bytes": 1e6,
-                 "comm_wire_bytes": {"dp": 1.5e6, "tp": 0.0, "pp": 4e5, "cp": 0.0, "ep": 0.0}, "step_time_s": None}
+                 "peak_bytes": 2.7e7, "comm_wire_bytes": {"dp": 1.5e6, "tp": 0.0, "pp": 4e5, "cp": 0.0, "ep": 0.0},
+                 "step_time_s": 0.25}
     lines = []
     for step in range(1, 7):
         record = {"step": step, "epoch": 0, "loss": 6.0 - 0.5 * step, "lr": 1e-3, "grad_norm": 1.0, "tokens": 2048,
@@ -241,6 +242,12 @@ def _run_dir(tmp: Path, with_optional: bool) -> Path:
             record["step_breakdown"] = {"compute": 0.15, "bubble": 0.03, "optimizer": 0.02}
             record["pipeline_timeline"] = [[[0.0, 0.01, "F0s0"], [0.03, 0.05, "B0s0"]],
                                            [[0.01, 0.02, "F0s1"], [0.02, 0.03, "B0s1"]]]
+            if step % 2 == 0:  # logging steps (train.log_every = 2)
+                record["utilization"] = {"achieved_tflops": 100.0 * step, "hardware_tflops": 120.0 * step,
+                                         "mfu": 0.1 * step, "hfu": 0.12 * step, "peak_tflops": 1000.0,
+                                         "peak_from": "setting"}
+                record["memory"] = {"peak_allocated_bytes": 3e7 + step, "peak_reserved_bytes": 4e7,
+                                    "alloc_retries": 1}
         lines.append(json.dumps(record))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run
@@ -265,6 +272,14 @@ def test_run_report(browser, tmp_path, with_optional):
     text = browser.find_element("tag name", "body").text
     assert ("Not in this run's metrics log: step_breakdown" in text) != with_optional
     assert ("Not in this run's metrics log: pipeline_timeline" in text) != with_optional
+    assert ("Not in this run's metrics log: utilization" in text) != with_optional
     if with_optional:
         check(shown, "part-bubble", 0.03, 1e-3, 2)
-        assert len(images) == 6
+        check(shown, "util-tflops", 400.0, places=0)  # the median of steps 2, 4, 6
+        check(shown, "util-mfu", 0.4, 1e-2, 2)
+        check(shown, "util-hfu", 0.48, 1e-2, 2)
+        check(shown, "util-step-time-pred", 0.25, places=2)
+        check(shown, "util-peak-memory", 3e7 + 6)  # the largest window's
+        check(shown, "util-peak-memory-pred", 2.7e7)
+        assert "Allocation retries (CUDA): 3" in text
+        assert len(images) == 7
