@@ -44,7 +44,7 @@ class Context:
         self.warmup, self.steps = warmup or (1 if tiny else 3), steps or (2 if tiny else 10)
         self.dir = Path(tempfile.mkdtemp(prefix="ff-gpu-check-"))
         self.peak = ((peak_tflops * 1e12, "--peak-tflops") if peak_tflops else catalog_peak() if self.cuda
-                     else (None, "no peak for a CPU: give --peak-tflops"))
+                     else (None, "no peak for a CPU: give --peak-tflops"))  # (FLOP/s or None, where from)
 
     def judged(self, outcome: Outcome) -> Outcome:
         """A GPU's bound, judged on a GPU only: on the CPU the value is recorded."""
@@ -53,15 +53,11 @@ class Context:
 
 
 def catalog_peak() -> tuple[float | None, str]:
-    """Peak dense bf16 FLOP/s of this GPU from the planner's catalog, and where it comes from."""
-    from fivefold.planner.calibration.gpu import catalog_key
-    from fivefold.planner.machine.datasheet import get_hardware
+    """Peak dense bf16 FLOP/s of this GPU, as the step record's MFU takes it (train/utilization.py)."""
+    from fivefold.train.utilization import catalog_peak as of_device
 
-    try:
-        hw = get_hardware(catalog_key(torch.cuda.get_device_name()))
-    except ValueError as e:
-        return None, f"{e}: give --peak-tflops"
-    return hw.peak_flops, f"fivefold.planner.machine.datasheet '{hw.name}': {hw.sources.get('peak_flops', '')}"
+    peak = of_device(torch.device("cuda"))
+    return (peak.flops, peak.source) if peak.flops else (None, "a GPU the planner's catalog lacks: give --peak-tflops")
 
 
 def measure(ctx: Context, runtime: str, compile_: bool, extra: tuple[str, ...] = ()) -> dict:
@@ -86,7 +82,7 @@ def measure(ctx: Context, runtime: str, compile_: bool, extra: tuple[str, ...] =
     tokens_per_s = sum(res["tokens"][timed]) / sum(res["times"][timed])
     fpt = flops_per_token(cfg.model, cfg.train.seq_len, vocab, causal="full")["total"]
     pred = predict_for_config(cfg, 1, device_type=ctx.device)
-    predicted = pred["model_state_bytes"]["total"] + pred["activation_bytes"] + pred["buffer_bytes"]
+    predicted = pred["peak_bytes"]
     last = res["metrics"][-1] if res["metrics"] else {}
     if (utilization := last.get("utilization")) and utilization.get("mfu") is not None:
         mfu, mfu_from = utilization["mfu"], f"the step record's utilization ({utilization.get('peak_from')})"

@@ -136,7 +136,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
 
 def logging_step(cfg: Config, done: int) -> bool:
     """Does 1-based step `done` log its breakdown, utilization and memory (every train.log_every
-    steps and the job's last, as StepLog prints)?"""
+    steps and the job's last)? The step measures for it; StepLog prints and records it."""
     return done % cfg.train.log_every == 0 or done == (cfg.train.stop_after or cfg.train.steps)
 
 

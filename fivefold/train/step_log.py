@@ -21,7 +21,7 @@ from fivefold.parallel.pipeline.stage_split import stage_split
 from fivefold.train.breakdown import BreakdownWindow, breakdown_table, log_entries, pipeline_timeline
 from fivefold.train.metrics import read_events
 from fivefold.train.sinks import open_sinks
-from fivefold.train.step import Run, StepRecord
+from fivefold.train.step import Run, StepRecord, logging_step
 from fivefold.train.trace import RankTrace
 from fivefold.train.utilization import formula_keys, peak_of, run_flops, utilization
 
@@ -113,13 +113,13 @@ class StepLog:
     def log_step(self, record: StepRecord, val_loss: float | None) -> dict:
         """Report one step; collective on logging steps. Returns the metrics line as written."""
         m = {**record.metrics, "predicted": self.prediction}
-        done, t = m["step"], self.run.cfg.train
+        done = m["step"]
         if self.traces(done):
             self.trace.add(done, record.began, record.wall_s, record.events)
             if done == self.trace.last:
                 self.trace.write(self.run_dir)
         self.window.add(done, record.wall_s, record.parts)
-        printed = done % t.log_every == 0 or done == self.end
+        printed = logging_step(self.run.cfg, done)  # the step measured its memory for it (step.py)
         table = None
         if printed:  # every rank's parts, gathered outside the step's timed window
             step_parts, window_parts, first = self.window.gather(self.world, self.run.device)

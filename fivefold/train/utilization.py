@@ -56,16 +56,22 @@ def peak_of(cfg: Config, device: torch.device) -> Peak:
         from fivefold.planner.hardware import load_profile
 
         return Peak(load_profile(cfg.run.hardware).peak_flops, "profile")
-    if device.type == "cuda":
-        from fivefold.planner.calibration.gpu import catalog_key
-        from fivefold.planner.machine.datasheet import get_hardware
+    return catalog_peak(device)
 
-        try:
-            key = catalog_key(torch.cuda.get_device_name(device))
-        except ValueError:  # a GPU the catalog lacks (a PCIe H100, an L4): no datasheet peak
-            return Peak(None, None)
-        return Peak(get_hardware(key).peak_flops, f"catalog:{key}")
-    return Peak(None, None)
+
+def catalog_peak(device: torch.device) -> Peak:
+    """The planner's catalog entry of the CUDA device torch reports (dense bf16); Peak(None, None) on
+    a CPU, or for a GPU the catalog lacks (a PCIe H100, an L4)."""
+    if device.type != "cuda":
+        return Peak(None, None)
+    from fivefold.planner.calibration.gpu import catalog_key
+    from fivefold.planner.machine.datasheet import get_hardware
+
+    try:
+        key = catalog_key(torch.cuda.get_device_name(device))
+    except ValueError:
+        return Peak(None, None)
+    return Peak(get_hardware(key).peak_flops, f"catalog:{key}")
 
 
 def run_flops(cfg: Config, vocab_size: int) -> StepFlops:
