@@ -1,6 +1,7 @@
 """One-GPU check in two stages, each under 5 minutes with its cold compiles: `correct` (each feature at
 world 1 against its fp32 or one-path reference) and `speed` (a Llama 3.2 1B shape: fivefold eager and
-compiled beside a plain PyTorch loop, FP8 against bf16, the planner's roofline, calibrate).
+compiled beside a plain PyTorch loop, FP8 against bf16, its head and loss chunked against eager
+cross-entropy, the planner's roofline, calibrate).
 
 Run on the GPU machine from the source tree, with the torch it has (2.11 or newer; nothing to install):
 
@@ -47,7 +48,7 @@ from benchmarks.gpucheck.records import LOG, STAGES, PartLog, log, read_part, wr
 # Seconds per part on an H100 or H200, cold compiles included; each stage's sum stays under its deadline.
 # Guessed, not yet measured on a GPU: `--budget` moves them.
 BUDGETS_S = {"precision": 40, "moe": 15, "sharding": 45, "attention": 100, "compile": 80,
-             "training": 165, "fp8": 40, "roofline": 35, "calibrate": 45}
+             "training": 150, "fp8": 40, "loss_chunk": 15, "roofline": 35, "calibrate": 45}
 DEADLINE_S = 285.0  # a stage, under the 5 minutes that leave a 15-minute session room to rerun one
 CPU_BUDGET_S, CPU_DEADLINE_S = 300.0, 900.0  # --device cpu: a shared CPU is slow, and the GPU's figures mean nothing
 GRACE_S = 5.0  # past a part's budget before its worker is stopped: its own deadline check skips first

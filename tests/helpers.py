@@ -30,8 +30,10 @@ def tiny_config(out_dir: Path, *overrides: str) -> Config:
 # losses agreed to 3e-6); how far depends on which weights happen to sit near eps, i.e. on the
 # init. With 1e-6 every layout's weights stay within 5e-5 of one process's (measured), so the
 # bounds below test the parallel code rather than the luck of an initialisation.
+# train.loss_chunk 24: every micro-batch's loss in chunks (64 tokens: 24 + 24 + 16), so each layout's
+# head and loss (vocabulary-parallel, sequence-parallel, last stage, cp shard) runs the chunked path.
 EQUIVALENCE = ("--data.max_bytes=1100", "--data.val_fraction=0.0", "--train.steps=5", "--checkpoint.keep=1",
-               "--optim.eps=1e-6")
+               "--optim.eps=1e-6", "--train.loss_chunk=24")
 
 
 # Tied embeddings (the `tied_reference` fixture, tests/conftest.py). lr 1e-3: at lr 1e-2, one process
@@ -132,6 +134,16 @@ def reference_records(out_dir: Path, world: int, *overrides: str) -> list[dict]:
 
     run_workers(train_only, world, tiny_config(out_dir, *overrides))
     return read_metrics(out_dir / "tiny" / "metrics.jsonl")
+
+
+def loss_traffic(tokens: int, chunk: int, tp: int) -> tuple[int, int]:
+    """The vocabulary-parallel loss's tp traffic for a micro-batch of `tokens` (model/head.py): per
+    chunk of `chunk` tokens one all-gather of each token's log-sum-exp and target logit (fp32) from
+    every rank. (calls, wire bytes)."""
+    from fivefold.parallel.comm.collectives import wire_bytes
+
+    chunks = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+    return len(chunks), sum(wire_bytes("all_gather", tp * 2 * c * 4, tp) for c in chunks)
 
 
 def train_and_gather(rank: int, world: int, cfg: Config):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 # The parts of each stage, in the order they run (each its own JSONL file: <part>.jsonl).
 STAGES = {"correct": ("precision", "moe", "sharding", "attention", "compile"),
-          "speed": ("training", "fp8", "roofline", "calibrate")}
+          "speed": ("training", "fp8", "loss_chunk", "roofline", "calibrate")}
 SUMMARY = "summary.md"
 LOG = "stderr.log"
 

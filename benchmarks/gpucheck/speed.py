@@ -8,6 +8,10 @@ tied: 1.236B parameters; seq 2048, micro-batch 4) in bf16 on one GPU.
   x tokens/s over the catalog's peak dense bf16 FLOP/s for this GPU), peak
   `torch.cuda.max_memory_allocated()` against the planner's `predict_for_config`, fivefold / plain.
 - fp8: FP8 tensorwise and rowwise tokens/s over bf16's (training's eager figure when it ran).
+- loss_chunk: the same model's head and loss alone (benchmarks/loss_chunk.py) at 4096 tokens in bf16:
+  train.loss_chunk's default against PyTorch's eager `F.cross_entropy` over the full logits, peak
+  `max_memory_allocated()` above the inputs (issue 51: at most half) and the forward + backward's
+  time (at most 1.10x), the two sides' summed losses beside each other.
 - roofline: benchmarks/roofline_check.py, each op timed against what the planner prices it at.
 - calibrate: `python3 -m fivefold calibrate` into the out folder's profile.toml, its measured fields.
 On the CPU (--tiny: configs/tiny.toml in fp32, 1 + 2 steps) the bounds are GPU bounds: every value
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpucheck.records import Outcome, PartLog, at_least, read_part, recorded, within
+from benchmarks.gpucheck.records import Outcome, PartLog, at_least, at_most, read_part, recorded, within
 from benchmarks.gpucheck.training import ROOT, fivefold_case, free_device, make_config, plain_case
 
 PROFILE = "profile.toml"
@@ -148,6 +152,51 @@ def fp8(part: PartLog, ctx: Context) -> None:
         part.run(f"{ctx.model} fp8 {recipe} / bf16 tokens/s", ratio, 20)
 
 
+LOSS_CHUNK_SHAPE = {"gpu": (4096, 2048, 128256, 10), "tiny": (64, 32, 512, 1)}  # tokens, dim, vocab, timed calls
+TINY_LOSS_CHUNK = 16  # --tiny: 4 chunks of its 64 tokens (the default chunk would hold them all)
+LOSS_GAP = 1e-3  # summed loss, chunked against eager: the same logits' per-token reductions, summed in another order
+
+
+def loss_chunk(part: PartLog, ctx: Context) -> None:
+    """The head and its loss at the speed model's shape: train.loss_chunk's default (fivefold's
+    OutputHead, chunked) against eager F.cross_entropy over the full logits; the unchunked path beside."""
+    from benchmarks.loss_chunk import head_inputs, head_sides, measure, side_name
+    from fivefold.config.schema import TrainConfig
+
+    tokens, dim, vocab, repeats = LOSS_CHUNK_SHAPE["tiny" if ctx.tiny else "gpu"]
+    chunk = TINY_LOSS_CHUNK if ctx.tiny else TrainConfig().loss_chunk
+    done = {}
+
+    def run() -> dict:
+        free_device(ctx.device)
+        dtype = torch.bfloat16 if ctx.dtype == "bf16" else torch.float32  # autocast's, as train.dtype runs it
+        head, h, targets = head_inputs(tokens, dim, vocab, ctx.device)
+        res = measure(head_sides(head, h, targets, [chunk, 0], dtype), [h, head.weight], repeats, ctx.device)
+        del head, h, targets
+        free_device(ctx.device)
+        done.update(res)
+        return res
+
+    def compared(key: str, bound: float) -> Outcome:
+        res = done or run()
+        mine, peer = res[side_name(chunk)], res[side_name(None)]
+        detail = {"chunk": chunk, "tokens": tokens, "dim": dim, "vocab": vocab, "dtype": ctx.dtype,
+                  **{f"{n}_{k}": r[k] for n, r in res.items() for k in ("ms", "peak_mb")}}
+        value = mine[key] / peer[key] if peer[key] else None
+        return ctx.judged(at_most(value, bound, detail)) if value is not None else recorded(None, detail)
+
+    def losses_agree() -> Outcome:
+        res = done or run()
+        mine, peer = res[side_name(chunk)]["loss"], res[side_name(None)]["loss"]
+        return at_most(abs(mine - peer) / abs(peer), LOSS_GAP, {"chunked": mine, "eager": peer,
+                                                                "unchunked": res["chunk0"]["loss"]})
+
+    name = "head + loss, train.loss_chunk / eager cross-entropy"
+    part.run(f"{name}: peak memory", lambda: compared("peak_bytes", 0.5), 15 if ctx.cuda else 5)
+    part.run(f"{name}: time", lambda: compared("ms", 1.10))
+    part.run(f"{name}: summed loss gap", losses_agree)
+
+
 class _Lines(io.TextIOBase):
     """Our stdout for roofline_check.py: its lines pass through, and each JSON line is handed to
     `on_line` as it is printed, so a part stopped midway keeps the ops already timed."""
@@ -210,4 +259,4 @@ def calibrate(part: PartLog, ctx: Context) -> None:
             part.record(f"calibrate {key}", recorded(value))
 
 
-PARTS = {"training": training, "fp8": fp8, "roofline": roofline, "calibrate": calibrate}
+PARTS = {"training": training, "fp8": fp8, "loss_chunk": loss_chunk, "roofline": roofline, "calibrate": calibrate}

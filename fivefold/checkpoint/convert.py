@@ -132,6 +132,9 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtyp
     source = HFSource(src, dtype=dtype)
     m = source.model_cfg
     check_fit(source, m, str(src))
+    copies = source.copy_problems()  # the MTP layers' copies of the embedding and head: kept once, so equal
+    if copies:
+        raise HFFormatError(f"{src}: {copies[0]}")
     for note in source.notes:
         print(f"{src}: {note}")
     tensors = []
@@ -236,6 +239,12 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
                     value = source.read(n)
                     return (value if back is None else value[back]).to(t)
                 tensors.append((hf, to, shape, produce))
+    for hf, main in family.copies(m):  # the MTP depths' copies of the embedding and head, as DeepSeek-V3 stores them
+        found = source_name(main, source, m.tie_embeddings)
+        to = dtype or source.dtype(found)
+        def produce(n=found, t=to):
+            return source.read(n).to(t)
+        tensors.append((hf, to, source.shape(found), produce))
     tensors = [item if item[3] is not None else _fused(source, *item[:3], fused[item[0]]) for item in tensors]
     files = write_sharded(out, tensors, max_shard_bytes, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

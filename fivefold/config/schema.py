@@ -98,6 +98,12 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = False  # torch.compile each block's forward (not with zb_h1, zb_v, dualpipe_v past one stage)
     recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation
+    # tokens per chunk of the output head and its cross-entropy (model/head.py): no more than this many
+    # tokens' logits exist at once, recomputed in backward; 0 = the whole micro-batch's at once
+    loss_chunk: int = 1024
+    # the weight lambda of the multi-token-prediction loss (model.mtp_layers > 0; DeepSeek-V3: 0.3 for the
+    # first 10T tokens, then 0.1): the loss trained is main + lambda x the mean of the depths' losses
+    mtp_weight: float = 0.3
     # the blocks' linear layers compute in FP8 with dynamic scales, one per tensor or one per row
     # (Micikevicius et al. 2022); embedding, output head and router stay in the compute dtype
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"

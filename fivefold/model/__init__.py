@@ -2,7 +2,9 @@
 
 - config.py       ModelConfig, the [model] section: the network's shape, nothing about its split
 - presets.py      named shapes from published model cards, and their published parameter counts
-- transformer.py  the decoder: blocks of attention and a feed-forward, embedding, head
+- transformer.py  the decoder: blocks of attention and a feed-forward, embedding, head, MTP depths
+- head.py         the output head and its cross-entropy, a chunk of tokens' logits at a time
+- mtp.py          multi-token prediction's inputs and targets, shifted within rows and documents
 - ffn.py          the dense feed-forward (gated: SwiGLU)
 - moe.py          mixture of experts: routing, stacked experts, the local dispatch (expert parallel swaps it)
 - attention.py    grouped-query and multi-head latent attention, RoPE, and which kernel attends

@@ -132,6 +132,10 @@ class ModelConfig:
     embed_scale: bool = False  # token embeddings times sqrt(dim) (Gemma)
     activation: Literal["silu", "gelu_tanh"] = "silu"  # the gate's nonlinearity: SwiGLU, or GeGLU (Gemma)
     init_std: float = 0.02  # std of the normal init; residual output projections get std/sqrt(2 n_layers)
+    # depths of multi-token prediction (DeepSeek-V3 sec. 2.2; HF num_nextn_predict_layers): depth k also
+    # predicts the token k + 1 after the next, through a block of its own and the shared embedding and
+    # head; trained with weight train.mtp_weight, unused when sampling (model/transformer.py MTPLayer)
+    mtp_layers: int = 0
     rope: RopeConfig = field(default_factory=RopeConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     latent: LatentConfig = field(default_factory=LatentConfig)

@@ -3,7 +3,8 @@
 The formula mirrors `model/transformer.py` layer by layer (a test builds every preset on the meta device and
 compares), and splits the total the way the parallel code splits the model: what tensor parallel
 cuts, what it replicates, what expert parallel cuts, and what lives in the first and last pipeline
-stage only. Nothing here allocates a tensor, so a 405B model costs microseconds.
+stage only (the MTP depths, model.mtp_layers, among the last). Nothing here allocates a tensor,
+so a 405B model costs microseconds.
 """
 
 from __future__ import annotations
@@ -43,10 +44,20 @@ class ModelCounts:
     embedding: int  # V x d (first stage); cut by tp over the vocabulary
     head: int  # V x d, 0 when tied (last stage); cut by tp
     final_norm: int  # d (last stage)
+    # model.mtp_layers depths of multi-token prediction (last stage): each a block, numbered after the
+    # main ones (block_params(m, n_layers + k)), and `mtp_extra` besides it (mtp_extra_params)
+    mtp: tuple[BlockParams, ...] = ()
+    mtp_extra: int = 0
 
     @property
     def total(self) -> int:
-        return sum(b.total for b in self.blocks) + self.embedding + self.head + self.final_norm
+        return (sum(b.total for b in self.blocks) + self.embedding + self.head + self.final_norm
+                + sum(b.total for b in self.mtp) + len(self.mtp) * self.mtp_extra)
+
+    def block(self, i: int) -> BlockParams:
+        """Block i in the runtime's numbering: the main blocks, then the MTP depths' (n_layers + k)."""
+        n = len(self.blocks)
+        return self.blocks[i] if i < n else self.mtp[i - n]
 
     @property
     def expert_total(self) -> int:
@@ -56,12 +67,19 @@ class ModelCounts:
     def active(self) -> int:
         """Parameters one token activates: all but the routed experts it is not sent to (the
         published "activated parameters" of an MoE model)."""
-        return self.total - sum(b.experts - b.routed_active for b in self.blocks)
+        return self.total - sum(b.experts - b.routed_active for b in (*self.blocks, *self.mtp))
 
     @property
     def active_matmul(self) -> int:
-        """Matmul parameters one token uses: blocks (top-k experts only) and the output head."""
-        return sum(b.active_matmul for b in self.blocks) + self.embedding  # the head is V x d either way
+        """Matmul parameters one token uses: blocks (top-k experts only) and the output head; with MTP,
+        per depth its block, eh_proj and the head once more (each depth's tokens go through it too)."""
+        mtp = sum(b.active_matmul for b in self.mtp) + len(self.mtp) * (self.mtp_extra_matmul + self.embedding)
+        return sum(b.active_matmul for b in self.blocks) + self.embedding + mtp  # the head is V x d either way
+
+    @property
+    def mtp_extra_matmul(self) -> int:
+        """Of mtp_extra, the matmul's: eh_proj (2d -> d, d = final_norm's width); 0 without MTP."""
+        return 2 * self.final_norm ** 2 if self.mtp else 0
 
 
 def head_dim(m: ModelConfig) -> int:
@@ -158,13 +176,22 @@ def head_forward_flops(counts: ModelCounts, tp: int) -> int:
     return 2 * counts.embedding // tp
 
 
+def mtp_extra_params(m: ModelConfig) -> int:
+    """One MTP depth's parameters besides its block (model/transformer.py MTPLayer; DeepSeek-V3 sec.
+    2.2): eh_proj, 2d -> d without bias, and three d-wide norms, enorm, hnorm and the output's norm
+    (the released checkpoints' shared_head.norm)."""
+    return 2 * m.dim * m.dim + 3 * m.dim
+
+
 def model_counts(m: ModelConfig, vocab_size: int | None = None) -> ModelCounts:
     """Counts for a model whose vocabulary is `vocab_size` (default: m.vocab_size)."""
     v = vocab_size or m.vocab_size
     if v <= 0:
         raise ValueError("the vocabulary size must be known (model.vocab_size, or pass vocab_size)")
+    mtp = tuple(block_params(m, m.n_layers + k) for k in range(m.mtp_layers))
     return ModelCounts(blocks=[block_params(m, i) for i in range(m.n_layers)], embedding=v * m.dim,
-                       head=0 if m.tie_embeddings else v * m.dim, final_norm=m.dim)
+                       head=0 if m.tie_embeddings else v * m.dim, final_norm=m.dim, mtp=mtp,
+                       mtp_extra=mtp_extra_params(m) if mtp else 0)
 
 
 def count_on_meta(m: ModelConfig, vocab_size: int | None = None) -> int:
@@ -187,6 +214,13 @@ def attention_keys(m: ModelConfig, seq_len: int, document_tokens: float = 0) -> 
     per_window = {w: keys_per_query(seq_len, w, document_tokens)
                   for w in {m.attention.layer_window(layer) for layer in range(m.n_layers)}}
     return [per_window[m.attention.layer_window(layer)] for layer in range(m.n_layers)]
+
+
+def mtp_attention_keys(m: ModelConfig, seq_len: int, document_tokens: float = 0) -> list[float]:
+    """attention_keys of the MTP depths' blocks (layers n_layers + k: their windows as a block's of
+    that index), which see the same rows and documents as the main blocks."""
+    return [keys_per_query(seq_len, m.attention.layer_window(m.n_layers + k), document_tokens)
+            for k in range(m.mtp_layers)]
 
 
 def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
@@ -213,7 +247,7 @@ def flops_per_token(m: ModelConfig, seq_len: int, vocab_size: int | None = None,
         raise ValueError(f"causal = {causal!r}: expected 'full' or 'half'")
     c = model_counts(m, vocab_size)
     matmul = 6.0 * c.active_matmul
-    keys = sum(attention_keys(m, seq_len, document_tokens))
+    keys = sum(attention_keys(m, seq_len, document_tokens)) + sum(mtp_attention_keys(m, seq_len, document_tokens))
     attention = 6.0 * m.n_heads * sum(attention_head_dims(m)) * keys * (2 if causal == "full" else 1)
     return {"matmul": matmul, "attention": attention, "total": matmul + attention, "attention_forward": attention / 3}
 
@@ -227,10 +261,12 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, voca
     these are the hardware FLOPs of HFU, which that paper reports beside MFU."""
     f = flops_per_token(m, seq_len, vocab_size, causal, document_tokens)
     if recompute == "full":
-        blocks = sum(b.active_matmul for b in model_counts(m, vocab_size).blocks)
+        c = model_counts(m, vocab_size)
+        blocks = sum(b.active_matmul for b in (*c.blocks, *c.mtp))  # the MTP depths' blocks are checkpointed too
         return 2.0 * blocks + f["attention_forward"]
     if recompute == "selective":
         return f["attention_forward"]
     if recompute == "none":
         return 0.0
     raise ValueError(f"train.recompute = {recompute!r}: expected none, selective or full")
+

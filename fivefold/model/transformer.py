@@ -32,6 +32,7 @@ from torch import nn
 from fivefold.model.attention import RMSNorm, attention, rms_norm
 from fivefold.model.config import ModelConfig
 from fivefold.model.ffn import FeedForward
+from fivefold.model.head import OutputHead
 from fivefold.model.masks import DocumentIds
 from fivefold.model.moe import MoE
 from fivefold.model.rope import layer_is_local, rope_cos_sin
@@ -65,6 +66,27 @@ class Block(nn.Module):
         return h + _optional(self.ffn_post_norm, self.ffn(_optional(self.ffn_norm, h)))
 
 
+class MTPLayer(nn.Module):
+    """One depth of multi-token prediction (DeepSeek-V3 sec. 2.2): from the depth before's hidden
+    states h (B, T, dim) (the main model's, for the first) and the embeddings e of the tokens one
+    further ahead, h' = norm(Block(eh_proj([enorm(e); hnorm(h)]))), which the shared head turns into
+    logits for the token after those. The concatenation puts the embedding first and h is taken
+    after its final norm, as the released checkpoints are served (vLLM's and Megatron-LM's MTP);
+    `norm` is the checkpoints' shared_head.norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, head_dim: int):
+        super().__init__()
+        self.enorm, self.hnorm = rms_norm(cfg.norm, cfg.dim), rms_norm(cfg.norm, cfg.dim)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg, layer, head_dim)
+        self.norm = rms_norm(cfg.norm, cfg.dim)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))  # (B, T, 2 dim) -> (B, T, dim)
+        return self.norm(self.block(x, cos, sin, doc))  # (B, T, dim)
+
+
 class Transformer(nn.Module):
     """Token ids (B, T) -> logits (B, T, V); a pipeline stage without embedding takes hidden states."""
 
@@ -79,7 +101,11 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.head_dim) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = rms_norm(cfg.norm, cfg.dim)
-        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output: OutputHead | None = OutputHead(cfg.dim, cfg.vocab_size)
+        # model.mtp_layers depths of multi-token prediction, numbered after the blocks (their layer
+        # index picks window and rotation as a block's does); training only, on the last stage
+        self.mtp = nn.ModuleDict({str(k): MTPLayer(cfg, cfg.n_layers + k, self.head_dim)
+                                  for k in range(cfg.mtp_layers)})
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -88,6 +114,10 @@ class Transformer(nn.Module):
         ranks draw for their slices, here drawn whole."""
         for name, p in self.named_parameters():
             init_tensor(name, p, self.cfg, seed)
+
+    def blocks(self) -> list[Block]:
+        """Every block this model holds, the MTP depths' included: what each dimension splits."""
+        return [*self.layers.values(), *(layer.block for layer in self.mtp.values())]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> embeddings (B, T, dim), times sqrt(dim) with model.embed_scale (Gemma; the
@@ -99,14 +129,15 @@ class Transformer(nn.Module):
         return h
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, layers: Iterable[str] | None = None,
-                embed: bool = True, head: bool = True,
+                embed: bool = True, head: bool = True, logits: bool = True,
                 doc: DocumentIds | torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or a part of that for one pipeline stage.
 
         positions: RoPE positions (T,), or (B, T) per row (documents restarting at 0); default 0..T-1.
         layers: the names of the blocks to run, in order (default: every block this model holds);
         embed=False: x is already hidden states (B, T, dim); head=False: return the last block's
-        output (B, T, dim) without the final norm and head. An absent embedding, norm or head (a
+        output (B, T, dim) without the final norm and head; logits=False: after the final norm, without
+        the head (the loss applies it: OutputHead, chunk by chunk). An absent embedding, norm or head (a
         pipeline stage deleted it) is passed through. Each block gets the rotation of its layer
         (model/rope.py: sliding-window layers may have their own base). doc: None, or the (B, T) document ids of whole
         rows (data.document_mask, model/masks.py; DocumentIds when a host copy comes along), passed
@@ -116,21 +147,37 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)  # (T,)
         names = list(self.layers if layers is None else layers)
-        rope, windows = self.cfg.rope, self.cfg.attention
-        local = {name: layer_is_local(rope, windows.layer_window(int(name))) for name in names}  # local or global base
+        local = {name: self._is_local(int(name)) for name in names}  # local or global base
         # Each distinct rotation once per forward: (cos, sin), each (T, D) or (B, T, D).
-        rotations = {kind: rope_cos_sin(positions, self.rope_dim, rope, kind) for kind in set(local.values())}
+        rotations = {kind: rope_cos_sin(positions, self.rope_dim, self.cfg.rope, kind) for kind in set(local.values())}
         for name in names:
             h = self.layers[name](h, *rotations[local[name]], doc)
         if head and self.norm is not None:
             h = self.norm(h)
-        if head and self.output is not None:
+        if head and logits and self.output is not None:
             h = self.output(h)  # (B, T, V)
         return h
 
+    def _is_local(self, layer: int) -> bool:
+        return layer_is_local(self.cfg.rope, self.cfg.attention.layer_window(layer))
+
+    def predict_ahead(self, h: torch.Tensor, tokens: list[torch.Tensor], positions: torch.Tensor,
+                      doc: DocumentIds | torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The MTP depths' hidden states, each (B, T, dim) after its norm: depth k (0-based) from the
+        depth before's (h: the main model's after its final norm) and the embeddings of tokens[k],
+        the ids k + 1 ahead (model/mtp.py shifts them), at the same positions and documents."""
+        outs = []
+        for k, layer in self.mtp.items():
+            cos, sin = rope_cos_sin(positions, self.rope_dim, self.cfg.rope, self._is_local(self.cfg.n_layers + int(k)))
+            h = layer(h, self.embed(tokens[int(k)]), cos, sin, doc)  # (B, T, dim)
+            outs.append(h)
+        return outs
+
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token losses; targets of -100 (padding) count nothing.
+    """Sum (not mean) of token losses over whole logits; targets of -100 (padding) count nothing. The
+    plain reference the tests and benchmarks compare with: training's loss is the head's own
+    (model/head.py), which never holds the whole micro-batch's logits.
 
     The caller divides by the step's global token count, so every token weighs the same however
     the batch is split into micro-batches, ranks and padded sequences.

@@ -225,6 +225,6 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, cfg: Config, derived: D
     """
     cp = ContextParallel(mesh.group("cp"), cfg.parallel.cp_method, cfg.model.attention.backend)
     if cp.group.size > 1:
-        for block in model.layers.values():
+        for block in model.blocks():
             block.attn.core = cp.core
     return cp

@@ -214,7 +214,7 @@ def apply_fp8(model: Transformer, mesh: Mesh, cfg: Config) -> int:
     # down-projections, shared experts): under sp it sees this rank's T/tp tokens.
     plain_tokens = sized(cp, tp) if cfg.parallel.sp else sized(cp)
     count = 0
-    for block in model.layers.values():
+    for block in model.blocks():
         for parent in list(block.modules()):
             if isinstance(parent, MoE):
                 continue  # the router stays in the compute dtype; its shared experts are reached below

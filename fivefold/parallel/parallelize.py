@@ -28,7 +28,8 @@ import torch
 
 from fivefold.config.derive import Derived
 from fivefold.config.schema import Config
-from fivefold.model.masks import Documents
+from fivefold.model.masks import Documents, document_ids
+from fivefold.model.mtp import shift_ahead
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
@@ -40,7 +41,7 @@ from fivefold.parallel.fp8 import apply_fp8
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, fused_on, init_optimizer_state, set_lr
 from fivefold.parallel.pipeline.executor import AttentionInputs, PipelineExecutor
-from fivefold.parallel.pipeline.stages import apply_pipeline_parallel
+from fivefold.parallel.pipeline.stages import Ahead, apply_pipeline_parallel
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.state_dict import is_expert_parameter
 from fivefold.parallel.state_memory import ModelStateMeter
@@ -98,6 +99,18 @@ class Parallelized:
             return [(self.cp.positions(seq_len, device), None)] * len(micro_batches)
         inputs = [documents.on_device(x, device) for x, _ in micro_batches]  # from the loader's host ids
         return [(self.cp.shard(pos, dim=-1), doc) for pos, doc in inputs]
+
+    def ahead_inputs(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], depths: int,
+                     documents: Documents | None, device: torch.device) -> list[Ahead] | None:
+        """Each whole-row micro-batch's MTP tokens and targets of every depth (model/mtp.py), shifted
+        on the whole rows (within documents under data.document_mask), then this rank's part of
+        them, on `device`; None without MTP."""
+        if not depths:
+            return None
+        masked = documents is not None and documents.mask
+        return [[(self.cp.shard(t).to(device), self.cp.shard(u).to(device))
+                 for t, u in shift_ahead(x, y, depths, document_ids(x, documents.eod) if masked else None)]
+                for x, y in micro_batches]
 
     # ---- the optimizer step ---------------------------------------------------------------------
     def optimizer_step(self, lr: float, scaler: LossScale, grad_clip: float) -> StepOutcome:
@@ -218,7 +231,7 @@ def compile_blocks(model: Transformer, **options: object) -> None:
     so each is one graph break (tests/parallel/test_compile.py counts them). Parameter names stay the
     plain model's, so checkpoints do not depend on compile. Zero-bubble schedules that split a later
     stage's backward are refused with compile (validate.py): a compiled block's backward is one node."""
-    for block in model.layers.values():
+    for block in model.blocks():
         block.forward = torch.compile(block.forward, **options)
 
 
@@ -237,6 +250,6 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     optimizer = build_optimizer(dp.optimizer_params(), cfg.optim)  # its state comes with its first step
     memory = ModelStateMeter(dp.params, optimizer, offload)
     device = next(model.parameters()).device
-    pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, loss_fn=tp.loss, seq_divisor=tp.seq_divisor,
-                                after_backward=memory.sample, lanes=mesh.lanes)
+    pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, seq_divisor=tp.seq_divisor,
+                                after_backward=memory.sample, lanes=mesh.lanes, mtp_weight=cfg.train.mtp_weight)
     return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory, offload)

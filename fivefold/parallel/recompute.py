@@ -38,7 +38,7 @@ def _recomputed(timer: StepTimer, fn, *args):
 def apply_recompute(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -> None:
     """Wrap each block (full) or its attention core (selective) in activation checkpointing."""
     mode = cfg.train.recompute
-    for block in model.layers.values():
+    for block in model.blocks():
         if mode == "full":
             block.forward = partial(_recomputed, mesh.timer, partial(type(block).forward, block))
         elif mode == "selective":

@@ -48,6 +48,7 @@ from fivefold.config.derive import Derived
 from fivefold.config.schema import Config
 from fivefold.model.attention import LatentAttention, RMSNorm
 from fivefold.model.ffn import FeedForward
+from fivefold.model.head import OutputHead, VocabSplit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -74,12 +75,11 @@ def enter_tensor_parallel_region(x: torch.Tensor, group: AxisGroup, sequence_par
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split: each rank computes its slice of y.
 
-    enter_region: begin a tensor-parallel region here (the output head). Inside a block the region
-    begins once for all of its column-parallel layers (q, k and v share one input), on entry to
-    attention or the MLP, so one collective serves them all.
-    overlap: with sp, the entry's gather overlapped with this layer's matmul (parallel.tp_overlap);
-    inside a block the region's entry computes the output instead (`_OverlappedEntry`) and leaves
-    it in `computed`, which forward returns.
+    Its input is already in the tensor-parallel region: the region begins once for all of a block's
+    column-parallel layers (q, k and v share one input), on entry to attention or the MLP, so one
+    collective serves them all. With sp and parallel.tp_overlap the region's entry computes this
+    layer's output itself, its gather overlapped with the matmul (`_OverlappedEntry`), and leaves it
+    in `computed`, which forward returns.
     """
 
     tp_splits = "outputs"  # the matmul dim tp splits: FP8's amax reductions read it (fp8.py)
@@ -87,10 +87,9 @@ class ColumnParallelLinear(nn.Module):
     fp8_weight: Float8Weight | None = None  # set by ZeRO-3 with parallel.fp8_gather
     computed: torch.Tensor | None = None  # (B, T, out/tp): set by the region's overlapped entry
 
-    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool, enter_region: bool = False,
-                 overlap: bool = False):
+    def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool):
         super().__init__()
-        self.group, self.sp, self.enter_region, self.overlap = group, sequence_parallel, enter_region, overlap
+        self.group, self.sp = group, sequence_parallel
         self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
         # a bias (Qwen2's q/k/v) split with its output features
         self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)  # (out/tp,)
@@ -99,10 +98,6 @@ class ColumnParallelLinear(nn.Module):
         if self.computed is not None:  # the region's overlapped entry ran this layer's matmul already
             y, self.computed = self.computed, None
             return y
-        if self.enter_region and self.overlap:
-            return all_gather_matmul(x, [self.weight], [self.bias], self.group)[0]  # (B, T, out/tp)
-        if self.enter_region:
-            x = enter_tensor_parallel_region(x, self.group, self.sp)  # (B, T, in)
         return linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)  # (B, T, out/tp)
 
 
@@ -151,61 +146,33 @@ class VocabParallelEmbedding(nn.Module):
         return regions.reduce_from_tensor_parallel_region(h, self.group)
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Sum of token losses from logits split along the vocabulary.
+class VocabParallelHead(OutputHead):
+    """The output head with its rows (the vocabulary) split: rank r holds ids [r V/tp, (r+1) V/tp).
 
-    loss_t = log sum_v exp(z_tv) - z_t,target: the max, the sum of exponentials and the target
-    logit are each reduced over tp (three small all-reduces of (B, T) values), so no rank forms
-    the full (B, T, V) logits. Backward is local: softmax minus one-hot, on this rank's columns.
-    """
+    Its logits stay vocabulary-sharded (B, T, V/tp); its loss (model/head.py) reduces each rank's
+    columns to a log-sum-exp and a target logit per token, one all-gather of those two numbers
+    combines them, and backward is local: softmax minus one-hot on this rank's columns. No rank forms
+    the full (B, T, V) logits. Ids from `vocab_limit` on are padding (the vocabulary was padded to
+    divide by tp): they take no probability."""
 
-    @staticmethod
-    def forward(ctx, logits, targets, group, vocab_limit):
-        z = logits.float()  # (B, T, V/tp)
-        v_local = z.shape[-1]
-        start = group.rank * v_local
-        if vocab_limit < start + v_local:  # padding ids (tp-divisible vocabulary) take no probability
-            z = z.masked_fill(torch.arange(start, start + v_local, device=z.device) >= vocab_limit, float("-inf"))
-        zmax = z.max(dim=-1).values  # (B, T)
-        collectives.all_reduce(zmax, group, op=torch.distributed.ReduceOp.MAX)
-        z = z - zmax.unsqueeze(-1)
-        exp = z.exp()  # (B, T, V/tp)
-        sum_exp = exp.sum(dim=-1)  # (B, T)
-        collectives.all_reduce(sum_exp, group)
-        valid = targets != -100
-        local_t = targets - start
-        mine = valid & (local_t >= 0) & (local_t < v_local)
-        idx = local_t.masked_fill(~mine, 0)
-        target_logit = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # (B, T)
-        collectives.all_reduce(target_logit, group)
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        ctx.save_for_backward(exp, sum_exp, idx, mine, valid)
-        ctx.dtype = logits.dtype
-        return loss.sum()
+    def __init__(self, head: OutputHead, group: AxisGroup, sequence_parallel: bool, vocab_limit: int):
+        nn.Module.__init__(self)
+        self.group, self.sp = group, sequence_parallel
+        self.weight = _shard(head.weight, 0, group)  # (V/tp, dim)
+        start = group.rank * self.weight.shape[0]
+        self.split = VocabSplit(start, vocab_limit, partial(_gather_over, group=group))
 
-    @staticmethod
-    def backward(ctx, grad):
-        exp, sum_exp, idx, mine, valid = ctx.saved_tensors
-        g = exp / sum_exp.unsqueeze(-1)  # softmax on this rank's columns
-        g.scatter_add_(-1, idx.unsqueeze(-1), -mine.unsqueeze(-1).to(g.dtype))
-        g = g * valid.unsqueeze(-1) * grad
-        return g.to(ctx.dtype), None, None, None
+    def enter(self, h: torch.Tensor) -> torch.Tensor:
+        """The region's entry: with sp the sequence gathered (B, T/tp, dim) -> (B, T, dim); without,
+        the gradient summed over tp."""
+        return enter_tensor_parallel_region(h, self.group, self.sp)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup,
-                                 vocab_limit: int | None = None) -> torch.Tensor:
-    """Sum of token losses (targets of -100 count nothing) from (B, T, V/tp) vocabulary-sharded logits.
-
-    vocab_limit: ids from here on are padding (the vocabulary was padded to divide by tp): they are
-    masked out of the softmax, so the loss is the one over the tokenizer's real vocabulary.
-    """
-    limit = vocab_limit if vocab_limit is not None else logits.shape[-1] * group.size
-    if group.size == 1:  # nothing to reduce: torch's fused kernel (the same loss; a third of the time, cProfile)
-        z = logits.float()  # (B, T, V)
-        if limit < z.shape[-1]:
-            z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= limit, float("-inf"))
-        return F.cross_entropy(z.flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
-    return VocabParallelCrossEntropy.apply(logits, targets, group, limit)
+def _gather_over(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """(2, c) per-token values on each rank -> (tp, 2, c), in rank order."""
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))  # (tp 2, c): concatenated along dim 0
+    collectives.all_gather(out, x.contiguous(), group)
+    return out.view(group.size, *x.shape)
 
 
 # Module name -> how it is split. Attention by heads, SwiGLU by hidden units, vocabulary for
@@ -225,11 +192,6 @@ class TensorParallel:
 
     group: AxisGroup
     sequence_parallel: bool
-    vocab_limit: int  # token ids from here on are padding (the vocabulary was padded to divide by tp)
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Sum of token losses from (B, T, V/tp) logits (a plain cross-entropy at tp = 1)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_limit)
 
     @property
     def seq_divisor(self) -> int:
@@ -241,10 +203,12 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
     """Swap the model's layers for their tensor-parallel versions in place (no-op at tp = 1)."""
     group, sequence_parallel = mesh.group("tp"), cfg.parallel.sp
     overlap = sequence_parallel and cfg.parallel.tp_overlap  # validate refuses tp_overlap without sp
-    state = TensorParallel(group, sequence_parallel, derived.vocab_limit)
+    state = TensorParallel(group, sequence_parallel)
+    if model.output is not None:  # padding ids (the vocabulary padded to data.vocab_multiple) take no probability
+        model.output.split = VocabSplit(limit=derived.vocab_limit)
     if group.size == 1:
         return state
-    for block in model.layers.values():
+    for block in model.blocks():
         # An MoE block's experts are not split by tp (expert parallel shards them instead): without
         # sp each tp rank routes the same tokens through whole experts; with sp, its own T/tp tokens
         # (expert.py then sums the MoE's gradients and balance counts over tp).
@@ -253,7 +217,8 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
             parent_name, child = name.split(".")
             parent = getattr(block, parent_name)
             if parent in regions and isinstance(getattr(parent, child, None), nn.Linear):  # MLA has no wk, wv
-                setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel, overlap=overlap))
+                row = {"overlap": overlap} if cls is RowParallelLinear else {}  # (a column's: its region's entry)
+                setattr(parent, child, cls(getattr(parent, child), group, sequence_parallel, **row))
         if block.attn.sinks is not None:  # one logit per query head: split as the heads are
             block.attn.sinks = _shard(block.attn.sinks, 0, group)
         if getattr(block.attn, "qk_norm_all", False) and block.attn.q_norm is not None:
@@ -270,8 +235,8 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
                 lambda mod, args: (enter_tensor_parallel_region(args[0], group, sequence_parallel), *args[1:]))
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
-    if model.output is not None:  # logits stay vocabulary-sharded, for vocab_parallel_cross_entropy
-        model.output = ColumnParallelLinear(model.output, group, sequence_parallel, enter_region=True, overlap=overlap)
+    if model.output is not None:  # logits stay vocabulary-sharded, for the loss's per-chunk reductions
+        model.output = VocabParallelHead(model.output, group, sequence_parallel, derived.vocab_limit)
         if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             # Both are split along the vocabulary into the same rows: rank r's embedding rows are its
             # head's output features, so the tie holds slice by slice and needs no communication.
@@ -288,7 +253,9 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
         # Weights split with the heads (an OLMo 2 q/k norm over the whole projection) are not replicated.
         if getattr(param, "tp_dim", None) is not None:
             continue
-        seq_local = "norm" in name or name.endswith(("attn.wq_a.weight", "attn.wkv_a.weight", "attn.wo.bias"))
+        # (And the MTP depths' eh_proj, which projects each rank's own tokens before its block.)
+        seq_local = "norm" in name or name.endswith(("attn.wq_a.weight", "attn.wkv_a.weight", "attn.wo.bias",
+                                                     "eh_proj.weight"))
         if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and seq_local):
             materialize_parameter(model, name, mesh.device).register_hook(lambda g: _summed_over(g, group))
     return state

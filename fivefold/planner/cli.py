@@ -131,7 +131,9 @@ def _largest_layer(args: argparse.Namespace, rest: list[str]) -> float:
     if not m.vocab_size:  # a model whose vocabulary comes from its data: no embedding to size
         return 0.0
     counts = model_counts(m)
-    return float(max(max(blk.total for blk in counts.blocks), counts.embedding, counts.head))
+    # the head's unit holds the MTP depths too (parallel/data/fsdp.py)
+    head = counts.head + sum(blk.total + counts.mtp_extra for blk in counts.mtp)
+    return float(max(max(blk.total for blk in counts.blocks), counts.embedding, head))
 
 
 def _fits_table(args: argparse.Namespace, hw, b: BytesPerParam, rest: list[str]) -> int:
@@ -196,6 +198,10 @@ def _print_estimate(cfg, est, hw, world: int) -> None:
     t.add_column("value", justify="right")
     for k, v in est.memory.items():
         t.add_row(f"memory {k}", f"{v / GB:.2f} GB")
+    chunk = cfg.train.loss_chunk
+    t.add_row("loss chunk", f"{chunk} tokens of logits at a time" if chunk else "0: the whole micro-batch's logits")
+    if cfg.model.mtp_layers:
+        t.add_row("MTP depths", f"{cfg.model.mtp_layers} on the last stage (mtp_weight {cfg.train.mtp_weight:g})")
     for a, tr in est.comm.items():
         t.add_row(f"{a} bytes/step", f"{tr.bytes / GB:.3f} GB ({'inter' if tr.inter_node else 'intra'}-node)")
     t.add_row("bubble", f"{est.bubble_ratio:.1%} of compute / {est.bubble_fraction:.1%} of time")

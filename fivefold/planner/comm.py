@@ -19,12 +19,16 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   per dense block; with sp an all-gather plus a reduce-scatter replace each all-reduce at the same
   bytes, and the MoE blocks' gradients (each tp rank routed its own tokens) are all-reduced once a
   step. Full recompute runs forward again (+1 per region). The vocabulary-parallel embedding and
-  head add one each, and the loss three small ones of (b, s/cp) fp32 values (the max, the sum of
-  exponentials, the target logit). A q/k norm over the whole projection (OLMo 2) adds, per block,
+  head add one each (with MTP the head's is (1 + D) tokens wide, and the last stage embeds each
+  depth's tokens: D more), and the loss one all-gather per chunk of train.loss_chunk tokens of each
+  token's fp32 log-sum-exp and target logit (loss_gathers). The MTP depths' blocks count as blocks.
+  A q/k norm over the whole projection (OLMo 2) adds, per block,
   two all-reduces of (b, s/cp) fp32 sums of squares in each forward pass and two in backward.
 - pp: one activation forward and one gradient backward per micro-batch and stage boundary
   (b s d elements, / t with sp), 2 M per chunk not at the model's ends, less the boundaries
-  between two stages of one rank (a V schedule's turn), handed over in memory.
+  between two stages of one rank (a V schedule's turn), handed over in memory; with tied
+  embeddings or MTP depths, the first and last stage's copies of the embedding sum their
+  gradients once a step (an all-reduce of two ranks, each its ZeRO shard).
 - cp (ring attention, Liu et al. 2023): K and V of every block go round the ring, C-1 hops in
   forward and again in backward, where a dK/dV buffer (fp32) follows each block and makes one hop
   more, back to its owner (parallel/context.py): 2 (C-1) K/V blocks and C fp32 dK/dV blocks; Ulysses
@@ -67,7 +71,31 @@ from fivefold.planner.memory import expert_imbalance
 from fivefold.planner.options import PlanOptions
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
-LOSS_ALL_REDUCES = 3  # per micro-batch, inside parallel/tensor.py's VocabParallelCrossEntropy
+
+
+def head_tokens(cfg: Config, local_seq: int) -> int:
+    """Tokens one micro-batch sends through the head and its loss on the last stage: the
+    micro-batch's (cp-local; with sp the head gathers the sequence first), times 1 + model.mtp_layers,
+    whose depths' hidden states go through the head in the same call (pipeline/stages.py StageChunk.losses)."""
+    return cfg.train.micro_batch * local_seq * (1 + cfg.model.mtp_layers)
+
+
+def loss_chunks(cfg: Config, local_seq: int) -> list[tuple[int, int]]:
+    """(tokens of a chunk, how many such chunks) of one micro-batch's loss (model/head.py: chunks of
+    train.loss_chunk tokens, the last one shorter; 0 or a chunk of them all: one chunk)."""
+    n, c = head_tokens(cfg, local_seq), cfg.train.loss_chunk
+    if not 0 < c < n:
+        return [(n, 1)]
+    return [(c, n // c)] + ([(n % c, 1)] if n % c else [])
+
+
+def loss_gathers(cfg: Config, local_seq: int) -> list[tuple[float, int]]:
+    """The vocabulary-parallel loss's tp collectives of one micro-batch as (bytes of one, how many),
+    as comm/collectives.py counts them: per chunk of c tokens ONE all-gather of each rank's (2, c)
+    fp32 log-sum-exps and target logits (parallel/tensor.py _gather_over), counted by its output,
+    (tp x 2 x c) fp32 values; nothing in backward (model/head.py). None at tp = 1."""
+    tp = cfg.parallel.tp
+    return [] if tp <= 1 else [(tp * 2 * c * 4.0, count) for c, count in loss_chunks(cfg, local_seq)]
 
 
 @dataclass
@@ -200,13 +228,19 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
     # tp: 2 per tp region (1 fwd + 1 bwd), +1 with full recompute; attention is a region in every
     # block, the MLP only in dense blocks (an MoE block's experts are not split by tp: without sp
     # every tp rank routes the same tokens, with sp its own, neither talks over tp); embedding fwd, head bwd.
+    # With MTP (D depths, their blocks among `blocks`) the last stage embeds each depth's tokens (D
+    # embedding calls) and its head's input is (1 + D) micro-batches of tokens wide.
     per_region = 2 + (1 if t.recompute == "full" else 0)
     regions = 2 * blocks - moe_blocks
-    out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last)))
+    depths = m.mtp_layers if last else 0
+    out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last) + 2 * depths))
+    if p.sp and depths:  # each depth's eh_proj and norms see T/tp tokens: their fp32 gradients summed over tp
+        out["tp"].add("all_reduce", (2 * m.dim * m.dim + 3 * m.dim) * 4.0, p.tp, micro * depths)
     if regather and p.sp:
         out["tp"].add("all_gather", act, p.tp, micro * regions)
-    if last:  # the vocabulary-parallel loss: each token's max, sum of exponentials and target logit (fp32)
-        out["tp"].add("all_reduce", b * local_seq * 4, p.tp, micro * LOSS_ALL_REDUCES)
+    if last:  # the vocabulary-parallel loss: per chunk one all-gather of each token's log-sum-exp and target logit
+        for nbytes, count in loss_gathers(cfg, local_seq):
+            out["tp"].add("all_gather", nbytes, p.tp, micro * count)
     fwd_passes = 2 if t.recompute == "full" else 1
     if m.norm.qk and m.norm.qk_span == "all" and not m.latent.kv_lora_rank:
         # OLMo 2's q/k norm over the whole projection, split with the heads: each token's fp32 sum of
@@ -265,6 +299,11 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
                                       options.activations == "megatron" and layout_applies(cfg.model, "megatron")))
     if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
+    if (cfg.model.tie_embeddings or cfg.model.mtp_layers) and share.first != share.last:
+        # the embedding's two copies (a tied head's, the MTP depths'), on the first and the last stage's
+        # ranks: once a step the sum of their gradients (this rank's rows; its ZeRO shard), pipeline/executor.py
+        rows = d.vocab_size * cfg.model.dim // p.tp
+        traffic["pp"].add("all_reduce", (-(-rows // n_shard) if p.zero else rows) * grad_b, 2)
     for axis, tr in traffic.items():
         # ZeRO's own collectives run over dp_shard (HSDP keeps them inside a node); DDP's over dp x cp.
         groups = "dp_shard" if axis == "dp" and p.zero else axis
@@ -328,7 +367,7 @@ def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCoun
     head's and the loss's tp collectives."""
     cfg, busiest = work.cfg, work.share.pp_rank
     per_rank = {s.pp_rank: (timed if s.pp_rank == busiest else rank_traffic(
-        cfg, s, sum(1 for b in s.blocks if counts.blocks[b].experts), work.options, d, hw, grad_b,
+        cfg, s, sum(1 for b in s.blocks if counts.block(b).experts), work.options, d, hw, grad_b,
         param_b, act_bytes)) for s in shares}
     out, rows = {}, []
     for axis in AXES:

@@ -24,6 +24,7 @@ from fivefold.model.counts import (
     attention_keys,
     block_forward_flops,
     head_forward_flops,
+    mtp_attention_keys,
 )
 from fivefold.planner.layout import RankShare
 from fivefold.planner.machine.pricing import ChunkWork
@@ -40,7 +41,8 @@ def block_keys(cfg: Config, options: PlanOptions = DEFAULT) -> list[float]:
     """Each block's mean keys per query as the step runs it (counts.attention_keys): its window, and
     documents of options.document_tokens when data.document_mask is on."""
     docs = options.document_tokens if cfg.data.document_mask else 0
-    return attention_keys(cfg.model, cfg.train.seq_len, docs)
+    m, seq = cfg.model, cfg.train.seq_len
+    return attention_keys(m, seq, docs) + mtp_attention_keys(m, seq, docs)  # the MTP depths' blocks: n_layers + k
 
 
 def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[RankShare],
@@ -53,14 +55,17 @@ def busiest_chunk(cfg: Config, d: Derived, counts: ModelCounts, shares: list[Ran
     attn_fwd = [2 * k * m.n_heads * sum(attention_head_dims(m)) / p.tp for k in keys]  # per token: 2 k H (Dqk + Dv)
     fwd_flops, moe_blocks = [], []
     for s in shares:
-        flops = sum(block_forward_flops(m, counts.blocks[blk], t.seq_len, p.tp, p.sp, keys[blk]) for blk in s.blocks)
-        if s.last:
-            flops += head_forward_flops(counts, p.tp)
+        flops = sum(block_forward_flops(m, counts.block(blk), t.seq_len, p.tp, p.sp, keys[blk]) for blk in s.blocks)
+        if s.last:  # the head, once for the main tokens and once per MTP depth's, and the depths' eh_proj
+            flops += head_forward_flops(counts, p.tp) * (1 + m.mtp_layers)
+            flops += m.mtp_layers * 2 * counts.mtp_extra_matmul // (p.tp if p.sp else 1)
         fwd_flops.append(float(flops * tokens))
-        moe_blocks.append(sum(1 for blk in s.blocks if counts.blocks[blk].experts))
+        moe_blocks.append(sum(1 for blk in s.blocks if counts.block(blk).experts))
     worst = max(range(len(shares)), key=lambda r: fwd_flops[r])
     share = shares[worst]
     return ChunkWork(cfg=cfg, share=share, chunks=chunks_per_rank(cfg), vocab=d.vocab_size, local_seq=d.local_seq_len,
                      moe_blocks=moe_blocks[worst], forward_flops=fwd_flops[worst],
                      attention_forward_flops=sum(attn_fwd[blk] for blk in share.blocks) * tokens, options=options,
-                     act_bytes=act_bytes, weight_bytes=weight_bytes)
+                     act_bytes=act_bytes, weight_bytes=weight_bytes,
+                     loss_recompute_flops=head_forward_flops(counts, p.tp) * (1 + m.mtp_layers) * tokens
+                     if share.last else 0.0)

@@ -50,7 +50,7 @@ from fivefold.config.schema import Config
 from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import ModelCounts, model_counts
 from fivefold.parallel.pipeline.stage_split import is_automatic_and_uneven, split_note
-from fivefold.planner.comm import AXES, LOSS_ALL_REDUCES, AxisTraffic, heaviest_senders, step_traffic
+from fivefold.planner.comm import AXES, AxisTraffic, heaviest_senders, loss_gathers, step_traffic
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.conventions import conventions
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
@@ -218,8 +218,9 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)  # the busiest rank's: timed
     sent, sent_rows, by_rank = heaviest_senders(work, where.shares, where.counts, traffic, d, hw, grad_b, param_b,
                                                 act_bytes)
-    # tp collectives that are autograd Functions of their own (the loss's three sit inside one)
-    tp_calls = traffic["tp"].calls - (M * LOSS_ALL_REDUCES if share.last and p.tp > 1 else 0)
+    # tp collectives that are autograd Functions of their own (the loss's all-gathers sit inside one)
+    loss_calls = sum(n for _, n in loss_gathers(cfg, d.local_seq_len)) if share.last else 0
+    tp_calls = traffic["tp"].calls - M * loss_calls
     host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
                        chunk, hw)
     busy = units * (chunk.forward_s + chunk.backward_s + host.forward_s + host.backward_s)  # one rank's compute

@@ -4,9 +4,14 @@
   model needs, however the system runs them; recomputation does not count.
 - HFU = hardware FLOPs / (step x GPUs x peak): the FLOPs the GPUs run, recomputation included (full:
   one more forward of the blocks; selective: the attention core's forward again, or under
-  torchtitan's per-op policy, PlanOptions.selective_ac, every other matmul of each block). Korthikanti et
-  al. 2022 report both; Narayanan et al. 2021's Megatron-LM figures are hardware FLOPs with full
-  recompute, F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+  torchtitan's per-op policy, PlanOptions.selective_ac, every other matmul of each block). Not the
+  loss's own recompute (model/head.py: its backward makes each chunk's logits again, one head matmul,
+  2 V d per token): like FlashAttention's backward, which makes the attention scores again and
+  which no HFU counts, it is the kernel's way to save memory, not the activation recomputation
+  HFU names; Narayanan et al.'s F, whose HFU figures the tests reproduce, has the head once
+  forward and twice backward. The step time prices it (roofline.chunk_price, ChunkWork's
+  loss_recompute_flops). Korthikanti et al. 2022 report both; Narayanan et al. 2021's Megatron-LM
+  figures are hardware FLOPs with full recompute, F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
 - causal attention in the numerator: counted in full (PaLM, Megatron: the default) or halved for the
   masked half the kernels skip (PlanOptions.causal_flops). Only the report changes: the step time
   always prices the half the kernels run (compute.py).

@@ -69,7 +69,7 @@ class RankShare:
     """What one pipeline rank holds (per tp/ep rank), in parameters."""
 
     pp_rank: int
-    blocks: list[int]  # global block indices
+    blocks: list[int]  # global block indices; on the last rank the MTP depths' too (n_layers + k)
     chunk_blocks: int  # the largest (virtual) stage on this rank, in blocks
     params: int  # parameters on this rank after tp and ep splitting
     expert_params: int  # the routed-expert part of `params`
@@ -99,18 +99,27 @@ def rank_shares(cfg: Config, counts: ModelCounts, sizes: list[int] | None = None
         blocks = [b for s in stages for b in range(starts[s], starts[s] + sizes[s])]
         first, last = 0 in stages, len(sizes) - 1 in stages
         wire = sum(1 for s in stages for n in (s - 1, s + 1) if 0 <= n < len(sizes) and stage_to_rank(cfg, n) != r)
+        n_layers = len(counts.blocks)
+        blocks += [n_layers + k for k in range(len(counts.mtp))] if last else []  # the MTP depths' blocks
         units = []
         expert, vocab = 0, 0
         for b in blocks:
-            units.append(block_rank_params(counts.blocks[b], tp, ep))
-            expert += counts.blocks[b].experts // ep
+            if b < n_layers:  # an MTP depth's block joins the head's unit (parallel/data/fsdp.py)
+                units.append(block_rank_params(counts.blocks[b], tp, ep))
+            expert += counts.block(b).experts // ep
         if first:
             units.append(counts.embedding // tp)
             vocab += units[-1]
         kept = kept_vocab = 0
-        if last:  # a tied head on another rank than the embedding keeps its own copy of the matrix
+        if last:
+            # a tied head on another rank than the embedding keeps its own copy of the matrix, and so
+            # do the MTP depths, which embed the tokens ahead (pipeline/stages.py split_stages)
             tied_copy = counts.embedding if counts.head == 0 and not first else 0
-            units.append((counts.head + tied_copy) // tp + counts.final_norm)
+            if counts.mtp and counts.head and not first:
+                units.append(counts.embedding // tp)  # its own unit, as the first stage's is
+                vocab += units[-1]
+            mtp = sum(block_rank_params(bp, tp, ep) + counts.mtp_extra for bp in counts.mtp)
+            units.append((counts.head + tied_copy) // tp + counts.final_norm + mtp)
             vocab += (counts.head + tied_copy) // tp
             if p.pp == 1:
                 tied_unit = counts.embedding // tp if counts.head == 0 and first else 0

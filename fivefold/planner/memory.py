@@ -176,8 +176,9 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_
 
     blocks: block_activation_bytes (activations.py) for one micro-batch of (micro_batch, seq/cp)
     tokens, x the blocks in flight (the rank's blocks once without a pipeline: each micro-batch's
-    backward runs before the next forward). logits: the last stage keeps its
-    (micro_batch, seq/cp, V/tp) logits and their fp32 copy for the loss, one micro-batch at a time.
+    backward runs before the next forward). logits: the last stage's loss holds one chunk of
+    train.loss_chunk tokens' (c, V/tp) logits at a time (loss_bytes), one micro-batch at a time;
+    mtp: the MTP depths' activations there (mtp_bytes).
     Under FP8 compute the linear layers' inputs are kept in 1 byte (fp8_matmul_input_elements);
     under torchtitan's per-op selective recompute a dense block keeps per_op_block_elements;
     on the busiest expert rank the routed copies' share is `expert_imbalance` x the mean's
@@ -199,9 +200,46 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_
     routed_extra = (expert_imbalance(cfg, options) - 1.0) * routed_bytes * tokens
     per_block += routed_extra
     blocks = per_block * inflight_blocks
-    logits = t.micro_batch * local_seq * (vocab / p.tp) * (act_bytes + 4) if share.last else 0.0
-    return {"blocks": blocks, "logits": logits, "per_block_microbatch": per_block, "routed_extra": routed_extra,
-            "per_micro_batch": per_block * len(share.blocks) + logits, "total": blocks + logits}
+    logits = loss_bytes(cfg, local_seq, vocab, act_bytes) if share.last else 0.0
+    mtp = mtp_bytes(cfg, local_seq, per_block, act_bytes) if share.last else 0.0
+    main_blocks = len(share.blocks) - (m.mtp_layers if share.last else 0)  # share.blocks holds the depths' too
+    return {"blocks": blocks, "logits": logits, "mtp": mtp, "per_block_microbatch": per_block,
+            "routed_extra": routed_extra, "per_micro_batch": per_block * main_blocks + logits + mtp,
+            "total": blocks + logits + mtp}
+
+
+def loss_chunk_tokens(cfg: Config, local_seq: int) -> int:
+    """Tokens whose logits exist at once: train.loss_chunk, or with 0 (or more than there are) all the
+    tokens of one micro-batch's head call (comm.head_tokens: its MTP depths' included)."""
+    n = cfg.train.micro_batch * local_seq * (1 + cfg.model.mtp_layers)
+    c = cfg.train.loss_chunk
+    return c if 0 < c < n else n
+
+
+def loss_bytes(cfg: Config, local_seq: int, vocab: int, act_bytes: float) -> float:
+    """The head and loss's peak on the last stage (model/head.py ChunkedCrossEntropy), for one chunk
+    of c = loss_chunk_tokens tokens and V/tp vocabulary columns: in forward the chunk's fp32 logits
+    and log-sum-exp's temporary beside them (ATen's logsumexp: (z - max).exp_()), 8 bytes per (c,
+    V/tp) element, more than the compute-dtype product beside its fp32 copy (a + 4); in backward
+    the recomputed fp32 softmax and its compute-dtype copy for the two matmuls (4 + a, 4 in fp32).
+    Beside them the hidden states the loss saves, (1 + D) micro-batches of tokens x dim in the
+    compute dtype (gathered over tp with sp), and two fp32 numbers per token (log-sum-exp, loss).
+    Not counted: the head weight's working copies (a V/tp x dim weight gradient)."""
+    m, p = cfg.model, cfg.parallel
+    c = loss_chunk_tokens(cfg, local_seq)
+    peak = c * (vocab / p.tp) * 8.0  # forward's two fp32 (c, V/tp) tensors: backward's 4 + a is no more
+    tokens = cfg.train.micro_batch * local_seq * (1 + m.mtp_layers)
+    return peak + tokens * (m.dim * act_bytes + 8.0)
+
+
+def mtp_bytes(cfg: Config, local_seq: int, per_block: float, act_bytes: float) -> float:
+    """The MTP depths' activations on the last stage, one micro-batch's (its forward is followed by
+    its backward there, as the logits'): per depth its block's (per_block, the main blocks' kind and
+    recompute) and per token enorm's and hnorm's inputs, rsqrt and normalised values (2d + 1 each),
+    eh_proj's input (2d) and the output norm's (2d + 1): 8d + 3 elements, T/tp tokens with sp."""
+    m, p = cfg.model, cfg.parallel
+    tokens = cfg.train.micro_batch * local_seq / (p.tp if p.sp else 1)
+    return m.mtp_layers * (per_block + tokens * (8 * m.dim + 3) * act_bytes)
 
 
 def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int, act_bytes: int,

@@ -167,8 +167,8 @@ def _moe_share(work: ChunkWork, counts: ModelCounts) -> float:
     m, t, p = work.cfg.model, work.cfg.train, work.cfg.parallel
     tokens = t.micro_batch * work.local_seq
     keys = block_keys(work.cfg, work.options)
-    moe = sum(block_forward_flops(m, counts.blocks[b], t.seq_len, p.tp, p.sp, keys[b])
-              for b in work.share.blocks if counts.blocks[b].experts)
+    moe = sum(block_forward_flops(m, counts.block(b), t.seq_len, p.tp, p.sp, keys[b])
+              for b in work.share.blocks if counts.block(b).experts)
     return min(1.0, moe * tokens / work.forward_flops) if work.forward_flops else 0.0
 
 
@@ -255,14 +255,22 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
     tied_here = counts.head == 0 and share.first  # the tied embedding shares the head's unit
     out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here, block=False)] if share.first else []
     keys = block_keys(cfg, work.options)
+    mtp_flops = mtp_params = mtp_experts = 0  # the MTP depths join the head's unit (parallel/data/fsdp.py)
     for blk in share.blocks:
-        bp = counts.blocks[blk]
-        params = block_rank_params(bp, p.tp, p.ep)
-        out.append(unit(block_forward_flops(m, bp, t.seq_len, p.tp, p.sp, keys[blk]), params, bp.experts // p.ep))
+        bp = counts.block(blk)
+        params, flops = block_rank_params(bp, p.tp, p.ep), block_forward_flops(m, bp, t.seq_len, p.tp, p.sp, keys[blk])
+        if blk >= m.n_layers:
+            mtp_flops, mtp_params, mtp_experts = (mtp_flops + flops, mtp_params + params + counts.mtp_extra,
+                                                  mtp_experts + bp.experts // p.ep)
+            continue
+        out.append(unit(flops, params, bp.experts // p.ep))
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
-        out.append(unit(head_forward_flops(counts, p.tp), (counts.head + tied_copy) // p.tp + counts.final_norm, 0,
-                        kept, block=False))
+        if counts.mtp and counts.head and not share.first:  # the MTP depths' copy of the embedding: its own unit
+            out.append(unit(0.0, counts.embedding // p.tp, 0, False, block=False))
+        head = head_forward_flops(counts, p.tp) * (1 + len(counts.mtp))
+        out.append(unit(head + mtp_flops, (counts.head + tied_copy) // p.tp + counts.final_norm + mtp_params,
+                        mtp_experts, kept, block=False))
     return out
 
 

@@ -30,6 +30,8 @@ from fivefold.planner.memory import (
     activation_bytes,
     buffer_bytes,
     expert_imbalance,
+    loss_bytes,
+    loss_chunk_tokens,
     rank_state_bytes,
     with_fp8_weights,
 )
@@ -287,8 +289,10 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int
              f"over {n_shard})", "ZeRO (Rajbhandari et al. 2020, sec. 3.1: 16 bytes/param with mixed-precision Adam)"),
             ("activations", f"{worst_acts['per_block_microbatch'] / GB:.3f} GB/block/micro-batch x "
              f"{held[worst_r]} blocks in flight + logits "
-             f"{worst_acts['logits'] / GB:.3f} GB",
+             f"{worst_acts['logits'] / GB:.3f} GB"
+             + (f" + MTP depths {worst_acts['mtp'] / GB:.3f} GB" if worst_acts["mtp"] else ""),
              "activations.py (Korthikanti 2022 method); terms.inflight_blocks")]
+    rows += loss_rows(cfg, d, act_bytes)
     if p.pp > 1:
         rows.append(("fullest rank", f"pipeline rank {worst_r} of {p.pp}: {held[worst_r]} blocks in flight "
                      f"(per rank {list(held)})"
@@ -300,6 +304,31 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int
                  f"{'fits' if memory['total'] <= hw.memory_bytes else 'does NOT fit'}",
                  hw.sources.get("memory_bytes", "profile")))
     return RankMemory(memory, fits, rows, host_node, per_rank, worst_acts, pinned * ranks_per_node)
+
+
+def loss_rows(cfg: Config, d: Derived, act_bytes: int) -> list[Row]:
+    """The explanation's rows of the last stage's loss (train.loss_chunk) and MTP depths (model.mtp_layers):
+    what the logits term is and why."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    tokens = t.micro_batch * d.local_seq_len * (1 + m.mtp_layers)
+    c, v = loss_chunk_tokens(cfg, d.local_seq_len), d.vocab_size // tp
+    chunks = -(-tokens // c)
+    said = f"loss_chunk {t.loss_chunk}" if t.loss_chunk else "loss_chunk 0 (the whole micro-batch)"
+    depths = f", x {1 + m.mtp_layers} with {m.mtp_layers} MTP depth(s)" if m.mtp_layers else ""
+    rows: list[Row] = [("loss (logits)", f"{said}: {chunks} chunk(s) of {c} tokens x {v} vocabulary columns; "
+                        f"{loss_bytes(cfg, d.local_seq_len, d.vocab_size, act_bytes) / GB:.3f} GB at its peak "
+                        f"(8 bytes per logit: fp32 logits + log-sum-exp's temporary, one chunk at a time) of "
+                        f"{tokens} tokens per micro-batch on the last stage{depths}; backward makes each chunk's "
+                        f"logits again: one more head matmul, 2 x {tokens} x {m.dim} x {v} FLOPs"
+                        + ("; tp: one all-gather of (2, c) fp32 per chunk" if tp > 1 else ""),
+                        "model/head.py (Wijmans et al. 2024, Cut Cross-Entropy: recompute in backward); "
+                        "memory.loss_bytes")]
+    if m.mtp_layers:
+        rows.append(("MTP depths", f"{m.mtp_layers} on the last stage, each a block (layer {m.n_layers} on), eh_proj "
+                     f"(2 x {m.dim} -> {m.dim}), 3 norms and the shared head once more"
+                     + (", and a copy of the embedding there (pp > 1)" if cfg.parallel.pp > 1 else ""),
+                     "DeepSeek-V3 sec. 2.2; model/transformer.py MTPLayer; memory.mtp_bytes"))
+    return rows
 
 
 def _option_rows(cfg: Config, options: PlanOptions, acts: dict[str, float], host: float, host_node: float,

@@ -16,7 +16,7 @@ no random initialisation is paid for values that are overwritten at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -145,6 +145,8 @@ def load_model(source: Source, device: torch.device | str = "cpu") -> Transforme
     """The whole model in this process, its values from `source` (a checkpoint of any layout or a seed
     directory), in eval mode. Built on the meta device: no initialisation is computed and thrown away."""
     weights, model_cfg, _, _ = open_fivefold(source.weights, source.config)
+    # Sampling runs the main model only: the MTP depths (model.mtp_layers) are neither built nor read.
+    model_cfg = replace(model_cfg, mtp_layers=0)
     check_fit(weights, model_cfg, str(source.weights))  # every tensor present with its shape, before any is read
     with torch.device("meta"):
         model = Transformer(model_cfg)

@@ -12,6 +12,7 @@ Keys of a step record (later features add keys; none is ever renamed):
 | step | optimizer steps done, 1-based |
 | epoch | training epochs completed before this step's batch was taken |
 | loss | mean token loss of the step's global batch (every token of every rank weighs the same) |
+| mtp_loss | model.mtp_layers > 0 only: the MTP depths' mean loss, each depth's token losses summed and divided by the step's trained tokens as `loss` is (the step trains loss + train.mtp_weight x mtp_loss) |
 | lr | learning rate used for the step |
 | grad_norm | global L2 norm of the summed gradient, before clipping |
 | tokens | target tokens in the global batch (padding excluded) |

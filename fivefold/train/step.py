@@ -90,16 +90,19 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
         micro = par.local_micro_batches(batch.micro_batches, run.device)
         documents = Documents.from_config(run.cfg.data, run.train_set.eod)  # None: plain causal attention
         attention = par.attention_inputs(batch.micro_batches, documents, run.device)
+        ahead = par.ahead_inputs(batch.micro_batches, run.cfg.model.mtp_layers, documents, run.device)
     run.balancing.before(run.scaler.scale)
     stats = par.pipeline.run(micro, batch.global_tokens, run.scaler.scale, autocast=run.autocast, attention=attention,
-                             clock=timer.clock.mark if mesh.size("pp") > 1 else None)
+                             clock=timer.clock.mark if mesh.size("pp") > 1 else None, ahead=ahead)
     with timer.span("optimizer"):  # unscale, clip (its norm's reductions count to their axes), step
         outcome = par.optimizer_step(lr, run.scaler, run.cfg.optim.grad_clip)
         moe = run.balancing.after(outcome.applied)
     comm = mesh.stats.snapshot()  # training traffic only: the loss reduction below is "log"
-    loss = run.reduce_loss(stats.loss.clone())  # the last stage's, else 0
+    # the last stage's (else 0) loss, and the MTP depths' (model.mtp_layers), reduced at once
+    losses = run.reduce_loss(torch.stack([stats.loss, *([] if stats.mtp_loss is None else [stats.mtp_loss])]))
     # The step's one read from the device: the logged loss and norm, and this rank's loss share (for an error).
-    loss_value, grad_norm, own_loss = torch.stack([loss, outcome.grad_norm, stats.loss]).tolist()
+    grad_norm, own_loss, loss_value, *mtp_value = torch.cat([torch.stack([outcome.grad_norm.double(), stats.loss]),
+                                                             losses]).tolist()
     applied = not outcome.overflow and math.isfinite(grad_norm)
     if not applied and not outcome.overflow and t.nonfinite == "stop":
         raise FloatingPointError(nonfinite_message(step + 1, own_loss, par.nonfinite_parameters(outcome)))
@@ -116,6 +119,8 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
                "model_state_bytes": par.memory.pop_peak()}
     if par.offload is not None:  # apart from "comm": the host link is no mesh axis
         metrics["offload"] = par.offload.stats(par.optimizer)
+    if mtp_value:  # the MTP depths' mean loss, per trained token as the main loss is (it trains times mtp_weight)
+        metrics["mtp_loss"] = mtp_value[0]
     if run.scaler.enabled:
         metrics.update(loss_scale=run.scaler.scale, skipped=not applied)
     metrics.update(moe)

@@ -141,6 +141,7 @@ class StepLog:
         self.display.update(done, m["loss"], m["tokens_per_s"])
         if printed:
             val = f"  val {val_loss:.4f}" if val_loss is not None else ""
+            val += f"  mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
             u = m.get("utilization")  # MFU, or without a peak the achieved TFLOP/s per rank
             mfu = ("" if u is None else f"  MFU {u['mfu']:.1%}" if u["mfu"] is not None
                    else f"  {u['achieved_tflops']:.3g} TFLOP/s")

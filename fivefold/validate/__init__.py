@@ -97,6 +97,7 @@ def _size_errors(cfg: Config) -> list[str]:
         "optim.warmup_steps": o.warmup_steps, "train.eval_every": t.eval_every, "train.stop_after": t.stop_after,
         "train.gc_every": t.gc_every, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay,
         "data.max_bytes": d.max_bytes, "checkpoint.every": c.every, "train.peak_tflops": t.peak_tflops,
+        "train.loss_chunk": t.loss_chunk, "model.mtp_layers": m.mtp_layers, "train.mtp_weight": t.mtp_weight,
     }
     return ([f"{key} = {value}: must be at least 1" for key, value in positive.items() if value < 1]
             + [f"{key} = {value}: must be 0 or more" for key, value in non_negative.items() if value < 0])

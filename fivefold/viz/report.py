@@ -81,9 +81,10 @@ def overview(records: list[dict[str, Any]], config: dict[str, Any]) -> str:
 def loss_section(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> str:
     """The loss curve with the layout timeline under it, and the timeline as a table."""
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    mtp = [(r["step"], r["mtp_loss"]) for r in records if "mtp_loss" in r]  # model.mtp_layers > 0
     segments = layout_segments(records, events)
-    figure = _figure(plots.loss_figure([r["step"] for r in records], [r["loss"] for r in records], val, segments),
-                     "training and validation loss over steps, and the layout of each step")
+    figure = _figure(plots.loss_figure([r["step"] for r in records], [r["loss"] for r in records], val, segments,
+                                       mtp), "training and validation loss over steps, and the layout of each step")
     if not segments:
         return figure + _absent("layout events (which layout ran at which step)")
 

@@ -50,8 +50,9 @@ def _seconds(t: float) -> str:
 
 
 def loss_figure(steps: Sequence[int], loss: Sequence[float], val: Sequence[tuple[int, float]],
-                segments: Sequence[Segment] = ()) -> str:
-    """The loss over steps; with `segments`, the layout timeline under it on the same step axis."""
+                segments: Sequence[Segment] = (), mtp: Sequence[tuple[int, float]] = ()) -> str:
+    """The loss over steps (and the MTP depths' mean loss, `mtp`); with `segments`, the layout
+    timeline under it on the same step axis."""
     fig = _figure(9, 3.4 + 0.8 * bool(segments))
     grid = fig.add_gridspec(2, 1, height_ratios=(4.2, 1), hspace=0.08) if segments else None
     ax = fig.add_subplot(grid[0] if grid is not None else 111)
@@ -59,6 +60,9 @@ def loss_figure(steps: Sequence[int], loss: Sequence[float], val: Sequence[tuple
     if val:
         ax.plot([s for s, _ in val], [v for _, v in val], "o-", color=KIND_COLOURS["I"], markersize=5,
                 label="validation loss")
+    if mtp:
+        ax.plot([s for s, _ in mtp], [v for _, v in mtp], color=KIND_COLOURS["W"], linewidth=1.0,
+                label="multi-token prediction loss (mean over depths)")
     ax.set_ylabel("mean token loss")
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)

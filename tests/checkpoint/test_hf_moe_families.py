@@ -186,11 +186,13 @@ RELEASED = {
 def test_released_configs_convert_to_their_presets(preset):
     """A preset and the conversion of its model's released config.json agree field by field (YaRN and
     DeepSeek's softmax scale included), but for what config.json does not state (DeepSeek-V3's
-    balance-loss weight, a training option)."""
+    balance-loss weight, a training option; its MTP depth, which the presets leave off)."""
     from fivefold.model.presets import PRESETS
 
     read, want = model_config_from_hf(RELEASED[preset]), PRESETS[preset]
-    assert read == dataclasses.replace(want, moe=dataclasses.replace(want.moe, aux_loss=0.0))
+    assert read.mtp_layers == RELEASED[preset].get("num_nextn_predict_layers", 0)  # DeepSeek-V3: 1
+    assert read == dataclasses.replace(want, moe=dataclasses.replace(want.moe, aux_loss=0.0),
+                                       mtp_layers=read.mtp_layers)
 
 
 # ---- DeepSeek-V3 as released: fp8 weights with block scales, a multi-token-prediction layer --------------------
@@ -208,18 +210,43 @@ def _quantize(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, tor
     return (weight / wide).to(torch.float8_e4m3fn), scale
 
 
+# The names of DeepSeek-V3's MTP layer as released (model.layers.61.* in deepseek-ai/DeepSeek-V3's
+# model.safetensors.index.json, README_WEIGHTS.md), for the toy's layer 2: its own norms and projection, the
+# copies of the embedding and head, and a MoE block of 8 experts; fp8 projections with their block scales.
+MTP_OWN = ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+           "shared_head.head.weight"]
+MTP_BLOCK = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_a_proj.weight",
+             "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+             "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
+             "mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
+             "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+             *[f"mlp.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down")]]
+MTP_NAMES = {f"model.layers.2.{n}" for n in MTP_OWN + MTP_BLOCK}
+MTP_SCALES = {n + "_scale_inv" for n in MTP_NAMES if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))}
+
+
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """A DeepSeek-V3 toy saved by transformers, then written as DeepSeek released its weights: every
-    projection fp8 with `weight_scale_inv`, quantization_config, and an MTP layer past the last block.
+    projection fp8 with `weight_scale_inv`, quantization_config, and an MTP layer past the last block
+    (its block layer 1's with every tensor reversed along its first dimension, so that it differs; its
+    norms and projection random; its embed_tokens and shared_head.head copies of the main model's).
     Beside it the same weights dequantized by transformers' own function, unquantized ("deq"): what the
-    conversion must read, and transformers' logits of it."""
+    conversion must read, and transformers' logits of it (transformers builds no MTP module)."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     root = tmp_path_factory.mktemp("released")
     hf = _random_model("DeepseekV3", DEEPSEEK)
     hf.save_pretrained(root / "saved")
     tensors = load_file(str(root / "saved" / "model.safetensors"))
+    layers = SHAPE["num_hidden_layers"]  # the MTP layer: a block plus its own norms, projection and head
+    tensors |= {f"model.layers.{layers}.{k.split('.', 3)[3]}": v.flip(0) for k, v in tensors.items()
+                if k.startswith("model.layers.1.")}
+    tensors |= {f"model.layers.{layers}.{k}": torch.randn(s) for k, s in
+                [("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("shared_head.norm.weight", (64,)),
+                 ("eh_proj.weight", (64, 128))]}
+    tensors |= {f"model.layers.{layers}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                f"model.layers.{layers}.shared_head.head.weight": tensors["lm_head.weight"].clone()}
     quantized, dequantized = {}, {}
     for name, t in tensors.items():
         if name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
@@ -228,17 +255,9 @@ def released(tmp_path_factory):
             dequantized[name] = _dequantize_fp8_weight(q, scale, BLOCK, torch.float32)
         else:
             quantized[name] = dequantized[name] = t
-    layers = SHAPE["num_hidden_layers"]  # the MTP layer: a block plus its own norms, projection and head
-    mtp = {f"model.layers.{layers}.{k.split('.', 3)[3]}": v.clone() for k, v in quantized.items()
-           if k.startswith("model.layers.1.")}
-    mtp |= {f"model.layers.{layers}.{k}": torch.randn(s) for k, s in
-            [("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("shared_head.norm.weight", (64,)),
-             ("embed_tokens.weight", (320, 64)), ("shared_head.head.weight", (320, 64))]}
-    eh, eh_scale = _quantize(torch.randn(64, 128), BLOCK)
-    mtp |= {f"model.layers.{layers}.eh_proj.weight": eh, f"model.layers.{layers}.eh_proj.weight_scale_inv": eh_scale}
-    config = json.loads((root / "saved" / "config.json").read_text())
+    config = {**json.loads((root / "saved" / "config.json").read_text()), "num_nextn_predict_layers": 1}
     for name, weights, extra in [("deq", dequantized, {}),
-                                 ("fp8", quantized | mtp, {"num_nextn_predict_layers": 1, "quantization_config": {
+                                 ("fp8", quantized, {"quantization_config": {
                                      "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": BLOCK}})]:
         (root / name).mkdir()
@@ -248,8 +267,8 @@ def released(tmp_path_factory):
     x = torch.randint(0, SHAPE["vocab_size"], (2, 16))
     with torch.no_grad():
         logits = reference(x).logits
-    return dict(root=root, x=x, logits=logits, mtp=sum(not k.endswith("_scale_inv") for k in mtp),
-                fp8=len(quantized) - len(dequantized))
+    return dict(root=root, x=x, logits=logits, fp8=len(quantized) - len(dequantized), quantized=quantized,
+                dequantized=dequantized)
 
 
 def test_released_deepseek_converts_to_the_dequantized_weights(tmp_path, released, capsys):
@@ -257,8 +276,8 @@ def test_released_deepseek_converts_to_the_dequantized_weights(tmp_path, release
     hf_to_fivefold(root / "fp8", tmp_path / "seed", max_shard_bytes=10**9)
     said = capsys.readouterr().out
     assert f"dequantized {released['fp8']} fp8 tensors (32 x 48 block scales) to float32" in said
-    assert (f"skipped {released['mtp']} tensors: model.layers.2.*, a multi-token-prediction layer "
-            f"(num_nextn_predict_layers = 1)") in said  # its fp8 scales counted with their weights
+    assert ("read model.layers.2.* as multi-token prediction (mtp.0); its 2 stored copies of the embedding and "
+            "head kept once") in said
     hf_to_fivefold(root / "deq", tmp_path / "from-deq", max_shard_bytes=10**9)
     ours, want = SafetensorsDir(tmp_path / "seed"), SafetensorsDir(tmp_path / "from-deq")
     assert ours.names() == want.names()
@@ -266,14 +285,15 @@ def test_released_deepseek_converts_to_the_dequantized_weights(tmp_path, release
         assert ours.dtype(name) == want.dtype(name) and torch.equal(ours.read(name), want.read(name)), name
     cfg = replace(tiny_config(tmp_path), model=dataclasses.asdict(HFSource(root / "fp8").model_cfg),
                   train={"global_batch": 2, "micro_batch": 1})
-    logits = run_workers(_logits, 1, cfg, [tmp_path / "seed"], released["x"])[-1][0]
-    torch.testing.assert_close(logits, released["logits"], rtol=0, atol=2e-5)  # as DeepSeek-V3 in test_hf.py
+    assert cfg.model.mtp_layers == 1  # the MTP depth loaded too, from the seed and from the fp8 directory itself
+    for logits in run_workers(_logits, 1, cfg, [tmp_path / "seed", root / "fp8"], released["x"])[-1]:
+        torch.testing.assert_close(logits, released["logits"], rtol=0, atol=2e-5)  # as DeepSeek-V3 in test_hf.py
 
     # Out again: unquantized, in the dtype asked, which transformers loads; the message says so.
     fivefold_to_hf(tmp_path / "seed", tmp_path / "back", dtype=torch.bfloat16)
     assert "written unquantized in bfloat16 (the checkpoint it came from was fp8" in capsys.readouterr().out
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 0
+    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
     back = SafetensorsDir(tmp_path / "back")
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     assert back.dtype(name) == torch.bfloat16 and torch.equal(back.read(name), want.read(

@@ -8,7 +8,16 @@ against its formula; a checkpoint written at tp2 resumed at tp1.
 """
 
 import pytest
-from helpers import BF16, GEMMA_ARGS, OLMO2_ARGS, Layout, assert_layout_reproduces, assert_reproduces, tiny_config
+from helpers import (
+    BF16,
+    GEMMA_ARGS,
+    OLMO2_ARGS,
+    Layout,
+    assert_layout_reproduces,
+    assert_reproduces,
+    loss_traffic,
+    tiny_config,
+)
 
 from fivefold.checkpoint.run_state import complete_checkpoints
 from fivefold.parallel.forked_ranks import run_workers
@@ -62,8 +71,9 @@ def test_projection_qk_norm_traffic_is_two_all_reduces_a_token_per_block_and_pas
     run_workers(_train, n, cfg)
     tp = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[0]["comm"]["tp"]
     AR = lambda nbytes: wire_bytes("all_reduce", nbytes, n)  # noqa: E731
-    plain = 4 * L * AR(B * T * d * 4) + 2 * AR(B * T * d * 4) + 3 * AR(B * T * 4) + AR(8)
-    assert tp["calls"] == 4 * L + 2 + 3 + 1 + 4 * L
+    loss_calls, loss_bytes = loss_traffic(B * T, 24, n)  # helpers.EQUIVALENCE's train.loss_chunk
+    plain = 4 * L * AR(B * T * d * 4) + 2 * AR(B * T * d * 4) + loss_bytes + AR(8)
+    assert tp["calls"] == 4 * L + 2 + loss_calls + 1 + 4 * L
     assert tp["wire_bytes"] == plain + 4 * L * AR(B * T * 4)
     # The planner's figure: all of it but the gradient norm's sum (planner/terms.py's step sync).
     planned = activation_traffic(cfg, L, 0, True, True, T, 1, 4, 0)["tp"]

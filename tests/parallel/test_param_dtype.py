@@ -35,7 +35,7 @@ def _cast_reference(rank, world, cfg, ranks, per_rank_first=True):
     from torch.func import functional_call
 
     from fivefold.data.batches import rank_slice
-    from fivefold.model.transformer import cross_entropy_sum
+    from fivefold.model.head import VocabSplit, token_losses
     from fivefold.parallel.optimizer import build_optimizer, set_lr
     from fivefold.train.loop import build_datasets
     from fivefold.train.lr_schedule import lr_at
@@ -61,9 +61,12 @@ def _cast_reference(rank, world, cfg, ranks, per_rank_first=True):
             for x, y in batch.micro_batches:
                 weights = {name: p.to(torch.bfloat16) for name, p in model.named_parameters()}
                 with autocast(t, "cpu"):  # the run's (none in fp32)
-                    logits = functional_call(model, weights, (x,))
-                    # fivefold leaves the padding ids (257..319) out of the softmax, as the oracles do
-                    loss = cross_entropy_sum(logits[..., :257], y) / batch.global_tokens
+                    h = functional_call(model, weights, (x,), {"logits": False})  # (B, T, dim) after the final norm
+                    # the run's loss: train.loss_chunk tokens' logits at a time; fivefold leaves the
+                    # padding ids (257..319) out of the softmax, as the oracles do
+                    split = VocabSplit(limit=257)
+                    losses_ = token_losses(h, weights["output.weight"], y, t.loss_chunk, split)
+                    loss = losses_.sum() / batch.global_tokens
                 loss.backward()
                 grads[-1].append([p.grad for p in params])
                 opt.zero_grad(set_to_none=True)

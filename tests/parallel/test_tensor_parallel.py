@@ -9,6 +9,7 @@ from helpers import (
     TIED_ARGS,
     Layout,
     assert_row,
+    loss_traffic,
     mesh_of,
     parallelized,
     tiny_config,
@@ -16,6 +17,7 @@ from helpers import (
 )
 
 from fivefold.data.resolve import unpadded_vocab
+from fivefold.model.head import OutputHead, VocabSplit
 from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.mesh import Mesh
@@ -23,8 +25,8 @@ from fivefold.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    VocabParallelHead,
     enter_tensor_parallel_region,
-    vocab_parallel_cross_entropy,
 )
 
 
@@ -55,17 +57,18 @@ def test_column_and_row_parallel_match_the_unsharded_layers(world, sp):
 
 
 def _vocab(rank, world, sp):
-    """Vocabulary-parallel embedding and head with the vocab-parallel loss, against the unsharded."""
+    """Vocabulary-parallel embedding and head with the vocab-parallel loss in chunks of 3 tokens (8 in
+    all: an uneven last chunk), against torch's cross-entropy over the unsharded logits."""
     group = mesh_of(tp=world).group("tp")
     torch.manual_seed(0)
-    emb, head = torch.nn.Embedding(12, 8), torch.nn.Linear(8, 12, bias=False)
+    emb, head = torch.nn.Embedding(12, 8), OutputHead(8, 12)
     tokens, targets = torch.randint(0, 12, (2, 4)), torch.randint(0, 12, (2, 4))
     targets[0, 0] = -100  # padding counts nothing
     loss_ref = cross_entropy_sum(head(emb(tokens)), targets)
     loss_ref.backward()
-    pemb, phead = VocabParallelEmbedding(emb, group, sp), ColumnParallelLinear(head, group, sp, enter_region=True)
+    pemb, phead = VocabParallelEmbedding(emb, group, sp), VocabParallelHead(head, group, sp, 12)
     logits = phead(pemb(tokens))  # (2, 4, 12/tp)
-    loss = vocab_parallel_cross_entropy(logits, targets, group)
+    loss = phead(pemb(tokens), targets, chunk=3).sum()  # with sp it gathers the sequence: targets are whole rows
     loss.backward()
     return (logits.shape[-1], float(loss), float(loss_ref), (pemb.weight.grad, emb.weight.grad.chunk(world, 0)[rank]),
             (phead.weight.grad, head.weight.grad.chunk(world, 0)[rank]))
@@ -204,69 +207,80 @@ def test_tensor_parallel_traffic_matches_the_theory(tmp_path, sp):
 
     n, L, B, T, d = 2, 8, 8, 32, 64
     cfg = tiny_config(tmp_path, "--train.steps=1", "--data.max_bytes=20000", "--data.val_fraction=0.0",
-                      "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}", "--train.micro_batch=8")
+                      "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}", "--train.micro_batch=8",
+                      "--train.loss_chunk=24")
     run_workers(train_and_gather, n, cfg)
     tp = read_metrics(tmp_path / "tiny" / "metrics.jsonl")[0]["comm"]["tp"]
     S = B * T * d * 4  # one (B, T, dim) fp32 activation
     AR = lambda nbytes: wire_bytes("all_reduce", nbytes, n)  # noqa: E731
+    # The loss: per chunk of train.loss_chunk tokens (B T = 256 in chunks of 24: 10 of 24, one of 16),
+    # one all-gather of each token's log-sum-exp and target logit (fp32) from every rank.
+    chunks, loss = loss_traffic(B * T, 24, n)
     # Per block, one all-reduce in forward for attention and one for the MLP, and their conjugates in
-    # backward; the embedding's forward sum and the head's backward sum; the loss's max, sum of
-    # exponentials and target logit over (B, T); the gradient norm's fp64 sum of squares.
-    expected = 4 * L * AR(S) + AR(S) + AR(S) + 3 * AR(B * T * 4) + AR(8)
+    # backward; the embedding's forward sum and the head's backward sum; the gradient norm's fp64 sum
+    # of squares.
+    expected = 4 * L * AR(S) + AR(S) + AR(S) + loss + AR(8)
     if not sp:
-        assert tp["calls"] == 4 * L + 2 + 3 + 1
+        assert tp["calls"] == 4 * L + 2 + chunks + 1
     else:
         # Each all-reduce becomes an all-gather plus a reduce-scatter of the same bytes; norm weights
         # (2 per block and the final one) then saw T/tp tokens each and sum their gradients.
         expected += (2 * L + 1) * AR(4 * d)
-        assert tp["calls"] == 8 * L + 2 + 2 + 3 + 1 + (2 * L + 1)
+        assert tp["calls"] == 8 * L + 2 + 2 + chunks + 1 + (2 * L + 1)
     assert tp["wire_bytes"] == expected
 
 
-def _no_full_vocabulary_tensor(rank, world, cfg):
-    """Record every tensor an op creates during a training step: none may span the whole vocabulary."""
+def _logit_tensors(rank, world, cfg):
+    """Every tensor an op creates during a training step of 64 tokens whose last dim spans a rank's
+    vocabulary or more (logits, their softmax and gradient): (widest, most tokens) of them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-
-    widest = []
+    seen = []
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.ndim == 3:
-                    widest.append(t.shape[-1])
+            for t in [] if func.is_view else out if isinstance(out, (tuple, list)) else [out]:  # (not W^T)
+                if isinstance(t, torch.Tensor) and t.ndim > 1 and t.shape[-1] >= 320 // world:
+                    seen.append((t.shape[-1], t.numel() // t.shape[-1]))
             return out
 
     par = parallelized(cfg, world)
     x = torch.randint(0, 320, (2, 32))
     with Watch():
         par.pipeline.run([(x, x)], global_tokens=64)
-    return max(widest)
+    return max(w for w, _ in seen), max(n for _, n in seen)
 
 
-def test_no_rank_forms_logits_over_the_whole_vocabulary(tmp_path):
-    cfg = tiny_config(tmp_path, "--parallel.tp=2", "--train.global_batch=2", "--train.micro_batch=2")
-    assert run_workers(_no_full_vocabulary_tensor, 2, cfg) == [160, 160]  # V / tp, never V = 320
+@pytest.mark.parametrize("tp,chunk", [(1, 24), (2, 0), (2, 24)])
+def test_no_rank_forms_logits_over_the_whole_vocabulary_or_micro_batch(tmp_path, tp, chunk):
+    """Under tp a rank's logits are V / tp wide, never V = 320; with train.loss_chunk, the logits of
+    no more than `chunk` of the micro-batch's 64 tokens exist at once (0: all of them)."""
+    cfg = tiny_config(tmp_path, f"--parallel.tp={tp}", "--train.global_batch=2", "--train.micro_batch=2",
+                      f"--train.loss_chunk={chunk}")
+    assert run_workers(_logit_tensors, tp, cfg) == [(320 // tp, chunk or 64)] * tp
 
 
 def _padding_masked(rank, world):
     group = mesh_of(tp=world).group("tp")
     torch.manual_seed(0)
-    logits = torch.randn(2, 4, 12)  # 10 real ids, 2 padding ids (the vocabulary padded to divide by tp)
+    head, h = OutputHead(8, 12), torch.randn(2, 4, 8)  # 10 real ids, 2 padding ids (padded to divide by tp)
     targets = torch.randint(0, 10, (2, 4))
-    local = logits.chunk(world, -1)[rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets, group, vocab_limit=10)
+    if world > 1:
+        head = VocabParallelHead(head, group, False, vocab_limit=10)
+    else:
+        head.split = VocabSplit(limit=10)
+    loss = head(h, targets, chunk=3).sum()
     loss.backward()
-    return float(loss), local.grad
+    return float(loss), head.weight.grad
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_padding_ids_are_masked_out_of_the_loss(world):
     torch.manual_seed(0)
-    logits = torch.randn(2, 4, 12)
+    head, h = OutputHead(8, 12), torch.randn(2, 4, 8)
     targets = torch.randint(0, 10, (2, 4))
-    expected = cross_entropy_sum(logits[..., :10], targets)  # the loss over the real vocabulary only
+    expected = cross_entropy_sum(head(h)[..., :10], targets)  # the loss over the real vocabulary only
     results = run_workers(_padding_masked, world)
     assert results[0][0] == pytest.approx(float(expected), rel=1e-6)
-    assert torch.equal(results[-1][1][..., -2:], torch.zeros(2, 4, 2))  # padding columns learn nothing
+    assert torch.equal(results[-1][1][-2:], torch.zeros(2, 8))  # padding rows of the head learn nothing

@@ -49,15 +49,17 @@ def test_tensor_parallel_wire_tensors_and_shards():
     """Megatron's tp (Shoeybi et al. 2019; sp as Korthikanti et al. 2022, an all-gather and a
     reduce-scatter for each all-reduce): the heaviest sender (the last stage, with the head and
     loss) runs per micro-batch 2 all-reduce-equivalents per region (forward, backward) over 2 regions
-    of each of its 4 blocks, 1 for the head, and the loss's 3 of fp32 scalars per token. Tensors:
-    b s h x 2 bytes each; on the wire a ring sends 2 (t-1)/t of each; a rank's shard is 1/t."""
+    of each of its 4 blocks, 1 for the head, and the loss's one all-gather per chunk of 1,024 tokens
+    (train.loss_chunk) of each rank's 2 fp32 numbers per token. Tensors: b s h x 2 bytes each, the
+    gather's whole output; on the wire a ring sends 2 (t-1)/t of each all-reduce and (t-1)/t of each
+    all-gather; a rank's shard is 1/t."""
     cfg, world, est = _gpt(4, 4)
     c, M = est.conventions, 64
     act = 2048 * 4096 * 2
-    tensors = M * ((2 * 2 * 4 + 1) * act + 3 * 2048 * 4)
-    assert c["tp_message_bytes_per_step"] == pytest.approx(tensors)
-    assert c["tp_wire_bytes_per_step"] == pytest.approx(2 * 3 / 4 * tensors) == est.comm["tp"].bytes
-    assert c["tp_shard_bytes_per_step"] == pytest.approx(tensors / 4)
+    regions, loss = M * (2 * 2 * 4 + 1) * act, M * 2 * (4 * 2 * 1024 * 4)
+    assert c["tp_message_bytes_per_step"] == pytest.approx(regions + loss)
+    assert c["tp_wire_bytes_per_step"] == pytest.approx(2 * 3 / 4 * regions + 3 / 4 * loss) == est.comm["tp"].bytes
+    assert c["tp_shard_bytes_per_step"] == pytest.approx((regions + loss) / 4)
 
 
 def test_hfu_as_korthikanti_counts_selective_recompute():
@@ -85,7 +87,9 @@ def test_activation_bytes_per_micro_batch_and_in_flight():
     _, _, flat = _gpt(4, 1, batch=16)
     c = flat.conventions
     per_block = c["activation_bytes_per_block_micro_batch"]
-    logits = 2048 * (V / 4) * (2 + 4)  # bf16 logits and their fp32 copy, over V / tp
+    # the loss's peak: a chunk of 1,024 tokens' fp32 logits and log-sum-exp's temporary over V / tp, beside
+    # the micro-batch's saved hidden states (gathered over tp) and 2 fp32 numbers per token
+    logits = 1024 * (V / 4) * 8 + 2048 * (H * 2 + 8)
     assert c["activation_bytes_per_micro_batch"] == pytest.approx(per_block * L + logits)
     assert c["activation_bytes_in_flight"] == pytest.approx(c["activation_bytes_per_micro_batch"])
     _, _, piped = _gpt(4, 4)

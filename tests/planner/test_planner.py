@@ -18,7 +18,7 @@ from fivefold.config.load import load_config, replace
 from fivefold.model.counts import count_on_meta, model_counts
 from fivefold.model.presets import PRESETS
 from fivefold.parallel.comm.collectives import wire_bytes
-from fivefold.planner.comm import LOSS_ALL_REDUCES, dp_traffic
+from fivefold.planner.comm import dp_traffic
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import CATALOG, GB, get_hardware
 from fivefold.planner.memory import BytesPerParam, largest_fitting_model, model_state_bytes
@@ -155,10 +155,11 @@ def test_axes_inside_or_across_nodes():
     est = estimate(cfg, 64, get_hardware("h100"))
     assert not est.comm["tp"].inter_node and est.comm["dp"].inter_node and est.comm["pp"].inter_node
     # tp traffic: 4 all-reduces per block and micro-batch of (b, s, d) bf16, each 2(t-1)/t on the wire: 8 b s h (t-1)/t;
-    # the busiest rank holds the head (one more) and the vocabulary-parallel loss (3 of (b, s) fp32)
+    # the busiest rank holds the head (one more) and the vocabulary-parallel loss: 4 chunks of 1,024
+    # tokens (train.loss_chunk), each one all-gather of (tp, 2, 1024) fp32
     per_block = 4 * wire_bytes("all_reduce", 1 * 4096 * 8192 * 2, 8)
     micro, blocks = 64 // 2, 80 // 4
-    ends = wire_bytes("all_reduce", 4096 * 8192 * 2, 8) + LOSS_ALL_REDUCES * wire_bytes("all_reduce", 4096 * 4, 8)
+    ends = wire_bytes("all_reduce", 4096 * 8192 * 2, 8) + 4 * wire_bytes("all_gather", 8 * 2 * 1024 * 4, 8)
     assert est.comm["tp"].bytes == pytest.approx(micro * (blocks * per_block + ends))
 
 

@@ -19,7 +19,7 @@ from fivefold.planner.calibration.opcount import block_tally, ends_tally
 from fivefold.planner.calibration.overheads import host_costs
 from fivefold.planner.calibration.pricer import MeasuredPricer
 from fivefold.planner.calibration.profile import MeasuredProfile
-from fivefold.planner.comm import LOSS_ALL_REDUCES, AxisTraffic, activation_traffic, time_of
+from fivefold.planner.comm import AxisTraffic, activation_traffic, loss_gathers, time_of
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware, load_profile, profile_toml
 
@@ -44,9 +44,9 @@ def test_traces_count_module_calls_and_python_functions():
     assert fwd.functions == 0
     fwd, _ = ends_tally(TINY, 320, 1, 2, 32, True, True)
     assert fwd.modules == 3  # embedding, final norm, head
-    assert fwd.functions == 0  # at tp = 1 the loss is torch's fused cross entropy, no custom Function
+    assert fwd.functions == 1  # the chunked loss (model/head.py ChunkedCrossEntropy), one Function at any tp
     fwd, _ = ends_tally(TINY, 320, 2, 2, 32, True, True)
-    assert fwd.functions == 1  # the vocabulary-parallel loss, the Function training runs under tp
+    assert fwd.functions == 1  # the same Function, its gather over tp inside it
 
 
 def test_host_costs_are_counts_times_profile_figures(tmp_path):
@@ -99,14 +99,29 @@ def test_per_collective_latency_prices_each_op_at_its_own_alpha():
     assert time_of(t, dataclasses.replace(hw, collective_alpha=())) == pytest.approx(11 * 1.0)  # one alpha for all
 
 
-def test_tensor_parallel_traffic_counts_the_loss_all_reduces(tmp_path):
+def test_tensor_parallel_traffic_counts_the_loss_gathers(tmp_path):
+    """The vocabulary-parallel loss: one all-gather per chunk of (2, c) fp32 values per rank, counted
+    by its output, (tp, 2, c): here one chunk of the micro-batch's 2 x 32 tokens (loss_chunk 1024)."""
     cfg = tiny_config(tmp_path, "--parallel.tp=2")
+    assert loss_gathers(cfg, 32) == [(2 * 2 * 64 * 4, 1)]
     tp = activation_traffic(cfg, 8, 0, True, True, 32, 4, 4, 0)["tp"]
-    per_micro = 4 * 8 + 2 + LOSS_ALL_REDUCES
+    per_micro = 4 * 8 + 2 + 1
     assert tp.calls == 4 * per_micro
     act = 2 * 32 * 64 * 4
     assert tp.bytes == pytest.approx(4 * ((4 * 8 + 2) * wire_bytes("all_reduce", act, 2)
-                                          + LOSS_ALL_REDUCES * wire_bytes("all_reduce", 2 * 32 * 4, 2)))
+                                          + wire_bytes("all_gather", 2 * 2 * 64 * 4, 2)))
+
+
+@pytest.mark.parametrize("chunk,mtp,expected", [
+    (0, 0, [(2 * 2 * 64 * 4, 1)]),  # the whole micro-batch: one gather
+    (16, 0, [(2 * 2 * 16 * 4, 4)]),  # 64 tokens in 4 chunks
+    (24, 0, [(2 * 2 * 24 * 4, 2), (2 * 2 * 16 * 4, 1)]),  # the last chunk shorter
+    (48, 1, [(2 * 2 * 48 * 4, 2), (2 * 2 * 32 * 4, 1)]),  # an MTP depth doubles the head's tokens: 128
+])
+def test_loss_gathers_follow_the_chunks(tmp_path, chunk, mtp, expected):
+    cfg = tiny_config(tmp_path, "--parallel.tp=2", f"--train.loss_chunk={chunk}", f"--model.mtp_layers={mtp}")
+    assert loss_gathers(cfg, 32) == expected
+    assert loss_gathers(tiny_config(tmp_path, f"--train.loss_chunk={chunk}"), 32) == []  # tp = 1: no collective
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -117,7 +132,7 @@ def test_moe_blocks_are_one_tp_region_and_sp_routes_a_tp_rank_s_tokens(tmp_path,
     cfg = tiny_config(tmp_path, "--model.preset=tiny-moe", "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}",
                       "--parallel.ep=2")
     out = activation_traffic(cfg, 8, 8, True, True, 32, 4, 4, 0)
-    assert out["tp"].calls == 4 * (2 * 8 + 2 + LOSS_ALL_REDUCES)  # attention only: experts are not tp-split
+    assert out["tp"].calls == 4 * (2 * 8 + 2 + 1)  # attention only: experts are not tp-split; the loss's gather
     copies = 2 * 32 * cfg.model.moe.top_k * cfg.model.dim * 4 / (2 if sp else 1)  # with sp each tp rank its own half
     assert out["ep"].bytes == pytest.approx(4 * 8 * 4 * wire_bytes("all_to_all", copies, 2))
 

@@ -76,7 +76,8 @@ def test_tp_overlap_against_hand_arithmetic():
     dim, heads, kv, hd, ffn, vocab = 4096, 32, 8, 128, 14336, 128256
     act = tokens * dim * 2  # one (b, s, d) bf16 activation
     c1 = _ring("all_reduce", act, n, hw)  # one region's collective (sp's all-gather + reduce-scatter: the same)
-    loss = _ring("all_reduce", tokens * 4, n, hw)  # each of the vocabulary-parallel loss's three fp32 reductions
+    # the vocabulary-parallel loss: per chunk of 1,024 tokens (train.loss_chunk) one all-gather of (tp, 2, c) fp32
+    loss = 4 * _ring("all_gather", n * 2 * 1024 * 4, n, hw)
     per_flop_f, per_flop_b = chunk.forward_s / work.forward_flops, chunk.backward_s / work.forward_flops
     attention = 2 * (dim * heads * hd + 2 * dim * kv * hd + heads * hd * dim) / n * tokens  # wq, wk, wv, wo
     mlp = 2 * 3 * dim * ffn / n * tokens  # gate, up, down
@@ -87,10 +88,10 @@ def test_tp_overlap_against_hand_arithmetic():
 
     blocks = L * (e(c1, attention * per_flop_f) + e(c1, attention * per_flop_b)
                   + e(c1, mlp * per_flop_f) + e(c1, mlp * per_flop_b))
-    expected = M * (blocks + e(c1, head * per_flop_b) + c1 + 3 * loss)  # the embedding and the loss: exposed
+    expected = M * (blocks + e(c1, head * per_flop_b) + c1 + loss)  # the embedding and the loss: exposed
     tp = est.overlaps["tp_overlap"]
     assert tp.traffic_s == pytest.approx(est.comm["tp"].time_s)
-    assert tp.traffic_s == pytest.approx(M * ((4 * L + 2) * c1 + 3 * loss))
+    assert tp.traffic_s == pytest.approx(M * ((4 * L + 2) * c1 + loss))
     assert tp.exposed_s == pytest.approx(expected)
     assert c1 - attention * per_flop_f / 2 > c1 / 2 and mlp * per_flop_b > c1  # both branches were taken
     off = estimate(cfg, 2, hw)
@@ -109,9 +110,9 @@ def test_tp_overlap_hides_all_but_one_piece_when_compute_is_rich(recompute, per_
     cfg = _llama(2, "--parallel.tp=2", "--train.global_batch=2", f"--train.recompute=\"{recompute}\"")
     est = estimate(cfg, 2, SLOW_COMPUTE, options=PlanOptions(tp_overlap=True))
     c1 = _ring("all_reduce", 4096 * 4096 * 2, 2, SLOW_COMPUTE)
-    loss = _ring("all_reduce", 4096 * 4, 2, SLOW_COMPUTE)
+    loss = 4 * _ring("all_gather", 2 * 2 * 1024 * 4, 2, SLOW_COMPUTE)  # 4 chunks of 1,024 tokens: one gather each
     overlappable = 2 * (2 * per_region * 32 + 1) * c1  # 2 micro-batches: 2 regions per block, the head's
-    assert est.overlaps["tp_overlap"].exposed_s == pytest.approx(overlappable / 2 + 2 * (c1 + 3 * loss))
+    assert est.overlaps["tp_overlap"].exposed_s == pytest.approx(overlappable / 2 + 2 * (c1 + loss))
 
 
 # ---- zero3_prefetch: parallel/data/fsdp.py gathers one unit ahead ----

@@ -94,9 +94,14 @@ def _train(rank, world, cfg):
     (4, ("--parallel.zero=2", "--parallel.dp_replicate=2", "--train.micro_batch=1")),
     (4, ("--parallel.zero=3", "--parallel.dp_replicate=2", "--train.micro_batch=1")),
     (2, ("--parallel.pp=2", "--parallel.pp_schedule=zb_v", "--parallel.virtual_stages=2", "--train.micro_batch=1")),
-    (4, ("--parallel.pp=4", "--train.micro_batch=1"))],
+    (4, ("--parallel.pp=4", "--train.micro_batch=1")),
+    # an MTP depth: its block's tp regions, its embedding and the head's (1 + D) tokens, its eh_proj's gradient
+    # summed over tp under sp, the loss's gathers in 3 chunks of 48 of the head's 128 tokens; and on a pipeline's
+    # last stage with the embedding's copy (model state) and its gradient summed with the first stage's
+    (2, ("--parallel.tp=2", "--parallel.sp=true", "--model.mtp_layers=1", "--train.loss_chunk=48")),
+    (2, ("--parallel.pp=2", "--model.mtp_layers=1"))],
     ids=["dp2", "dp2-zero1", "tp2", "tp2-sp-overlap", "zero3-fp8-gather", "pp2", "cp2", "cp2-zero1", "hsdp2x2-zero2",
-         "hsdp2x2-zero3", "pp2-zb_v", "pp4"])
+         "hsdp2x2-zero3", "pp2-zb_v", "pp4", "tp2-sp-mtp-chunks", "pp2-mtp"])
 def test_the_logged_prediction_matches_a_real_run(tmp_path, world, layout):
     """`fivefold train` logs the planner's prediction beside what it measures: model-state bytes
     and every axis's wire bytes agree within 5% (the self-check)."""

@@ -17,7 +17,7 @@ from fivefold.validate import validate
 
 OOM_AT = 2  # 0-based: the third step runs out, after the checkpoint of step 2 (checkpoint.every = 2)
 ARGS = ("--data.max_bytes=20000", "--train.steps=5", "--checkpoint.every=2", "--data.val_fraction=0.0")
-# The planner's peak for the tiny model on one rank is 8.06 MiB (micro_batch 2, no recompute);
+# The planner's peak for the tiny model on one rank is 8.08 MiB (micro_batch 2, no recompute);
 # micro_batch 1 needs 6.85, full recompute 5.92: each alone fits in 7 MiB, and the planner prices
 # full recompute faster (one more forward, against twice the micro-batches' per-pass host time).
 CAPACITY = 7 * 2**20
@@ -73,7 +73,7 @@ def test_injected_oom_writes_its_snapshot_and_one_line(tmp_path):
     facts = report["fivefold_oom"]
     assert (facts["rank"], facts["step"], facts["capacity_bytes"]) == (0, 3, CAPACITY)
     assert facts["demand_bytes"] == CAPACITY  # on a CPU no held bytes are known: at least what it ran out of
-    assert round(facts["predicted_peak_bytes"] / 2**20, 2) == 8.06
+    assert round(facts["predicted_peak_bytes"] / 2**20, 2) == 8.08
     assert facts["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB"
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".")]  # no temporary file left
     # The checkpoint of step 2 is complete and the only one: nothing of step 3 was written.
@@ -142,10 +142,10 @@ def test_the_command_ends_with_the_line_and_no_traceback(tmp_path):
 
 
 def test_a_planner_that_under_predicted_scales_its_figures(tmp_path):
-    """The tiny model's 8.06 MiB on a 9 MiB device that ran out: what the step wanted (here 9.5 MiB:
-    PyTorch's held bytes plus the failed request, on CUDA) says the planner under-predicts by 9.5 / 8.06,
+    """The tiny model's 8.08 MiB on a 9 MiB device that ran out: what the step wanted (here 9.5 MiB:
+    PyTorch's held bytes plus the failed request, on CUDA) says the planner under-predicts by 9.5 / 8.08,
     so a change must fit with its peak scaled alike: full recompute (5.92), not selective (8.05),
-    which the bare prediction would take (it predicts less than 8.06 and is faster)."""
+    which the bare prediction would take (it predicts less than 8.08 and is faster)."""
     cfg, hw, mib = tiny_config(tmp_path), pricing_hardware(tiny_config(tmp_path)), 2**20
     peak = oom.predicted_peak(cfg, 1, 0, "cpu")
     assert oom.cheapest_change(cfg, 1, hw, "cpu", 9 * mib, peak, 9 * mib)[0] == ["--train.recompute=selective"]

@@ -26,9 +26,14 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
   loads only when model.moe.bias_update > 0: a converted config sets DeepSeek-V3's 0.001 (report
   sec. 4.2, gamma). On the way out an absent bias is written as zeros, always in fp32 (transformers
   keeps it in fp32).
-- Multi-token prediction: the layers past num_hidden_layers (num_nextn_predict_layers of them) are
-  not read (fivefold has no MTP module), and `fivefold convert` says which; the way out writes
-  num_nextn_predict_layers = 0.
+- Multi-token prediction (report sec. 2.2; DeepSeek's README_WEIGHTS.md): the num_nextn_predict_layers
+  layers past num_hidden_layers are model.mtp_layers depths (model/transformer.py MTPLayer): depth k is
+  `model.layers.{N + k}`, with enorm, hnorm, eh_proj (fp8 in the release, dequantized as the rest),
+  shared_head.norm (fivefold's mtp.{k}.norm) and a block named as every other. Each such layer also stores
+  embed_tokens and shared_head.head, which README_WEIGHTS.md says are the main model's embedding and head:
+  import checks they are (HFSource.copy_problems) and keeps one of each, export writes them back as
+  copies. transformers 5.23 builds no MTP module (its DeepSeek-V3 runs num_hidden_layers blocks) and
+  ignores these tensors on load.
 - As released (deepseek-ai/DeepSeek-V3, and Kimi K2: the same architecture, other sizes, n_group 1) the
   weights are fp8 with 128 x 128 block scales: HFSource reads them dequantized (checkpoint/dequant.py).
 - A model with latent attention (model.latent.kv_lora_rank > 0) is written as DeepSeek-V3.
@@ -39,7 +44,6 @@ Checked against transformers 5.23's models/deepseek_v3 (random-weight logits in 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
@@ -64,6 +68,9 @@ BLOCK = {  # per block: fivefold name -> HF name
     "ffn.shared.up.weight": "mlp.shared_experts.up_proj.weight",
     "ffn.shared.down.weight": "mlp.shared_experts.down_proj.weight",
 }
+MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+       "norm.weight": "shared_head.norm.weight"}  # per MTP depth, beside its block: fivefold name -> HF name
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 EXPERTS = {"ffn.experts.gate": "mlp.experts.{e}.gate_proj.weight", "ffn.experts.up": "mlp.experts.{e}.up_proj.weight",
            "ffn.experts.down": "mlp.experts.{e}.down_proj.weight"}
 REQUIRED = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim",
@@ -92,10 +99,19 @@ def config_problems(hf: dict) -> list[str]:
     for key in ("n_group", "topk_group"):
         if not isinstance(_get(hf, key), int):
             problems.append(f"{key} = {_get(hf, key)!r}: an integer (1 = no group limit)")
+    depths = mtp_depths(hf)
+    if not isinstance(depths, int) or depths < 0:
+        problems.append(f"num_nextn_predict_layers = {depths!r}: a whole number of multi-token-prediction layers")
     for key, fine in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if hf.get(key, fine) != fine:
             problems.append(f"{key} = {hf[key]!r}: DeepSeek-V3 (and transformers) computes {key} = {fine!r}")
     return problems
+
+
+def mtp_depths(hf: dict) -> Any:
+    """num_nextn_predict_layers (transformers also reads it as num_mtp_layers); 0 when config.json has neither
+    (DeepSeek's and Kimi K2's state it; a file without one holds no MTP layer)."""
+    return hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
 
 
 def read(hf: dict, problems: list[str]) -> dict[str, Any]:
@@ -120,7 +136,7 @@ def read(hf: dict, problems: list[str]) -> dict[str, Any]:
         "dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "n_heads": heads, "n_kv_heads": heads,
         "ffn_dim": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "norm.eps": _get(hf, "rms_norm_eps"),
-        "init_std": hf.get("initializer_range", 0.02),
+        "init_std": hf.get("initializer_range", 0.02), "mtp_layers": mtp_depths(hf),
         "attention.scale": softmax_scale(hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], RopeConfig(**rope)),
         **part("rope", rope), **part("latent", latent),
         **(part("moe", moe) if dense < hf["num_hidden_layers"] else {})}  # every block dense: no experts
@@ -164,7 +180,7 @@ def write(m: ModelConfig, base: dict) -> dict:
                 n_routed_experts=moe.n_experts, num_experts_per_tok=moe.top_k, n_shared_experts=moe.n_shared_experts,
                 first_k_dense_replace=moe.first_dense_layers, norm_topk_prob=moe.norm_topk,
                 n_group=moe.n_groups if grouped else 1, topk_group=moe.topk_groups if grouped else 1,
-                routed_scaling_factor=moe.routed_scale, num_nextn_predict_layers=0,
+                routed_scaling_factor=moe.routed_scale, num_nextn_predict_layers=m.mtp_layers,
                 rope_interleave=bool(_get(base, "rope_interleave")), **rope_to_hf(m.rope, base))
 
 
@@ -184,19 +200,10 @@ def rope_rows(name: str, m: ModelConfig, hf: dict) -> torch.Tensor | None:
     return None
 
 
-def mtp_layer(name: str, hf: dict) -> str:
-    """For a tensor of the multi-token-prediction layers, which follow the num_hidden_layers blocks: which
-    layer, and why it is not read; "" for every other tensor."""
-    match = re.match(r"model\.layers\.(\d+)\.", name)
-    if match is None or int(match.group(1)) < hf["num_hidden_layers"]:
-        return ""
-    return (f"model.layers.{match.group(1)}.*, a multi-token-prediction layer (num_nextn_predict_layers = "
-            f"{hf.get('num_nextn_predict_layers', '?')}): fivefold builds no MTP module, the model trains without it")
-
-
 FAMILY = Family(title="DeepSeek-V3", architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", block=BLOCK,
-                read=read, write=write, experts=EXPERTS, required=REQUIRED, rows=rope_rows, skips=mtp_layer,
+                read=read, write=write, experts=EXPERTS, required=REQUIRED, rows=rope_rows, mtp=MTP,
+                mtp_copies=MTP_COPIES,
                 computes={"latent.kv_lora_rank": ANY, "moe.n_experts": ANY, "moe.n_shared_experts": ANY,
                           "moe.first_dense_layers": ANY, "moe.router_score": ("sigmoid",), "moe.norm_topk": ANY,
-                          "moe.n_groups": ANY, "moe.routed_scale": ANY, "attention.scale": ANY},
+                          "moe.n_groups": ANY, "moe.routed_scale": ANY, "attention.scale": ANY, "mtp_layers": ANY},
                 export_checks=export_checks)

@@ -47,6 +47,7 @@ PLAIN: dict[str, tuple | None] = {
     "norm.qk": (False,), "norm.qk_span": ANY, "norm.position": ("pre",), "norm.offset": (0.0,),
     "norm.weight_fp32": (False,), "embed_scale": (False,), "activation": ("silu",), "head_dim": ANY,
     "rope.scaling": ANY, "rope.local_theta": (0.0,), "latent.kv_lora_rank": (0,), "moe.n_experts": (0,),
+    "mtp_layers": (0,),
 }
 # ... and of a Mixtral MoE block, checked only for models with experts.
 PLAIN_MOE: dict[str, tuple | None] = {
@@ -79,9 +80,12 @@ class Family:
     export_checks: Callable[[ModelConfig], list[str]] = lambda m: []  # what `computes` cannot say
     # (fivefold name, model, config.json) -> the HF row behind each fivefold row where they differ, else None
     rows: Callable[[str, ModelConfig, dict], torch.Tensor | None] = lambda name, m, hf: None
-    # (HF tensor name, config.json) -> "" for a tensor that is read, else what it belongs to and why it is
-    # skipped, said once for all the tensors it names (DeepSeek-V3's multi-token-prediction layers)
-    skips: Callable[[str, dict], str] = lambda name, hf: ""
+    # Multi-token prediction (model.mtp_layers): depth k is HF's layer n_layers + k. Its own tensors: fivefold
+    # name under mtp.{k}. -> HF name under model.layers.{n_layers + k}.; its block's are named as a main
+    # block's. `mtp_copies`: tensors HF stores in each depth that are copies of the main model's (HF name under
+    # the layer -> the fivefold tensor it copies): read once, checked equal on import, written back on export.
+    mtp: dict[str, str] = field(default_factory=dict)
+    mtp_copies: dict[str, str] = field(default_factory=dict)
     # Experts HF saves fused, one (E, ...) tensor for all: per block, fivefold name -> (HF name, start, step),
     # fivefold's tensor being HF's [..., start::step] (gpt-oss's gate_up_proj holds gate and up interleaved).
     fused: dict[str, tuple[str, int, int]] = field(default_factory=dict)
@@ -91,6 +95,14 @@ class Family:
         """The HF tensors behind one fivefold tensor: one, or for stacked experts one per expert."""
         if name in self.top:
             return [self.top[name]]
+        depth = re.fullmatch(r"mtp\.(\d+)\.(.+)", name)
+        if depth is not None:  # an MTP depth: HF's layer after the blocks (DeepSeek-V3's model.layers.61)
+            layer, rest = m.n_layers + int(depth.group(1)), depth.group(2)
+            if rest in self.mtp:
+                return [f"model.layers.{layer}.{self.mtp[rest]}"]
+            if rest.startswith("block."):
+                return self.hf_names(f"layers.{layer}.{rest.removeprefix('block.')}", m)
+            raise KeyError(f"'{name}' has no counterpart in HF's {self.title}")
         match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
         if match is None or all(match.group(2) not in names for names in (self.block, self.experts, self.fused)):
             raise KeyError(f"'{name}' has no counterpart in HF's {self.title}")
@@ -101,8 +113,14 @@ class Family:
 
     def fused_part(self, name: str) -> tuple[int, int] | None:
         """(start, step) of a fivefold tensor that is part of a fused HF tensor, else None."""
-        part = self.fused.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+        block = re.fullmatch(r"(?:layers\.\d+|mtp\.\d+\.block)\.(.+)", name)
+        part = None if block is None else self.fused.get(block.group(1))
         return None if part is None else part[1:]
+
+    def copies(self, m: ModelConfig) -> list[tuple[str, str]]:
+        """(HF name, fivefold name) of each copy of a main tensor that HF stores in the MTP depths of `m`."""
+        return [(f"model.layers.{m.n_layers + k}.{hf}", ours) for k in range(m.mtp_layers)
+                for hf, ours in self.mtp_copies.items()]
 
     def export_problems(self, m: ModelConfig) -> list[str]:
         """What model `m` computes that this family's HF model does not, one line each."""

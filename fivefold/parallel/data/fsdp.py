@@ -66,11 +66,14 @@ def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
     """Module groups in forward order: embedding, each block, then final norm + head. A head that
     shares the embedding's matrix (tied embeddings, both on this rank) joins the embedding's unit:
     one parameter belongs to one unit, which then stays gathered from the embedding's forward to
-    the head's (as an FSDP2 root unit holding both does)."""
+    the head's (as an FSDP2 root unit holding both does). The MTP depths (model.mtp_layers) join the
+    head's unit: they run between the final norm and the head's one call for all depths
+    (pipeline/stages.py StageChunk.losses), so the unit's gather before the norm serves them."""
     emb, head = model.tok_embeddings, model.output
     tied = emb is not None and head is not None and head.weight is emb.weight
-    ends = [[emb, model.norm, head]] if tied else [[emb]]
-    groups = ends + [[block] for block in model.layers.values()] + ([] if tied else [[model.norm, head]])
+    mtp = [model.mtp] if len(model.mtp) else []
+    ends = [[emb, model.norm, *mtp, head]] if tied else [[emb]]
+    groups = ends + [[block] for block in model.layers.values()] + ([] if tied else [[model.norm, *mtp, head]])
     return [[m for m in g if m is not None] for g in groups if any(m is not None for m in g)]
 
 

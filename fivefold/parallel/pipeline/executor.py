@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from fivefold.model.masks import DocumentIds
-from fivefold.model.transformer import cross_entropy_sum
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.lanes import Lanes
 from fivefold.parallel.data import DataParallel
@@ -27,7 +26,7 @@ from fivefold.parallel.pipeline.overlap import chunk_streams, on_stream, paired_
 from fivefold.parallel.pipeline.p2p import Mailbox, Sends, sends_for
 from fivefold.parallel.pipeline.schedules import Action, Schedule
 from fivefold.parallel.pipeline.split_backward import SplitBackward
-from fivefold.parallel.pipeline.stages import PipelineStages, StageChunk
+from fivefold.parallel.pipeline.stages import Ahead, PipelineStages, StageChunk
 
 
 @dataclass
@@ -53,6 +52,7 @@ def _held_bytes(slots: dict[tuple[int, int], _Slot]) -> int:
 @dataclass
 class PipelineStats:
     loss: torch.Tensor | None = None  # () float64 on the device: this rank's sum of micro-batch losses (last stage)
+    mtp_loss: torch.Tensor | None = None  # the same of the MTP depths' mean loss (model.mtp_layers > 0), else None
     timeline: list[tuple[Any, Any, str]] = field(default_factory=list)  # (start, end, action): marks of `clock`
     peak_held_bytes: int = 0  # most bytes of stage inputs and outputs kept for backward at once
     freed_bytes: int = 0  # stage outputs released once sent (their backward needs no values)
@@ -98,7 +98,9 @@ class _Step:
     mail: Mailbox
     sends: Sends
     slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)  # (micro-batch, stage) -> forward's leftovers
+    ahead: list[Ahead] | None = None  # per micro-batch: the MTP depths' tokens and targets, or None without MTP
     loss_sum: torch.Tensor | None = None  # on the device, read once at the end: a read per micro-batch would wait
+    mtp_sum: torch.Tensor | None = None
     stats: PipelineStats = field(default_factory=PipelineStats)
 
 
@@ -115,11 +117,10 @@ class PipelineExecutor:
     """
 
     def __init__(self, stages: PipelineStages, dp: DataParallel, device: torch.device, dim: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
                  seq_divisor: int = 1, after_backward: Callable[[], None] = lambda: None,
-                 lanes: Lanes | None = None):
+                 lanes: Lanes | None = None, mtp_weight: float = 0.0):
         self.schedule, self.chunks, self.group, self.dp = stages.schedule, stages.chunks, stages.group, dp
-        self.loss_fn = loss_fn  # sum of token losses from the last stage's output (vocab-parallel under tp)
+        self.mtp_weight = mtp_weight  # train.mtp_weight: the MTP depths' mean loss joins the main loss times this
         self.seq_divisor = seq_divisor  # activations between stages hold T / seq_divisor tokens (sp)
         self.device = device  # where received activations and gradients are put
         self.after_backward = after_backward
@@ -187,19 +188,20 @@ class PipelineExecutor:
     # ---- one step -------------------------------------------------------------------------------
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
             loss_scale: float = 1.0, autocast=contextlib.nullcontext, clock=None,
-            attention: list[AttentionInputs] | None = None) -> PipelineStats:
+            attention: list[AttentionInputs] | None = None, ahead: list[Ahead] | None = None) -> PipelineStats:
         """Run this rank's actions for one step; gradients accumulate as in one process.
 
         `micro_batches` hold this rank's tokens (B, T_local); `attention` each one's positions and
         document ids (AttentionInputs: Parallel.attention_inputs builds them), when not given
-        positions 0..T_local-1 and no documents.
+        positions 0..T_local-1 and no documents; `ahead` each one's MTP inputs (Parallel.ahead_inputs).
         Returns this rank's sum of micro-batch losses (non-zero on the last stage only), each
-        already divided by the step's global token count.
+        already divided by the step's global token count, and the MTP depths' likewise.
         """
         sends, act_dtype = sends_for(self.device), travel_dtype(autocast, self.device)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)  # fp64, as a Python sum
         step = _Step(micro_batches, attention or _plain_inputs(micro_batches), autocast, global_tokens, loss_scale,
                      act_dtype, self._mailbox(self.schedule, self.plan, micro_batches, sends, act_dtype), sends,
-                     loss_sum=torch.zeros((), dtype=torch.float64, device=self.device))  # fp64, as a Python sum
+                     ahead=ahead, loss_sum=zero, mtp_sum=zero.clone() if ahead else None)
         actions, pairs = self.schedule.actions[self.rank], self._paired[0] if self.lanes else set()
         index = 0
         while index < len(actions):
@@ -264,10 +266,15 @@ class PipelineExecutor:
         pos, doc = step.attention[mb]
         with step.autocast():
             slot.inp = chunk.embed(tokens if received is None else received)  # received, or the embeddings
-            out = chunk(slot.inp, pos, doc)  # (B, T, dim) ((B, T/tp, dim) with sp), or (B, T, V/tp) logits
+            out = chunk(slot.inp, pos, doc)  # (B, T, dim) ((B, T/tp, dim) with sp)
+            if s == self.n_stages - 1:  # the head, its loss (and the MTP depths'), in the compute dtype
+                loss, mtp = chunk.losses(out, targets, pos, doc, step.ahead[mb] if step.ahead else [])
         if s == self.n_stages - 1:
-            out = self.loss_fn(out, targets) / step.global_tokens  # the loss: backward starts here
+            out = loss / step.global_tokens  # the loss: backward starts here
             step.loss_sum += out.detach()
+            if mtp is not None:  # L = L_main + lambda mean_k L_k (DeepSeek-V3 eq. 25), each per trained token
+                step.mtp_sum += mtp.detach() / step.global_tokens
+                out = out + self.mtp_weight * mtp / step.global_tokens
             out = out * step.loss_scale
         else:
             if step.mail.travels(action):  # in the compute dtype (autocast may have left fp32)
@@ -320,7 +327,7 @@ class PipelineExecutor:
         if self.tied is not None:  # both copies of a tied embedding take the sum of their gradients
             param, group = self.tied
             collectives.all_reduce(self.dp.gradient_of(param), group)
-        step.stats.loss = step.loss_sum  # not read here: the training step reads it with the norm
+        step.stats.loss, step.stats.mtp_loss = step.loss_sum, step.mtp_sum  # read by the training step
         return step.stats
 
     # ---- evaluation -----------------------------------------------------------------------------
@@ -345,9 +352,9 @@ class PipelineExecutor:
             pos, doc = attention[mb]
             with autocast():
                 h = self.chunks[s](self.chunks[s].embed(h), pos, doc)
-            if s == self.n_stages - 1:
-                total += self.loss_fn(h, y)
-            else:
+                if s == self.n_stages - 1:  # the main loss only: evaluation trains no MTP depth
+                    total += self.chunks[s].losses(h, y, pos, doc, [])[0]
+            if s != self.n_stages - 1:
                 mail.put(action, h.to(act_dtype) if mail.travels(action) else h)
         mail.post(len(plan) - 1)
         sends.finish()

@@ -12,11 +12,14 @@ per stage:
 
 1. the costliest stage's forward FLOPs per token: its blocks (counts.block_forward_flops), and on
    the last stage the head's V x d matmul (counts.head_forward_flops); the embedding is a lookup,
-   no FLOPs. A pipeline runs at the pace of its slowest stage, and the planner prices backward as
-   2 x forward, so forward FLOPs rank stages as training time does. The micro-batch and cp multiply
-   every part alike, so they do not move the split; tp does for MoE blocks (experts run whole).
+   no FLOPs. With model.mtp_layers the last stage runs each MTP depth too: its block, its eh_proj
+   (2d -> d) and the head once more (model/transformer.py MTPLayer, pipeline/stages.py). A
+   pipeline runs at the pace of its slowest stage, and the planner prices backward as 2 x forward,
+   so forward FLOPs rank stages as training time does. The micro-batch and cp multiply every part
+   alike, so they do not move the split; tp does for MoE blocks (experts run whole).
 2. then the fullest stage's parameters on one rank (counts.block_rank_params; the first stage adds
-   the embedding's V x d, the last the head's V x d, or a tied copy, and the final norm): model
+   the embedding's V x d, the last the head's V x d, or a tied copy, and the final norm, and with
+   MTP its depths' parameters and, untied, a copy of the embedding (the depths embed tokens): model
    state, gradients and AdamW moments grow with them. This is what lightens the first stage too:
    Llama 3 405B, 126 layers over 16 stages, gets 7, 8 x 14, 7, the split its authors chose by hand
    (Llama 3 paper, Dubey et al. 2024, sec. 3.3.2).
@@ -44,6 +47,7 @@ from fivefold.model.counts import (
     block_rank_params,
     head_forward_flops,
     model_counts,
+    mtp_attention_keys,
 )
 
 
@@ -62,11 +66,19 @@ def part_costs(cfg: Config, counts: ModelCounts) -> PartCosts:
     m, p = cfg.model, cfg.parallel
     head = (counts.head or counts.embedding) // p.tp + counts.final_norm  # tied: the last stage keeps a copy
     # A sliding layer attends to fewer keys (Gemma's local layers); documents' lengths are the data's.
-    keys = [k if m.attention.layer_window(i) else None for i, k in enumerate(attention_keys(m, cfg.train.seq_len))]
-    return PartCosts(flops=tuple(block_forward_flops(m, b, cfg.train.seq_len, p.tp, p.sp, keys=k)
-                                 for b, k in zip(counts.blocks, keys, strict=True)),
-                     params=tuple(block_rank_params(b, p.tp, p.ep) for b in counts.blocks),
-                     first=(0, counts.embedding // p.tp), last=(head_forward_flops(counts, p.tp), head))
+    keys = [k if m.attention.layer_window(i) else None
+            for i, k in enumerate(attention_keys(m, cfg.train.seq_len) + mtp_attention_keys(m, cfg.train.seq_len))]
+    flops = [block_forward_flops(m, b, cfg.train.seq_len, p.tp, p.sp, keys=k)
+             for b, k in zip((*counts.blocks, *counts.mtp), keys, strict=True)]
+    n, depths = len(counts.blocks), len(counts.mtp)
+    last = (head_forward_flops(counts, p.tp), head)
+    if depths:  # the MTP depths (last stage): per depth its block, eh_proj (replicated over tp) and the head again
+        eh_proj = 2 * counts.mtp_extra_matmul // (p.tp if p.sp else 1)  # on this rank's T/tp tokens with sp
+        embedding_copy = counts.embedding // p.tp if counts.head else 0  # the tied head's copy is counted above
+        last = (last[0] * (1 + depths) + sum(flops[n:]) + depths * eh_proj,
+                last[1] + embedding_copy + sum(block_rank_params(b, p.tp, p.ep) + counts.mtp_extra for b in counts.mtp))
+    return PartCosts(flops=tuple(flops[:n]), params=tuple(block_rank_params(b, p.tp, p.ep) for b in counts.blocks),
+                     first=(0, counts.embedding // p.tp), last=last)
 
 
 def stage_split(cfg: Config, vocab_size: int) -> tuple[int, ...]:

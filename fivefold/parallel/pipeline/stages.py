@@ -30,14 +30,21 @@ def stage_layers(sizes: tuple[int, ...]) -> list[list[str]]:
     return [[str(i) for i in range(start, start + n)] for start, n in zip(starts, sizes, strict=True)]
 
 
+# One micro-batch's multi-token-prediction inputs: per depth, this rank's (tokens, targets) k ahead
+# (model/mtp.py), each (B, T_local); empty without MTP.
+Ahead = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class StageChunk:
-    """One stage's slice of this rank's model: the embedding if first, its blocks, the head if last."""
+    """One stage's slice of this rank's model: the embedding if first, its blocks, the head (with the
+    MTP depths) if last."""
 
     model: Transformer
     layers: list[str]
     first: bool
     last: bool
+    loss_chunk: int = 0  # train.loss_chunk: tokens whose logits the loss makes at once (0: all)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """The stage input: token ids (B, T) -> embeddings (B, T, dim) on the first stage, else x."""
@@ -47,15 +54,28 @@ class StageChunk:
         """What this chunk computes with: its blocks, the embedding if first, norm and head if last
         (read now: tensor and expert parallel replace some of these modules)."""
         mods = [self.model.layers[n] for n in self.layers]
-        mods += [self.model.tok_embeddings] if self.first else []
-        return mods + ([self.model.norm, self.model.output] if self.last else [])
+        mods += [self.model.tok_embeddings] if self.first or (self.last and self.model.mtp) else []
+        return mods + ([self.model.norm, self.model.mtp, self.model.output] if self.last else [])
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, doc: DocumentIds | None = None) -> torch.Tensor:
-        """The stage's blocks (and on the last stage norm and head) on its input (B, T, dim): the
+        """The stage's blocks (and on the last stage the final norm) on its input (B, T, dim): the
         model's own forward over this stage's layers (positions (T,) or (B, T); doc: whole rows' (B, T)
-        document ids, model/masks.py)."""
-        return self.model(h, positions, layers=self.layers, embed=False, head=self.last,
-                          doc=doc)  # (B, T, dim) or (B, T, V)
+        document ids, model/masks.py). The head is the loss's (`losses`)."""
+        return self.model(h, positions, layers=self.layers, embed=False, head=self.last, logits=False, doc=doc)
+
+    def losses(self, h: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, doc: DocumentIds | None,
+               ahead: Ahead) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last stage's losses of one micro-batch from its final hidden states h (B, T, dim): the
+        sum of its token losses, and with MTP the mean over depths of each depth's sum (else None).
+        One call of the head for all of them (its tokens side by side along the batch), so ZeRO-3
+        gathers it once and its loss's chunks span the depths alike."""
+        if not ahead:
+            return self.model.output(h, targets, self.loss_chunk).sum(), None
+        hs = self.model.predict_ahead(h, [tokens for tokens, _ in ahead], positions, doc)  # D x (B, T, dim)
+        every = torch.cat([targets, *(y for _, y in ahead)])  # ((1 + D) B, T)
+        losses = self.model.output(torch.cat([h, *hs]), every, self.loss_chunk)  # ((1 + D) B, T)
+        main, *depths = losses.chunk(1 + len(ahead))
+        return main.sum(), torch.stack([d.sum() for d in depths]).mean()
 
 
 def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
@@ -75,7 +95,8 @@ def tied_embedding_group(mesh: Mesh, schedule: Schedule) -> AxisGroup:
     return mesh.subgroups(parts, "pp")
 
 
-def split_stages(model: Transformer, schedule: Schedule, pp_rank: int, sizes: tuple[int, ...]) -> dict[int, StageChunk]:
+def split_stages(model: Transformer, schedule: Schedule, pp_rank: int, sizes: tuple[int, ...],
+                 loss_chunk: int = 0) -> dict[int, StageChunk]:
     """Keep in `model` only what this rank's stages use (deleting the rest); return its chunks.
     `sizes`: the blocks of each stage (stage_split.stage_split), one entry per schedule stage."""
     n_stages = schedule.num_stages
@@ -87,11 +108,15 @@ def split_stages(model: Transformer, schedule: Schedule, pp_rank: int, sizes: tu
     for name in list(model.layers):
         if name not in keep:
             del model.layers[name]
+    tok_embeddings = model.tok_embeddings
     if 0 not in mine:
         model.tok_embeddings = None
     if n_stages - 1 not in mine:
         model.norm = model.output = None
-    return {s: StageChunk(model, layers[s], s == 0, s == n_stages - 1) for s in mine}
+        model.mtp = nn.ModuleDict()
+    elif 0 not in mine and model.mtp:  # the MTP depths embed on the last stage: a copy kept there, as a tied head's
+        model.tok_embeddings = tok_embeddings
+    return {s: StageChunk(model, layers[s], s == 0, s == n_stages - 1, loss_chunk) for s in mine}
 
 
 @dataclass
@@ -133,6 +158,8 @@ def apply_pipeline_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived
     """
     p = cfg.parallel
     schedule = build_schedule(p.pp_schedule, p.pp, derived.grad_accum, p.virtual_stages)
-    chunks = split_stages(model, schedule, mesh.rank("pp"), stage_split(cfg, derived.vocab_size))
-    tied = tied_embedding_group(mesh, schedule) if cfg.model.tie_embeddings else None
+    chunks = split_stages(model, schedule, mesh.rank("pp"), stage_split(cfg, derived.vocab_size), cfg.train.loss_chunk)
+    # The embedding's two copies (a tied head's, the MTP depths') on the first and last stage
+    shared = cfg.model.tie_embeddings or cfg.model.mtp_layers > 0
+    tied = tied_embedding_group(mesh, schedule) if shared else None
     return PipelineStages(schedule, chunks, mesh.group("pp"), tied)

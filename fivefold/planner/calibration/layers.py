@@ -42,7 +42,8 @@ def config_parts(cfg: Config, world_size: int) -> list[Part]:
         for blk in share.blocks:
             part = Part("block", m, blk, 0, tp, t.micro_batch, d.local_seq_len)
             parts.setdefault(part.key, part)
-        for part in end_parts(m, d.vocab_size, tp, t.micro_batch, d.local_seq_len, share.first, share.last):
+        for part in end_parts(m, d.vocab_size, tp, t.micro_batch, d.local_seq_len, share.first, share.last,
+                              t.loss_chunk):
             parts.setdefault(part.key, part)
     return list(parts.values())
 

@@ -28,7 +28,7 @@ from fivefold.model.config import ModelConfig
 if TYPE_CHECKING:  # torch is imported where it runs: loading a profile should not import it
     import torch
 
-MATMULS = {"mm", "bmm", "addmm", "baddbmm", "_scaled_mm"}
+MATMULS = {"mm", "bmm", "addmm", "addmm_", "baddbmm", "_scaled_mm"}  # addmm_: the chunked loss's weight gradient
 GROUPED_MATMUL = "_grouped_mm"  # the routed experts' in bf16 (model/moe.py): (a, b, offs)
 ATTENTION_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention")
@@ -171,13 +171,15 @@ class Part:
     tp: int
     batch: int
     seq: int
+    loss_chunk: int = 0  # the head's: tokens whose logits exist at once (train.loss_chunk; 0 = all)
 
     @property
     def key(self) -> str:
         """What the part's time depends on, readable: a profile's layer_times are keyed by it."""
         m, tail = self.model, f"batch={self.batch} seq={self.seq}"
         if self.kind != "block":
-            return f"{self.kind} vocab={max(1, self.vocab // self.tp)} dim={m.dim} tp={self.tp} {tail}"
+            chunk = f" loss_chunk={self.loss_chunk}" if self.kind == "head" and self.loss_chunk else ""
+            return f"{self.kind} vocab={max(1, self.vocab // self.tp)} dim={m.dim} tp={self.tp} {tail}{chunk}"
         rm = _rank_model(m, self.tp)
         moe = m.moe
         if moe.n_experts and self.layer >= moe.first_dense_layers:
@@ -206,15 +208,12 @@ class Part:
         from torch import nn
 
         from fivefold.model.attention import RMSNorm
+        from fivefold.model.head import OutputHead
         from fivefold.model.rope import layer_is_local, rope_cos_sin
         from fivefold.model.seeded_init import init_tensor
         from fivefold.model.transformer import Block
         from fivefold.parallel.comm.collectives import AxisGroup, CommStats
-        from fivefold.parallel.tensor import (
-            VocabParallelCrossEntropy,
-            VocabParallelEmbedding,
-            vocab_parallel_cross_entropy,
-        )
+        from fivefold.parallel.tensor import VocabParallelEmbedding, VocabParallelHead
 
         m, b, s = self.model, self.batch, self.seq
         if self.kind == "block":
@@ -235,13 +234,11 @@ class Part:
             emb = VocabParallelEmbedding(emb, alone, False) if self.tp > 1 else emb
             tokens = torch.randint(0, v, (b, s))
             return (lambda: emb(tokens)), list(emb.parameters()), []
-        norm, head = RMSNorm(m.dim, m.norm.eps), nn.Linear(m.dim, v, bias=False)
+        norm, head = RMSNorm(m.dim, m.norm.eps), OutputHead(m.dim, v)
+        head = VocabParallelHead(head, alone, False, v) if self.tp > 1 else head  # its gather over one rank
         x = torch.randn(b, s, m.dim, requires_grad=True)
         targets = torch.randint(0, v, (b, s))
-        # at tp = 1 the fused kernel training calls; under tp the Function (its collectives over one rank)
-        ce = (lambda z: vocab_parallel_cross_entropy(z, targets, alone)) if self.tp == 1 else (
-            lambda z: VocabParallelCrossEntropy.apply(z, targets, alone, v))
-        loss = lambda: ce(head(norm(x))) / (b * s) * 1.0  # noqa: E731
+        loss = lambda: head(norm(x), targets, self.loss_chunk).sum() / (b * s) * 1.0  # noqa: E731
         return loss, [norm.weight, head.weight], [x]
 
 
@@ -293,18 +290,23 @@ def block_tally(m: ModelConfig, layer: int, tp: int, batch: int, seq: int,
     return part_tally(Part("block", m, layer, 0, tp, batch, seq), autocast)
 
 
-def end_parts(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool, last: bool) -> list[Part]:
-    """The embedding (first stage) and the final norm + head + loss (last stage) of a rank."""
+def end_parts(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool, last: bool,
+              loss_chunk: int = 0) -> list[Part]:
+    """The embedding (first stage) and the final norm + head + loss (last stage) of a rank, its loss
+    in chunks of `loss_chunk` tokens (train.loss_chunk). With model.mtp_layers D the head runs once
+    on (1 + D) micro-batches of rows (pipeline/stages.py StageChunk.losses); the depths' blocks are
+    the rank's blocks, their norms and eh_proj are not parts (a few dim x dim FLOPs)."""
+    head_batch = batch * (1 + m.mtp_layers)
     return ([Part("embedding", m, 0, vocab, tp, batch, seq)] if first else []) + \
-        ([Part("head", m, 0, vocab, tp, batch, seq)] if last else [])
+        ([Part("head", m, 0, vocab, tp, head_batch, seq, loss_chunk)] if last else [])
 
 
 def ends_tally(m: ModelConfig, vocab: int, tp: int, batch: int, seq: int, first: bool,
-               last: bool) -> tuple[OpTally, OpTally]:
+               last: bool, loss_chunk: int = 0) -> tuple[OpTally, OpTally]:
     """Forward and backward tallies of a rank's ends (end_parts); a tied head on the embedding's
     rank adds no parameter tensor of its own."""
     fwd, bwd = OpTally(), OpTally()
-    for part in end_parts(m, vocab, tp, batch, seq, first, last):
+    for part in end_parts(m, vocab, tp, batch, seq, first, last, loss_chunk):
         f, b = part_tally(part)
         fwd, bwd = fwd + f, bwd + b
     if first and last and m.tie_embeddings:

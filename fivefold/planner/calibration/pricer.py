@@ -46,7 +46,7 @@ def op_priced(profile: MeasuredProfile, work: ChunkWork, hw: Hardware, memo: Mem
     cfg, share, chunks = work.cfg, work.share, work.chunks
     m, p, t = cfg.model, cfg.parallel, cfg.train
     parts = [Part("block", m, blk, 0, p.tp, t.micro_batch, work.local_seq) for blk in share.blocks]
-    parts += end_parts(m, work.vocab, p.tp, t.micro_batch, work.local_seq, share.first, share.last)
+    parts += end_parts(m, work.vocab, p.tp, t.micro_batch, work.local_seq, share.first, share.last, t.loss_chunk)
     priced_f, priced_b, all_f, all_b = OpTally(), OpTally(), OpTally(), OpTally()
     timed_f = timed_b = 0.0
     timed = 0

@@ -81,6 +81,7 @@ class DatasheetPricer:
         forward = work.forward_flops / chunks / eff_flops
         recompute = {"none": 0.0, "full": forward,
                      "selective": work.attention_forward_flops / chunks / eff_flops}[recompute_mode]
+        recompute += work.loss_recompute_flops / chunks / eff_flops  # the loss's backward makes the logits again
         row = ("forward per chunk", f"{work.forward_flops / chunks:.3e} FLOP / ({hw.peak_flops:.3e} x "
                f"{hw.compute_efficiency}) = {forward * 1e3:.3f} ms; backward 2x + recompute {recompute * 1e3:.3f} ms",
                "6N + the attention the mask keeps (Kaplan 2020; PaLM App. B halved for the causal mask; windows "

@@ -364,20 +364,44 @@ def materialized_attention(m: ModelConfig, s: RankShapes, ops: Ops) -> Ops:
                                                                              n * S * S * (5 * a + 1)))
 
 
-def end_ops(m: ModelConfig, vocab: int, s: RankShapes, first: bool, last: bool) -> Ops:
+def end_ops(m: ModelConfig, vocab: int, s: RankShapes, first: bool, last: bool, loss_chunk: int = 0) -> Ops:
     """The embedding lookup (first stage) and the final norm, head and loss (last stage).
 
-    The loss reads fp32 logits: one log-softmax and its gather at tp = 1 (torch's fused kernel);
-    under tp the vocabulary-parallel function's max, subtraction, exp, sum and gather (parallel/tensor.py)."""
+    The loss (model/head.py, chunk by chunk of `loss_chunk` tokens at every tp) per logit: forward
+    casts the compute-dtype product to fp32 (none in fp32) and log-sum-exp reads it for its max,
+    subtracts, exps and sums (20 bytes); backward makes the logits again (loss_recompute_matmul,
+    priced as recompute), casts, subtracts the log-sum-exp, exps, scales and casts the result back
+    (2 casts + 24 bytes), and copies each chunk's input gradient into the whole. Per chunk its weight
+    gradient (V/tp x dim) joins the fp32 sum (zeroed once): inside the matmul in fp32 (addmm_), else
+    the compute-dtype product widened as it is added (a + 8 bytes per element): the chunks' one cost
+    beyond one chunk's. With
+    model.mtp_layers D the head runs on (1 + D) x the tokens, and the last stage also embeds each
+    depth's tokens and runs its three norms and eh_proj (its block is one of the rank's blocks)."""
     ew, mms = _Elementwise(s), []
-    v = vocab // s.tp
-    if first:  # fp32 rows looked up, and backward's scatter into a zeroed fp32 gradient of the table
-        ew.add("embedding", 2 * s.tokens * m.dim * FP32)
-        ew.extra_backward += (v * m.dim - 3 * s.tokens * m.dim) * FP32
+    v, depths = vocab // s.tp, m.mtp_layers if last else 0
+    if first or depths:  # fp32 rows looked up, and backward's scatter into a zeroed fp32 gradient of the table
+        looked_up = s.tokens * (int(first) + depths)
+        ew.add("embedding", 2 * looked_up * m.dim * FP32)
+        ew.extra_backward += (v * m.dim - 3 * looked_up * m.dim) * FP32
     if last:
-        ew.norm("norms", s.sp_tokens * m.dim, s.residual_bytes)
-        mms.append(Matmul("head", s.tokens, v, m.dim))
+        ew.norm("norms", s.sp_tokens * m.dim * (1 + 3 * depths), s.residual_bytes)
+        if depths:
+            mms.append(Matmul("eh_proj", s.sp_tokens, m.dim, 2 * m.dim, depths))
+        head = loss_recompute_matmul(m, vocab, s)
+        mms.append(head)
         ew.residual_casts(mms)
         cast = s.act_bytes + FP32 if s.act_bytes < FP32 else 0
-        ew.add("loss", s.tokens * v * (cast + (3 if s.tp == 1 else 7) * FP32))
+        logits = head.m * v
+        chunks = -(-head.m // loss_chunk) if 0 < loss_chunk < head.m else 1
+        ew.add("loss", logits * (cast + 5 * FP32))
+        ew.cast_forward += logits * (cast + 5 * FP32)  # its backward is its own, not twice the forward
+        added = s.act_bytes + 2 * FP32 if s.act_bytes < FP32 else 0  # per chunk and weight-gradient element
+        ew.extra_backward += logits * (2 * cast + 6 * FP32) + v * m.dim * (FP32 + chunks * added)
+        ew.extra_backward += head.m * m.dim * 2 * s.act_bytes  # each chunk's input gradient copied into the whole
     return ew.ops(mms)
+
+
+def loss_recompute_matmul(m: ModelConfig, vocab: int, s: RankShapes) -> Matmul:
+    """The head's matmul over the micro-batch's tokens and each MTP depth's (model/head.py): its
+    backward runs it once more to make the logits again (roofline.chunk_price adds it)."""
+    return Matmul("head", s.tokens * (1 + m.mtp_layers), vocab // s.tp, m.dim)

@@ -59,6 +59,8 @@ class ChunkWork:
     options: PlanOptions = DEFAULT  # the estimate's switches (options.py): FP8, expert imbalance, overlap
     act_bytes: int = 2  # bytes per activation element (the compute dtype's)
     weight_bytes: float = 4  # bytes per weight element as the matmuls find it (estimate's param_b)
+    # on the last stage, the head matmul the loss's backward runs again (model/head.py), per micro-batch
+    loss_recompute_flops: float = 0.0
 
 
 @dataclass(frozen=True)

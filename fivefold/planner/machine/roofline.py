@@ -49,7 +49,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fivefold.planner.activations import layout_applies
-from fivefold.planner.machine.ops import FP32, PER_OP_RERUN, Ops, RankShapes, block_ops, end_ops
+from fivefold.planner.machine.ops import (
+    FP32,
+    PER_OP_RERUN,
+    Ops,
+    RankShapes,
+    block_ops,
+    end_ops,
+    loss_recompute_matmul,
+)
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Memo, Row
 from fivefold.planner.memory import expert_imbalance
 from fivefold.planner.options import AttentionKernel
@@ -259,8 +267,9 @@ def rank_price(work: ChunkWork, hw: Hardware, memo: Memo) -> OpsPrice:
     for price, n in block_prices(work, hw, memo):
         total.add(price, n)
     if share.first or share.last:
-        ends = memo.get(("roofline ends", m, work.vocab, shapes, share.first, share.last, hw, fp8),
-                        lambda: price_ops(end_ops(m, work.vocab, shapes, share.first, share.last), hw,
+        chunk = cfg.train.loss_chunk
+        ends = memo.get(("roofline ends", m, work.vocab, shapes, share.first, share.last, chunk, hw, fp8),
+                        lambda: price_ops(end_ops(m, work.vocab, shapes, share.first, share.last, chunk), hw,
                                           shapes.act_bytes, fp8))
         total.add(ends)
     return total
@@ -319,6 +328,13 @@ def chunk_price(work: ChunkWork, hw: Hardware, memo: Memo) -> ChunkPrice:
         recompute, rerun_flops = _selective_recompute(work, price, hw, memo)
     elif work.options.activations == "deepseek" and layout_applies(work.cfg.model, "deepseek"):
         recompute = _deepseek_recompute(work, hw, memo)
+    if work.share.last:  # the loss's backward makes the logits again (model/head.py), whatever train.recompute
+        shapes = rank_shapes(work)
+        head = memo.get(("roofline loss recompute", work.cfg.model, work.vocab, shapes, hw),
+                        lambda: price_ops(Ops(matmuls=(loss_recompute_matmul(work.cfg.model, work.vocab, shapes),)),
+                                          hw, shapes.act_bytes, False))
+        recompute += head.forward["matmul"] / chunks
+        rerun_flops += head.flops["matmul"] / 3 / chunks
     backward = sum(price.backward.values()) / chunks + recompute
     return ChunkPrice(forward, backward, _rows(price, hw, work, forward, backward, recompute, rerun_flops), price)
 
