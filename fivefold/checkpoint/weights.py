@@ -105,7 +105,8 @@ def _summary(problems: list[str]) -> str:
 def check_init_from(cfg: Config) -> list[str]:
     """Problems with cfg.checkpoint.init_from, found before any process starts: the path, its
     files, every tensor's shape against the model (from the files' headers: no weight is read but
-    the MoE routing biases, E numbers a block), and the model fields that shapes cannot show.
+    the MoE routing biases, E numbers a block, and a Hugging Face directory's MTP copies of the
+    embedding and head, checked equal to the main ones), and the model fields that shapes cannot show.
     Empty when unset, fine, or not used (resuming)."""
     from fivefold.checkpoint.run_dir import latest_checkpoint, run_dir_of
 
@@ -133,8 +134,9 @@ def check_init_from(cfg: Config) -> list[str]:
     if biased:
         problems.append(f"{biased[0]} (and {len(biased) - 1} more): the weights route with a bias that "
                         f"model.moe.bias_update = 0 does not keep; set it > 0 (DeepSeek-V3: 0.001)")
-    if not problems:
-        return []
+    if not problems:  # the MTP layers' copies of the embedding and head, read once here as convert does
+        copies = source.copy_problems() if isinstance(source, HFSource) and model_cfg.mtp_layers else []
+        return [f"{FIELD} = '{path}': {problem}" for problem in copies]
     return [f"{FIELD} = '{path}' does not fit this config's model section; set model.* to what the weights were "
             f"made with (`fivefold convert --to fivefold` writes it for Hugging Face weights, a seed directory has "
             f"it in {SEED_CONFIG}):\n    " + _summary(problems).replace("\n  ", "\n    ")]

@@ -314,7 +314,8 @@ def loss_rows(cfg: Config, d: Derived, act_bytes: int) -> list[Row]:
     c, v = loss_chunk_tokens(cfg, d.local_seq_len), d.vocab_size // tp
     chunks = -(-tokens // c)
     said = f"loss_chunk {t.loss_chunk}" if t.loss_chunk else "loss_chunk 0 (the whole micro-batch)"
-    depths = f", x {1 + m.mtp_layers} with {m.mtp_layers} MTP depth(s)" if m.mtp_layers else ""
+    depths = (f" (the micro-batch's {tokens // (1 + m.mtp_layers)} for the model and as many for each of "
+              f"{m.mtp_layers} MTP depth(s))" if m.mtp_layers else "")
     rows: list[Row] = [("loss (logits)", f"{said}: {chunks} chunk(s) of {c} tokens x {v} vocabulary columns; "
                         f"{loss_bytes(cfg, d.local_seq_len, d.vocab_size, act_bytes) / GB:.3f} GB at its peak "
                         f"(8 bytes per logit: fp32 logits + log-sum-exp's temporary, one chunk at a time) of "

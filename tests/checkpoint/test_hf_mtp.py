@@ -58,7 +58,10 @@ def test_the_released_mtp_layout_converts_both_ways_exactly(tmp_path, released, 
         torch.testing.assert_close(hf(released["x"]).logits, released["logits"], rtol=0, atol=0)
 
 
-def test_mtp_copies_of_the_embedding_or_head_that_differ_are_refused(tmp_path, released):
+def test_mtp_copies_of_the_embedding_or_head_that_differ_are_refused(tmp_path, released, seed):
+    """By `convert`, and by checkpoint.init_from's check before any process starts."""
+    from fivefold.checkpoint.weights import check_init_from
+
     tensors = load_file(str(released["root"] / "deq" / "model.safetensors"))
     tensors["model.layers.2.shared_head.head.weight"][317, 5] += 1e-3
     (tmp_path / "bad").mkdir()
@@ -68,6 +71,14 @@ def test_mtp_copies_of_the_embedding_or_head_that_differ_are_refused(tmp_path, r
                                             r"lm_head.weight[^\n]*$"):
         hf_to_fivefold(tmp_path / "bad", tmp_path / "out", max_shard_bytes=10**9)
     assert not (tmp_path / "out").exists()
+    cfg = load_config(seed / "fivefold.toml", [f"--run.out_dir={tmp_path}",
+                                               f"--checkpoint.init_from={tmp_path / 'bad'}"])
+    (error,) = check_init_from(cfg)
+    assert error.startswith(f"checkpoint.init_from = '{tmp_path / 'bad'}': model.layers.2.shared_head.head.weight "
+                            f"differs from lm_head.weight") and "\n" not in error
+    good = load_config(seed / "fivefold.toml", [f"--run.out_dir={tmp_path}",
+                                                f"--checkpoint.init_from={released['root'] / 'deq'}"])
+    assert check_init_from(good) == []
 
 
 def test_a_config_with_mtp_but_weights_without_is_read_without(tmp_path, released):
