@@ -16,8 +16,6 @@ import torch._dynamo  # noqa: E402,F401
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
 from helpers import (  # noqa: E402
-    BF16,
-    BF16_FP32,
     DOCUMENTS_ON,
     EQUIVALENCE,
     GEMMA_ARGS,
@@ -27,13 +25,12 @@ from helpers import (  # noqa: E402
     OLMO2_ARGS,
     TIED_ARGS,
     document_args,
+    one_process,
+    one_process_bf16,
     short_documents,
-    tiny_config,
-    train_and_gather,
 )
 
 import fivefold.train.loop  # noqa: E402,F401
-from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 # ---- the single-process references every layout must reproduce: all of them, here ------------------
 # Each trains the same data (helpers.EQUIVALENCE) with each global batch in one micro-batch. A table
@@ -41,8 +38,7 @@ from fivefold.parallel.forked_ranks import run_workers  # noqa: E402
 
 
 def _one_process(tmp_path_factory, name: str, *args: str):
-    cfg = tiny_config(tmp_path_factory.mktemp(name), *args, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
+    return one_process(tmp_path_factory.mktemp(name), *args)
 
 
 @pytest.fixture(scope="session")
@@ -118,36 +114,31 @@ def masks_moe_reference(tmp_path_factory, short_docs):
 # Each is a pair: one process in bf16, and in fp32 at the same learning rate (their gap is the noise).
 
 
-def _one_process_bf16(tmp_path_factory, name: str, *args: str):
-    return (_one_process(tmp_path_factory, name + "-bf16", *args, *BF16),
-            _one_process(tmp_path_factory, name + "-fp32", *args, *BF16_FP32))
-
-
 @pytest.fixture(scope="session")
 def bf16_reference(tmp_path_factory):
-    return _one_process_bf16(tmp_path_factory, "ref", *EQUIVALENCE)
+    return one_process_bf16(tmp_path_factory, "ref", *EQUIVALENCE)
 
 
 @pytest.fixture(scope="session")
 def bf16_moe_reference(tmp_path_factory):
-    return _one_process_bf16(tmp_path_factory, "moe", *EQUIVALENCE, *MOE_ARGS)
+    return one_process_bf16(tmp_path_factory, "moe", *EQUIVALENCE, *MOE_ARGS)
 
 
 @pytest.fixture(scope="session")
 def bf16_mla_reference(tmp_path_factory):
-    return _one_process_bf16(tmp_path_factory, "mla", *EQUIVALENCE, *MLA_ARGS)
+    return one_process_bf16(tmp_path_factory, "mla", *EQUIVALENCE, *MLA_ARGS)
 
 
 @pytest.fixture(scope="session")
 def bf16_olmo2_reference(tmp_path_factory):
-    return _one_process_bf16(tmp_path_factory, "olmo2", *OLMO2_ARGS)
+    return one_process_bf16(tmp_path_factory, "olmo2", *OLMO2_ARGS)
 
 
 @pytest.fixture(scope="session")
 def bf16_gemma_reference(tmp_path_factory):
-    return _one_process_bf16(tmp_path_factory, "gemma", *GEMMA_ARGS)
+    return one_process_bf16(tmp_path_factory, "gemma", *GEMMA_ARGS)
 
 
 @pytest.fixture(scope="session")
 def bf16_masks_reference(tmp_path_factory, short_docs):
-    return _one_process_bf16(tmp_path_factory, "masks", *document_args(short_docs, *MASKS_ON))
+    return one_process_bf16(tmp_path_factory, "masks", *document_args(short_docs, *MASKS_ON))

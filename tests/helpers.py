@@ -136,6 +136,21 @@ def reference_records(out_dir: Path, world: int, *overrides: str) -> list[dict]:
     return read_metrics(out_dir / "tiny" / "metrics.jsonl")
 
 
+def one_process(out_dir: Path, *overrides: str):
+    """The single-process reference of a table: `overrides` trained in one process, each global batch
+    in one micro-batch, writing into out_dir; its (losses, grad norms, gathered state)."""
+    from fivefold.parallel.forked_ranks import run_workers
+
+    return run_workers(train_and_gather, 1, tiny_config(out_dir, *overrides, "--train.micro_batch=8"))[0]
+
+
+def one_process_bf16(tmp_path_factory, name: str, *overrides: str):
+    """What a table's bf16 row (BF16) is held to: one process in bf16, and in fp32 at the same learning
+    rate (their gap is the noise), each in a folder of its own."""
+    return (one_process(tmp_path_factory.mktemp(name + "-bf16"), *overrides, *BF16),
+            one_process(tmp_path_factory.mktemp(name + "-fp32"), *overrides, *BF16_FP32))
+
+
 def loss_traffic(tokens: int, chunk: int, tp: int) -> tuple[int, int]:
     """The vocabulary-parallel loss's tp traffic for a micro-batch of `tokens` (model/head.py): per
     chunk of `chunk` tokens one all-gather of each token's log-sum-exp and target logit (fp32) from

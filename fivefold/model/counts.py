@@ -269,4 +269,3 @@ def recompute_flops_per_token(m: ModelConfig, seq_len: int, recompute: str, voca
     if recompute == "none":
         return 0.0
     raise ValueError(f"train.recompute = {recompute!r}: expected none, selective or full")
-

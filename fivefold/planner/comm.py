@@ -60,32 +60,23 @@ from dataclasses import dataclass, field
 
 from fivefold.config.derive import Derived
 from fivefold.config.schema import Config
-from fivefold.model.counts import ModelCounts, block_params
+from fivefold.model.counts import ModelCounts, block_params, mtp_extra_params
 from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.planner.activations import FP8_BYTES, layout_applies
 from fivefold.planner.expert_comm import expert_link_bytes
 from fivefold.planner.layout import RankShare, axis_spans_nodes, group_ranks_per_node
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
-from fivefold.planner.memory import expert_imbalance
+from fivefold.planner.memory import expert_imbalance, head_tokens, loss_chunk_tokens
 from fivefold.planner.options import PlanOptions
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 
 
-def head_tokens(cfg: Config, local_seq: int) -> int:
-    """Tokens one micro-batch sends through the head and its loss on the last stage: the
-    micro-batch's (cp-local; with sp the head gathers the sequence first), times 1 + model.mtp_layers,
-    whose depths' hidden states go through the head in the same call (pipeline/stages.py StageChunk.losses)."""
-    return cfg.train.micro_batch * local_seq * (1 + cfg.model.mtp_layers)
-
-
 def loss_chunks(cfg: Config, local_seq: int) -> list[tuple[int, int]]:
     """(tokens of a chunk, how many such chunks) of one micro-batch's loss (model/head.py: chunks of
     train.loss_chunk tokens, the last one shorter; 0 or a chunk of them all: one chunk)."""
-    n, c = head_tokens(cfg, local_seq), cfg.train.loss_chunk
-    if not 0 < c < n:
-        return [(n, 1)]
+    n, c = head_tokens(cfg, local_seq), loss_chunk_tokens(cfg, local_seq)
     return [(c, n // c)] + ([(n % c, 1)] if n % c else [])
 
 
@@ -235,7 +226,7 @@ def activation_traffic(cfg: Config, blocks: int, moe_blocks: int, first: bool, l
     depths = m.mtp_layers if last else 0
     out["tp"].add("all_reduce", act, p.tp, micro * (per_region * regions + int(first) + int(last) + 2 * depths))
     if p.sp and depths:  # each depth's eh_proj and norms see T/tp tokens: their fp32 gradients summed over tp
-        out["tp"].add("all_reduce", (2 * m.dim * m.dim + 3 * m.dim) * 4.0, p.tp, micro * depths)
+        out["tp"].add("all_reduce", mtp_extra_params(m) * 4.0, p.tp, micro * depths)
     if regather and p.sp:
         out["tp"].add("all_gather", act, p.tp, micro * regions)
     if last:  # the vocabulary-parallel loss: per chunk one all-gather of each token's log-sum-exp and target logit

@@ -208,11 +208,17 @@ def activation_bytes(cfg: Config, share: RankShare, inflight_blocks: int, local_
             "total": blocks + logits + mtp}
 
 
+def head_tokens(cfg: Config, local_seq: int) -> int:
+    """Tokens one micro-batch sends through the head and its loss on the last stage: the
+    micro-batch's (cp-local; with sp the head gathers the sequence first), times 1 + model.mtp_layers,
+    whose depths' hidden states go through the head in the same call (pipeline/stages.py StageChunk.losses)."""
+    return cfg.train.micro_batch * local_seq * (1 + cfg.model.mtp_layers)
+
+
 def loss_chunk_tokens(cfg: Config, local_seq: int) -> int:
     """Tokens whose logits exist at once: train.loss_chunk, or with 0 (or more than there are) all the
-    tokens of one micro-batch's head call (comm.head_tokens: its MTP depths' included)."""
-    n = cfg.train.micro_batch * local_seq * (1 + cfg.model.mtp_layers)
-    c = cfg.train.loss_chunk
+    tokens of one micro-batch's head call (head_tokens: its MTP depths' included)."""
+    n, c = head_tokens(cfg, local_seq), cfg.train.loss_chunk
     return c if 0 < c < n else n
 
 
@@ -228,8 +234,7 @@ def loss_bytes(cfg: Config, local_seq: int, vocab: int, act_bytes: float) -> flo
     m, p = cfg.model, cfg.parallel
     c = loss_chunk_tokens(cfg, local_seq)
     peak = c * (vocab / p.tp) * 8.0  # forward's two fp32 (c, V/tp) tensors: backward's 4 + a is no more
-    tokens = cfg.train.micro_batch * local_seq * (1 + m.mtp_layers)
-    return peak + tokens * (m.dim * act_bytes + 8.0)
+    return peak + head_tokens(cfg, local_seq) * (m.dim * act_bytes + 8.0)
 
 
 def mtp_bytes(cfg: Config, local_seq: int, per_block: float, act_bytes: float) -> float:

@@ -30,6 +30,7 @@ from fivefold.planner.memory import (
     activation_bytes,
     buffer_bytes,
     expert_imbalance,
+    head_tokens,
     loss_bytes,
     loss_chunk_tokens,
     rank_state_bytes,
@@ -310,7 +311,7 @@ def loss_rows(cfg: Config, d: Derived, act_bytes: int) -> list[Row]:
     """The explanation's rows of the last stage's loss (train.loss_chunk) and MTP depths (model.mtp_layers):
     what the logits term is and why."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    tokens = t.micro_batch * d.local_seq_len * (1 + m.mtp_layers)
+    tokens = head_tokens(cfg, d.local_seq_len)
     c, v = loss_chunk_tokens(cfg, d.local_seq_len), d.vocab_size // tp
     chunks = -(-tokens // c)
     said = f"loss_chunk {t.loss_chunk}" if t.loss_chunk else "loss_chunk 0 (the whole micro-batch)"

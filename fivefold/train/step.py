@@ -101,7 +101,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     # the last stage's (else 0) loss, and the MTP depths' (model.mtp_layers), reduced at once
     losses = run.reduce_loss(torch.stack([stats.loss, *([] if stats.mtp_loss is None else [stats.mtp_loss])]))
     # The step's one read from the device: the logged loss and norm, and this rank's loss share (for an error).
-    grad_norm, own_loss, loss_value, *mtp_value = torch.cat([torch.stack([outcome.grad_norm.double(), stats.loss]),
+    grad_norm, own_loss, loss_value, *mtp_value = torch.cat([torch.stack([outcome.grad_norm, stats.loss]),
                                                              losses]).tolist()
     applied = not outcome.overflow and math.isfinite(grad_norm)
     if not applied and not outcome.overflow and t.nonfinite == "stop":

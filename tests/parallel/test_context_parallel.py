@@ -18,7 +18,14 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BF16, EQUIVALENCE, Layout, assert_row, mesh_of, tiny_config, train_and_gather
+from helpers import (
+    BF16,
+    EQUIVALENCE,
+    Layout,
+    assert_layout_reproduces,
+    mesh_of,
+    tiny_config,
+)
 
 from fivefold.config.derive import derive
 from fivefold.config.load import replace
@@ -420,6 +427,4 @@ TRAINING = {  # against `reference`, on EQUIVALENCE: the same data and reference
 @pytest.mark.parametrize("name", TRAINING)
 def test_training_reproduces_single_process(tmp_path, request, name):
     layout = TRAINING[name]
-    cfg = tiny_config(tmp_path, *EQUIVALENCE, *layout.overrides)
-    for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_row(request, result, layout)
+    assert_layout_reproduces(request, tiny_config(tmp_path, *EQUIVALENCE, *layout.overrides), layout)

@@ -11,12 +11,12 @@ import json
 import pytest
 from helpers import (
     BF16,
-    BF16_FP32,
     DOCUMENTS_ON,
     Layout,
     assert_layout_reproduces,
     assert_reproduces,
     document_args,
+    one_process_bf16,
     tiny_config,
     train_and_gather,
 )
@@ -68,10 +68,7 @@ def completion_reference(completion_run):
 @pytest.fixture(scope="module")
 def bf16_completion_reference(tmp_path_factory, completions):
     """One process under bf16 autocast, and in fp32 at its learning rate (helpers.BF16)."""
-    return tuple(run_workers(train_and_gather, 1, tiny_config(tmp_path_factory.mktemp("completion-ref"),
-                                                              *completion_args(completions, *args),
-                                                              "--train.micro_batch=8"))[0]
-                 for args in (BF16, BF16_FP32))
+    return one_process_bf16(tmp_path_factory, "completion-ref", *completion_args(completions))
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -7,14 +7,14 @@ import pytest
 import torch
 from helpers import (
     BF16,
-    BF16_FP32,
     EQUIVALENCE,
     MOE_ARGS,
     Layout,
-    assert_row,
+    assert_layout_reproduces,
+    one_process,
+    one_process_bf16,
     parallelized,
     tiny_config,
-    train_and_gather,
 )
 
 from fivefold.parallel.forked_ranks import run_workers
@@ -39,20 +39,14 @@ LAYOUTS = {
 }
 
 
-def _one_process(tmp_path_factory, name, *args):
-    cfg = tiny_config(tmp_path_factory.mktemp(name), *BIAS_ARGS, *args, "--train.micro_batch=8")
-    return run_workers(train_and_gather, 1, cfg)[0]
-
-
 @pytest.fixture(scope="module")
 def bias_reference(tmp_path_factory):
-    return _one_process(tmp_path_factory, "moe-bias")
+    return one_process(tmp_path_factory.mktemp("moe-bias"), *BIAS_ARGS)
 
 
 @pytest.fixture(scope="module")
 def bf16_bias_reference(tmp_path_factory):
-    """One process in bf16, and in fp32 at its learning rate (helpers.BF16)."""
-    return _one_process(tmp_path_factory, "moe-bias-bf16", *BF16), _one_process(tmp_path_factory, "fp32", *BF16_FP32)
+    return one_process_bf16(tmp_path_factory, "moe-bias", *BIAS_ARGS)
 
 
 def test_reference_trains_the_biases(bias_reference):
@@ -66,9 +60,7 @@ def test_reference_trains_the_biases(bias_reference):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_training_reproduces_single_process(tmp_path, request, name):
     layout = LAYOUTS[name]
-    cfg = tiny_config(tmp_path, *BIAS_ARGS, *layout.overrides)
-    for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_row(request, result, layout)
+    assert_layout_reproduces(request, tiny_config(tmp_path, *BIAS_ARGS, *layout.overrides), layout)
 
 
 def _train_losses(rank, world, cfg):

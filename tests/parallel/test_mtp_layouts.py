@@ -6,12 +6,13 @@ packed documents under the document mask (the depth's targets shift within a doc
 import pytest
 from helpers import (
     BF16,
-    BF16_FP32,
     EQUIVALENCE,
     MLA_ARGS,
     Layout,
+    assert_layout_reproduces,
     assert_reproduces,
-    assert_row,
+    one_process,
+    one_process_bf16,
     tiny_config,
     train_and_gather,
 )
@@ -43,15 +44,11 @@ LAYOUTS = {
 }
 
 
-def _one_process(tmp_path_factory, name, *args):
-    out = tmp_path_factory.mktemp(name)
-    result = run_workers(train_and_gather, 1, tiny_config(out, *MTP_ARGS, *args, "--train.micro_batch=8"))[0]
-    return result, [r["mtp_loss"] for r in read_metrics(out / "tiny" / "metrics.jsonl")]
-
-
 @pytest.fixture(scope="module")
 def mtp_run(tmp_path_factory):
-    return _one_process(tmp_path_factory, "mtp")
+    """The one-process reference and its logged MTP losses."""
+    out = tmp_path_factory.mktemp("mtp")
+    return one_process(out, *MTP_ARGS), [r["mtp_loss"] for r in read_metrics(out / "tiny" / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +58,7 @@ def mtp_reference(mtp_run):
 
 @pytest.fixture(scope="module")
 def bf16_mtp_reference(tmp_path_factory):
-    return _one_process(tmp_path_factory, "mtp-bf16", *BF16)[0], _one_process(tmp_path_factory, "fp32", *BF16_FP32)[0]
+    return one_process_bf16(tmp_path_factory, "mtp", *MTP_ARGS)
 
 
 def test_the_depth_trains_and_reports_its_loss(mtp_run, tmp_path):
@@ -82,9 +79,7 @@ def test_the_depth_trains_and_reports_its_loss(mtp_run, tmp_path):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_mtp_reproduces_single_process(tmp_path, request, name):
     layout = LAYOUTS[name]
-    cfg = tiny_config(tmp_path, *MTP_ARGS, *layout.overrides)
-    for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_row(request, result, layout)
+    assert_layout_reproduces(request, tiny_config(tmp_path, *MTP_ARGS, *layout.overrides), layout)
 
 
 def test_mtp_resumes_under_another_layout(tmp_path, mtp_reference):

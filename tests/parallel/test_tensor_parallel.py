@@ -8,6 +8,7 @@ from helpers import (
     MLA_ARGS,
     TIED_ARGS,
     Layout,
+    assert_layout_reproduces,
     assert_row,
     loss_traffic,
     mesh_of,
@@ -180,9 +181,7 @@ MLA_LAYOUTS = {  # on EQUIVALENCE and MLA_ARGS
 @pytest.mark.parametrize("name", MLA_LAYOUTS)
 def test_latent_attention_and_group_routing_reproduce_single_process(tmp_path, request, name):
     layout = MLA_LAYOUTS[name]
-    cfg = tiny_config(tmp_path, *EQUIVALENCE, *MLA_ARGS, *layout.overrides)
-    for result in run_workers(train_and_gather, layout.ranks, cfg):
-        assert_row(request, result, layout)
+    assert_layout_reproduces(request, tiny_config(tmp_path, *EQUIVALENCE, *MLA_ARGS, *layout.overrides), layout)
 
 
 # tp alone and ZeRO-1 with tp are saved and loaded across layouts in test_reshard.py.

@@ -12,11 +12,11 @@ from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import block_params, count_on_meta, flops_per_token, model_counts
 from fivefold.model.presets import PRESETS
 from fivefold.parallel.pipeline.stage_split import part_costs, stage_split
-from fivefold.planner.comm import head_tokens, loss_chunks
+from fivefold.planner.comm import loss_chunks
 from fivefold.planner.estimate import estimate
 from fivefold.planner.layout import rank_shares
 from fivefold.planner.machine.datasheet import GB, get_hardware
-from fivefold.planner.memory import loss_bytes, loss_chunk_tokens
+from fivefold.planner.memory import head_tokens, loss_bytes, loss_chunk_tokens
 from fivefold.validate import validate
 
 
