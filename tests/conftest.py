@@ -22,6 +22,7 @@ from helpers import (  # noqa: E402
     MASKS_ON,
     MLA_ARGS,
     MOE_ARGS,
+    MUON,
     OLMO2_ARGS,
     TIED_ARGS,
     document_args,
@@ -45,6 +46,18 @@ def _one_process(tmp_path_factory, name: str, *args: str):
 def reference(tmp_path_factory):
     """The plain model: data, tensor, pipeline and context parallel reproduce it."""
     return _one_process(tmp_path_factory, "ref", *EQUIVALENCE)
+
+
+@pytest.fixture(scope="session")
+def muon_reference(tmp_path_factory):
+    """Muon on the hidden matrices (helpers.MUON): every dimension's Muon row reproduces it."""
+    return _one_process(tmp_path_factory, "ref-muon", *EQUIVALENCE, *MUON)
+
+
+@pytest.fixture(scope="session")
+def muon_moe_reference(tmp_path_factory):
+    """Muon on the MoE, each expert its own matrix: expert parallel's Muon row."""
+    return _one_process(tmp_path_factory, "ref-muon-moe", *EQUIVALENCE, *MOE_ARGS, *MUON)
 
 
 @pytest.fixture(scope="session")
@@ -117,6 +130,11 @@ def masks_moe_reference(tmp_path_factory, short_docs):
 @pytest.fixture(scope="session")
 def bf16_reference(tmp_path_factory):
     return one_process_bf16(tmp_path_factory, "ref", *EQUIVALENCE)
+
+
+@pytest.fixture(scope="session")
+def bf16_muon_reference(tmp_path_factory):
+    return one_process_bf16(tmp_path_factory, "ref-muon", *EQUIVALENCE, MUON[0])
 
 
 @pytest.fixture(scope="session")

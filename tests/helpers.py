@@ -58,6 +58,15 @@ GEMMA_ARGS = (*BLOCK_STEPS, "--model.norm.position=sandwich", "--model.norm.offs
               "--model.activation=gelu_tanh", "--model.attention.qkv_bias=true", "--model.attention.out_bias=true",
               "--model.norm.qk=true")
 
+# Muon (parallel/muon.py) on the hidden matrices. lr 1e-3: Muon's Newton-Schulz runs in bf16, so fp32
+# summation order (which rounds a few of its inputs the other way) moves whole updates; one process with
+# 4 micro-batches against 1 measured 2.1e-3 in the weights after 5 steps at lr 1e-2, 9.6e-5 at 1e-3
+# (losses 1.5e-5 and norms 3.3e-5 relative at both). Its rows hold weights to 5e-4; losses and norms
+# keep the shared bounds. That the owners' exchange is exact is shown apart, bit for bit, from one
+# gradient at every layout (tests/parallel/test_muon.py).
+MUON = ("--optim.name=muon", "--optim.lr=1e-3")
+MUON_ROW = dict(reference="muon_reference", param_atol=5e-4)
+
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.
 DOCUMENTS_ON = ("--data.document_mask=true", "--data.reset_positions=true")
 # Everything a query may be kept from (model/masks.py): documents, a sliding window of 6 tokens on every

@@ -192,8 +192,9 @@ def _precision(ds: dict[str, Any], mp: _Mapper) -> None:
 def _optimizer(mp: _Mapper, sec: dict[str, Any]) -> None:
     kind = sec.get("type")
     if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
-        mp.error(f"optimizer.type = {kind!r}: fivefold trains with AdamW only; supported DeepSpeed types: "
-                 f"{', '.join(OPTIMIZERS)} (any case); change the type or remove the optimizer section")
+        mp.error(f"optimizer.type = {kind!r}: this mapping reads AdamW's only; supported DeepSpeed types: "
+                 f"{', '.join(OPTIMIZERS)} (any case); change the type or remove the optimizer section (Muon: "
+                 "[optim] name = 'muon' in the fivefold config)")
         return
     mp.m.ignored.extend(f"optimizer.{k}" for k in sec if k not in ("type", "params"))
     params = mp.section("optimizer.params", sec.get("params", {}))

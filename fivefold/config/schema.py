@@ -5,7 +5,7 @@ unit and meaning.
             the network's shape: fivefold/model/config.py, beside the model it describes
     [parallel]    the layout: the five degrees and how each dimension runs
     [train]       the step: batch, sequence, precision, recompute, evaluation
-    [optim]       the optimizer and its learning-rate schedule
+    [optim]       the optimizer and its learning-rate schedule (and [optim.muon])
     [data], [checkpoint], [run]   inputs, saved state, where outputs go
 
 Loading (TOML, `--section.key=value`, the keys of earlier versions) is load.py's; the checks are
@@ -125,18 +125,37 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MuonConfig:
+    # Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training"), as torch.optim.Muon
+    # runs it, on the 2-D hidden matrices (parallel/muon.py); AdamW keeps the rest at optim.lr
+    lr: float = 0.0  # Muon's peak learning rate, scheduled as optim.lr is; 0 = optim.lr
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations, torch's quintic coefficients (3.4445, -4.7750, 2.0315)
+    # "match_rms_adamw" (Moonlight): lr x 0.2 sqrt(max(out, in)), an update of AdamW's RMS, so AdamW's lr and
+    # weight decay carry over; "original" (Keller Jordan's): lr x sqrt(max(1, out / in)), torch's default
+    adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+
+
+@dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw"] = "adamw"  # the optimizer (parallel/optimizer.py)
+    # the optimizer (parallel/optimizer.py): AdamW everywhere, or Muon on the hidden matrices and AdamW on
+    # the embedding, head, norms, biases, routers and sinks (the split is printed at start)
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-3  # peak learning rate
     lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after warmup (train/lr_schedule.py)
     warmup_steps: int = 10  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr
     decay_fraction: float = 0.2  # wsd: share of steps spent in the final linear decay
-    weight_decay: float = 0.1  # AdamW decoupled decay; never applied to norms and biases
+    weight_decay: float = 0.1  # decoupled decay (AdamW's and Muon's); never applied to norms and biases
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm cap; 0 disables clipping
+    # QK-clip (MuonClip, Kimi K2): after each step, scale down W_q/W_k of each head whose largest
+    # pre-softmax logit in the step passed this tau (K2: 100); 0 = off (parallel/qk_clip.py)
+    qk_clip: float = 0.0
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass(frozen=True)

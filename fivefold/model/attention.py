@@ -110,10 +110,12 @@ def backend_for(masked: bool, device_type: str, backend: str = "auto") -> str:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None,
            scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Local attention core under `mask` (None: causal alone): q (B, T, H, D), k and v (B, T, K, D)
-    -> (B, T, H, D), through the kernel `backend_for` picks, softmax scale `scale` (None:
-    1/sqrt(D)). validate() refuses "sdpa" with a mask."""
+    -> (B, T, H, D), through the kernel `backend_for` picks (the blockwise path where the mask records
+    the largest logits, optim.qk_clip), softmax scale `scale` (None: 1/sqrt(D)). validate() refuses
+    "sdpa" with a mask, and "sdpa" or "flex" with qk_clip."""
     masked = mask is not None and not mask.plain
-    chosen = backend_for(masked, q.device.type, backend)
+    recording = mask is not None and mask.logit_max is not None  # optim.qk_clip: the tiles give the largest logit
+    chosen = "blockwise" if recording and backend == "auto" else backend_for(masked, q.device.type, backend)
     if chosen == "sdpa":
         if masked:
             raise ValueError("model.attention.backend = 'sdpa' does causal attention only; documents, sliding "
@@ -131,9 +133,10 @@ class _LayerMask:
     window: int
     sinks: nn.Parameter | None
     scale: float | None
+    logit_max: torch.Tensor | None = None  # optim.qk_clip: this layer's heads' largest logits (parallel/qk_clip.py)
 
     def _mask(self, doc: DocumentIds | torch.Tensor | None) -> AttentionMask | None:
-        mask = AttentionMask.of(doc, self.window, self.sinks)
+        mask = AttentionMask.of(doc, self.window, self.sinks, self.logit_max)
         return None if mask.plain else mask
 
 

@@ -34,6 +34,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from fivefold.model.logit_max import raise_logit_max
 from fivefold.model.masks import AttentionMask, keep
 
 SKIP, FULL, CAUSAL, MASKED = 0, 1, 2, 3
@@ -278,6 +279,7 @@ class _Call:
     tile: int
     doc_host: torch.Tensor | None  # the document ids the plan reads (on the host when given so)
     scale: float | None  # the softmax scale; None: 1/sqrt(D)
+    logit_max: torch.Tensor | None = None  # (H,) each head's largest logit, raised by every tile (logit_max.py)
 
 
 def _no_autocast(device: torch.device):
@@ -325,6 +327,8 @@ def _forward(q, k, v, sinks, doc, call: _Call, plan: Plan) -> tuple[torch.Tensor
         for t in plan.steps[step]:
             bias, seen = _bias(t, call.window, doc, dtype, q.device) if t.kind == MASKED else (None, None)
             o, lse_o = fwd(qh[:, :, t.q], kh[:, :, t.k], vh[:, :, t.k], t.kind == CAUSAL, bias, scale)
+            if call.logit_max is not None:
+                raise_logit_max(call.logit_max, qh[:, :, t.q], kh[:, :, t.k], t.kind == CAUSAL, bias, scale)
             if seen is not None:  # a row that sees no key of this tile: nothing (the kernel says lse 0)
                 lse_o = lse_o.masked_fill(~seen, float("-inf"))
                 o = o.masked_fill(~seen[..., None], 0.0)
@@ -395,5 +399,6 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """
     mask = mask or AttentionMask()
     layout = layout or Layout(((0,),), q.shape[1])
-    call = _Call(source, layout, mask.window, tile, mask.doc if mask.doc_host is None else mask.doc_host, scale)
+    call = _Call(source, layout, mask.window, tile, mask.doc if mask.doc_host is None else mask.doc_host, scale,
+                 mask.logit_max)
     return _BlockwiseAttention.apply(q, k, v, mask.sinks, mask.doc, call)

@@ -99,24 +99,28 @@ class AttentionMask:
     sinks: torch.Tensor | None = None
     doc_host: torch.Tensor | None = None
     block_masks: dict[int, BlockMask] | None = field(default=None, compare=False, repr=False)
+    # optim.qk_clip: the layer's (H,) largest pre-softmax logit of each head so far this step, fp32, which
+    # the blockwise path's tiles raise (model/logit_max.py); None: not recorded
+    logit_max: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, doc: DocumentIds | torch.Tensor | None, window: int = 0,
-           sinks: torch.Tensor | None = None) -> AttentionMask:
+           sinks: torch.Tensor | None = None, logit_max: torch.Tensor | None = None) -> AttentionMask:
         """A layer's mask from the micro-batch's document ids (with their host copy, or a tensor alone)."""
         if isinstance(doc, DocumentIds):
-            return cls(doc.ids, window, sinks, doc.host, doc.block_masks)
-        return cls(doc, window, sinks)
+            return cls(doc.ids, window, sinks, doc.host, doc.block_masks, logit_max)
+        return cls(doc, window, sinks, logit_max=logit_max)
 
     @property
     def plain(self) -> bool:
-        """Causality alone: what SDPA's `is_causal=True` does."""
-        return self.doc is None and not self.window and self.sinks is None
+        """Causality alone, nothing recorded: what SDPA's `is_causal=True` does."""
+        return self.doc is None and not self.window and self.sinks is None and self.logit_max is None
 
     def head_slice(self, start: int, stop: int) -> AttentionMask:
         """The same mask for heads start..stop-1 (Ulysses holds a part of the heads)."""
         sinks = None if self.sinks is None else self.sinks[start:stop]
-        return AttentionMask(self.doc, self.window, sinks, self.doc_host, self.block_masks)
+        logit_max = None if self.logit_max is None else self.logit_max[start:stop]  # a view: written through
+        return AttentionMask(self.doc, self.window, sinks, self.doc_host, self.block_masks, logit_max)
 
 
 def dense_keep(mask: AttentionMask, seq_len: int, device: torch.device | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The optimizer over a parallel layout: AdamW on what data parallel says it steps, and the
-global gradient norm over the groups the gradients are split across.
+"""The optimizer over a parallel layout: AdamW (or Muon with AdamW, muon.py) on what data parallel
+says it steps, and the global gradient norm over the groups the gradients are split across.
 
 Data parallel decides what the optimizer steps (`optimizer_params()`: the parameters for DDP,
 fp32 shards for ZeRO), so the optimizer lives beside the dimensions: `parallelize()` builds it and
@@ -9,7 +9,7 @@ loop's (train/lr_schedule.py).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -17,6 +17,11 @@ from torch import nn
 from fivefold.config.schema import OptimConfig
 from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
+from fivefold.parallel.muon import build_muon
+
+if TYPE_CHECKING:
+    from fivefold.parallel.data import DataParallel
+    from fivefold.parallel.mesh import Mesh
 
 
 def fused_on(device: torch.device) -> bool:
@@ -25,6 +30,14 @@ def fused_on(device: torch.device) -> bool:
     Elsewhere foreach (the CPU's fused kernel rounds differently from the per-tensor one by an ulp;
     foreach's is bitwise the same, measured on torch 2.13)."""
     return device.type == "cuda"
+
+
+def layout_optimizer(dp: DataParallel, mesh: Mesh, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """optim.name's optimizer over what data parallel steps (`dp.optimizer_params()`): AdamW, or Muon on
+    the hidden matrices' pieces with AdamW on the rest (muon.py)."""
+    if cfg.name == "muon":
+        return build_muon(dp, mesh, cfg, build_optimizer)
+    return build_optimizer(dp.optimizer_params(), cfg)
 
 
 def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -43,13 +56,15 @@ def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: OptimConfig
 
 
 @torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
-    """The state AdamW creates at its first step, made now for the tensors that have none: what a
-    checkpoint describes and a resumed optimizer loads into (AdamW continues from it exactly as it
-    would have started). Not done before it is needed: at startup it would be 2x the shards."""
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The state AdamW (and Muon) creates at its first step, made now for the tensors that have none:
+    what a checkpoint describes and a resumed optimizer loads into (each continues from it exactly as
+    it would have started). Not done before it is needed: at startup it would be 2x the shards."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not optimizer.state.get(p):
+            if group.get("kind") == "muon" and not optimizer.state.get(p):
+                optimizer.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+            elif not optimizer.state.get(p):
                 # where AdamW keeps it: on the device when fused (or capturable), else on the CPU
                 on_device = group.get("fused") or group.get("capturable")
                 step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
@@ -57,8 +72,9 @@ def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's lr for this step; Muon's group at its own peak's ratio (optim.muon.lr)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, groups: list[AxisGroup] = (),

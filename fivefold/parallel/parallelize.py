@@ -39,9 +39,10 @@ from fivefold.parallel.data.offload import HostOffload, ParamOffload, apply_offl
 from fivefold.parallel.expert import ExpertParallel, apply_expert_parallel
 from fivefold.parallel.fp8 import apply_fp8
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm, fused_on, init_optimizer_state, set_lr
+from fivefold.parallel.optimizer import clip_grad_norm, fused_on, init_optimizer_state, layout_optimizer, set_lr
 from fivefold.parallel.pipeline.executor import AttentionInputs, PipelineExecutor
 from fivefold.parallel.pipeline.stages import Ahead, apply_pipeline_parallel
+from fivefold.parallel.qk_clip import QKClip
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.state_dict import is_expert_parameter
 from fivefold.parallel.state_memory import ModelStateMeter
@@ -78,9 +79,10 @@ class Parallelized:
     dp: DataParallel  # reduces (ZeRO: shards) the gradients
     cp: ContextParallel  # which tokens of each sequence this rank holds, and their positions
     experts: ExpertParallel  # the group experts are split over (of size 1 without ep); sp's MoE gradient sum
-    optimizer: torch.optim.Optimizer  # AdamW over dp.optimizer_params()
+    optimizer: torch.optim.Optimizer  # AdamW (or Muon with AdamW) over dp.optimizer_params()
     memory: ModelStateMeter  # this rank's model-state bytes, sampled after each chunk's first and last backward
     offload: HostOffload | ParamOffload | None = None  # parallel.offload: the optimizer steps host tensors
+    qk_clip: QKClip | None = None  # optim.qk_clip: heads rescaled after each step
 
     def local_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,6 +147,7 @@ class Parallelized:
         if fused_on(grad_norm.device) and not scaler.enabled and self.offload is None:  # decided on the device
             self.optimizer.found_inf = (~finite).float()  # fused AdamW leaves everything as it was when 1
             self.optimizer.step()
+            self._clip_heads()
             self.optimizer.zero_grad(set_to_none=True)
             self.dp.after_step()
             return StepOutcome(grad_norm, finite, overflow=False, named_gradients=named)
@@ -153,6 +156,7 @@ class Parallelized:
             if self.offload is not None:
                 self.offload.to_host()  # "optimizer": the clipped gradient shards down, waited for
             self.optimizer.step()
+            self._clip_heads()  # on the tensors it stepped (offload: the host's, copied up next)
             if self.offload is not None:
                 self.offload.to_device()  # "optimizer": the updated shards up, before data parallel gathers them
             self._zero_grad()
@@ -164,6 +168,12 @@ class Parallelized:
 
     def _skip(self) -> None:
         self._zero_grad()  # drop this step's gradients: nothing is applied
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
+
+    def _clip_heads(self) -> None:
+        if self.qk_clip is not None:
+            self.qk_clip.clip()
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -247,9 +257,10 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
         compile_blocks(model)
     dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
     offload = apply_offload(dp, cfg)  # with it dp.optimizer_params() are host copies of the shards
-    optimizer = build_optimizer(dp.optimizer_params(), cfg.optim)  # its state comes with its first step
+    optimizer = layout_optimizer(dp, mesh, cfg.optim)  # its state comes with its first step
     memory = ModelStateMeter(dp.params, optimizer, offload)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, seq_divisor=tp.seq_divisor,
                                 after_backward=memory.sample, lanes=mesh.lanes, mtp_weight=cfg.train.mtp_weight)
-    return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory, offload)
+    qk_clip = QKClip(model, dp, mesh, cfg.optim.qk_clip) if cfg.optim.qk_clip else None
+    return Parallelized(model, mesh, pipeline, dp, cp, experts, optimizer, memory, offload, qk_clip)

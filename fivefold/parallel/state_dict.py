@@ -12,8 +12,9 @@ ways to hand them out:
   tests against the single-process model and for export. Collective over the group.
 
 Optimizer state has one format for DDP, ZeRO-1/2 and ZeRO-3: `state.<param>.exp_avg`,
-`exp_avg_sq` and `step`, each moment a DTensor of the whole parameter. Hyperparameters
-(`param_groups.*`) are not saved: they come from the config, which may change on resume.
+`exp_avg_sq` and `step` (Muon's matrices: `momentum_buffer`), each moment a DTensor of the whole
+parameter. Hyperparameters (`param_groups.*`) are not saved: they come from the config, which may
+change on resume.
 """
 
 from __future__ import annotations

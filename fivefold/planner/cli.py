@@ -206,6 +206,8 @@ def _print_estimate(cfg, est, hw, world: int) -> None:
         t.add_row(f"{a} bytes/step", f"{tr.bytes / GB:.3f} GB ({'inter' if tr.inter_node else 'intra'}-node)")
     t.add_row("bubble", f"{est.bubble_ratio:.1%} of compute / {est.bubble_fraction:.1%} of time")
     t.add_row("exposed dp", f"{est.exposed_dp_s * 1e3:.1f} ms")
+    t.add_row("optimizer step", f"{cfg.optim.name}: {est.time_split['optimizer'] * 1e3:.1f} ms"
+              + (" (Newton-Schulz and its all_to_alls included)" if cfg.optim.name == "muon" else ""))
     t.add_row("step time", f"{est.step_time_s:.3f} s")
     t.add_row("tokens/s/GPU", f"{est.tokens_per_s_per_gpu:,.0f}")
     if est.host_memory_bytes:

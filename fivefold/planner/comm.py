@@ -39,8 +39,9 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   sends its node peers' share over NVLink and the rest over the NIC at once, or dispatches as
   DeepSeek-V3's node-limited routing does (expert_comm.py).
 
-Reported per axis for the pipeline rank that sends the most (heaviest_senders); the step's time
-terms keep the busiest rank's (the most FLOPs: compute.busiest_chunk), which sets the pace.
+Reported per axis for the pipeline rank that sends the most (heaviest_senders), Muon's all_to_alls
+merged in (planner/muon_step.py times them in the optimizer step); the step's time terms keep the
+busiest rank's (the most FLOPs: compute.busiest_chunk), which sets the pace.
 
 Time by an alpha-beta model (Hockney 1994; Thakur et al. 2005 for the collective step counts):
 t = steps x alpha + wire bytes / (bandwidth x efficiency), the link being the node's interconnect
@@ -56,6 +57,7 @@ step differ by a factor of two or more); the catalog's one alpha per link serves
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fivefold.config.derive import Derived
@@ -347,19 +349,32 @@ def traffic_row(name: str, tr: AxisTraffic, hw: Hardware) -> Row:
             + hw.sources.get(alpha_source, "profile"))
 
 
+def with_parts(traffic: dict[str, AxisTraffic], parts: dict[str, AxisTraffic], name: str) -> dict[str, AxisTraffic]:
+    """`traffic` with `parts` (by axis, timed) merged in as part `name`, in copies: `traffic` stays as it was."""
+    out = dict(traffic)
+    for axis, part in parts.items():
+        out[axis] = dataclasses.replace(out[axis], op_steps=dict(out[axis].op_steps), merged=dict(out[axis].merged))
+        out[axis].absorb(name, part)
+    return out
+
+
 def heaviest_senders(work: ChunkWork, shares: list[RankShare], counts: ModelCounts, timed: dict[str, AxisTraffic],
-                     d: Derived, hw: Hardware, grad_b: float, param_b: float,
-                     act_bytes: int) -> tuple[dict[str, AxisTraffic], list[Row], list[dict[str, AxisTraffic]]]:
+                     d: Derived, hw: Hardware, grad_b: float, param_b: float, act_bytes: int,
+                     optimizer: list[dict[str, AxisTraffic]] | None = None,
+                     ) -> tuple[dict[str, AxisTraffic], list[Row], list[dict[str, AxisTraffic]]]:
     """Per axis, the traffic of the pipeline rank that sends the most (the first of equals, the
     busiest rank `work.share` if it is one of them), a row naming it where it is not the busiest
     rank, whose `timed` traffic the step's time terms keep (its collectives are on the critical
     path), and every pipeline rank's traffic, by pp rank. The first and last stages send one
     pipeline message per micro-batch and chunk fewer than the middle ones; the last holds the
-    head's and the loss's tp collectives."""
+    head's and the loss's tp collectives. `optimizer`: per pipeline rank (shares' order), the optimizer
+    step's collectives (Muon's), merged in as part "muon"."""
     cfg, busiest = work.cfg, work.share.pp_rank
     per_rank = {s.pp_rank: (timed if s.pp_rank == busiest else rank_traffic(
         cfg, s, sum(1 for b in s.blocks if counts.block(b).experts), work.options, d, hw, grad_b,
         param_b, act_bytes)) for s in shares}
+    for s, parts in zip(shares, optimizer or [], strict=False):
+        per_rank[s.pp_rank] = with_parts(per_rank[s.pp_rank], parts, "muon")
     out, rows = {}, []
     for axis in AXES:
         top = max(per_rank, key=lambda r: (per_rank[r][axis].bytes, r == busiest, -r))

@@ -30,7 +30,8 @@ source of its formula. The step time is the textbook model, term by term:
 6. the optimizer step is memory-bound: it reads and writes about b_p + b_g + 2 b_o bytes per
    parameter of its shard at the HBM bandwidth (a measured pricer: fivefold's own step, timed);
    with offload (parallel.offload) the host steps it instead, and the host
-   link's copies that the compute does not hide are added (offload.py).
+   link's copies that the compute does not hide are added (offload.py). Under Muon (optim.name) its
+   owners' all_to_alls and Newton-Schulz iterations are added, exposed (muon_step.py).
 7. the scalar all-reduces of every step (gradient norm, logged loss), latency only.
 
 What the overlaps of 3-5 hide still takes SMs from the compute beside it (overlap.contention).
@@ -50,7 +51,7 @@ from fivefold.config.schema import Config
 from fivefold.data.resolve import unpadded_vocab
 from fivefold.model.counts import ModelCounts, model_counts
 from fivefold.parallel.pipeline.stage_split import is_automatic_and_uneven, split_note
-from fivefold.planner.comm import AXES, AxisTraffic, heaviest_senders, loss_gathers, step_traffic
+from fivefold.planner.comm import AXES, AxisTraffic, heaviest_senders, loss_gathers, own_part, step_traffic
 from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.conventions import conventions
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
@@ -58,6 +59,7 @@ from fivefold.planner.layout import RankShare, rank_shares, stage_sizes
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, HostPrice, HostWork, Memo, Priced, Row
 from fivefold.planner.memory import BytesPerParam
+from fivefold.planner.muon_step import muon_step
 from fivefold.planner.offload import check_offload, offload_step
 from fivefold.planner.options import DEFAULT, PlanOptions
 from fivefold.planner.overlap import Hidden, contention, ep_hidden, tp_hidden, zero3_hidden, zero3_units
@@ -216,8 +218,9 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     units = M * work.chunks  # (micro-batch, chunk) pairs of a step
     chunk = pricer.chunk(work, hw, memo)
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)  # the busiest rank's: timed
+    muon = muon_step(cfg, d, where.shares, share, hw)  # optim.name = "muon": its all_to_alls and NS5
     sent, sent_rows, by_rank = heaviest_senders(work, where.shares, where.counts, traffic, d, hw, grad_b, param_b,
-                                                act_bytes)
+                                                act_bytes, muon.by_rank)
     # tp collectives that are autograd Functions of their own (the loss's all-gathers sit inside one)
     loss_calls = sum(n for _, n in loss_gathers(cfg, d.local_seq_len)) if share.last else 0
     tp_calls = traffic["tp"].calls - M * loss_calls
@@ -240,6 +243,7 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
            else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
                              work.chunks * b_cost))
+    opt = Priced(opt.seconds + muon.priced.seconds, opt.explain + muon.priced.explain)  # Muon's, exposed
     held = inflight_blocks(cfg, d, where.sizes, memo)
     mem = rank_memory(cfg, d, where.shares, held, b, act_bytes, implementation, hw, options)
     overlaps = {h.switch: h for h in (tp, zero3, ep, dp.switch, dp.gather)}
@@ -263,7 +267,8 @@ def _assemble(cfg: Config, world_size: int, hw: Hardware, where: _Where, terms: 
     flops = step_flops(cfg, d.vocab_size, options.causal_flops, options.document_tokens,
                        options.selective_ac == "per_op")
     mfu, hfu = flops.utilization(step, world_size, hw.peak_flops)
-    figures, figures_row = conventions(cfg, d, t.sent, flops, step, hw.peak_flops, t.mem.activations,
+    papers = {a: own_part(tr) for a, tr in t.sent.items()}  # without the optimizer's (Muon's) all_to_alls
+    figures, figures_row = conventions(cfg, d, papers, flops, step, hw.peak_flops, t.mem.activations,
                                        where.work.act_bytes)
     stages = [("pipeline stages", split_note(cfg, tuple(where.sizes)).partition(": ")[2],
                "parallel/pipeline/stage_split.py (the runtime's split)")] if is_automatic_and_uneven(cfg) else []

@@ -27,6 +27,9 @@ Options of other trainers (options.py; fivefold runs both offloads and FP8 weigh
   as before; the embedding and head stay in bf16 (torchtitan's float8 converts the linear layers
   but the output head; the embedding is no linear layer). fp8 compute keeps FP8 copies of the
   linear layers' inputs for backward (activations.fp8_matmul_input_elements).
+- optim.name = "muon" (planner/muon.py): the hidden matrices keep one fp32 moment, not AdamW's two,
+  so their optimizer state is 4 bytes less per element (b_o - 4: 8 at 2,2,12; fivefold's own 4
+  under DDP, 8 per ZeRO shard element with its fp32 master), on the host under offload.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from fivefold.planner.activations import (
     routed_expert_elements_per_token,
 )
 from fivefold.planner.layout import RankShare
+from fivefold.planner.muon import MOMENT_BYTES, state_elements
 from fivefold.planner.options import DEFAULT, PlanOptions
 
 # The gradient partition on the host is fp32: DeepSpeed's CPU Adam steps fp32 gradients, and its
@@ -100,7 +104,8 @@ def largest_fitting_model(memory_bytes: float, b: BytesPerParam, zero: int, n: i
     return memory_bytes / model_state_bytes(1.0, b, zero, n)["total"]
 
 
-def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) -> dict[str, float]:
+def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int,
+                         moments: int = 2) -> dict[str, float]:
     """What fivefold's own data-parallel code holds, as its metrics log samples it (after each
     micro-batch's backward): weights and gradients stay fp32 whatever train.dtype (autocast
     computes in bf16), AdamW keeps two fp32 moments (DDP), and ZeRO steps fp32 master shards
@@ -113,17 +118,20 @@ def fivefold_state_bytes(cfg: Config, params: float, n: int, grad_accum: int) ->
     "params" (ZeRO-3) the host master is the parameter shard: the same 16 bytes on the host (no
     parameter copy beside it, where ZeRO's accounting adds b_p), and the device keeps neither the
     fp32 shard nor its gradient (each gather's staging buffer lives only while the gather runs).
+    `moments`: fp32 moments per element, AdamW's 2 or Muon's 1 (its momentum_buffer).
     """
     zero, offload = cfg.parallel.zero, cfg.parallel.offload if cfg.parallel.zero > 0 else "none"
     if zero == 0:
-        out = {"params": 4.0 * params, "grads": 4.0 * params, "optimizer": 8.0 * params}
+        out = {"params": 4.0 * params, "grads": 4.0 * params, "optimizer": MOMENT_BYTES * moments * params}
     else:
         # ZeRO-1 with accumulation: the largest sample is a non-last micro-batch's, full gradient
         # held and the shard's gradient not yet made (it is dropped after each optimizer step)
         grads = 4.0 * params if zero == 1 and grad_accum > 1 else 4.0 * params / n
         out = {"params": 0.0 if zero == 3 else 4.0 * params, "grads": 0.0 if offload == "params" else grads,
-               "optimizer": {"none": 12.0, "optimizer": 4.0, "params": 0.0}[offload] * params / n}
-    host = (12.0 + HOST_GRAD_BYTES) * params / n if offload != "none" else 0.0  # master + 2 moments, gradient
+               "optimizer": {"none": 4.0 + MOMENT_BYTES * moments, "optimizer": 4.0, "params": 0.0}[offload]
+               * params / n}
+    host = ((4.0 + MOMENT_BYTES * moments + HOST_GRAD_BYTES) * params / n  # master, moments, gradient
+            if offload != "none" else 0.0)
     return {**out, "total": sum(out.values()), "host": host}
 
 
@@ -144,17 +152,24 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
     """A pipeline rank's model state, ZeRO's accounting (or fivefold's own with `implementation`,
     whose ZeRO-3 counts no gathered weights, FP8 or not, and whose parameter offload keeps no
     parameter copy beside the host master) over state_parts, under `options`' offload and FP8
-    weights; "host" is what offload keeps on the host for this rank."""
+    weights; "host" is what offload keeps on the host for this rank. Under Muon its matrices in
+    each part keep one fp32 moment fewer (module docstring)."""
     p = cfg.parallel
     if implementation and options.offload != p.offload:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=options.offload))
+    dense_muon, expert_muon = state_elements(cfg, share)
     states = []
-    for n_params, n, vocab in state_parts(cfg, d, share, options):
-        if implementation:
-            states.append(fivefold_state_bytes(cfg, n_params, n, d.grad_accum))
-            continue
-        state = model_state_bytes(n_params, b if vocab else with_fp8_weights(b, options), p.zero, n)
-        states.append(offload_state(state, n_params, p.zero, n, options.offload))
+    # state_parts' order: dense, vocabulary (all AdamW's), experts
+    for (n_params, n, vocab), muon in zip(state_parts(cfg, d, share, options), (dense_muon, 0, expert_muon),
+                                          strict=True):
+        for count, moments in ((n_params - muon, 2), (muon, 1)):
+            if implementation:
+                states.append(fivefold_state_bytes(cfg, count, n, d.grad_accum, moments))
+                continue
+            bp = b if vocab else with_fp8_weights(b, options)
+            bp = bp if moments == 2 else dataclasses.replace(bp, optimizer=bp.optimizer - MOMENT_BYTES)
+            state = model_state_bytes(count, bp, p.zero, n)
+            states.append(offload_state(state, count, p.zero, n, options.offload))
     return {k: sum(st[k] for st in states) for k in states[0]}
 
 

@@ -42,6 +42,7 @@ from fivefold.parallel.comm.arrivals import collective_deadlines
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.comm.compat import require_supported_torch
 from fivefold.parallel.mesh import Mesh, device_for
+from fivefold.parallel.muon import optimizer_split_note
 from fivefold.parallel.parallelize import Parallelized, parallelize
 from fivefold.parallel.pipeline.stage_split import split_note, stage_split
 from fivefold.train.gc_policy import collect_between_steps
@@ -257,6 +258,8 @@ def _steps(run: Run, start: int, resumed_from: Path | None, prediction: dict | N
     note = split_note(cfg, stage_split(cfg, run.derived.vocab_size))
     if note:  # an automatic uneven split is said (and saved in the layout event, step_log.py)
         log.print(note)
+    if cfg.optim.name == "muon":  # which parameters Muon takes and which AdamW keeps (the first stage's)
+        log.print(optimizer_split_note(list(run.par.model.named_parameters())))
     checkpoints = CheckpointWriter(log.run_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save, log.world)
     result = TrainResult(run_dir=log.run_dir, start_step=start)
     stopped, stop_request = False, StopRequest() if elastic is not None else contextlib.nullcontext()

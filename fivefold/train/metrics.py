@@ -22,6 +22,8 @@ Keys of a step record (later features add keys; none is ever renamed):
 | tokens_per_s | tokens / step_time_s, for the whole job |
 | comm | {axis: {calls, bytes, wire_bytes}} counted through parallel/comm/collectives.py during the step |
 | model_state_bytes | {params, grads, optimizer, total}: bytes rank 0 held, largest sample after each micro-batch's backward (storages counted once) |
+| muon | optim.name = "muon" only: {ns_flops, exchange_bytes}: rank 0's Newton-Schulz FLOPs in the step (the matrices it owns, parallel/muon.py) and the bytes its owners' exchange sent to other ranks (gathers and returns, bf16; also inside `comm`, under dp and tp) |
+| qk_clip | optim.qk_clip > 0 only: {max_logit, clipped_heads}: the largest pre-softmax logit of the step over rank 0's pipeline stage's heads (all ranks holding them), and how many of those heads QK-clip scaled down after it (parallel/qk_clip.py) |
 | offload | parallel.offload != "none" only: {d2h_bytes, h2d_bytes, host_bytes, pinned_bytes}: rank 0's gradient shard bytes copied to the host and fp32 shard bytes copied to the device during the step (parallel/data/offload.py: "optimizer" the updated shards after the step, "params" every gather's shards), the bytes of its host tensors (fp32 masters, gradient buffers, AdamW's state), and of those the one flat buffer of masters and gradient buffers, page-locked on CUDA (on a CPU device what a GPU would pin) |
 | val_loss | mean validation token loss (only on steps that evaluate) |
 | loss_scale, skipped | fp16 only: the loss scale after the step, and whether an overflow skipped it |

@@ -104,7 +104,7 @@ def _size_errors(cfg: Config) -> list[str]:
 
 
 def _optimizer_errors(cfg: Config) -> list[str]:
-    """The learning-rate schedule, AdamW, fp16 loss scaling and the device."""
+    """The learning-rate schedule, AdamW, Muon, fp16 loss scaling and the device."""
     t, o = cfg.train, cfg.optim
     errors = []
     err = errors.append
@@ -123,6 +123,21 @@ def _optimizer_errors(cfg: Config) -> list[str]:
             err(f"{key} = {value}: must be within [0, 1)")
     if o.eps <= 0:
         err(f"optim.eps = {o.eps}: must be > 0")
+    m = o.muon
+    if m.lr < 0 or not 0 <= m.momentum < 1 or m.ns_steps < 1:
+        err(f"optim.muon: lr = {m.lr} (>= 0, 0 = optim.lr), momentum = {m.momentum} (within [0, 1)), ns_steps = "
+            f"{m.ns_steps} (>= 1)")
+    if o.qk_clip < 0:
+        err(f"optim.qk_clip = {o.qk_clip}: must be >= 0 (0 = off)")
+    elif o.qk_clip and cfg.model.attention.backend in ("sdpa", "flex"):
+        err(f"optim.qk_clip reads each head's largest logit from the blockwise path's tiles, but "
+            f"model.attention.backend = '{cfg.model.attention.backend}' gives none: set backend = 'auto'")
+    elif o.qk_clip and cfg.model.norm.qk:
+        err("optim.qk_clip scales W_q and W_k, which model.norm.qk normalises away: set qk_clip = 0, "
+            "or norm.qk = false")
+    if o.name == "muon" and cfg.parallel.offload != "none":
+        err(f"optim.name = 'muon' is not built yet with parallel.offload = '{cfg.parallel.offload}' (its owners "
+            "gather the matrices' pieces on the device): set offload = 'none', or optim.name = 'adamw'")
     if t.loss_scale < 0 or t.min_loss_scale <= 0 or t.loss_scale_window < 1 or not 0 <= t.initial_scale_power <= 64:
         err(f"fp16 loss scaling: train.loss_scale = {t.loss_scale} (>= 0, 0 = dynamic), min_loss_scale = "
             f"{t.min_loss_scale} (> 0), loss_scale_window = {t.loss_scale_window} (>= 1), initial_scale_power = "

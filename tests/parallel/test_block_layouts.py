@@ -34,14 +34,17 @@ DIMENSIONS = {
 LAYOUTS = {f"{family}-{dim}": (FAMILIES[family][0], Layout(2, overrides, FAMILIES[family][1], param_atol=atol))
            for family in FAMILIES for dim, (overrides, atol) in DIMENSIONS.items()}
 # bf16 autocast (helpers.BF16): OLMo 2's fp32 norm weights and its q/k norm's sum of squares over tp, Gemma's
-# (1 + weight) norms and split biases on bf16 products. OLMo 2 within 5x its noise, not 3x: its post norms
+# (1 + weight) norms and split biases on bf16 products. OLMo 2 within 7x its noise, not 3x: its post norms
 # normalise each block's output straight into the residual, so the extra bf16 roundings of tp's row-parallel
 # partial sums (each rank's product rounded, then their sum, as Megatron's tp rounds them; one process
 # rounds the whole product once) reach the next block unscaled. Measured: step-2 gradient norm 1.2e-2
 # from one process in bf16 (3.4x its 3.6e-3 from fp32; one process at micro-batch 4 instead of 8: 0.8x),
-# the step-1 norm, same weights, 0.26x; Gemma (sandwich norms) within 3x.
+# the step-1 norm, same weights, 0.26x; Gemma (sandwich norms) within 3x. On a CPU with avx512_bf16
+# (AMD EPYC, 2026-12-07) the layout's gap is the same, 1.02e-2, but one process's own bf16 gap from fp32
+# is 1.95e-3 (its bf16 matmuls round otherwise): 5.2x, hence 7, which a dropped mask or norm (percents)
+# still exceeds by far.
 BF16_TP = ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4", *BF16)
-LAYOUTS["olmo2-tp2-sp-bf16"] = (OLMO2_ARGS, Layout(2, BF16_TP, "olmo2_reference", noise=5.0))
+LAYOUTS["olmo2-tp2-sp-bf16"] = (OLMO2_ARGS, Layout(2, BF16_TP, "olmo2_reference", noise=7.0))
 LAYOUTS["gemma-tp2-sp-bf16"] = (GEMMA_ARGS, Layout(2, BF16_TP, "gemma_reference"))
 
 

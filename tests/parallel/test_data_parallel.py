@@ -8,7 +8,7 @@ only padding, which is exactly where a per-rank mean loss would go wrong.
 
 import pytest
 import torch
-from helpers import BF16, EQUIVALENCE, Layout, assert_row, tiny_config, train_and_gather
+from helpers import BF16, EQUIVALENCE, MUON, MUON_ROW, Layout, assert_row, tiny_config, train_and_gather
 
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.loop import build_datasets
@@ -41,6 +41,11 @@ LAYOUTS = {  # against `reference`, on EQUIVALENCE
     # bf16 autocast (helpers.BF16): ZeRO-3's gathers, accumulation and reduce-scatters (DDP and ZeRO-1/2
     # reduce the same fp32 gradients of fp32 weights in either dtype)
     "zero3-dp2-accum2-bf16": Layout(2, ("--train.micro_batch=2", "--parallel.zero=3", *BF16)),
+    # Muon (helpers.MUON): each matrix gathered from ZeRO's rows to its owner, orthogonalised once;
+    # in bf16 the same, its owners' exchange in bf16 as always
+    "zero2-dp2-accum2-muon": Layout(2, ("--train.micro_batch=2", "--parallel.zero=2", *MUON), **MUON_ROW),
+    "zero3-dp2-muon-bf16": Layout(2, ("--train.micro_batch=4", "--parallel.zero=3", MUON[0], *BF16),
+                                  reference="muon_reference"),
 }
 
 

@@ -10,6 +10,7 @@ from helpers import (
     BF16,
     EQUIVALENCE,
     MOE_ARGS,
+    MUON,
     Layout,
     assert_layout_reproduces,
     mesh_of,
@@ -407,6 +408,9 @@ MOE_TRAINING = {  # on EQUIVALENCE and helpers.MOE_ARGS
     "hsdp2x2-ep2-zero2": Layout(4, ("--parallel.ep=2", "--parallel.zero=2", "--parallel.dp_replicate=2",
                                     "--train.micro_batch=1"), **MOE_ROW),
     "dp4-ep2-zero3": Layout(4, ("--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=1"), **MOE_ROW),
+    # Muon (helpers.MUON): each expert its own matrix, its rows gathered over expert_dp to its owner
+    "dp4-ep2-zero1-muon": Layout(4, ("--parallel.ep=2", "--parallel.zero=1", "--train.micro_batch=1", *MUON),
+                                 **{**MOE_ROW, "reference": "muon_moe_reference", "param_atol": 5e-4}),
     # DeepSeek-V3's recipe scaled down: ZeRO-1 + EP + PP (its DualPipe as DualPipeV).
     "pp2-ep2-zero1-dualpipe_v": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=1",
                                            "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",

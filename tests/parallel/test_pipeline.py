@@ -10,7 +10,18 @@ sends in the order its neighbour receives (fivefold/parallel/pipeline/messages.p
 
 import pytest
 import torch
-from helpers import BF16, EQUIVALENCE, TIED_ARGS, Layout, assert_reproduces, assert_row, tiny_config, train_and_gather
+from helpers import (
+    BF16,
+    EQUIVALENCE,
+    MUON,
+    MUON_ROW,
+    TIED_ARGS,
+    Layout,
+    assert_reproduces,
+    assert_row,
+    tiny_config,
+    train_and_gather,
+)
 
 from fivefold.checkpoint.run_dir import run_dir_of
 from fivefold.config.derive import derive
@@ -48,6 +59,9 @@ LAYOUTS = {  # against `reference`, on EQUIVALENCE
                            "--train.micro_batch=1")),
     "1f1b-pp2-dp2": Layout(4, ("--parallel.pp=2", "--train.micro_batch=2")),
     "1f1b-pp2-dp2-zero1": Layout(4, ("--parallel.pp=2", "--parallel.zero=1", "--train.micro_batch=1")),
+    # Muon (helpers.MUON): each stage orthogonalises its own matrices, their owners over its ZeRO shards
+    "zb_h1-pp2-dp2-zero3-muon": Layout(4, ("--parallel.pp=2", "--parallel.pp_schedule=zb_h1", "--parallel.zero=3",
+                                           "--train.micro_batch=1", *MUON), **MUON_ROW),
     "1f1b-pp2-layers-5-3": Layout(2, ("--parallel.pp=2", "--parallel.stage_layers=[5, 3]", "--train.micro_batch=2")),
     # ZeRO-2 reduce-scatters each chunk's gradients on every backward (B or W) of that chunk.
     "1f1b-pp2-dp2-zero2": Layout(4, ("--parallel.pp=2", "--parallel.zero=2", "--train.micro_batch=1")),

@@ -6,6 +6,8 @@ from helpers import (
     BF16,
     EQUIVALENCE,
     MLA_ARGS,
+    MUON,
+    MUON_ROW,
     TIED_ARGS,
     Layout,
     assert_layout_reproduces,
@@ -144,6 +146,9 @@ LAYOUTS = {  # on EQUIVALENCE, or TIED_ARGS for the tied ones
                                    "--train.micro_batch=2"), param_atol=3e-4),
     "pp2-tp2-sp-zb": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2",
                                 "--parallel.pp_schedule=zb_h1", "--train.micro_batch=2"), param_atol=3e-4),
+    # Muon (helpers.MUON): each matrix's tp slices, and ZeRO's rows of them, gathered to one owner
+    "dp2-tp2-sp-zero1-muon": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=1",
+                                        "--train.micro_batch=2", *MUON), **MUON_ROW),
     # bf16 autocast (helpers.BF16): the split vocabulary's loss on bf16 logits, tp's partial sums rounded to
     # bf16, sp, and a split backward, composed (tp2 + sp alone: test_tp_overlap.py's bf16 row, the blocking
     # path's numbers bit for bit)

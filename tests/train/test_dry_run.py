@@ -63,6 +63,14 @@ PUBLISHED = {
     "3d-llama3-8b-mtp-64": (64, "llama3-8b", ["--parallel.tp=2", "--parallel.pp=4", "--parallel.zero=2",
                                               "--parallel.sp=true", "--train.global_batch=512",
                                               "--model.mtp_layers=1", "--train.loss_chunk=0"]),
+    # Muon (optim.name): one fp32 momentum per hidden-matrix element, AdamW's two moments on the rest,
+    # under ZeRO-2 (with its fp32 masters) and under DDP with experts split by ep (planner/muon.py)
+    "3d-llama3-8b-zero2-muon-64": (64, "llama3-8b", ["--parallel.tp=2", "--parallel.pp=4", "--parallel.zero=2",
+                                                     "--parallel.sp=true", "--train.global_batch=512",
+                                                     "--optim.name=muon"]),
+    "mixtral-8x22b-muon-256": (256, "mixtral-8x22b", ["--parallel.tp=4", "--parallel.pp=4", "--parallel.ep=8",
+                                                      "--parallel.zero=0", "--train.global_batch=512",
+                                                      "--train.recompute=full", "--optim.name=muon"]),
 }
 H100 = 80e9
 

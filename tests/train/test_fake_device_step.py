@@ -38,6 +38,7 @@ from helpers import (
     MASKS_ON,
     MLA_ARGS,
     MOE_ARGS,
+    MUON,
     TIED_ARGS,
     Layout,
     document_args,
@@ -55,7 +56,8 @@ MOE_SITES = ("moe.local_dispatch", "expert.__call__")
 def base_args(reference: str, docs: Path) -> tuple[str, ...]:
     """The arguments of the single-process reference a row names (tests/conftest.py's fixtures)."""
     known = {"reference": EQUIVALENCE, "tied_reference": TIED_ARGS, "moe_reference": (*EQUIVALENCE, *MOE_ARGS),
-             "mla_reference": (*EQUIVALENCE, *MLA_ARGS),
+             "mla_reference": (*EQUIVALENCE, *MLA_ARGS), "muon_reference": (*EQUIVALENCE, *MUON),
+             "muon_moe_reference": (*EQUIVALENCE, *MOE_ARGS, *MUON),
              "documents_reference": document_args(docs, *DOCUMENTS_ON),
              "masks_reference": document_args(docs, *MASKS_ON),
              "masks_moe_reference": document_args(docs, *MASKS_ON, *MOE_ARGS)}

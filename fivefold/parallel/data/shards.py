@@ -14,10 +14,11 @@ For the collectives a bucket lays its parameters out rank-major (rank 0's rows o
 parameter, then rank 1's, ...), so one reduce-scatter hands each rank exactly its rows and one
 all-gather returns every rank's.
 
-State: the same keys as DDP's flattened optimizer state ("state.<param>.exp_avg", ...), each moment
-a DTensor of the whole parameter, so a checkpoint moves between DDP, ZeRO-1/2/3 and any dp or tp
-degree. The fp32 masters are not saved: they equal the fp32 parameters, which the model state
-holds, and they are rebuilt from them on load (ZeRO-3 loads its shards directly).
+State: the same keys as DDP's flattened optimizer state ("state.<param>.exp_avg", ...; Muon's
+"state.<param>.momentum_buffer"), each moment a DTensor of the whole parameter, so a checkpoint
+moves between DDP, ZeRO-1/2/3 and any dp or tp degree. The fp32 masters are not saved: they equal
+the fp32 parameters, which the model state holds, and they are rebuilt from them on load (ZeRO-3
+loads its shards directly).
 """
 
 from __future__ import annotations
@@ -191,23 +192,23 @@ class ZeroShards:
         out = {}
         for p in params:
             state, name = optimizer.state[self.stepped[id(p)]], self.names[id(p)]
-            out[f"state.{name}.exp_avg"] = self.dtensor(p, state["exp_avg"])
-            out[f"state.{name}.exp_avg_sq"] = self.dtensor(p, state["exp_avg_sq"])
-            out[f"state.{name}.step"] = state["step"]
+            for key, value in state.items():  # AdamW's moments and step, Muon's momentum_buffer
+                out[f"state.{name}.{key}"] = value if key == "step" else self.dtensor(p, value)
         return out
 
     @torch.no_grad()
     def load_optim_state_dict(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, state: dict) -> None:
         for p in params:
             mine, name, zd = optimizer.state[self.stepped[id(p)]], self.names[id(p)], self.zero_dims[id(p)]
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in [k for k in mine if k != "step"]:
                 rows = state[f"state.{name}.{key}"].to_local().movedim(zd, 0)
                 target = mine[key][: rows.shape[0]]
                 # A checkpoint is read into the views optim_state_dict() made of these moments: then
                 # the rows are already in place (strides of a size-1 dim may differ; the memory does not).
                 if (rows.data_ptr(), rows.shape) != (target.data_ptr(), target.shape):
                     target.copy_(rows)
-            mine["step"].copy_(state[f"state.{name}.step"])
+            if "step" in mine:
+                mine["step"].copy_(state[f"state.{name}.step"])
 
 
 class ShardedOptimizer:
