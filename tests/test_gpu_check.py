@@ -36,6 +36,8 @@ CHECKS = {
                   "flex (documents, window, sinks) vs fp32 rule, T=128", "flex at T=32768: peak memory (GB)"],
     "compile": ["compile (aot_eager) vs eager, no recompute", "compile (aot_eager) vs eager, full recompute",
                 "chunked loss vs the whole loss"],
+    "optimizer": ["muon vs torch.optim.Muon + AdamW, one process", "muon bf16 step vs fp32",
+                  "qk_clip holds the largest logit at tau (bf16)"],
     "training": [f"tiny {r} eager: {what}" for r in ("fivefold", "plain")
                  for what in ("tokens/s", "MFU", "peak memory / planner")] + [
         "tiny eager: fivefold / plain tokens/s", "tiny compiled: fivefold / plain tokens/s"],

@@ -13,6 +13,10 @@
 - compile: the blocks compiled (inductor on CUDA; aot_eager on the CPU, which needs no C++ compiler)
   against eager, without and with full recompute; the chunked loss (train.loss_chunk, issue 51)
   against the whole micro-batch's, eager.
+- optimizer: Muon (optim.name = "muon", issue 52) on one process against torch.optim.Muon and
+  torch.optim.AdamW on the same split, from the same random gradients, on the device (bf16
+  Newton-Schulz on its matmuls); a bf16 Muon step's losses against fp32's; QK-clip (optim.qk_clip)
+  clipping heads from the blockwise tiles' largest logits.
 Losses are compared as the largest relative gap over `STEPS` steps from the same seeded start.
 On the CPU (--tiny) every check runs its code path at small sizes.
 """
@@ -218,4 +222,83 @@ def compile_(part: PartLog, ctx: Context) -> None:
     part.run("chunked loss vs the whole loss", chunked_loss, 10)
 
 
-PARTS = {"precision": precision, "moe": moe, "sharding": sharding, "attention": attention, "compile": compile_}
+# ---- optimizer -------------------------------------------------------------------------------------
+def optimizer(part: PartLog, ctx: Context) -> None:
+    def bf16_muon():
+        gap = relative_gap(ctx.run("bf16", "--optim.name=muon")[0], ctx.run("fp32", "--optim.name=muon")[0])
+        return at_most(gap, BF16_GAP, "largest relative loss gap, Muon in bf16 against fp32")
+
+    def qk_clip():
+        """The last step's largest logit: 0.103 unclipped on the CPU (tau 1e9 records it and clips
+        nothing), held to about tau = 0.05 by the clip (the step after a clip may pass it by a step's
+        growth: 10% allowed, which the unclipped logit must exceed for the check to mean anything)."""
+        tau = 0.05
+        free = ctx.run("bf16", "--optim.name=muon", "--optim.qk_clip=1e9")[1].get("qk_clip", {})
+        got, record = ctx.run("bf16", "--optim.name=muon", f"--optim.qk_clip={tau}")
+        clipped = record.get("qk_clip", {}).get("max_logit", math.nan)
+        detail = {"unclipped": free, "clipped": record.get("qk_clip"), "losses": got}
+        if not free.get("max_logit", 0.0) > 1.1 * tau:  # the bound would not tell clipped from not
+            return free.get("max_logit"), f"> {1.1 * tau:g} unclipped", False, detail
+        return at_most(clipped if math.isfinite(clipped) else math.inf, 1.1 * tau, detail)
+
+    part.run("muon vs torch.optim.Muon + AdamW, one process", lambda: muon_vs_torch(ctx), 5)
+    part.run("muon bf16 step vs fp32", bf16_muon, 10)
+    part.run("qk_clip holds the largest logit at tau (bf16)", qk_clip, 10)
+
+
+def muon_vs_torch(ctx: Context):
+    """Three steps of seeded random gradients on the tiny MoE model (each expert its own matrix):
+    fivefold's Muon against torch.optim.Muon on the same matrices (an expert as its (out, in) Linear)
+    and AdamW on the rest; the largest parameter difference relative to the parameters' largest."""
+    import dataclasses
+
+    from fivefold.config.load import load_config
+    from fivefold.model.transformer import Transformer
+    from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+    from fivefold.parallel.muon import build_muon, is_muon_matrix
+    from fivefold.parallel.optimizer import build_optimizer
+
+    class OneRank:  # DDP's view on one process: the optimizer steps the parameters themselves
+        def __init__(self, model):
+            self.model, self.params = model, list(model.parameters())
+
+        def optimizer_params(self):
+            return self.params
+
+        def group(self, name):
+            return AxisGroup(name=name, label=name, pg=None, size=1, rank=0, stats=CommStats())
+
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["--model.preset=tiny-moe", "--optim.name=muon"])
+    with torch.device(ctx.device):
+        model = Transformer(dataclasses.replace(cfg.model, vocab_size=64))
+    model.init_weights()
+    ours = build_muon(OneRank(model), OneRank(model), cfg.optim, build_optimizer)
+    leaves = {}
+    for n, p in model.named_parameters():
+        pieces = {f"{n}[{e}]": p[e].T for e in range(p.shape[0])} if p.ndim == 3 and is_muon_matrix(n, p) else {n: p}
+        leaves |= {k: v.detach().clone().contiguous().requires_grad_() for k, v in pieces.items()}
+    muon = [t for k, t in leaves.items() if is_muon_matrix(k.split("[")[0], t)]
+    reference = [torch.optim.Muon(muon, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                  adjust_lr_fn=cfg.optim.muon.adjust_lr),
+                 build_optimizer([t for t in leaves.values() if all(t is not m for m in muon)], cfg.optim)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for n, p in model.named_parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(ctx.device)
+            for k, t in leaves.items():
+                if k == n or k.startswith(n + "["):
+                    t.grad = p.grad[int(k[len(n) + 1:-1])].T.contiguous() if k != n else p.grad.clone()
+        ours.step()
+        for opt in reference:
+            opt.step()
+    gaps = []
+    for n, p in model.named_parameters():
+        mine = [p[e].T for e in range(p.shape[0])] if p.ndim == 3 and is_muon_matrix(n, p) else [p]
+        theirs = [t for k, t in leaves.items() if k == n or k.startswith(n + "[")]
+        gaps += [float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1e-12))
+                 for a, b in zip(mine, theirs, strict=True)]
+    return at_most(max(gaps), 1e-6, "largest relative parameter difference (0 on the CPU: bit for bit)")
+
+
+PARTS = {"precision": precision, "moe": moe, "sharding": sharding, "attention": attention, "compile": compile_,
+         "optimizer": optimizer}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # The parts of each stage, in the order they run (each its own JSONL file: <part>.jsonl).
-STAGES = {"correct": ("precision", "moe", "sharding", "attention", "compile"),
+STAGES = {"correct": ("precision", "moe", "sharding", "attention", "compile", "optimizer"),
           "speed": ("training", "fp8", "loss_chunk", "roofline", "calibrate")}
 SUMMARY = "summary.md"
 LOG = "stderr.log"

@@ -131,36 +131,52 @@ class Muon(torch.optim.Optimizer):
             self.adamw.found_inf = found_inf
         self.adamw.step()
         group = self.param_groups[0]
-        tensors = [t for t in self.pieces if t.grad is not None]
-        for t in tensors:
-            if "momentum_buffer" not in self.state[t]:
-                self.state[t]["momentum_buffer"] = torch.zeros_like(t)
-        bufs = [self.state[t]["momentum_buffer"] for t in tensors]
-        grads = [t.grad for t in tensors]
-        mu = group["momentum"]
-        updates = []
-        for buf, g in zip(bufs, grads, strict=True):
-            buf.lerp_(g, 1 - mu)
-            updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)
-        orthogonal = self._orthogonalise(tensors, updates, group["ns_steps"])
-        lr = group["lr"]
-        for t in tensors:
-            t.mul_(1 - lr * group["weight_decay"])
+        mu, steps = group["momentum"], group["ns_steps"]
+        self.flops = 0
+        travel: dict[str, torch.Tensor] = {}  # the pieces of the matrices the layout cuts, bf16
+        waiting = []  # their tensors: stepped once the results are back
+        # Tensor by tensor, so that one fp32 update is alive at a time: a matrix this rank holds whole
+        # is orthogonalised and applied at once; a cut one's piece is cast (NS5's first step,
+        # elementwise) and waits for the exchange.
+        for t in [t for t in self.pieces if t.grad is not None]:
+            state = self.state[t]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(t)
+            buf = state["momentum_buffer"]
+            buf.lerp_(t.grad, 1 - mu)
+            update = t.grad.lerp(buf, mu) if group["nesterov"] else buf
+            whole = {pc.matrix.name: self._orthogonal(pc, pc.view(update), steps)
+                     for pc in self.pieces[t] if not pc.matrix.splits}
             for pc in self.pieces[t]:
-                shape = pc.matrix.shape[::-1] if pc.linear else pc.matrix.shape
-                pc.view(t).add_(orthogonal[pc.matrix.name], alpha=-adjusted_lr(lr, shape, group["adjust_lr"]))
+                if pc.matrix.splits:
+                    travel[pc.matrix.name] = pc.view(update).to(torch.bfloat16)
+            if len(whole) == len(self.pieces[t]):
+                self._apply(t, whole, group)
+            else:
+                waiting.append((t, whole))
+        results = self._exchange(travel, [pc for t, _ in waiting for pc in self.pieces[t] if pc.matrix.splits],
+                                 steps)
+        for t, whole in waiting:
+            self._apply(t, {**whole, **results}, group)
 
-    def _orthogonalise(self, tensors: list[torch.Tensor], updates: list[torch.Tensor],
-                       steps: int) -> dict[str, torch.Tensor]:
-        """Every matrix's NS5 result, this rank's piece of it: the pieces of U gathered to each
+    def _orthogonal(self, pc: Piece, whole: torch.Tensor, steps: int) -> torch.Tensor:
+        """NS5 of one whole matrix, as its Linear (out, in) (an expert's stored (in, out) transposed)."""
+        self.flops += ns_flops(pc.matrix.shape, steps)
+        return newton_schulz(whole.T, steps).T if pc.linear else newton_schulz(whole, steps)
+
+    def _apply(self, t: torch.Tensor, orthogonal: dict[str, torch.Tensor], group: dict) -> None:
+        """Decoupled weight decay, then each matrix's orthogonalised update at its adjusted rate."""
+        lr = group["lr"]
+        t.mul_(1 - lr * group["weight_decay"])
+        for pc in self.pieces[t]:
+            shape = pc.matrix.shape[::-1] if pc.linear else pc.matrix.shape
+            pc.view(t).add_(orthogonal[pc.matrix.name], alpha=-adjusted_lr(lr, shape, group["adjust_lr"]))
+
+    def _exchange(self, pieces: dict[str, torch.Tensor], cut: list[Piece], steps: int) -> dict[str, torch.Tensor]:
+        """The cut matrices' NS5 results, this rank's piece of each: the pieces (bf16) gathered to each
         matrix's owner stage by stage, orthogonalised there, and sent back the way they came."""
-        pieces: dict[str, torch.Tensor] = {}
-        for t, u in zip(tensors, updates, strict=True):
-            for pc in self.pieces[t]:
-                # NS5's first step, elementwise, before the pieces travel (whole ones: NS5 casts its copy)
-                pieces[pc.matrix.name] = pc.view(u).to(torch.bfloat16) if pc.matrix.splits else pc.view(u)
-        matrices = [pc.matrix for t in tensors for pc in self.pieces[t]]
-        stats = next((m.splits[0].group.stats for m in matrices if m.splits), None)  # the mesh's counters
+        matrices = [pc.matrix for pc in cut]
+        stats = next((m.splits[0].group.stats for m in matrices), None)  # the mesh's counters
         sent_before = _wire_bytes(stats)
         shapes: list[dict[str, torch.Size]] = []
         stages = []
@@ -169,15 +185,9 @@ class Muon(torch.optim.Optimizer):
             shapes.append({m.name: pieces[m.name].shape for m, _ in cuts})
             stages.append(cuts)
             pieces.update(gather_to_owners(pieces, cuts))
-        linear = {pc.matrix.name: pc.linear for t in tensors for pc in self.pieces[t]}
-        self.flops = 0
-        results = {}
-        for m in matrices:
-            if m.owned():
-                whole = pieces[m.name]
-                results[m.name] = newton_schulz(whole.T, steps).T if linear[m.name] else newton_schulz(whole, steps)
-                self.flops += ns_flops(m.shape, steps)
-        like = torch.empty(0, dtype=torch.bfloat16, device=tensors[0].device if tensors else None)  # what travels
+        results = {pc.matrix.name: self._orthogonal(pc, pieces[pc.matrix.name], steps) for pc in cut
+                   if pc.matrix.owned()}
+        like = next(iter(pieces.values()), None)  # bf16, on the device (a rank may own none of them)
         for cuts, piece_shapes in zip(reversed(stages), reversed(shapes), strict=True):
             results.update(scatter_from_owners(results, cuts, piece_shapes, like))
         self.exchanged_bytes = _wire_bytes(stats) - sent_before
