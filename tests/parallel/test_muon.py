@@ -124,6 +124,8 @@ STEP_LAYOUTS = {
     "dp2-zero3-param-bf16-fp8": (2, ("--parallel.zero=3", "--parallel.param_dtype=bf16", "--train.fp8=tensorwise",
                                      "--train.micro_batch=4"), 1),
     "moe-dp4-ep2-zero1": (4, ("--parallel.ep=2", "--parallel.zero=1", "--train.micro_batch=2", *MOE_ARGS), 1),
+    # ep = 1: ZeRO splits each stack along its experts, so every rank holds whole experts of its own
+    "moe-dp2-zero2": (2, ("--parallel.zero=2", "--train.micro_batch=4", *MOE_ARGS), 1),
     "moe-tp2-ep2-zero3": (4, ("--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=4",
                               *MOE_ARGS), None),  # experts: tp's ranks are replicas, dense matrices are not
 }
