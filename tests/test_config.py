@@ -66,7 +66,8 @@ def test_the_model_nests_by_part_and_every_moved_key_has_its_place():
         assert key in FIELD_TYPES[table], (old, new)
     parts = {f"{t}.{k}" for t in TABLES if t.startswith("model.") for k in FIELD_TYPES[t]}
     assert parts == {new for new in MOVED.values() if new.startswith("model.")}
-    assert {t for t in TABLES if "." not in t} == {"model", "parallel", "train", "optim", "data", "checkpoint", "run"}
+    assert {t for t in TABLES if "." not in t} == {"model", "parallel", "train", "optim", "lora", "data", "checkpoint",
+                                                  "run"}
 
 
 def test_a_moved_key_is_named_with_its_new_place(tmp_path, capsys):

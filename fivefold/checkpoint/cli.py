@@ -4,6 +4,7 @@ checkpoint/seed.py, imported only when a command runs: `fivefold --help` stays f
     fivefold init configs/tiny.toml --out seeds/tiny --model.n_layers=2
     fivefold convert HF_DIR seeds/llama --to fivefold
     fivefold convert runs/x/checkpoints/step_00000300 hf/x --to hf --dtype bf16
+    fivefold convert runs/x/checkpoints/step_00000300 peft/x --to peft     # a LoRA run's adapters
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Hugging Face model directory (Llama 3.x, Mistral, Mixtral, Qwen2.5, Qwen3, "
                                    "Qwen3-MoE, OLMo 2, Gemma 3, gpt-oss, DeepSeek-V3, Kimi K2) -> seed directory "
                                    "(--to fivefold), or run checkpoint / seed directory -> Hugging Face directory "
-                                   "(--to hf).")
-    p.add_argument("src", help="--to fivefold: an HF directory; --to hf: checkpoints/step_X or a seed directory")
+                                   "(--to hf); a LoRA run's adapters -> PEFT adapter directory (--to peft).")
+    p.add_argument("src", help="--to fivefold: an HF directory; --to hf: checkpoints/step_X or a seed directory; "
+                               "--to peft: checkpoints/step_X of a LoRA run")
     p.add_argument("out", help="directory to write (new or empty)")
-    p.add_argument("--to", choices=["fivefold", "hf"], required=True)
-    p.add_argument("--config", default=None, help="--to hf: the run's config (default: the run's config.toml)")
+    p.add_argument("--to", choices=["fivefold", "hf", "peft"], required=True)
+    p.add_argument("--merge", action="store_true",
+                   help="--to hf of a LoRA run: each adapted weight merged, W + scaling B A (else the base alone)")
+    p.add_argument("--config", default=None, help="--to hf, peft: the run's config (default: the run's config.toml)")
     p.add_argument("--hf-config", default=None,
-                   help="--to hf: an HF config.json whose other keys (token ids, context length) to keep")
+                   help="--to hf, peft: an HF config.json whose other keys (token ids, context length) to keep")
     p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="--to hf: save in this dtype (default: as stored); --to fivefold: dequantize fp8 / MXFP4 "
+                   help="--to hf, peft: save in this dtype (default: as stored); --to fivefold: dequantize fp8 / MXFP4 "
                         "weights to this dtype (default: config.json's torch_dtype)")
     p.add_argument("--max-shard-size", default="5GB", help="split the weights into files of at most this size")
     p.set_defaults(run=run, overrides=True)
@@ -92,19 +96,27 @@ def _init(args: argparse.Namespace, rest: list[str]) -> None:
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
-    from fivefold.checkpoint.convert import fivefold_to_hf, hf_to_fivefold, parse_size
+    from fivefold.checkpoint.convert import fivefold_to_hf, fivefold_to_peft, hf_to_fivefold, parse_size
+    from fivefold.checkpoint.peft import ADAPTER_CONFIG
     from fivefold.config.load import SEED_CONFIG
 
     src, out, size = Path(args.src), Path(args.out), parse_size(args.max_shard_size)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype] if args.dtype else None
+    if args.merge and args.to != "hf":
+        raise ValueError("--merge: only with --to hf (a LoRA run's model with its adapters merged)")
+    config, hf_config = Path(args.config) if args.config else None, Path(args.hf_config) if args.hf_config else None
     with _written_whole(out) as tmp:
         if args.to == "fivefold":
             files = hf_to_fivefold(src, tmp, size, dtype)
+        elif args.to == "peft":
+            files = [fivefold_to_peft(src, tmp, config, hf_config, dtype)]
         else:
-            files = fivefold_to_hf(src, tmp, Path(args.config) if args.config else None,
-                                   Path(args.hf_config) if args.hf_config else None, dtype, size)
+            files = fivefold_to_hf(src, tmp, config, hf_config, dtype, size, args.merge)
     if args.to == "fivefold":
         print(f"wrote {len(files)} safetensors file(s) to {out}; train from them: fivefold train {out / SEED_CONFIG}")
+    elif args.to == "peft":
+        print(f"wrote {out / ADAPTER_CONFIG} and {out / files[0].name}: load it with peft.PeftModel.from_pretrained("
+              f"model, '{out}') over the model --to hf writes")
     else:
         print(f"wrote {out / 'config.json'} and {len(files)} safetensors file(s)")
 

@@ -3,6 +3,7 @@
     fivefold init configs/tiny.toml --out seeds/tiny               # initial weights, one process
     fivefold convert HF_DIR seeds/llama --to fivefold               # Hugging Face -> seed directory
     fivefold convert runs/x/checkpoints/step_00000300 hf/x --to hf  # run checkpoint -> Hugging Face
+    fivefold convert runs/x/checkpoints/step_00000300 peft/x --to peft  # a LoRA run's adapters -> PEFT
 
 A seed directory (`init`, `convert --to fivefold`) holds safetensors in fivefold's names and
 layouts plus `fivefold.toml`, the config that trains from it (`checkpoint.init_from`); converted
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fivefold.checkpoint.files import first_failure
 from fivefold.checkpoint.hf import (
+    HF_BASE,
     HFFormatError,
     HFSource,
     family_to_write,
@@ -36,6 +38,7 @@ from fivefold.checkpoint.hf import (
     model_config_from_hf,
 )
 from fivefold.checkpoint.hf.deepseek_v3 import BIAS_UPDATE
+from fivefold.checkpoint.peft import adapted_layers, scaling, write_peft
 from fivefold.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from fivefold.checkpoint.safetensors_io import SafetensorsDir, WeightsFileError, write_sharded
 from fivefold.checkpoint.seed import write_seed_config
@@ -46,8 +49,6 @@ from fivefold.config.schema import Config
 from fivefold.data.resolve import resolved_model
 from fivefold.model.config import ModelConfig
 from fivefold.model.transformer import Transformer
-
-HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
 
 
 class DCPSource:
@@ -161,6 +162,15 @@ def hf_to_fivefold(src: Path, out: Path, max_shard_bytes: int, dtype: torch.dtyp
     return files
 
 
+def run_config(src: Path, config: Path | None = None) -> Config:
+    """The config a run checkpoint (its run's config.toml) or a seed directory (its fivefold.toml) was made with."""
+    is_dcp = (src / ".metadata").is_file()
+    config = config or (src.parent.parent / RUN_CONFIG if is_dcp else src / SEED_CONFIG)
+    if not config.is_file():
+        raise ConfigError([f"{config} not found: pass --config, the run's config.toml"])
+    return load_config(config)
+
+
 def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelConfig, dict | None, Path | None]:
     """A run checkpoint or a seed directory: its tensors, its model config (vocab resolved), the HF
     config it came from, when it did (its non-model keys are kept on the way back), and the directory
@@ -170,10 +180,7 @@ def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelCo
                                f"or a seed directory")
     is_dcp = (src / ".metadata").is_file()
     source = DCPSource(src) if is_dcp else SafetensorsDir(src)
-    config = config or (src.parent.parent / RUN_CONFIG if is_dcp else src / SEED_CONFIG)
-    if not config.is_file():
-        raise ConfigError([f"{config} not found: pass --config, the run's config.toml"])
-    cfg = load_config(config)
+    cfg = run_config(src, config)
     base = None
     for candidate in [src / HF_BASE] + ([Path(cfg.checkpoint.init_from) / n for n in (HF_BASE, "config.json")]
                                         if cfg.checkpoint.init_from else []):
@@ -184,13 +191,34 @@ def open_fivefold(src: Path, config: Path | None) -> tuple[WeightSource, ModelCo
     return source, resolved_model(cfg), base, tokenizer
 
 
+def fivefold_to_peft(src: Path, out: Path, config: Path | None = None, hf_base: Path | None = None,
+                     dtype: torch.dtype | None = None) -> Path:
+    """A LoRA run's checkpoint -> a PEFT adapter directory for the model `fivefold_to_hf` writes of it
+    (checkpoint/peft.py)."""
+    source, m, base, _ = open_fivefold(src, config)
+    if hf_base is not None:
+        base = json.loads(hf_base.read_text())
+    cfg = run_config(src, config)
+    return write_peft(source, m, cfg.lora, base, out, dtype, cfg.checkpoint.init_from or None)
+
+
 def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Path | None = None,
-                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
+                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
+                   merge: bool = False) -> list[Path]:
     """A run checkpoint or seed directory -> a Hugging Face directory (config.json + safetensors, and
-    the tokenizer files the run trained with, when it had a Hugging Face tokenizer)."""
+    the tokenizer files the run trained with, when it had a Hugging Face tokenizer). A LoRA run's
+    checkpoint gives its base (its adapters: fivefold_to_peft), or with `merge` each adapted weight
+    W + scaling B A (PEFT's merge_and_unload)."""
     source, m, base, tokenizer = open_fivefold(src, config)
     if hf_base is not None:
         base = json.loads(hf_base.read_text())
+    adapted = set(adapted_layers(source.names()))
+    if merge and not adapted:
+        raise HFFormatError(f"{src}: --merge: the checkpoint has no LoRA adapters (its run had lora.rank = 0)")
+    scale = scaling(run_config(src, config).lora) if merge else 0.0
+    if adapted and not merge:
+        print(f"{src}: writing the base model without its LoRA adapters: export them with --to peft, or the "
+              f"merged model with --merge")
     if base is not None:
         model_config_from_hf(base, str(hf_base or "the HF config it came from"))  # refuses options we do not write
     family = family_to_write(m, base)
@@ -235,8 +263,12 @@ def fivefold_to_hf(src: Path, out: Path, config: Path | None = None, hf_base: Pa
             else:
                 rows = family.rows(name, m, config)
                 back = None if rows is None else torch.argsort(rows)  # hf = fivefold[back]
-                def produce(n=found, t=to, back=back):
+                layer = name.removesuffix(".weight") if merge else None
+                def produce(n=found, t=to, back=back, layer=layer if layer in adapted else None):
                     value = source.read(n)
+                    if layer is not None:  # W + scaling B A, in fp32: (out, r) @ (r, in)
+                        a, b = source.read(layer + ".lora.a").float(), source.read(layer + ".lora.b").float()
+                        value = value.float() + scale * (b @ a)
                     return (value if back is None else value[back]).to(t)
                 tensors.append((hf, to, shape, produce))
     for hf, main in family.copies(m):  # the MTP depths' copies of the embedding and head, as DeepSeek-V3 stores them

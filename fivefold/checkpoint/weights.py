@@ -30,6 +30,7 @@ from fivefold.config.load import SEED_CONFIG, read_config
 from fivefold.config.schema import Config
 from fivefold.data.resolve import resolved_model
 from fivefold.model.config import ModelConfig
+from fivefold.model.lora import is_adapter
 from fivefold.model.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -154,13 +155,41 @@ def local_box(value: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def load_weights(path: Path, par: Parallelized, field: str = FIELD) -> None:
+def load_weights(path: Path, par: Parallelized, field: str = FIELD, adapters: WeightSource | None = None) -> None:
     """Put the weights in `path` into this rank's part of the model, under any layout.
 
     `par`: a parallelized model (parallel/parallelize.py). Not a collective: each rank reads its own slices.
+    `adapters`: where LoRA's adapters come from (model/lora.py), the rest from `path`.
     Raises WeightsMismatchError, before anything is read, if any tensor is missing or has another whole shape.
     """
-    fill_weights(open_weights(path, field)[0], par, str(path))
+    source = open_weights(path, field)[0]
+    fill_weights(source if adapters is None else WithAdapters(source, adapters), par, str(path))
+
+
+class WithAdapters:
+    """A base model's weights joined by LoRA adapters from another source: each name read from the one
+    that holds it (an adapter's from `adapters`, every other from `base`)."""
+
+    def __init__(self, base: WeightSource, adapters: WeightSource):
+        self.base, self.adapters = base, adapters
+
+    def _of(self, name: str) -> WeightSource:
+        return self.adapters if is_adapter(name) else self.base
+
+    def names(self) -> frozenset[str]:
+        return self.base.names() | {n for n in self.adapters.names() if is_adapter(n)}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._of(name).shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._of(name).dtype(name)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        return self._of(name).read(name, index)
+
+    def read_into(self, name: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
+        self._of(name).read_into(name, index, out)
 
 
 @torch.no_grad()

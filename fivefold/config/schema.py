@@ -6,6 +6,7 @@ unit and meaning.
     [parallel]    the layout: the five degrees and how each dimension runs
     [train]       the step: batch, sequence, precision, recompute, evaluation
     [optim]       the optimizer and its learning-rate schedule (and [optim.muon])
+    [lora]        low-rank adapters on a frozen model
     [data], [checkpoint], [run]   inputs, saved state, where outputs go
 
 Loading (TOML, `--section.key=value`, the keys of earlier versions) is load.py's; the checks are
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import LoRAConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -12,6 +12,8 @@ varies is a table of its own, taken whole by the code that computes it:
 As Hugging Face nests `rope_scaling` in a config.json and torchtitan an `MoEArgs` in its model
 args. It lives in model/ because the model stands on nothing else of fivefold (the presets,
 model/presets.py, are ModelConfigs too); fivefold/config/schema.py composes it into the whole schema.
+So does `[lora]` (LoRAConfig, below): a section of its own, since the adapters leave the model's
+shape alone, and here for the same reason (model/lora.py reads it).
 """
 
 from __future__ import annotations
@@ -141,3 +143,27 @@ class ModelConfig:
     latent: LatentConfig = field(default_factory=LatentConfig)
     norm: NormConfig = field(default_factory=NormConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+# fivefold's linear layers by their attribute name -> the module name PEFT's target_modules matches
+# (Hugging Face's names for the same layers: LlamaAttention, LlamaMLP, DeepseekV3Attention, ...)
+PEFT_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+              "wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj",
+              "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "eh_proj": "eh_proj"}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    # LoRA (Hu et al. 2021; model/lora.py): the model's weights frozen, a low-rank update trained beside the
+    # chosen linear layers, y = x W^T + scaling (dropout(x) A^T) B^T; named and initialised as PEFT does
+    rank: int = 0  # r, the update's rank; 0 = off (every weight trains)
+    alpha: float = 8.0  # scaling = alpha / r (PEFT's lora_alpha; its default with r = 8)
+    dropout: float = 0.0  # on the adapter's input (PEFT's lora_dropout)
+    rslora: bool = False  # scaling = alpha / sqrt(r) (Kalajdzievski 2023; PEFT's use_rslora)
+    # the layers that get an adapter, in the names PEFT users write (target_modules): q_proj, k_proj, v_proj,
+    # o_proj, gate_proj, up_proj, down_proj; latent attention's q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+    # kv_b_proj; MTP's eh_proj. Routed experts (stacked weights, no linear layers) get none.
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) whose adapters training
+    # continues from; "" = new adapters (A drawn, B zero). The base comes from checkpoint.init_from.
+    init_from: str = ""

@@ -10,7 +10,8 @@ values every layout starts from. So a parameter is defined block by block:
 - block b is drawn from its own generator, seeded by a hash of (train.seed, parameter name, b),
   from Normal(0, std) with the std of `init_std` (GPT-2's: residual output projections scaled by
   1/sqrt(2 L)); biases (attention's, the router's, the experts') and attention sinks are zeros, other
-  1-D parameters (norm weights) a scale of one (1 - model.norm.offset).
+  1-D parameters (norm weights) a scale of one (1 - model.norm.offset); a LoRA adapter's A uniform
+  (PEFT's Kaiming-uniform), its B zeros (model/lora.py).
 
 `init_box` gives the values of any box (a slice per dim) by drawing only the blocks that hold its
 rows, one at a time, straight into the box where it holds a block whole: its peak memory is the
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from fivefold.model.config import ModelConfig
+from fivefold.model.lora import LORA_A, LORA_B
 
 BLOCK_ELEMENTS = 1 << 16  # numbers per block: 256 KB of fp32, whatever the layout
 # Biases start at zero: attention's (attention.qkv_bias, out_bias: wq/wk/wv/wo.bias) and the MoE's
@@ -57,8 +59,11 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 def draw_block(into: torch.Tensor, seed: int, name: str, block: int, std: float) -> torch.Tensor:
     """Block `block` of parameter `name`, drawn into `into` ((block rows, length), contiguous fp32 on
-    the CPU): the same numbers as into a fresh tensor, from the block's own generator."""
+    the CPU): the same numbers as into a fresh tensor, from the block's own generator. A LoRA adapter's
+    A is uniform on (-std, std) (PEFT's Kaiming-uniform), everything else normal."""
     generator = torch.Generator().manual_seed(block_seed(seed, name, block))
+    if name.endswith(LORA_A):
+        return into.uniform_(-std, std, generator=generator)
     return into.normal_(0.0, std, generator=generator)
 
 
@@ -111,12 +116,14 @@ def init_box(name: str, shape: tuple[int, ...], box: tuple[slice, ...], cfg: Mod
     Beside `out`, at most one block (BLOCK_ELEMENTS numbers) is ever held."""
     if out is None:
         out = torch.empty(tuple(s.stop - s.start for s in box))
-    if name.endswith(BIASES):
+    if name.endswith((*BIASES, LORA_B)):  # a LoRA adapter's B starts at zero: the frozen model's function
         return out.zero_()
     if len(shape) < 2:  # attention sinks 0 (a sink starts as one more key of logit 0); norm weights a scale
         # of 1: 1 - norm.offset, as they scale by (norm.offset + weight)
         return out.fill_(0.0 if name.endswith("attn.sinks") else 1.0 - cfg.norm.offset)
-    std, scratch, at = init_std(name, cfg), [], 0
+    # LoRA's A: Kaiming-uniform with a = sqrt(5) (PEFT's, nn.Linear's), bound 1 / sqrt(fan_in)
+    std = 1 / math.sqrt(shape[-1]) if name.endswith(LORA_A) else init_std(name, cfg)
+    scratch, at = [], 0
     flat = out.view(-1, out.shape[-1]) if out.is_contiguous() else None  # (box rows, box columns)
     for outer, first, count in row_runs(shape[:-1], box[:-1]):
         if flat is not None:

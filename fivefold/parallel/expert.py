@@ -115,7 +115,8 @@ def shard_experts(experts: GroupedExperts, group: AxisGroup) -> None:
         full = getattr(experts, name)
         if full is None:  # no expert biases (model.moe.linear_bias off)
             continue
-        part = nn.Parameter(full.detach().chunk(group.size, dim=0)[group.rank].clone())  # (E/ep, ...)
+        part = nn.Parameter(full.detach().chunk(group.size, dim=0)[group.rank].clone(),  # (E/ep, ...)
+                            full.requires_grad)  # frozen stays frozen (LoRA's base)
         carry_marks(full, part)
         part.ep_dim = 0
         setattr(experts, name, part)

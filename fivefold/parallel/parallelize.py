@@ -139,7 +139,8 @@ class Parallelized:
             scaler.update(False)
             inf = torch.full((), math.inf, dtype=torch.float64, device=device)
             return StepOutcome(inf, torch.zeros((), dtype=torch.bool, device=inf.device), overflow=True)
-        named = [(name, g) for name, p in self.model.named_parameters() if (g := self.dp.gradient_of(p)) is not None]
+        named = [(name, g) for name, p in self.model.named_parameters()
+                 if p.requires_grad and (g := self.dp.gradient_of(p)) is not None]  # LoRA's frozen base has none
         grad_norm = clip_grad_norm(self.dp.gradients(), grad_clip, both, self._counted_elsewhere(),
                                    (self._expert_gradients(), expert_groups, self.dp.norm_groups), device)
         finite = torch.isfinite(grad_norm)
@@ -258,7 +259,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
     offload = apply_offload(dp, cfg)  # with it dp.optimizer_params() are host copies of the shards
     optimizer = layout_optimizer(dp, mesh, cfg.optim)  # its state comes with its first step
-    memory = ModelStateMeter(dp.params, optimizer, offload)
+    memory = ModelStateMeter(list(model.parameters()), optimizer, offload)  # LoRA's frozen base too
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, seq_divisor=tp.seq_divisor,
                                 after_backward=memory.sample, lanes=mesh.lanes, mtp_weight=cfg.train.mtp_weight)

@@ -49,6 +49,7 @@ from fivefold.config.schema import Config
 from fivefold.model.attention import LatentAttention, RMSNorm
 from fivefold.model.ffn import FeedForward
 from fivefold.model.head import OutputHead, VocabSplit
+from fivefold.model.lora import LoRA
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives, regions
 from fivefold.parallel.comm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -59,7 +60,8 @@ from fivefold.parallel.mesh import Mesh
 
 
 def _shard(weight: torch.Tensor, dim: int, group: AxisGroup) -> nn.Parameter:
-    part = nn.Parameter(weight.detach().chunk(group.size, dim=dim)[group.rank].clone())
+    # frozen stays frozen (LoRA's base)
+    part = nn.Parameter(weight.detach().chunk(group.size, dim=dim)[group.rank].clone(), weight.requires_grad)
     part.tp_dim = dim  # read by checkpoints: Shard(dim) on the tp axis
     return part
 
@@ -93,12 +95,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, 0, group)  # (out/tp, in)
         # a bias (Qwen2's q/k/v) split with its output features
         self.bias = None if linear.bias is None else _shard(linear.bias, 0, group)  # (out/tp,)
+        self.lora = _split_adapter(linear, "outputs", group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.computed is not None:  # the region's overlapped entry ran this layer's matmul already
             y, self.computed = self.computed, None
             return y
-        return linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)  # (B, T, out/tp)
+        y = linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)  # (B, T, out/tp)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -114,17 +118,40 @@ class RowParallelLinear(nn.Module):
         self.group, self.sp, self.overlap = group, sequence_parallel, overlap
         self.weight = _shard(linear.weight, 1, group)  # (out, in/tp)
         self.bias = linear.bias  # (out,) or None: replicated
+        self.lora = _split_adapter(linear, "inputs", group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap:  # the reduce-scatter's pieces travel while the next one's partial sum is computed
             y = matmul_reduce_scatter(x, self.weight, self.group)  # (B, T/tp, out)
             return y if self.bias is None else y + self.bias
         partial = linear(x, self.weight, None, self.scaling, self.fp8_weight)  # (B, T, out): this rank's share
+        if self.lora is not None:  # x_r A_r^T B^T: the adapter's share, summed by the same reduction
+            partial = partial + self.lora(x)
         if self.sp:
             y = regions.reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
         else:
             y = regions.reduce_from_tensor_parallel_region(partial, self.group)  # (B, T, out)
         return y if self.bias is None else y + self.bias
+
+
+def _split_adapter(layer: nn.Linear, splits: str, group: AxisGroup) -> LoRA | None:
+    """A LoRA adapter (model/lora.py) split the way its layer is. Column-parallel (outputs split): B's
+    rows with the outputs, A whole; row-parallel (inputs split): A's columns with the inputs, B whole,
+    its product a partial sum the layer's own reduction completes. The whole factor's gradient is then
+    a partial sum on each rank (its product meets only this rank's slice of the other), marked
+    tp_partial: summed over tp after backward (ExpertParallel.sum_partial_gradients). With sp nothing
+    changes: a column layer's adapter sees the region's gathered input, a row layer's its local one."""
+    adapter = getattr(layer, "lora", None)
+    if adapter is None:
+        return None
+    if splits == "outputs":
+        adapter.b = _shard(adapter.b, 0, group)  # (out/tp, r)
+        whole = adapter.a  # (r, in)
+    else:
+        adapter.a = _shard(adapter.a, 1, group)  # (r, in/tp)
+        whole = adapter.b  # (out, r)
+    whole.tp_partial = group.size > 1
+    return adapter
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -251,11 +278,12 @@ def apply_tensor_parallel(model: Transformer, mesh: Mesh, cfg: Config, derived: 
         # the tensor, so a meta one gets its (small) storage first.
         # So does attention's output bias with sp (added after the reduce-scatter, to T/tp tokens).
         # Weights split with the heads (an OLMo 2 q/k norm over the whole projection) are not replicated.
-        if getattr(param, "tp_dim", None) is not None:
+        if getattr(param, "tp_dim", None) is not None or not param.requires_grad:  # frozen (LoRA): no gradient
             continue
         # (And the MTP depths' eh_proj, which projects each rank's own tokens before its block.)
-        seq_local = "norm" in name or name.endswith(("attn.wq_a.weight", "attn.wkv_a.weight", "attn.wo.bias",
-                                                     "eh_proj.weight"))
+        # (and their LoRA adapters, on the same tokens)
+        seq_local = "norm" in name or name.endswith(("attn.wo.bias", *(f"{layer}.{leaf}" for layer in (
+            "attn.wq_a", "attn.wkv_a", "eh_proj") for leaf in ("weight", "lora.a", "lora.b"))))
         if name.endswith(("q_norm.weight", "k_norm.weight")) or (sequence_parallel and seq_local):
             materialize_parameter(model, name, mesh.device).register_hook(lambda g: _summed_over(g, group))
     return state

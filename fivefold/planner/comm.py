@@ -39,6 +39,9 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   sends its node peers' share over NVLink and the rest over the NIC at once, or dispatches as
   DeepSeek-V3's node-limited routing does (expert_comm.py).
 
+LoRA (lora.rank, planner/lora.py): dp reduces (and ZeRO gathers) the adapters only; tp all-reduces
+their whole factors' gradients (ZeRO: this rank's rows) once a step; a frozen embedding sums nothing.
+
 Reported per axis for the pipeline rank that sends the most (heaviest_senders), Muon's all_to_alls
 merged in (planner/muon_step.py times them in the optimizer step); the step's time terms keep the
 busiest rank's (the most FLOPs: compute.busiest_chunk), which sets the pace.
@@ -67,6 +70,7 @@ from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.planner.activations import FP8_BYTES, layout_applies
 from fivefold.planner.expert_comm import expert_link_bytes
 from fivefold.planner.layout import RankShare, axis_spans_nodes, group_ranks_per_node
+from fivefold.planner.lora import adapter_elements, partial_elements
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
 from fivefold.planner.memory import expert_imbalance, head_tokens, loss_chunk_tokens
@@ -278,9 +282,11 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     block_b = FP8_BYTES if options.fp8 == "weights" else param_b
     # Dense gradients over the grad view (ZeRO: shards over dp_shard); routed experts (ep > 1) over
     # the ranks holding the same experts, expert_dp, where ZeRO shards them too (parallel/data/zero.py).
-    expert = share.expert_params if p.ep > 1 else 0
-    dense = share.params - expert
-    dense_weights = (dense - share.vocab_params) * block_b + share.vocab_params * param_b
+    lora = cfg.lora.rank > 0  # only the adapters train (planner/lora.py): frozen experts and vocabulary
+    expert = share.expert_params if p.ep > 1 and not lora else 0
+    dense = adapter_elements(cfg, share) if lora else share.params - expert
+    dense_weights = (dense * param_b if lora else (dense - share.vocab_params) * block_b
+                     + share.vocab_params * param_b)
     kept_weights = (share.kept_unit - share.kept_vocab) * block_b + share.kept_vocab * param_b
     dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense_weights, micro,
                     d.reshard_after_forward, kept_bytes=kept_weights)
@@ -290,9 +296,11 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,
                                       micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options),
                                       options.activations == "megatron" and layout_applies(cfg.model, "megatron")))
-    if p.sp and moe_blocks:  # each tp rank's MoE gradients cover its own tokens: summed over tp once a step
+    if lora and partial_elements(cfg, share):  # the adapters' whole factors: one all-reduce a step (lora.py)
+        traffic["tp"].add("all_reduce", partial_elements(cfg, share) * grad_b / (n_shard if p.zero else 1), p.tp)
+    if p.sp and moe_blocks and not lora:  # each tp rank's MoE gradients cover its own tokens: summed once a step
         traffic["tp"].add("all_reduce", moe_partial_params(cfg, share) * grad_b, p.tp)
-    if (cfg.model.tie_embeddings or cfg.model.mtp_layers) and share.first != share.last:
+    if (cfg.model.tie_embeddings or cfg.model.mtp_layers) and share.first != share.last and not lora:
         # the embedding's two copies (a tied head's, the MTP depths'), on the first and the last stage's
         # ranks: once a step the sum of their gradients (this rank's rows; its ZeRO shard), pipeline/executor.py
         rows = d.vocab_size * cfg.model.dim // p.tp

@@ -33,6 +33,8 @@ source of its formula. The step time is the textbook model, term by term:
    link's copies that the compute does not hide are added (offload.py). Under Muon (optim.name) its
    owners' all_to_alls and Newton-Schulz iterations are added, exposed (muon_step.py).
 7. the scalar all-reduces of every step (gradient norm, logged loss), latency only.
+With LoRA (lora.rank, lora_step.py) the compute drops the frozen base's weight gradients and adds the
+adapters', and dp, the optimizer and its state hold the adapters only.
 
 What the overlaps of 3-5 hide still takes SMs from the compute beside it (overlap.contention).
 step = makespan + exposed dp + contention + optimizer + step sync + per-step host time; MFU = model FLOPs /
@@ -56,6 +58,7 @@ from fivefold.planner.compute import busiest_chunk
 from fivefold.planner.conventions import conventions
 from fivefold.planner.flops import convention_row, step_flops, utilization_row
 from fivefold.planner.layout import RankShare, rank_shares, stage_sizes
+from fivefold.planner.lora_step import lora_chunk, lora_row, trainable_share
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, HostPrice, HostWork, Memo, Priced, Row
 from fivefold.planner.memory import BytesPerParam
@@ -216,7 +219,8 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     grad_b, param_b = where.grad_b, where.param_b
     share, M = work.share, d.grad_accum
     units = M * work.chunks  # (micro-batch, chunk) pairs of a step
-    chunk = pricer.chunk(work, hw, memo)
+    chunk = lora_chunk(work, pricer.chunk(work, hw, memo), hw, memo)  # lora.rank: frozen base, adapters
+    trains = trainable_share(cfg, share)  # what data parallel and the optimizer hold (LoRA: the adapters)
     traffic, traffic_rows = step_traffic(work, d, hw, grad_b, param_b, act_bytes)  # the busiest rank's: timed
     muon = muon_step(cfg, d, where.shares, share, hw)  # optim.name = "muon": its all_to_alls and NS5
     sent, sent_rows, by_rank = heaviest_senders(work, where.shares, where.counts, traffic, d, hw, grad_b, param_b,
@@ -224,7 +228,7 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     # tp collectives that are autograd Functions of their own (the loss's all-gathers sit inside one)
     loss_calls = sum(n for _, n in loss_gathers(cfg, d.local_seq_len)) if share.last else 0
     tp_calls = traffic["tp"].calls - M * loss_calls
-    host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, share.params * grad_b, d.dp * p.cp),
+    host = pricer.host(HostWork(cfg, share.params, M, work.chunks, tp_calls, trains.params * grad_b, d.dp * p.cp),
                        chunk, hw)
     busy = units * (chunk.forward_s + chunk.backward_s + host.forward_s + host.backward_s)  # one rank's compute
     blocked = options.not_runnable(cfg)  # a switch validate refuses here prices what fivefold does not run
@@ -240,10 +244,11 @@ def _price(cfg: Config, hw: Hardware, where: _Where, b: BytesPerParam, act_bytes
     zero3 = zero3_hidden(cfg, d, units3, work.chunks * f_cost, work.chunks * b_cost, options.zero3_prefetch)
     dp = dp_exposure(work, d, hw, traffic["dp"], grad_b, param_b, f_cost, b_cost, busy, memo, zero3,
                      options.param_gather_overlap)
-    opt = (pricer.optimizer(share.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
-           else offload_step(cfg, d, share, b, hw, options, grad_b, param_b, work.chunks * f_cost,
+    opt = (pricer.optimizer(trains.params / (d.dp_shard if p.zero else 1), b, chunk, hw) if options.offload == "none"
+           else offload_step(cfg, d, trains, b, hw, options, grad_b, param_b, work.chunks * f_cost,
                              work.chunks * b_cost))
-    opt = Priced(opt.seconds + muon.priced.seconds, opt.explain + muon.priced.explain)  # Muon's, exposed
+    opt = Priced(opt.seconds + muon.priced.seconds, opt.explain + muon.priced.explain  # Muon's, exposed
+                 + lora_row(cfg, share, grad_b, d.dp_shard))
     held = inflight_blocks(cfg, d, where.sizes, memo)
     mem = rank_memory(cfg, d, where.shares, held, b, act_bytes, implementation, hw, options)
     overlaps = {h.switch: h for h in (tp, zero3, ep, dp.switch, dp.gather)}

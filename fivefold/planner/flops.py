@@ -25,6 +25,10 @@
   uses, and the step time prices the same pairs. The causal-full-sequence figure is shown beside
   it (convention_row) for comparison with published runs.
 
+- LoRA (lora.rank): model FLOPs are the work LoRA training needs, not 6 N: the frozen base's forward and
+  input gradients (4 per active matmul weight and token: its weight gradients are never computed, and
+  counting them would report FLOPs no GPU runs) and the adapters' 6 per parameter (lora_step.py).
+
 The measured mode turns a run's step time, tokens/s or achieved TFLOP/s into MFU, HFU and, with a
 token budget, days and GPU-hours, with no layout to search: a paper's claim checked by arithmetic.
 """
@@ -38,6 +42,7 @@ from typing import Any
 
 from fivefold.config.schema import Config
 from fivefold.model.counts import CausalFlops, flops_per_token, recompute_flops_per_token
+from fivefold.planner.lora_step import lora_flops_per_token
 from fivefold.planner.machine.ops import PER_OP_RERUN, RankShapes, block_ops
 from fivefold.planner.machine.pricing import Row
 
@@ -115,6 +120,9 @@ def step_flops(cfg: Config, vocab_size: int, causal: CausalFlops = "full", docum
     f = flops_per_token(m, t.seq_len, vocab_size, causal, docs)
     extra = (per_op_recompute_flops_per_token(cfg) if per_op and t.recompute == "selective"
              else recompute_flops_per_token(m, t.seq_len, t.recompute, vocab_size, causal, docs))
+    saved, adapters = lora_flops_per_token(cfg, vocab_size)  # LoRA: the work it needs (lora_step.py)
+    f = {**f, "total": f["total"] - saved + adapters}
+    extra += adapters / 3 if t.recompute == "full" else 0.0  # the adapters' forward again
     unwindowed = dataclasses.replace(m, attention=dataclasses.replace(m.attention, window=0))
     unmasked = flops_per_token(unwindowed, t.seq_len, vocab_size, causal)
     return StepFlops(model_per_token=f["total"], hardware_per_token=f["total"] + extra,

@@ -47,6 +47,7 @@ from fivefold.planner.activations import (
     routed_expert_elements_per_token,
 )
 from fivefold.planner.layout import RankShare
+from fivefold.planner.lora import adapter_elements
 from fivefold.planner.muon import MOMENT_BYTES, state_elements
 from fivefold.planner.options import DEFAULT, PlanOptions
 
@@ -157,6 +158,8 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
     p = cfg.parallel
     if implementation and options.offload != p.offload:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=options.offload))
+    if cfg.lora.rank:
+        return lora_state_bytes(cfg, d, share, b, implementation, options)
     dense_muon, expert_muon = state_elements(cfg, share)
     states = []
     # state_parts' order: dense, vocabulary (all AdamW's), experts
@@ -171,6 +174,23 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
             state = model_state_bytes(count, bp, p.zero, n)
             states.append(offload_state(state, count, p.zero, n, options.offload))
     return {k: sum(st[k] for st in states) for k in states[0]}
+
+
+def lora_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
+                     options: PlanOptions = DEFAULT) -> dict[str, float]:
+    """rank_state_bytes under LoRA (planner/lora.py): the frozen base (share.params) as weights only, whole on
+    every dp rank (ZeRO shards what trains: fp32 in fivefold's own code, b_p or FP8 weights' 1 byte in ZeRO's
+    accounting), and the adapters with every parameter's state (Muon's one moment: they are 2-D matrices)."""
+    adapters, moments = adapter_elements(cfg, share), 1 if cfg.optim.name == "muon" else 2
+    base = (4.0 * share.params if implementation else share.vocab_params * b.param
+            + (share.params - share.vocab_params) * with_fp8_weights(b, options).param)
+    if implementation:
+        state = fivefold_state_bytes(cfg, adapters, d.dp_shard, d.grad_accum, moments)
+    else:
+        bp = b if moments == 2 else dataclasses.replace(b, optimizer=b.optimizer - MOMENT_BYTES)
+        state = offload_state(model_state_bytes(adapters, bp, cfg.parallel.zero, d.dp_shard), adapters,
+                              cfg.parallel.zero, d.dp_shard, options.offload)
+    return {**state, "params": state["params"] + base, "total": state["total"] + base}
 
 
 

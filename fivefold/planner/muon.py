@@ -92,7 +92,7 @@ def rank_matrices(cfg: Config, share: RankShare) -> list[MuonMatrix]:
     """The Muon matrices of one pipeline rank's blocks, whole (before any cut), with each MTP depth's
     eh_proj (2d -> d); [] unless optim.name is "muon"."""
     m = cfg.model
-    if cfg.optim.name != "muon":
+    if cfg.optim.name != "muon" or cfg.lora.rank:  # LoRA: the frozen base has none (left: the adapters' own)
         return []
     out = [mm for b in share.blocks for mm in block_matrices(m, b)]
     depths = sum(1 for b in share.blocks if b >= m.n_layers)

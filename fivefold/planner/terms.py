@@ -22,6 +22,7 @@ from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.simulate import Costs, SimResult, peak_inflight, simulate
 from fivefold.planner.comm import AxisTraffic, link
 from fivefold.planner.layout import RankShare
+from fivefold.planner.lora_step import trainable_share, with_adapter_activations
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Memo, Priced, Row
 from fivefold.planner.machine.roofline import attention_forward_seconds
@@ -271,7 +272,8 @@ def rank_memory(cfg: Config, d: Derived, shares: list[RankShare], held: list[int
     for r, s in enumerate(shares):
         state = rank_state_bytes(cfg, d, s, b, implementation, options)
         acts = activation_bytes(cfg, s, held[r], d.local_seq_len, d.vocab_size, act_bytes, options)
-        bufs = buffer_bytes(cfg, s, b, d.local_seq_len, act_bytes, grad_ranks, d.grad_accum)
+        acts = with_adapter_activations(cfg, s, acts, held[r], cfg.train.micro_batch * d.local_seq_len, act_bytes)
+        bufs = buffer_bytes(cfg, trainable_share(cfg, s), b, d.local_seq_len, act_bytes, grad_ranks, d.grad_accum)
         mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
                "activations": acts["total"], "buffers": bufs["total"]}
         mem["total"] = sum(mem.values())

@@ -27,6 +27,7 @@ from fivefold.checkpoint.weights import source_name
 from fivefold.config.load import RUN_CONFIG, SEED_CONFIG, load_config
 from fivefold.config.schema import Config
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from fivefold.model.lora import apply_lora
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.materialize import materialize
 
@@ -150,6 +151,9 @@ def load_model(source: Source, device: torch.device | str = "cpu") -> Transforme
     check_fit(weights, model_cfg, str(source.weights))  # every tensor present with its shape, before any is read
     with torch.device("meta"):
         model = Transformer(model_cfg)
+    lora = load_config(source.config).lora
+    if lora.rank:  # a LoRA run's checkpoint: its base and its adapters, both read below
+        apply_lora(model, lora)
     materialize(model, torch.device(device))  # empty parameters, zero buffers (their initial value)
     with torch.no_grad():
         for name, value in model.state_dict().items():  # views of the parameters: copied into in place

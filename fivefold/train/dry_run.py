@@ -140,7 +140,7 @@ def build(cfg: Config, derived: Derived, rank: int) -> dict[str, int]:
                                "process group returns this rank's own data, so the dry run cannot trust it")
         init_optimizer_state(par.optimizer)
         hold_gradients(par.dp, cfg.parallel.zero, derived.grad_accum, par.offload)
-        return model_state_bytes(par.dp.params, par.optimizer, par.offload)
+        return model_state_bytes(list(par.model.parameters()), par.optimizer, par.offload)  # frozen ones too
     finally:
         dist.destroy_process_group()
 

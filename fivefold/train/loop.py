@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fivefold.checkpoint.peft import PeftSource
 from fivefold.checkpoint.run_dir import latest_checkpoint, run_dir_of
 from fivefold.checkpoint.run_state import CheckpointWriter, load_checkpoint
-from fivefold.checkpoint.weights import fill_weights, load_weights
+from fivefold.checkpoint.weights import WithAdapters, fill_weights, load_weights
 from fivefold.config.derive import Derived, derive
 from fivefold.config.load import RUN_CONFIG, ConfigError, to_toml
 from fivefold.config.schema import Config
 from fivefold.data.batches import GlobalBatches
 from fivefold.data.resolve import unpadded_vocab
 from fivefold.launch.worker_report import note_missing
+from fivefold.model.lora import apply_lora
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
@@ -107,15 +109,21 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> bool:
 
 
 def meta_model(cfg: Config, vocab_size: int) -> Transformer:
-    """The whole model on the meta device: names and shapes, no memory (what training builds)."""
+    """The whole model on the meta device: names and shapes, no memory (what training builds); with
+    lora.rank its adapters, everything else frozen (model/lora.py)."""
     with torch.device("meta"):
-        return Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
+        model = Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    if cfg.lora.rank:
+        apply_lora(model, cfg.lora)
+    return model
 
 
 def build_model(cfg: Config, vocab_size: int) -> Transformer:
     """The whole model in this process's memory with its seeded initial weights (the values every
     layout's ranks draw for their slices; model/seeded_init.py): for tests and benchmarks' peers."""
     model = Transformer(dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    if cfg.lora.rank:
+        apply_lora(model, cfg.lora)
     model.init_weights(cfg.train.seed)
     return model
 
@@ -220,8 +228,12 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
         run.loader.load_state_dict(state["loader"])
         run.scaler.load_state_dict(state["loss_scaler"])
         return run, state["step"], latest
+    # LoRA's adapters: a PEFT adapter's (lora.init_from), else new ones from the seeded initialisation
+    adapters = PeftSource(Path(cfg.lora.init_from), cfg) if cfg.lora.rank and cfg.lora.init_from else seeded
     if cfg.checkpoint.init_from:  # a fresh run from given weights: each rank reads only its slices
-        load_weights(Path(cfg.checkpoint.init_from), par)
+        load_weights(Path(cfg.checkpoint.init_from), par, adapters=adapters if cfg.lora.rank else None)
+    elif adapters is not seeded:  # the seeded base with the PEFT adapter's
+        fill_weights(WithAdapters(seeded, adapters), par, f"the seeded initialisation with {cfg.lora.init_from}")
     else:  # the seeded initialisation: each rank draws only the row blocks of its slices
         fill_weights(seeded, par, f"the seeded initialisation of {cfg.run.name or 'this run'}")
     return run, 0, None

@@ -3,8 +3,8 @@
 `fivefold train` runs them on the launching node for every node's processes; `train()` called as
 a library runs them itself. A typo fails in under a second: the config's checks (validate.py) and
 the run directory's (checkpoint/run_dir.py) import no torch; only `checkpoint.init_from`, whose weights'
-headers are read against the model, and a resume, whose checkpoint's files are checked
-(checkpoint/files.py), do.
+headers are read against the model (and `lora.init_from`'s PEFT adapter, checkpoint/peft.py), and a
+resume, whose checkpoint's files are checked (checkpoint/files.py), do.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ def preflight(cfg: Config, world_size: int, joining: bool = False) -> list[str]:
         from fivefold.checkpoint.weights import check_init_from
 
         errors += check_init_from(cfg)
+    if cfg.lora.init_from and not errors:  # the PEFT adapter: its files and config against [lora], its tensors
+        from fivefold.checkpoint.peft import peft_dir_errors  # against the model
+
+        errors += peft_dir_errors(cfg)
     latest = latest_checkpoint(run_dir_of(cfg)) if cfg.checkpoint.resume and not errors and not joining else None
     if latest is not None:  # what the resume will read: each damaged file named now, not inside a rank
         from fivefold.checkpoint.files import checkpoint_errors

@@ -23,6 +23,7 @@ from fivefold.data.sources import path_kind
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.validate.attention import attention_errors
 from fivefold.validate.hints import divisors_near, multiples_near
+from fivefold.validate.lora import lora_errors
 from fivefold.validate.rope import rope_errors
 from fivefold.validate.shape import expert_group_errors, head_errors
 from fivefold.validate.speed import speed_errors
@@ -72,7 +73,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     return (errors + _mesh_errors(cfg, world_size, dp) + head_errors(cfg) + _tp_split_errors(cfg)
             + _stage_errors(cfg) + _vocab_errors(cfg) + _expert_errors(cfg, dp) + _batch_errors(cfg, dp)
             + _sequence_errors(cfg) + attention_errors(cfg) + rope_errors(cfg) + _schedule_errors(cfg, dp)
-            + speed_errors(cfg))
+            + speed_errors(cfg) + lora_errors(cfg))
 
 
 def _size_errors(cfg: Config) -> list[str]:

@@ -71,6 +71,10 @@ PUBLISHED = {
     "mixtral-8x22b-muon-256": (256, "mixtral-8x22b", ["--parallel.tp=4", "--parallel.pp=4", "--parallel.ep=8",
                                                       "--parallel.zero=0", "--train.global_batch=512",
                                                       "--train.recompute=full", "--optim.name=muon"]),
+    # LoRA (lora.rank): the frozen base's fp32 weights whole on every rank, the adapters' weights, gradients,
+    # fp32 masters and moments under ZeRO-1 (planner/lora.py, memory.lora_state_bytes)
+    "llama3-8b-lora-zero1-16": (16, "llama3-8b", ["--parallel.tp=2", "--parallel.zero=1", "--train.global_batch=64",
+                                                   "--lora.rank=16"]),
 }
 H100 = 80e9
 

@@ -30,5 +30,7 @@ from fivefold.checkpoint.hf.registry import (
 )
 from fivefold.checkpoint.hf.source import HFSource
 
-__all__ = ["FAMILIES", "Family", "HFFormatError", "HFSource", "export_problems", "family_of", "family_to_write",
-           "hf_config", "is_stacked", "model_config_from_hf"]
+HF_BASE = "hf_config.json"  # in a seed converted from HF: the original config.json, for the way back
+
+__all__ = ["FAMILIES", "HF_BASE", "Family", "HFFormatError", "HFSource", "export_problems", "family_of",
+           "family_to_write", "hf_config", "is_stacked", "model_config_from_hf"]

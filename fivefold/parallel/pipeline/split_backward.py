@@ -73,7 +73,9 @@ class SplitBackward:
         """`inp`: the received activation (a leaf), or on the first stage the embedding output."""
         self.out, self.inp = out, inp
         self.params = {id(p): p for p in params}
-        self.first = inp.grad_fn is not None  # the embedding made it: no earlier stage waits for its gradient
+        # the embedding made it (or, frozen under LoRA, made it needing no gradient): no earlier stage
+        # waits for its gradient
+        self.first = inp.grad_fn is not None or not inp.requires_grad
         self.groups: list[tuple[list[Node], list[torch.Tensor]]] = []  # frontier nodes sharing parameters
         self.kept: dict[Node, tuple] = {}  # frontier node -> the gradient that reached it in I
         self.out_grad: torch.Tensor | None = None  # first stage: the output's gradient, for W's whole backward
