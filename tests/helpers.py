@@ -250,6 +250,23 @@ def parallelized(cfg: Config, world: int):
     return par
 
 
+class OneRank:
+    """What an optimizer built over a layout asks of data parallel and the mesh (build_muon, QKClip),
+    for a model on one process without a process group: DDP's view, the optimizer steps the
+    parameters themselves, and every mesh group is this process alone."""
+
+    def __init__(self, model):
+        self.model, self.params = model, list(model.parameters())
+
+    def optimizer_params(self):
+        return self.params
+
+    def group(self, name: str):
+        from fivefold.parallel.comm.collectives import AxisGroup, CommStats
+
+        return AxisGroup(name=name, label=name, pg=None, size=1, rank=0, stats=CommStats())
+
+
 def mesh_of(ep: int = 1, **degrees: int):
     """Inside a worker: a mesh with the given axis degrees (pp, dp_replicate, dp_shard, cp, tp), 1 for
     the axes not named, and `ep` carved out of its grad view."""

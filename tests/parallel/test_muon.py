@@ -9,30 +9,15 @@ import zlib
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, MOE_ARGS, MUON, parallelized, tiny_config
+from helpers import EQUIVALENCE, MOE_ARGS, MUON, OneRank, parallelized, tiny_config
 
 from fivefold.config.schema import OptimConfig
 from fivefold.model.transformer import Transformer
-from fivefold.parallel.comm.collectives import AxisGroup, CommStats
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.parallel.muon import ADAMW_MATRICES, build_muon, is_muon_matrix
 from fivefold.parallel.optimizer import build_optimizer, init_optimizer_state, set_lr
 from fivefold.planner.estimate import estimate
 from fivefold.planner.hardware import get_hardware
-
-
-class _OneRank:
-    """What build_muon asks of data parallel and the mesh, for a model on one process (DDP's view:
-    the optimizer steps the parameters themselves)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.params = model, list(model.parameters())
-
-    def optimizer_params(self) -> list[torch.Tensor]:
-        return self.params
-
-    def group(self, name: str) -> AxisGroup:
-        return AxisGroup(name=name, label=name, pg=None, size=1, rank=0, stats=CommStats())
 
 
 def _model(tmp_path, *overrides: str) -> Transformer:
@@ -66,7 +51,7 @@ def test_one_process_is_torch_muon_bit_for_bit(tmp_path, rule):
     cfg = OptimConfig(name="muon", lr=0.02, weight_decay=0.1, muon=dataclasses.replace(OptimConfig().muon,
                                                                                         adjust_lr=rule))
     ref = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ours = build_muon(_OneRank(model), _OneRank(model), cfg, build_optimizer)
+    ours = build_muon(OneRank(model), OneRank(model), cfg, build_optimizer)
     init_optimizer_state(ours)
     assert all(set(ours.state[p]) == ({"momentum_buffer"} if is_muon_matrix(n, p) else
                                       {"step", "exp_avg", "exp_avg_sq"}) for n, p in model.named_parameters())

@@ -9,14 +9,13 @@ import math
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, MLA_ARGS, MUON, Layout, assert_layout_reproduces, tiny_config
+from helpers import EQUIVALENCE, MLA_ARGS, MUON, Layout, OneRank, assert_layout_reproduces, tiny_config
 
 from fivefold.model.attention import Attention, LatentAttention
 from fivefold.model.blockwise import blockwise_attention
 from fivefold.model.masks import AttentionMask, dense_keep
 from fivefold.model.rope import rope_cos_sin
 from fivefold.model.transformer import Transformer
-from fivefold.parallel.comm.collectives import AxisGroup, CommStats
 from fivefold.parallel.qk_clip import QKClip
 
 
@@ -42,19 +41,6 @@ def test_tiles_record_each_heads_largest_logit(window, documents, kv_heads):
     torch.testing.assert_close(record.double(), _dense_max(q, k, mask, 0.3), rtol=1e-6, atol=0)
 
 
-class _OneRank:
-    """DDP's view on one process for QKClip: the optimizer steps the parameters themselves."""
-
-    def __init__(self, model):
-        self.params = list(model.parameters())
-
-    def optimizer_params(self):
-        return self.params
-
-    def group(self, name):
-        return AxisGroup(name=name, label=name, pg=None, size=1, rank=0, stats=CommStats())
-
-
 @pytest.mark.parametrize("overrides", [(), ("--model.n_kv_heads=2",), ("--model.preset=tiny-mla",)],
                          ids=["mha", "gqa", "mla"])
 def test_clip_brings_each_head_back_to_tau(tmp_path, overrides):
@@ -68,7 +54,7 @@ def test_clip_brings_each_head_back_to_tau(tmp_path, overrides):
     layer = next(m for m in model.modules() if isinstance(m, (Attention, LatentAttention)))
     for p in layer.parameters():  # logits of a few units
         p.data.mul_(4.0)
-    clip = QKClip(model, _OneRank(model), _OneRank(model), tau=0.0)
+    clip = QKClip(model, OneRank(model), OneRank(model), tau=0.0)
     x = torch.randn(2, 16, cfg.model.dim)
     cos, sin = rope_cos_sin(torch.arange(16), model.rope_dim, cfg.model.rope)
     layer(x, cos, sin)
