@@ -312,6 +312,32 @@ def test_speed_switches_are_refused_by_name(tmp_path, name):
     assert len(errors) == 1 and errors[0].startswith(message), errors
 
 
+OPTIMIZER_AND_LORA_ERRORS = {  # validate/__init__.py's optimizer checks (Muon, QK-clip) and validate/lora.py
+    "muon's numbers": (("--optim.name=muon", "--optim.muon.momentum=1.0"), 1, "optim.muon: lr = 0.0"),
+    "muon with offload": (("--optim.name=muon", "--parallel.dp=2", "--parallel.zero=1",
+                           "--parallel.offload=optimizer"), 2,
+                          "optim.name = 'muon' is not built yet with parallel.offload"),
+    "qk_clip with sdpa": (("--optim.qk_clip=100", "--model.attention.backend=sdpa"), 1,
+                          "optim.qk_clip reads each head's largest logit from the blockwise path's tiles"),
+    "qk_clip with a q/k norm": (("--optim.qk_clip=100", "--model.norm.qk=true"), 1,
+                                "optim.qk_clip scales W_q and W_k, which model.norm.qk normalises away"),
+    "lora targets": (("--lora.rank=4", "--lora.targets=['q_proj', 'qkv']"), 1, "lora.targets = ['q_proj', 'qkv']"),
+    "lora with zero3": (("--lora.rank=4", "--parallel.dp=2", "--parallel.zero=3"), 2,
+                        "lora.rank > 0 is not built yet with parallel.zero = 3"),
+    "lora with tp_overlap": (("--lora.rank=4", "--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true"),
+                             2, "lora.rank > 0 is not built yet with parallel.tp_overlap"),
+    "lora with qk_clip": (("--lora.rank=4", "--optim.qk_clip=100"), 1,
+                          "lora.rank > 0 is not built yet with optim.qk_clip"),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_AND_LORA_ERRORS)
+def test_optimizer_and_lora_settings_are_refused_by_name(tmp_path, name):
+    args, world, message = OPTIMIZER_AND_LORA_ERRORS[name]
+    errors = validate(tiny_config(tmp_path, *args), world)
+    assert len(errors) == 1 and errors[0].startswith(message), errors
+
+
 def test_parameter_offload_with_zero3_is_accepted(tmp_path):
     """Built (parallel/data/offload.py): only its ZeRO stage is checked, for the device and the host."""
     assert validate(tiny_config(tmp_path, "--parallel.dp=2", "--parallel.zero=3", "--parallel.offload=params"), 2) == []

@@ -28,4 +28,7 @@ def lora_errors(cfg: Config) -> list[str]:
     if p.tp_overlap:
         errors.append("lora.rank > 0 is not built yet with parallel.tp_overlap = true (the overlapped region "
                       "entry runs its layers' matmuls without their adapters): set tp_overlap = false")
+    if cfg.optim.qk_clip:
+        errors.append("lora.rank > 0 is not built yet with optim.qk_clip (it scales W_q and W_k, which LoRA "
+                      "freezes, and not the adapters beside them): set qk_clip = 0")
     return errors
