@@ -25,8 +25,8 @@ from fivefold.checkpoint.hf import HF_BASE, Family, HFFormatError, family_to_wri
 from fivefold.checkpoint.weights import WeightSource
 from fivefold.config.schema import Config
 from fivefold.data.resolve import resolved_model
-from fivefold.model.config import LoRAConfig, ModelConfig
-from fivefold.model.lora import LORA_A, LORA_B, PEFT_NAMES, apply_lora
+from fivefold.model.config import PEFT_NAMES, LoRAConfig, ModelConfig
+from fivefold.model.lora import LORA_A, LORA_B, apply_lora
 from fivefold.model.transformer import Transformer
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

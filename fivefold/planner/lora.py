@@ -27,14 +27,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fivefold.config.schema import Config
-from fivefold.model.config import ModelConfig
+from fivefold.model.config import PEFT_NAMES, ModelConfig
 from fivefold.model.counts import head_dim
 from fivefold.planner.layout import RankShare
 
 Cut = Literal["column", "row", "whole"]
-PEFT = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj",
-        "wkv_a": "kv_a_proj_with_mqa", "wkv_b": "kv_b_proj", "gate": "gate_proj", "up": "up_proj",
-        "down": "down_proj", "eh_proj": "eh_proj"}  # model/lora.py PEFT_NAMES (the planner imports no torch)
 
 
 @dataclass(frozen=True)
@@ -104,7 +101,8 @@ def block_adapters(cfg: Config, block: int) -> list[Adapted]:
     else:
         k = block - m.n_layers
         layers = [(f"mtp.{k}.eh_proj", (2 * m.dim, m.dim), "whole"), *block_layers(m, block, f"mtp.{k}.block.")]
-    return [Adapted(name, shape, cut) for name, shape, cut in layers if PEFT[name.rsplit(".", 1)[1]] in lo.targets]
+    return [Adapted(name, shape, cut) for name, shape, cut in layers
+            if PEFT_NAMES[name.rsplit(".", 1)[1]] in lo.targets]
 
 
 def model_adapters(cfg: Config) -> list[Adapted]:
