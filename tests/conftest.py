@@ -19,11 +19,14 @@ from helpers import (  # noqa: E402
     DOCUMENTS_ON,
     EQUIVALENCE,
     GEMMA_ARGS,
+    LORA,
+    LORA_MLA_TARGETS,
     MASKS_ON,
     MLA_ARGS,
     MOE_ARGS,
     MUON,
     OLMO2_ARGS,
+    QK,
     TIED_ARGS,
     document_args,
     one_process,
@@ -58,6 +61,33 @@ def muon_reference(tmp_path_factory):
 def muon_moe_reference(tmp_path_factory):
     """Muon on the MoE, each expert its own matrix: expert parallel's Muon row."""
     return _one_process(tmp_path_factory, "ref-muon-moe", *EQUIVALENCE, *MOE_ARGS, *MUON)
+
+
+@pytest.fixture(scope="session")
+def qk_reference(tmp_path_factory):
+    """Muon with QK-clip (helpers.QK): the QK-clip table's rows reproduce it."""
+    return _one_process(tmp_path_factory, "ref-qk", *EQUIVALENCE, *QK)
+
+
+@pytest.fixture(scope="session")
+def qk_mla_reference(tmp_path_factory):
+    return _one_process(tmp_path_factory, "ref-qk-mla", *EQUIVALENCE, *QK, *MLA_ARGS)
+
+
+@pytest.fixture(scope="session")
+def lora_reference(tmp_path_factory):
+    """LoRA on the plain model (helpers.LORA): the LoRA table's rows reproduce it."""
+    return _one_process(tmp_path_factory, "ref-lora", *EQUIVALENCE, *LORA)
+
+
+@pytest.fixture(scope="session")
+def lora_mla_reference(tmp_path_factory):
+    return _one_process(tmp_path_factory, "ref-lora-mla", *EQUIVALENCE, *LORA, *MLA_ARGS, LORA_MLA_TARGETS)
+
+
+@pytest.fixture(scope="session")
+def lora_moe_reference(tmp_path_factory):
+    return _one_process(tmp_path_factory, "ref-lora-moe", *EQUIVALENCE, *LORA, *MOE_ARGS)
 
 
 @pytest.fixture(scope="session")
@@ -135,6 +165,16 @@ def bf16_reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bf16_muon_reference(tmp_path_factory):
     return one_process_bf16(tmp_path_factory, "ref-muon", *EQUIVALENCE, MUON[0])
+
+
+@pytest.fixture(scope="session")
+def bf16_qk_reference(tmp_path_factory):
+    return one_process_bf16(tmp_path_factory, "ref-qk", *EQUIVALENCE, *QK[:1], *QK[2:])  # lr: BF16's
+
+
+@pytest.fixture(scope="session")
+def bf16_lora_reference(tmp_path_factory):
+    return one_process_bf16(tmp_path_factory, "ref-lora", *EQUIVALENCE, *LORA)
 
 
 @pytest.fixture(scope="session")

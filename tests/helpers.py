@@ -66,6 +66,13 @@ GEMMA_ARGS = (*BLOCK_STEPS, "--model.norm.position=sandwich", "--model.norm.offs
 # gradient at every layout (tests/parallel/test_muon.py).
 MUON = ("--optim.name=muon", "--optim.lr=1e-3")
 MUON_ROW = dict(reference="muon_reference", param_atol=5e-4)
+# QK-clip (optim.qk_clip) on Muon at tau 0.1: the tiny model's largest logits start near 0.14 (measured), so
+# most heads are clipped at each of the 5 steps (tests/parallel/test_qk_clip.py)
+QK = (*MUON, "--optim.qk_clip=0.1")
+# LoRA (model/lora.py) rank 4 on PEFT's seven default targets; on latent attention its own projections
+# (tests/parallel/test_lora_layouts.py)
+LORA = ("--lora.rank=4", "--lora.alpha=8")
+LORA_MLA_TARGETS = "--lora.targets=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'gate_proj']"
 
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.
 DOCUMENTS_ON = ("--data.document_mask=true", "--data.reset_positions=true")

@@ -305,11 +305,6 @@ SPEED_ERRORS = {  # validate/speed.py: each switch against what it needs, or nam
 }
 
 
-@pytest.mark.parametrize("name", SPEED_ERRORS)
-def test_speed_switches_are_refused_by_name(tmp_path, name):
-    args, world, message = SPEED_ERRORS[name]
-    errors = validate(tiny_config(tmp_path, *args), world)
-    assert len(errors) == 1 and errors[0].startswith(message), errors
 
 
 OPTIMIZER_AND_LORA_ERRORS = {  # validate/__init__.py's optimizer checks (Muon, QK-clip) and validate/lora.py
@@ -322,6 +317,8 @@ OPTIMIZER_AND_LORA_ERRORS = {  # validate/__init__.py's optimizer checks (Muon, 
     "qk_clip with a q/k norm": (("--optim.qk_clip=100", "--model.norm.qk=true"), 1,
                                 "optim.qk_clip scales W_q and W_k, which model.norm.qk normalises away"),
     "lora targets": (("--lora.rank=4", "--lora.targets=['q_proj', 'qkv']"), 1, "lora.targets = ['q_proj', 'qkv']"),
+    "lora targets absent from the model": (("--lora.rank=4", "--lora.targets=['q_a_proj']"), 1,
+                                           "lora.targets = ['q_a_proj'] select no layer of this model"),
     "lora with zero3": (("--lora.rank=4", "--parallel.dp=2", "--parallel.zero=3"), 2,
                         "lora.rank > 0 is not built yet with parallel.zero = 3"),
     "lora with tp_overlap": (("--lora.rank=4", "--parallel.tp=2", "--parallel.sp=true", "--parallel.tp_overlap=true"),
@@ -331,9 +328,12 @@ OPTIMIZER_AND_LORA_ERRORS = {  # validate/__init__.py's optimizer checks (Muon, 
 }
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_AND_LORA_ERRORS)
-def test_optimizer_and_lora_settings_are_refused_by_name(tmp_path, name):
-    args, world, message = OPTIMIZER_AND_LORA_ERRORS[name]
+REFUSED = {**SPEED_ERRORS, **OPTIMIZER_AND_LORA_ERRORS}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_switches_are_refused_by_name(tmp_path, name):
+    args, world, message = REFUSED[name]
     errors = validate(tiny_config(tmp_path, *args), world)
     assert len(errors) == 1 and errors[0].startswith(message), errors
 

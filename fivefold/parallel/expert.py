@@ -139,10 +139,11 @@ def is_tp_partial(p: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class ExpertParallel:
     """The group one MoE block's experts are split over (size 1 without expert parallel), and the
-    tp group MoE gradients are summed over under sequence parallel."""
+    tp group the tp_partial gradients are summed over: MoE's under sequence parallel, and LoRA's
+    whole factors under tensor parallel (parallel/tensor.py `_split_adapter`)."""
 
     group: AxisGroup
-    token_group: AxisGroup  # tp: each rank routes its own T/tp tokens (sp); only tp_partial gradients use it
+    token_group: AxisGroup  # tp: where tp_partial gradients are summed (sp's MoE, LoRA's whole factors)
 
     def sum_partial_gradients(self, params: list[nn.Parameter], gradient_of: Callable[[nn.Parameter], torch.Tensor],
                               device: torch.device | None = None) -> None:
@@ -150,7 +151,7 @@ class ExpertParallel:
         parallel has summed them over the grad view already: the sums commute). `gradient_of`:
         the gradient the optimizer applies (ZeRO: this rank's rows, the same rows on every tp rank).
         Collective over tp, one all-reduce of them all (as the planner prices it), on `device` when
-        the gradients are elsewhere (offload = "params": on the host); nothing without sp."""
+        the gradients are elsewhere (offload = "params": on the host); nothing when none is marked."""
         grads = [gradient_of(p) for p in params if is_tp_partial(p)]
         if not grads:
             return

@@ -45,7 +45,7 @@ class QKClip:
             layer.logit_max = torch.full((_heads(layer),), -math.inf, device=device)  # (H this rank holds,)
         self.stepped = dict(zip((id(p) for p in dp.params), dp.optimizer_params(), strict=True))
         self.shards = getattr(dp, "shards", None)
-        self.last: dict[str, float] = {}
+        self.last: dict[str, torch.Tensor] = {}  # the last clip's largest logit and heads clipped, 0-dim
 
     @torch.no_grad()
     def clip(self) -> None:
@@ -59,7 +59,8 @@ class QKClip:
         for layer, g in zip(self.layers, gamma, strict=True):
             self._scale(layer, g)  # by 1 where no head passed tau
         self.reset()
-        self.last = {"max_logit": float(maxima.max()), "clipped_heads": int((gamma < 1).sum())}
+        # on the device: the step record reads them after the step's one read (train/step.py)
+        self.last = {"max_logit": maxima.max(), "clipped_heads": (gamma < 1).sum()}
 
     def reset(self) -> None:
         """Start the next step's maxima (after a clip, or a skipped step)."""

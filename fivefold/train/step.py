@@ -120,7 +120,7 @@ def train_step(run: Run, step: int, trace: bool = False) -> StepRecord:
     if par.offload is not None:  # apart from "comm": the host link is no mesh axis
         metrics["offload"] = par.offload.stats(par.optimizer)
     if par.qk_clip is not None:  # the step's largest logit (rank 0's stage) and the heads it clipped
-        metrics["qk_clip"] = par.qk_clip.last
+        metrics["qk_clip"] = {k: v.item() for k, v in par.qk_clip.last.items()}  # done: the step was read
     if hasattr(par.optimizer, "step_counts"):  # Muon: this rank's Newton-Schulz FLOPs and exchanged bytes
         metrics["muon"] = par.optimizer.step_counts()
     if mtp_value:  # the MTP depths' mean loss, per trained token as the main loss is (it trains times mtp_weight)

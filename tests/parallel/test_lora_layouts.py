@@ -9,22 +9,21 @@ import torch
 from helpers import (
     BF16,
     EQUIVALENCE,
+    LORA,
+    LORA_MLA_TARGETS,
     MLA_ARGS,
     MOE_ARGS,
     Layout,
     assert_layout_reproduces,
     one_process,
-    one_process_bf16,
     tiny_config,
 )
 
 from fivefold.model.lora import is_adapter
 from fivefold.parallel.forked_ranks import run_workers
 
-# rank 4 on the seven PEFT targets; AdamW at EQUIVALENCE's lr. B starts at zero, so the first step moves
+# helpers.LORA: rank 4 on the seven PEFT targets; AdamW at EQUIVALENCE's lr. B starts at zero, so the first step moves
 # B alone and the later ones both factors. Bounds: the shared ones (helpers.assert_reproduces).
-LORA = ("--lora.rank=4", "--lora.alpha=8")
-MLA_TARGETS = "--lora.targets=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'gate_proj']"
 ROW = dict(reference="lora_reference", exact=(".weight",))  # the frozen base: bit for bit after training
 LAYOUTS = {
     "ddp-dp2": Layout(2, ("--train.micro_batch=4",), **ROW),
@@ -39,32 +38,12 @@ LAYOUTS = {
     # latent attention's down-projections and the shared experts run on each rank's own tokens under sp:
     # their adapters' gradients are summed over tp as their weights' are
     "mla-tp2-sp": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4", *MLA_ARGS,
-                             MLA_TARGETS), reference="lora_mla_reference", param_atol=2e-4,
+                             LORA_MLA_TARGETS), reference="lora_mla_reference", param_atol=2e-4,
                          exact=(".weight", ".experts.gate")),
     # bf16 autocast (helpers.BF16): the split adapters' products in bf16, tp's partial sums and sp
     "dp2-tp2-sp-zero1-bf16": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=1",
                                         "--train.micro_batch=2", *BF16), reference="lora_reference"),
 }
-
-
-@pytest.fixture(scope="module")
-def lora_reference(tmp_path_factory):
-    return one_process(tmp_path_factory.mktemp("lora"), *EQUIVALENCE, *LORA)
-
-
-@pytest.fixture(scope="module")
-def bf16_lora_reference(tmp_path_factory):
-    return one_process_bf16(tmp_path_factory, "lora", *EQUIVALENCE, *LORA)
-
-
-@pytest.fixture(scope="module")
-def lora_mla_reference(tmp_path_factory):
-    return one_process(tmp_path_factory.mktemp("lora-mla"), *EQUIVALENCE, *LORA, *MLA_ARGS, MLA_TARGETS)
-
-
-@pytest.fixture(scope="module")
-def lora_moe_reference(tmp_path_factory):
-    return one_process(tmp_path_factory.mktemp("lora-moe"), *EQUIVALENCE, *LORA, *MOE_ARGS)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, MLA_ARGS, MUON, Layout, OneRank, assert_layout_reproduces, tiny_config
+from helpers import BF16, EQUIVALENCE, MLA_ARGS, QK, Layout, OneRank, assert_layout_reproduces, tiny_config
 
 from fivefold.model.attention import Attention, LatentAttention
 from fivefold.model.blockwise import blockwise_attention
@@ -68,9 +68,8 @@ def test_clip_brings_each_head_back_to_tau(tmp_path, overrides):
 
 
 # ---- every layout clips as one process -------------------------------------------------------------------
-# tau 0.1: the tiny model's largest logits start near 0.14 (measured), so most heads are clipped at each
-# of the 5 steps. Losses and norms at the shared bounds; weights as Muon's rows (helpers.MUON).
-QK = (*MUON, "--optim.qk_clip=0.1")
+# helpers.QK (tau 0.1: most heads clipped at every step). Losses and norms at the shared bounds; weights as
+# Muon's rows (helpers.MUON).
 QK_ROW = dict(reference="qk_reference", param_atol=5e-4)
 QK_LAYOUTS = {
     "tp2-sp-zero1": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=1",
@@ -79,21 +78,9 @@ QK_LAYOUTS = {
     "ulysses-cp2": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), **QK_ROW),
     "mla-tp2": Layout(2, ("--parallel.tp=2", "--train.micro_batch=4", *MLA_ARGS),
                       reference="qk_mla_reference", param_atol=5e-4),
+    # bf16 autocast (helpers.BF16): the tiles' logits from bf16 q and k, the maxima max-reduced over cp
+    "ulysses-cp2-bf16": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses", *BF16), reference="qk_reference"),
 }
-
-
-@pytest.fixture(scope="module")
-def qk_reference(tmp_path_factory):
-    from helpers import one_process
-
-    return one_process(tmp_path_factory.mktemp("qk"), *EQUIVALENCE, *QK)
-
-
-@pytest.fixture(scope="module")
-def qk_mla_reference(tmp_path_factory):
-    from helpers import one_process
-
-    return one_process(tmp_path_factory.mktemp("qk-mla"), *EQUIVALENCE, *QK, *MLA_ARGS)
 
 
 @pytest.mark.parametrize("name", QK_LAYOUTS)
