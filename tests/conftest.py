@@ -81,6 +81,11 @@ def lora_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def lora_tied_reference(tmp_path_factory):
+    return _one_process(tmp_path_factory, "ref-lora-tied", *TIED_ARGS, *LORA)
+
+
+@pytest.fixture(scope="session")
 def lora_mla_reference(tmp_path_factory):
     return _one_process(tmp_path_factory, "ref-lora-mla", *EQUIVALENCE, *LORA, *MLA_ARGS, LORA_MLA_TARGETS)
 

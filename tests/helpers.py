@@ -72,6 +72,9 @@ QK = (*MUON, "--optim.qk_clip=0.1")
 # LoRA (model/lora.py) rank 4 on PEFT's seven default targets; on latent attention its own projections
 # (tests/parallel/test_lora_layouts.py)
 LORA = ("--lora.rank=4", "--lora.alpha=8")
+# A table's LoRA row (tests/parallel/test_lora_layouts.py says what LoRA adds): one process with LoRA, the
+# frozen base ending bit for bit where it started, the adapters within the shared bounds
+LORA_ROW = dict(reference="lora_reference", exact=(".weight",))
 LORA_MLA_TARGETS = "--lora.targets=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'gate_proj']"
 
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.

@@ -48,6 +48,7 @@ from fivefold.config.load import RUN_CONFIG, SEED_CONFIG, ConfigError, load_conf
 from fivefold.config.schema import Config
 from fivefold.data.resolve import resolved_model
 from fivefold.model.config import ModelConfig
+from fivefold.model.lora import NF4, nf4_tensor
 from fivefold.model.transformer import Transformer
 
 
@@ -66,19 +67,29 @@ class DCPSource:
         saved = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         self.meta = {k[len("model."):]: v for k, v in saved.items()
                      if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-        self._names = frozenset(self.meta)
+        # A QLoRA run's NF4 base (lora.base_dtype = "nf4", model/lora.py): read as its dequantised weight
+        self.nf4 = {k[:-len(NF4 + "codes")] + ".weight": k[:-len("codes")] for k in self.meta
+                    if k.endswith(NF4 + "codes")}
+        self._names = frozenset(k for k in self.meta if NF4 not in k) | frozenset(self.nf4)
         self._last: tuple[str, torch.Tensor] | None = None  # stacked experts are read expert by expert
 
     def names(self) -> frozenset[str]:
         return self._names
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.nf4:
+            rows, half = self.meta[self.nf4[name] + "codes"].size
+            return rows, 2 * half
         return tuple(self.meta[name].size)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.meta[name].properties.dtype
+        return self.meta[self.nf4[name] + "scale_mean" if name in self.nf4 else name].properties.dtype
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        if name in self.nf4:
+            parts = [self.read(self.nf4[name] + p) for p in ("codes", "scales", "scale_factor", "scale_mean")]
+            value = nf4_tensor(*parts).get_original_weight()  # (out, in)
+            self._last = (name, value)
         if self._last is None or self._last[0] != name:
             self._last = None  # free the previous tensor before reading the next
             value = torch.empty(self.shape(name), dtype=self.dtype(name))

@@ -145,6 +145,11 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
+# QLoRA's NF4 blocks (Dettmers et al. 2023; torchao's to_nf4 defaults): one absmax scale per 64 elements,
+# those scales quantised to int8 in groups of 256 (model/lora.py NF4Base; the planner prices them)
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+NF4_GROUP = NF4_BLOCK * NF4_SCALER_BLOCK  # elements per group of scales: an NF4 weight's numel divides by it
+
 # fivefold's linear layers by their attribute name -> the module name PEFT's target_modules matches
 # (Hugging Face's names for the same layers: LlamaAttention, LlamaMLP, DeepseekV3Attention, ...)
 PEFT_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
@@ -167,3 +172,7 @@ class LoRAConfig:
     # a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) whose adapters training
     # continues from; "" = new adapters (A drawn, B zero). The base comes from checkpoint.init_from.
     init_from: str = ""
+    # the frozen base of each adapted layer: "" = kept in the run's parameter dtype; "nf4" = QLoRA's 4-bit
+    # NormalFloat (Dettmers et al. 2023) through torchao's NF4Tensor, 64-element blocks with double-quantised
+    # scales, dequantised into the compute dtype at each use (model/lora.py NF4Base)
+    base_dtype: Literal["", "nf4"] = ""

@@ -107,6 +107,9 @@ class Muon(torch.optim.Optimizer):
         self.pieces = pieces
         self.adamw = adamw
         self.adamw.state = self.state  # one state: what init_optimizer_state fills and checkpoints read
+        # an empty group (LoRA: every adapter is a matrix, AdamW keeps nothing) would fail torch's
+        # state-dict load, which names each group by its first parameter
+        adamw.param_groups = [g for g in adamw.param_groups if g["params"]]
         self.param_groups += adamw.param_groups
         assign_owners([pc.matrix for ps in pieces.values() for pc in ps])
         self.flops = 0  # the last step's Newton-Schulz FLOPs on this rank

@@ -50,6 +50,9 @@ def build_optimizer(params: nn.Module | Iterable[torch.Tensor], cfg: OptimConfig
         {"params": [p for p, d in zip(tensors, decays, strict=True) if d], "weight_decay": cfg.weight_decay},
         {"params": [p for p, d in zip(tensors, decays, strict=True) if not d], "weight_decay": 0.0},
     ]
+    # an empty group (LoRA trains no norm) would fail torch's state-dict load, which names each group by
+    # its first parameter (DDP's checkpoints load through get/set_optimizer_state_dict)
+    groups = [g for g in groups if g["params"]] or groups[:1]
     fused = bool(tensors) and fused_on(tensors[0].device)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused or None, foreach=not fused)

@@ -45,7 +45,7 @@ from fivefold.parallel.pipeline.stages import Ahead, apply_pipeline_parallel
 from fivefold.parallel.qk_clip import QKClip
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.state_dict import is_expert_parameter
-from fivefold.parallel.state_memory import ModelStateMeter
+from fivefold.parallel.state_memory import ModelStateMeter, frozen_shards
 from fivefold.parallel.tensor import apply_tensor_parallel
 
 
@@ -259,7 +259,8 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: Config, derived: Derived) -
     dp = apply_data_parallel(model, mesh, cfg, derived, chunks=stages.reduction_chunks())
     offload = apply_offload(dp, cfg)  # with it dp.optimizer_params() are host copies of the shards
     optimizer = layout_optimizer(dp, mesh, cfg.optim)  # its state comes with its first step
-    memory = ModelStateMeter(list(model.parameters()), optimizer, offload)  # LoRA's frozen base too
+    # LoRA's frozen base too (under ZeRO-3: the shards that are its only copy)
+    memory = ModelStateMeter([*model.parameters(), *frozen_shards(dp, model.parameters())], optimizer, offload)
     device = next(model.parameters()).device
     pipeline = PipelineExecutor(stages, dp, device, cfg.model.dim, seq_divisor=tp.seq_divisor,
                                 after_backward=memory.sample, lanes=mesh.lanes, mtp_weight=cfg.train.mtp_weight)

@@ -14,11 +14,13 @@ those). The metrics log reports the largest sample of a step; the planner's memo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from fivefold.parallel.data import DataParallel
     from fivefold.parallel.data.offload import HostOffload, ParamOffload
 
 
@@ -50,6 +52,15 @@ def model_state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimiz
            "grads": size([p.grad for p in params] + [p.grad for p in masters]),
            "optimizer": size(state + masters)}
     return {**out, "total": sum(out.values())}
+
+
+def frozen_shards(dp: DataParallel, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 shards ZeRO-3 keeps of the frozen parameters (LoRA's base, parallel/data/fsdp.py): their only
+    copy, which no optimizer steps, so model_state_bytes counts them only where they are given as weights
+    (with the parameters, as the meter and the dry run give them)."""
+    shards = getattr(dp, "shards", None)
+    masters = shards.masters if shards is not None else {}
+    return [masters[id(p)] for p in params if not p.requires_grad and id(p) in masters]
 
 
 class ModelStateMeter:

@@ -81,13 +81,14 @@ class ColumnParallelLinear(nn.Module):
     column-parallel layers (q, k and v share one input), on entry to attention or the MLP, so one
     collective serves them all. With sp and parallel.tp_overlap the region's entry computes this
     layer's output itself, its gather overlapped with the matmul (`_OverlappedEntry`), and leaves it
-    in `computed`, which forward returns.
+    in `computed`, which forward returns (with a LoRA adapter, also x A^T, which its B then takes up).
     """
 
     tp_splits = "outputs"  # the matmul dim tp splits: FP8's amax reductions read it (fp8.py)
     scaling: Float8Scaling | None = None  # set by apply_fp8 (train.fp8)
     fp8_weight: Float8Weight | None = None  # set by ZeRO-3 with parallel.fp8_gather
     computed: torch.Tensor | None = None  # (B, T, out/tp): set by the region's overlapped entry
+    computed_lora: torch.Tensor | None = None  # (B, T, r): x A^T, set with it when the layer has an adapter
 
     def __init__(self, linear: nn.Linear, group: AxisGroup, sequence_parallel: bool):
         super().__init__()
@@ -99,8 +100,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.computed is not None:  # the region's overlapped entry ran this layer's matmul already
-            y, self.computed = self.computed, None
-            return y
+            y, u, self.computed, self.computed_lora = self.computed, self.computed_lora, None, None
+            return y if self.lora is None else y + self.lora.up(u)
         y = linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)  # (B, T, out/tp)
         return y if self.lora is None else y + self.lora(x)
 
@@ -122,7 +123,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap:  # the reduce-scatter's pieces travel while the next one's partial sum is computed
-            y = matmul_reduce_scatter(x, self.weight, self.group)  # (B, T/tp, out)
+            # an adapter's share x_r A_r^T B^T is computed whole first (a rank-r product, small) and joins
+            # each piece's partial sum before it travels
+            extra = None if self.lora is None else self.lora(x)  # (B, T, out)
+            y = matmul_reduce_scatter(x, self.weight, self.group, extra)  # (B, T/tp, out)
             return y if self.bias is None else y + self.bias
         partial = linear(x, self.weight, None, self.scaling, self.fp8_weight)  # (B, T, out): this rank's share
         if self.lora is not None:  # x_r A_r^T B^T: the adapter's share, summed by the same reduction
@@ -302,12 +306,17 @@ class _OverlappedEntry:
 
     def __call__(self, region: nn.Module, args: tuple) -> tuple:
         x = args[0]  # (B, T/tp, d)
-        outs = all_gather_matmul(x, [c.weight for c in self.columns], [c.bias for c in self.columns], self.group)
-        for layer, y in zip(self.columns, outs, strict=True):
+        # A LoRA adapter's A multiplies the same gathered input, after its layer's weight, as each layer's
+        # forward calls them (the order dx sums their branches in: collective_matmul.py)
+        weights = [w for c in self.columns for w in (c.weight, *([c.lora.a] if c.lora is not None else []))]
+        biases = [b for c in self.columns for b in (c.bias, *([None] if c.lora is not None else []))]
+        outs = iter(all_gather_matmul(x, weights, biases, self.group))
+        for layer in self.columns:
             if layer.computed is not None:
                 raise RuntimeError(f"{type(region).__name__} did not call every column-parallel layer of its "
                                    "region in its last forward, as parallel.tp_overlap needs: set tp_overlap = false")
-            layer.computed = y  # (B, T, out/tp)
+            layer.computed = next(outs)  # (B, T, out/tp)
+            layer.computed_lora = next(outs) if layer.lora is not None else None  # (B, T, r)
         B, t, d = x.shape
         stand_in = x.new_full((1, 1, 1), float("nan")).expand(B, t * self.group.size, d)  # (B, T, d), no storage
         return (stand_in, *args[1:])

@@ -39,8 +39,8 @@ prediction and a measurement are the same quantity. Per step, with M micro-batch
   sends its node peers' share over NVLink and the rest over the NIC at once, or dispatches as
   DeepSeek-V3's node-limited routing does (expert_comm.py).
 
-LoRA (lora.rank, planner/lora.py): dp reduces (and ZeRO gathers) the adapters only; tp all-reduces
-their whole factors' gradients (ZeRO: this rank's rows) once a step; a frozen embedding sums nothing.
+LoRA (lora.rank, planner/lora.py): dp reduces the adapters only (ZeRO-3 gathers whole units: lora.dp_gathers);
+tp all-reduces their whole factors' gradients (ZeRO: this rank's rows) once a step; frozen embeddings sum nothing.
 
 Reported per axis for the pipeline rank that sends the most (heaviest_senders), Muon's all_to_alls
 merged in (planner/muon_step.py times them in the optimizer step); the step's time terms keep the
@@ -70,7 +70,7 @@ from fivefold.parallel.comm.wire import wire_bytes
 from fivefold.planner.activations import FP8_BYTES, layout_applies
 from fivefold.planner.expert_comm import expert_link_bytes
 from fivefold.planner.layout import RankShare, axis_spans_nodes, group_ranks_per_node
-from fivefold.planner.lora import adapter_elements, partial_elements
+from fivefold.planner.lora import adapter_elements, dp_gathers, partial_elements
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.pricing import ChunkWork, Row
 from fivefold.planner.memory import expert_imbalance, head_tokens, loss_chunk_tokens
@@ -283,15 +283,15 @@ def rank_traffic(cfg: Config, share: RankShare, moe_blocks: int, options: PlanOp
     # Dense gradients over the grad view (ZeRO: shards over dp_shard); routed experts (ep > 1) over
     # the ranks holding the same experts, expert_dp, where ZeRO shards them too (parallel/data/zero.py).
     lora = cfg.lora.rank > 0  # only the adapters train (planner/lora.py): frozen experts and vocabulary
-    expert = share.expert_params if p.ep > 1 and not lora else 0
+    expert = share.expert_params if p.ep > 1 and (p.zero == 3 or not lora) else 0  # LoRA: ZeRO-3 gathers them
     dense = adapter_elements(cfg, share) if lora else share.params - expert
-    dense_weights = (dense * param_b if lora else (dense - share.vocab_params) * block_b
-                     + share.vocab_params * param_b)
-    kept_weights = (share.kept_unit - share.kept_vocab) * block_b + share.kept_vocab * param_b
+    dense_weights, kept_weights = (dp_gathers(cfg, share, d.vocab_size, param_b, block_b) if lora else (
+        (dense - share.vocab_params) * block_b + share.vocab_params * param_b,
+        (share.kept_unit - share.kept_vocab) * block_b + share.kept_vocab * param_b))
     dp = dp_traffic(p.zero, grad_ranks if p.zero == 0 else n_shard, dense * grad_b, dense_weights, micro,
                     d.reshard_after_forward, kept_bytes=kept_weights)
-    expert_b = block_b if options.fp8_experts else param_b  # fivefold's FP8 leaves the routed experts bf16
-    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b, expert * expert_b, micro, d.reshard_after_forward, dp)
+    dp_traffic(p.zero, grad_ranks // p.ep, expert * grad_b * (not lora),  # fivefold's FP8 leaves experts bf16
+               expert * (block_b if options.fp8_experts else param_b), micro, d.reshard_after_forward, dp)
     traffic = {"dp": dp}
     traffic.update(activation_traffic(cfg, len(share.blocks), moe_blocks, share.first, share.last, d.local_seq_len,
                                       micro, act_bytes, share.wire_boundaries, expert_imbalance(cfg, options),

@@ -19,16 +19,25 @@ Saved for backward: the r-wide intermediate x A^T (B's weight gradient reads it)
 token in the compute dtype; the input x the base layer already saves (the same tensor, counted
 once), and with lora.dropout the dropped copy and its mask (in x (a + 1) bytes). Under full
 recompute the blocks keep their inputs only, so nothing more.
+
+Under ZeRO-3 (parallel/data/fsdp.py) every parameter is sharded, the frozen base too (its fp32 rows its
+only copy: no gradient, no optimizer state), and gathered unit by unit (the embedding, each block, the
+final norm and head with the MTP depths) in parallel.param_dtype, base and adapters together; only the
+adapters are reduce-scattered. A frozen embedding's output needs no gradient: its unit has no backward
+and is not gathered again for one (unless it holds the tied head). Per step with M micro-batches over N
+ranks, resharding: M (2 W - H - E + A) (N-1)/N wire bytes (W every weight, H the head's unit kept
+gathered across, E the frozen embeddings, A the adapters' gradients); kept gathered: (W + A) (N-1)/N.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from fivefold.config.schema import Config
-from fivefold.model.config import PEFT_NAMES, ModelConfig
-from fivefold.model.counts import head_dim
+from fivefold.model.config import NF4_BLOCK, NF4_GROUP, PEFT_NAMES, ModelConfig
+from fivefold.model.counts import block_params, block_rank_params, head_dim
 from fivefold.planner.layout import RankShare
 
 Cut = Literal["column", "row", "whole"]
@@ -130,6 +139,80 @@ def partial_elements(cfg: Config, share: RankShare) -> int:
 def adapter_params(cfg: Config) -> int:
     """The model's adapter parameters, uncut (PEFT's trainable-parameter count)."""
     return sum(a.elements(cfg.lora.rank, 1) for a in model_adapters(cfg))
+
+
+def nf4_bytes(elements: int, dtype_bytes: float = 4) -> float:
+    """One weight's bytes as an NF4 base (lora.base_dtype = "nf4", model/lora.py NF4Base): its 4-bit codes,
+    one int8 scale per 64 elements, and in the weight's dtype a factor per group of 256 scales, their
+    mean and the 16 NF4 values: 0.515625 bytes an element and a few more."""
+    return elements // 2 + elements // NF4_BLOCK + (elements // NF4_GROUP + 1 + 16) * dtype_bytes
+
+
+def nf4_base(cfg: Config, share: RankShare, dtype_bytes: float = 4) -> tuple[int, float]:
+    """(elements, NF4 bytes) of this pipeline rank's adapted weights under lora.base_dtype = "nf4" (whole on
+    each rank: tp is refused with it), (0, 0) otherwise: a caller pricing the base at its dtype replaces
+    those elements' bytes by these."""
+    if not (cfg.lora.rank and cfg.lora.base_dtype == "nf4"):
+        return 0, 0
+    sizes = [a.shape[0] * a.shape[1] for a in rank_adapters(cfg, share)]
+    return sum(sizes), sum(nf4_bytes(n, dtype_bytes) for n in sizes)
+
+
+@dataclass(frozen=True)
+class TrainedShare(RankShare):
+    """A rank's share as LoRA's data parallel and optimizer see it (lora_step.trainable_share): `params` the
+    adapters, what trains, and `weights` every parameter of the rank, base and adapters; under ZeRO-3 its
+    largest_unit and kept_unit are whole units (gathered_units), which its gathers move."""
+
+    weights: int = 0
+
+
+def trained_share(cfg: Config, share: RankShare) -> TrainedShare:
+    """`share` (layout.rank_shares: the base) as a TrainedShare: the adapters train, no expert or vocabulary
+    parameter does; ZeRO-3 gathers whole units, the other stages no unit (module docstring)."""
+    n = adapter_elements(cfg, share)
+    largest, kept = gathered_units(cfg, share) if cfg.parallel.zero == 3 else (n, 0)
+    whole = {f.name: getattr(share, f.name) for f in dataclasses.fields(RankShare)}
+    return TrainedShare(**{**whole, "params": n, "expert_params": 0, "vocab_params": 0, "largest_unit": largest,
+                           "kept_unit": kept, "kept_vocab": share.kept_vocab if kept else 0},
+                        weights=share.params + n)
+
+
+def _block_adapters(cfg: Config, block: int) -> int:
+    return sum(a.elements(cfg.lora.rank, cfg.parallel.tp) for a in block_adapters(cfg, block))
+
+
+def gathered_units(cfg: Config, share: RankShare) -> tuple[int, int]:
+    """(largest unit, the head's unit kept gathered or 0) in elements as ZeRO-3 gathers them under LoRA, base
+    and adapters: each block with its adapters, the head's unit with its MTP depths'. When the head's unit
+    is not the largest, the MTP depths' adapters make it at most that much larger (an upper bound)."""
+    m, p = cfg.model, cfg.parallel
+    mtp = sum(_block_adapters(cfg, b) for b in share.blocks if b >= m.n_layers)
+    blocks = [block_rank_params(block_params(m, b), p.tp, p.ep) + _block_adapters(cfg, b)
+              for b in share.blocks if b < m.n_layers]
+    return max([share.largest_unit + mtp, *blocks]), share.kept_unit + mtp if share.kept_unit else 0
+
+
+def dp_gathers(cfg: Config, share: RankShare, vocab_size: int, param_b: float, block_b: float) -> tuple[float, float]:
+    """Data parallel's weight gathers under LoRA, as comm.dp_traffic takes them: (bytes of the rank's dense
+    weights a gather moves, of them those gathered for the forward only). ZeRO-1/2: the adapters (nothing
+    gathered for a pass). ZeRO-3 (module docstring): base and adapters, the routed experts (ep > 1: over
+    expert_dp) apart, and gathered for the forward only the head's unit kept across (share.kept_unit, without
+    a pipeline) and each frozen embedding's unit, which has no backward: the first stage's unless it holds the
+    tied head, and the last stage's copy the MTP depths embed with. Blocks' base weights in `block_b` (FP8
+    weights' 1 byte), the rest in `param_b`."""
+    m, p = cfg.model, cfg.parallel
+    if p.zero != 3:
+        return adapter_elements(cfg, share) * param_b, 0.0
+    expert = share.expert_params if p.ep > 1 else 0
+    base = (share.params - expert - share.vocab_params) * block_b + share.vocab_params * param_b
+    _, kept = gathered_units(cfg, share)
+    mtp = kept - share.kept_unit if kept else 0  # the MTP depths' adapters in the head's unit
+    kept_bytes = (share.kept_unit - share.kept_vocab) * block_b + (share.kept_vocab + mtp) * param_b
+    tied = m.tie_embeddings
+    frozen = (int(share.first and not (tied and share.last))
+              + int(share.last and not share.first and m.mtp_layers > 0 and not tied))
+    return base + adapter_elements(cfg, share) * param_b, kept_bytes + frozen * vocab_size * m.dim // p.tp * param_b
 
 
 def activation_bytes_per_block(cfg: Config, share: RankShare, tokens: int, act_bytes: int) -> float:

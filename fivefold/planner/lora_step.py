@@ -11,14 +11,12 @@ Compute, per micro-batch and chunk, beside what the hardware's pricer gave the f
   their elementwise kernels at HBM speed: forward the scaling's product and the sum with the base's
   output (5 (T, out) reads and writes), backward the scaling's gradient and the sum of the adapter's
   input gradient into the base's (2 (T, out) + 3 (T, in)). Full recompute runs their forward again.
-Memory (memory.rank_state_bytes), traffic (comm.rank_traffic) and MFU's model FLOPs (flops.py:
-the work LoRA needs, 4 per base weight and token rather than 6, plus 6 per adapter parameter) are
-priced where their terms are.
+Memory (memory.rank_state_bytes), traffic (comm.rank_traffic; data parallel's gathers: lora.dp_gathers)
+and MFU's model FLOPs (flops.py: the work LoRA needs, 4 per base weight and token rather than 6, plus 6
+per adapter parameter) are priced where their terms are.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from fivefold.config.schema import Config
 from fivefold.model.counts import flops_per_token
@@ -30,6 +28,7 @@ from fivefold.planner.lora import (
     model_adapters,
     partial_elements,
     rank_adapters,
+    trained_share,
 )
 from fivefold.planner.machine.datasheet import GB, Hardware
 from fivefold.planner.machine.ops import Ops, block_ops, end_ops
@@ -40,13 +39,9 @@ SOURCE = "model/lora.py (Hu et al. 2021); planner/lora.py, lora_step.py"
 
 
 def trainable_share(cfg: Config, share: RankShare) -> RankShare:
-    """`share` as data parallel and the optimizer see it: with LoRA only its adapters (no experts, no
-    vocabulary, no ZeRO-3 unit); unchanged without LoRA."""
-    if not cfg.lora.rank:
-        return share
-    n = adapter_elements(cfg, share)
-    return dataclasses.replace(share, params=n, expert_params=0, vocab_params=0, largest_unit=n, kept_unit=0,
-                               kept_vocab=0)
+    """`share` as data parallel and the optimizer see it: with LoRA only its adapters train (no experts, no
+    vocabulary), and ZeRO-3 gathers whole units, base and adapters (lora.trained_share); unchanged without."""
+    return trained_share(cfg, share) if cfg.lora.rank else share
 
 
 def with_adapter_activations(cfg: Config, share: RankShare, acts: dict[str, float], held: int, tokens: int,
@@ -126,13 +121,15 @@ def lora_row(cfg: Config, share: RankShare, grad_b: float, n_shard: int) -> list
     lo, p = cfg.lora, cfg.parallel
     total, mine, partial = adapter_params(cfg), adapter_elements(cfg, share), partial_elements(cfg, share)
     moments = 1 if cfg.optim.name == "muon" else 2
+    zero3 = "; ZeRO-3 shards the base too, gathers it with the adapters unit by unit, never reduces it"
     return [("LoRA", f"rank {lo.rank} on {', '.join(lo.targets)}: {len(model_adapters(cfg))} adapted layers, "
              f"{total:,} adapter parameters ({total / 1e6:.2f}M) train, the base is frozen (its weights only: no "
              f"gradient, no optimizer state, no reduction); this rank's adapters {mine:,} "
              f"({moments} fp32 moment{'s' if moments == 2 else ''} each"
              + (f", ZeRO-{p.zero} over {n_shard}" if p.zero else "") + f"); dp reduces {mine * grad_b / GB:.4f} GB "
-             "of adapter gradients" + (f"; tp all-reduces the whole factors' {partial * grad_b / GB:.4f} GB of "
-                                       "gradients once a step" if partial else ""), SOURCE)]
+             "of adapter gradients" + (zero3 if p.zero == 3 else "")
+             + (f"; tp all-reduces the whole factors' {partial * grad_b / GB:.4f} GB of gradients once a step"
+                if partial else ""), SOURCE)]
 
 
 def lora_flops_per_token(cfg: Config, vocab_size: int) -> tuple[float, float]:

@@ -47,7 +47,7 @@ from fivefold.planner.activations import (
     routed_expert_elements_per_token,
 )
 from fivefold.planner.layout import RankShare
-from fivefold.planner.lora import adapter_elements
+from fivefold.planner.lora import TrainedShare, adapter_elements, nf4_base
 from fivefold.planner.muon import MOMENT_BYTES, state_elements
 from fivefold.planner.options import DEFAULT, PlanOptions
 
@@ -178,20 +178,29 @@ def rank_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam
 
 def lora_state_bytes(cfg: Config, d: Derived, share: RankShare, b: BytesPerParam, implementation: bool,
                      options: PlanOptions = DEFAULT) -> dict[str, float]:
-    """rank_state_bytes under LoRA (planner/lora.py): the frozen base (share.params) as weights only, whole on
-    every dp rank (ZeRO shards what trains: fp32 in fivefold's own code, b_p or FP8 weights' 1 byte in ZeRO's
-    accounting), and the adapters with every parameter's state (Muon's one moment: they are 2-D matrices)."""
-    adapters, moments = adapter_elements(cfg, share), 1 if cfg.optim.name == "muon" else 2
-    base = (4.0 * share.params if implementation else share.vocab_params * b.param
-            + (share.params - share.vocab_params) * with_fp8_weights(b, options).param)
+    """rank_state_bytes under LoRA (planner/lora.py): the frozen base (share.params) as weights only, under
+    "params", and the adapters with every parameter's state (Muon's one moment: they are 2-D matrices).
+    ZeRO-1/2 shard what trains, the base stays whole on every dp rank: fp32 in fivefold's own code, b_p or FP8
+    weights' 1 byte in ZeRO's accounting; lora.base_dtype = "nf4" holds the adapted layers' weights in
+    NF4 instead (lora.nf4_base). ZeRO-3 shards the base too (parallel/data/fsdp.py), by state_parts: its fp32
+    rows, 4 / N bytes an element in fivefold's code, b_p / N in ZeRO's; the units it gathers to compute are
+    buffer_bytes' (whole units, base and adapters, no gradient for the base)."""
+    adapters, moments, p = adapter_elements(cfg, share), 1 if cfg.optim.name == "muon" else 2, cfg.parallel
+    if p.zero == 3:
+        fp8 = with_fp8_weights(b, options).param
+        base = sum(count * (4.0 if implementation else b.param if bf16 else fp8) / n
+                   for count, n, bf16 in state_parts(cfg, d, share, options))
+    else:
+        elements, nf4 = nf4_base(cfg, share, 4.0 if implementation else b.param)
+        base = nf4 + (4.0 * (share.params - elements) if implementation else share.vocab_params * b.param
+                      + (share.params - share.vocab_params - elements) * with_fp8_weights(b, options).param)
     if implementation:
         state = fivefold_state_bytes(cfg, adapters, d.dp_shard, d.grad_accum, moments)
     else:
         bp = b if moments == 2 else dataclasses.replace(b, optimizer=b.optimizer - MOMENT_BYTES)
-        state = offload_state(model_state_bytes(adapters, bp, cfg.parallel.zero, d.dp_shard), adapters,
-                              cfg.parallel.zero, d.dp_shard, options.offload)
+        state = offload_state(model_state_bytes(adapters, bp, p.zero, d.dp_shard), adapters,
+                              p.zero, d.dp_shard, options.offload)
     return {**state, "params": state["params"] + base, "total": state["total"] + base}
-
 
 
 def expert_imbalance(cfg: Config, options: PlanOptions) -> float:
@@ -291,13 +300,17 @@ def buffer_bytes(cfg: Config, share: RankShare, b: BytesPerParam, local_seq: int
     weights of two units (current and prefetched, fsdp.py), or kept gathered (the default with
     pipelines) the rank's whole stages and their unsharded gradients during the step, those summed
     over grad_accum > 1 micro-batches in fp32 whatever b.grad (fsdp.py, as FSDP2 upcasts them);
-    pp: one activation sent and one received per micro-batch; tp with sp: one gathered input.
+    under LoRA (`share` a lora.TrainedShare) the units are whole, base and adapters, and the gradients
+    the adapters' alone; pp: one activation sent and one received per micro-batch; tp with sp: one
+    gathered input.
     """
     p, t, d = cfg.parallel, cfg.train, cfg.model.dim
     staged = (p.buckets_in_flight + 1) * p.bucket_mb * 1e6
     kept_grad = max(b.grad, 4.0) if grad_accum > 1 else b.grad
+    weights = share.weights if isinstance(share, TrainedShare) else share.params  # LoRA's base with what trains
     dp = (0.0 if grad_ranks <= 1 else min(staged, share.params * b.grad) if p.zero < 3
-          else 2 * share.largest_unit * b.param if reshard_after_forward(p) else share.params * (b.param + kept_grad))
+          else 2 * share.largest_unit * b.param if reshard_after_forward(p)
+          else weights * b.param + share.params * kept_grad)
     out = {"dp": dp,
            "pp": 2 * t.micro_batch * local_seq * d * act_bytes / (p.tp if p.sp else 1) if p.pp > 1 else 0.0,
            "tp": t.micro_batch * local_seq * d * act_bytes if p.tp > 1 and p.sp else 0.0}

@@ -36,6 +36,7 @@ from fivefold.config.schema import Config
 from fivefold.model.config import ModelConfig
 from fivefold.model.counts import head_dim
 from fivefold.planner.layout import RankShare
+from fivefold.planner.lora import rank_adapters
 
 Cut = Literal["tp", "whole", "expert"]
 MOMENT_BYTES = 4.0  # one fp32 moment: Muon keeps one per element, AdamW two
@@ -90,13 +91,28 @@ def block_matrices(m: ModelConfig, layer: int) -> list[MuonMatrix]:
 
 def rank_matrices(cfg: Config, share: RankShare) -> list[MuonMatrix]:
     """The Muon matrices of one pipeline rank's blocks, whole (before any cut), with each MTP depth's
-    eh_proj (2d -> d); [] unless optim.name is "muon"."""
+    eh_proj (2d -> d); under LoRA its adapters' instead (the frozen base has none); [] unless optim.name
+    is "muon"."""
     m = cfg.model
-    if cfg.optim.name != "muon" or cfg.lora.rank:  # LoRA: the frozen base has none (left: the adapters' own)
+    if cfg.optim.name != "muon":
         return []
+    if cfg.lora.rank:
+        return adapter_matrices(cfg, share)
     out = [mm for b in share.blocks for mm in block_matrices(m, b)]
     depths = sum(1 for b in share.blocks if b >= m.n_layers)
     return out + ([MuonMatrix((m.dim, 2 * m.dim), depths, "whole")] if depths else [])
+
+
+def adapter_matrices(cfg: Config, share: RankShare) -> list[MuonMatrix]:
+    """LoRA's A (r, in) and B (out, r) of the rank's adapted layers (planner/lora.py), cut as
+    parallel/tensor.py cuts them: a column layer's B split over tp and its A whole, a row layer's A
+    split and its B whole (the whole factor on every tp rank, a replica there)."""
+    r, out = cfg.lora.rank, []
+    for a in rank_adapters(cfg, share):
+        i, o = a.shape
+        a_cut, b_cut = {"column": ("whole", "tp"), "row": ("tp", "whole"), "whole": ("whole", "whole")}[a.cut]
+        out += [MuonMatrix((r, i), 1, a_cut), MuonMatrix((o, r), 1, b_cut)]
+    return out
 
 
 @dataclass(frozen=True)

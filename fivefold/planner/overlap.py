@@ -56,6 +56,7 @@ from fivefold.model.counts import (
 from fivefold.planner.activations import FP8_BYTES
 from fivefold.planner.comm import AxisTraffic, time_of
 from fivefold.planner.compute import block_keys
+from fivefold.planner.lora import block_adapters
 from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Priced, Row
 
@@ -231,46 +232,56 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
     """The rank's units in forward order, each gathered and reduce-scattered on its own (one bucket
     per unit and group: dense weights over dp_shard, routed experts (ep > 1) over expert_dp, as
     comm.step_traffic sends them, a block's weights in FP8 under fp8 = "weights", its routed experts
-    too with fp8_experts), on the link `dp` (the step's dp traffic) says."""
+    too with fp8_experts), on the link `dp` (the step's dp traffic) says. Under LoRA a unit gathers its
+    frozen base with its adapters and reduce-scatters the adapters' gradients alone, and a frozen
+    embedding's unit is gathered for the forward only (planner/lora.py dp_gathers)."""
     m, p, t, share, options = cfg.model, cfg.parallel, cfg.train, work.share, work.options
     n_dense, n_expert = d.dp_shard, d.dp * p.cp // p.ep
     block_b = FP8_BYTES if options.fp8 == "weights" else param_b
     expert_b = block_b if options.fp8_experts else param_b
-    timed: dict[tuple[int, int, bool], tuple[float, float]] = {}  # blocks repeat: price each size once
+    lora = cfg.lora.rank > 0  # whole units gathered, the adapters alone reduced (planner/lora.py)
+    timed: dict[tuple[int, int, bool, int], tuple[float, float]] = {}  # blocks repeat: price each size once
 
-    def unit(flops: float, params: int, experts: int, kept: bool = False, block: bool = True) -> Zero3Unit:
+    def unit(flops: float, params: int, experts: int, kept: bool = False, block: bool = True,
+             adapters: int = 0) -> Zero3Unit:
         experts = experts if p.ep > 1 else 0
-        key = (params, experts, block)
+        key = (params, experts, block, adapters)
         if key not in timed:
             dense = params - experts
-            gathered = (dense * (block_b if block else param_b), experts * expert_b)
+            gathered = (dense * (block_b if block else param_b) + adapters * param_b, experts * expert_b)
+            reduced = (adapters * grad_b, 0.0) if lora else (dense * grad_b, experts * grad_b)
             timed[key] = tuple(_one(hw, dp.inter_node, op, dense_bytes, n_dense, dp.ranks_per_node)
                                + _one(hw, dp.inter_node, op, expert_bytes, n_expert, dp.ranks_per_node)
                                for op, (dense_bytes, expert_bytes) in (("all_gather", gathered),
-                                                                       ("reduce_scatter", (dense * grad_b,
-                                                                                           experts * grad_b))))
+                                                                       ("reduce_scatter", reduced)))
         return Zero3Unit(flops, *timed[key], kept_for_backward=kept)
+
+    def adapters_of(blk: int) -> int:
+        return sum(a.elements(cfg.lora.rank, p.tp) for a in block_adapters(cfg, blk))
 
     kept = share.kept_unit > 0
     tied_here = counts.head == 0 and share.first  # the tied embedding shares the head's unit
-    out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here, block=False)] if share.first else []
+    # a frozen embedding (LoRA) has no backward unless its unit holds the tied head: gathered for the forward only
+    frozen = lora and not (counts.head == 0 and share.last)
+    out = [unit(0.0, counts.embedding // p.tp, 0, kept and tied_here or frozen, block=False)] if share.first else []
     keys = block_keys(cfg, work.options)
-    mtp_flops = mtp_params = mtp_experts = 0  # the MTP depths join the head's unit (parallel/data/fsdp.py)
+    mtp_flops = mtp_params = mtp_experts = mtp_adapters = 0  # the MTP depths join the head's unit (fsdp.py)
     for blk in share.blocks:
         bp = counts.block(blk)
         params, flops = block_rank_params(bp, p.tp, p.ep), block_forward_flops(m, bp, t.seq_len, p.tp, p.sp, keys[blk])
         if blk >= m.n_layers:
             mtp_flops, mtp_params, mtp_experts = (mtp_flops + flops, mtp_params + params + counts.mtp_extra,
                                                   mtp_experts + bp.experts // p.ep)
+            mtp_adapters += adapters_of(blk)
             continue
-        out.append(unit(flops, params, bp.experts // p.ep))
+        out.append(unit(flops, params, bp.experts // p.ep, adapters=adapters_of(blk)))
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
         if counts.mtp and counts.head and not share.first:  # the MTP depths' copy of the embedding: its own unit
-            out.append(unit(0.0, counts.embedding // p.tp, 0, False, block=False))
+            out.append(unit(0.0, counts.embedding // p.tp, 0, lora, block=False))
         head = head_forward_flops(counts, p.tp) * (1 + len(counts.mtp))
         out.append(unit(head + mtp_flops, (counts.head + tied_copy) // p.tp + counts.final_norm + mtp_params,
-                        mtp_experts, kept, block=False))
+                        mtp_experts, kept, block=False, adapters=mtp_adapters))
     return out
 
 

@@ -13,7 +13,8 @@ What is counted, per part, from the storages that parallelize() and AdamW leave 
 storage reports its size; ZeRO-3's freed placeholders report 0), each storage once and classified
 as parallel/state_memory.model_state_bytes classifies what training reports as `model_state_bytes`
 (the same function):
-- params: the model's parameters on this rank (ZeRO-3: none; its shards are the optimizer's);
+- params: the model's parameters on this rank (ZeRO-3: none; its shards are the optimizer's, but for
+  the frozen ones' under LoRA, the base's only copy: frozen_shards);
 - optimizer: AdamW's moments, made as its first step makes them (parallel/optimizer.py
   init_optimizer_state), and ZeRO's fp32 master shards;
 - grads: a gradient exists only after a backward, so the dry run gives the real tensors meta
@@ -61,7 +62,7 @@ from fivefold.parallel.optimizer import init_optimizer_state
 from fivefold.parallel.pipeline.messages import check_plans
 from fivefold.parallel.pipeline.schedules import build_schedule
 from fivefold.parallel.pipeline.stage_split import split_note, stage_split
-from fivefold.parallel.state_memory import model_state_bytes
+from fivefold.parallel.state_memory import frozen_shards, model_state_bytes
 from fivefold.planner.selfcheck import memory_per_pipeline_rank
 from fivefold.progress import progress_bar
 from fivefold.train.loop import parallel_model
@@ -140,7 +141,8 @@ def build(cfg: Config, derived: Derived, rank: int) -> dict[str, int]:
                                "process group returns this rank's own data, so the dry run cannot trust it")
         init_optimizer_state(par.optimizer)
         hold_gradients(par.dp, cfg.parallel.zero, derived.grad_accum, par.offload)
-        return model_state_bytes(list(par.model.parameters()), par.optimizer, par.offload)  # frozen ones too
+        held = [*par.model.parameters(), *frozen_shards(par.dp, par.model.parameters())]  # frozen ones too
+        return model_state_bytes(held, par.optimizer, par.offload)
     finally:
         dist.destroy_process_group()
 

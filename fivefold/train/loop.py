@@ -36,7 +36,7 @@ from fivefold.config.schema import Config
 from fivefold.data.batches import GlobalBatches
 from fivefold.data.resolve import unpadded_vocab
 from fivefold.launch.worker_report import note_missing
-from fivefold.model.lora import apply_lora
+from fivefold.model.lora import NF4, apply_lora, quantise_base
 from fivefold.model.seeded_init import SeededInit
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
@@ -125,7 +125,18 @@ def build_model(cfg: Config, vocab_size: int) -> Transformer:
     if cfg.lora.rank:
         apply_lora(model, cfg.lora)
     model.init_weights(cfg.train.seed)
+    if cfg.lora.rank and cfg.lora.base_dtype == "nf4":
+        quantise_base(model)
     return model
+
+
+def quantise_lora_base(par: Parallelized, cfg: Config) -> None:
+    """lora.base_dtype = "nf4": the adapted layers' frozen weights become NF4 (model/lora.py), and the
+    model-state meter counts them so (it held the dense weights)."""
+    if cfg.lora.rank and cfg.lora.base_dtype == "nf4":
+        quantise_base(par.model)
+        nf4 = [b for name, b in par.model.named_buffers() if NF4 in name]
+        par.memory.params = [*par.model.parameters(), *nf4]
 
 
 def build_datasets(cfg: Config, run_dir: Path, world: AxisGroup | None = None):
@@ -224,6 +235,7 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
               MoEBalancing(par.model, mesh, cfg), mesh.device)
     latest = latest_checkpoint(run_dir) if cfg.checkpoint.resume else None
     if latest is not None:
+        quantise_lora_base(par, cfg)  # the checkpoint holds the NF4 base itself: read into its buffers
         state = load_checkpoint(latest, par)
         run.loader.load_state_dict(state["loader"])
         run.scaler.load_state_dict(state["loss_scaler"])
@@ -236,6 +248,7 @@ def setup(cfg: Config, derived: Derived, device_type: str) -> tuple[Run, int, Pa
         fill_weights(WithAdapters(seeded, adapters), par, f"the seeded initialisation with {cfg.lora.init_from}")
     else:  # the seeded initialisation: each rank draws only the row blocks of its slices
         fill_weights(seeded, par, f"the seeded initialisation of {cfg.run.name or 'this run'}")
+    quantise_lora_base(par, cfg)  # from the weights just loaded
     return run, 0, None
 
 

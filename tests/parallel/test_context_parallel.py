@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from helpers import (
     BF16,
     EQUIVALENCE,
+    LORA,
+    LORA_ROW,
     MUON,
     MUON_ROW,
     Layout,
@@ -418,6 +420,7 @@ TRAINING = {  # against `reference`, on EQUIVALENCE: the same data and reference
     "ring-dp2-cp2-zero3": Layout(4, ("--parallel.cp=2", "--parallel.zero=3"), param_atol=5e-4),
     # Muon (helpers.MUON): cp's ranks hold the same shards, each orthogonalises them (replicas)
     "ring-dp2-cp2-zero1-muon": Layout(4, ("--parallel.cp=2", "--parallel.zero=1", *MUON), **MUON_ROW),
+    "ring-cp2-lora": Layout(2, ("--parallel.cp=2", *LORA), **LORA_ROW),  # LoRA (helpers.LORA)
     "ring-pp2-cp2": Layout(4, ("--parallel.cp=2", "--parallel.pp=2", "--parallel.dp=1", "--train.micro_batch=4"),
                            param_atol=5e-4),
     "ring-tp2-sp-cp2": Layout(4, ("--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true", "--parallel.dp=1",

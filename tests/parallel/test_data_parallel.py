@@ -8,7 +8,7 @@ only padding, which is exactly where a per-rank mean loss would go wrong.
 
 import pytest
 import torch
-from helpers import BF16, EQUIVALENCE, MUON, MUON_ROW, Layout, assert_row, tiny_config, train_and_gather
+from helpers import BF16, EQUIVALENCE, LORA, LORA_ROW, MUON, MUON_ROW, Layout, assert_row, tiny_config, train_and_gather
 
 from fivefold.parallel.forked_ranks import run_workers
 from fivefold.train.loop import build_datasets
@@ -46,6 +46,11 @@ LAYOUTS = {  # against `reference`, on EQUIVALENCE
     "zero2-dp2-accum2-muon": Layout(2, ("--train.micro_batch=2", "--parallel.zero=2", *MUON), **MUON_ROW),
     "zero3-dp2-muon-bf16": Layout(2, ("--train.micro_batch=4", "--parallel.zero=3", MUON[0], *BF16),
                                   reference="muon_reference"),
+    # LoRA (helpers.LORA): the adapters alone reduced and stepped; under ZeRO-3 the frozen base sharded,
+    # gathered for compute and never reduced, the replicas summing the adapters' rows
+    "ddp-dp2-lora": Layout(2, ("--train.micro_batch=4", *LORA), **LORA_ROW),
+    "hsdp-zero3-2x2-lora": Layout(4, ("--train.micro_batch=2", "--parallel.zero=3", "--parallel.dp_replicate=2",
+                                      *LORA), **LORA_ROW),
 }
 
 

@@ -9,6 +9,7 @@ import torch
 from helpers import (
     BF16,
     EQUIVALENCE,
+    LORA,
     MOE_ARGS,
     MUON,
     Layout,
@@ -415,6 +416,10 @@ MOE_TRAINING = {  # on EQUIVALENCE and helpers.MOE_ARGS
     "pp2-ep2-zero1-dualpipe_v": Layout(4, ("--parallel.pp=2", "--parallel.ep=2", "--parallel.zero=1",
                                            "--parallel.pp_schedule=dualpipe_v", "--parallel.virtual_stages=2",
                                            "--train.micro_batch=1"), **MOE_ROW),
+    # LoRA (helpers.LORA): the routed experts frozen (no adapter: stacked weights), sharded over expert_dp
+    # under ZeRO-3 and never reduced; the attention's and shared experts' adapters train
+    "tp2-ep2-zero3-lora": Layout(4, ("--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=3", *LORA),
+                                 reference="lora_moe_reference", param_atol=2e-4, exact=(".weight", ".experts.gate")),
     # bf16 autocast (helpers.BF16): tokens dispatched and combined in bf16, sp's routing on half rows
     "tp2-sp-ep2-bf16": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.ep=2", *BF16), **MOE_ROW),
 }

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, MOE_ARGS, MUON, OneRank, parallelized, tiny_config
+from helpers import EQUIVALENCE, LORA, MOE_ARGS, MUON, OneRank, parallelized, tiny_config
 
 from fivefold.config.schema import OptimConfig
 from fivefold.model.transformer import Transformer
@@ -113,6 +113,9 @@ STEP_LAYOUTS = {
     "moe-dp2-zero2": (2, ("--parallel.zero=2", "--train.micro_batch=4", *MOE_ARGS), 1),
     "moe-tp2-ep2-zero3": (4, ("--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=3", "--train.micro_batch=4",
                               *MOE_ARGS), None),  # experts: tp's ranks are replicas, dense matrices are not
+    # LoRA: the adapters are the matrices, B's tp slices (column layers) and A's (row layers) gathered to
+    # an owner, the whole factors' rows over dp_shard; tp's ranks are replicas of the whole ones
+    "lora-dp2-tp2-zero3": (4, ("--parallel.tp=2", "--parallel.zero=3", "--train.micro_batch=4", *LORA), None),
 }
 
 
@@ -153,7 +156,7 @@ def _muon_config(tmp_path, *overrides: str):
 def one_step_references(tmp_path_factory):
     """One process's step, dense and MoE."""
     out = {}
-    for kind, args in (("dense", ()), ("moe", MOE_ARGS)):
+    for kind, args in (("dense", ()), ("moe", MOE_ARGS), ("lora", LORA)):
         cfg = _muon_config(tmp_path_factory.mktemp(kind), "--train.micro_batch=8", *args)
         out[kind] = run_workers(_one_step, 1, cfg)[0]
     return out
@@ -166,7 +169,7 @@ def test_one_step_equals_one_process(tmp_path, one_step_references, name):
     exchange sends the bytes the planner prices."""
     ranks, overrides, replicas = STEP_LAYOUTS[name]
     results = run_workers(_one_step, ranks, _muon_config(tmp_path, *overrides))
-    ref_state, ref_flops, _ = one_step_references["moe" if name.startswith("moe") else "dense"]
+    ref_state, ref_flops, _ = one_step_references[name.split("-")[0] if name.startswith(("moe", "lora")) else "dense"]
     for state, _, _ in results:
         assert state.keys() == ref_state.keys()
         for key, value in ref_state.items():

@@ -13,6 +13,8 @@ import torch
 from helpers import (
     BF16,
     EQUIVALENCE,
+    LORA,
+    LORA_ROW,
     MUON,
     MUON_ROW,
     TIED_ARGS,
@@ -94,6 +96,13 @@ LAYOUTS = {  # against `reference`, on EQUIVALENCE
     # bf16 autocast (helpers.BF16): bf16 activations and gradients between stages, a V schedule's split backward
     "dualpipe_v-pp2-bf16": Layout(2, ("--parallel.pp=2", "--parallel.pp_schedule=dualpipe_v",
                                       "--parallel.virtual_stages=2", "--train.micro_batch=2", *BF16)),
+    # LoRA (helpers.LORA) with tied embeddings, under ZeRO-3 kept gathered (pipelines' default): each unit's
+    # weights, the frozen ones too, from its first forward to its chunk's last backward; the split backward's
+    # W passes only the adapters'; the frozen tied matrix's two copies have no gradient to sum
+    "tied-zb_h1-pp2-dp2-zero3-lora": Layout(4, (*TIED_ARGS[len(EQUIVALENCE):], "--parallel.pp=2",
+                                                "--parallel.pp_schedule=zb_h1", "--parallel.zero=3",
+                                                "--train.micro_batch=2", *LORA),
+                                            **{**LORA_ROW, "reference": "lora_tied_reference"}),
 }
 UNEVEN = {"interleaved-pp2-v3-uneven": [1, 2, 2, 1, 1, 1]}  # layout: the automatic split
 TIED = {  # against `tied_reference`, on TIED_ARGS

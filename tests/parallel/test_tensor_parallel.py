@@ -5,6 +5,9 @@ import torch
 from helpers import (
     BF16,
     EQUIVALENCE,
+    LORA,
+    LORA_MLA_TARGETS,
+    LORA_ROW,
     MLA_ARGS,
     MUON,
     MUON_ROW,
@@ -149,6 +152,14 @@ LAYOUTS = {  # on EQUIVALENCE, or TIED_ARGS for the tied ones
     # Muon (helpers.MUON): each matrix's tp slices, and ZeRO's rows of them, gathered to one owner
     "dp2-tp2-sp-zero1-muon": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=1",
                                         "--train.micro_batch=2", *MUON), **MUON_ROW),
+    # LoRA (helpers.LORA): each adapter split as its layer (column: B's rows; row: A's columns), the whole
+    # factor's gradient summed over tp; under ZeRO-3 beside the frozen base's shards (with Muon the adapters
+    # are matrices like any, B's slices gathered to their owner: test_muon.py's one-step row, bit for bit)
+    "tp2-lora": Layout(2, ("--parallel.tp=2", "--train.micro_batch=8", *LORA), **LORA_ROW),
+    "dp2-tp2-sp-zero1-lora": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=1",
+                                        "--train.micro_batch=2", *LORA), **LORA_ROW),
+    "dp2-tp2-sp-zero3-lora-bf16": Layout(4, ("--parallel.tp=2", "--parallel.sp=true", "--parallel.zero=3",
+                                             "--train.micro_batch=2", *LORA, *BF16), reference="lora_reference"),
     # bf16 autocast (helpers.BF16): the split vocabulary's loss on bf16 logits, tp's partial sums rounded to
     # bf16, sp, and a split backward, composed (tp2 + sp alone: test_tp_overlap.py's bf16 row, the blocking
     # path's numbers bit for bit)
@@ -180,6 +191,11 @@ MLA_LAYOUTS = {  # on EQUIVALENCE and MLA_ARGS
     "cp2-ring": Layout(2, ("--parallel.cp=2",), **MLA),
     "cp2-ulysses": Layout(2, ("--parallel.cp=2", "--parallel.cp_method=ulysses"), **MLA),
     "tp2-bf16": Layout(2, ("--parallel.tp=2", "--train.micro_batch=4", *BF16), **MLA),  # latent heads split in bf16
+    # LoRA on every latent projection: the down-projections and shared experts run on each rank's own
+    # tokens under sp, so their adapters' gradients are summed over tp as their weights' are
+    "tp2-sp-lora": Layout(2, ("--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=4", *LORA,
+                              LORA_MLA_TARGETS), reference="lora_mla_reference", param_atol=2e-4,
+                          exact=(".weight", ".experts.gate")),
 }
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from helpers import (
     BF16,
     EQUIVALENCE,
+    LORA,
     MLA_ARGS,
     TIED_ARGS,
     Layout,
@@ -84,6 +85,8 @@ def _pair(tmp_path, args, world):
     ("dense-tied-recompute", (*TIED_ARGS, "--train.recompute=full")),
     ("mla-moe", (*EQUIVALENCE, *MLA_ARGS)),
     ("dense-bf16", (*EQUIVALENCE, "--train.dtype=bf16")),
+    # LoRA's A beside each column layer's weight in the entry's matmuls, a row adapter's share in each piece
+    ("dense-lora-bf16", (*EQUIVALENCE, *LORA, "--train.dtype=bf16")),
 ])
 def test_tp2_overlap_trains_bit_for_bit_as_the_blocking_path(tmp_path, name, args):
     """Five steps of tp2 + sp: losses, gradient norms and every parameter the same numbers with and

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fivefold.cli import main
+from fivefold.config.derive import derive
 from fivefold.config.load import load_config
 from fivefold.model.lora import PEFT_NAMES, apply_lora
 from fivefold.model.transformer import Transformer
@@ -90,3 +91,74 @@ def test_plan_states_lora(capsys):
     out = capsys.readouterr().out
     assert "41,943,040 adapter parameters" in out and "compute: LoRA" in out
     assert "fits" in out and "yes" in out
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_zero3_dp_bytes_are_the_counted_runs(tmp_path, keep):
+    """ZeRO-3 at the counted run's settings (tests/parallel/test_lora_layouts.py: tiny, dp2, 2 micro-batches a
+    step, fp32): whole units gathered, base and adapters, the frozen embedding once a micro-batch (no backward),
+    the head's unit once (kept across), the adapters alone reduce-scattered; kept gathered, once a step. The
+    run counts the norm's 8-byte all-reduce besides, which the planner leaves to the step sync."""
+    from helpers import LORA, tiny_config
+
+    from fivefold.planner.selfcheck import predict_for_config
+    from fivefold.train.loop import build_model
+
+    cfg = tiny_config(tmp_path, *LORA, "--parallel.zero=3", "--train.micro_batch=2",
+                      f"--parallel.reshard_after_forward={str(not keep).lower()}")
+    n, m = 2, 2
+    model = build_model(cfg, 320)
+    every = sum(p.numel() for p in model.parameters()) * 4  # fp32 bytes, adapters included
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
+    embedding, head = (sum(p.numel() for p in mod.parameters()) * 4 for mod in (model.tok_embeddings, model.output))
+    head += sum(p.numel() for p in model.norm.parameters()) * 4
+    expected = ((every + adapters) if keep else m * (2 * every - head - embedding + adapters)) * (n - 1) / n
+    assert predict_for_config(cfg, n)["comm_wire_bytes"]["dp"] == expected
+
+
+@pytest.mark.parametrize("implementation", [False, True])
+def test_zero3_shards_the_base_and_gathers_whole_units(implementation):
+    """Llama 3 8B dp8 ZeRO-3 r16: the frozen base sharded (fp32 rows in fivefold's code, b_p in ZeRO's), no
+    gradient for it; two whole units gathered at once (the head's, the largest: V d + d), in param_dtype;
+    dp moves each unit twice a micro-batch (the head's and the frozen embedding's once) and the adapters'
+    gradients, where ZeRO-1 moves the adapters alone."""
+    e = estimate(llama("--lora.rank=16", "--parallel.zero=3"), 8, get_hardware("h100"), implementation=implementation)
+    p = 4.0 if implementation else 2.0
+    expected = {"params": p * BASE / 8 + (0.0 if implementation else 2.0 * SEVEN / 8), "grads": p * SEVEN / 8,
+                "optimizer": 12.0 * SEVEN / 8}
+    for k, v in expected.items():
+        assert e.memory[k] == pytest.approx(v, rel=1e-12), k
+    vocab = 128256 * 4096
+    assert e.memory["buffers"] == 2 * (vocab + 4096) * 2.0  # b_p = 2 gathers (BytesPerParam, both accountings)
+    every, m = p * (BASE + SEVEN), 8  # dp 8, global batch 64: 8 micro-batches
+    assert e.comm["dp"].bytes == pytest.approx(m * (2 * every - p * (2 * vocab + 4096) + p * SEVEN) * 7 / 8, rel=1e-12)
+    zero1 = estimate(llama("--lora.rank=16", "--parallel.zero=1"), 8, get_hardware("h100"),
+                     implementation=implementation)
+    print(f"Llama 3 8B dp8 r16 ({'fivefold' if implementation else 'ZeRO'}): ZeRO-3 {e.memory['total'] / 1e9:.2f} GB, "
+          f"dp {e.comm['dp'].bytes / 1e9:.2f} GB; ZeRO-1 {zero1.memory['total'] / 1e9:.2f} GB, "
+          f"dp {zero1.comm['dp'].bytes / 1e9:.4f} GB")
+    assert e.memory["total"] < zero1.memory["total"] and e.comm["dp"].bytes > 100 * zero1.comm["dp"].bytes
+
+
+def test_nf4_base_bytes_are_the_built_tensors():
+    """lora.base_dtype = "nf4": the planner's bytes of the NF4 base (planner/lora.py nf4_base) are those of
+    the buffers model/lora.py quantise_base builds, layer by layer summed, on a tiny model; 8x under fp32."""
+    from fivefold.model.counts import model_counts
+    from fivefold.model.lora import quantise_base
+    from fivefold.planner.layout import rank_shares
+    from fivefold.planner.lora import nf4_base
+    from fivefold.planner.memory import BytesPerParam, rank_state_bytes
+
+    cfg = load_config(None, ["--model.dim=128", "--model.n_layers=2", "--lora.rank=4", "--lora.base_dtype=nf4"])
+    model = Transformer(dataclasses.replace(cfg.model, vocab_size=256))
+    apply_lora(model, cfg.lora)
+    quantise_base(model)
+    built = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ".nf4." in n)
+    share = rank_shares(cfg, model_counts(cfg.model, 256))[0]
+    elements, planned = nf4_base(cfg, share)
+    assert (elements, planned) == (2 * 7 * 128 * 128, built)
+    assert 4 * elements / planned == pytest.approx(7.7, abs=0.05)  # 0.5156 bytes an element, and per-layer constants
+    # the model state fivefold's meter counts (train/loop.py quantise_lora_base): the fp32 parameters left (the
+    # adapters', the embedding's, norms', head's) and the NF4 buffers, where the dense base was priced before
+    state = rank_state_bytes(cfg, derive(cfg, 1, 256), share, BytesPerParam(), implementation=True)
+    assert state["params"] == 4 * sum(p.numel() for p in model.parameters()) + built

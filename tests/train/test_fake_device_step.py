@@ -35,6 +35,8 @@ from fake_device import fake_step
 from helpers import (
     DOCUMENTS_ON,
     EQUIVALENCE,
+    LORA,
+    LORA_MLA_TARGETS,
     MASKS_ON,
     MLA_ARGS,
     MOE_ARGS,
@@ -58,6 +60,9 @@ def base_args(reference: str, docs: Path) -> tuple[str, ...]:
     known = {"reference": EQUIVALENCE, "tied_reference": TIED_ARGS, "moe_reference": (*EQUIVALENCE, *MOE_ARGS),
              "mla_reference": (*EQUIVALENCE, *MLA_ARGS), "muon_reference": (*EQUIVALENCE, *MUON),
              "muon_moe_reference": (*EQUIVALENCE, *MOE_ARGS, *MUON),
+             "lora_reference": (*EQUIVALENCE, *LORA),
+             "lora_tied_reference": (*TIED_ARGS, *LORA), "lora_moe_reference": (*EQUIVALENCE, *LORA, *MOE_ARGS),
+             "lora_mla_reference": (*EQUIVALENCE, *LORA, *MLA_ARGS, LORA_MLA_TARGETS),
              "documents_reference": document_args(docs, *DOCUMENTS_ON),
              "masks_reference": document_args(docs, *MASKS_ON),
              "masks_moe_reference": document_args(docs, *MASKS_ON, *MOE_ARGS)}

@@ -143,15 +143,22 @@ class _AllGatherMatmul(torch.autograd.Function):
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
-    """x (B, T, in/n) -> this rank's (B, T/n, out) piece of Σ_ranks x Wᵀ, the reduce-scatter of the
-    partial sums overlapped with their matmul."""
+    """x (B, T, in/n) -> this rank's (B, T/n, out) piece of Σ_ranks (x Wᵀ + extra), the reduce-scatter of
+    the partial sums overlapped with their matmul."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, extra):
         pieces = x.chunk(group.size, dim=1)  # (B, T/n, in/n) each
+        extras = extra.chunk(group.size, dim=1) if extra is not None else None  # (B, T/n, out) each
         ctx.group, ctx.autocast = group, _autocast_of(x)
+        ctx.extra_dtype = None if extra is None else extra.dtype
         ctx.save_for_backward(x, weight)
-        return _ring_reduce_scatter(lambda c: F.linear(pieces[c], weight), group)  # (B, T/n, out)
+
+        def part(c: int) -> torch.Tensor:
+            y = F.linear(pieces[c], weight)  # (B, T/n, out)
+            return y if extras is None else y + extras[c]
+
+        return _ring_reduce_scatter(part, group)  # (B, T/n, out)
 
     @staticmethod
     def backward(ctx, grad):
@@ -168,7 +175,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
         dy = torch.cat(_ring_gather(grad, ctx.group, use), dim=1)  # (B, T, out)
         dw = _weight_grad(dy, x) if ctx.needs_input_grad[1] else None
-        return torch.cat(dx, dim=1), dw, None  # (B, T, in/n)
+        dextra = dy.to(ctx.extra_dtype) if ctx.needs_input_grad[3] else None  # the sum's gradient reaches each term
+        return torch.cat(dx, dim=1), dw, None, dextra  # (B, T, in/n)
 
 
 @torch.compiler.disable
@@ -182,9 +190,12 @@ def all_gather_matmul(x: torch.Tensor, weights: list[torch.Tensor], biases: list
 
 
 @torch.compiler.disable
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """reduce_scatter(x Wᵀ) along the sequence, each piece's partial sum computed while the one
-    before it travels: (B, T, in/n) -> (B, T/n, out). Backward: the all-gather of dy, overlapped."""
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
+                          extra: torch.Tensor | None = None) -> torch.Tensor:
+    """reduce_scatter(x Wᵀ + extra) along the sequence, each piece's partial sum computed while the one
+    before it travels: (B, T, in/n) -> (B, T/n, out); `extra` (B, T, out), another share of the partial
+    sum (a LoRA adapter's), joins each piece. Backward: the all-gather of dy, overlapped."""
     if group.size == 1:
-        return F.linear(x, weight)
-    return _MatmulReduceScatter.apply(x, weight, group)
+        y = F.linear(x, weight)
+        return y if extra is None else y + extra
+    return _MatmulReduceScatter.apply(x, weight, group, extra)

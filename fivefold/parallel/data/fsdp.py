@@ -31,6 +31,15 @@ How a parameter is freed: its storage is resized to zero and back (the tensor ob
 autograd saved for backward, stays the same), so the model code is untouched. Checkpoints save
 the DTensor shards and reshard to any layout. With `parallel.fp8_gather` the FP8 layers' weights
 are gathered in e4m3 instead and their full-precision storage stays empty (fp8_gather.py).
+
+Frozen parameters (LoRA's base, model/lora.py) are sharded and gathered like the rest, in buckets
+of their own that no reduction holds: they get no gradient, no reduce-scatter and no optimizer
+state. The trainable weights of a unit go at their bucket's reduce-scatter, which their gradients
+trigger; a frozen weight's backward use (dx = dy W, which the adapters below need) leaves no
+gradient to wait for, so each unit's frozen weights go when the gradient of the unit's input is
+complete, the point past which its backward needs no weight (FSDP2 frees a unit there too, from
+an autograd function around the unit's inputs). A unit whose input needs no gradient (the first
+block after a frozen embedding) keeps them until the end of its backward.
 """
 
 from __future__ import annotations
@@ -53,11 +62,13 @@ from fivefold.parallel.state_dict import gather_expert_shards, gather_tp_shards,
 @dataclass
 class Unit:
     modules: list[nn.Module]  # run in this order in forward
-    params: list[nn.Parameter]
+    params: list[nn.Parameter]  # trainable and frozen
     gathered: bool = True  # full parameters materialised (true at construction)
     kept_for_backward: bool = False  # the head's unit without a pipeline: gathered from its forward to its backward
+    has_backward: bool = True  # its last forward's output needed a gradient (a frozen embedding's does not)
     pending: list | None = None  # of each all-gather in flight: what waits for it and writes what it brings
     buckets: list[Bucket] = field(default_factory=list)  # its experts' (ep > 1: over expert_dp), then the rest
+    frozen: list[Bucket] = field(default_factory=list)  # its frozen parameters: gathered, never reduced
     prev: "Unit | None" = field(default=None, repr=False)  # neighbours in forward order, for prefetch
     next: "Unit | None" = field(default=None, repr=False)
 
@@ -80,16 +91,37 @@ def sharding_units(model: nn.Module) -> list[list[nn.Module]]:
 def unit_buckets(units: list[Unit], mesh: Mesh, chunks: list[list[nn.Module]] | None) -> list[Bucket]:
     """One bucket per unit and group, in backward order: a unit's gradients leave as soon as it is
     done, or (kept gathered) at the last backward of its chunk, the last of its parameters' chunks.
-    Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own."""
+    Experts (ep > 1) are sharded over expert_dp, so they make a bucket of their own. The frozen
+    parameters make the units' `frozen` buckets, split alike; only the reduced ones are returned."""
     chunk_of = chunk_index(chunks)
     for unit in units:
         in_chunks = [chunk_of[id(p)] for p in unit.params if id(p) in chunk_of]
         chunk = max(in_chunks) if in_chunks else None
-        expert = [p for p in unit.params if is_expert_parameter(p)]
-        dense = [p for p in unit.params if not is_expert_parameter(p)]
-        unit.buckets = ([Bucket(expert, mesh.group("expert_dp"), chunk)] if expert else []) + (
-            [Bucket(dense, None, chunk)] if dense else [])
+
+        def split(params: list[nn.Parameter], chunk: int | None = chunk) -> list[Bucket]:
+            expert = [p for p in params if is_expert_parameter(p)]
+            dense = [p for p in params if not is_expert_parameter(p)]
+            return ([Bucket(expert, mesh.group("expert_dp"), chunk)] if expert else []) + (
+                [Bucket(dense, None, chunk)] if dense else [])
+
+        unit.buckets = split([p for p in unit.params if p.requires_grad])
+        unit.frozen = split([p for p in unit.params if not p.requires_grad])
     return [b for u in reversed(units) for b in u.buckets]
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward runs once their gradients are complete, i.e.
+    once the unit's backward has used its weights for the last time, and calls `done` there."""
+
+    @staticmethod
+    def forward(ctx, done, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        ctx.done()
+        return (None, *grads)
 
 
 class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
@@ -101,12 +133,12 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         self.model, self.mesh = model, mesh
         # Built on the meta device, the full parameters never hold storage: only the shards do.
         materialize(model, mesh.device, freed)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]  # what trains (LoRA: the adapters)
         self.reshard_after_forward = reshard_after_forward  # derive() resolves "auto" (config/derive.py)
         # A pipeline runs other actions between a head's forward and its backward (all of them in
         # GPipe): kept gathered across, the head would hold its memory all that while.
         head_next = mesh.size("pp") == 1
-        self.units = [Unit(mods, list(dict.fromkeys(p for m in mods for p in m.parameters() if p.requires_grad)),
+        self.units = [Unit(mods, list(dict.fromkeys(p for m in mods for p in m.parameters())),
                            kept_for_backward=head_next and model.output in mods)
                       for mods in sharding_units(model)]
         for a, b in zip(self.units, self.units[1:], strict=False):
@@ -114,10 +146,12 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         if len(self.units) > 1 and model.output is not None and model.output in self.units[0].modules:
             self.units[0].prev = self.units[-1]  # the tied head's unit runs first in backward, then the last block
         self.max_gathered = 0  # most units holding full parameters at once, prefetches included
-        self.buckets = unit_buckets(self.units, mesh, chunks)
+        self.buckets = unit_buckets(self.units, mesh, chunks)  # reduced: the trainable parameters'
         self.unit_of = {id(b): u for u in self.units for b in u.buckets}
-        self.shards = ZeroShards(model, mesh, self.buckets)
-        self.fp8 = Float8Gather(model, self.shards, self.buckets) if parallel.fp8_gather else None
+        self.all_buckets = self.buckets + [b for u in self.units for b in u.frozen]  # the frozen ones too
+        self.sharded = [p for b in self.all_buckets for p in b.params]  # every parameter: its shard is its only copy
+        self.shards = ZeroShards(model, mesh, self.all_buckets)
+        self.fp8 = Float8Gather(model, self.shards, self.all_buckets) if parallel.fp8_gather else None
         # The full weights live only while gathered, in parallel.param_dtype: with bf16 they are
         # gathered, computed with and get their gradients in bf16, which the reduce-scatter takes in
         # reduce_dtype into the fp32 shards, as FSDP2 with MixedPrecisionPolicy(param_dtype=bf16,
@@ -126,7 +160,7 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         # copies the bf16 gradients into a reduce_dtype buffer, reduce-scatters it and casts the
         # result to the sharded parameter's fp32).
         param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.param_dtype]
-        for p in self.params:
+        for p in self.sharded:
             if p.dtype != param_dtype:
                 p.data = freed(p.to("meta", param_dtype), p.device)  # its values are in the shards now
         reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parallel.reduce_dtype]
@@ -140,20 +174,20 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         if not reshard_after_forward and param_dtype != torch.float32:
             for p in self.params:  # in either order with the reducer's hook: a reducing backward keeps .grad
                 p.register_post_accumulate_grad_hook(self._accumulate_in_fp32)
-        self.sharded = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=reshard_after_forward,
-                                        drop_full_grads=True, full_grad=self._full_grad)
+        self.reduction = ShardedReduction(self.shards, mesh, reduce_dtype, every_micro_batch=reshard_after_forward,
+                                          drop_full_grads=True, full_grad=self._full_grad)
         self.reducer = BucketReducer(self.params, self.buckets, self, parallel.overlap_comm,
                                      parallel.buckets_in_flight)
         for unit in self.units:
             self._free(unit)
-            unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
+            unit.modules[0].register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u, args))
             unit.modules[-1].register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
 
     # ---- gather and free ------------------------------------------------------------------------
     def _issue_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.pending is not None:
             return
-        unit.pending = [f for b in unit.buckets
+        unit.pending = [f for b in unit.buckets + unit.frozen
                         for f in (self.fp8.issue(b, self._issue_plain) if self.fp8 else [self._issue_plain(b)])]
         in_use = sum(u.gathered or u.pending is not None for u in self.units)
         self.max_gathered = max(self.max_gathered, in_use)
@@ -193,13 +227,19 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
         unit.gathered = False
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args: tuple) -> tuple | None:
         self._gather(unit)
         if unit.next is not None:
             self._issue_gather(unit.next)  # prefetch: overlaps the next unit's gather with this compute
+        needs_grad = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not (unit.frozen and self.reshard_after_forward and needs_grad and torch.is_grad_enabled()):
+            return None  # kept gathered, a unit's weights stay until its chunk's last backward anyway
+        frozen = [p for b in unit.frozen for p in b.params]
+        wrapped = iter(_AfterBackward.apply(lambda: self._free(unit, frozen), *(args[i] for i in needs_grad)))
+        return tuple(next(wrapped) if i in needs_grad else a for i, a in enumerate(args))
 
     def _post_forward(self, unit: Unit, out: torch.Tensor) -> None:
-        backward_follows = torch.is_grad_enabled() and out.requires_grad
+        backward_follows = unit.has_backward = torch.is_grad_enabled() and out.requires_grad
         if self.reshard_after_forward and not (unit.kept_for_backward and backward_follows):
             self._free(unit)  # the head's backward comes next: freed now, it would be gathered again at once
         if backward_follows:
@@ -208,7 +248,7 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
 
     def _pre_backward(self, unit: Unit) -> None:
         self._gather(unit)
-        if unit.prev is not None:
+        if unit.prev is not None and unit.prev.has_backward:
             self._issue_gather(unit.prev)  # backward runs the units in reverse order
 
     # ---- kept gathered with bf16 weights: full gradients accumulated in fp32 ------------------
@@ -233,20 +273,25 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
 
     # ---- the reduction of a bucket (buckets.Reduction): ZeRO's, then the unit's weights go ------
     def reduces(self, last_micro_batch: bool) -> bool:
-        return self.sharded.reduces(last_micro_batch)
+        return self.reduction.reduces(last_micro_batch)
 
     def launch(self, b: Bucket, last_micro_batch: bool) -> None:
-        self.sharded.launch(b, last_micro_batch)  # reduce-scatter the unit's gradients (and drop the full ones)
-        self._free(self.unit_of[id(b)], b.params)  # the unit's other bucket may still be computing with its weights
+        self.reduction.launch(b, last_micro_batch)  # reduce-scatter the unit's gradients (and drop the full ones)
+        # the unit's other buckets (its experts', its frozen weights) may still be computing
+        self._free(self.unit_of[id(b)], b.params)
 
     def finish(self, b: Bucket, last_micro_batch: bool) -> None:
-        self.sharded.finish(b, last_micro_batch)
+        self.reduction.finish(b, last_micro_batch)
 
     def after_backward(self, reduced: list[Bucket], last_micro_batch: bool) -> None:
-        self.sharded.after_backward(reduced, last_micro_batch)
-        ids = {id(b) for b in reduced}
+        self.reduction.after_backward(reduced, last_micro_batch)
+        ids, chunks = {id(b) for b in reduced}, {b.chunk for b in reduced}
         for unit in self.units:  # a unit whose output needed no gradient may still be gathered
-            if unit.gathered and any(id(b) in ids for b in unit.buckets):
+            frozen_done = (unit.gathered and self.reshard_after_forward and not unit.buckets  # wholly frozen
+                           and any(b.chunk in chunks for b in unit.frozen))
+            # its reduced buckets went at their launch, its frozen weights may not have (its input
+            # needed no gradient): freed whatever `gathered` says
+            if frozen_done or any(id(b) in ids for b in unit.buckets):
                 self._free(unit)
 
     # ---- the optimizer (ShardedOptimizer: the shards it steps) ---------------------------------
@@ -271,12 +316,12 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
 
     def model_state_dict(self) -> dict:
         names, masters = self.shards.names, self.shards.masters
-        shards = {names[id(p)]: self.shards.dtensor(p, masters[id(p)].detach()) for p in self.params}
+        shards = {names[id(p)]: self.shards.dtensor(p, masters[id(p)].detach()) for p in self.sharded}
         return {**shards, **{alias: shards[name] for alias, name in self._aliases().items()}, **self._buffers()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict) -> None:
-        for p in self.params:
+        for p in self.sharded:
             local = state[self.shards.names[id(p)]].to_local().movedim(self.shards.zero_dims[id(p)], 0)
             self.shards.masters[id(p)][: local.shape[0]] = local
         for name, buffer in self._buffers().items():
@@ -285,7 +330,7 @@ class FullyShardedDataParallel(ReducesInBuckets, ShardedOptimizer):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        for b in self.buckets:  # the fp32 masters, whatever dtype the weights compute in
+        for b in self.all_buckets:  # the fp32 masters, whatever dtype the weights compute in
             _, full = self.shards.all_gather(b, dtype=torch.float32)
             out.update(self.shards.gathered_copies(b, full))
         out.update({alias: out[name] for alias, name in self._aliases().items()})

@@ -23,6 +23,7 @@ loads its shards directly).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -161,12 +162,14 @@ class ZeroShards:
             self.masters[id(p)].grad = None
         return torch.cat([g.reshape(-1) for g in accumulated])
 
-    def unpacked(self, b: Bucket, full: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(p, every rank's rows of p: (N c, ...) split dim first) of the gathered `full`."""
+    def unpacked(self, b: Bucket, full: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """(p, every rank's rows of p: (N c, ...) split dim first) of the gathered `full`, one parameter
+        at a time: each rank's rows of p lie apart in `full`, so the reshape copies them, and a caller
+        that uses each before the next holds one such copy, not the bucket's."""
         per_rank = full.view(self.bucket_group(b).size, -1)
-        return [(p, chunk.reshape(self.group_of(p).size * self.rows[id(p)],
-                                  *(d for i, d in enumerate(p.shape) if i != self.zero_dims[id(p)])))
-                for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True)]
+        for p, chunk in zip(b.params, per_rank.split(b.shard_numel, dim=1), strict=True):
+            yield p, chunk.reshape(self.group_of(p).size * self.rows[id(p)],
+                                   *(d for i, d in enumerate(p.shape) if i != self.zero_dims[id(p)]))
 
     def write_gathered(self, b: Bucket, full: torch.Tensor, into_data: bool = False) -> None:
         """Every rank's rows `full` (all_gather's) into the bucket's full parameters (or their

@@ -132,7 +132,8 @@ class PipelineExecutor:
         self.has_last_stage = self.n_stages - 1 in self.chunks
         self.dim = dim  # activations between stages are (micro_batch, T / seq_divisor, dim)
         weight = stages.tied_weight()
-        self.tied = (weight, stages.tied_group) if weight is not None else None
+        # a frozen one (LoRA's base) has no gradient to sum
+        self.tied = (weight, stages.tied_group) if weight is not None and weight.requires_grad else None
         actions = self.schedule.actions[self.rank]
         # Data parallel reduces a chunk's gradients at its last backward (B or W) of the step, when
         # they are final; `chunk_of` names the chunk as data parallel's buckets do (reduction order).
