@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config.schema import Config
+from fivefold.model.lora import LoRALinear
 from fivefold.model.moe import MoE
 from fivefold.model.transformer import Transformer
 from fivefold.parallel.comm import collectives
@@ -158,9 +159,11 @@ class _Float8Matmul(torch.autograd.Function):
             qg, sg = quantize(dy, E4M3, 1, s.outputs, True)  # dx contracts over N: (M, 1)
             qw, sw = quantize(weight, E4M3, 0, s.outputs, True)  # (1, K)
             dx = scaled_mm(qg, _column_major(qw), sg, sw, dy.dtype)  # (M, K)
-            qgt, sgt = quantize(dy, E4M3, 0, s.tokens, True)  # dW contracts over M: (1, N)
-            qxt, sxt = quantize(x, E4M3, 0, s.tokens, True)  # (1, K)
-            dw = scaled_mm(qgt.t().contiguous(), _column_major(qxt), sgt.view(-1, 1), sxt, dy.dtype)  # (N, K)
+            dw = None
+            if ctx.needs_input_grad[1]:  # none for a frozen weight (LoRA's base)
+                qgt, sgt = quantize(dy, E4M3, 0, s.tokens, True)  # dW contracts over M: (1, N)
+                qxt, sxt = quantize(x, E4M3, 0, s.tokens, True)  # (1, K)
+                dw = scaled_mm(qgt.t().contiguous(), _column_major(qxt), sgt.view(-1, 1), sxt, dy.dtype)  # (N, K)
         else:
             qx, sx, weight = ctx.saved_tensors
             qg, sg = quantize(dy, E5M2, None, s.tokens + s.outputs)  # (M, N), ()
@@ -168,8 +171,9 @@ class _Float8Matmul(torch.autograd.Function):
             qw, sw = ctx.gathered.get() if ctx.gathered is not None else quantize(weight, E4M3, None,
                                                                                   s.inputs + s.outputs)
             dx = scaled_mm(qg, _column_major(qw), sg, sw, dy.dtype)  # (M, K)
-            dw = scaled_mm(qg.t().contiguous(), _column_major(qx), sg, sx, dy.dtype)  # (N, K)
-        return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None, None
+            dw = (scaled_mm(qg.t().contiguous(), _column_major(qx), sg, sx, dy.dtype)  # (N, K)
+                  if ctx.needs_input_grad[1] else None)
+        return dx.to(ctx.x_dtype), None if dw is None else dw.to(weight.dtype), None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -186,18 +190,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Float8Linear(nn.Linear):
-    """An nn.Linear (the same parameters, the same state-dict keys) computing in FP8."""
+    """An nn.Linear (the same parameters, the same state-dict keys) computing in FP8; a LoRA layer's
+    adapter (model/lora.py) comes along and computes in the compute dtype beside it."""
 
     scaling: Float8Scaling | None = None
     fp8_weight: Float8Weight | None = None  # set by ZeRO-3 with parallel.fp8_gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)
+        y = linear(x, self.weight, self.bias, self.scaling, self.fp8_weight)
+        lora = self._modules.get("lora")
+        return y if lora is None else y + lora(x)
 
 
 def _float8(layer: nn.Linear, scaling: Float8Scaling) -> Float8Linear:
     swapped = Float8Linear(layer.in_features, layer.out_features, bias=False, device="meta")
     swapped.weight, swapped.bias = layer.weight, layer.bias  # the same Parameter objects
+    if isinstance(layer, LoRALinear):
+        swapped.lora = layer.lora
     swapped.scaling = scaling
     return swapped
 
@@ -224,7 +233,7 @@ def apply_fp8(model: Transformer, mesh: Mesh, cfg: Config) -> int:
                     child.scaling = Float8Scaling(recipe, tokens=sized(cp), outputs=sized(tp))
                 elif split == "inputs":
                     child.scaling = Float8Scaling(recipe, tokens=sized(cp), inputs=sized(tp))
-                elif type(child) is nn.Linear:
+                elif type(child) in (nn.Linear, LoRALinear):  # a LoRA layer's frozen base too
                     setattr(parent, name, _float8(child, Float8Scaling(recipe, tokens=plain_tokens)))
                 else:
                     continue

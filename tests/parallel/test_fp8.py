@@ -3,7 +3,7 @@ amax reductions, a whole layout's run, the bound to bf16, and which layers compu
 
 import pytest
 import torch
-from helpers import BF16, EQUIVALENCE, MOE_ARGS, assert_within_noise, mesh_of, tiny_config, train_and_gather
+from helpers import BF16, EQUIVALENCE, LORA, MOE_ARGS, assert_within_noise, mesh_of, tiny_config, train_and_gather
 from torch import nn
 
 from fivefold.parallel.forked_ranks import run_workers
@@ -90,6 +90,9 @@ FP8_ROWS = {  # name: (ranks, recipe, model, layout)
     "dp2-zero3-fp8-gather": (2, "tensorwise", (), ("--parallel.zero=3", "--parallel.fp8_gather=true")),
     "pp2-1f1b-rowwise": (2, "rowwise", (), ("--parallel.pp=2",)),
     "ep2-moe-tensorwise": (2, "tensorwise", MOE_ARGS, ("--parallel.ep=2",)),
+    # LoRA: each adapted layer's frozen base in FP8, gathered in e4m3 from its ZeRO-3 shards, its adapter in
+    # bf16 beside it (measured: the losses one process's bit for bit)
+    "dp2-zero3-fp8-gather-lora": (2, "tensorwise", LORA, ("--parallel.zero=3", "--parallel.fp8_gather=true")),
 }
 FP8_BASE = (*EQUIVALENCE, *BF16, "--optim.lr=1e-3", "--train.micro_batch=4")
 

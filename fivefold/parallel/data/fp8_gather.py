@@ -28,7 +28,7 @@ from fivefold.parallel.comm import collectives
 from fivefold.parallel.comm.collectives import AxisGroup
 from fivefold.parallel.data.buckets import Bucket
 from fivefold.parallel.data.shards import ZeroShards
-from fivefold.parallel.fp8 import E4M3, Float8Weight
+from fivefold.parallel.fp8 import E4M3, Float8Scaling, Float8Weight
 
 Finish = Callable[[], None]  # waits for one gather and puts what it brought in place
 
@@ -41,8 +41,8 @@ class Float8Gather:
         # id(weight) -> (its layer's Float8Weight, the tp groups splitting it)
         self.weights: dict[int, tuple[Float8Weight, tuple[AxisGroup, ...]]] = {}
         for layer in model.modules():
-            scaling = getattr(layer, "scaling", None)
-            if scaling is not None and scaling.recipe == "tensorwise":
+            scaling = getattr(layer, "scaling", None)  # a LoRA adapter's `scaling` is its alpha / r
+            if isinstance(scaling, Float8Scaling) and scaling.recipe == "tensorwise":
                 layer.fp8_weight = Float8Weight()
                 self.weights[id(layer.weight)] = (layer.fp8_weight, scaling.inputs + scaling.outputs)
         self.split = {id(b): (self._part(b, True), self._part(b, False)) for b in buckets}  # (FP8, the rest)
