@@ -198,18 +198,47 @@ def print_markdown(rows: list[dict[str, Any]]) -> None:
               f"{_options(r)} | {r['recompute']}{'' if r['fits'] else ' (over memory)'} | {notes} |")
 
 
+# The trainer each row's source ran, by the row's name: the lean is reported by trainer as by GPU.
+TRAINERS = {"megatron21": "megatron", "korthikanti22": "megatron", "megatron24": "megatron", "mbridge": "megatron",
+            "mcore": "megatron", "llama3": "meta", "deepseek-v3": "deepseek_v3", "torchtitan": "torchtitan",
+            "torchao": "torchtitan", "mpt": "mosaic"}
+
+
+def trainer(name: str) -> str:
+    return next(t for prefix, t in TRAINERS.items() if name.startswith(prefix + "-"))
+
+
+def differs(run: Run) -> str:
+    """What a row says fivefold's run differs in (its `differs`, first clause), or "not explained": the
+    candidates for its miss, not yet each a cause with its size."""
+    first = run.differs.split(";")[0].strip()
+    return f"differs: {first}" if first and not first.startswith("not explained") else "not explained"
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median |error| in the sources' units and in tokens/s/GPU, and the signed tokens/s error by GPU
-    (+: the planner fast): whether its errors lean one way on one kind of GPU."""
+    """Median |error| in the sources' units and in tokens/s/GPU; the signed tokens/s error (+: the planner
+    fast) by GPU and by trainer, whether the errors lean one way on one kind of GPU or one trainer's runs,
+    and its spread (quartiles); the runs off by more than 15% and 25% in their own unit, each with what it
+    says differs."""
     errs = [abs(r["error"]) for r in rows if r.get("error") is not None]
-    tok = [abs(r["tokens_error"]) for r in rows if r.get("tokens_error") is not None]
+    signed = [r["tokens_error"] for r in rows if r.get("tokens_error") is not None]
     by_gpu: dict[str, list[float]] = {}
+    by_trainer: dict[str, list[float]] = {}
     for r in rows:
         if r.get("tokens_error") is not None:
             by_gpu.setdefault(r["gpu"], []).append(r["tokens_error"])
+            by_trainer.setdefault(trainer(r["run"]), []).append(r["tokens_error"])
+    runs = {run.name: run for run in RUNS}
+    beyond = {f"beyond_{int(bound * 100)}": [(r["run"], r["error"], differs(runs[r["run"]])) for r in rows
+                                             if r.get("error") is not None and abs(r["error"]) > bound]
+              for bound in (0.15, 0.25)}
     return {"rows": len(rows), "compared": len(errs), "median_abs_error": statistics.median(errs) if errs else None,
-            "tokens_compared": len(tok), "median_abs_tokens_error": statistics.median(tok) if tok else None,
-            "median_tokens_error_by_gpu": {g: (len(e), statistics.median(e)) for g, e in sorted(by_gpu.items())}}
+            "tokens_compared": len(signed),
+            "median_abs_tokens_error": statistics.median(map(abs, signed)) if signed else None,
+            "tokens_error_quartiles": statistics.quantiles(signed, n=4) if len(signed) > 1 else None,
+            **{f"median_tokens_error_by_{by}": {k: (len(e), statistics.median(e)) for k, e in sorted(groups.items())}
+               for by, groups in (("gpu", by_gpu), ("trainer", by_trainer))},
+            **beyond}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,8 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{s['compared']} of {s['rows']} runs compared in their own unit: median |error| "
               f"{_pct(s['median_abs_error'])}; {s['tokens_compared']} in tokens/s/GPU: median |error| "
               f"{_pct(s['median_abs_tokens_error'])}")
-        print("signed median in tokens/s/GPU by GPU (+: the planner fast): " + ", ".join(
-            f"{g} {_pct(m)} ({n} runs)" for g, (n, m) in s["median_tokens_error_by_gpu"].items()))
+        for by in ("gpu", "trainer"):
+            print(f"signed median in tokens/s/GPU by {by} (+: the planner fast): " + ", ".join(
+                f"{g} {_pct(m)} ({n} runs)" for g, (n, m) in s[f"median_tokens_error_by_{by}"].items()))
+        if s["tokens_error_quartiles"]:
+            quartiles = ", ".join(map(_pct, s["tokens_error_quartiles"]))
+            print(f"spread of the signed tokens/s/GPU error: quartiles {quartiles}")
+        for bound in (15, 25):
+            misses = s[f"beyond_{bound}"]
+            print(f"beyond {bound}% in their own unit: {len(misses)} runs" + "".join(
+                f"\n  {name} {_pct(err)}: {why}" for name, err, why in misses))
     return 0
 
 

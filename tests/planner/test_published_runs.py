@@ -147,16 +147,25 @@ def test_shape_matches_the_published_parameter_count(run):
     assert d.dp * p.tp * p.pp * p.cp == run.world
 
 
-def test_the_summary_leans_by_gpu():
-    """planner_vs_published.summary on made-up rows: medians of |error| over the rows that have one,
-    and the signed tokens/s error per GPU (a row without a time-based figure counts in neither)."""
+def test_the_summary_leans_by_gpu_and_trainer():
+    """planner_vs_published.summary on made-up figures for real rows: medians of |error| over the rows that
+    have one, the signed tokens/s error per GPU and per trainer (a row without a time-based figure counts in
+    neither) and its quartiles, and the rows beyond 15% and 25% with what each says differs."""
     from benchmarks.planner_vs_published import summary
 
-    rows = [{"gpu": "h100", "error": 0.2, "tokens_error": 0.2}, {"gpu": "h100", "error": -0.1, "tokens_error": 0.1},
-            {"gpu": "h100", "error": -0.3, "tokens_error": 0.4}, {"gpu": "a100-80gb", "error": -0.05,
-                                                                   "tokens_error": -0.05},
-            {"gpu": "a100-80gb", "error": 0.01, "tokens_error": None}, {"run": "refused"}]
+    rows = [{"run": "megatron24-7B-96xH100", "gpu": "h100", "error": 0.2, "tokens_error": 0.2},
+            {"run": "torchtitan-8B-8xH100", "gpu": "h100", "error": -0.1, "tokens_error": 0.1},
+            {"run": "torchtitan-8B-128xH100", "gpu": "h100", "error": -0.3, "tokens_error": 0.4},
+            {"run": "mpt-7b-8xA100", "gpu": "a100-80gb", "error": -0.05, "tokens_error": -0.05},
+            {"run": "torchtitan-8B-64xA100", "gpu": "a100-80gb", "error": 0.01, "tokens_error": None},
+            {"run": "llama3-405B-8192xH100"}]  # refused
     s = summary(rows)
     assert (s["rows"], s["compared"], s["tokens_compared"]) == (6, 5, 4)
     assert s["median_abs_error"] == pytest.approx(0.1) and s["median_abs_tokens_error"] == pytest.approx(0.15)
     assert s["median_tokens_error_by_gpu"] == {"a100-80gb": (1, -0.05), "h100": (3, pytest.approx(0.2))}
+    assert s["median_tokens_error_by_trainer"] == {"megatron": (1, 0.2), "mosaic": (1, -0.05),
+                                                   "torchtitan": (2, pytest.approx(0.25))}
+    assert s["tokens_error_quartiles"] == pytest.approx([-0.0125, 0.15, 0.35])
+    assert [(name, why.split(":")[0]) for name, _, why in s["beyond_15"]] == [
+        ("megatron24-7B-96xH100", "not explained"), ("torchtitan-8B-128xH100", "differs")]
+    assert [name for name, _, _ in s["beyond_25"]] == ["torchtitan-8B-128xH100"]
