@@ -75,6 +75,9 @@ LORA = ("--lora.rank=4", "--lora.alpha=8")
 # A table's LoRA row (tests/parallel/test_lora_layouts.py says what LoRA adds): one process with LoRA, the
 # frozen base ending bit for bit where it started, the adapters within the shared bounds
 LORA_ROW = dict(reference="lora_reference", exact=(".weight",))
+# QLoRA (lora.base_dtype = "nf4"): dim 128, so every adapted weight (128 x 128, the SwiGLU's 128 x 128 of
+# tiny's ffn) is one whole NF4 group of 64 x 256 elements
+QLORA = (*LORA, "--lora.base_dtype=nf4", "--model.dim=128", "--model.n_layers=2")
 LORA_MLA_TARGETS = "--lora.targets=['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj', 'gate_proj']"
 
 # Packed documents kept apart (data.document_mask, data.reset_positions), on the `short_docs` folder.

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, tiny_config
+from helpers import EQUIVALENCE, QLORA, tiny_config
 
 from fivefold.checkpoint.files import checkpoint_errors
 from fivefold.checkpoint.run_state import latest_checkpoint
@@ -327,6 +327,13 @@ OPTIMIZER_AND_LORA_ERRORS = {  # validate/__init__.py's optimizer checks (Muon, 
                                      "lora.dropout = 0.1 is not built yet with parallel.tp_overlap"),
     "lora with qk_clip": (("--lora.rank=4", "--optim.qk_clip=100"), 1,
                           "lora.rank > 0 is not built yet with optim.qk_clip"),
+    # QLoRA's NF4 base (tests/model/test_qlora.py): the layouts that cannot hold it yet
+    "nf4 with zero3": ((*QLORA, "--parallel.dp=2", "--parallel.zero=3"), 2,
+                       'lora.base_dtype = "nf4" is not built yet with parallel.zero = 3'),
+    "nf4 with tp": ((*QLORA, "--parallel.tp=2"), 2, 'lora.base_dtype = "nf4" is not built yet with parallel.tp = 2'),
+    "nf4 with fp8": ((*QLORA, "--train.fp8=tensorwise"), 1, 'lora.base_dtype = "nf4" with train.fp8 = "tensorwise"'),
+    "nf4 of partial groups": ((*QLORA, "--model.dim=64"), 1,
+                              'lora.base_dtype = "nf4": 14 adapted weights are not whole groups of 16384'),
 }
 
 

@@ -1,18 +1,16 @@
 """QLoRA (lora.base_dtype = "nf4", model/lora.py NF4Base): the base quantised as torchao quantises it,
 frozen through training and resume, trained alike on a data-parallel layout, read dequantised by
-conversion, and refused by name where a layout cannot hold it."""
+conversion (the layouts that cannot hold it are refused by name: tests/test_bad_input.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EQUIVALENCE, LORA, Layout, assert_layout_reproduces, one_process, tiny_config
+from helpers import EQUIVALENCE, QLORA, Layout, assert_layout_reproduces, one_process, tiny_config
 
 from fivefold.model.lora import NF4
 from fivefold.parallel.forked_ranks import run_workers
 
-# dim 128: every adapted weight (128 x 128, 128 x 128 SwiGLU) is one whole NF4 group of 64 x 256 elements
-QLORA = (*LORA, "--lora.base_dtype=nf4", "--model.dim=128", "--model.n_layers=2")
 PARTS = ("codes", "scales", "scale_factor", "scale_mean")
 
 
@@ -98,18 +96,3 @@ def test_resume_continues_with_the_same_base(tmp_path, qlora_reference):
     assert first[0] + resumed[0] == losses
     for k, v in state.items():
         assert torch.equal(resumed[2][k], v), k
-
-
-@pytest.mark.parametrize("override, says", [
-    ("--parallel.zero=3", "parallel.zero = 3"),
-    ("--parallel.tp=2", "parallel.tp = 2"),
-    ("--train.fp8=tensorwise", "train.fp8"),
-    ("--model.dim=64", "not whole groups of 16384"),
-])
-def test_refused_by_name(tmp_path, override, says):
-    """(e) each layout that cannot hold an NF4 base yet, in one line naming its field."""
-    from fivefold.validate.lora import lora_errors
-
-    assert not lora_errors(tiny_config(tmp_path, *QLORA))
-    errors = lora_errors(tiny_config(tmp_path, *QLORA, override))
-    assert len(errors) == 1 and says in errors[0] and "base_dtype" in errors[0] and "\n" not in errors[0], errors
