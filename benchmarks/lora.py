@@ -82,7 +82,7 @@ from benchmarks.common import (  # noqa: E402
     report,
     slowest_rank,
 )
-from benchmarks.pipeline_sides import global_batches  # noqa: E402
+from benchmarks.pipeline_sides import global_batches, rank_batches  # noqa: E402
 from fivefold.checkpoint.hf import hf_config  # noqa: E402
 from fivefold.checkpoint.hf.llama import FAMILY  # noqa: E402
 from fivefold.checkpoint.peft import adapted_layers, peft_module  # noqa: E402
@@ -275,12 +275,6 @@ class LiveStorages(TorchDispatchMode):
 
 
 # ---- workers --------------------------------------------------------------------------------------
-def rank_batches(cfg: Config, rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's rows of n global batches (the same in every run)."""
-    mb = cfg.train.micro_batch
-    return [(x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]) for x, y in global_batches(cfg, n)]
-
-
 def _setup() -> None:
     torch.set_num_threads(1)
     # FSDP2 may call all_gather_into_tensor / reduce_scatter_tensor, deprecated in favour of *_single.

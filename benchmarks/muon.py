@@ -65,7 +65,7 @@ from benchmarks.common import (  # noqa: E402
     report,
     slowest_rank,
 )
-from benchmarks.pipeline_sides import global_batches  # noqa: E402
+from benchmarks.pipeline_sides import rank_batches  # noqa: E402
 from fivefold.config.derive import derive  # noqa: E402
 from fivefold.config.load import load_config, replace  # noqa: E402
 from fivefold.config.schema import Config  # noqa: E402
@@ -211,10 +211,7 @@ def timed_step(side: FivefoldSide | TorchSide, x: torch.Tensor, y: torch.Tensor)
 def _worker(rank: int, world: int, kinds: tuple[str, ...], cfg: Config, warmup: int, steps: int) -> list[dict]:
     torch.set_num_threads(1)
     sides = [TorchSide(cfg, world) if k == "torch" else FivefoldSide(k, cfg, world) for k in kinds]
-    mb = cfg.train.micro_batch
-    batches = [(x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb])  # this rank's rows
-               for x, y in global_batches(cfg, warmup + steps)]
-    results = alternate(sides, batches, warmup, timed_step)
+    results = alternate(sides, rank_batches(cfg, rank, warmup + steps), warmup, timed_step)
     for res, side in zip(results, sides, strict=True):
         res.update(side.counts(), step_only=side.step_only[warmup:])
     return results

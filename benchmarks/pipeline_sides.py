@@ -71,6 +71,12 @@ def global_batches(cfg: Config, n: int) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def rank_batches(cfg: Config, rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's rows of global_batches(cfg, n), train.micro_batch of each."""
+    mb = cfg.train.micro_batch
+    return [(x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]) for x, y in global_batches(cfg, n)]
+
+
 # ---- the torch side ---------------------------------------------------------------------------------
 class TorchStage(nn.Module):
     """One pipeline stage for torch.distributed.pipelining, around modules of a fivefold Transformer."""

@@ -126,8 +126,7 @@ def rank_adapters(cfg: Config, share: RankShare) -> list[Adapted]:
 
 def adapter_elements(cfg: Config, share: RankShare) -> int:
     """Adapter elements one rank of this pipeline rank holds and trains (after tp's cut)."""
-    r, tp = cfg.lora.rank, cfg.parallel.tp
-    return sum(a.elements(r, tp) for a in rank_adapters(cfg, share))
+    return sum(block_adapter_elements(cfg, b) for b in share.blocks)
 
 
 def partial_elements(cfg: Config, share: RankShare) -> int:
@@ -178,7 +177,8 @@ def trained_share(cfg: Config, share: RankShare) -> TrainedShare:
                         weights=share.params + n)
 
 
-def _block_adapters(cfg: Config, block: int) -> int:
+def block_adapter_elements(cfg: Config, block: int) -> int:
+    """Adapter elements of block `block` on one tp rank (ZeRO-3 gathers them with the block's unit)."""
     return sum(a.elements(cfg.lora.rank, cfg.parallel.tp) for a in block_adapters(cfg, block))
 
 
@@ -187,8 +187,8 @@ def gathered_units(cfg: Config, share: RankShare) -> tuple[int, int]:
     and adapters: each block with its adapters, the head's unit with its MTP depths'. When the head's unit
     is not the largest, the MTP depths' adapters make it at most that much larger (an upper bound)."""
     m, p = cfg.model, cfg.parallel
-    mtp = sum(_block_adapters(cfg, b) for b in share.blocks if b >= m.n_layers)
-    blocks = [block_rank_params(block_params(m, b), p.tp, p.ep) + _block_adapters(cfg, b)
+    mtp = sum(block_adapter_elements(cfg, b) for b in share.blocks if b >= m.n_layers)
+    blocks = [block_rank_params(block_params(m, b), p.tp, p.ep) + block_adapter_elements(cfg, b)
               for b in share.blocks if b < m.n_layers]
     return max([share.largest_unit + mtp, *blocks]), share.kept_unit + mtp if share.kept_unit else 0
 

@@ -56,7 +56,7 @@ from fivefold.model.counts import (
 from fivefold.planner.activations import FP8_BYTES
 from fivefold.planner.comm import AxisTraffic, time_of
 from fivefold.planner.compute import block_keys
-from fivefold.planner.lora import block_adapters
+from fivefold.planner.lora import block_adapter_elements
 from fivefold.planner.machine.datasheet import Hardware
 from fivefold.planner.machine.pricing import ChunkPrice, ChunkWork, Priced, Row
 
@@ -256,9 +256,6 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
                                                                        ("reduce_scatter", reduced)))
         return Zero3Unit(flops, *timed[key], kept_for_backward=kept)
 
-    def adapters_of(blk: int) -> int:
-        return sum(a.elements(cfg.lora.rank, p.tp) for a in block_adapters(cfg, blk))
-
     kept = share.kept_unit > 0
     tied_here = counts.head == 0 and share.first  # the tied embedding shares the head's unit
     # a frozen embedding (LoRA) has no backward unless its unit holds the tied head: gathered for the forward only
@@ -272,9 +269,9 @@ def zero3_units(cfg: Config, d: Derived, counts: ModelCounts, work: ChunkWork, h
         if blk >= m.n_layers:
             mtp_flops, mtp_params, mtp_experts = (mtp_flops + flops, mtp_params + params + counts.mtp_extra,
                                                   mtp_experts + bp.experts // p.ep)
-            mtp_adapters += adapters_of(blk)
+            mtp_adapters += block_adapter_elements(cfg, blk)
             continue
-        out.append(unit(flops, params, bp.experts // p.ep, adapters=adapters_of(blk)))
+        out.append(unit(flops, params, bp.experts // p.ep, adapters=block_adapter_elements(cfg, blk)))
     if share.last:
         tied_copy = counts.embedding if counts.head == 0 and not share.first else 0
         if counts.mtp and counts.head and not share.first:  # the MTP depths' copy of the embedding: its own unit
